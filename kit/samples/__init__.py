@@ -1,0 +1,6 @@
+"""Embedded defaults: shipped sample data and tokenizer, tiny seeded HF checkpoints, the SmolLM2 demo model."""
+
+from kit.samples.models import demo_model_dir, tiny_llama
+from kit.samples.paths import DATA_SAMPLES, pretrain_corpus, sample_tokenizer_dir, sft_alpaca
+
+__all__ = ["DATA_SAMPLES", "demo_model_dir", "pretrain_corpus", "sample_tokenizer_dir", "sft_alpaca", "tiny_llama"]

@@ -1,0 +1,48 @@
+"""`python -m kit samples ...`: regenerate shipped samples, build tiny checkpoints, prepare the demo model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("samples", help="regenerate sample data / tokenizer, build tiny or demo checkpoints")
+    s = p.add_subparsers(dest="what", required=True)
+    d = s.add_parser("data", help="write pretrain_corpus.parquet, sft_alpaca.jsonl and tokenizer/ into --out")
+    d.add_argument("--out", default=None, help="folder (default: data_samples/ of this checkout)")
+    t = s.add_parser("tiny", help="write a tiny seeded Llama checkpoint")
+    t.add_argument("out")
+    t.add_argument("--num-kv-heads", type=int, default=2)
+    t.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--overwrite", action="store_true")
+    m = s.add_parser("demo-model", help="convert the SmolLM2-135M-Instruct GGUF to an HF folder (cached)")
+    m.add_argument("--cache", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.what == "data":
+        from kit.samples.corpus import pretrain_documents, write_samples
+        from kit.samples.paths import DATA_SAMPLES
+        from kit.samples.tokenizer import train_sample_tokenizer
+
+        out = args.out or DATA_SAMPLES
+        paths = write_samples(out)
+        from kit.samples.corpus import alpaca_records
+
+        texts = [d["text"] for d in pretrain_documents()]
+        texts += [" ".join(str(v) for v in r.values() if isinstance(v, str)) for r in alpaca_records()]
+        paths["tokenizer"] = train_sample_tokenizer(texts, f"{out}/tokenizer")
+        for k, v in paths.items():
+            print(f"{k}: {v}")
+    elif args.what == "tiny":
+        from kit.samples.models import tiny_llama
+
+        print(tiny_llama(args.out, num_kv_heads=args.num_kv_heads, tie_word_embeddings=args.tie, seed=args.seed,
+                         overwrite=args.overwrite))
+    else:
+        from kit.samples.models import demo_model_dir
+
+        print(demo_model_dir(args.cache))
+    return 0

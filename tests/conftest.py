@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny seeded checkpoints, workspaces, and a papermill runner for notebook tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny seeded Llama with GQA (4 heads, 2 KV heads), untied embeddings, sharded safetensors."""
+    from kit.samples import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama-gqa", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory) -> Path:
+    """A tiny seeded Llama with plain multi-head attention and tied embeddings."""
+    from kit.samples import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama-mha-tied", num_kv_heads=4,
+                      tie_word_embeddings=True, seed=1)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A fresh `${workdir}` layout under the test's temporary folder."""
+    from kit.workspace import get_workspace
+
+    return get_workspace(tmp_path / "ws", model="tiny")
+
+
+@pytest.fixture
+def run_notebook(tmp_path):
+    """Run notebooks/<prefix>*.ipynb with papermill on the given parameters; return (executed path, summary).
+
+    WORKSPACE defaults to a temporary folder; the summary is the notebook's reports/<stem>.summary.json.
+    """
+    from kit.notebooks import execute, numbered_notebooks
+
+    def run(prefix: str, **params):
+        matches = [p for p in numbered_notebooks() if p.name.startswith(prefix)]
+        assert len(matches) == 1, f"no single notebook starts with {prefix!r}: {matches}"
+        nb = matches[0]
+        params.setdefault("WORKSPACE", str(tmp_path / "ws"))
+        out = execute(nb, tmp_path / "executed" / nb.name, params)
+        summary_path = Path(params["WORKSPACE"]) / "reports" / f"{nb.stem}.summary.json"
+        summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else None
+        return out, summary
+
+    return run
