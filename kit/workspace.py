@@ -116,7 +116,7 @@ class Workspace:
             self.reports,
         ]
 
-    def create(self) -> "Workspace":
+    def create(self) -> Workspace:
         """Create every folder of the layout (idempotent); clear error if the root is not writable."""
         try:
             for folder in self.folders():
