@@ -25,6 +25,12 @@ def refuse_existing(path: PathLike, overwrite: bool, what: str = "output") -> No
         )
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_dir(final: PathLike, overwrite: bool = False, what: str = "output folder") -> Iterator[Path]:
     """Yield a temporary sibling folder; rename it to `final` on success, delete it on any error."""
@@ -32,6 +38,7 @@ def atomic_dir(final: PathLike, overwrite: bool = False, what: str = "output fol
     refuse_existing(final, overwrite, what)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the finished folder gets normal permissions
     try:
         yield tmp
     except BaseException:
@@ -54,6 +61,7 @@ def atomic_file(final: PathLike, mode: str = "wb", overwrite: bool = True) -> It
     refuse_existing(final, overwrite, "output file")
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.partial-", dir=final.parent)
+    os.chmod(tmp, 0o666 & ~_umask())
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh

@@ -101,3 +101,16 @@ def test_config_errors_list_every_problem(tmp_path):
     assert "GBS=3" in str(exc.value)
     assert check(_Cfg(mbs=1, gbs=3)).gbs == 3
     assert json.loads(save_config(_Cfg(), tmp_path).read_text()) == {"mbs": 1, "gbs": 3}
+
+
+def test_atomic_outputs_get_normal_permissions(tmp_path):
+    import os
+    import stat
+
+    with atomic_dir(tmp_path / "d") as tmp:
+        (tmp / "f").write_text("x")
+    p = atomic_write_text(tmp_path / "t.txt", "y")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o777 & ~mask
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask
