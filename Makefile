@@ -24,7 +24,7 @@ demo: install
 	$(PY) -m kit.notebooks
 
 lint: install
-	$(PY) -m ruff check kit tests benchmarks notebooks
+	$(PY) -m ruff check .
 
 compat39:
 ifeq ($(PY39),)
