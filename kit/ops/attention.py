@@ -1,0 +1,179 @@
+"""`fusion_attention`: the semantics of torch_npu.npu_fusion_attention on any device, with safe defaults.
+
+Differences from the raw torch_npu call, on purpose (each one is a classic adaptation bug):
+- `scale` defaults to 1/sqrt(head_dim) (torch_npu's default is 1.0);
+- you say `causal=True` / `pre_tokens` / `next_tokens` and the kit picks `sparse_mode` and builds the compressed
+  2048x2048 mask once per device; causal is bottom-right aligned (flash-attn >= 2.1, sparse_mode 3), which equals
+  top-left when Sq == Skv;
+- it returns the attention output only (torch_npu returns a 7-tuple).
+Kept as in torch_npu: layouts, `atten_mask` polarity (True = masked), GQA without repeating K/V,
+`keep_prob` (= 1 - dropout_p), cumulative `actual_seq_qlen/kvlen` without a leading 0 for TND.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from kit.ops.backend import resolve
+
+LAYOUTS = ("BSND", "BSH", "SBH", "BNSD", "TND")
+MAX_TOKENS = 2147483647  # torch_npu's "no limit" value for pre/next tokens
+MAX_VARLEN_SEQUENCES = 2048  # torch_npu: actual_seq_qlen holds 1..2K entries
+
+
+def fusion_attention(
+    query,
+    key,
+    value,
+    head_num: int,
+    input_layout: str = "BSND",
+    *,
+    atten_mask=None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    keep_prob: float = 1.0,
+    pre_tokens: int = MAX_TOKENS,
+    next_tokens: int = MAX_TOKENS,
+    actual_seq_qlen: Optional[Sequence[int]] = None,
+    actual_seq_kvlen: Optional[Sequence[int]] = None,
+    backend: Optional[str] = None,
+):
+    """Attention softmax(scale*q.k^T masked)·v in any torch_npu layout; runs torch_npu on NPU, torch SDPA elsewhere."""
+    layout = check_layout(input_layout)
+    nq, nkv, d, _dv = head_dims(query, key, value, layout, head_num)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if not 0.0 < float(keep_prob) <= 1.0:
+        raise ValueError(f"keep_prob={keep_prob} must be in (0, 1]; it is 1 - dropout_p (not dropout_p).")
+    if int(pre_tokens) < 0 and int(next_tokens) < 0:
+        raise ValueError(f"pre_tokens={pre_tokens} and next_tokens={next_tokens} leave no key visible.")
+    seq_q = seq_kv = None
+    if layout == "TND":
+        seq_q = lengths_from_cumulative(actual_seq_qlen, query.shape[0], "actual_seq_qlen")
+        seq_kv = lengths_from_cumulative(actual_seq_kvlen, key.shape[0], "actual_seq_kvlen")
+        if len(seq_q) != len(seq_kv):
+            raise ValueError(f"actual_seq_qlen has {len(seq_q)} sequences but actual_seq_kvlen has {len(seq_kv)}.")
+        for i, (sq, skv) in enumerate(zip(seq_q, seq_kv)):
+            if sq > 0 and (skv == 0 or (causal and sq > skv)):
+                raise ValueError(
+                    f"TND sequence {i} has {sq} queries and {skv} keys: some queries would see no key, which "
+                    "torch_npu does not allow in varlen mode (no fully masked rows). Drop padding tokens instead."
+                )
+    elif actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise ValueError(f"actual_seq_qlen/kvlen are only for input_layout='TND', not {layout!r}.")
+    if atten_mask is not None:
+        check_mask(atten_mask, query, key, layout, nq, seq_q, seq_kv)
+    args = dict(
+        atten_mask=atten_mask, causal=bool(causal), scale=float(scale), keep_prob=float(keep_prob),
+        pre_tokens=int(pre_tokens), next_tokens=int(next_tokens), seq_q=seq_q, seq_kv=seq_kv,
+    )
+    if resolve(query, backend) == "npu":
+        from kit.ops import attention_npu
+
+        return attention_npu.run(query, key, value, head_num, layout, **args)
+    from kit.ops import attention_torch
+
+    return attention_torch.run(query, key, value, nq, nkv, layout, **args)
+
+
+def check_layout(input_layout: str) -> str:
+    """Validate and normalise an input_layout name."""
+    layout = str(input_layout).upper()
+    if layout not in LAYOUTS:
+        raise ValueError(f"input_layout={input_layout!r} is not one of {LAYOUTS} (torch_npu's layouts).")
+    return layout
+
+
+def head_dims(query, key, value, layout: str, head_num: int) -> tuple[int, int, int, int]:
+    """(Nq, Nkv, D, Dv) from the tensors, checking head_num, GQA ratio, dtypes and ranks like torch_npu does."""
+    rank = 3 if layout in ("BSH", "SBH", "TND") else 4
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; layout {layout} needs {rank}-D tensors.")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}); cast them first.")
+    if tuple(key.shape) != tuple(value.shape):
+        raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)} (torch_npu needs equal).")
+    if layout in ("BSH", "SBH"):
+        if head_num <= 0 or query.shape[2] % head_num:
+            raise ValueError(f"head_num={head_num} does not divide the query hidden size {query.shape[2]}.")
+        d = query.shape[2] // head_num
+        if key.shape[2] % d:
+            raise ValueError(f"key hidden size {key.shape[2]} is not a multiple of head_dim {d}.")
+        nq, nkv, dv = head_num, key.shape[2] // d, d
+    else:
+        axis = 1 if layout in ("BNSD", "TND") else 2
+        nq, nkv, d, dv = query.shape[axis], key.shape[axis], query.shape[-1], value.shape[-1]
+        if head_num != nq:
+            raise ValueError(f"head_num={head_num} but the query has {nq} heads (axis {axis} of {layout}).")
+        if key.shape[-1] != d:
+            raise ValueError(f"query head_dim {d} != key head_dim {key.shape[-1]}.")
+    if nkv == 0 or nq % nkv:
+        raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads (GQA needs Nq % Nkv == 0).")
+    if layout != "TND" and query.shape[1 if layout == "SBH" else 0] != key.shape[1 if layout == "SBH" else 0]:
+        raise ValueError(f"query batch {query.shape[0]} != key batch {key.shape[0]}.")
+    return nq, nkv, d, dv
+
+
+def lengths_from_cumulative(cumulative, total: int, name: str) -> list[int]:
+    """Per-sequence lengths from torch_npu's cumulative list (no leading 0; trailing 0s = unused batches)."""
+    if cumulative is None:
+        raise ValueError(f"input_layout='TND' needs {name} (cumulative lengths, e.g. cu_seqlens[1:].tolist()).")
+    if hasattr(cumulative, "tolist"):
+        cumulative = cumulative.tolist()
+    values = [int(v) for v in cumulative]
+    while len(values) > 1 and values[-1] == 0:  # trailing zeros: batches that take no part
+        values.pop()
+    if not values or len(values) > MAX_VARLEN_SEQUENCES:
+        raise ValueError(f"{name} has {len(values)} entries; torch_npu supports 1..{MAX_VARLEN_SEQUENCES}.")
+    lengths, previous = [], 0
+    for v in values:
+        if v < previous:
+            raise ValueError(
+                f"{name}={values[:8]}... is not cumulative (non-decreasing). Pass running totals without the "
+                "leading 0, e.g. lengths [2, 3] -> [2, 5]."
+            )
+        lengths.append(v - previous)
+        previous = v
+    if previous != total:
+        raise ValueError(f"{name} ends at {previous} but the tensor has {total} tokens along T.")
+    return lengths
+
+
+def _sizes(query, key, layout: str) -> tuple[int, int, int]:
+    """(B, Sq, Skv) for the non-varlen layouts."""
+    if layout == "SBH":
+        return query.shape[1], query.shape[0], key.shape[0]
+    if layout == "BNSD":
+        return query.shape[0], query.shape[2], key.shape[2]
+    return query.shape[0], query.shape[1], key.shape[1]
+
+
+def check_mask(mask, query, key, layout: str, nq: int, seq_q, seq_kv) -> None:
+    """Check an explicit atten_mask: bool/uint8 (True = masked), shape SS/11SS/B1SS/BNSS (TND: maxSq x maxSkv)."""
+    import torch
+
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(
+            f"atten_mask dtype {mask.dtype} is not bool/uint8. torch_npu masks are boolean with True = masked "
+            "(the opposite of SDPA's boolean mask); convert an additive float mask with `mask < 0`."
+        )
+    if layout == "TND":
+        allowed = [(max(seq_q), max(seq_kv))]
+    else:
+        b, sq, skv = _sizes(query, key, layout)
+        allowed = [(sq, skv), (1, 1, sq, skv), (b, 1, sq, skv), (b, nq, sq, skv)]
+    if tuple(mask.shape) not in allowed:
+        raise ValueError(f"atten_mask shape {tuple(mask.shape)} is not one of {allowed} for layout {layout}.")
+
+
+def band_keep(sq: int, skv: int, causal: bool, pre_tokens: int, next_tokens: int, device):
+    """Boolean (Sq, Skv) "may attend" matrix for causal/band, origin bottom-right; None when nothing is cut."""
+    import torch
+
+    nxt = min(next_tokens, 0) if causal else next_tokens
+    if nxt >= sq - 1 and pre_tokens >= skv - 1:  # rel spans [1-Skv, Sq-1]
+        return None
+    rel = torch.arange(skv, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (skv - sq)
+    return (rel <= nxt) & (rel >= -pre_tokens)

@@ -1,0 +1,84 @@
+"""NPU branch of `fusion_attention`: one torch_npu.npu_fusion_attention call with the right sparse_mode and mask.
+
+Facts used (torch_npu 2.13.0 `_op_plugin_docs.py`, npu_fusion_attention): atten_mask True = masked; with
+sparse_mode 2/3/4 the mask is the compressed 2048x2048 `triu(ones, 1)`; 3 = causal aligned bottom-right, 4 = band
+(pre/next_tockens, origin bottom-right); sparse_mode 0 with a full mask for anything else; no mask = full
+attention; `scale` defaults to 1.0 so it is always passed; TND takes cumulative int lists; output index 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kit.ops.attention import MAX_TOKENS, band_keep
+from kit.ops.backend import torch_npu_module
+
+COMPRESSED_MASK_SIZE = 2048
+SPARSE_DEFAULT, SPARSE_CAUSAL_BOTTOM_RIGHT, SPARSE_BAND = 0, 3, 4
+_MASK_CACHE: dict = {}
+
+
+def compressed_causal_mask(device) -> torch.Tensor:
+    """The 2048x2048 upper-triangular bool mask (True = masked) torch_npu wants, built once per device."""
+    key = str(device)
+    mask = _MASK_CACHE.get(key)
+    if mask is None:
+        # torch.triu on the device: no numpy round trip and no host-to-device copy (the seed's fix)
+        ones = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
+        mask = _MASK_CACHE[key] = torch.triu(ones, diagonal=1)
+    return mask
+
+
+def sparse_arguments(atten_mask, query, key, layout: str, *, causal: bool, pre_tokens: int, next_tokens: int,
+                     seq_q, seq_kv) -> dict[str, Any]:
+    """atten_mask, sparse_mode, pre_tockens, next_tockens for npu_fusion_attention."""
+    nxt = min(next_tokens, 0) if causal else next_tokens
+    banded = pre_tokens < MAX_TOKENS or nxt < MAX_TOKENS
+    if atten_mask is None:
+        if not banded:
+            return dict(atten_mask=None, sparse_mode=SPARSE_DEFAULT, pre_tockens=MAX_TOKENS, next_tockens=MAX_TOKENS)
+        mask = compressed_causal_mask(query.device)
+        if causal and pre_tokens >= MAX_TOKENS:
+            return dict(atten_mask=mask, sparse_mode=SPARSE_CAUSAL_BOTTOM_RIGHT, pre_tockens=MAX_TOKENS,
+                        next_tockens=0)
+        return dict(atten_mask=mask, sparse_mode=SPARSE_BAND, pre_tockens=pre_tokens, next_tockens=nxt)
+    # An explicit mask: fold causal/band into it and let sparse_mode 0 read the full mask.
+    mask = atten_mask.to(device=query.device, dtype=torch.bool)
+    if banded:
+        if layout == "TND":
+            if any(a != b for a, b in zip(seq_q, seq_kv)):
+                raise ValueError("TND with an explicit atten_mask plus causal/band needs Sq == Skv per sequence.")
+            sq, skv = mask.shape
+        else:
+            sq, skv = mask.shape[-2:]
+        keep = band_keep(sq, skv, causal, pre_tokens, next_tokens, mask.device)
+        if keep is not None:
+            mask = mask | ~keep
+    return dict(atten_mask=mask.contiguous(), sparse_mode=SPARSE_DEFAULT, pre_tockens=MAX_TOKENS,
+                next_tockens=MAX_TOKENS)
+
+
+def run(query, key, value, head_num: int, layout: str, *, atten_mask, causal, scale, keep_prob,
+        pre_tokens, next_tokens, seq_q, seq_kv):
+    """Call torch_npu.npu_fusion_attention and return the attention output (index 0 of the 7-tuple)."""
+    torch_npu = torch_npu_module()
+    kwargs = sparse_arguments(atten_mask, query, key, layout, causal=causal, pre_tokens=pre_tokens,
+                              next_tokens=next_tokens, seq_q=seq_q, seq_kv=seq_kv)
+    if layout == "TND":
+        kwargs["actual_seq_qlen"] = _cumulative(seq_q)
+        kwargs["actual_seq_kvlen"] = _cumulative(seq_kv)
+    outputs = torch_npu.npu_fusion_attention(
+        query.contiguous(), key.contiguous(), value.contiguous(), head_num, layout,
+        pse=None, padding_mask=None, scale=scale, keep_prob=keep_prob, inner_precise=0, **kwargs,
+    )
+    return outputs[0]
+
+
+def _cumulative(lengths) -> list[int]:
+    total, out = 0, []
+    for n in lengths:
+        total += int(n)
+        out.append(total)
+    return out
