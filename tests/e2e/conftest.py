@@ -1,0 +1,82 @@
+"""Fixtures for the browser tests: one JupyterLab over a temporary copy of notebooks/, one headless Chromium."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # e2e_*.py helpers sit beside this file
+
+from e2e_cases import tiny_parameters  # noqa: E402
+from e2e_lab import JupyterLab, browser_available, chromium_path, tiny_copy  # noqa: E402
+from e2e_ui import CHROMIUM_ARGS, VIEWPORT  # noqa: E402
+
+from kit.notebooks import numbered_notebooks  # noqa: E402
+from kit.workspace import repo_root  # noqa: E402
+
+SCREENSHOTS = Path(os.environ.get("KIT_E2E_SCREENSHOTS") or repo_root() / "runs" / "e2e")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "e2e: drives JupyterLab in headless Chromium (needs tests/e2e/setup_e2e.sh; make e2e runs it)")
+
+
+@pytest.fixture(scope="session")
+def e2e_root(tmp_path_factory) -> Path:
+    """The temporary root JupyterLab serves: tiny-parameter copies of every numbered notebook + a workspace."""
+    root = tmp_path_factory.mktemp("e2e-lab")
+    for nb in numbered_notebooks():
+        tiny_copy(nb, root / nb.name, tiny_parameters(nb.name[:2], root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def lab(e2e_root, tmp_path_factory):
+    """One JupyterLab server for all browser tests, on 127.0.0.1 with a random token; always shut down."""
+    reason = browser_available()
+    if reason:
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("e2e-jupyter")
+    server = JupyterLab(e2e_root, home, env={"KIT_WORKSPACE": str(e2e_root / "ws")})
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def browser(lab):
+    """Headless Debian Chromium driven by Playwright (its own browser download is not used)."""
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    try:
+        chromium = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+    finally:
+        pw.stop()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh browser context and tab per test (Playwright gives each a new empty profile)."""
+    context = browser.new_context(viewport=VIEWPORT)
+    context.set_default_timeout(30_000)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="session")
+def screenshots() -> Path:
+    """runs/e2e/ (or KIT_E2E_SCREENSHOTS): one full-page PNG per notebook test."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    return SCREENSHOTS
