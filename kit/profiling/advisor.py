@@ -1,0 +1,224 @@
+"""Slow-operator advice: the ModelArts guide's rules, each finding with its evidence and its fix.
+
+Rules and thresholds come from the ModelArts best practice "加速慢算子的执行速度" (seed texts; see
+shared/reference/profiling_env.md A4): Cast max > 30 us or share > 1% -> mixed precision; AI_CPU op > 1000 us or
+AI_CPU share > 10% -> replace the API / change input types; unit ratios < 0.8 or Block Dim < core count -> AOE;
+top operators by total / average / max time. Shares are of all computation time on the device (communication
+tasks excluded), which is what op_statistic.csv's Ratio(%) means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import pandas as pd
+
+from kit.profiling.data import ProfileData
+from kit.profiling.tables import compute_kernels, operator_table, step_breakdown
+
+AOE_FIX = ("Tune these operators with AOE (Ascend Optimization Engine, operator tuning), or change their shapes "
+           "(multiples of 16 for cube, 32 bytes for vector) so the tiling fills every core; if they stay slow, "
+           "send this profile to Huawei engineers.")
+
+
+@dataclass
+class Thresholds:
+    """Limits of the advisor's rules; the first six are the ModelArts guide's, the rest the kit's."""
+
+    cast_max_us: float = 30.0  # a Cast kernel slower than this (us) -> enable mixed precision
+    cast_share_pct: float = 1.0  # Cast share of computation time (%) above this -> enable mixed precision
+    aicpu_max_us: float = 1000.0  # an AI_CPU kernel slower than this (us) -> replace the API / change dtypes
+    aicpu_share_pct: float = 10.0  # AI_CPU share of computation time (%) above this -> same
+    unit_ratio: float = 0.8  # every aic_*/aiv_* ratio below this (no unit busy) -> AOE
+    block_dim_vs_cores: bool = True  # Block Dim below the core count -> AOE
+    min_op_share_pct: float = 1.0  # kit: ratio/block-dim rules only judge operators above this share (%)
+    free_share_pct: float = 20.0  # kit: device idle (Free) above this share of step time -> host-bound
+    top_n: int = 5  # how many operators each top list shows
+    ai_core_num: Optional[int] = None  # cube core count when PROF_*/device_*/info.json is missing
+    aiv_num: Optional[int] = None  # vector core count, same
+
+    def problems(self) -> list:
+        """Every invalid value, as messages."""
+        out = [f"{k}={getattr(self, k)!r} must be >= 0" for k in ("cast_max_us", "cast_share_pct", "aicpu_max_us",
+               "aicpu_share_pct", "unit_ratio", "min_op_share_pct", "free_share_pct") if getattr(self, k) < 0]
+        if not 0 < self.unit_ratio <= 1:
+            out.append(f"unit_ratio={self.unit_ratio} must be in (0, 1]")
+        if self.top_n < 1:
+            out.append(f"top_n={self.top_n} must be >= 1")
+        return out
+
+
+@dataclass
+class Finding:
+    """One rule's verdict: severity 'problem', 'info' or 'skipped' (data missing), with evidence and fix."""
+
+    rule: str
+    severity: str
+    title: str
+    evidence: str
+    fix: str
+    operators: list = field(default_factory=list)
+    numbers: dict = field(default_factory=dict)
+
+
+def _fmt_ops(t: pd.DataFrame, n: int) -> str:
+    """'Name (type, core): max X us, total Y us, Z%' for the first n rows."""
+    return "; ".join(f"{r.name} ({r.type}, {r.core}): {r.calls} calls, max {r.max_us:.1f} us, "
+                     f"total {r.total_us:.1f} us, {r.share_pct:.2f}%" for r in t.head(n).itertuples())
+
+
+def cast_rule(by_type: pd.DataFrame, th: Thresholds) -> list:
+    """Cast slower than cast_max_us or above cast_share_pct -> mixed precision."""
+    cast = by_type[by_type["type"].str.lower() == "cast"]
+    if cast.empty:
+        return []
+    mx, share = float(cast["max_us"].max()), float(cast["share_pct"].sum())
+    if mx <= th.cast_max_us and share <= th.cast_share_pct:
+        return []
+    return [Finding(
+        "cast", "problem", "Cast operators are slow or frequent",
+        f"Cast: {int(cast['calls'].sum())} calls, max {mx:.1f} us (limit {th.cast_max_us:g}), "
+        f"{share:.2f}% of computation time (limit {th.cast_share_pct:g}%)",
+        "Enable mixed precision (bf16 on Atlas A2: autocast/amp, or the trainer's bf16 option) so tensors are not "
+        "converted back and forth; look for .float()/.to(dtype) and fp32 buffers in the model and loss.",
+        operators=sorted(set(cast["type"])), numbers={"max_us": mx, "share_pct": share})]
+
+
+def aicpu_rule(by_name: pd.DataFrame, th: Thresholds) -> list:
+    """Any AI_CPU kernel above aicpu_max_us, or AI_CPU share above aicpu_share_pct -> replace API / dtypes."""
+    ai = by_name[by_name["core"] == "AI_CPU"].sort_values("total_us", ascending=False)
+    if ai.empty:
+        return []
+    slow = ai[ai["max_us"] > th.aicpu_max_us]
+    share = float(ai["share_pct"].sum())
+    if slow.empty and share <= th.aicpu_share_pct:
+        return []
+    ops = slow if share <= th.aicpu_share_pct else ai
+    return [Finding(
+        "aicpu", "problem", "Operators run on the AI CPU",
+        f"AI_CPU share {share:.2f}% (limit {th.aicpu_share_pct:g}%), {len(slow)} op(s) above "
+        f"{th.aicpu_max_us:g} us: {_fmt_ops(ops, th.top_n)}",
+        "Replace the API or change input types/shapes so the adapter dispatches the op to AI Core (e.g. int64 or "
+        "float64 inputs -> int32/float32, torch.topk on a 1-D tensor -> a 2-D view, avoid nonzero/boolean indexing "
+        "inside the step).",
+        operators=list(ops["type"].unique()), numbers={"share_pct": share, "max_us": float(ai["max_us"].max())})]
+
+
+def ratio_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> list:
+    """Operators whose every compute/memory unit ratio stays below unit_ratio -> AOE."""
+    cols = data.ratio_columns
+    if not cols:
+        return [Finding("low_ratio", "skipped", "Unit utilisation not collected",
+                        "kernel_details.csv has no aic_*_ratio / aiv_*_ratio columns (a Level0 capture, or "
+                        "aic_metrics=AiCoreNone), so the AOE ratio check could not run.",
+                        "Collect again with level='Level1' and aic_metrics='PipeUtilization' "
+                        "(kit.profiling.profile(level='Level1', aic_metrics='PipeUtilization')).")]
+    k = compute_kernels(data)
+    peak = k[cols].max(axis=1, skipna=True)
+    k = k.assign(peak=peak)[peak.notna()]
+    if k.empty:
+        return []
+    agg = k.groupby(["name", "type", "core"], sort=False).apply(
+        lambda g: (g["peak"] * g["dur_us"]).sum() / max(g["dur_us"].sum(), 1e-9), include_groups=False)
+    agg = agg.rename("peak_ratio").reset_index().merge(by_name, on=["name", "type", "core"])
+    low = agg[(agg["peak_ratio"] < th.unit_ratio) & (agg["share_pct"] >= th.min_op_share_pct)]
+    if low.empty:
+        return []
+    low = low.sort_values("total_us", ascending=False)
+    ev = "; ".join(f"{r.name} ({r.type}): best unit ratio {r.peak_ratio:.2f}, {r.share_pct:.2f}%"
+                   for r in low.head(th.top_n).itertuples())
+    return [Finding("low_ratio", "problem", "Operators keep every compute/memory unit below "
+                    f"{th.unit_ratio:.0%} busy", f"{len(low)} operator(s): {ev}", AOE_FIX,
+                    operators=list(low["type"].unique()),
+                    numbers={"worst_ratio": float(low["peak_ratio"].min())})]
+
+
+def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> list:
+    """Operators launched on fewer blocks than the card has cores -> AOE."""
+    if not th.block_dim_vs_cores:
+        return []
+    cores = dict(data.core_counts)
+    if th.ai_core_num:
+        cores.update({"AI_CORE": th.ai_core_num, "MIX_AIC": th.ai_core_num})
+    if th.aiv_num:
+        cores.update({"AI_VECTOR_CORE": th.aiv_num, "MIX_AIV": th.aiv_num})
+    k = compute_kernels(data)
+    k = k[k["core"].isin(list(cores)) & (k["block_dim"] > 0)]
+    if not cores or k["block_dim"].isna().all():
+        why = "no core counts (PROF_*/device_*/info.json missing)" if not cores else "no Block Num/Block Dim values"
+        return [Finding("block_dim", "skipped", "Block dim not checked", f"{why}.",
+                        "Pass ai_core_num/aiv_num to the advisor (npu-smi info shows the chip) or keep the PROF_* "
+                        "folder next to ASCEND_PROFILER_OUTPUT.")]
+    if k.empty:
+        return []
+    med = k.groupby(["name", "type", "core"], sort=False)["block_dim"].median().rename("block_dim").reset_index()
+    med["cores"] = med["core"].map(cores)
+    med = med.merge(by_name, on=["name", "type", "core"])
+    low = med[(med["block_dim"] < med["cores"]) & (med["share_pct"] >= th.min_op_share_pct)]
+    if low.empty:
+        return []
+    low = low.sort_values("total_us", ascending=False)
+    ev = "; ".join(f"{r.name} ({r.type}, {r.core}): block dim {r.block_dim:g} < {r.cores} cores, "
+                   f"{r.share_pct:.2f}%" for r in low.head(th.top_n).itertuples())
+    return [Finding("block_dim", "problem", "Operators use fewer blocks than the card has cores",
+                    f"{len(low)} operator(s): {ev}", AOE_FIX, operators=list(low["type"].unique()),
+                    numbers={"min_block_dim": float(low["block_dim"].min())})]
+
+
+def step_rules(data: ProfileData, th: Thresholds) -> list:
+    """Step-time breakdown as info, and a problem when the device idles above free_share_pct."""
+    st = step_breakdown(data)
+    if "free_us" not in st.columns or st.empty:
+        return []
+    tot = float(st["total_us"].sum()) or 1.0
+    comp, comm, free = (100 * float(st[c].sum()) / tot for c in ("computing_us", "communication_us", "free_us"))
+    out = [Finding("step_breakdown", "info", "Step time breakdown",
+                   f"{len(st)} steps, mean {st['total_us'].mean():.1f} us: computing {comp:.1f}%, "
+                   f"communication (not overlapped) {comm:.1f}%, free {free:.1f}%", "",
+                   numbers={"computing_pct": comp, "communication_pct": comm, "free_pct": free})]
+    if free > th.free_share_pct:
+        out.append(Finding("free", "problem", "The device idles between operators",
+                           f"free {free:.1f}% of step time (limit {th.free_share_pct:g}%)",
+                           "The host does not feed the device fast enough: check data loading (num_workers, "
+                           "pin_memory), .item()/print of tensors and other synchronisations, and look at the gaps "
+                           "in trace_view.json.", numbers={"free_pct": free}))
+    return out
+
+
+def top_rule(by_type: pd.DataFrame, th: Thresholds) -> list:
+    """Top operators by total, average and max time (information, ModelArts guide step 4)."""
+    if by_type.empty:
+        return []
+    parts, ops = [], []
+    for col, label in (("total_us", "total"), ("avg_us", "average"), ("max_us", "max")):
+        t = by_type.sort_values(col, ascending=False).head(th.top_n)
+        parts.append(f"by {label}: " + ", ".join(f"{r.type} {getattr(r, col):.1f} us" for r in t.itertuples()))
+        ops += [x for x in t["type"] if x not in ops]
+    return [Finding("top_operators", "info", "Top operators", " | ".join(parts),
+                    "Expected heavy hitters (MatMul, attention) are fine; others are the first place to look. If a top "
+                    "operator stays slow after the fixes above, report it to Huawei engineers with this profile.",
+                    operators=ops)]
+
+
+def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
+    """Run every rule on a loaded profile; returns an Advice (findings, tables, Markdown/HTML/JSON)."""
+    from kit.configs import check
+    from kit.profiling.report import Advice
+
+    th = thresholds or Thresholds()
+    check(th)
+    by_type = operator_table(data, by="type")
+    by_name = operator_table(data, by="name") if len(data.kernels) else by_type
+    findings: list = []
+    if data.kind == "ascend":
+        findings += cast_rule(by_type, th) + aicpu_rule(by_name, th)
+        if len(data.kernels):
+            findings += ratio_rule(data, by_name, th) + block_dim_rule(data, by_name, th)
+    findings += step_rules(data, th) + top_rule(by_type, th)
+    return Advice(data=data, findings=findings, operators=by_type, thresholds=th)
+
+
+def thresholds_dict(th: Thresholds) -> dict:
+    """The thresholds as a plain dict (for reports)."""
+    return asdict(th)

@@ -1,0 +1,114 @@
+"""Read torch.profiler (Kineto) Chrome traces `*.pt.trace.json[.gz]` into the same kernel table as Ascend data.
+
+A trace is a dict with `traceEvents` (shared/reference/profiling_env.md A6). Device kernels (`cat` kernel, gpu_memcpy,
+gpu_memset) become rows with core "GPU" and type = the torch op that launched them (matched by `External id`);
+a CPU-only trace has none, so its rows are the `cpu_op` events with their *self* time (children subtracted),
+core "CPU". Steps come from the `ProfilerStep#N` annotations the profiler schedule adds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kit.profiling.data import KERNEL_COLUMNS, ProfileData, ProfileError
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def read_trace_json(path: Path):
+    """Parse a (possibly gzipped) JSON trace; ProfileError for truncated or corrupt files."""
+    path = Path(path)
+    try:
+        raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
+        return json.loads(raw)
+    except (OSError, EOFError, ValueError) as exc:
+        raise ProfileError(f"{path} is not a complete JSON trace ({type(exc).__name__}: {str(exc)[:160]}); the "
+                           f"profiler was probably stopped while writing it. Collect again (let the `with` block "
+                           f"finish, or call .stop()).") from exc
+
+
+def _self_times(ops: pd.DataFrame) -> np.ndarray:
+    """Self time of nested cpu_op intervals per thread: duration minus the durations of direct children."""
+    self_t = ops["dur"].to_numpy(dtype="float64").copy()
+    for _, idx in ops.groupby(["pid", "tid"], sort=False).indices.items():
+        order = idx[np.lexsort((-ops["dur"].to_numpy()[idx], ops["ts"].to_numpy()[idx]))]
+        stack: list = []  # (end, row)
+        ts, dur = ops["ts"].to_numpy(), ops["dur"].to_numpy()
+        for i in order:
+            while stack and ts[i] >= stack[-1][0]:
+                stack.pop()
+            if stack:
+                self_t[stack[-1][1]] -= dur[i]
+            stack.append((ts[i] + dur[i], i))
+    return np.maximum(self_t, 0.0)
+
+
+def load_kineto(path: Path) -> ProfileData:
+    """Read one Kineto trace file into a ProfileData (kind 'torch')."""
+    path = Path(path)
+    doc = read_trace_json(path)
+    if isinstance(doc, list):
+        raise ProfileError(f"{path} is a top-level JSON list: that is an Ascend trace_view.json, not a torch.profiler "
+                           f"trace. Load its *_ascend_pt folder instead.")
+    if not isinstance(doc, dict) or "traceEvents" not in doc:
+        raise ProfileError(f"{path} has no 'traceEvents': not a torch.profiler trace (export_chrome_trace or "
+                           f"tensorboard_trace_handler output).")
+    ev = pd.DataFrame([e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"])
+    if ev.empty:
+        raise ProfileError(f"{path} holds no complete ('X') events: the schedule never reached an active step. "
+                           f"Run at least wait+warmup+active steps and call .step() after each.")
+    for c in ("cat", "args", "pid", "tid"):
+        if c not in ev.columns:
+            ev[c] = None
+    ev["ts"] = pd.to_numeric(ev["ts"], errors="coerce")
+    ev["dur"] = pd.to_numeric(ev["dur"], errors="coerce").fillna(0.0)
+    ev = ev[ev["ts"].notna()].reset_index(drop=True)
+    cat = ev["cat"].astype("string").fillna("")
+    steps = ev[(cat == "user_annotation") & ev["name"].astype("string").str.startswith("ProfilerStep#")]
+    steps = steps.assign(step=steps["name"].str.split("#").str[1].astype("int64")).sort_values("ts")
+
+    dev = ev[cat.isin(DEVICE_CATS)].copy()
+    if len(dev):
+        ops = ev[cat == "cpu_op"]
+        ext_of = {(a or {}).get("External id"): n for n, a in zip(ops["name"], ops["args"])}
+        dev["type"] = [ext_of.get((a or {}).get("External id"), n) for n, a in zip(dev["name"], dev["args"])]
+        dev["core"] = "GPU"
+        rows = dev
+    else:
+        rows = ev[cat == "cpu_op"].copy()
+        if rows.empty:
+            raise ProfileError(f"{path} has no cpu_op or kernel events; nothing to analyse.")
+        rows["dur"] = _self_times(rows.reset_index(drop=True))
+        rows["type"] = rows["name"]
+        rows["core"] = "CPU"
+    kernels = pd.DataFrame({"name": rows["name"].astype("string"), "type": rows["type"].astype("string"),
+                            "core": rows["core"].astype("string"), "start_us": rows["ts"].astype("float64"),
+                            "dur_us": rows["dur"].astype("float64")})
+    kernels["step"] = _step_of(kernels["start_us"].to_numpy(), steps)
+    for c in KERNEL_COLUMNS:
+        if c not in kernels.columns:
+            kernels[c] = float("nan")
+    step_trace = None
+    if len(steps):
+        step_trace = pd.DataFrame({"step": steps["step"].to_numpy(), "total_us": steps["dur"].to_numpy(dtype=float)})
+    meta = {k: doc[k] for k in ("schemaVersion", "deviceProperties", "host_name", "baseTimeNanoseconds") if k in doc}
+    return ProfileData(kind="torch", path=path, kernels=kernels[KERNEL_COLUMNS].reset_index(drop=True),
+                       step_trace=step_trace, meta=meta, files={"trace": path})
+
+
+def _step_of(ts: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """Step number of each timestamp: the ProfilerStep window it falls in (NaN outside every window)."""
+    out = np.full(len(ts), np.nan)
+    if steps.empty:
+        return out
+    start = steps["ts"].to_numpy(dtype=float)
+    end = start + steps["dur"].to_numpy(dtype=float)
+    i = np.searchsorted(start, ts, side="right") - 1
+    ok = (i >= 0) & (ts <= end[np.clip(i, 0, None)])
+    out[ok] = steps["step"].to_numpy()[i[ok]]
+    return out
