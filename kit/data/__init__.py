@@ -1,0 +1,12 @@
+"""Data preparation: pretraining and fine-tuning data, packed and loss-masked, in HF and Megatron formats."""
+
+from kit.data.config import DataConfig
+from kit.data.indexed import IndexedReader, IndexedWriter
+from kit.data.output import load_prepared, read_meta
+from kit.data.prepare import PrepResult, prepare
+from kit.data.readers import DataInputError
+from kit.data.report import PrepReport
+from kit.data.templates import TEMPLATES, Template
+
+__all__ = ["TEMPLATES", "DataConfig", "DataInputError", "IndexedReader", "IndexedWriter", "PrepReport",
+           "PrepResult", "Template", "load_prepared", "prepare", "read_meta"]

@@ -1,0 +1,113 @@
+"""The data-preparation config: one dataclass, every problem listed at once by `problems()`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+KINDS = ("pretrain", "sft")
+INPUT_FORMATS = ("auto", "text", "alpaca", "sharegpt", "openai")
+OVERLONG = ("truncate", "drop")
+ON_ERROR = ("raise", "skip")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class DataConfig:
+    """What to read, how to tokenize and template it, and where to write it."""
+
+    kind: str = "sft"
+    """'pretrain' (plain text, packed to max_length, loss on all tokens) or 'sft' (dialogs, loss on answers)."""
+    inputs: List[str] = field(default_factory=list)
+    """Files or folders to read (.jsonl .json .parquet .csv .txt); default: the shipped sample for `kind`."""
+    name: str = "alpaca"
+    """Output name: `<name>_hf/` and `<name>_text_document` / `<name>_packed_*_document` in the output folder."""
+    tokenizer: Optional[str] = None
+    """A local HF tokenizer folder (or a model folder holding one); None: the sample tokenizer."""
+    trust_remote_code: bool = False
+    """Allow a tokenizer folder's own Python code (ChatGLM / Baichuan folders need it); off unless you trust it."""
+    max_length: int = 2048
+    """Tokens per sample (the training SEQ_LEN)."""
+    out_dir: Optional[str] = None
+    """Output folder; None: the workspace's data/pretrain or data/finetune."""
+    input_format: str = "auto"
+    """'text' (pretrain), 'alpaca', 'sharegpt', 'openai' (messages) or 'auto' (detected from the first record)."""
+    columns: Dict[str, str] = field(default_factory=dict)
+    """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
+    template: str = "telechat"
+    """Chat template for sft: telechat, chatml, qwen, chatglm3, llama2, alpaca, or 'tokenizer' (its chat_template)."""
+    system: Optional[str] = None
+    """System prompt used when a dialog has none (None: the template's default, if any)."""
+    train_on_prompt: bool = False
+    """Also learn prompt, system and role tokens (padding is never learned)."""
+    mask_history: bool = False
+    """Learn only the last answer of each dialog (earlier answers become context)."""
+    overlong: str = "truncate"
+    """Dialogs longer than max_length: 'truncate' (cut the tail, counted) or 'drop' (counted)."""
+    pack: bool = True
+    """Pack several whole dialogs per sample (sft); False: one dialog per sample, padded."""
+    pack_window: int = 20000
+    """Dialogs packed together at a time (bounds memory; larger packs slightly tighter)."""
+    add_bos: bool = False
+    """Pretrain: put the tokenizer's BOS token before each document (EOS is always appended)."""
+    on_error: str = "raise"
+    """Malformed records: 'raise' (stop with file and line) or 'skip' (count them in the report)."""
+    num_workers: int = 1
+    """Tokenizer processes; 1 tokenizes in this process with the tokenizer's own threads."""
+    batch_size: int = 1000
+    """Records per tokenization batch."""
+    max_records: Optional[int] = None
+    """Read at most this many records (None: all); for quick trials."""
+    megatron: bool = True
+    """Also write the Megatron / MindSpeed-LLM .bin/.idx files."""
+    overwrite: bool = False
+    """Replace existing outputs of the same name."""
+
+    def problems(self) -> List[str]:
+        """Every problem with this config, each saying what to change."""
+        from kit.data.templates import TEMPLATES
+
+        out = []
+        if self.kind not in KINDS:
+            out.append(f"kind={self.kind!r}: use one of {KINDS}.")
+        if not _NAME.match(self.name or ""):
+            out.append(f"name={self.name!r}: use a plain file name of letters, digits, '.', '_' or '-'.")
+        if not isinstance(self.max_length, int) or self.max_length < 8:
+            out.append(f"max_length={self.max_length!r}: use an integer of at least 8 (e.g. 2048, 4096).")
+        if self.input_format not in INPUT_FORMATS:
+            out.append(f"input_format={self.input_format!r}: use one of {INPUT_FORMATS}.")
+        elif self.kind == "sft" and self.input_format == "text":
+            out.append("input_format='text' holds no dialogs; use kind='pretrain' or an alpaca/sharegpt/openai file.")
+        if self.template not in TEMPLATES and self.template != "tokenizer":
+            out.append(f"template={self.template!r}: use one of {sorted(TEMPLATES) + ['tokenizer']}.")
+        if self.overlong not in OVERLONG:
+            out.append(f"overlong={self.overlong!r}: use one of {OVERLONG}.")
+        if self.on_error not in ON_ERROR:
+            out.append(f"on_error={self.on_error!r}: use one of {ON_ERROR}.")
+        if self.train_on_prompt and self.mask_history:
+            out.append("train_on_prompt and mask_history exclude each other; set one of them to False.")
+        for attr, low in (("num_workers", 1), ("batch_size", 1), ("pack_window", 1)):
+            v = getattr(self, attr)
+            if not isinstance(v, int) or v < low:
+                out.append(f"{attr}={v!r}: use an integer >= {low}.")
+        if self.max_records is not None and (not isinstance(self.max_records, int) or self.max_records < 1):
+            out.append(f"max_records={self.max_records!r}: use None or a positive integer.")
+        if not isinstance(self.columns, dict) or not all(isinstance(v, str) for v in self.columns.values()):
+            out.append(f"columns={self.columns!r}: use a dict like {{'text': 'content'}}.")
+        for p in self.inputs:
+            if not Path(p).expanduser().exists():
+                out.append(f"input {str(p)!r} does not exist; check the path (files or folders are accepted).")
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
+            out.append(f"tokenizer={self.tokenizer!r} is not a folder; give a local HF tokenizer or model folder.")
+        return out
+
+
+def as_list(value: Union[None, str, Path, List]) -> List[str]:
+    """A single path or a list of paths as a list of strings."""
+    if value is None:
+        return []
+    if isinstance(value, (str, Path)):
+        return [str(value)]
+    return [str(v) for v in value]

@@ -1,0 +1,196 @@
+"""`prepare(config)`: read, tokenize, pack and write one dataset, atomically, with its report."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+
+from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
+from kit.configs import check, save_config
+from kit.data.config import DataConfig
+from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
+from kit.data.indexed import IndexedWriter, token_dtype
+from kit.data.output import ArrowSink, megatron_names, save_dataset
+from kit.data.readers import DataInputError, iter_records
+from kit.data.report import PrepReport, plot_lengths
+from kit.data.tokenizing import batched, load_tokenizer, ordered_map
+
+
+@dataclass
+class PrepResult:
+    """Where the outputs are and what the run counted."""
+
+    hf_dir: Path
+    megatron_prefix: Optional[str]
+    megatron_files: List[Path]
+    report: PrepReport
+    meta: Dict[str, Any]
+    histogram_png: Path
+    config: DataConfig = field(repr=False, default=None)
+
+    def summary(self) -> dict:
+        """Key numbers and paths (for notebook summaries)."""
+        r = self.report.as_dict()
+        keys = ("records_read", "records_written", "records_dropped", "dropped", "truncated", "tokens_in",
+                "tokens_out", "tokens_learned", "samples", "padding_ratio", "padding_ratio_unpacked")
+        return {"hf_dir": str(self.hf_dir), "megatron_prefix": self.megatron_prefix,
+                "megatron_files": [str(p) for p in self.megatron_files], "histogram_png": str(self.histogram_png),
+                **{k: r[k] for k in keys}}
+
+
+def default_inputs(kind: str) -> List[str]:
+    """The shipped sample for `kind`."""
+    from kit.samples import pretrain_corpus, sft_alpaca
+
+    return [str(pretrain_corpus() if kind == "pretrain" else sft_alpaca())]
+
+
+def output_dir(cfg: DataConfig, workspace: Any = None) -> Path:
+    """cfg.out_dir, else the workspace's data/pretrain or data/finetune folder."""
+    if cfg.out_dir:
+        return Path(cfg.out_dir).expanduser()
+    if workspace is None:
+        from kit.workspace import get_workspace
+
+        workspace = get_workspace()
+    return workspace.data_pretrain if cfg.kind == "pretrain" else workspace.data_finetune
+
+
+def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
+    """(payload, where) per usable record: document text for pretrain, a Dialog for sft."""
+    def on_bad(err: DataInputError) -> None:
+        report.drop(err.reason, str(err))
+
+    fmt: Optional[str] = None if cfg.input_format == "auto" else cfg.input_format
+    cols: Dict[str, str] = {}
+    parquet_cols = list(cfg.columns.values()) or None
+    for rec in iter_records(cfg.inputs, parquet_cols, None if cfg.on_error == "raise" else on_bad):
+        if cfg.max_records is not None and report.records_read >= cfg.max_records:
+            break
+        report.records_read += 1
+        if fmt is None or not cols:
+            fmt = fmt or detect_format(rec.data, cfg.kind)
+            cols = column_map(fmt, cfg.columns)
+        where = f"{rec.source}:{rec.line}"
+        try:
+            if fmt == "text":
+                text = document_text(rec, cols)
+                if not text.strip():
+                    report.drop("empty_text")
+                    continue
+                yield text, where
+            else:
+                dialog = PARSERS[fmt](rec, cols)
+                if any(not a.strip() for _, a in dialog.turns):
+                    report.drop("empty_answer", f"{where}: an answer is empty (dropped)")
+                    continue
+                yield dialog, where
+        except DataInputError as err:
+            if cfg.on_error == "raise":
+                raise
+            on_bad(err)
+
+
+def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
+    """Prepare `cfg.kind` data: HF dataset folder + Megatron files + config/meta/report/histogram."""
+    from tqdm.auto import tqdm
+
+    from kit.data.pretrain import PretrainAssembler, pretrain_job
+    from kit.data.sft import SftAssembler, sft_job
+    from kit.data.templates import TEMPLATES, missing_special_tokens
+
+    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind))
+    check(cfg, "DataConfig")
+    tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
+    vocab_size = len(tok)
+    out = output_dir(cfg, workspace)
+    hf_dir = out / f"{cfg.name}_hf"
+    mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, cfg.name)
+    mg_files = [Path(p + ext) for p in mg_prefixes for ext in (".bin", ".idx")] if cfg.megatron else []
+    for p in [hf_dir, *mg_files]:
+        refuse_existing(p, cfg.overwrite, "prepared data")
+    out.mkdir(parents=True, exist_ok=True)
+
+    report = PrepReport(cfg.kind, cfg.max_length)
+    if cfg.kind == "sft" and cfg.template != "tokenizer":
+        missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
+        if missing:
+            report.warnings.append(f"template {cfg.template!r}: {missing} are not single tokens of this tokenizer "
+                                   f"(the model sees them spelled out); pick the model's own template "
+                                   f"(template='tokenizer' or its family) unless that is intended")
+    if cfg.kind == "sft" and cfg.template == "tokenizer" and not getattr(tok, "chat_template", None):
+        raise ValueError(f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
+                         f"{sorted(TEMPLATES)}.")
+    settings = {"add_bos": cfg.add_bos, "template": cfg.template, "system": cfg.system,
+                "train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history}
+    initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
+
+    suffix = f".partial-{os.getpid()}"
+    writers: List[IndexedWriter] = []
+    stream_dir = Path(tempfile.mkdtemp(prefix=f".{cfg.name}.stream-", dir=out))
+    try:
+        if cfg.megatron:
+            dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
+            writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
+        sink = ArrowSink(stream_dir / "data.arrow", cfg.kind, cfg.max_length)
+        bar = tqdm(desc=f"{cfg.kind} {cfg.name}", unit=" records", disable=not progress)
+        chunks = batched(_items(cfg, report), cfg.batch_size)
+        if cfg.kind == "pretrain":
+            asm = PretrainAssembler(sink, writers[0] if writers else None, report)
+
+            def payloads():
+                for chunk in chunks:
+                    yield [text for text, _ in chunk]
+            for result in ordered_map(pretrain_job, payloads(), cfg.num_workers, initargs):
+                asm.add(result)
+                bar.update(result[1].size)
+        else:
+            asm = SftAssembler(sink, writers or None, report, tok.pad_token_id, cfg.overlong, cfg.pack,
+                               cfg.pack_window)
+            wheres: List[List[str]] = []
+
+            def payloads():
+                for chunk in chunks:
+                    wheres.append([w for _, w in chunk])
+                    yield [d for d, _ in chunk]
+            for result in ordered_map(sft_job, payloads(), cfg.num_workers, initargs):
+                asm.add(result, wheres.pop(0))
+                bar.update(len(result))
+        bar.close()
+        asm.finish()
+        sink.finalize()
+        for w in writers:
+            w.finalize()
+        meta = {"kind": cfg.kind, "max_length": cfg.max_length, "tokenizer": tok.kit_path,
+                "vocab_size": vocab_size, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
+                "bos_token_id": tok.bos_token_id, "num_samples": report.samples,
+                "num_tokens": report.tokens_out, "template": cfg.template if cfg.kind == "sft" else None,
+                "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
+                "columns": ["input_ids", "labels", "attention_mask", "position_ids"]
+                + (["seq_lens"] if cfg.kind == "sft" else []),
+                "megatron_prefix": mg_prefix if cfg.megatron else None,
+                "megatron_dtype": (str(writers[0].dtype) if writers else None)}
+        rep = report.as_dict()
+        with atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data") as tmp:
+            save_dataset(stream_dir / "data.arrow", tmp, {"meta": meta, "report": rep})
+            save_config(cfg, tmp)
+            atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+            atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
+            png = plot_lengths(report, tmp / "lengths.png")
+        for w in writers:
+            w.commit()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        shutil.rmtree(stream_dir, ignore_errors=True)
+    return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta,
+                      hf_dir / png.name, cfg)

@@ -1,0 +1,73 @@
+"""Pretraining data: tokenize documents, append EOS, concatenate, cut into max_length samples."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from kit.data.indexed import IndexedWriter
+from kit.data.output import ArrowSink
+from kit.data.report import PrepReport
+from kit.data.tokenizing import encode_texts, worker_state
+
+
+def pretrain_job(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+    """Tokenize a batch of documents: (all ids back to back, each with EOS, as int32; document lengths)."""
+    state = worker_state()
+    tok, add_bos = state["tok"], state["settings"]["add_bos"]
+    encoded = encode_texts(tok, texts)
+    head = [tok.bos_token_id] if add_bos and tok.bos_token_id is not None else []
+    eos = tok.eos_token_id
+    lengths = np.fromiter((len(e) + len(head) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.empty(int(lengths.sum()), dtype=np.int32)
+    at = 0
+    for e in encoded:
+        if head:
+            flat[at] = head[0]
+            at += 1
+        flat[at:at + len(e)] = e
+        at += len(e)
+        flat[at] = eos
+        at += 1
+    return flat, lengths
+
+
+class PretrainAssembler:
+    """Receives tokenized batches in order; writes Megatron documents and max_length HF rows."""
+
+    def __init__(self, sink: ArrowSink, writer: Optional[IndexedWriter], report: PrepReport):
+        self.sink, self.writer, self.report = sink, writer, report
+        self.max_length = report.max_length
+        self.carry = np.zeros(0, dtype=np.int32)
+        self._positions = np.arange(self.max_length, dtype=np.int32)
+
+    def add(self, result: Tuple[np.ndarray, np.ndarray]) -> None:
+        flat, lengths = result
+        if not lengths.size:
+            return
+        self.report.tokens_in += int(flat.size)
+        self.report.records_written += int(lengths.size)
+        self.report.add_lengths(lengths)
+        if self.writer is not None:
+            self.writer.add_documents(flat, lengths)
+        buf = np.concatenate([self.carry, flat]) if self.carry.size else flat
+        rows = buf.size // self.max_length
+        if rows:
+            ids = buf[:rows * self.max_length].reshape(rows, self.max_length)
+            self.sink.write({"input_ids": ids, "labels": ids,
+                             "attention_mask": np.ones_like(ids),
+                             "position_ids": np.broadcast_to(self._positions, ids.shape)})
+        self.carry = buf[rows * self.max_length:].copy()
+
+    def finish(self) -> None:
+        r = self.report
+        r.samples = self.sink.rows
+        r.tokens_out = r.samples * self.max_length
+        r.tokens_learned = r.tokens_out
+        # the tail shorter than max_length is left out of the HF rows (as run_clm's group_texts does); Megatron
+        # keeps it, its sampler builds its own sequences
+        r.remainder_tokens = int(self.carry.size)
+        if r.samples == 0:
+            r.warnings.append(f"only {r.tokens_in} tokens: not enough for one sample of max_length="
+                              f"{self.max_length}; lower max_length or add text")

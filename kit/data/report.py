@@ -1,0 +1,120 @@
+"""Accounting of a preparation run: what was read, written, dropped, truncated and why; a length histogram."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+MAX_EXAMPLES = 20  # problems kept verbatim in the report (all are counted)
+
+
+@dataclass
+class PrepReport:
+    """Counts of one run; `lengths` is a bounded histogram of record lengths in tokens."""
+
+    kind: str
+    max_length: int
+    records_read: int = 0
+    records_written: int = 0
+    dropped: Dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    tokens_learned: int = 0
+    remainder_tokens: int = 0
+    samples: int = 0
+    padding_tokens: int = 0
+    padding_ratio_unpacked: Optional[float] = None
+    problems: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    histogram: List[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        # lengths 0..max_length-1 one bucket each, then one overflow bucket for longer records
+        self._hist = np.zeros(self.max_length + 1, dtype=np.int64) if not self.histogram else \
+            np.asarray(self.histogram, dtype=np.int64)
+        self._dropped = collections.Counter(self.dropped)
+
+    def drop(self, reason: str, message: Optional[str] = None) -> None:
+        """Count one dropped record under `reason`; keep the first messages verbatim."""
+        self._dropped[reason] += 1
+        if message and len(self.problems) < MAX_EXAMPLES:
+            self.problems.append(message)
+
+    def add_lengths(self, lengths: np.ndarray) -> None:
+        """Add record lengths (tokens) to the histogram."""
+        lengths = np.minimum(np.asarray(lengths, dtype=np.int64), self.max_length)
+        self._hist += np.bincount(lengths, minlength=self.max_length + 1)
+
+    def finish(self) -> PrepReport:
+        """Freeze the counters into the plain fields (for JSON)."""
+        self.dropped = dict(sorted(self._dropped.items()))
+        self.histogram = self._hist.tolist()
+        return self
+
+    @property
+    def records_dropped(self) -> int:
+        return int(sum(self._dropped.values()))
+
+    @property
+    def padding_ratio(self) -> float:
+        total = self.samples * self.max_length
+        return self.padding_tokens / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        """The report as plain values (histogram as its non-empty buckets)."""
+        self.finish()
+        hist = {int(i): int(n) for i, n in enumerate(self.histogram) if n}
+        return {
+            "kind": self.kind, "max_length": self.max_length, "records_read": self.records_read,
+            "records_written": self.records_written, "records_dropped": self.records_dropped,
+            "dropped": self.dropped, "truncated": self.truncated, "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out, "tokens_learned": self.tokens_learned,
+            "remainder_tokens": self.remainder_tokens, "samples": self.samples,
+            "padding_tokens": self.padding_tokens, "padding_ratio": round(self.padding_ratio, 6),
+            "padding_ratio_unpacked": None if self.padding_ratio_unpacked is None
+            else round(self.padding_ratio_unpacked, 6),
+            "problems": self.problems, "warnings": self.warnings,
+            "length_histogram": hist,
+        }
+
+    def table(self) -> object:
+        """The key counts as a two-column pandas DataFrame, for notebooks."""
+        import pandas as pd
+
+        d = self.as_dict()
+        rows = [(k, d[k]) for k in ("records_read", "records_written", "records_dropped", "truncated",
+                                    "tokens_in", "tokens_out", "tokens_learned", "remainder_tokens", "samples",
+                                    "padding_ratio", "padding_ratio_unpacked")]
+        rows += [(f"dropped: {k}", v) for k, v in d["dropped"].items()]
+        return pd.DataFrame(rows, columns=["what", "value"]).set_index("what")
+
+
+def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:
+    """Histogram of record lengths against max_length, saved as PNG; returns the path."""
+    # a bare Figure (no pyplot): works headless and leaves a notebook's backend alone
+    from matplotlib.figure import Figure
+
+    report.finish()
+    hist = np.asarray(report.histogram)
+    lengths = np.repeat(np.arange(hist.size), hist)
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.add_subplot()
+    if lengths.size:
+        ax.hist(lengths, bins=min(60, max(10, int(lengths.max()) // 4 + 1)), color="#4477aa")
+    ax.axvline(report.max_length, color="#cc3311", linestyle="--", label=f"max_length = {report.max_length}")
+    what = "document" if report.kind == "pretrain" else "dialog"
+    ax.set_xlabel(f"{what} length in tokens (longer ones counted at max_length)")
+    ax.set_ylabel(f"{what}s")
+    ax.set_title(title or f"{report.kind}: {report.records_written} {what}s, "
+                          f"padding {100 * report.padding_ratio:.1f}%")
+    ax.legend()
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    return png

@@ -1,0 +1,113 @@
+"""Fine-tuning data: dialogs through a chat template, answers-only labels, whole dialogs packed per sample."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from kit.data.dialogs import Dialog
+from kit.data.indexed import IndexedWriter
+from kit.data.output import ArrowSink
+from kit.data.packing import IGNORE, build_packs, pack_lengths
+from kit.data.report import PrepReport
+from kit.data.templates import TEMPLATES, chat_template_segments, learned_flags, template_segments
+from kit.data.tokenizing import encode_texts, worker_state
+
+Item = Tuple[np.ndarray, np.ndarray]  # (input ids, labels), int32
+
+
+def sft_job(dialogs: List[Dialog]) -> List[Item]:
+    """Template and tokenize a batch of dialogs into (ids, labels) with -100 on everything not learned."""
+    state = worker_state()
+    tok, s = state["tok"], state["settings"]
+    specials = {"bos": tok.bos_token or "", "eos": tok.eos_token or ""}
+    pieces = []
+    for d in dialogs:
+        if s["template"] == "tokenizer":
+            pieces.append(chat_template_segments(d, tok, s["system"]))
+        else:
+            pieces.append(template_segments(d, TEMPLATES[s["template"]], specials, s["system"]))
+    encoded = encode_texts(tok, [text for segs in pieces for text, _ in segs])
+    out: List[Item] = []
+    k = 0
+    for segs in pieces:
+        flags = learned_flags([role for _, role in segs], s["train_on_prompt"], s["mask_history"])
+        parts = encoded[k:k + len(segs)]
+        k += len(segs)
+        ids = np.fromiter((t for p in parts for t in p), dtype=np.int32, count=sum(len(p) for p in parts))
+        labels = ids.copy()
+        at = 0
+        for p, learn in zip(parts, flags):
+            if not learn:
+                labels[at:at + len(p)] = IGNORE
+            at += len(p)
+        out.append((ids, labels))
+    return out
+
+
+class SftAssembler:
+    """Receives (ids, labels) in order; applies the over-length policy, packs windows, writes rows and files."""
+
+    def __init__(self, sink: ArrowSink, writers: Optional[List[IndexedWriter]], report: PrepReport,
+                 pad_id: int, overlong: str, pack: bool, window: int):
+        self.sink, self.writers, self.report = sink, writers, report
+        self.max_length, self.pad_id, self.overlong, self.pack, self.window = (
+            report.max_length, pad_id, overlong, pack, window)
+        self.items: List[Item] = []
+        self.useful_tokens = 0
+        self.dialogs = 0
+
+    def add(self, items: List[Item], where: List[str]) -> None:
+        r = self.report
+        for (ids, labels), src in zip(items, where):
+            r.tokens_in += int(ids.size)
+            r.add_lengths(np.array([ids.size]))
+            if ids.size > self.max_length:
+                if self.overlong == "drop":
+                    r.drop("too_long", f"{src}: {ids.size} tokens > max_length {self.max_length} (dropped)")
+                    continue
+                ids, labels = ids[:self.max_length], labels[:self.max_length]
+                if not (labels != IGNORE).any():
+                    r.drop("too_long", f"{src}: {ids.size} tokens > max_length {self.max_length}, and no answer "
+                                       f"token is left after truncation (dropped)")
+                    continue
+                r.truncated += 1
+            if not (labels != IGNORE).any():
+                r.drop("no_answer_tokens", f"{src}: no token is learned (check template and masking options)")
+                continue
+            self.items.append((ids, labels))
+            if len(self.items) >= self.window:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.items:
+            return
+        lengths = [ids.size for ids, _ in self.items]
+        bins = pack_lengths(lengths, self.max_length) if self.pack else [[i] for i in range(len(lengths))]
+        rows = build_packs(self.items, bins, self.max_length, self.pad_id)
+        self.sink.write({k: rows[k] for k in ("input_ids", "labels", "attention_mask", "position_ids")},
+                        rows["seq_lens"])
+        if self.writers is not None:
+            # MindSpeed-LLM packed layout: one sequence per sample; attention_mask as segment ids 1..k, 0 on
+            # padding (its neat-pack convention, keeps the dialog boundaries)
+            for w, key in zip(self.writers, ("input_ids", "segment_ids", "labels")):
+                arr = rows[key]
+                w.add_documents(arr.reshape(-1), np.full(arr.shape[0], self.max_length, dtype=np.int64))
+        r = self.report
+        r.records_written += len(self.items)
+        r.tokens_out += int(sum(lengths))
+        r.tokens_learned += int(sum(int((lab != IGNORE).sum()) for _, lab in self.items))
+        r.padding_tokens += len(bins) * self.max_length - int(sum(lengths))
+        self.useful_tokens += int(sum(lengths))
+        self.dialogs += len(lengths)
+        self.items = []
+
+    def finish(self) -> None:
+        self._flush()
+        r = self.report
+        r.samples = self.sink.rows
+        if self.dialogs:
+            r.padding_ratio_unpacked = 1.0 - self.useful_tokens / (self.dialogs * self.max_length)
+        if r.samples == 0:
+            r.warnings.append("no dialog was written; see `dropped` and `problems` in the report")
