@@ -1,0 +1,33 @@
+"""Environments on persistent storage: clone, pack, unpack, register as Jupyter kernels with CANN, restore.
+
+On ModelArts only /home/ma-user/work survives a restart: envs, .condarc and Jupyter kernels elsewhere vanish.
+Conda envs go through the conda-pack library (offline, prefixes relocated); virtualenvs are copied with their
+prefix rewritten. Kernels carry the variables CANN's set_env.sh exports, so `import torch_npu` works in them.
+"""
+
+from kit.envs.archive import FORMATS, EnvArchiveError, safe_extract
+from kit.envs.conda_cli import conda_executable
+from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
+from kit.envs.config import EnvsConfig, activation_commands
+from kit.envs.kernels import (
+                              capture_env,
+                              check_kernel,
+                              find_set_env_scripts,
+                              register_kernel,
+                              restore,
+                              stored_kernels,
+                              unregister_kernel,
+                              user_kernels_dir,
+)
+from kit.envs.layout import default_envs_root, get_layout
+from kit.envs.manage import CLONE_METHODS, clone, list_envs, pack, remove, resolve_env, unpack
+from kit.envs.prefix import DEFAULT_IMPORTS, EnvError, EnvInfo, check_name, verify
+from kit.envs.venv import create_venv
+
+__all__ = [
+    "CLONE_METHODS", "DEFAULT_IMPORTS", "FORMATS", "EnvArchiveError", "EnvError", "EnvInfo", "EnvsConfig",
+    "activation_commands", "capture_env", "check_kernel", "check_name", "clone", "conda_executable",
+    "condarc_path", "create_venv", "default_envs_root", "find_set_env_scripts", "get_layout", "list_envs",
+    "pack", "register_envs_dir", "register_envs_root", "register_kernel", "remove", "resolve_env", "restore", "safe_extract",
+    "stored_kernels", "unpack", "unregister_kernel", "user_kernels_dir", "verify",
+]

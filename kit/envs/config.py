@@ -1,0 +1,88 @@
+"""The env stage's config (notebook 01 and `python -m kit env`), and the ways to activate an env."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from kit.envs.archive import FORMATS
+from kit.envs.prefix import DEFAULT_IMPORTS, check_name, kind_of
+
+
+@dataclass
+class EnvsConfig:
+    """What notebook 01 does: clone SOURCE to NAME under ENVS_ROOT, pack/unpack it, register a kernel."""
+
+    envs_root: Optional[str] = None
+    """Persistent folder for envs, archives, kernelspecs (None: /home/ma-user/work/envs on ModelArts)."""
+    source: Optional[str] = None
+    """Env to clone: folder or name (None: a small demo virtualenv on top of this kernel's packages)."""
+    name: str = "demo-env"
+    """Name of the clone (a folder name under envs_root/venvs or envs_root/user_conda)."""
+    method: str = "auto"
+    """Clone method: auto, copy, conda-pack, conda-clone."""
+    pack_format: str = "tar.zst"
+    """Archive format: tar.zst, tar.gz or tar."""
+    level: int = 3
+    """Compression level (zstd 1-19, gzip 1-9)."""
+    threads: int = 0
+    """Compression threads (0: every core)."""
+    verify_imports: list = field(default_factory=lambda: list(DEFAULT_IMPORTS))
+    """Packages the clone's python must import when present (absent ones are reported, not errors)."""
+    set_env_scripts: Union[str, list] = "auto"
+    """CANN set_env.sh files for the kernel's env: 'auto' (detect), a list of paths, or [] for none."""
+    kernel_name: Optional[str] = None
+    """Jupyter kernel name (None: the env name)."""
+    display_name: Optional[str] = None
+    """Name shown in the Jupyter launcher (None: 'Python (<name>)')."""
+    register_condarc: bool = True
+    """Add envs_root/user_conda to envs_dirs in .condarc so conda envs activate by name."""
+    overwrite: bool = False
+    """Replace an existing clone / archive / unpacked env of the same name."""
+
+    def problems(self) -> list:
+        out = []
+        for label, value in (("NAME", self.name), ("KERNEL_NAME", self.kernel_name or self.name)):
+            try:
+                check_name(value, label)
+            except ValueError as exc:
+                out.append(str(exc))
+        from kit.envs.manage import CLONE_METHODS
+
+        if self.method not in CLONE_METHODS:
+            out.append(f"METHOD {self.method!r} is not one of {', '.join(CLONE_METHODS)}.")
+        if self.pack_format not in FORMATS:
+            out.append(f"PACK_FORMAT {self.pack_format!r} is not one of {', '.join(FORMATS)}.")
+        top = 19 if self.pack_format == "tar.zst" else 9
+        if not 1 <= int(self.level) <= top:
+            out.append(f"LEVEL {self.level} is outside 1..{top} for {self.pack_format}.")
+        if int(self.threads) < -1:
+            out.append(f"THREADS {self.threads} must be 0 (every core), -1 (same) or a positive count.")
+        if self.source and (os.sep in self.source) and not Path(self.source).expanduser().exists():
+            out.append(f"SOURCE_ENV {self.source!r} does not exist; pass an env folder or name, or None.")
+        elif self.source and os.sep in self.source and kind_of(Path(self.source).expanduser()) is None:
+            out.append(f"SOURCE_ENV {self.source!r} is not an env (no conda-meta/, no pyvenv.cfg).")
+        if self.set_env_scripts != "auto":
+            if not isinstance(self.set_env_scripts, (list, tuple)):
+                out.append("SET_ENV_SCRIPTS must be 'auto' or a list of set_env.sh paths ([] for none).")
+            else:
+                out += [f"SET_ENV_SCRIPTS: {s!r} does not exist." for s in self.set_env_scripts
+                        if not Path(s).expanduser().is_file()]
+        if not isinstance(self.verify_imports, (list, tuple)):
+            out.append("VERIFY_IMPORTS must be a list of module names (e.g. ['torch', 'torch_npu']).")
+        return out
+
+
+def activation_commands(prefix: Union[str, Path], conda_envs_dir: Optional[Union[str, Path]] = None) -> dict:
+    """The ways to use an env after a restart (the manual's three, for conda; two for a venv)."""
+    prefix = Path(prefix).absolute()
+    py = prefix / "bin" / "python"
+    if kind_of(prefix) == "conda":
+        folder = conda_envs_dir or prefix.parent
+        return {"full path": f"conda activate {prefix}",
+                "by name": f"conda config --append envs_dirs {folder} && conda activate {prefix.name}",
+                "own python": f"{py} -V && {prefix / 'bin' / 'pip'} list"}
+    return {"activate script": f"source {prefix / 'bin' / 'activate'}",
+            "own python": f"{py} -V && {py} -m pip list"}

@@ -1,0 +1,225 @@
+"""Jupyter kernels for envs, carrying the CANN environment from set_env.sh, kept on persistent storage.
+
+A kernel does not run a login shell, so `source set_env.sh` in .bashrc never reaches it, and LD_LIBRARY_PATH
+is read by the loader at process start (setting it in a cell is too late for libascendcl.so). The variables
+set_env.sh exports are therefore captured once with bash and written, fully expanded, into kernel.json's env.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+from kit.atomic import atomic_dir
+from kit.envs.layout import get_layout
+from kit.envs.prefix import EnvError, check_name, kind_of
+
+ASCEND_ROOTS = ("/usr/local/Ascend", "~/Ascend", "/home/ma-user/Ascend")
+_NOISE = {"_", "SHLVL", "PWD", "OLDPWD", "KIT_ENV_BEFORE", "KIT_ENV_AFTER", "BASH_EXECUTION_STRING"}
+
+
+def find_set_env_scripts(roots: Optional[Iterable[Union[str, Path]]] = None) -> list[Path]:
+    """The CANN set_env.sh to source: toolkit (cann/ or ascend-toolkit/ or cann-X.Y.Z/) plus nnal/atb if present.
+
+    Looks under ASCEND_HOME_PATH's install root first, then /usr/local/Ascend, ~/Ascend, /home/ma-user/Ascend.
+    """
+    candidates = []
+    home = os.environ.get("ASCEND_HOME_PATH")
+    if home:  # .../ascend-toolkit/latest -> install root two levels up
+        candidates.append(Path(home).resolve().parent.parent)
+    candidates += [Path(r).expanduser() for r in (roots if roots is not None else ASCEND_ROOTS)]
+    for root in candidates:
+        toolkit = [root / "cann" / "set_env.sh", root / "ascend-toolkit" / "set_env.sh",
+                   *sorted(root.glob("cann-*/set_env.sh"), reverse=True)]
+        found = next((p for p in toolkit if p.is_file()), None)
+        if found:
+            atb = root / "nnal" / "atb" / "set_env.sh"
+            return [found] + ([atb] if atb.is_file() else [])
+    return []
+
+
+def _read_env0(path: str) -> dict:
+    with open(path, "rb") as fh:
+        items = fh.read().split(b"\0")
+    out = {}
+    for item in items:
+        key, sep, value = item.decode("utf-8", "replace").partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None) -> dict:
+    """Variables that sourcing `scripts` in bash adds or changes (with the env's bin/ first on PATH, so that
+    scripts probing `python` see the env's); values fully expanded."""
+    for script in scripts:
+        if not Path(script).is_file():
+            raise EnvError(f"set_env.sh {str(script)!r} does not exist; pass the CANN install's set_env.sh "
+                           f"(e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) or [] to skip.")
+    with tempfile.TemporaryDirectory(prefix="kit-env-") as tmp:
+        before, after = os.path.join(tmp, "before"), os.path.join(tmp, "after")
+        sources = "; ".join(f'source "{Path(s).absolute()}"' for s in scripts)
+        path_prefix = f'export PATH="{Path(prefix).absolute()}/bin:$PATH"; ' if prefix else ""
+        cmd = f'{path_prefix}env -0 > "$KIT_ENV_BEFORE"; {sources}; env -0 > "$KIT_ENV_AFTER"'
+        env = dict(os.environ, KIT_ENV_BEFORE=before, KIT_ENV_AFTER=after)
+        proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+        if not os.path.exists(after):
+            raise EnvError(f"sourcing {', '.join(map(str, scripts))} failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-600:]}")
+        old, new = _read_env0(before), _read_env0(after)
+    return {k: v for k, v in sorted(new.items()) if k not in _NOISE and old.get(k) != v}
+
+
+def kernel_env(prefix: Union[str, Path], cann_env: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
+    """kernel.json env: the CANN variables, PATH with the env's bin/ first, and the env's activation marker."""
+    prefix = str(Path(prefix).absolute())
+    env = dict(cann_env or {})
+    path = env.get("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
+    if not path.startswith(prefix + "/bin"):
+        path = f"{prefix}/bin:{path}"
+    env["PATH"] = path
+    env["CONDA_PREFIX" if kind_of(prefix) == "conda" else "VIRTUAL_ENV"] = prefix
+    env.update(extra or {})
+    return env
+
+
+def user_kernels_dir() -> Path:
+    """Where `jupyter kernelspec install --user` puts kernels (respects JUPYTER_DATA_DIR)."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "kernels"
+
+
+def register_kernel(prefix: Union[str, Path], name: str, display_name: Optional[str] = None,
+                    set_env_scripts: Union[str, Sequence[Union[str, Path]], None] = "auto",
+                    envs_root: Optional[Union[str, Path]] = None, extra_env: Optional[dict] = None,
+                    check_ipykernel: bool = True) -> dict:
+    """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user.
+
+    set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
+    Returns {"name", "display_name", "stored", "installed", "cann_vars", "set_env_scripts"}.
+    """
+    check_name(name, "kernel name")
+    prefix = Path(prefix).expanduser().absolute()
+    python = prefix / "bin" / "python"
+    if not python.exists():
+        raise EnvError(f"{python} does not exist; register a kernel for an env folder that has bin/python.")
+    if check_ipykernel:
+        probe = subprocess.run([str(python), "-c", "import ipykernel"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise EnvError(f"ipykernel cannot be imported in {prefix} ({probe.stderr.strip()[-300:]}); run "
+                           f"`{python} -m pip install ipykernel` and register again.")
+    scripts = find_set_env_scripts() if set_env_scripts == "auto" else list(set_env_scripts or [])
+    cann = capture_env(scripts, prefix) if scripts else {}
+    spec = {
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": display_name or f"Python ({name})",
+        "language": "python",
+        "env": kernel_env(prefix, cann, extra_env),
+        "metadata": {"kit": {"prefix": str(prefix), "set_env_scripts": [str(s) for s in scripts],
+                             "cann_vars": sorted(cann)}},
+    }
+    store = get_layout(envs_root).kernels / name.lower()  # Jupyter lower-cases kernel names
+    with atomic_dir(store, overwrite=True, what="kernelspec") as tmp:
+        (tmp / "kernel.json").write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    installed = install_stored(store)
+    return {"name": name.lower(), "display_name": spec["display_name"], "stored": str(store),
+            "installed": installed, "cann_vars": sorted(cann), "set_env_scripts": [str(s) for s in scripts]}
+
+
+def install_stored(store_dir: Union[str, Path]) -> str:
+    """Install one stored kernelspec folder for the user with jupyter_client; return where it went."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    store_dir = Path(store_dir)
+    return KernelSpecManager().install_kernel_spec(str(store_dir), store_dir.name, user=True, replace=True)
+
+
+def stored_kernels(envs_root: Optional[Union[str, Path]] = None) -> dict:
+    """{name: kernel.json dict} of the kernelspecs kept under <envs_root>/kernels."""
+    folder = get_layout(envs_root).kernels
+    out = {}
+    for spec in sorted(folder.glob("*/kernel.json")) if folder.is_dir() else []:
+        out[spec.parent.name] = json.loads(spec.read_text(encoding="utf-8"))
+    return out
+
+
+def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Union[str, Path]] = None) -> dict:
+    """After a restart: reinstall every stored kernelspec whose env still exists, re-register envs_dirs.
+
+    Idempotent: a kernelspec already installed with the same content is left alone ('unchanged').
+    """
+    from kit.envs.condarc import register_envs_dir
+
+    layout = get_layout(envs_root)
+    report = {"installed": [], "unchanged": [], "skipped": {}, "envs_dirs_added": [], "condarc": None}
+    target_root = user_kernels_dir()
+    for name, spec in stored_kernels(layout.root).items():
+        python = Path(spec.get("argv", [""])[0])
+        if not python.exists():
+            report["skipped"][name] = f"env python {python} is missing (env removed or not unpacked yet)"
+            continue
+        current = target_root / name / "kernel.json"
+        if current.exists() and json.loads(current.read_text(encoding="utf-8")) == spec:
+            report["unchanged"].append(name)
+            continue
+        install_stored(layout.kernels / name)
+        report["installed"].append(name)
+    if layout.state.exists():
+        for folder in json.loads(layout.state.read_text(encoding="utf-8")).get("envs_dirs", []):
+            result = register_envs_dir(folder, condarc)
+            report["condarc"] = result["condarc"]
+            if result["added"]:
+                report["envs_dirs_added"].append(folder)
+    return report
+
+
+def unregister_kernel(name: str, envs_root: Optional[Union[str, Path]] = None) -> list[str]:
+    """Remove a kernel from the store and from the user's Jupyter; return the folders removed."""
+    removed = []
+    for folder in (get_layout(envs_root).kernels / name, user_kernels_dir() / name):
+        if folder.is_dir():
+            shutil.rmtree(folder)
+            removed.append(str(folder))
+    return removed
+
+
+_PROBE = ("import json, os, sys; print('KIT-KERNEL ' + json.dumps({'prefix': sys.prefix, "
+          "'executable': sys.executable, 'env': {k: os.environ.get(k) for k in %r}}))")
+
+
+def check_kernel(name: str, variables: Sequence[str] = ("PATH", "LD_LIBRARY_PATH", "ASCEND_HOME_PATH"),
+                 code: str = "", timeout: float = 120) -> dict:
+    """Start the installed kernel `name` with jupyter_client, run code in it, return its sys.prefix and vars.
+
+    `code` (optional) runs first, e.g. "import torch_npu"; its error, if any, is returned under "error".
+    """
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name=name, startup_timeout=timeout)
+    out: dict = {"error": None}
+    chunks: list[str] = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream":
+            chunks.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out["error"] = f"{msg['content']['ename']}: {msg['content']['evalue']}"
+
+    try:
+        if code:
+            kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+        kc.execute_interactive(_PROBE % (tuple(variables),), output_hook=hook, timeout=timeout)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    line = next((x for x in "".join(chunks).splitlines() if x.startswith("KIT-KERNEL ")), None)
+    if line is None:
+        raise EnvError(f"kernel {name!r} ran but printed nothing ({out['error']}).")
+    out.update(json.loads(line[len("KIT-KERNEL "):]))
+    return out

@@ -1,0 +1,260 @@
+"""One API over conda envs and virtualenvs: list, clone, pack, unpack, remove."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from kit.atomic import atomic_dir, atomic_file, refuse_existing
+from kit.envs import conda as conda_backend
+from kit.envs import venv as venv_backend
+from kit.envs.archive import FORMATS, MANIFEST, EnvArchiveError, format_of, safe_extract
+from kit.envs.conda_cli import conda_clone, conda_envs
+from kit.envs.layout import get_layout
+from kit.envs.prefix import (
+    DEFAULT_IMPORTS,
+    EnvError,
+    EnvInfo,
+    check_name,
+    check_space,
+    env_info,
+    find_editable,
+    kind_of,
+    verify,
+    walk_tree,
+)
+
+PathLike = Union[str, "os.PathLike[str]"]
+CLONE_METHODS = ("auto", "copy", "conda-pack", "conda-clone")
+_EDITABLE = ("cannot pack {0}: it has editable installs ({1}) whose source trees live outside the env and "
+             "would not be shipped; pass ignore_editable=True (--ignore-editable-packages) to pack without them "
+             "and reinstall them after unpacking, or `pip install` them normally first.")
+
+
+def _bar(total: int, desc: str, unit: str = "file"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, mininterval=0.5)
+
+
+def list_envs(envs_root: Optional[PathLike] = None, include_conda: bool = True) -> list[EnvInfo]:
+    """Envs in the persistent root (venvs/, user_conda/) plus those conda knows (when conda exists)."""
+    layout = get_layout(envs_root)
+    found: dict[str, EnvInfo] = {}
+    for folder in (layout.venvs, layout.conda):
+        for child in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if not child.name.startswith(".") and kind_of(child):
+                found[str(child)] = env_info(child)
+    if include_conda:
+        for name, prefix in conda_envs().items():
+            if kind_of(prefix) and prefix not in found:
+                found[prefix] = env_info(prefix, name)
+    return list(found.values())
+
+
+def resolve_env(source: PathLike, envs_root: Optional[PathLike] = None) -> EnvInfo:
+    """An env from a folder path, or a name in the envs root, or a conda env name; EnvError if none matches."""
+    text = str(source)
+    if os.sep in text or text.startswith((".", "~")) or Path(text).exists():
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise EnvError(f"source env {text!r} does not exist; pass an existing env folder or one of: "
+                           f"{', '.join(e.name for e in list_envs(envs_root)) or '(none found)'}.")
+        return env_info(path)
+    known = list_envs(envs_root)
+    for env in known:
+        if env.name == text:
+            return env
+    raise EnvError(f"source env {text!r} not found; known envs: "
+                   f"{', '.join(e.name for e in known) or '(none)'} (or pass a folder path).")
+
+
+def _target_for(source: EnvInfo, name: Optional[str], target: Optional[PathLike],
+                envs_root: Optional[PathLike]) -> Path:
+    if target is not None:
+        path = Path(target).expanduser().absolute()
+        check_name(path.name, "target folder name")
+        return path
+    return get_layout(envs_root).folder_for(source.kind) / check_name(source.name if name is None else name)
+
+
+def clone(source: PathLike, name: Optional[str] = None, target: Optional[PathLike] = None,
+          envs_root: Optional[PathLike] = None, method: str = "auto", overwrite: bool = False,
+          ignore_editable: bool = False, verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
+          verify_env: Optional[dict] = None) -> dict:
+    """Clone an env to `target` (default <envs_root>/{venvs,user_conda}/<name>), ready to use at its new path.
+
+    method: 'auto' (conda-pack for conda envs, copy for venvs), 'copy', 'conda-pack' (offline, relocates
+    prefixes), 'conda-clone' (`conda create --clone`, needs conda and its package cache or the network).
+    Space is checked first; the env is built under a temporary name and renamed when complete; an existing
+    target is refused unless overwrite=True. The result is verified by running its python (verify_imports).
+    """
+    if method not in CLONE_METHODS:
+        raise EnvError(f"clone method {method!r} is not one of {', '.join(CLONE_METHODS)}.")
+    src = resolve_env(source, envs_root)
+    dest = _target_for(src, name, target, envs_root)
+    if dest == src.prefix.absolute():
+        raise EnvError(f"target {dest} is the source env itself; choose another name or folder.")
+    refuse_existing(dest, overwrite, "target env")
+    if method == "auto":
+        method = "conda-pack" if src.kind == "conda" else "copy"
+    if method.startswith("conda") and src.kind != "conda":
+        raise EnvError(f"method {method!r} needs a conda env, but {src.prefix} is a {src.kind}; use 'copy'.")
+    n_files, size = walk_tree(src.prefix)
+    check_space(dest.parent, size, f"a clone of {src.prefix}")
+    start = time.perf_counter()
+    with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(n_files, "clone") as bar:
+        if method == "copy":
+            counts = venv_backend_copy(src.prefix, tmp, dest, bar.update)
+        elif method == "conda-pack":
+            counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar.update)
+        else:
+            os.rmdir(tmp)  # conda create refuses an existing non-env folder
+            conda_clone(str(src.prefix), str(tmp))
+            counts = {"files": walk_tree(tmp)[0]}
+            from kit.envs.prefix import rewrite_prefix_files
+
+            # conda wrote the temporary path into scripts; move them to the final one
+            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(dest))
+    seconds = time.perf_counter() - start
+    report = verify(dest, verify_imports, verify_env) if verify_imports is not None else None
+    return {"source": str(src.prefix), "target": str(dest), "kind": src.kind, "method": method,
+            "files": n_files, "bytes": size, "seconds": round(seconds, 3), "verify": report, **counts}
+
+
+def venv_backend_copy(src: Path, tmp: Path, dest: Path, progress) -> dict:
+    from kit.envs.prefix import copy_tree
+
+    return copy_tree(src, tmp, str(dest), progress)
+
+
+def _text_files_with(root: PathLike, needle: str) -> list[str]:
+    from kit.envs.prefix import SCAN_LIMIT, scan_prefix
+
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p) and os.path.getsize(p) <= SCAN_LIMIT:
+                with open(p, "rb") as fh:
+                    if scan_prefix(fh.read(), needle.encode()):
+                        out.append(os.path.relpath(p, root))
+    return out
+
+
+def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str] = None, level: int = 3,
+         threads: int = 0, envs_root: Optional[PathLike] = None, ignore_editable: bool = False,
+         overwrite: bool = False) -> dict:
+    """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>).
+
+    fmt: 'tar.zst' (default; multithreaded zstd at `level`), 'tar.gz' (parallel gzip when threads != 1; plain
+    gzip, what `conda pack` does by default, with threads=1), 'tar'. threads=0 uses every core.
+    """
+    src = resolve_env(source, envs_root)
+    if output is None:
+        fmt = fmt or "tar.zst"
+        output = get_layout(envs_root).packs / f"{src.name}.{fmt}"
+    output = Path(output).expanduser().absolute()
+    fmt = fmt or format_of(output)
+    if fmt not in FORMATS:
+        raise EnvError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    refuse_existing(output, overwrite, "archive")
+    editable = find_editable(src.prefix)
+    if editable and not ignore_editable and src.kind == "venv":
+        raise EnvError(_EDITABLE.format(src.prefix, ", ".join(editable)))
+    n_files, size = walk_tree(src.prefix)
+    check_space(output.parent, size // 2, f"an archive of {src.prefix}")
+    manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    start = time.perf_counter()
+    with atomic_file(output, "wb", overwrite=overwrite) as fh, _bar(n_files, f"pack {fmt}") as bar:
+        if src.kind == "conda":
+            counts = conda_backend.pack_conda(src.prefix, fh, fmt, level, threads, ignore_editable,
+                                              manifest, bar.update)
+        else:
+            counts = venv_backend.pack_tree(src.prefix, fh, fmt, level, threads, manifest, bar.update)
+    seconds = time.perf_counter() - start
+    return {"source": str(src.prefix), "archive": str(output), "format": fmt, "kind": src.kind,
+            "files": n_files, "bytes": size, "archive_bytes": output.stat().st_size,
+            "ratio": round(output.stat().st_size / max(size, 1), 4), "seconds": round(seconds, 3),
+            "editable_not_shipped": editable, **counts}
+
+
+def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
+           verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS, verify_env: Optional[dict] = None) -> dict:
+    """Extract an env archive (kit or `conda pack` made) into `target` safely, then fix its prefixes.
+
+    Members that would land outside the target (absolute, '..', escaping links) and special files are
+    refused; a corrupt archive is reported; nothing is left at `target` unless everything succeeded.
+    """
+    archive = Path(archive).expanduser().absolute()
+    if not archive.is_file():
+        raise EnvError(f"archive {str(archive)!r} does not exist; make one with kit.envs.pack "
+                       f"(`python -m kit env pack`).")
+    dest = Path(target).expanduser().absolute()
+    check_name(dest.name, "target folder name")
+    refuse_existing(dest, overwrite, "target env")
+    check_space(dest.parent, archive.stat().st_size * 3, f"unpacking {archive.name}")
+    start = time.perf_counter()
+    with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, \
+            _bar(archive.stat().st_size * 3, f"unpack {archive.name}", "B") as bar:
+        counts = safe_extract(archive, tmp, bar.update)
+        manifest_path = tmp / MANIFEST
+        manifest = None
+        if manifest_path.is_file():
+            import json
+
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            manifest_path.unlink()
+        # Prefixes are rewritten to the final path before the rename, with the files at the temporary one.
+        staged = _Staged(tmp, dest)
+        with staged:
+            if manifest and manifest.get("kind") == "venv":
+                counts.update(venv_backend.finish_unpack(dest, manifest))
+            elif (dest / "conda-meta").is_dir() or (dest / "bin" / "conda-unpack").exists():
+                counts.update(conda_backend.finish_unpack(dest))
+            elif kind_of(dest) is None:
+                raise EnvArchiveError(f"archive {archive.name} holds no environment (no conda-meta/, no "
+                                      f"pyvenv.cfg at its top level); nothing was unpacked.")
+    seconds = time.perf_counter() - start
+    report = verify(dest, verify_imports, verify_env) if verify_imports is not None else None
+    return {"archive": str(archive), "target": str(dest), "kind": kind_of(dest),
+            "seconds": round(seconds, 3), "verify": report, **counts}
+
+
+class _Staged:
+    """Temporarily make `final` point at the staging folder, so that fix-up scripts that derive the prefix
+    from their own location (conda-unpack) write the final path; undone on exit."""
+
+    def __init__(self, tmp: Path, final: Path):
+        self.tmp, self.final, self.moved = tmp, final, None
+
+    def __enter__(self):
+        if os.path.lexists(self.final):  # overwrite=True: keep the old env aside until atomic_dir swaps
+            self.moved = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.prev-", dir=self.final.parent))
+            os.rmdir(self.moved)
+            os.replace(self.final, self.moved)
+        os.symlink(self.tmp, self.final)
+        return self
+
+    def __exit__(self, *exc):
+        os.unlink(self.final)
+        if self.moved is not None:
+            os.replace(self.moved, self.final)
+        return False
+
+
+def remove(target: PathLike, envs_root: Optional[PathLike] = None) -> dict:
+    """Delete an env folder (only a real env: conda-meta/ or pyvenv.cfg) and the kernels that use it."""
+    from kit.envs.kernels import stored_kernels, unregister_kernel
+
+    info = env_info(target)
+    kernels = [n for n, spec in stored_kernels(envs_root).items()
+               if spec.get("metadata", {}).get("kit", {}).get("prefix") == str(info.prefix)]
+    for name in kernels:
+        unregister_kernel(name, envs_root)
+    shutil.rmtree(info.prefix)
+    return {"removed": str(info.prefix), "kernels": kernels}

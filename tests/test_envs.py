@@ -1,0 +1,251 @@
+"""Virtualenv backend end to end: clone, pack/unpack in every format, bad input, kernels with CANN, restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import kit.envs as envs
+from kit.envs import prefix as prefix_mod
+
+FIXTURES = Path(__file__).parent / "fixtures" / "envs"
+OLD_LAYOUT = FIXTURES / "ascend_toolkit"
+NEW_LAYOUT = FIXTURES / "ascend_cann"
+
+
+@pytest.fixture(autouse=True)
+def private_home(tmp_path, monkeypatch):
+    """Never touch the real user's Jupyter folders or .condarc."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
+    monkeypatch.delenv("CONDARC", raising=False)
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("KIT_ENVS_ROOT", raising=False)
+    (tmp_path / "home").mkdir()
+
+
+@pytest.fixture(scope="module")
+def source_env(tmp_path_factory) -> Path:
+    """A small venv on top of this test python's packages, with a script and a module that embed its prefix."""
+    prefix = envs.create_venv(tmp_path_factory.mktemp("src") / "src-env")
+    site = next(prefix.glob("lib/python3*/site-packages"))
+    (site / "kitprobe").mkdir()
+    (site / "kitprobe" / "__init__.py").write_text(f"BUILT_AT = {str(prefix)!r}\n__version__ = '1.0'\n")
+    hello = prefix / "bin" / "hello"
+    hello.write_text(f"#!{prefix}/bin/python\nimport sys\nprint(sys.prefix)\n")
+    hello.chmod(0o755)
+    return prefix
+
+
+def _run(path: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    return subprocess.run([str(path), *args], capture_output=True, text=True, check=True, env=env).stdout.strip()
+
+
+def _names(root: Path) -> set:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if "__pycache__" not in p.parts}
+
+
+def test_create_venv_inherits_parent_packages(source_env):
+    report = envs.verify(source_env, ["ipykernel", "kitprobe", "surely_absent_pkg"])
+    assert report["prefix"] == str(source_env)
+    assert report["imports"]["ipykernel"].startswith("ok")
+    assert report["imports"]["kitprobe"] == "ok 1.0"
+    assert report["imports"]["surely_absent_pkg"] == "absent"
+    assert report["ok"] is True
+
+
+def test_clone_venv_relocates_and_verifies(source_env, tmp_path):
+    result = envs.clone(source_env, name="clone-a", envs_root=tmp_path / "envs",
+                        verify_imports=["kitprobe", "ipykernel"])
+    target = tmp_path / "envs" / "venvs" / "clone-a"
+    assert result["target"] == str(target) and result["kind"] == "venv" and result["method"] == "copy"
+    assert result["verify"]["prefix"] == str(target)
+    assert result["verify"]["imports"]["kitprobe"] == "ok 1.0"
+    assert result["rewritten"] >= 3  # activate scripts, hello, kitprobe
+    assert _run(target / "bin" / "hello") == str(target)
+    assert str(source_env) not in (target / "bin" / "activate").read_text()
+    assert f"BUILT_AT = {str(target)!r}" in next(target.glob("lib/python3*/site-packages/kitprobe/__init__.py")).read_text()
+    assert _run(source_env / "bin" / "hello") == str(source_env)  # source untouched
+    assert _names(target) == _names(source_env)
+    assert [p.name for p in target.parent.iterdir()] == ["clone-a"]  # no temporary folders left
+    assert [e.name for e in envs.list_envs(tmp_path / "envs", include_conda=False)] == ["clone-a"]
+
+
+def test_clone_refuses_bad_input_and_leaves_nothing(source_env, tmp_path, monkeypatch):
+    root = tmp_path / "envs"
+    for bad in ("a/b", "x;rm -rf ~", "", "..", "-lead", "sp ace", "$(id)"):
+        with pytest.raises(envs.EnvError, match="not allowed"):
+            envs.clone(source_env, name=bad, envs_root=root, verify_imports=None)
+    with pytest.raises(envs.EnvError, match="not found"):
+        envs.clone("no-such-env", name="x", envs_root=root, verify_imports=None)
+    with pytest.raises(envs.EnvError, match="does not exist"):
+        envs.clone(tmp_path / "missing" / "env", name="x", envs_root=root, verify_imports=None)
+    with pytest.raises(envs.EnvError, match="not an environment"):
+        envs.clone(tmp_path, name="x", envs_root=root, verify_imports=None)
+    monkeypatch.setattr(prefix_mod, "free_bytes", lambda path: 10 << 20)  # a nearly full disk
+    with pytest.raises(envs.EnvError, match="not enough space"):
+        envs.clone(source_env, name="full", envs_root=root, verify_imports=None)
+    monkeypatch.undo()
+    assert not (root / "venvs").exists() or list((root / "venvs").iterdir()) == []
+
+
+def test_clone_refuses_existing_unless_overwrite(source_env, tmp_path):
+    root = tmp_path / "envs"
+    envs.clone(source_env, name="twice", envs_root=root, verify_imports=None)
+    marker = root / "venvs" / "twice" / "marker"
+    marker.write_text("old")
+    with pytest.raises(FileExistsError, match="already exists"):
+        envs.clone(source_env, name="twice", envs_root=root, verify_imports=None)
+    assert marker.exists()
+    envs.clone(source_env, name="twice", envs_root=root, verify_imports=None, overwrite=True)
+    assert not marker.exists() and sorted(p.name for p in (root / "venvs").iterdir()) == ["twice"]
+
+
+@pytest.mark.parametrize("fmt,threads", [("tar.zst", 0), ("tar.gz", 2), ("tar.gz", 1), ("tar", 1)])
+def test_pack_unpack_roundtrip(source_env, tmp_path, fmt, threads):
+    out = tmp_path / f"src.{fmt}"
+    packed = envs.pack(source_env, out, threads=threads)
+    assert packed["format"] == fmt and out.is_file() and packed["prefix_files"] >= 3
+    if fmt == "tar.gz":  # a standard gzip stream: the system tar lists it
+        listing = subprocess.run(["tar", "-tzf", str(out)], capture_output=True, text=True, check=True).stdout
+        assert "bin/hello" in listing and ".kit-env.json" in listing
+    target = tmp_path / "restored" / f"env-{fmt.replace('.', '-')}-{threads}"
+    result = envs.unpack(out, target, verify_imports=["kitprobe"])
+    assert result["verify"]["prefix"] == str(target) and result["verify"]["imports"]["kitprobe"] == "ok 1.0"
+    assert _run(target / "bin" / "hello") == str(target)
+    assert os.readlink(target / "bin" / "python3.11" if (target / "bin" / "python3.11").is_symlink()
+                       else target / "bin" / "python") == os.readlink(source_env / "bin" / (
+                           "python3.11" if (source_env / "bin" / "python3.11").is_symlink() else "python"))
+    assert _names(target) == _names(source_env)
+    assert not (target / ".kit-env.json").exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_zstd_level_and_threads_are_applied(source_env, tmp_path):
+    fast = envs.pack(source_env, tmp_path / "l1.tar.zst", level=1, threads=2)
+    small = envs.pack(source_env, tmp_path / "l19.tar.zst", level=19, threads=1)
+    assert small["archive_bytes"] < fast["archive_bytes"]
+    with pytest.raises(FileExistsError):
+        envs.pack(source_env, tmp_path / "l1.tar.zst")
+    with pytest.raises(envs.EnvArchiveError, match="no known suffix"):
+        envs.pack(source_env, tmp_path / "env.rar")
+
+
+def test_pack_refuses_editable_installs_unless_asked(source_env, tmp_path):
+    env = envs.clone(source_env, name="editable", envs_root=tmp_path / "envs", verify_imports=None)["target"]
+    dist = next(Path(env).glob("lib/python3*/site-packages")) / "mypkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "direct_url.json").write_text(json.dumps({"url": "file:///src/mypkg", "dir_info": {"editable": True}}))
+    with pytest.raises(envs.EnvError, match="editable installs \\(mypkg\\)"):
+        envs.pack(env, tmp_path / "e.tar.zst")
+    assert not (tmp_path / "e.tar.zst").exists()
+    assert envs.pack(env, tmp_path / "e.tar.zst", ignore_editable=True)["editable_not_shipped"] == ["mypkg"]
+
+
+def test_unpack_corrupt_or_truncated_archive_leaves_nothing(source_env, tmp_path):
+    good = tmp_path / "good.tar.zst"
+    envs.pack(source_env, good)
+    data = good.read_bytes()
+    cases = {"truncated.tar.zst": data[: len(data) // 2], "garbage.tar.gz": b"\x1f\x8b" + os.urandom(4000),
+             "random.tar": os.urandom(5000)}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        target = tmp_path / "out" / name.split(".")[0]
+        with pytest.raises(envs.EnvArchiveError, match="corrupt|holds no environment"):
+            envs.unpack(tmp_path / name, target, verify_imports=None)
+        assert not target.exists()
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    with pytest.raises(envs.EnvError, match="does not exist"):
+        envs.unpack(tmp_path / "nope.tar.zst", tmp_path / "out" / "x")
+
+
+def test_unpack_venv_needs_its_base_interpreter(source_env, tmp_path):
+    out = tmp_path / "env.tar"
+    envs.pack(source_env, out)
+    moved = tmp_path / "moved.tar"
+    with tarfile.open(out) as src, tarfile.open(moved, "w") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isreg() else None
+            if m.name == ".kit-env.json":
+                manifest = json.loads(data)
+                manifest["abs_links"] = {k: "/nonexistent/python3.11" for k in manifest["abs_links"]}
+                data = json.dumps(manifest).encode()
+                m.size = len(data)
+            dst.addfile(m, None if data is None else __import__("io").BytesIO(data))
+    with pytest.raises(envs.EnvError, match="base interpreter at /nonexistent/python3.11"):
+        envs.unpack(moved, tmp_path / "u" / "env", verify_imports=None)
+    assert not (tmp_path / "u" / "env").exists()
+
+
+def test_find_and_capture_both_cann_layouts():
+    old = envs.find_set_env_scripts([OLD_LAYOUT])
+    assert old == [OLD_LAYOUT / "ascend-toolkit" / "set_env.sh"]
+    new = envs.find_set_env_scripts([NEW_LAYOUT])
+    assert new == [NEW_LAYOUT / "cann" / "set_env.sh", NEW_LAYOUT / "nnal" / "atb" / "set_env.sh"]
+    assert envs.find_set_env_scripts([FIXTURES / "nothing-here"]) == []
+    captured = envs.capture_env(new)
+    home = str((NEW_LAYOUT / "cann" / "latest").resolve())
+    assert captured["ASCEND_HOME_PATH"] == home and captured["ASCEND_OPP_PATH"] == home + "/opp"
+    assert captured["ATB_HOME_PATH"].endswith("nnal/atb/latest/atb/cxx_abi_0")
+    assert captured["LD_LIBRARY_PATH"].startswith(captured["ATB_HOME_PATH"] + "/lib:" + home + "/lib64:")
+    assert "_kit_fixture_root" not in captured and "SHLVL" not in captured and "HOME" not in captured
+    arch = subprocess.run(["arch"], capture_output=True, text=True).stdout.strip()
+    old_vars = envs.capture_env(old)
+    assert f"op_tiling/lib/linux/{arch}:" in old_vars["LD_LIBRARY_PATH"]  # $(arch) expanded by bash
+    with pytest.raises(envs.EnvError, match="does not exist"):
+        envs.capture_env([FIXTURES / "missing_set_env.sh"])
+
+
+def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_path):
+    root = tmp_path / "envs"
+    target = Path(envs.clone(source_env, name="npu-env", envs_root=root, verify_imports=None)["target"])
+    reg = envs.register_kernel(target, "npu-env", "Python (npu-env)",
+                               set_env_scripts=[OLD_LAYOUT / "ascend-toolkit" / "set_env.sh"], envs_root=root)
+    user_dir = tmp_path / "jupyter-data" / "kernels" / "npu-env"
+    assert Path(reg["installed"]) == user_dir and Path(reg["stored"]) == root / "kernels" / "npu-env"
+    spec = json.loads((user_dir / "kernel.json").read_text())
+    assert spec == json.loads((root / "kernels" / "npu-env" / "kernel.json").read_text())
+    assert spec["argv"][0] == str(target / "bin" / "python")
+    assert spec["env"]["PATH"].startswith(f"{target}/bin:")
+    assert spec["env"]["VIRTUAL_ENV"] == str(target)
+    assert "ASCEND_OPP_PATH" in reg["cann_vars"] and "LD_LIBRARY_PATH" in reg["cann_vars"]
+
+    home = str((OLD_LAYOUT / "ascend-toolkit" / "latest").resolve())
+    ran = envs.check_kernel("npu-env", variables=("ASCEND_HOME_PATH", "LD_LIBRARY_PATH", "PATH"),
+                            code="import kit_fake_cann, subprocess\n"
+                                 "assert kit_fake_cann.ASCEND_HOME_PATH.endswith('latest')\n"
+                                 "assert subprocess.run(['msprof'], capture_output=True).returncode == 0")
+    assert ran["error"] is None
+    assert ran["prefix"] == str(target)
+    assert ran["env"]["ASCEND_HOME_PATH"] == home
+    assert ran["env"]["LD_LIBRARY_PATH"].startswith(f"{home}/lib64:")
+    assert ran["env"]["PATH"].split(":")[0] == f"{target}/bin"
+
+    # a second kernel whose env is then deleted: restore must skip it, saying why
+    other = Path(envs.clone(source_env, name="gone", envs_root=root, verify_imports=None)["target"])
+    envs.register_kernel(other, "gone", set_env_scripts=[], envs_root=root)
+    subprocess.run(["rm", "-rf", str(other)], check=True)
+    subprocess.run(["rm", "-rf", str(tmp_path / "jupyter-data")], check=True)  # what a restart does
+    first = envs.restore(root)
+    assert first["installed"] == ["npu-env"] and "gone" in first["skipped"] and first["unchanged"] == []
+    assert json.loads((user_dir / "kernel.json").read_text()) == spec
+    second = envs.restore(root)
+    assert second["installed"] == [] and second["unchanged"] == ["npu-env"]
+
+    removed = envs.remove(target, root)
+    assert removed["kernels"] == ["npu-env"] and not target.exists() and not user_dir.exists()
+
+
+def test_register_kernel_refuses_env_without_ipykernel(tmp_path):
+    bare = envs.create_venv(tmp_path / "bare", inherit=False)
+    with pytest.raises(envs.EnvError, match="ipykernel cannot be imported"):
+        envs.register_kernel(bare, "bare", set_env_scripts=[], envs_root=tmp_path / "envs")
+    with pytest.raises(envs.EnvError, match="not allowed"):
+        envs.register_kernel(bare, "bad/name", set_env_scripts=[], envs_root=tmp_path / "envs")
+    assert not (tmp_path / "envs" / "kernels").exists() or list((tmp_path / "envs" / "kernels").iterdir()) == []
