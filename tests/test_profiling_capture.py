@@ -1,0 +1,126 @@
+"""kit.profiling.profile: a real torch.profiler capture of a tiny model, and the NPU mapping on the stand-in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kit.profiling as kp
+from kit.device import torch_npu_import
+from kit.profiling.demo import profile_training
+
+
+def _loop(cap, steps: int, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = model(torch.randn(8, 32)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step()
+
+
+@pytest.fixture
+def npu_profiler(monkeypatch):
+    from npu_standin.profiler import install_profiler
+
+    yield install_profiler(monkeypatch)
+    torch_npu_import.cache_clear()  # forget the stand-in once monkeypatch has removed it
+
+
+def test_torch_capture_matches_key_averages(tmp_path):
+    with kp.profile(tmp_path, device="cpu", wait=1, warmup=1, active=2, tag="mlp") as cap:
+        _loop(cap, 5)
+    assert cap.folder.name.endswith("-cpu-mlp") and cap.folder.is_dir()
+    assert not list(tmp_path.glob(".*partial*"))
+    meta = json.loads((cap.folder / "capture.json").read_text(encoding="utf-8"))
+    assert meta["profiler"] == "torch.profiler" and meta["steps"] == 5 and meta["device"]["kind"] == "cpu"
+    assert meta["config"]["active"] == 2 and len(meta["git_commit"] or "x" * 40) == 40
+    assert len(meta["traces"]) == 1 and meta["traces"][0].endswith(".pt.trace.json")
+
+    data = cap.load()
+    assert data.kind == "torch" and data.meta["capture"]["steps"] == 5
+    assert sorted(data.kernels["step"].dropna().unique()) == [2, 3]  # the two active steps (ProfilerStep#N counts from 0)
+    table = kp.operator_table(data).set_index("type")
+    ref = {e.key: e for e in cap.profiler.key_averages()}
+    for op in ("aten::addmm", "aten::gelu", "aten::mm", "aten::gelu_backward"):
+        assert table.loc[op, "calls"] == ref[op].count, op
+    # self times from the trace equal the profiler's own self_cpu_time_total for the heavy ops
+    top = sorted(ref.values(), key=lambda e: e.self_cpu_time_total, reverse=True)[:3]
+    for e in top:
+        assert table.loc[e.key, "total_us"] == pytest.approx(e.self_cpu_time_total, rel=0.05, abs=5.0), e.key
+    advice = kp.advise(data)
+    assert advice.problems == [] and advice.findings[-1].rule == "top_operators"
+    assert kp.mean_step_us(data) > 0
+
+
+def test_too_few_steps_is_reported(tmp_path):
+    with kp.profile(tmp_path, device="cpu", wait=2, warmup=1, active=3) as cap:
+        _loop(cap, 2)
+    assert any("schedule needs 6" in n for n in cap.notes)
+
+
+def test_failed_loop_leaves_only_a_partial_folder(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with kp.profile(tmp_path, device="cpu") as cap:
+            _loop(cap, 1)
+            raise RuntimeError("boom")
+    assert not cap.folder.exists()
+    partial = list(tmp_path.glob(".*.partial-*"))
+    assert len(partial) == 1 and json.loads((partial[0] / "capture.json").read_text())["failed"] is True
+
+
+def test_bad_options_are_listed_together():
+    with pytest.raises(ValueError) as err:
+        kp.profile("/tmp/x", wait=-1, level="Level3", aic_metrics="Cube", device="tpu")
+    msg = str(err.value)
+    assert "4 problem(s)" in msg and "Level3" in msg and "'Cube'" in msg and "tpu" in msg
+
+
+def test_npu_mapping_on_the_standin(npu_profiler, tmp_path):
+    with kp.profile(tmp_path, device="npu", wait=1, warmup=1, active=2, skip_first=1, level="Level1",
+                    record_shapes=True, with_stack=True) as cap:
+        _loop(cap, 5)
+    prof = npu_profiler.CREATED[-1]
+    assert prof.activities == {npu_profiler.ProfilerActivity.CPU, npu_profiler.ProfilerActivity.NPU}
+    s = prof.schedule
+    assert (s.wait, s.warmup, s.active, s.repeat, s.skip_first) == (1, 1, 2, 1, 1)
+    exp = prof.experimental_config
+    assert exp.profiler_level == "Level1" and exp.aic_metrics == "ACL_AICORE_PIPE_UTILIZATION"
+    assert exp.warnings == [] and prof.warnings == [] and prof.record_shapes and prof.with_stack
+    assert prof.on_trace_ready.analyse_flag is True
+    meta = json.loads((cap.folder / "capture.json").read_text(encoding="utf-8"))
+    assert meta["profiler"] == "torch_npu.profiler" and meta["device"]["kind"] == "npu"
+    data = cap.load()
+    assert data.kind == "ascend" and data.path.parent == cap.folder and data.ratio_columns
+    assert kp.advise(data).problems == []
+
+
+def test_npu_level0_drops_aic_metrics_without_the_reset_warning(npu_profiler, tmp_path):
+    with kp.profile(tmp_path, device="npu", level="Level0", aic_metrics="PipeUtilization", analyse=False) as cap:
+        _loop(cap, 5)
+    exp = npu_profiler.CREATED[-1].experimental_config
+    assert exp.aic_metrics == "ACL_AICORE_NONE" and exp.warnings == []
+    assert any("aic_metrics=PipeUtilization dropped" in n for n in cap.notes)
+    with pytest.raises(kp.ProfileError, match="analyse"):  # analyse=False: raw data only, parse later
+        cap.load()
+
+
+def test_npu_requested_without_torch_npu_says_what_to_do(tmp_path):
+    torch_npu_import.cache_clear()
+    if torch_npu_import()[0] is not None:
+        pytest.skip("torch_npu is importable here")
+    with pytest.raises(RuntimeError, match="torch_npu cannot be imported"):
+        kp.profile(tmp_path, device="npu").start()
+
+
+@pytest.mark.slow
+def test_profile_training_of_a_tiny_llama(tiny_llama_dir, tmp_path):
+    cap = profile_training(tiny_llama_dir, out_dir=tmp_path, device="cpu", wait=1, warmup=1, active=2)
+    assert len(cap.step_times) == 4
+    table = kp.operator_table(cap.load())
+    assert "aten::mm" in set(table.head(5)["type"])  # linear layers dominate even a tiny Llama
