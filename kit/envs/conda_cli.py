@@ -40,7 +40,7 @@ def _first_json(text: str) -> dict:
 def parse_env_list_json(text: str) -> dict:
     """{name: prefix} from `conda env list --json` (names from envs_details when present, else folder names).
 
-    The root env (a prefix whose folder is not under an envs/ dir) is named 'base', as `conda env list` does.
+    Envs under an envs/ folder are named by their folder; a conda installation's root env is 'base'.
     """
     data = _first_json(text)
     details = data.get("envs_details") or {}
@@ -48,7 +48,9 @@ def parse_env_list_json(text: str) -> dict:
     for prefix in data.get("envs", []):
         name = (details.get(prefix) or {}).get("name")
         if not name:
-            name = Path(prefix).name if Path(prefix).parent.name == "envs" else "base"
+            root = Path(prefix).parent.name != "envs" and (Path(prefix, "condabin").is_dir()
+                                                            or Path(prefix).name.endswith("conda3"))
+            name = "base" if root else Path(prefix).name
         out.setdefault(name, prefix)
     return out
 
