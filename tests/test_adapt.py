@@ -97,3 +97,35 @@ def test_rejects_unknown_model_type():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="gpt2"):
         adapt_model(model)
+
+
+def test_npu_branch_under_standin_matches_and_plans_once(llama_pair, monkeypatch):
+    from npu_standin import install
+
+    from kit.adapt import varlen
+    from kit.ops import use_backend
+
+    fake = install(monkeypatch)
+    base = llama_pair[0]
+    adapted = copy.deepcopy(base)
+    computed = []
+    original_compute = varlen._compute
+    monkeypatch.setattr(varlen, "_compute", lambda *a: computed.append(1) or original_compute(*a))
+    ids = _batch(4, b=1, s=10)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    with use_backend("npu"):
+        report = adapt_model(adapted)
+        fake.CALLS.clear()
+        logits = adapted(input_ids=ids, position_ids=pos).logits
+    assert report.backend == "npu" and report.rms_norms == 5 and report.mlps == 2
+    attention_calls = [args for name, args in fake.CALLS if name == "npu_fusion_attention"]
+    assert len(attention_calls) == 2  # one per layer
+    for args in attention_calls:
+        assert args["input_layout"] == "TND" and args["sparse_mode"] == 3
+        assert args["actual_seq_qlen"] == [6, 10] and args["actual_seq_kvlen"] == [6, 10]
+    names = {name for name, _ in fake.CALLS}
+    assert {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= names
+    assert len(computed) == 1  # the varlen plan (one host sync) is computed once per forward, not per layer
+    for start, end in [(0, 6), (6, 10)]:
+        alone = base(input_ids=ids[:, start:end]).logits[0]
+        torch.testing.assert_close(logits[0, start:end], alone, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,67 @@
+"""Strict CPU stand-in for the parts of torch_npu the kit calls; `install(monkeypatch)` puts it in place.
+
+Use in a test:  `fake = install(monkeypatch)` then `with kit.ops.use_backend("npu"): ...` so kit ops take their
+NPU branch on CPU tensors; `fake.CALLS` lists every torch_npu call made. Nothing here imports the real torch_npu.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from . import ops
+
+STANDIN_VERSION = "2.13.0+standin"
+OP_NAMES = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_fast_gelu",
+            "npu_scaled_masked_softmax")
+
+
+def _npu_namespace() -> types.SimpleNamespace:
+    """The `torch.npu` functions kit.device uses, answering as one Atlas A2 card would."""
+    return types.SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        get_device_name=lambda index=0: "Ascend910B2 (stand-in)",
+        is_bf16_supported=lambda: True,
+        synchronize=lambda device=None: None,
+        current_device=lambda: 0,
+    )
+
+
+def build_module() -> types.ModuleType:
+    """A fresh fake `torch_npu` module holding the strict ops and a CALLS list."""
+    module = types.ModuleType("torch_npu")
+    module.__version__ = STANDIN_VERSION
+    module.__path__ = []  # a package, so `import torch_npu.profiler` can resolve a submodule entry
+    for name in OP_NAMES:
+        setattr(module, name, getattr(ops, name))
+    module.CALLS = ops.CALLS
+    module.StandinError = ops.StandinError
+    return module
+
+
+def install(monkeypatch, *, profiler: bool = True) -> types.ModuleType:
+    """Install the fake torch_npu (+ torch.npu functions, + fake profiler if present); undone by monkeypatch."""
+    import torch
+
+    import kit.device as device
+
+    ops.CALLS.clear()
+    fake = build_module()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", _npu_namespace(), raising=False)
+
+    def torch_npu_import():
+        return fake, None
+
+    torch_npu_import.cache_clear = lambda: None  # callers treat it like the lru_cache'd original
+    # Replacing the module attribute (not clearing the original's cache) leaves nothing behind after the test.
+    monkeypatch.setattr(device, "torch_npu_import", torch_npu_import)
+    if profiler:
+        try:
+            from .profiler import install_profiler
+        except ImportError:  # the profiler stand-in is optional for ops tests
+            install_profiler = None
+        if install_profiler is not None:
+            install_profiler(monkeypatch)
+    return fake

@@ -1,0 +1,254 @@
+"""Strict CPU stand-ins for the torch_npu ops kit.ops calls (semantics of torch_npu 2.13.0 `_op_plugin_docs.py`).
+
+Each function has the real signature (so a misspelled keyword such as `pre_tokens` fails as on NPU), computes
+the documented result in float32 on CPU tensors, and raises where the real op rejects the input or where the
+docs say the result would be wrong (e.g. sparse_mode 3 with a full S x S mask instead of the compressed
+2048 x 2048 one). Every call is appended to CALLS as (name, arguments) for assertions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CALLS: list = []
+MAX = 2147483647
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+
+
+class StandinError(ValueError):
+    """What the real torch_npu would reject (or silently compute wrongly)."""
+
+
+def _record(name: str, **args) -> None:
+    CALLS.append((name, args))
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise StandinError(message)
+
+
+def _check_int_list(name: str, values) -> list:
+    _need(isinstance(values, (list, tuple)) and all(type(v) is int for v in values),
+          f"{name} must be a list/tuple of Python ints (int[]), got {type(values).__name__}")
+    return list(values)
+
+
+def _lengths(name: str, cumulative: list, total: int) -> list:
+    values = list(cumulative)
+    while len(values) > 1 and values[-1] == 0:
+        values.pop()
+    _need(1 <= len(values) <= 2048, f"{name}: 1..2048 entries allowed, got {len(values)}")
+    out, prev = [], 0
+    for v in values:
+        _need(v >= prev, f"{name} must be cumulative (non-decreasing): {values}")
+        out.append(v - prev)
+        prev = v
+    _need(prev == total, f"{name} ends at {prev}, tensor has T={total}")
+    return out
+
+
+def _compressed_ok(mask) -> bool:
+    ref = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    return tuple(mask.shape) == (2048, 2048) and bool(torch.equal(mask.to(torch.bool).cpu(), ref))
+
+
+def _to_bnsd(x, layout: str, n: int):
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BNSD":
+        return x
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.reshape(b, s, n, h // n).transpose(1, 2)
+    s, b, h = x.shape
+    return x.reshape(s, b, n, h // n).permute(1, 2, 0, 3)
+
+
+def _from_bnsd(out, layout: str):
+    b, n, s, d = out.shape
+    if layout == "BSND":
+        return out.transpose(1, 2).contiguous()
+    if layout == "BNSD":
+        return out.contiguous()
+    if layout == "BSH":
+        return out.transpose(1, 2).reshape(b, s, n * d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def _block_mask(sparse_mode, user, sq, skv, pre, nxt):
+    """(Sq, Skv) or (N, Sq, Skv) bool, True = masked, for one batch item; None = nothing masked."""
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(skv)[None, :]
+    if sparse_mode == 0:
+        return user | (j - i > nxt) | (i - j > pre)
+    if sparse_mode == 1:
+        return user
+    if sparse_mode == 2:
+        return j > i
+    if sparse_mode == 3:
+        return j > i + (skv - sq)
+    rel = j - i - (skv - sq)  # sparse_mode 4: band, origin bottom-right
+    return (rel > nxt) | (rel < -pre)
+
+
+def _attend(q, k, v, masked, scale, keep_prob, varlen: bool):
+    """q (N, Sq, D), k/v (Nkv, Skv, D) -> (N, Sq, Dv) in float32; GQA by repeating inside the stand-in only."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if masked is not None:
+        dead = masked.all(dim=-1, keepdim=True)
+        if varlen and bool(dead.any()):
+            raise StandinError("varlen atten_mask has a fully masked row (not allowed in TND)")
+        scores = scores.masked_fill(masked, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    if masked is not None:
+        probs = probs.masked_fill(dead, 0.0)
+    if keep_prob < 1.0:
+        probs = probs * (torch.rand_like(probs) < keep_prob) / keep_prob
+    return torch.matmul(probs, v)
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1.0, keep_prob=1.0, pre_tockens=MAX, next_tockens=MAX, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
+                         seed=0, offset=0):
+    _record("npu_fusion_attention", head_num=head_num, input_layout=input_layout, atten_mask=atten_mask,
+            scale=scale, keep_prob=keep_prob, pre_tockens=pre_tockens, next_tockens=next_tockens,
+            sparse_mode=sparse_mode, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+            inner_precise=inner_precise, shapes=(tuple(query.shape), tuple(key.shape), tuple(value.shape)))
+    _need(input_layout in LAYOUTS, f"input_layout {input_layout!r} not in {LAYOUTS}")
+    _need(query.dtype in FLOATS and query.dtype == key.dtype == value.dtype, "query/key/value dtypes must match")
+    _need(type(head_num) is int and head_num > 0, "head_num must be a positive int")
+    _need(pse is None and padding_mask is None and prefix is None and sink is None, "stand-in: pse/prefix unused")
+    _need(isinstance(scale, float), f"scale must be a float, got {type(scale).__name__}")
+    _need(0.0 < keep_prob <= 1.0, f"keep_prob {keep_prob} not in (0, 1]")
+    _need(sparse_mode in (0, 1, 2, 3, 4), f"sparse_mode {sparse_mode} not modelled by the stand-in")
+    _need(tuple(key.shape) == tuple(value.shape), "key and value shapes must be equal")
+    _need(all(t.is_contiguous() for t in (query, key, value)), "query/key/value must be contiguous")
+    varlen = input_layout == "TND"
+    if atten_mask is not None:
+        _need(atten_mask.dtype in (torch.bool, torch.uint8), f"atten_mask dtype {atten_mask.dtype} not bool/uint8")
+        if sparse_mode in (2, 3, 4):
+            _need(_compressed_ok(atten_mask), f"sparse_mode {sparse_mode} needs the compressed 2048x2048 "
+                                              "triu(ones, 1) mask")
+        elif varlen:
+            _need(atten_mask.dim() == 2, "TND supports only an SS atten_mask")
+    if varlen:
+        _need(actual_seq_qlen is not None and actual_seq_kvlen is not None, "TND needs actual_seq_qlen/kvlen")
+        seq_q = _lengths("actual_seq_qlen", _check_int_list("actual_seq_qlen", actual_seq_qlen), query.shape[0])
+        seq_kv = _lengths("actual_seq_kvlen", _check_int_list("actual_seq_kvlen", actual_seq_kvlen), key.shape[0])
+        _need(len(seq_q) == len(seq_kv), "actual_seq_qlen/kvlen lengths differ")
+        nq, nkv, d = query.shape[1], key.shape[1], query.shape[2]
+        _need(head_num == nq, f"head_num {head_num} != query heads {nq}")
+    else:
+        _need(actual_seq_qlen is None and actual_seq_kvlen is None, "actual_seq_* are for TND only")
+        _need(query.dim() == (3 if input_layout in ("BSH", "SBH") else 4), f"wrong rank for {input_layout}")
+        if input_layout in ("BSH", "SBH"):
+            _need(query.shape[2] % head_num == 0, "head_num does not divide H")
+            d = query.shape[2] // head_num
+            nq, nkv = head_num, key.shape[2] // d
+        else:
+            axis = 1 if input_layout == "BNSD" else 2
+            nq, nkv, d = query.shape[axis], key.shape[axis], query.shape[3]
+            _need(head_num == nq, f"head_num {head_num} != query heads {nq} for {input_layout}")
+    _need(key.shape[-1] == d or input_layout in ("BSH", "SBH"), "Dq must equal Dk")
+    _need(1 <= d <= 768 and nq <= 256 and nkv > 0 and nq % nkv == 0, f"bad heads/dim: Nq={nq} Nkv={nkv} D={d}")
+
+    q32, k32, v32 = query.float(), key.float(), value.float()
+    if varlen:
+        outs, q0, k0 = [], 0, 0
+        for sq, skv in zip(seq_q, seq_kv):
+            if sq:
+                _need(skv > 0, "a varlen sequence with queries but no keys")
+                user = None if atten_mask is None or sparse_mode in (2, 3, 4) else atten_mask.bool()[:sq, :skv]
+                masked = None if atten_mask is None else _block_mask(sparse_mode, user, sq, skv, pre_tockens,
+                                                                     next_tockens)
+                o = _attend(q32[q0:q0 + sq].transpose(0, 1), k32[k0:k0 + skv].transpose(0, 1),
+                            v32[k0:k0 + skv].transpose(0, 1), masked, scale, keep_prob, True)
+                outs.append(o.transpose(0, 1))
+            q0, k0 = q0 + sq, k0 + skv
+        out = torch.cat(outs, 0) if outs else q32.new_zeros(0, nq, value.shape[-1])
+        out = torch.cat([out, q32.new_zeros(query.shape[0] - out.shape[0], nq, out.shape[-1])], 0)
+    else:
+        q, k, v = _to_bnsd(q32, input_layout, nq), _to_bnsd(k32, input_layout, nkv), _to_bnsd(v32, input_layout, nkv)
+        b, sq, skv = q.shape[0], q.shape[2], k.shape[2]
+        _need(k.shape[0] == b, "batch sizes differ")
+        if atten_mask is not None and sparse_mode in (0, 1):
+            allowed = [(sq, skv), (1, 1, sq, skv), (b, 1, sq, skv), (b, nq, sq, skv)]
+            _need(tuple(atten_mask.shape) in allowed, f"atten_mask shape {tuple(atten_mask.shape)} not in {allowed}")
+            user = atten_mask.bool().expand(b, nq, sq, skv)
+        outs = []
+        for bi in range(b):
+            masked = None
+            if atten_mask is not None:
+                ub = user[bi] if sparse_mode in (0, 1) else None
+                masked = _block_mask(sparse_mode, ub, sq, skv, pre_tockens, next_tockens)
+            outs.append(_attend(q[bi], k[bi], v[bi], masked, scale, keep_prob, False))
+        out = _from_bnsd(torch.stack(outs, 0), input_layout)
+    out = out.to(query.dtype)
+    stats = torch.zeros(1, dtype=torch.float32)
+    return out, stats, stats, torch.empty(0), 0, 0, 0
+
+
+def npu_rms_norm(self, gamma, epsilon=1e-06):
+    _record("npu_rms_norm", shape=tuple(self.shape), epsilon=epsilon)
+    _need(self.dtype in FLOATS and gamma.dtype == self.dtype, f"gamma dtype {gamma.dtype} must equal {self.dtype}")
+    _need(2 <= self.dim() <= 8, "npu_rms_norm takes 2-8 dims")
+    _need(tuple(gamma.shape) == tuple(self.shape[-gamma.dim():]), "gamma must match the trailing dims")
+    x = self.float()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+    return (x * rstd * gamma.float()).to(self.dtype), rstd
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
+    _record("npu_rotary_mul", shape=tuple(input.shape), cos_shape=tuple(r1.shape), rotary_mode=rotary_mode)
+    _need(rotary_mode in ("half", "interleave"), f"rotary_mode {rotary_mode!r}")
+    _need(rotate is None, "stand-in: rotate unused")
+    _need(input.dim() == 4 and r1.dim() == 4 and tuple(r1.shape) == tuple(r2.shape), "4-D input/r1/r2 needed")
+    _need(input.dtype in FLOATS, "dtype")
+    d = input.shape[-1]
+    _need(d % 2 == 0 and d < 896 and r1.shape[-1] == d, f"D={d} must be even, < 896 and equal r1's")
+    _need(all(a in (1, b) for a, b in zip(r1.shape, input.shape)), "r1 must broadcast to input")
+    _need(float(r1.abs().max()) <= 1.0 + 1e-3 and float(r2.abs().max()) <= 1.0 + 1e-3, "r1/r2 outside [-1, 1]")
+    x = input.float()
+    if rotary_mode == "half":
+        x1, x2 = x.chunk(2, -1)
+        rotated = torch.cat((-x2, x1), -1)
+    else:
+        _need(sum(s != 1 for s in r1.shape[:3]) <= 1, "interleave needs 11SD/1S1D/S11D cos/sin")
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+    return (r1.float() * x + r2.float() * rotated).to(input.dtype)
+
+
+def npu_swiglu(self, dim=-1):
+    _record("npu_swiglu", shape=tuple(self.shape), dim=dim)
+    _need(self.dtype in FLOATS and 1 <= self.dim() <= 8, "npu_swiglu: fp16/bf16/fp32, 1-8 dims")
+    _need(self.shape[dim] % 2 == 0, "size along dim must be even")
+    a, b = self.float().chunk(2, dim)
+    return (torch.nn.functional.silu(a) * b).to(self.dtype)
+
+
+def npu_fast_gelu(input):
+    _record("npu_fast_gelu", shape=tuple(input.shape))
+    _need(input.dtype in FLOATS and input.dim() <= 8, "npu_fast_gelu: fp16/bf16/fp32, <= 8 dims")
+    x = input.float()
+    return (x / (1 + torch.exp(-1.702 * x))).to(input.dtype)  # Atlas A2/A3 formula
+
+
+def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
+    _record("npu_scaled_masked_softmax", shape=tuple(x.shape), mask_shape=tuple(mask.shape), scale=scale,
+            fixed_triu_mask=fixed_triu_mask)
+    _need(x.dtype in FLOATS and x.dim() == 4, "x must be 4-D fp16/bf16/fp32")
+    _need(all(32 <= s <= 4096 and s % 32 == 0 for s in x.shape[-2:]), f"H, W of {tuple(x.shape)} not in [32, 4096]"
+                                                                        " and divisible by 32")
+    _need(mask.dtype == torch.bool, f"mask dtype {mask.dtype} must be bool")
+    masked = mask.expand(x.shape)  # raises when not broadcastable
+    if fixed_triu_mask:
+        masked = masked | torch.ones(x.shape[-2:], dtype=torch.bool).triu(1)
+    logits = (x.float() * scale).masked_fill(masked, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, -1).masked_fill(masked.all(-1, keepdim=True), 0.0)
+    return probs.to(x.dtype)

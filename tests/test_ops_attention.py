@@ -1,0 +1,224 @@
+"""kit.ops.fusion_attention vs a float64 reference, on the portable path and on the NPU branch (strict stand-in)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from npu_standin import install
+
+from kit.ops import MAX_TOKENS, compressed_causal_mask, fusion_attention, use_backend
+
+BACKENDS = ["torch", "npu"]
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """Run the test body with kit ops forced to `request.param`; "npu" installs the strict stand-in."""
+    if request.param == "npu":
+        install(monkeypatch)
+    with use_backend(request.param):
+        yield request.param
+
+
+def ref_keep(sq, skv, causal=False, pre=MAX_TOKENS, nxt=MAX_TOKENS):
+    """May-attend matrix written from the definition (origin bottom-right), element by element."""
+    keep = torch.ones(sq, skv, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(skv):
+            rel = j - i - (skv - sq)
+            if (causal and rel > 0) or rel > nxt or rel < -pre:
+                keep[i, j] = False
+    return keep
+
+
+def ref_attention(q, k, v, keep, scale):
+    """float64 softmax(scale q k^T) v on (B, N, S, D); GQA by repetition; rows with no key give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("bnid,bnjd->bnij", q, k) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    probs = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)
+    return torch.einsum("bnij,bnjd->bnid", probs, v)
+
+
+def to_layout(x, layout):
+    """(B, N, S, D) -> the given layout."""
+    b, n, s, d = x.shape
+    return {
+        "BNSD": x,
+        "BSND": x.transpose(1, 2),
+        "BSH": x.transpose(1, 2).reshape(b, s, n * d),
+        "SBH": x.permute(2, 0, 1, 3).reshape(s, b, n * d),
+    }[layout].contiguous()
+
+
+def from_layout(x, layout, n):
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BSH":
+        b, s, h = x.shape
+        return x.view(b, s, n, h // n).transpose(1, 2)
+    s, b, h = x.shape
+    return x.view(s, b, n, h // n).permute(1, 2, 0, 3)
+
+
+def rel_err(got, want) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+def qkv(b=2, n=4, nkv=2, sq=9, skv=9, d=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    return make(b, n, sq, d), make(b, nkv, skv, d), make(b, nkv, skv, d)
+
+
+CASES = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "causal_window": dict(causal=True, pre_tokens=3),
+    "band": dict(pre_tokens=2, next_tokens=1),
+    "mask": dict(mask=True),
+    "mask_causal": dict(mask=True, causal=True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("layout", ["BSND", "BNSD", "BSH", "SBH"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_layouts_match_float64_reference(backend, layout, case):
+    spec = dict(CASES[case])
+    q, k, v = qkv()
+    keep = ref_keep(9, 9, spec.get("causal", False), spec.get("pre_tokens", MAX_TOKENS),
+                    spec.get("next_tokens", MAX_TOKENS))
+    kwargs = {key: val for key, val in spec.items() if key != "mask"}
+    if spec.get("mask"):
+        user = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(5)) > 0.7  # True = masked
+        user[..., 0] = False  # every row keeps one key
+        kwargs["atten_mask"] = user
+        keep = keep & ~user
+    out = fusion_attention(to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), 4, layout, **kwargs)
+    got = from_layout(out, layout, 4)
+    assert rel_err(got, ref_attention(q, k, v, keep, 1 / math.sqrt(16))) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_bf16_within_1e2(backend):
+    q, k, v = qkv(dtype=torch.bfloat16)
+    out = fusion_attention(q, k, v, 4, "BNSD", causal=True)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref_attention(q, k, v, ref_keep(9, 9, True), 0.25)) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_causal_is_bottom_right_when_fewer_queries(backend):
+    q, k, v = qkv(sq=3, skv=8)
+    out = fusion_attention(q, k, v, 4, "BNSD", causal=True, scale=0.3)
+    assert rel_err(out, ref_attention(q, k, v, ref_keep(3, 8, True), 0.3)) <= 1e-5
+    # the last query sees every key: same as non-causal for that row
+    full = fusion_attention(q, k, v, 4, "BNSD", scale=0.3)
+    torch.testing.assert_close(out[:, :, -1], full[:, :, -1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("window", [None, 2])
+def test_tnd_uneven_lengths_match_per_sequence_reference(backend, window):
+    lengths = [5, 1, 0, 7, 3]
+    total, n, nkv, d = sum(lengths), 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(total, heads, d, generator=gen) for heads in (n, nkv, nkv))
+    cumulative = torch.tensor(lengths).cumsum(0).tolist() + [0, 0]  # trailing 0s: unused batches
+    pre = MAX_TOKENS if window is None else window
+    out = fusion_attention(q, k, v, n, "TND", causal=True, pre_tokens=pre, actual_seq_qlen=cumulative,
+                           actual_seq_kvlen=cumulative)
+    start = 0
+    for length in lengths:
+        if length:
+            sl = slice(start, start + length)
+            want = ref_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                 v[sl].transpose(0, 1)[None], ref_keep(length, length, True, pre), d ** -0.5)
+            assert rel_err(out[sl].transpose(0, 1)[None], want) <= 1e-5
+        start += length
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_dropout_keep_prob_is_unbiased(backend):
+    torch.manual_seed(0)
+    q, k = torch.zeros(1, 2, 64, 8), torch.zeros(1, 2, 64, 8)  # uniform attention over 64 keys
+    v = torch.ones(1, 2, 64, 8)
+    out = fusion_attention(q, k, v, 2, "BNSD", keep_prob=0.5)
+    assert not torch.allclose(out, torch.ones_like(out))  # dropout happened
+    assert abs(float(out.mean()) - 1.0) < 0.05  # rescaled by 1/keep_prob
+
+
+def test_npu_branch_passes_exact_arguments(monkeypatch):
+    fake = install(monkeypatch)
+    q, k, v = qkv(d=16)
+    with use_backend("npu"):
+        fusion_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 4, "BSND", causal=True)
+        fusion_attention(q, k, v, 4, "BNSD", causal=True, pre_tokens=4, keep_prob=0.9)
+        fusion_attention(q, k, v, 4, "BNSD")
+    (_, causal), (_, window), (_, full) = fake.CALLS
+    assert causal["sparse_mode"] == 3 and causal["input_layout"] == "BSND" and causal["head_num"] == 4
+    assert causal["scale"] == pytest.approx(0.25)  # never torch_npu's default 1.0
+    assert causal["atten_mask"] is compressed_causal_mask("cpu")  # built once, cached per device
+    assert causal["atten_mask"].shape == (2048, 2048) and causal["atten_mask"].dtype == torch.bool
+    assert window["sparse_mode"] == 4 and window["pre_tockens"] == 4 and window["next_tockens"] == 0
+    assert window["keep_prob"] == pytest.approx(0.9)
+    assert full["atten_mask"] is None and full["sparse_mode"] == 0
+
+
+def test_npu_branch_tnd_passes_cumulative_int_lists(monkeypatch):
+    fake = install(monkeypatch)
+    q = torch.randn(6, 2, 8)
+    with use_backend("npu"):
+        fusion_attention(q, q, q, 2, "TND", causal=True, actual_seq_qlen=torch.tensor([2, 6]),
+                         actual_seq_kvlen=[2, 6])
+    args = fake.CALLS[-1][1]
+    assert args["actual_seq_qlen"] == [2, 6] and args["actual_seq_kvlen"] == [2, 6]
+    assert all(type(x) is int for x in args["actual_seq_qlen"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda q: fusion_attention(q, q, q, 4, "BHSD"), "input_layout"),
+        (lambda q: fusion_attention(q, q, q, 3, "BNSD"), "head_num"),
+        (lambda q: fusion_attention(q, q[:, :3], q[:, :3], 4, "BNSD"), "multiple"),
+        (lambda q: fusion_attention(q, q, q.double(), 4, "BNSD"), "dtypes"),
+        (lambda q: fusion_attention(q, q, q, 4, "BNSD", keep_prob=0.0), "keep_prob"),
+        (lambda q: fusion_attention(q, q, q, 4, "BNSD", atten_mask=torch.zeros(9, 9)), "True = masked"),
+        (lambda q: fusion_attention(q, q, q, 4, "BNSD", atten_mask=torch.zeros(8, 9, dtype=torch.bool)), "shape"),
+        (lambda q: fusion_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND"),
+         "actual_seq_qlen"),
+        (lambda q: fusion_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND",
+                                    actual_seq_qlen=[5, 4], actual_seq_kvlen=[5, 4]), "cumulative"),
+        (lambda q: fusion_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND",
+                                    actual_seq_qlen=[4, 8], actual_seq_kvlen=[4, 8]), "ends at 8"),
+    ],
+)
+def test_rejects_what_torch_npu_rejects(backend, call, message):
+    q, _, _ = qkv(nkv=4)
+    with pytest.raises(ValueError, match=message):
+        call(q)
+
+
+def test_standin_is_strict_about_raw_calls(monkeypatch):
+    fake = install(monkeypatch)
+    q = torch.randn(1, 2, 4, 8)
+    full_mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    with pytest.raises(fake.StandinError, match="compressed"):  # S x S mask with sparse_mode 3
+        fake.npu_fusion_attention(q, q, q, 2, "BNSD", atten_mask=full_mask, sparse_mode=3, scale=0.3)
+    with pytest.raises(TypeError):  # the real kwarg is spelled pre_tockens
+        fake.npu_fusion_attention(q, q, q, 2, "BNSD", pre_tokens=3)
+    t = torch.randn(4, 2, 8)
+    with pytest.raises(fake.StandinError, match="int"):  # int[] wants Python ints, not a tensor
+        fake.npu_fusion_attention(t, t, t, 2, "TND", actual_seq_qlen=torch.tensor([4]), actual_seq_kvlen=[4])
+    out = fake.npu_fusion_attention(q, q, q, 2, "BNSD", scale=0.3)
+    assert isinstance(out, tuple) and len(out) == 7
