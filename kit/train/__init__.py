@@ -1,0 +1,14 @@
+"""Training stage (notebook 04): config, the DeepSpeed trainer, launch, logs, and the Megatron/MindSpeed path."""
+
+from kit.train.config import TrainConfig, from_env, load_config
+
+__all__ = ["TrainConfig", "from_env", "load_config", "train", "Trainer", "TrainResult"]
+
+
+def __getattr__(name):
+    # The trainer pulls in DeepSpeed; import it only when used so `import kit.train` stays fast.
+    if name in ("train", "Trainer", "TrainResult", "TrainingDiverged"):
+        from kit.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)

@@ -1,0 +1,99 @@
+"""`python -m kit train ...`: run (this process / one rank), launch (torchrun job), megatron (AscendCloud scripts), log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="a config.json written by the kit (TrainConfig fields)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, seed spelling (e.g. --set TRAIN_ITERS=200 --set MBS=1); repeatable")
+    p.add_argument("--no-env", action="store_true",
+                   help="ignore MODEL_TYPE/RUN_TYPE/... environment variables (by default they override, "
+                        "as with the seed's `MODEL_TYPE=... sh script.sh`)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train with DeepSpeed (kit trainer) or build the Megatron/MindSpeed command")
+    s = p.add_subparsers(dest="what", required=True)
+    r = s.add_parser("run", help="train in this process (also what each rank of a launched job runs)")
+    _add_config_args(r)
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (launched jobs)")
+    la = s.add_parser("launch", help="validate, then run NPROC_PER_NODE ranks with torchrun / the DeepSpeed launcher")
+    _add_config_args(la)
+    la.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun")
+    la.add_argument("--visible-devices", default=None, help="cards for this node, e.g. 0,1,2,3")
+    m = s.add_parser("megatron", help="print (or run) the AscendCloud script / pretrain_gpt.py command for the config")
+    _add_config_args(m)
+    m.add_argument("--code-dir", default=None, help="llm_train/AscendSpeed of the AscendCloud package "
+                                                    "(default: <WORK_DIR>/llm_train/AscendSpeed)")
+    m.add_argument("--script", default=None, help="scripts/<model>/<name>.sh to drive with the seed's variables")
+    m.add_argument("--load", default=None, help="converted Megatron checkpoint folder (notebook 03)")
+    m.add_argument("--execute", action="store_true", help="run it (needs the code package and NPUs)")
+    lg = s.add_parser("log", help="parse a kit or Megatron/MindSpeed training log and print its summary")
+    lg.add_argument("logs", nargs="+")
+    lg.add_argument("--seq-len", type=int, default=None, help="SEQ_LEN, to compute tokens/s/p for Megatron logs")
+    lg.add_argument("--cards", type=int, default=None, help="cards of the run, to compute tokens/s/p")
+    lg.add_argument("--csv", default=None, help="write the per-iteration table of the first log here")
+    p.set_defaults(func=run)
+
+
+def _config(args: argparse.Namespace):
+    """Config file < the seed's environment variables < --set KEY=VALUE (parsed like environment values)."""
+    from kit.configs import to_jsonable
+    from kit.train.config import from_env, load_config
+
+    values = to_jsonable(load_config(args.config)) if args.config else {}
+    environ = {} if args.no_env else dict(os.environ)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        environ[key.upper()] = value
+    return from_env(environ, extra=[i.partition("=")[0].upper() for i in args.set], **values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kit.configs import ConfigError
+
+    if args.what == "log":
+        return _log(args)
+    try:
+        cfg = _config(args)
+        if args.what == "run":
+            from kit.train.trainer import train
+
+            result = train(cfg, progress=not args.no_progress)
+            print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
+            return {"completed": 0, "preempted": 0}.get(result.status, 3)
+        if args.what == "launch":
+            from kit.train.launch import launch
+
+            res = launch(cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True,
+                         progress=False)
+            return res.returncode
+        from kit.train.megatron import build, execute
+
+        plan = build(cfg, code_dir=args.code_dir, script=args.script, load=args.load)
+        print(plan.describe())
+        if plan.problems:
+            return 2
+        return execute(plan) if args.execute else 0
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _log(args: argparse.Namespace) -> int:
+    from kit.train.logs import parse_log, summarize
+
+    for i, path in enumerate(args.logs):
+        df = parse_log(path, seq_len=args.seq_len, cards=args.cards)
+        print(json.dumps({"log": path, **summarize(df)}, indent=2))
+        if i == 0 and args.csv:
+            df.to_csv(args.csv, index=False)
+    return 0

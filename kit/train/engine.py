@@ -1,0 +1,135 @@
+"""The pieces DeepSpeed needs: process group, model (adapted, LoRA-wrapped), optimizer, LR schedule, ds_config."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Optional
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for single-process rendezvous and tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_dtype(cfg, info) -> str:
+    """The training dtype: DTYPE if set, else the device's choice (bf16/fp16 on NPU/GPU, fp32 on CPU)."""
+    return info.dtype if cfg.dtype == "auto" else cfg.dtype
+
+
+def init_distributed(info) -> tuple:
+    """Join (or create) the process group on the device's backend; return (rank, world_size, local_rank).
+
+    A process started without a launcher (a notebook cell) becomes a world of one on a free local port.
+    """
+    import torch.distributed as dist
+
+    if info.kind == "npu" and not os.environ.get("ASCEND_HOME_PATH"):
+        # DeepSpeed's NPU op builders read os.environ["ASCEND_HOME_PATH"] unguarded (npu_anchors.md section 5).
+        raise RuntimeError("ASCEND_HOME_PATH is not set: source CANN's set_env.sh (/usr/local/Ascend/cann/set_env.sh "
+                           "or /usr/local/Ascend/ascend-toolkit/set_env.sh) before training; notebook 00 shows how.")
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def ds_config(cfg, dtype: str) -> dict:
+    """DeepSpeed's config for this run: batch sizes from MBS/GBS/DP, ZeRO stage, precision, clipping."""
+    conf = {
+        "train_batch_size": cfg.gbs,
+        "train_micro_batch_size_per_gpu": cfg.mbs,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": float(cfg.clip_grad),
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no op build needed on any device
+        "steps_per_print": 10**9,  # the kit prints its own Megatron-style lines
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bfloat16":
+        conf["bf16"] = {"enabled": True}
+    elif dtype == "float16":
+        conf["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                        "hysteresis": 2, "min_loss_scale": 1}
+    if cfg.zero_stage == 3:
+        conf["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True})
+    return conf
+
+
+def lr_lambda(cfg):
+    """Linear warm-up over WARMUP_ITERS, then cosine decay from LR to MIN_LR at TRAIN_ITERS (a factor of LR)."""
+    floor = cfg.min_lr / cfg.lr
+
+    def factor(step: int) -> float:
+        if cfg.warmup_iters and step < cfg.warmup_iters:
+            return (step + 1) / cfg.warmup_iters
+        span = max(1, cfg.train_iters - cfg.warmup_iters)
+        progress = min(1.0, (step - cfg.warmup_iters) / span)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def adapt(model) -> Optional[object]:
+    """Patch the model with kit ops (kit.adapt, issue 5); a clear error if that module is not installed."""
+    try:
+        from kit.adapt import adapt_model
+    except ImportError as exc:
+        raise RuntimeError(f"ADAPT=True needs kit.adapt (the NPU-ops stage), which cannot be imported ({exc}); "
+                           f"set ADAPT=False to train the plain HF model.") from exc
+    return adapt_model(model)
+
+
+def build_model(cfg, torch_dtype=None):
+    """Load the HF causal LM (fp32 master copy), adapt it, wrap it in LoRA for RUN_TYPE lora; (model, report)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)  # LoRA initialisation draws random numbers
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch_dtype or torch.float32)
+    model.config.use_cache = False
+    report = adapt(model) if cfg.adapt else None
+    if cfg.run_type == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [t for t in cfg.lora_targets if t not in names]
+        if missing:
+            raise ValueError(f"LORA_TARGETS {missing} are not module names of {cfg.model_path}; it has e.g. "
+                             f"{sorted(n for n in names if n.endswith('proj'))[:8]}.")
+        lora = LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                          lora_dropout=cfg.lora_dropout, target_modules=list(cfg.lora_targets))
+        model = get_peft_model(model, lora)
+    return model, report
+
+
+def build_engine(cfg, model, dtype: str):
+    """deepspeed.initialize with a torch AdamW over the trainable parameters and the warm-up/cosine schedule."""
+    import deepspeed
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config(cfg, dtype))
+    return engine
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed logs every config key at INFO; the kit's own lines say what matters."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

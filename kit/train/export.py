@@ -1,0 +1,90 @@
+"""Plain HF folders from a trained engine (LoRA: adapter + merged weights) and a quick generation check."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Optional, Union
+
+from kit.atomic import atomic_dir
+
+PathLike = Union[str, Path]
+
+
+@contextlib.contextmanager
+def _full_params(module, zero_stage: int):
+    """Inside: every parameter is whole on every rank (ZeRO-3 gathers them; other stages keep them whole)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def _save_tokenizer(tokenizer_dir: PathLike, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out)
+
+
+def export_hf(module, out_dir: PathLike, tokenizer_dir: PathLike, zero_stage: int = 0, rank: int = 0) -> Path:
+    """Save the trained (non-LoRA) model as safetensors + config + tokenizer; all ranks call, rank 0 writes."""
+    out_dir = Path(out_dir)
+    with _full_params(module, zero_stage):
+        if rank == 0:
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            with atomic_dir(out_dir, overwrite=True, what="exported HF folder") as tmp:
+                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                _save_tokenizer(tokenizer_dir, tmp)
+    return out_dir
+
+
+def export_lora(module, adapter_dir: PathLike, merged_dir: PathLike, base_path: PathLike, tokenizer_dir: PathLike,
+                zero_stage: int = 0, rank: int = 0) -> tuple:
+    """Save the LoRA adapter, then merge it into a fresh copy of the base model and save that as plain HF."""
+    from peft import get_peft_model_state_dict
+
+    adapter_dir, merged_dir = Path(adapter_dir), Path(merged_dir)
+    with _full_params(module, zero_stage):
+        if rank == 0:
+            lora_state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(module).items()}
+            with atomic_dir(adapter_dir, overwrite=True, what="LoRA adapter folder") as tmp:
+                module.save_pretrained(tmp, state_dict=lora_state, safe_serialization=True)
+    if rank == 0:
+        merge_lora(base_path, adapter_dir, merged_dir, tokenizer_dir)
+    return adapter_dir, merged_dir
+
+
+def merge_lora(base_path: PathLike, adapter_dir: PathLike, out_dir: PathLike,
+               tokenizer_dir: Optional[PathLike] = None) -> Path:
+    """base + adapter -> one plain HF folder (W + B·A·alpha/r folded into each target weight), fp32 on CPU."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with atomic_dir(out_dir, overwrite=True, what="merged LoRA folder") as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        _save_tokenizer(tokenizer_dir or base_path, tmp)
+    return Path(out_dir)
+
+
+def generate(model_dir: PathLike, prompt: str, max_new_tokens: int = 32, chat: bool = True) -> str:
+    """Greedy continuation of `prompt` (through the tokenizer's chat template when it has one), on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if chat and tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -1,0 +1,168 @@
+"""Kit trainer on CPU with real DeepSpeed: config validation, loss goes down, checkpoints, resume, NaN stop, LoRA."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import test_train_helpers as H
+import torch
+
+from kit.configs import ConfigError, check
+from kit.train import TrainConfig, Trainer, from_env, train
+from kit.train.checkpoint import MEGATRON_LATEST, latest_iteration
+
+
+@pytest.fixture(scope="module")
+def pretrain_data(tmp_path_factory):
+    return H.make_pretrain(tmp_path_factory.mktemp("data") / "synthetic_pretrain_hf")
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    return H.make_sft(tmp_path_factory.mktemp("data") / "synthetic_sft_hf")
+
+
+def test_config_lists_every_problem(tmp_path):
+    cfg = TrainConfig(run_type="finetune", model_path=str(tmp_path / "none"), dataset_path=str(tmp_path / "nd"),
+                      gbs=6, mbs=4, tp=2, pp=4, nproc_per_node=3, nnodes=2, node_rank=2, zero_stage=4, lr=-1.0)
+    with pytest.raises(ConfigError) as err:
+        check(cfg)
+    text = str(err.value)
+    for needle in ("RUN_TYPE='finetune'", "NODE_RANK=2", "needs MASTER_ADDR", "not divisible by TP x PP",
+                   "GBS=6 is not divisible by MBS x DP", "data-parallel only", "ZERO_STAGE=4", "LR=-1.0",
+                   "has no config.json", "has no meta.json"):
+        assert needle in text, needle
+    assert len(err.value.problems) == 10
+
+
+def test_seed_environment_overrides():
+    env = {"MODEL_TYPE": "GLM3-6B", "RUN_TYPE": "pretrain", "TRAIN_ITERS": "200", "MBS": "2", "GBS": "128",
+           "TP": "2", "PP": "8", "SEQ_LEN": "8192", "MASTER_ADDR": "10.0.0.1", "NNODES": "2", "NODE_RANK": "1",
+           "WORK_DIR": "/home/ma-user/ws", "DATASET_PATH": "/d/alpaca_text_document", "TOKENIZER_PATH": "/t",
+           "LR": "5"}  # LR is not a seed variable: the environment must not change it
+    cfg = from_env(env, lr=2e-5, gbs=64)
+    assert (cfg.model_type, cfg.run_type, cfg.train_iters, cfg.mbs, cfg.gbs, cfg.tp, cfg.pp) == \
+        ("GLM3-6B", "pretrain", 200, 2, 128, 2, 8, )
+    assert (cfg.seq_len, cfg.master_addr, cfg.nnodes, cfg.node_rank, cfg.lr) == (8192, "10.0.0.1", 2, 1, 2e-5)
+    assert from_env(env, extra=["LR"]).lr == 5.0
+    with pytest.raises(TypeError, match="GLOBAL_BATCH"):
+        from_env({}, GLOBAL_BATCH=3)
+
+
+def test_dataset_mismatches_are_listed(tmp_path, tiny_llama_dir, sft_data):
+    big = H.make_pretrain(tmp_path / "big_hf", num_samples=4, vocab_size=99999)
+    # token ids beyond the model's vocabulary, written by "another tokenizer"
+    import datasets
+
+    ds = datasets.load_from_disk(str(big)).map(lambda r: {"input_ids": [5000] + r["input_ids"][1:]})
+    ds.save_to_disk(str(tmp_path / "oov_hf"))
+    (tmp_path / "oov_hf" / "meta.json").write_text((big / "meta.json").read_text())
+    cfg = H.tiny_config(tiny_llama_dir, tmp_path / "oov_hf", tmp_path / "ws", seq_len=64, run_type="sft")
+    problems = "\n".join(cfg.problems())
+    assert "holds 'pretrain' data but RUN_TYPE=sft" in problems
+    assert "SEQ_LEN=64 but the dataset was prepared with max_length=32" in problems
+    assert "token id 5000 >= model vocab_size 2522" in problems
+    assert H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="sft").problems() == []
+
+
+def test_pretrain_loss_decreases_with_logs_checkpoint_and_hf_export(tmp_path, tiny_llama_dir, pretrain_data):
+    seen = []
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ws", train_iters=8, save_hf=True)
+    result = train(cfg, step_callbacks=[seen.append], progress=False)
+    assert result.status == "completed" and result.iteration == 8 and seen == list(range(1, 9))
+    assert result.losses[-1] < result.losses[0] - 0.5, result.losses
+    out = tmp_path / "ws" / "saved_dir_for_ma_output" / "tiny" / "pretrain"
+    assert result.output_dir == out and json.loads((out / "config.json").read_text())["gbs"] == 4
+    assert latest_iteration(out / "checkpoints") == 8
+    assert (out / "checkpoints" / MEGATRON_LATEST).read_text() == "8"
+    assert not list((out / "checkpoints").glob(".partial-*"))
+    # the Megatron-style lines, the metrics file and TensorBoard
+    lines = [ln for ln in result.log_path.read_text().splitlines() if "lm loss:" in ln]
+    assert len(lines) == 8 and "elapsed time per iteration (ms):" in lines[0] and "grad norm:" in lines[0]
+    records = [json.loads(ln) for ln in result.metrics_path.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 9))
+    r = records[3]
+    assert r["tokens_per_s_per_card"] == pytest.approx(4 * 32 / (1 * r["elapsed_ms"]) * 1000)
+    assert r["real_tokens"] == 4 * 32 and r["grad_norm"] > 0
+    assert list((tmp_path / "ws" / "saved_dir_for_ma_output" / "tiny" / "logs" / "tensorboard").rglob("events.*"))
+    # the exported HF folder holds the trained weights
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(result.hf_dir)
+    start = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    batch = torch.tensor([list(range(10, 42))])
+    with torch.no_grad():
+        assert trained(batch, labels=batch).loss < start(batch, labels=batch).loss - 0.5
+
+
+def test_sft_loss_decreases_on_answer_tokens(tmp_path, tiny_llama_dir, sft_data):
+    cfg = H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="sft", train_iters=8, gbs=8, mbs=4)
+    result = train(cfg, progress=False)
+    assert result.status == "completed"
+    assert result.losses[-1] < result.losses[0] - 0.5, result.losses
+    rec = json.loads(result.metrics_path.read_text().splitlines()[0])
+    assert rec["real_tokens"] < 8 * 48  # padding is not counted as useful tokens
+
+
+def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, tiny_llama_dir, pretrain_data):
+    full = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "a", train_iters=6), progress=False)
+    first = Trainer(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "b", train_iters=6), progress=False)
+    first.step_callbacks.append(lambda it: first.request_stop("test") if it == 3 else None)
+    stopped = first.train()
+    assert stopped.status == "preempted" and stopped.iteration == 3
+    assert stopped.losses == full.losses[:3]
+    resumed = train(TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "b"), train_iters=6),
+                    progress=False)
+    assert resumed.status == "completed" and resumed.iteration == 6
+    assert resumed.losses == full.losses[3:]  # bit-exact: weights, Adam moments, LR schedule and data position
+    rows = [json.loads(ln) for ln in resumed.metrics_path.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_retrain_without_checkpoint_is_a_config_problem(tmp_path):
+    cfg = TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "ws"))
+    assert any("holds no checkpoint" in p for p in cfg.problems())
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_llama_dir, pretrain_data):
+    trainer = Trainer(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ws", train_iters=8,
+                                    save_interval=2), progress=False)
+
+    def poison(iteration):
+        if iteration == 3:  # weights go bad after step 3; step 4's loss is NaN
+            with torch.no_grad():
+                next(trainer.engine.module.parameters()).fill_(float("nan"))
+
+    trainer.step_callbacks.append(poison)
+    result = trainer.train()
+    assert result.status == "nan" and result.iteration == 3
+    assert result.checkpoint.name == "iter_0000002" and "iteration 4" in result.message
+    assert "iter_0000002" in result.message
+    assert latest_iteration(result.output_dir / "checkpoints") == 2
+    states = torch.load(result.checkpoint / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert all(torch.isfinite(t).all() for t in states.values())
+    assert all(math.isfinite(x) for x in result.losses)
+
+
+def test_lora_trains_and_merge_reproduces_adapted_logits(tmp_path, tiny_llama_dir, sft_data):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="lora", train_iters=8, gbs=8, mbs=4,
+                        lr=1e-2, save_hf=True, lora_r=8, lora_alpha=32,
+                        lora_targets=["q_proj", "v_proj", "down_proj", "lm_head"])  # tiny lm_head caps logits
+    result = train(cfg, progress=False)
+    assert result.status == "completed" and result.losses[-1] < result.losses[0] - 0.3, result.losses
+    assert result.adapter_dir.name == "adapter" and (result.adapter_dir / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    adapted = PeftModel.from_pretrained(base, result.adapter_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(result.hf_dir).eval()
+    ids = torch.tensor([[5, 101, 120, 133, 6, 133, 120, 101, 2]])
+    with torch.no_grad():
+        a, m = adapted(ids).logits, merged(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)(ids).logits
+    torch.testing.assert_close(m, a, atol=1e-4, rtol=1e-4)
+    assert (m - plain).abs().max() > 1e-2  # the adapter changed something
+    assert not any("lora" in k for k in merged.state_dict())
