@@ -32,3 +32,8 @@ EXPECT = {
     # the doctor's report table (PASS/WARN/FAIL lines), the device table, the explained error
     "00": Expect(tables=2, texts=("torch_npu", "CANN", "PASS", "gloo", "leftover_process")),
 }
+
+# A parameter a user could get wrong, and the words of the kit's error that must be visible in the cell output.
+BROKEN = {
+    "00": ({"MODEL": "my model/v1"}, "is not a plain folder name"),
+}

@@ -73,8 +73,8 @@ class JupyterLab:
         # a private Jupyter config/data/runtime: no user settings or kernels from this machine leak in
         for sub in ("config", "data", "runtime", "settings", "workspaces"):
             (self.home / sub).mkdir(parents=True, exist_ok=True)
-        self.env.setdefault("JUPYTER_CONFIG_DIR", str(self.home / "config"))
-        self.env.setdefault("JUPYTER_DATA_DIR", str(self.home / "data"))
+        self.env["JUPYTER_CONFIG_DIR"] = str(self.home / "config")
+        self.env["JUPYTER_DATA_DIR"] = str(self.home / "data")
         self.env["JUPYTER_RUNTIME_DIR"] = str(self.home / "runtime")
         self.env["JUPYTER_PLATFORM_DIRS"] = "1"
         self.env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")

@@ -125,7 +125,7 @@ def full_screenshot(page, path: Path, max_height: int = 20_000) -> Path:
         f"() => {{ const s = {scroller}; const cells = s ? s.querySelectorAll('.jp-Cell') : [];"
         " return cells.length ? cells[cells.length - 1].getBoundingClientRect().bottom - s.getBoundingClientRect().top"
         " + s.scrollTop + 40 : document.body.scrollHeight; }")
-    page.set_viewport_size({"width": VIEWPORT["width"], "height": min(int(height) + 200, max_height)})
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], min(int(height) + 200, max_height))})
     time.sleep(0.5)  # relayout
     page.evaluate(f"() => {{ const s = {scroller}; if (s) s.scrollTop = 0; }}")
     time.sleep(0.2)

@@ -1,0 +1,53 @@
+"""Errors are readable in the browser, and the checks of test_e2e_notebooks do fail when something is wrong."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+from e2e_cases import BROKEN, Expect, tiny_parameters
+from e2e_lab import tiny_copy
+from e2e_ui import full_screenshot, open_notebook, read_cells, run_all, visible_errors
+from test_e2e_notebooks import missing_outputs
+
+from kit.notebooks import numbered_notebooks
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CASES = [nb for nb in numbered_notebooks() if nb.name[:2] in BROKEN]
+
+
+@pytest.mark.parametrize("nb", CASES, ids=[nb.name[:2] for nb in CASES])
+def test_broken_parameter_shows_the_kit_error(nb, lab, page, e2e_root, screenshots):
+    overrides, message = BROKEN[nb.name[:2]]
+    name = f"broken_{nb.name}"
+    tiny_copy(nb, e2e_root / name, {**tiny_parameters(nb.name[:2], e2e_root), **overrides})
+    open_notebook(page, lab.url(name))
+    run_all(page)
+    cells = read_cells(page)
+    full_screenshot(page, screenshots / f"{name[:-6]}.png")
+    errors = visible_errors(cells)
+    assert errors, "a failing notebook must be reported by visible_errors"
+    failed = [c for c in cells if c.kind == "code" and "Traceback" in c.text]
+    assert len(failed) == 1, [c.source for c in failed]
+    # the kit's message is what the user reads last in that output, not something buried in a traceback
+    last_line = [line for line in failed[0].text.splitlines() if line.strip()][-1]
+    assert message in last_line, f"last visible line: {last_line!r}\nwhole output:\n{failed[0].text}"
+
+
+def test_checks_catch_planted_error_and_missing_output(lab, page, e2e_root):
+    """A notebook with a raising cell: reported as an error, later cells as not run, the missing plot as missing."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("import pandas as pd\npd.DataFrame({'loss': [2.0, 1.5]})"),
+        nbformat.v4.new_code_cell("raise RuntimeError('planted')"),
+        nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()"),
+    ]
+    nbformat.write(nb, e2e_root / "planted.ipynb")
+    open_notebook(page, lab.url("planted.ipynb"))
+    run_all(page)
+    cells = read_cells(page)
+    errors = visible_errors(cells)
+    assert len(errors) == 2 and "RuntimeError: planted" in errors[0] and "not executed" in errors[1], errors
+    assert missing_outputs(cells, Expect(tables=1, images=1, texts=("loss",))) == [
+        "images: 0 visible, expected at least 1"]
