@@ -12,12 +12,14 @@ from kit.workspace import on_modelarts, repo_root
 MODELARTS_ENVS = Path("/home/ma-user/work/envs")  # only /home/ma-user/work survives a restart
 
 
-def default_envs_root() -> Path:
-    """KIT_ENVS_ROOT if set, /home/ma-user/work/envs on ModelArts, else `runs/envs` in this checkout."""
+def default_envs_root(workspace_root: Optional[Union[str, Path]] = None) -> Path:
+    """KIT_ENVS_ROOT if set, /home/ma-user/work/envs on ModelArts, else <workspace_root>/envs (or runs/envs)."""
     env = os.environ.get("KIT_ENVS_ROOT")
     if env:
         return Path(env).expanduser()
-    return MODELARTS_ENVS if on_modelarts() else repo_root() / "runs" / "envs"
+    if on_modelarts():
+        return MODELARTS_ENVS
+    return Path(workspace_root) / "envs" if workspace_root else repo_root() / "runs" / "envs"
 
 
 @dataclass(frozen=True)

@@ -247,6 +247,23 @@ class _Staged:
         return False
 
 
+def demo_source(envs_root: Optional[PathLike] = None) -> Path:
+    """A small virtualenv to practise on (<envs_root>/venvs/demo-source), on top of this python's packages;
+    made once, reused after."""
+    from kit.envs.venv import create_venv
+
+    folder = get_layout(envs_root).venvs / "demo-source"
+    if kind_of(folder) != "venv":
+        with atomic_dir(folder, overwrite=True, what="demo env") as tmp:
+            os.rmdir(tmp)
+            create_venv(tmp)
+            # venv wrote the temporary path into its scripts; they must name the final one
+            from kit.envs.prefix import rewrite_prefix_files
+
+            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(folder))
+    return folder
+
+
 def remove(target: PathLike, envs_root: Optional[PathLike] = None) -> dict:
     """Delete an env folder (only a real env: conda-meta/ or pyvenv.cfg) and the kernels that use it."""
     from kit.envs.kernels import stored_kernels, unregister_kernel
