@@ -96,6 +96,16 @@ class DataConfig:
             out.append(f"max_records={self.max_records!r}: use None or a positive integer.")
         if not isinstance(self.columns, dict) or not all(isinstance(v, str) for v in self.columns.values()):
             out.append(f"columns={self.columns!r}: use a dict like {{'text': 'content'}}.")
+        else:
+            from kit.data.dialogs import DEFAULT_COLUMNS
+
+            fmts = [self.input_format] if self.input_format in DEFAULT_COLUMNS else (
+                ["text"] if self.kind == "pretrain" else ["alpaca", "sharegpt", "openai"])
+            known = sorted({k for f in fmts for k in DEFAULT_COLUMNS[f]})
+            unknown = sorted(set(self.columns) - set(known))
+            if unknown:
+                out.append(f"columns keys {unknown} are not kit fields here; keys are kit names ({known}) and "
+                           f"values your column names, e.g. {{'{known[0]}': '<your column>'}}.")
         for p in self.inputs:
             if not Path(p).expanduser().exists():
                 out.append(f"input {str(p)!r} does not exist; check the path (files or folders are accepted).")

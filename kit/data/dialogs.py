@@ -27,18 +27,26 @@ class Dialog:
     turns: List[Tuple[str, str]] = field(default_factory=list)
 
 
-def detect_format(record: dict, kind: str) -> str:
-    """Guess the input format from the keys of one record."""
+def detect_format(record: dict, kind: str, overrides: Optional[Dict[str, str]] = None) -> str:
+    """Guess the input format from the keys of one record (after the user's column mapping)."""
     if kind == "pretrain":
         return "text"
-    if "messages" in record:
-        return "openai"
-    if "conversations" in record:
-        return "sharegpt"
-    if "instruction" in record or "output" in record:
-        return "alpaca"
+    overrides = overrides or {}
+    for fmt, key in (("openai", "messages"), ("sharegpt", "messages"), ("alpaca", "instruction")):
+        if not set(overrides) <= set(DEFAULT_COLUMNS[fmt]):
+            continue
+        cols = {**DEFAULT_COLUMNS[fmt], **overrides}
+        value = record.get(cols[key])
+        if value is None:
+            continue
+        if key == "messages":
+            first = value[0] if isinstance(value, list) and value and isinstance(value[0], dict) else {}
+            if cols["role"] not in first and first:
+                continue
+        return fmt
     raise ValueError(f"cannot tell the format of a record with keys {sorted(record)}; set input_format to "
-                     f"'alpaca', 'sharegpt' or 'openai' and map your fields with columns={{...}}.")
+                     f"'alpaca', 'sharegpt' or 'openai' and map your fields with columns={{...}} "
+                     f"(e.g. {{'instruction': 'question', 'output': 'answer'}}).")
 
 
 def column_map(fmt: str, overrides: Dict[str, str]) -> Dict[str, str]:

@@ -76,7 +76,7 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
             break
         report.records_read += 1
         if fmt is None or not cols:
-            fmt = fmt or detect_format(rec.data, cfg.kind)
+            fmt = fmt or detect_format(rec.data, cfg.kind, cfg.columns)
             cols = column_map(fmt, cfg.columns)
         where = f"{rec.source}:{rec.line}"
         try:

@@ -111,3 +111,14 @@ class SftAssembler:
             r.padding_ratio_unpacked = 1.0 - self.useful_tokens / (self.dialogs * self.max_length)
         if r.samples == 0:
             r.warnings.append("no dialog was written; see `dropped` and `problems` in the report")
+
+
+def encode_dialogs(dialogs: List[Dialog], tokenizer: Optional[str] = None, template: str = "telechat",
+                   system: Optional[str] = None, train_on_prompt: bool = False,
+                   mask_history: bool = False, trust_remote_code: bool = False) -> List[Item]:
+    """(ids, labels) of each dialog exactly as `prepare` encodes it, before truncation and packing."""
+    from kit.data.tokenizing import init_worker
+
+    init_worker(tokenizer, trust_remote_code, {"template": template, "system": system, "add_bos": False,
+                                               "train_on_prompt": train_on_prompt, "mask_history": mask_history})
+    return sft_job(list(dialogs))

@@ -1,0 +1,132 @@
+"""Pretraining data: EOS per document, concatenated, max_length rows; Megatron documents; deterministic output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kit.data import DataConfig, IndexedReader, load_prepared, prepare, read_meta
+from kit.samples import pretrain_corpus, sample_tokenizer_dir
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(sample_tokenizer_dir()))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The first 120 documents of the sample corpus plus an empty one (dropped and counted)."""
+    df = pd.read_parquet(pretrain_corpus()).head(120)
+    df = pd.concat([df, pd.DataFrame({"text": ["   "]})], ignore_index=True)[["text"]]
+    path = tmp_path_factory.mktemp("corpus") / "c.parquet"
+    df.to_parquet(path)
+    return path, df["text"].tolist()
+
+
+def _run(out, corpus_path, **kw):
+    cfg = DataConfig(kind="pretrain", inputs=[str(corpus_path)], name="c", max_length=kw.pop("max_length", 48),
+                     out_dir=str(out), **kw)
+    return prepare(cfg, progress=False)
+
+
+def test_rows_are_the_concatenated_documents(tmp_path, corpus, tok):
+    path, texts = corpus
+    res = _run(tmp_path, path, batch_size=16)
+    docs = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts if t.strip()]
+    stream = np.concatenate(docs)
+    ds = load_prepared(res.hf_dir)
+    L = 48
+    rows = np.array(ds["input_ids"])
+    assert rows.shape == (stream.size // L, L)
+    np.testing.assert_array_equal(rows.reshape(-1), stream[:rows.size])
+    np.testing.assert_array_equal(np.array(ds["labels"]), rows)
+    assert (np.array(ds["attention_mask"]) == 1).all()
+    assert (np.array(ds["position_ids"]) == np.arange(L)).all()
+    rep = res.report
+    assert rep.records_read == 121 and rep.records_written == 120 and rep.dropped == {"empty_text": 1}
+    assert rep.tokens_in == stream.size and rep.remainder_tokens == stream.size - rows.size
+    assert rep.samples == len(ds) == res.meta["num_samples"]
+    # Megatron: one document per input document, EOS-terminated, uint16 for this vocabulary
+    mg = IndexedReader(res.megatron_prefix)
+    assert mg.dtype == np.uint16 and mg.num_documents == len(docs)
+    for i in (0, 57, len(docs) - 1):
+        assert mg[i].tolist() == docs[i]
+
+
+def test_megatron_core_reads_pretrain_files(tmp_path, corpus):
+    mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    path, _ = corpus
+    res = _run(tmp_path, path)
+    ds = mcore.IndexedDataset(res.megatron_prefix)
+    ours = IndexedReader(res.megatron_prefix)
+    assert len(ds) == len(ours)
+    for i in range(len(ds)):
+        assert ds[i].tolist() == ours[i].tolist()
+
+
+def test_bos_option(tmp_path, corpus, tok):
+    path, texts = corpus
+    res = _run(tmp_path, path, add_bos=True, max_records=3)
+    mg = IndexedReader(res.megatron_prefix)
+    first = [tok.bos_token_id] + tok(texts[0], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert mg[0].tolist() == first
+
+
+def _digests(folder):
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_byte_identical_whatever_the_worker_count(tmp_path, corpus):
+    path, _ = corpus
+    a = _run(tmp_path, path, num_workers=1, batch_size=7)
+    da = _digests(tmp_path)
+    b = _run(tmp_path, path, num_workers=2, batch_size=7, overwrite=True)
+    db = _digests(tmp_path)
+    # config.json records num_workers and overwrite themselves; every other file matches byte for byte
+    assert set(da) == set(db) and {k for k in da if da[k] != db[k]} == {"c_hf/config.json"}
+    assert a.report.as_dict() == b.report.as_dict()
+    out = tmp_path / "sft"
+    x = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=1, batch_size=9), progress=False)
+    dx = _digests(out)
+    y = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=2, batch_size=9,
+                           overwrite=True), progress=False)
+    dy = _digests(out)
+    assert set(dx) == set(dy) and {k for k in dx if dx[k] != dy[k]} == {"alpaca_hf/config.json"}
+    assert x.report.samples == y.report.samples
+
+
+def test_text_files_and_column_mapping(tmp_path, tok):
+    (tmp_path / "d.txt").write_text("first line\nsecond line\n", encoding="utf-8")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"body": "third"}) + "\n", encoding="utf-8")
+    r1 = prepare(DataConfig(kind="pretrain", inputs=[str(tmp_path / "d.txt")], max_length=8,
+                            out_dir=str(tmp_path / "o1")), progress=False)
+    assert IndexedReader(r1.megatron_prefix)[1].tolist() == tok("second line", add_special_tokens=False)[
+        "input_ids"] + [tok.eos_token_id]
+    r2 = prepare(DataConfig(kind="pretrain", inputs=[str(tmp_path / "e.jsonl")], max_length=8,
+                            columns={"text": "body"}, out_dir=str(tmp_path / "o2")), progress=False)
+    assert r2.report.records_written == 1 and r2.report.samples == 0 and r2.report.warnings
+
+
+def test_load_prepared_rejects_damaged_folders(tmp_path, corpus):
+    path, _ = corpus
+    res = _run(tmp_path, path, max_records=20)
+    assert read_meta(res.hf_dir)["kind"] == "pretrain"
+    assert len(load_prepared(str(tmp_path / "c"))) == res.report.samples  # the bare prefix works too
+    ds, meta = load_prepared(res.hf_dir, return_meta=True)
+    assert meta["max_length"] == 48 and len(ds) == meta["num_samples"]
+    meta_path = res.hf_dir / "meta.json"
+    meta["num_samples"] += 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="rows but meta.json says"):
+        load_prepared(res.hf_dir)
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        load_prepared(tmp_path / "nothing_here")
