@@ -70,7 +70,7 @@ class TrainConfig:
     seed: int = 1234  # data order and RNG seed
     save_interval: int = 0  # checkpoint every N steps (0 = only at the end, on SIGTERM)
     log_interval: int = 1  # print a Megatron-style line every N steps
-    adapt: bool = False  # patch the model with kit ops (kit.adapt.adapt_model) before training
+    adapt: bool = True  # patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU
     lora_r: int = 8  # LoRA rank (RUN_TYPE lora)
     lora_alpha: int = 16  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
@@ -180,9 +180,14 @@ def _path_problems(cfg: TrainConfig) -> list:
         p.append(f"MODEL_PATH={cfg.model_path!r} has no config.json; point it at an HF model folder.")
     if not cfg.dataset_path:
         p.append("DATASET_PATH is required: a prepared `<name>_hf` folder written by notebook 02 (kit.data).")
-    elif not (Path(cfg.dataset_path) / "meta.json").is_file():
-        p.append(f"DATASET_PATH={cfg.dataset_path!r} has no meta.json; prepare it with notebook 02 / "
-                 f"`python -m kit data ...`.")
+    else:
+        from kit.data import read_meta
+
+        try:
+            read_meta(cfg.dataset_path)
+        except FileNotFoundError:
+            p.append(f"DATASET_PATH={cfg.dataset_path!r} has no meta.json (not a prepared `<name>_hf` folder); "
+                     f"prepare it with notebook 02 / `python -m kit data ...`.")
     if cfg.tokenizer_path and not Path(cfg.tokenizer_path).is_dir():
         p.append(f"TOKENIZER_PATH={cfg.tokenizer_path!r} is not a folder.")
     if p:

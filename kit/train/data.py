@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Iterator, Union
 
@@ -12,23 +11,11 @@ MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")
 KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft"}
 
 
-def read_meta(path: PathLike) -> dict:
-    """The meta.json beside a prepared dataset (kind, max_length, tokenizer, vocab_size, pad/eos ids, num_samples)."""
-    meta_path = Path(path) / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(
-            f"{meta_path} is missing: {path} is not a prepared dataset. Prepare one with notebook 02 or "
-            f"`python -m kit data ...` (it writes <name>_hf/ with meta.json)."
-        )
-    return json.loads(meta_path.read_text(encoding="utf-8"))
-
-
 def load_dataset(path: PathLike):
-    """The prepared `datasets.Dataset` (torch format, model input columns only) and its meta dict."""
-    import datasets
+    """The prepared `datasets.Dataset` (validated by kit.data, torch format, model inputs only) and its meta."""
+    from kit.data import load_prepared
 
-    meta = read_meta(path)
-    ds = datasets.load_from_disk(str(path))
+    ds, meta = load_prepared(path, return_meta=True)
     missing = [c for c in MODEL_INPUTS if c not in ds.column_names]
     if missing:
         raise ValueError(f"{path} lacks column(s) {missing} (has {ds.column_names}); re-run the data stage.")

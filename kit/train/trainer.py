@@ -140,6 +140,8 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------------------
     def _one_step(self, iteration: int) -> Optional[dict]:
         """One optimizer step over this rank's micro-batches; None when a loss was not finite (nothing stepped)."""
+        import torch
+
         from kit.device import synchronize
         from kit.train.data import micro_batches, tokens_in
 
@@ -148,7 +150,7 @@ class Trainer:
         t0 = time.perf_counter()
         loss_sum, tokens, pre_clip_norm = 0.0, 0, None
         for batch in micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)):
-            batch = {k: v.to(self.device) for k, v in batch.items()}
+            batch = {k: v.to(self.device, dtype=torch.long) for k, v in batch.items()}  # kit.data stores int32
             loss = engine(**batch).loss
             bad = self._all_reduce([0.0 if math.isfinite(loss.item()) else 1.0], "max")[0]
             if bad:
