@@ -1,0 +1,55 @@
+"""The conversion stage's config: one dataclass, every problem reported at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from kit.convert.layout import FLAVORS
+
+DIRECTIONS = ("hf_to_megatron", "megatron_to_hf", "megatron_to_megatron")
+DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ConvertConfig:
+    """What to convert, into which layout, and where to put it."""
+
+    source: str  # HF folder (config.json + shards) or Megatron folder (latest_checkpointed_iteration.txt)
+    target: str  # output folder; refused if it exists unless overwrite
+    direction: str = "hf_to_megatron"  # hf_to_megatron | megatron_to_hf | megatron_to_megatron
+    tp: int = 1  # target tensor parallel size
+    pp: int = 1  # target pipeline parallel size
+    num_layer_list: Optional[List[int]] = None  # uneven PP: layers per stage, e.g. [3, 5]
+    family: Optional[str] = None  # llama | chatglm | baichuan (or a seed loader name); None: from config.json
+    flavor: str = "local"  # Megatron key names: local (mcore local spec, MindSpeed) | legacy | te
+    make_vocab_size_divisible_by: int = 128  # Megatron's --make-vocab-size-divisible-by (padding rule)
+    padded_vocab_size: Optional[int] = None  # explicit padded vocabulary (ModelLink --padded-vocab-size)
+    dtype: Optional[str] = None  # cast weights: float32 | bfloat16 | float16; None keeps the source dtype
+    hf_config_dir: Optional[str] = None  # megatron_to_hf: HF folder with config/tokenizer (default: hf_meta/)
+    max_shard_mb: int = 2048  # megatron_to_hf: largest safetensors shard
+    overwrite: bool = False  # replace an existing target folder
+
+    def problems(self) -> List[str]:
+        out = []
+        if not self.source:
+            out.append("source is empty; give the folder to convert.")
+        if not self.target:
+            out.append("target is empty; give the output folder (e.g. ws.converted_weights / 'tp2pp1').")
+        if self.direction not in DIRECTIONS:
+            out.append(f"direction {self.direction!r} is not one of {DIRECTIONS}.")
+        for name in ("tp", "pp", "make_vocab_size_divisible_by", "max_shard_mb"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(f"{name} = {v!r} must be a positive integer.")
+        if self.flavor not in FLAVORS:
+            out.append(f"flavor {self.flavor!r} is not one of {FLAVORS}.")
+        if self.dtype not in DTYPES:
+            out.append(f"dtype {self.dtype!r} is not one of {DTYPES}.")
+        if self.num_layer_list is not None and (not isinstance(self.num_layer_list, (list, tuple)) or
+                                                len(self.num_layer_list) != self.pp):
+            out.append(f"num_layer_list {self.num_layer_list!r} must list one layer count per stage (pp={self.pp}).")
+        if self.padded_vocab_size is not None and (not isinstance(self.padded_vocab_size, int) or
+                                                   self.padded_vocab_size % max(self.tp, 1)):
+            out.append(f"padded_vocab_size {self.padded_vocab_size!r} must be an integer divisible by tp={self.tp}.")
+        return out

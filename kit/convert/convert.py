@@ -1,0 +1,237 @@
+"""HF -> Megatron, Megatron -> HF and Megatron -> Megatron, streaming one rank file or one layer at a time."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from kit.atomic import atomic_dir, atomic_write_text
+from kit.configs import check, save_config
+from kit.convert import layout
+from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_plan_problems, role_kind
+from kit.convert.config import ConvertConfig
+from kit.convert.families import Family, family_for_config
+from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
+from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, save_rank
+from kit.convert.spec import ModelSpec, megatron_args, padded_vocab_size
+from kit.convert.tensor_ops import full_to_parts, merge_tp, read_rank, split_tp
+
+PathLike = Union[str, Path]
+RankFn = Callable[[str, Optional[int], int], torch.Tensor]  # (role, global layer | None, tp rank) -> tensor
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    return _DTYPES[name] if name else None
+
+
+def _write_megatron(tmp: Path, fam: Family, spec: ModelSpec, tp: int, stages: List[List[int]], flavor: str,
+                    args, rank_fn: RankFn, progress: bool) -> int:
+    """Write every rank file of the layout; one rank's tensors are in memory at a time. Returns bytes written."""
+    _, layer_roles = fam.roles(spec)
+    pp, written = len(stages), 0
+    bar = tqdm(total=tp * spec.num_layers, desc=f"HF->Megatron TP{tp} PP{pp}", unit="layer", disable=not progress)
+    for s, layers in enumerate(stages):
+        for r in range(tp):
+            model: dict = {}
+            if s == 0:
+                layout.put(model, layout.key_path(flavor, "embedding"), rank_fn("embedding", None, r))
+            for local, g in enumerate(layers):
+                for role in layer_roles:
+                    layout.put(model, layout.key_path(flavor, role, local), rank_fn(role, g, r))
+                bar.update(1)
+            if s == pp - 1:
+                layout.put(model, layout.key_path(flavor, "final_norm"), rank_fn("final_norm", None, r))
+                if not spec.tied:
+                    layout.put(model, layout.key_path(flavor, "output"), rank_fn("output", None, r))
+                elif pp > 1:  # the last stage holds its own copy of a tied embedding
+                    layout.put(model, layout.key_path(flavor, "tied_head"), rank_fn("embedding", None, r))
+            path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
+            save_rank(path, args, model)
+            written += path.stat().st_size
+            del model
+    bar.close()
+    return written
+
+
+def _finish(tmp: Path, meta: dict, cfg: ConvertConfig, side_from: Optional[Path]) -> None:
+    """Side files, metadata, config; the tracker file goes last so a partial folder never looks complete."""
+    if side_from is not None and side_from.is_dir():
+        copy_side_files(side_from, tmp / HF_META_DIR)
+    atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
+    save_config(cfg, tmp, "convert_config.json")
+    atomic_write_text(tmp / layout.TRACKER, str(layout.ITERATION))
+
+
+def _plan(spec: ModelSpec, tp: int, pp: int, layer_list, divisible_by: int, explicit_vocab, flavor: str) -> tuple:
+    padded = padded_vocab_size(spec.vocab_size, tp, divisible_by, explicit_vocab)
+    problems = layout_plan_problems(spec, tp, pp, layer_list, padded, flavor)
+    if problems:
+        raise ConversionError(problems, f"target layout TP{tp} PP{pp} for this {spec.family} model")
+    stages = layout.stage_layers(spec.num_layers, pp, layer_list)
+    return padded, stages
+
+
+def _meta(direction: str, source: PathLike, spec: ModelSpec, tp: int, stages, flavor: str, padded: int,
+          divisible_by: int, dtype: Optional[str]) -> dict:
+    return {"direction": direction, "source": str(source), "family": spec.family, "flavor": flavor, "tp": tp,
+            "pp": len(stages), "num_layer_list": [len(s) for s in stages], "padded_vocab_size": padded,
+            "make_vocab_size_divisible_by": divisible_by, "dtype": dtype, "spec": spec.to_dict()}
+
+
+def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
+    """Convert an HF folder into Megatron rank files for cfg.tp x cfg.pp; returns a summary dict."""
+    t0 = time.perf_counter()
+    check(cfg)
+    reader = HFReader(cfg.source)
+    fam = family_for_config(reader.config, cfg.family)
+    spec = fam.read_config(reader.config)
+    problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
+    if problems:
+        raise ConversionError(problems, f"HF checkpoint {cfg.source}")
+    padded, stages = _plan(spec, cfg.tp, cfg.pp, cfg.num_layer_list, cfg.make_vocab_size_divisible_by,
+                           cfg.padded_vocab_size, cfg.flavor)
+    cast = _dtype(cfg.dtype)
+    src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
+    scale = (torch.finfo(cast).bits / torch.finfo(src_dtype).bits) if cast and src_dtype.is_floating_point else 1
+    check_disk(Path(cfg.target), int(reader.weight_bytes() * scale * (padded / spec.vocab_size)))
+
+    def rank_fn(role: str, layer: Optional[int], r: int) -> torch.Tensor:
+        kind = role_kind(role)
+        t = read_rank(kind, reader.read, fam.hf_keys(role, -1 if layer is None else layer),
+                      fam.part_rows(spec, role), cfg.tp, r, full_shape=spec.full_shape(role),
+                      groups=spec.num_groups, heads_per_group=spec.heads_per_group, head_dim=spec.head_dim,
+                      padded_vocab=padded)
+        if role == "output" and spec.norm_head:  # Baichuan2 NormHead: a plain output layer needs unit rows
+            t = torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype)
+        return t.to(cast) if cast is not None else t
+
+    args = megatron_args(spec, cfg.tp, cfg.pp, [len(s) for s in stages], padded, cfg.make_vocab_size_divisible_by,
+                         cast or src_dtype, cfg.flavor)
+    with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="converted weights folder") as tmp:
+        written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
+        meta = _meta("hf_to_megatron", cfg.source, spec, cfg.tp, stages, cfg.flavor, padded,
+                     cfg.make_vocab_size_divisible_by, cfg.dtype or str(src_dtype).replace("torch.", ""))
+        _finish(tmp, meta, cfg, Path(cfg.source))
+    reader.close()
+    return dict(meta, target=str(cfg.target), bytes_read=reader.weight_bytes(), bytes_written=written,
+                rank_files=cfg.tp * cfg.pp, seconds=round(time.perf_counter() - t0, 3))
+
+
+def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: Optional[str]) -> tuple:
+    """Family and spec of a Megatron checkpoint: from its hf_meta/ (kit-made) or an HF config folder."""
+    cfg_dir = Path(hf_config_dir) if hf_config_dir else mr.folder / HF_META_DIR
+    if not (cfg_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no HF config.json at {cfg_dir}; this checkpoint was not made by the kit. Pass "
+                                f"hf_config_dir (--hf-config-dir) = the original HF model folder of this model.")
+    hf_cfg = json.loads((cfg_dir / "config.json").read_text(encoding="utf-8"))
+    fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
+    spec = fam.read_config(hf_cfg)
+    a = mr.args
+    wrong = [f"{name}: checkpoint args say {getattr(a, name)}, {cfg_dir}/config.json implies {want}"
+             for name, want in (("num_layers", spec.num_layers), ("hidden_size", spec.hidden_size),
+                                ("num_attention_heads", spec.num_heads)) if getattr(a, name, want) != want]
+    if wrong:
+        raise ConversionError(wrong, f"Megatron checkpoint {mr.folder} vs its HF config")
+    return fam, spec, cfg_dir
+
+
+def _full_fn(mr: MegatronReader, spec: ModelSpec) -> Callable[[str, Optional[int]], torch.Tensor]:
+    """(role, global layer) -> the whole tensor merged over the source's TP ranks (vocab still padded)."""
+    stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
+    where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
+
+    def full(role: str, layer: Optional[int]) -> torch.Tensor:
+        if layer is None:
+            s, path = (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role)
+        else:
+            s, local = where[layer]
+            path = layout.key_path(mr.flavor, role, local)
+        return merge_tp(role_kind(role), mr.parts(path, s), what=".".join(path))
+
+    return full
+
+
+def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
+    """Merge a Megatron checkpoint (any TP x PP) into one HF folder that loads with from_pretrained."""
+    t0 = time.perf_counter()
+    check(cfg)
+    mr = MegatronReader(cfg.source)
+    fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
+    full = _full_fn(mr, spec)
+    glob, layer_roles = fam.roles(spec)
+    check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
+
+    def emit(writer: HFWriter, role: str, layer: int, tensor: torch.Tensor) -> None:
+        kind = role_kind(role)
+        if kind == "vocab" and tensor.shape[0] < spec.vocab_size:
+            raise ConversionError([f"{role} has {tensor.shape[0]} rows, fewer than the vocabulary "
+                                   f"{spec.vocab_size} of config.json"], f"Megatron checkpoint {mr.folder}")
+        parts = full_to_parts(kind, tensor, spec.num_groups, spec.heads_per_group, spec.head_dim, spec.vocab_size)
+        grouped: Dict[str, List[torch.Tensor]] = {}
+        for key, part in zip(fam.hf_keys(role, layer), parts):
+            grouped.setdefault(key, []).append(part)
+        for key, ps in grouped.items():
+            writer.add(key, torch.cat(ps) if len(ps) > 1 else ps[0].clone())
+
+    with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="HF output folder") as tmp:
+        writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2)
+        emit(writer, "embedding", -1, full("embedding", None))
+        for g in tqdm(range(spec.num_layers), desc=f"Megatron TP{mr.tp} PP{mr.pp}->HF", unit="layer",
+                      disable=not progress):
+            for role in layer_roles:
+                emit(writer, role, g, full(role, g))
+        for role in glob[1:]:
+            emit(writer, role, -1, full(role, None))
+        writer.close()
+        copy_side_files(cfg_dir, tmp)
+        save_config(cfg, tmp, "convert_config.json")
+    return {"direction": "megatron_to_hf", "source": str(cfg.source), "target": str(cfg.target),
+            "family": spec.family, "tp": mr.tp, "pp": mr.pp, "flavor": mr.flavor, "bytes_written": writer.total_bytes,
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
+    """Re-shard a Megatron checkpoint to cfg.tp x cfg.pp (and cfg.flavor) without an HF round trip."""
+    t0 = time.perf_counter()
+    check(cfg)
+    mr = MegatronReader(cfg.source)
+    fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
+    padded, stages = _plan(spec, cfg.tp, cfg.pp, cfg.num_layer_list, cfg.make_vocab_size_divisible_by,
+                           cfg.padded_vocab_size, cfg.flavor)
+    full = _full_fn(mr, spec)
+    check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
+    cast = _dtype(cfg.dtype)
+
+    def rank_fn(role: str, layer: Optional[int], r: int) -> torch.Tensor:
+        kind = role_kind(role)
+        t = full(role, layer)
+        if kind == "vocab":
+            t = t[:spec.vocab_size]
+        t = split_tp(kind, t, cfg.tp, padded)[r].clone()
+        return t.to(cast) if cast is not None else t
+
+    dtype = cast or getattr(mr.args, "params_dtype", torch.float32)
+    args = megatron_args(spec, cfg.tp, cfg.pp, [len(s) for s in stages], padded, cfg.make_vocab_size_divisible_by,
+                         dtype, cfg.flavor)
+    with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="re-sharded weights folder") as tmp:
+        written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
+        meta = _meta("megatron_to_megatron", cfg.source, spec, cfg.tp, stages, cfg.flavor, padded,
+                     cfg.make_vocab_size_divisible_by, str(dtype).replace("torch.", ""))
+        _finish(tmp, meta, cfg, cfg_dir)
+    return dict(meta, target=str(cfg.target), bytes_written=written, rank_files=cfg.tp * cfg.pp,
+                seconds=round(time.perf_counter() - t0, 3))
+
+
+def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
+    """Run the conversion cfg.direction names; returns its summary."""
+    check(cfg)
+    fn = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf,
+          "megatron_to_megatron": megatron_to_megatron}[cfg.direction]
+    return fn(cfg, progress=progress)
+

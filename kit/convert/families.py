@@ -1,0 +1,177 @@
+"""Declarative key maps per model family: which HF tensors (and which rows of fused ones) make each Megatron role.
+
+A role is a Megatron tensor of one layer (`qkv.weight`) or of the model (`embedding`); its value lists the HF keys
+its parts come from, in order. Parts that share one HF key are stacked rows of that key (ChatGLM3
+`query_key_value` = [Q; K; V], Baichuan2 `W_pack` = [Q; K; V]). The inverse direction reads the same map backwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Tuple
+
+from kit.convert.spec import ModelSpec
+
+# How each role is split over tensor-parallel ranks (facts: ckpt_data_formats.md 1.5-1.8, Megatron saver code).
+ROLE_KIND = {
+    "embedding": "vocab", "output": "vocab", "final_norm": "replicated",
+    "input_norm": "replicated", "post_norm": "replicated", "qkv.weight": "qkv", "qkv.bias": "qkv",
+    "proj.weight": "row", "fc1.weight": "glu", "fc2.weight": "row",
+}
+GLOBAL_ROLES = ("embedding", "final_norm", "output")
+LAYER_ROLES = ("input_norm", "qkv.weight", "qkv.bias", "proj.weight", "post_norm", "fc1.weight", "fc2.weight")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture: its key map, the config fields it reads, and the keys it may carry but we drop."""
+
+    name: str
+    model_types: Tuple[str, ...]
+    read_config: Callable[[dict], ModelSpec]
+    global_keys: Dict[str, Tuple[str, ...]]
+    layer_prefix: str
+    layer_keys: Dict[str, Tuple[str, ...]]
+    ignore_suffixes: Tuple[str, ...] = ()
+    notes: str = ""
+    extra: Dict[str, str] = field(default_factory=dict)
+
+    def roles(self, spec: ModelSpec) -> Tuple[List[str], List[str]]:
+        """(global roles, per-layer roles) present in a model of this spec."""
+        glob = [r for r in GLOBAL_ROLES if not (r == "output" and spec.tied)]
+        layer = [r for r in LAYER_ROLES if not (r == "qkv.bias" and not spec.qkv_bias)]
+        return glob, layer
+
+    def hf_keys(self, role: str, layer: int = -1) -> Tuple[str, ...]:
+        """The HF keys of a role's parts (layer roles get the layer prefix filled in)."""
+        if role in self.global_keys:
+            return self.global_keys[role]
+        return tuple(self.layer_prefix.format(i=layer) + k for k in self.layer_keys[role])
+
+    def part_rows(self, spec: ModelSpec, role: str) -> Tuple[int, ...]:
+        """Rows of each part (q, k, v for QKV; gate, up for GLU; one part otherwise)."""
+        full = spec.full_shape(role)
+        if ROLE_KIND[role] == "qkv":
+            hd = spec.head_dim
+            return (spec.num_heads * hd, spec.num_groups * hd, spec.num_groups * hd)
+        if ROLE_KIND[role] == "glu":
+            return (spec.ffn_hidden_size, spec.ffn_hidden_size)
+        return (full[0],)
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+
+
+def _llama_spec(cfg: dict) -> ModelSpec:
+    nh = int(cfg["num_attention_heads"])
+    return ModelSpec(
+        family="llama", hidden_size=int(cfg["hidden_size"]), ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=nh,
+        num_groups=int(cfg.get("num_key_value_heads") or nh),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // nh), vocab_size=int(cfg["vocab_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tied=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
+        qkv_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
+        position="rope", rotary_base=_rope_theta(cfg), rotary_percent=1.0, rotary_interleaved=False,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    )
+
+
+def _chatglm_spec(cfg: dict) -> ModelSpec:
+    nh = int(cfg["num_attention_heads"])
+    groups = int(cfg["multi_query_group_num"]) if cfg.get("multi_query_attention") else nh
+    return ModelSpec(
+        family="chatglm", hidden_size=int(cfg["hidden_size"]), ffn_hidden_size=int(cfg["ffn_hidden_size"]),
+        num_layers=int(cfg["num_layers"]), num_heads=nh, num_groups=groups,
+        head_dim=int(cfg.get("kv_channels") or cfg["hidden_size"] // nh),
+        vocab_size=int(cfg["padded_vocab_size"]), norm_eps=float(cfg.get("layernorm_epsilon", 1e-5)),
+        tied=False, qkv_bias=bool(cfg.get("add_qkv_bias", True)), position="rope",
+        # GLM rotates the first half of each head in interleaved pairs: mcore rotary_percent=0.5 + interleaved.
+        rotary_base=10000.0 * float(cfg.get("rope_ratio", 1.0)), rotary_percent=0.5, rotary_interleaved=True,
+        max_position_embeddings=int(cfg.get("seq_length", 8192)),
+    )
+
+
+def _baichuan_spec(cfg: dict) -> ModelSpec:
+    nh, h = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    return ModelSpec(
+        family="baichuan", hidden_size=h, ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=nh, num_groups=nh, head_dim=h // nh,
+        vocab_size=int(cfg["vocab_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False,
+        # Baichuan2-7B (hidden 4096) uses RoPE; 13B uses ALiBi, which only MindSpeed/ModelLink can train.
+        position="rope" if h == 4096 else "alibi", rotary_base=10000.0, rotary_percent=1.0,
+        rotary_interleaved=False, max_position_embeddings=int(cfg.get("model_max_length", 4096)), norm_head=True,
+    )
+
+
+_LLAMA_LAYER = {
+    "input_norm": ("input_layernorm.weight",),
+    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "proj.weight": ("self_attn.o_proj.weight",),
+    "post_norm": ("post_attention_layernorm.weight",),
+    "fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "fc2.weight": ("mlp.down_proj.weight",),
+}
+
+LLAMA = Family(
+    name="llama", model_types=("llama", "mistral", "qwen2"), read_config=_llama_spec,
+    global_keys={"embedding": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",),
+                 "output": ("lm_head.weight",)},
+    layer_prefix="model.layers.{i}.", layer_keys=_LLAMA_LAYER, ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="Llama-2 (MHA, GQA as in 70B), Mistral, Qwen2 (q/k/v bias): one map.",
+)
+
+CHATGLM = Family(
+    name="chatglm", model_types=("chatglm",), read_config=_chatglm_spec,
+    global_keys={"embedding": ("transformer.embedding.word_embeddings.weight",),
+                 "final_norm": ("transformer.encoder.final_layernorm.weight",),
+                 "output": ("transformer.output_layer.weight",)},
+    layer_prefix="transformer.encoder.layers.{i}.",
+    layer_keys={
+        "input_norm": ("input_layernorm.weight",),
+        "qkv.weight": ("self_attention.query_key_value.weight",) * 3,
+        "qkv.bias": ("self_attention.query_key_value.bias",) * 3,
+        "proj.weight": ("self_attention.dense.weight",),
+        "post_norm": ("post_attention_layernorm.weight",),
+        "fc1.weight": ("mlp.dense_h_to_4h.weight",) * 2,
+        "fc2.weight": ("mlp.dense_4h_to_h.weight",),
+    },
+    ignore_suffixes=("rotary_pos_emb.inv_freq",),
+    notes="ChatGLM3: fused [Q;K;V] with multi-query groups and bias, fused [gate;up], half-dim interleaved RoPE.",
+    extra={"auto_model": "AutoModel"},
+)
+
+BAICHUAN = Family(
+    name="baichuan", model_types=("baichuan",), read_config=_baichuan_spec,
+    global_keys={"embedding": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",),
+                 "output": ("lm_head.weight",)},
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(_LLAMA_LAYER, **{"qkv.weight": ("self_attn.W_pack.weight",) * 3}),
+    notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
+)
+
+FAMILIES = {f.name: f for f in (LLAMA, CHATGLM, BAICHUAN)}
+# The seed's `util.py --loader` names (ModelLink 1.0) and their families.
+LOADER_ALIASES = {"llama2_hf": "llama", "llama_hf": "llama", "mistral_hf": "llama", "qwen2_hf": "llama",
+                  "chatglm3_hf": "chatglm", "baichuan2_hf": "baichuan", "hf": None}
+
+
+def family_for_config(cfg: dict, name: str = None) -> Family:
+    """The family named (`llama`, `chatglm`, `baichuan` or a seed loader alias) or else the one of cfg's model_type."""
+    if name:
+        name = LOADER_ALIASES.get(name, name)
+    if name:
+        if name not in FAMILIES:
+            raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)} "
+                             f"or loader names {sorted(k for k, v in LOADER_ALIASES.items() if v)}.")
+        return FAMILIES[name]
+    model_type = cfg.get("model_type", "")
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
+    raise ValueError(f"config.json has model_type {model_type!r}, which no family map covers; supported: "
+                     f"{[t for f in FAMILIES.values() for t in f.model_types]}. Pass family=... if it is a variant.")

@@ -1,0 +1,150 @@
+"""Streaming access to HF checkpoint folders: read row/column slices of single tensors, write sharded safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+PathLike = Union[str, Path]
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class HFReader:
+    """Index of an HF folder; `read(key, rows, cols)` loads only that slice (safetensors slices, mmap'd .bin)."""
+
+    def __init__(self, folder: PathLike):
+        self.folder = Path(folder)
+        if not (self.folder / "config.json").is_file():
+            raise FileNotFoundError(f"{self.folder} has no config.json; point the source at an HF model folder "
+                                    f"(the one holding config.json and the weight shards).")
+        self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
+        self._handles: Dict[str, object] = {}
+        self.weight_map = self._weight_map()
+        missing = sorted({f for f in self.weight_map.values() if not (self.folder / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{self.folder}: shard(s) listed in the index are missing: {missing}; "
+                                    f"download them again (the index names {len(set(self.weight_map.values()))}).")
+
+    def _weight_map(self) -> Dict[str, str]:
+        for name in INDEX_NAMES:
+            path = self.folder / name
+            if path.is_file():
+                return dict(json.loads(path.read_text(encoding="utf-8"))["weight_map"])
+        for name in SINGLE_NAMES:
+            if (self.folder / name).is_file():
+                return {k: name for k in self._open(name).keys()}
+        raise FileNotFoundError(f"{self.folder} has neither an index ({' / '.join(INDEX_NAMES)}) nor "
+                                f"{' / '.join(SINGLE_NAMES)}; it is not an HF checkpoint folder.")
+
+    def _open(self, fname: str):
+        handle = self._handles.get(fname)
+        if handle is None:
+            path = str(self.folder / fname)
+            if fname.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                handle = safe_open(path, framework="pt")
+            else:  # .bin: zip pickles; mmap keeps tensors on disk until sliced
+                handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self._handles[fname] = handle
+        return handle
+
+    def keys(self) -> List[str]:
+        return list(self.weight_map)
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        h = self._open(self.weight_map[key])
+        if isinstance(h, dict):
+            return tuple(h[key].shape)
+        return tuple(h.get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        h = self._open(self.weight_map[key])
+        if isinstance(h, dict):
+            return h[key].dtype
+        return _ST_DTYPES[h.get_slice(key).get_dtype()]
+
+    def read(self, key: str, rows: Optional[Tuple[int, int]] = None,
+             cols: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it, as a fresh CPU tensor."""
+        h = self._open(self.weight_map[key])
+        r = slice(*rows) if rows else slice(None)
+        if isinstance(h, dict):
+            t = h[key]
+            return (t[r, cols[0]:cols[1]] if cols else t[r]).clone()
+        sl = h.get_slice(key)
+        t = sl[r, cols[0]:cols[1]] if cols else sl[r]
+        # A slice can be a view of the whole tensor; torch.save would then write the whole storage.
+        return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+    def weight_bytes(self) -> int:
+        return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def copy_side_files(src: PathLike, dst: PathLike) -> List[str]:
+    """Copy config, generation config, tokenizer and remote-code files (everything but weights and indexes)."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for p in sorted(src.iterdir()):
+        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in INDEX_NAMES \
+                and not p.name.startswith("."):
+            shutil.copy2(p, dst / p.name)
+            copied.append(p.name)
+    return copied
+
+
+class HFWriter:
+    """Collects tensors into safetensors shards of at most `max_shard_bytes`, then writes the index."""
+
+    def __init__(self, folder: PathLike, max_shard_bytes: int = 2 * 1024**3):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._buf: Dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._shards: List[Tuple[str, List[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buf[key] = tensor.contiguous()
+        self._buf_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        name = f".shard-{len(self._shards) + 1:05d}.safetensors"
+        save_file(self._buf, str(self.folder / name), metadata={"format": "pt"})
+        self._shards.append((name, list(self._buf)))
+        self._buf, self._buf_bytes = {}, 0
+
+    def close(self) -> Path:
+        """Flush, give shards their final `model-0000i-of-0000N` names, write model.safetensors.index.json."""
+        if self._buf:
+            self._flush()
+        n = len(self._shards)
+        weight_map = {}
+        for i, (tmp, keys) in enumerate(self._shards, 1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / tmp, self.folder / final)
+            weight_map.update({k: final for k in keys})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        path = self.folder / "model.safetensors.index.json"
+        path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        return path

@@ -1,0 +1,121 @@
+"""Megatron's on-disk layout: key names per flavor, rank folder names, pipeline stages, the tracker file."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+FLAVORS = ("local", "legacy", "te")
+TRACKER = "latest_checkpointed_iteration.txt"
+ITERATION = 1  # '0' and 'release' break Megatron or MindSpeed readers (ckpt_data_formats.md 1.1)
+ITER_DIR = f"iter_{ITERATION:07d}"
+CHECKPOINT_VERSION = 3.0
+
+# role -> key inside one rank's model dict. mcore keys are flat; legacy keys are paths in a nested dict.
+_MCORE_LAYER = {
+    "input_norm": "input_layernorm.weight", "qkv.weight": "self_attention.linear_qkv.weight",
+    "qkv.bias": "self_attention.linear_qkv.bias", "proj.weight": "self_attention.linear_proj.weight",
+    "post_norm": "pre_mlp_layernorm.weight", "fc1.weight": "mlp.linear_fc1.weight",
+    "fc2.weight": "mlp.linear_fc2.weight",
+}
+_TE_LAYER = dict(_MCORE_LAYER, input_norm="self_attention.linear_qkv.layer_norm_weight",
+                 post_norm="mlp.linear_fc1.layer_norm_weight")
+_LEGACY_LAYER = {
+    "input_norm": "input_norm.weight", "qkv.weight": "self_attention.query_key_value.weight",
+    "qkv.bias": "self_attention.query_key_value.bias", "proj.weight": "self_attention.dense.weight",
+    "post_norm": "post_attention_norm.weight", "fc1.weight": "mlp.dense_h_to_4h.weight",
+    "fc2.weight": "mlp.dense_4h_to_h.weight",
+}
+_MCORE_GLOBAL = {"embedding": ("embedding.word_embeddings.weight",), "final_norm": ("decoder.final_layernorm.weight",),
+                 "output": ("output_layer.weight",)}
+_LEGACY_GLOBAL = {"embedding": ("language_model", "embedding", "word_embeddings", "weight"),
+                  "final_norm": ("language_model", "encoder", "final_norm.weight"),
+                  "output": ("language_model", "output_layer", "weight"),
+                  "tied_head": ("word_embeddings_for_head", "weight")}
+
+
+def key_path(flavor: str, role: str, local_layer: Optional[int] = None) -> Tuple[str, ...]:
+    """Path of a role's tensor in one rank's `model` dict (one element for flat mcore keys)."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown key flavor {flavor!r}; use one of {FLAVORS} (local = megatron-core local spec, "
+                         f"what MindSpeed-LLM trains; legacy = Megatron legacy / ModelLink legacy; te = "
+                         f"TransformerEngine spec).")
+    if local_layer is None:
+        if flavor == "legacy":
+            return _LEGACY_GLOBAL[role]
+        if role == "tied_head":
+            role = "output"  # mcore keeps the last stage's copy of a tied embedding as output_layer.weight
+        return _MCORE_GLOBAL[role]
+    if flavor == "legacy":
+        return ("language_model", "encoder", f"layers.{local_layer}.{_LEGACY_LAYER[role]}")
+    names = _TE_LAYER if flavor == "te" else _MCORE_LAYER
+    return (f"decoder.layers.{local_layer}.{names[role]}",)
+
+
+def put(tree: dict, path: Sequence[str], value) -> None:
+    """Set tree[path[0]][path[1]]... = value, creating nested dicts."""
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def get(tree: dict, path: Sequence[str]):
+    """tree[path[0]][path[1]]...; KeyError names the whole path."""
+    node = tree
+    for p in path:
+        if not isinstance(node, dict) or p not in node:
+            raise KeyError(".".join(path))
+        node = node[p]
+    return node
+
+
+def flatten(tree: dict, prefix: str = "") -> Dict[str, object]:
+    """Nested dict -> {'a.b.c': leaf}."""
+    out: Dict[str, object] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """`mp_rank_XX` when PP == 1, else `mp_rank_XX_YYY` (Megatron get_checkpoint_name)."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def stage_layers(num_layers: int, pp: int, layer_list: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """Global layer indices of each pipeline stage (uniform, or an explicit per-stage count list)."""
+    if layer_list:
+        counts = [int(c) for c in layer_list]
+    else:
+        counts = [num_layers // pp] * pp if pp and num_layers % pp == 0 else []
+    start, stages = 0, []
+    for c in counts:
+        stages.append(list(range(start, start + c)))
+        start += c
+    return stages
+
+
+def layout_problems(num_layers: int, pp: int, layer_list: Optional[Sequence[int]]) -> List[str]:
+    """Why a pipeline split is impossible, if it is."""
+    if pp < 1:
+        return [f"pipeline parallel size {pp} must be >= 1."]
+    if pp > num_layers:
+        return [f"pipeline parallel size {pp} is larger than the {num_layers} layers; every stage needs a layer."]
+    if layer_list:
+        lst = [int(c) for c in layer_list]
+        if len(lst) != pp or sum(lst) != num_layers or min(lst) < 1:
+            return [f"layer list {lst} must have {pp} positive counts (one per stage) summing to {num_layers}."]
+        return []
+    if num_layers % pp:
+        return [f"{num_layers} layers do not split evenly into {pp} pipeline stages; pass an explicit layer list "
+                f"(num_layer_list, e.g. {uneven_example(num_layers, pp)})."]
+    return []
+
+
+def uneven_example(num_layers: int, pp: int) -> List[int]:
+    base = [num_layers // pp] * pp
+    for i in range(num_layers % pp):
+        base[i] += 1
+    return base

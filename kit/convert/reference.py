@@ -1,0 +1,161 @@
+"""Plain-torch forwards used as references: HF-layout ChatGLM3 / Baichuan2 / Llama from their published math, and
+a Megatron forward from rank files with tensor parallelism simulated (each rank computes its heads / FFN slice and
+the row-parallel outputs are summed, as the all-reduce does)."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from kit.convert import layout
+from kit.convert.megatron_io import MegatronReader
+from kit.convert.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x: torch.Tensor, base: float, percent: float = 1.0, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding on x [seq, heads, head_dim]: rotate the first `percent` of each head.
+
+    interleaved=False pairs dims (i, i + rd/2) (HF Llama rotate_half); True pairs (2i, 2i+1) (ChatGLM).
+    """
+    s, hd = x.shape[0], x.shape[-1]
+    rd = int(hd * percent)
+    inv = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)[:, None, :]  # [s, 1, rd/2]
+    cos, sin = ang.cos(), ang.sin()
+    rot, keep = x[..., :rd], x[..., rd:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., : rd // 2], rot[..., rd // 2:]
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    return torch.cat([out, keep], dim=-1)
+
+
+def alibi_slopes(n: int) -> torch.Tensor:
+    """ALiBi head slopes of Baichuan2-13B (`_get_interleave`): powers of 2**(-8/n), interleaved for non-powers."""
+    def power_of_2(m: int) -> List[float]:
+        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
+        return [start * start**i for i in range(m)]
+
+    if math.log2(n).is_integer():
+        return torch.tensor(power_of_2(n))
+    closest = 2 ** math.floor(math.log2(n))
+    return torch.tensor(power_of_2(closest) + alibi_slopes(2 * closest).tolist()[0::2][: n - closest])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor = None) -> torch.Tensor:
+    """Causal attention; q [s, nh, hd], k/v [s, ng, hd] (groups repeated); optional ALiBi slopes [nh]."""
+    s, nh, hd = q.shape
+    rep = nh // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+    pos = torch.arange(s)
+    if slopes is not None:
+        scores = scores + slopes[:, None, None] * (pos[None, :] - pos[:, None]).float()
+    scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, nh * hd)
+
+
+def _pos(q, k, spec: ModelSpec):
+    if spec.position != "rope":
+        return q, k
+    return (rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved),
+            rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved))
+
+
+def hf_forward(sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [seq, vocab] of an HF-layout Llama / ChatGLM3 / Baichuan2 state dict (fp32, one sequence)."""
+    glm = spec.family == "chatglm"
+    pre = "transformer.encoder.layers.{i}." if glm else "model.layers.{i}."
+    emb = sd["transformer.embedding.word_embeddings.weight" if glm else "model.embed_tokens.weight"]
+    x = emb[ids].float()
+    nh, ng, hd = spec.num_heads, spec.num_groups, spec.head_dim
+    slopes = alibi_slopes(nh) if spec.position == "alibi" else None
+    for i in range(spec.num_layers):
+        p = pre.format(i=i)
+        h = rms_norm(x, sd[p + "input_layernorm.weight"], spec.norm_eps)
+        if glm:  # query_key_value = [Q; K; V] rows (modeling_chatglm.py splits nh*hd, ng*hd, ng*hd)
+            qkv = h @ sd[p + "self_attention.query_key_value.weight"].T
+            qkv = qkv + sd[p + "self_attention.query_key_value.bias"] if spec.qkv_bias else qkv
+            q, k, v = qkv.split([nh * hd, ng * hd, ng * hd], dim=-1)
+        elif p + "self_attn.W_pack.weight" in sd:  # Baichuan2: W_pack = [Q; K; V]
+            q, k, v = (h @ sd[p + "self_attn.W_pack.weight"].T).chunk(3, dim=-1)
+        else:
+            q, k, v = (h @ sd[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+            if spec.qkv_bias:
+                q, k, v = (t + sd[p + f"self_attn.{n}_proj.bias"] for t, n in zip((q, k, v), "qkv"))
+        q, k = _pos(q.reshape(-1, nh, hd), k.reshape(-1, ng, hd), spec)
+        o = attention(q, k, v.reshape(-1, ng, hd), slopes)
+        x = x + o @ sd[p + ("self_attention.dense.weight" if glm else "self_attn.o_proj.weight")].T
+        h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], spec.norm_eps)
+        if glm:
+            g, u = (h @ sd[p + "mlp.dense_h_to_4h.weight"].T).chunk(2, dim=-1)
+            x = x + (F.silu(g) * u) @ sd[p + "mlp.dense_4h_to_h.weight"].T
+        else:
+            g, u = h @ sd[p + "mlp.gate_proj.weight"].T, h @ sd[p + "mlp.up_proj.weight"].T
+            x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
+    x = rms_norm(x, sd["transformer.encoder.final_layernorm.weight" if glm else "model.norm.weight"], spec.norm_eps)
+    head = sd.get("transformer.output_layer.weight" if glm else "lm_head.weight", emb)
+    if spec.norm_head:  # Baichuan2 NormHead normalises rows at forward time
+        head = F.normalize(head.float(), dim=-1)
+    return x @ head.float().T
+
+
+def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
+    tp, fl = mr.tp, mr.flavor
+    stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
+    f32 = [t.float() for t in mr.parts(layout.key_path(fl, "embedding"), 0)]
+    per = f32[0].shape[0]
+    x = 0
+    for r, e in enumerate(f32):  # vocab-parallel embedding: each rank looks up its id range, then all-reduce
+        local = ids - r * per
+        hit = (local >= 0) & (local < per)
+        x = x + e[local.clamp(0, per - 1)] * hit[:, None]
+    gp, hpg, hd = spec.num_groups // tp, spec.heads_per_group, spec.head_dim
+    slopes = alibi_slopes(spec.num_heads) if spec.position == "alibi" else None
+    for s, layers in enumerate(stages):
+        for li in range(len(layers)):
+            def w(role, s=s, li=li):
+                return [t.float() for t in mr.parts(layout.key_path(fl, role, li), s)]
+            h = rms_norm(x, w("input_norm")[0], spec.norm_eps)
+            qkv_w, proj = w("qkv.weight"), w("proj.weight")
+            qkv_b = w("qkv.bias") if spec.qkv_bias else [0] * tp
+            out = 0
+            mixed_all = [h @ qkv_w[r].T + qkv_b[r] for r in range(tp)]
+            nq = spec.num_heads // tp
+            for r in range(tp):  # each rank: its query groups, its slice of the output projection
+                if gp:
+                    mixed = mixed_all[r].reshape(-1, gp, hpg + 2, hd)
+                    q, k, v = mixed[:, :, :hpg].reshape(-1, gp * hpg, hd), mixed[:, :, hpg], mixed[:, :, hpg + 1]
+                else:  # fewer groups than ranks: all-gather, take this rank's group, then its share of q heads
+                    per = tp // spec.num_groups
+                    grp = torch.cat(mixed_all, -1).reshape(-1, spec.num_groups, hpg + 2, hd)[:, r // per]
+                    q = grp[:, (r % per) * nq:(r % per + 1) * nq]
+                    k, v = grp[:, hpg:hpg + 1], grp[:, hpg + 1:hpg + 2]
+                q, k = _pos(q, k, spec)
+                sl = slopes[r * nq:(r + 1) * nq] if slopes is not None else None
+                out = out + attention(q, k, v, sl) @ proj[r].T
+            x = x + out
+            h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
+            fc1, fc2 = w("fc1.weight"), w("fc2.weight")
+            mlp = 0
+            for r in range(tp):  # mcore: chunk each rank's fc1 output into (gate, up)
+                g, u = (h @ fc1[r].T).chunk(2, dim=-1)
+                mlp = mlp + (F.silu(g) * u) @ fc2[r].T
+            x = x + mlp
+    last = mr.pp - 1
+    x = rms_norm(x, mr.parts(layout.key_path(fl, "final_norm"), last)[0].float(), spec.norm_eps)
+    if not spec.tied:
+        heads = mr.parts(layout.key_path(fl, "output"), last)
+    else:
+        heads = mr.parts(layout.key_path(fl, "tied_head"), last) if mr.pp > 1 else f32
+    return torch.cat([x @ hw.float().T for hw in heads], dim=-1)[:, : spec.vocab_size]

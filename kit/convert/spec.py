@@ -1,0 +1,83 @@
+"""The shape facts of one model, read from an HF config.json per family, and the Megatron arguments they imply."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the key/shape maps need; one field per Megatron architecture argument."""
+
+    family: str
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int
+    norm_eps: float
+    tied: bool
+    qkv_bias: bool
+    position: str  # "rope" or "alibi" (Baichuan2-13B; MindSpeed/ModelLink only)
+    rotary_base: float
+    rotary_percent: float
+    rotary_interleaved: bool
+    max_position_embeddings: int
+    norm_head: bool = False  # Baichuan2 NormHead: lm_head rows are L2-normalised at forward time
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_groups
+
+    def full_shape(self, role: str) -> Tuple[int, ...]:
+        """Shape of the whole (TP=1, unpadded) Megatron tensor of a role."""
+        h, hd, ffn = self.hidden_size, self.head_dim, self.ffn_hidden_size
+        qkv = (self.num_heads + 2 * self.num_groups) * hd
+        shapes = {
+            "embedding": (self.vocab_size, h), "output": (self.vocab_size, h), "final_norm": (h,),
+            "input_norm": (h,), "post_norm": (h,), "qkv.weight": (qkv, h), "qkv.bias": (qkv,),
+            "proj.weight": (h, self.num_heads * hd), "fc1.weight": (2 * ffn, h), "fc2.weight": (h, ffn),
+        }
+        return shapes[role]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128, explicit: Optional[int] = None) -> int:
+    """Megatron's `_vocab_size_with_padding`: round up to a multiple of divisible_by * TP (or take `explicit`)."""
+    if explicit:
+        return int(explicit)
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def megatron_args(spec: ModelSpec, tp: int, pp: int, layer_list: list, padded_vocab: int, divisible_by: int,
+                  dtype: torch.dtype, flavor: str) -> argparse.Namespace:
+    """The `args` Namespace of model_optim_rng.pt: primitives and one torch.dtype, so weights_only loading works."""
+    uneven = len(set(layer_list)) > 1
+    return argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads, group_query_attention=spec.num_groups != spec.num_heads,
+        num_query_groups=spec.num_groups, num_key_value_heads=spec.num_groups, kv_channels=spec.head_dim,
+        seq_length=spec.max_position_embeddings, max_position_embeddings=spec.max_position_embeddings,
+        position_embedding_type=spec.position, add_position_embedding=True, use_rotary_position_embeddings=(
+            spec.position == "rope"), rotary_base=spec.rotary_base, rotary_percent=spec.rotary_percent,
+        rotary_interleaved=spec.rotary_interleaved, normalization="RMSNorm", norm_epsilon=spec.norm_eps,
+        swiglu=True, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        untie_embeddings_and_output_weights=not spec.tied, padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=divisible_by, tokenizer_type="PretrainedFromHF",
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        num_layer_list=",".join(map(str, layer_list)) if uneven else None, expert_model_parallel_size=1,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, bert_binary_head=False,
+        iteration=1, consumed_train_samples=0, consumed_valid_samples=0, use_mcore_models=flavor != "legacy",
+        use_legacy_models=flavor == "legacy", transformer_impl="transformer_engine" if flavor == "te" else "local",
+        apply_layernorm_1p=False, apply_query_key_layer_scaling=False, model_family=spec.family,
+    )

@@ -1,0 +1,137 @@
+"""Small pure functions that split, merge and regroup tensors between HF and Megatron tensor-parallel layouts.
+
+Facts (ckpt_data_formats.md 1.5-1.8): QKV rows are grouped per query group `[q heads of g; k_g; v_g]` and a TP rank
+holds a contiguous run of groups; SwiGLU fc1 on rank r is `[gate_r; up_r]`; row-parallel tensors split dim 1;
+embedding/output split dim 0 after padding the vocabulary; norms are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+Rows = Optional[Tuple[int, int]]
+Reader = Callable[..., torch.Tensor]  # read(key, rows=(a, b) | None, cols=(a, b) | None) -> tensor
+
+
+def part_offsets(keys: Sequence[str], rows: Sequence[int]) -> List[int]:
+    """Row offset of each part inside its HF tensor (parts sharing a key are stacked in order)."""
+    seen: dict = {}
+    offsets = []
+    for key, n in zip(keys, rows):
+        offsets.append(seen.get(key, 0))
+        seen[key] = offsets[-1] + n
+    return offsets
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[Q; K; V] (HF) -> per group [q heads of g; k_g; v_g] (Megatron), for weights and biases alike."""
+    rest = q.shape[1:]
+    parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def deinterleave_qkv(w: torch.Tensor, groups: int, heads_per_group: int, head_dim: int) -> List[torch.Tensor]:
+    """Inverse of interleave_qkv: Megatron grouped rows -> [q, k, v]."""
+    rest = w.shape[1:]
+    x = w.reshape(groups, (heads_per_group + 2) * head_dim, *rest)
+    nq = heads_per_group * head_dim
+    q, k, v = x[:, :nq], x[:, nq:nq + head_dim], x[:, nq + head_dim:]
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def glu_rank(gate: torch.Tensor, up: torch.Tensor, tp: int) -> List[torch.Tensor]:
+    """Per-rank fc1 = cat(gate_r, up_r), NOT a chunk of cat(gate, up) (mcore chunks each rank's output in two)."""
+    return [torch.cat([g, u]) for g, u in zip(torch.chunk(gate, tp), torch.chunk(up, tp))]
+
+
+def glu_merge(parts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Inverse of glu_rank: [gate, up] of the whole layer."""
+    halves = [torch.chunk(p, 2) for p in parts]
+    return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+
+
+def pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows appended up to `rows` (Megatron's padded vocabulary; padded ids never occur in data)."""
+    if w.shape[0] == rows:
+        return w
+    return torch.cat([w, w.new_zeros((rows - w.shape[0], *w.shape[1:]))])
+
+
+def split_tp(kind: str, full: torch.Tensor, tp: int, padded_vocab: int = 0) -> List[torch.Tensor]:
+    """A full Megatron tensor (canonical layout) -> the TP ranks' parts."""
+    if kind == "replicated":
+        return [full] * tp
+    if kind == "row":
+        return list(torch.chunk(full, tp, dim=1))
+    if kind == "vocab":
+        return list(torch.chunk(pad_rows(full, padded_vocab), tp))
+    if kind == "qkv":
+        return list(torch.chunk(full, tp))
+    if kind == "glu":
+        return glu_rank(*torch.chunk(full, 2), tp)
+    raise ValueError(f"unknown split kind {kind!r}")
+
+
+def merge_tp(kind: str, parts: Sequence[torch.Tensor], what: str = "tensor") -> torch.Tensor:
+    """TP ranks' parts -> the full Megatron tensor (vocab stays padded); replicas must agree."""
+    if kind == "replicated":
+        for r, p in enumerate(parts[1:], 1):
+            if not torch.equal(p, parts[0]):
+                raise ValueError(f"{what}: replicated tensor differs between TP rank 0 and rank {r}; "
+                                 f"the checkpoint is inconsistent (mixed runs?).")
+        return parts[0]
+    if kind == "row":
+        return torch.cat(list(parts), dim=1)
+    if kind in ("vocab", "qkv"):
+        return torch.cat(list(parts))
+    if kind == "glu":
+        return torch.cat(glu_merge(parts))
+    raise ValueError(f"unknown merge kind {kind!r}")
+
+
+def full_to_parts(kind: str, full: torch.Tensor, groups: int, heads_per_group: int, head_dim: int,
+                  vocab: int) -> List[torch.Tensor]:
+    """A full Megatron tensor -> the HF parts of its role (q, k, v / gate, up / the unpadded table / itself)."""
+    if kind == "qkv":
+        return deinterleave_qkv(full, groups, heads_per_group, head_dim)
+    if kind == "glu":
+        return list(torch.chunk(full, 2))
+    if kind == "vocab":
+        return [full[:vocab]]
+    return [full]
+
+
+def read_rank(kind: str, read: Reader, keys: Sequence[str], rows: Sequence[int], tp: int, r: int, *,
+              full_shape: Tuple[int, ...], groups: int = 1, heads_per_group: int = 1, head_dim: int = 1,
+              padded_vocab: int = 0) -> torch.Tensor:
+    """TP rank r's part of a role, reading only the rows/columns it needs from the HF parts."""
+    offs = part_offsets(keys, rows)
+    if kind == "replicated":
+        return read(keys[0], rows=(offs[0], offs[0] + rows[0]))
+    if kind == "row":
+        n = full_shape[1] // tp
+        return read(keys[0], rows=(offs[0], offs[0] + rows[0]), cols=(r * n, (r + 1) * n))
+    if kind == "vocab":
+        per, vocab = padded_vocab // tp, full_shape[0]
+        a, b = r * per, min((r + 1) * per, vocab)
+        if a >= vocab:
+            return torch.zeros((per, *full_shape[1:]), dtype=read(keys[0], rows=(0, 1)).dtype)
+        return pad_rows(read(keys[0], rows=(offs[0] + a, offs[0] + b)), per)
+    if kind == "qkv" and groups % tp:  # fewer KV groups than ranks (mcore >= 0.16): a chunk of the whole matrix
+        parts = [read(k, rows=(o, o + n)) for k, o, n in zip(keys, offs, rows)]
+        return torch.chunk(interleave_qkv(*parts, groups), tp)[r].clone()
+    if kind == "qkv":
+        gp = groups // tp
+        q_rows = gp * heads_per_group * head_dim
+        q = read(keys[0], rows=(offs[0] + r * q_rows, offs[0] + (r + 1) * q_rows))
+        k = read(keys[1], rows=(offs[1] + r * gp * head_dim, offs[1] + (r + 1) * gp * head_dim))
+        v = read(keys[2], rows=(offs[2] + r * gp * head_dim, offs[2] + (r + 1) * gp * head_dim))
+        return interleave_qkv(q, k, v, gp)
+    if kind == "glu":
+        n = rows[0] // tp
+        gate = read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n))
+        up = read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n))
+        return torch.cat([gate, up])
+    raise ValueError(f"unknown split kind {kind!r}")
