@@ -91,7 +91,8 @@ class PrepReport:
                                     "tokens_in", "tokens_out", "tokens_learned", "remainder_tokens", "samples",
                                     "padding_ratio", "padding_ratio_unpacked")]
         rows += [(f"dropped: {k}", v) for k, v in d["dropped"].items()]
-        return pd.DataFrame(rows, columns=["what", "value"]).set_index("what")
+        # object dtype keeps counts as integers next to the ratios
+        return pd.DataFrame({"value": pd.Series([v for _, v in rows], index=[k for k, _ in rows], dtype=object)})
 
 
 def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:

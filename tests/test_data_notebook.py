@@ -1,0 +1,36 @@
+"""Notebook 02 runs headless on tiny parameters and writes what its summary says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kit.data import IndexedReader, load_prepared
+from kit.samples import sample_tokenizer_dir
+
+NB = Path(__file__).resolve().parent.parent / "notebooks" / "02_data_prep.ipynb"
+
+
+def test_notebook_committed_without_outputs():
+    nbstripout = Path(sys.executable).parent / "nbstripout"
+    assert subprocess.run([str(nbstripout), "--verify", str(NB)]).returncode == 0
+
+
+@pytest.mark.slow
+def test_notebook_02_tiny(run_notebook, tmp_path):
+    _, summary = run_notebook("02", TOKENIZER=str(sample_tokenizer_dir()), MAX_LENGTH=64, TEMPLATE="telechat",
+                              WORKSPACE=str(tmp_path / "ws"))
+    assert summary is not None and summary["max_length"] == 64 and summary["template"] == "telechat"
+    pre, sft = summary["pretrain"], summary["sft"]
+    assert pre["records_read"] == 600 and pre["records_dropped"] == 0 and pre["samples"] > 0
+    assert sft["records_read"] == 158 and sft["records_written"] + sft["records_dropped"] == 158
+    assert sft["padding_ratio"] < sft["padding_ratio_unpacked"]
+    ds = load_prepared(sft["hf_dir"])
+    assert len(ds) == sft["samples"] and len(ds[0]["input_ids"]) == 64
+    assert len(IndexedReader(pre["megatron_prefix"])) == 600
+    assert all(Path(p).is_file() for p in pre["megatron_files"] + sft["megatron_files"])
+    assert Path(sft["histogram_png"]).stat().st_size > 1000
+    assert Path(sft["hf_dir"]).parent == tmp_path / "ws" / "processed_for_ma_input" / "demo" / "data" / "finetune"
