@@ -1,0 +1,122 @@
+"""megatron-core 0.16.1 (CPU, gloo, local layer spec) loads the kit's shards strictly and matches HF logits."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fixtures.convert import models as convert_models
+
+from kit.convert import ConvertConfig, hf_to_megatron
+from kit.convert.megatron_io import MegatronReader
+from kit.convert.verify import hf_logits, sample_tokens
+
+tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixture
+
+mcore = pytest.importorskip("megatron.core")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mcore_world():
+    """One gloo process, TP=PP=1 (megatron-core needs torch.distributed even on one CPU rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu_patches(monkeypatch):
+    """The two CPU patches of ckpt_data_formats.md 5.1: RoPE asks torch.cuda for a device; attention forks the
+    CUDA RNG tracker (dropout is 0 here, so no RNG state is used)."""
+    from megatron.core import tensor_parallel
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    monkeypatch.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
+
+
+def build_gpt(args):
+    """A GPTModel from the checkpoint's own `args` (what a Megatron training run would be started with)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, layernorm_epsilon=args.norm_epsilon, normalization="RMSNorm",
+        gated_linear_unit=args.swiglu, activation_func=F.silu, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias, rotary_interleaved=args.rotary_interleaved, use_cpu_initialization=True,
+        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+    )
+    return GPTModel(
+        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope", rotary_percent=args.rotary_percent, rotary_base=int(args.rotary_base),
+    ).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["llama_gqa", "llama_tied_mha", "chatglm3"])
+def test_gptmodel_strict_load_and_logits(which, tiny_llama_dir, tiny_llama_tied_dir, tiny_glm_dir, tmp_path,
+                                         mcore_world, cpu_patches):
+    src = {"llama_gqa": tiny_llama_dir, "llama_tied_mha": tiny_llama_tied_dir, "chatglm3": tiny_glm_dir}[which]
+    out = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(src), str(out), tp=1, pp=1, flavor="local"), progress=False)
+    mr = MegatronReader(out)
+    state = mr.state(0, 0)
+    model = build_gpt(state["args"])
+    result = model.load_state_dict(state["model"], strict=True)  # raises on any missing or unexpected key
+    assert not result.missing_keys and not [k for k in result.unexpected_keys if "_extra_state" not in k]
+    own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    assert set(own) == set(state["model"])
+    for k, v in own.items():  # every tensor of the model equals the file (no silent fallback to random init)
+        assert torch.equal(v, state["model"][k]), k
+
+    spec_vocab = state["args"].padded_vocab_size
+    ids = sample_tokens(min(spec_vocab, 2522), 12)
+    s = ids.numel()
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True = masked (Megatron convention)
+    with torch.no_grad():
+        logits = model(ids[None], torch.arange(s)[None], mask)[0]
+    ref = hf_logits(src, ids)
+    diff = float((logits[:, : ref.shape[-1]] - ref).abs().max())
+    assert diff <= 1e-4, diff
+
+
+@pytest.mark.slow
+def test_gptmodel_logits_catch_a_wrong_qkv_layout(tiny_llama_dir, tmp_path, mcore_world, cpu_patches):
+    """Negative control: plain [Q; K; V] rows load (shapes agree) but the logits are wrong."""
+    from kit.convert.hf_io import HFReader
+
+    out = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(tiny_llama_dir), str(out)), progress=False)
+    state = MegatronReader(out).state(0, 0)
+    hf = HFReader(tiny_llama_dir)
+    model_sd = dict(state["model"])
+    for i in range(2):
+        model_sd[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat(
+            [hf.read(f"model.layers.{i}.self_attn.{n}_proj.weight") for n in "qkv"])
+    model = build_gpt(state["args"])
+    model.load_state_dict(model_sd, strict=True)
+    ids = sample_tokens(2522, 12)
+    mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        logits = model(ids[None], torch.arange(12)[None], mask)[0]
+    assert float((logits[:, :2522] - hf_logits(tiny_llama_dir, ids)).abs().max()) > 1e-2
