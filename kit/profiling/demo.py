@@ -74,6 +74,23 @@ def load_model(model_dir: Optional[PathLike] = None, device: Optional[str] = Non
     return model, AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def model_folder(model: str, workspace: Any = None) -> Path:
+    """'demo' -> the demo model, 'tiny' -> a tiny seeded Llama in the workspace (built once), else a folder path."""
+    if model == "demo":
+        from kit.samples import demo_model_dir
+
+        return demo_model_dir()
+    if model == "tiny":
+        from kit.samples import tiny_llama
+        from kit.workspace import get_workspace
+
+        target = Path((workspace or get_workspace()).model_input) / "tiny-llama"
+        return target if (target / "config.json").exists() else tiny_llama(target)
+    if not Path(model).is_dir():
+        raise FileNotFoundError(f"MODEL={model!r} is neither 'demo', 'tiny' nor an existing HF folder.")
+    return Path(model)
+
+
 def profile_training(model_dir: Optional[PathLike] = None, steps: Optional[int] = None, batch_size: int = 2,
                      seq_len: int = 64, lr: float = 1e-4, out_dir: Optional[PathLike] = None,
                      config: Optional[ProfileConfig] = None, workspace: Any = None, seed: int = 0,

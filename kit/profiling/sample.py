@@ -263,3 +263,24 @@ def sample_profile_dir() -> Optional[Path]:
     root = Path(DATA_SAMPLES) / "ascend_profile_sample"
     found = sorted(root.glob("*_ascend_pt"))
     return found[0] if found else None
+
+
+def ensure_sample_profile(path: Optional[PathLike] = None, workspace=None, clean: bool = False) -> Path:
+    """`path` if given; else the shipped sample (clean=False), or one generated into the workspace's profiles/."""
+    if path:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"profile {path} does not exist; pass a *_ascend_pt folder or leave it empty "
+                                    f"for the shipped sample.")
+        return Path(path)
+    shipped = None if clean else sample_profile_dir()
+    if shipped is not None:
+        return shipped
+    from kit.workspace import get_workspace
+
+    ws = workspace or get_workspace()
+    target = Path(ws.profiles) / ("ascend_profile_sample_clean" if clean else "ascend_profile_sample")
+    found = sorted(target.glob("*_ascend_pt"))
+    if found:
+        return found[0]
+    print(f"no shipped sample here; writing a {'clean ' if clean else ''}sample profile to {target}")
+    return write_sample_ascend_profile(target, clean=clean)
