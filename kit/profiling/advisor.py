@@ -9,7 +9,7 @@ tasks excluded), which is what op_statistic.csv's Ratio(%) means.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pandas as pd
@@ -217,8 +217,3 @@ def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
             findings += ratio_rule(data, by_name, th) + block_dim_rule(data, by_name, th)
     findings += step_rules(data, th) + top_rule(by_type, th)
     return Advice(data=data, findings=findings, operators=by_type, thresholds=th)
-
-
-def thresholds_dict(th: Thresholds) -> dict:
-    """The thresholds as a plain dict (for reports)."""
-    return asdict(th)
