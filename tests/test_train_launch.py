@@ -1,0 +1,79 @@
+"""Launched training: 2-process data parallel (gloo) vs one process, SIGTERM checkpoint, CLI exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import test_train_helpers as H
+
+from kit.configs import save_config
+from kit.train import TrainConfig, train
+from kit.train.checkpoint import latest_iteration
+from kit.train.launch import launch, launch_command, launch_env, stop
+from kit.train.metrics import read_metrics
+from kit.workspace import repo_root
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir):
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
+    common = dict(train_iters=4, gbs=4, mbs=1, lr=3e-3)
+    single = train(H.tiny_config(tiny_llama_dir, data, tmp_path / "one", **common), progress=False)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "two", nproc_per_node=2, **common)
+    res = launch(cfg, progress=False)
+    assert res.ok, "\n".join(res.tail)
+    assert res.iterations == [1, 2, 3, 4]
+    records = read_metrics(cfg.log_dir() / "pretrain.metrics.jsonl")
+    two = [r["loss"] for r in records]
+    assert two == pytest.approx(single.losses, rel=1e-4, abs=1e-5)
+    assert records[0]["real_tokens"] == 4 * 32  # both ranks' tokens are counted once
+    # tokens/s/p divides by the 2 cards
+    r = records[-1]
+    assert r["tokens_per_s_per_card"] == pytest.approx(4 * 32 / (2 * r["elapsed_ms"]) * 1000)
+    assert latest_iteration(cfg.output_dir() / "checkpoints") == 4
+    assert single.losses[-1] < single.losses[0]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_llama_dir):
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=500, master_port=0)
+    from kit.train.launch import job_config
+
+    cfg = job_config(cfg)
+    config_path = save_config(cfg, tmp_path, "job.json")
+    proc = subprocess.Popen(launch_command(cfg, config_path), env=launch_env(cfg, "cpu"), cwd=str(repo_root()),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = cfg.log_dir() / "pretrain.metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stdout.read()
+    stop(proc, grace_s=60)  # SIGTERM to torchrun and its worker, like a ModelArts preemption
+    output = proc.stdout.read()
+    last = read_metrics(metrics)[-1]["iteration"]
+    ckpt_root = cfg.output_dir() / "checkpoints"
+    assert latest_iteration(ckpt_root) == last, output
+    state = json.loads((ckpt_root / f"iter_{last:07d}" / "trainer_state.json").read_text())
+    assert state["iteration"] == last and state["consumed_samples"] == last * cfg.gbs
+    # the worker saved, printed its status and returned 0; torchrun itself exits 1 because it was signalled too
+    assert "stop requested (SIGTERM)" in output and "kit train: preempted" in output
+    assert 2 <= last < 500
+    # and the run continues from there
+    resumed = train(TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "ws"),
+                                train_iters=last + 2), progress=False)
+    assert resumed.status == "completed" and resumed.iteration == last + 2 and len(resumed.losses) == 2
+
+
+def test_cli_run_reports_config_problems(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kit", "train", "run", "--no-env", "--set", "RUN_TYPE=pretrain",
+                          "--set", "GBS=3", "--set", "MBS=2", "--set", f"WORK_DIR={tmp_path}"],
+                         capture_output=True, text=True, cwd=str(repo_root()), timeout=120)
+    assert out.returncode == 2
+    assert "GBS=3 is not divisible by MBS x DP = 2 x 1" in out.stderr and "MODEL_PATH is required" in out.stderr
