@@ -137,7 +137,8 @@ def test_scaled_masked_softmax(backend, shape):
     assert called("npu_scaled_masked_softmax") == (backend == "npu" and shape[-1] == 64)
 
 
-def test_baddbmm_beta_zero_is_bmm_and_ignores_input():
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_baddbmm_beta_zero_is_bmm_and_ignores_input(backend):
     b1, b2 = rand(3, 4, 5), rand(3, 5, 6, seed=1)
     junk = torch.full((3, 4, 6), float("nan"))
     got = kops.baddbmm(junk, b1, b2, beta=0.0, alpha=0.5)

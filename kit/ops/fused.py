@@ -125,17 +125,21 @@ def scaled_masked_softmax(x, mask=None, scale: float = 1.0, causal: bool = False
         return torch.softmax(logits, dim=-1).to(x.dtype)
     # finite fill keeps gradients NaN-free; rows with every key masked are then set to 0
     probs = torch.softmax(logits.masked_fill(mask, torch.finfo(torch.float32).min), dim=-1)
-    probs = probs.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
+    dead = mask.all(dim=-1, keepdim=True)  # computed on the (usually smaller, broadcast) mask
+    if bool(dead.any()):
+        probs = probs.masked_fill(dead, 0.0)
     return probs.to(x.dtype)
 
 
-def baddbmm(input, batch1, batch2, *, beta: float = 1.0, alpha: float = 1.0):
-    """torch.baddbmm, but beta == 0 runs a plain bmm (x alpha) and never reads `input`.
+def baddbmm(input, batch1, batch2, *, beta: float = 1.0, alpha: float = 1.0, backend: Optional[str] = None):
+    """torch.baddbmm; with beta == 0 on NPU a plain bmm (x alpha) that never reads `input`.
 
     ChatGLM-style code calls baddbmm(empty, q, k^T, beta=0, alpha=1/sqrt(d)) only to get a scaled bmm; on NPU
-    the bmm is the faster kernel (the seed's ChatGLM change). Same result on every device.
+    the bmm is the faster kernel (the seed's ChatGLM change); on CPU/CUDA baddbmm itself is kept (measured faster
+    on CPU, benchmarks/bench_ops.py). Same result on every device, NaN/garbage in `input` ignored when beta == 0.
     """
-    if beta == 0:
+    if beta == 0 and resolve(batch1, backend) == "npu":
         out = torch.bmm(batch1, batch2)
         return out if alpha == 1 else out * alpha
+    # elsewhere baddbmm(beta=0) is already one kernel that skips `input` (and folds alpha in)
     return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
