@@ -129,3 +129,49 @@ def test_npu_branch_under_standin_matches_and_plans_once(llama_pair, monkeypatch
     for start, end in [(0, 6), (6, 10)]:
         alone = base(input_ids=ids[:, start:end]).logits[0]
         torch.testing.assert_close(logits[0, start:end], alone, rtol=1e-5, atol=1e-5)
+
+
+def _tiny(family: str, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager", **extra)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(cfg).eval()
+    adapted = copy.deepcopy(base)
+    return base, adapted, adapt_model(adapted)
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("mistral", dict(sliding_window=4)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),  # one full, one sliding layer
+])
+def test_sliding_window_families_match_eager(family, extra):
+    base, adapted, report = _tiny(family, **extra)
+    assert report.model_type == family and report.rms_norms == 5 and report.skipped == []
+    ids = _batch(5, s=12) % 100
+    torch.testing.assert_close(adapted(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
+    # packed rows with a window: each dialog alone through the eager model
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]] * 2)
+    packed = adapted(ids, position_ids=pos).logits
+    for start, end in [(0, 7), (7, 12)]:
+        torch.testing.assert_close(packed[:, start:end], base(ids[:, start:end]).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_with_left_padding_and_cache_matches_eager():
+    base, adapted, _ = _tiny("mistral", sliding_window=4)
+    ids = _batch(6, s=6) % 97 + 3
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: prefill runs varlen, decode steps use transformers' 4-D mask
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(adapted.generate(ids, **kwargs), base.generate(ids, **kwargs))
+
+
+def test_saved_adapted_model_loads_without_kit(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, adapted, _ = _tiny("llama")
+    adapted.save_pretrained(tmp_path / "saved")
+    assert "kit" not in (tmp_path / "saved" / "config.json").read_text()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert reloaded.config._attn_implementation != "kit"

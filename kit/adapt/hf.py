@@ -135,10 +135,15 @@ def _swap_forward(module, new_forward, width: int, report: AdaptReport, label: s
     """Replace module.forward if the kit version gives the same output on a probe input."""
     if isinstance(module.__dict__.get("forward"), types.MethodType):
         return True  # already adapted
-    probe = _probe_like(module, width)
-    with torch.no_grad():
-        expected = module(probe)
-        got = new_forward(module, probe)
+    try:
+        probe = _probe_like(module, width)
+        with torch.no_grad():
+            expected = module(probe)
+            got = new_forward(module, probe)
+    except Exception as exc:  # e.g. ZeRO-3 partitioned (empty) weights: adapt before deepspeed.initialize
+        report.skipped.append(f"{label} {type(module).__name__}: probe failed ({type(exc).__name__}: {exc}); "
+                              "kept original. Call adapt_model before wrapping the model (DeepSpeed/FSDP).")
+        return False
     if not _same(expected, got):
         report.skipped.append(f"{label} {type(module).__name__}: kit op differs on a probe input; kept original")
         return False
