@@ -175,3 +175,27 @@ def test_saved_adapted_model_loads_without_kit(tmp_path):
     assert "kit" not in (tmp_path / "saved" / "config.json").read_text()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert reloaded.config._attn_implementation != "kit"
+
+
+def test_lora_on_adapted_model_matches_lora_on_plain_model():
+    from peft import LoraConfig, get_peft_model
+
+    base, adapted, _ = _tiny("llama")
+    lora = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"])
+    torch.manual_seed(1)
+    plain = get_peft_model(base, LoraConfig(**lora))
+    torch.manual_seed(1)
+    patched = get_peft_model(adapted, LoraConfig(**lora))
+    for model in (plain, patched):  # make B non-zero so the adapters change the output
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    ids = _batch(7, s=10) % 100
+    out_p, out_a = plain(input_ids=ids, labels=ids), patched(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out_a.logits, out_p.logits, rtol=1e-5, atol=1e-5)
+    out_p.loss.backward()
+    out_a.loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    for name, p in patched.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
