@@ -73,18 +73,23 @@ class HFReader:
             return h[key].dtype
         return _ST_DTYPES[h.get_slice(key).get_dtype()]
 
-    def read(self, key: str, rows: Optional[Tuple[int, int]] = None,
-             cols: Optional[Tuple[int, int]] = None) -> torch.Tensor:
-        """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it, as a fresh CPU tensor."""
+    def read(self, key: str, rows: Optional[Tuple[int, int]] = None, cols: Optional[Tuple[int, int]] = None,
+             copy: bool = True) -> torch.Tensor:
+        """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it; a fresh CPU tensor unless copy=False
+        (then possibly a view of the mapped file, for callers that copy it themselves, e.g. with torch.cat)."""
         h = self._open(self.weight_map[key])
         r = slice(*rows) if rows else slice(None)
         if isinstance(h, dict):
             t = h[key]
-            return (t[r, cols[0]:cols[1]] if cols else t[r]).clone()
-        sl = h.get_slice(key)
-        t = sl[r, cols[0]:cols[1]] if cols else sl[r]
-        # A slice can be a view of the whole tensor; torch.save would then write the whole storage.
-        return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+            t = t[r, cols[0]:cols[1]] if cols else t[r]
+            return t.clone() if copy else t
+        # get_tensor maps the file (recent safetensors copies nothing here); slicing the view then copies only
+        # the rows/columns asked for, instead of materialising the whole tensor for every TP rank.
+        t = h.get_tensor(key)
+        t = t[r, cols[0]:cols[1]] if cols else t[r]
+        # A view of a larger storage (or of the mapped file) would make torch.save write all of that storage.
+        own = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if own or not copy else t.clone()
 
     def weight_bytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))

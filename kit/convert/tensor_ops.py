@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 Rows = Optional[Tuple[int, int]]
-Reader = Callable[..., torch.Tensor]  # read(key, rows=(a, b) | None, cols=(a, b) | None) -> tensor
+Reader = Callable[..., torch.Tensor]  # read(key, rows=(a, b) | None, cols=(a, b) | None, copy=True) -> tensor
 
 
 def part_offsets(keys: Sequence[str], rows: Sequence[int]) -> List[int]:
@@ -120,18 +120,19 @@ def read_rank(kind: str, read: Reader, keys: Sequence[str], rows: Sequence[int],
             return torch.zeros((per, *full_shape[1:]), dtype=read(keys[0], rows=(0, 1)).dtype)
         return pad_rows(read(keys[0], rows=(offs[0] + a, offs[0] + b)), per)
     if kind == "qkv" and groups % tp:  # fewer KV groups than ranks (mcore >= 0.16): a chunk of the whole matrix
-        parts = [read(k, rows=(o, o + n)) for k, o, n in zip(keys, offs, rows)]
+        parts = [read(k, rows=(o, o + n), copy=False) for k, o, n in zip(keys, offs, rows)]
         return torch.chunk(interleave_qkv(*parts, groups), tp)[r].clone()
     if kind == "qkv":
         gp = groups // tp
         q_rows = gp * heads_per_group * head_dim
-        q = read(keys[0], rows=(offs[0] + r * q_rows, offs[0] + (r + 1) * q_rows))
-        k = read(keys[1], rows=(offs[1] + r * gp * head_dim, offs[1] + (r + 1) * gp * head_dim))
-        v = read(keys[2], rows=(offs[2] + r * gp * head_dim, offs[2] + (r + 1) * gp * head_dim))
+        # copy=False: interleave_qkv's torch.cat makes the only copy
+        q = read(keys[0], rows=(offs[0] + r * q_rows, offs[0] + (r + 1) * q_rows), copy=False)
+        k = read(keys[1], rows=(offs[1] + r * gp * head_dim, offs[1] + (r + 1) * gp * head_dim), copy=False)
+        v = read(keys[2], rows=(offs[2] + r * gp * head_dim, offs[2] + (r + 1) * gp * head_dim), copy=False)
         return interleave_qkv(q, k, v, gp)
     if kind == "glu":
         n = rows[0] // tp
-        gate = read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n))
-        up = read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n))
+        gate = read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n), copy=False)
+        up = read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n), copy=False)
         return torch.cat([gate, up])
     raise ValueError(f"unknown split kind {kind!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -130,3 +131,48 @@ def verification_table(checks: List[dict]) -> object:
     import pandas as pd
 
     return pd.DataFrame(checks, columns=["check", "value", "limit", "passed"])
+
+
+def verify_conversion(source: PathLike, target: PathLike, work_dir: Optional[PathLike] = None, *,
+                      logits: bool = True, back_to_hf: bool = True, seq_len: int = 16,
+                      tolerance: float = 1e-4, keep_round_trip: bool = False, progress: bool = False) -> dict:
+    """Check a finished HF -> Megatron conversion: files, weights_only loading, the way back, and the logits.
+
+    Returns {"table": DataFrame(check, value, limit, passed), "passed": bool, "details": {...}}.
+    """
+    mr = MegatronReader(target)
+    rows, details = [], {}
+    tracker = (Path(target) / layout.TRACKER).read_text().strip()
+    rows.append({"check": "tracker file", "value": tracker, "limit": "1", "passed": tracker == "1"})
+    rows.append({"check": "rank files (TP x PP)", "value": f"{len(mr.files)} = {mr.tp} x {mr.pp}",
+                 "limit": "all present", "passed": len(mr.files) == mr.tp * mr.pp})
+    versions = {float(mr.state(t, p)["checkpoint_version"]) for t, p in mr.files}
+    rows.append({"check": "checkpoint_version (weights_only load)", "value": sorted(versions), "limit": 3.0,
+                 "passed": versions == {3.0}})
+    if back_to_hf:
+        work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kit-verify-"))
+        back = work / "hf_round_trip"
+        megatron_to_hf(ConvertConfig(str(target), str(back), direction="megatron_to_hf", overwrite=True),
+                       progress=progress)
+        fam = family_for_config(HFReader(source).config, (mr.meta or {}).get("family"))
+        cmp = compare_hf(source, back, fam.ignore_suffixes)
+        transformed = []
+        if fam.read_config(HFReader(source).config).norm_head and cmp["different"] == list(fam.hf_keys("output")):
+            transformed, cmp["different"] = cmp["different"], []
+        exact = not cmp["different"] and not cmp["missing"] and not cmp["extra"]
+        n_model = cmp["tensors"] - len(cmp["dropped"])
+        rows.append({"check": "HF -> Megatron -> HF tensors bit-identical",
+                     "value": f"{cmp['identical'] - len(transformed)}/{n_model}", "limit": f"{n_model}/{n_model}"
+                     + (f" ({len(transformed)} NormHead row-normalised)" if transformed else ""), "passed": exact})
+        details["round_trip"] = dict(cmp, transformed=transformed, hf=str(back) if keep_round_trip else None)
+        if not keep_round_trip:  # a full second copy of the model; keep it only when asked
+            shutil.rmtree(back, ignore_errors=True)
+    if logits:
+        lc = logits_check(source, target, seq_len=seq_len, tolerance=tolerance)
+        rows.append({"check": f"max |logits - HF| (TP{mr.tp} simulated, {seq_len} tokens, fp32)",
+                     "value": lc["max_abs_diff"], "limit": tolerance, "passed": lc["passed"]})
+        rows.append({"check": "same next-token argmax as HF", "value": lc["argmax_agree"], "limit": 1.0,
+                     "passed": lc["argmax_agree"] == 1.0})
+        details["logits"] = lc
+    table = verification_table(rows)
+    return {"table": table, "passed": bool(table["passed"].all()), "details": details}

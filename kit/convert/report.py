@@ -1,0 +1,78 @@
+"""What a conversion will do and what it wrote, as tables and a plot for the notebook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+from kit.convert import layout
+from kit.convert.config import ConvertConfig
+from kit.convert.families import family_for_config
+from kit.convert.hf_io import HFReader
+from kit.convert.megatron_io import MegatronReader
+from kit.convert.spec import padded_vocab_size
+
+PathLike = Union[str, Path]
+
+
+def describe(cfg: ConvertConfig):
+    """The source model's architecture facts and the planned Megatron layout (a pandas DataFrame)."""
+    import pandas as pd
+
+    reader = HFReader(cfg.source)
+    fam = family_for_config(reader.config, cfg.family)
+    spec = fam.read_config(reader.config)
+    padded = padded_vocab_size(spec.vocab_size, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size)
+    stages = layout.stage_layers(spec.num_layers, cfg.pp, cfg.num_layer_list)
+    rows = [("family", f"{fam.name} ({fam.notes})"), ("layers", spec.num_layers), ("hidden size", spec.hidden_size),
+            ("attention heads / KV groups", f"{spec.num_heads} / {spec.num_groups}"),
+            ("head dim", spec.head_dim), ("FFN size", spec.ffn_hidden_size),
+            ("vocabulary -> padded", f"{spec.vocab_size} -> {padded}"), ("tied embeddings", spec.tied),
+            ("position encoding", spec.position + (f" (percent {spec.rotary_percent}, interleaved "
+                                                   f"{spec.rotary_interleaved})" if spec.position == "rope" else "")),
+            ("source weights", f"{reader.weight_bytes() / 1024**2:.1f} MiB in "
+                               f"{len(set(reader.weight_map.values()))} file(s)"),
+            ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
+            ("layers per stage", [len(s) for s in stages] if stages else "invalid")]
+    return pd.DataFrame(rows, columns=["item", "value"]).set_index("item")
+
+
+def layout_table(folder: PathLike):
+    """One row per rank file: folder name, layers, tensors, MiB."""
+    import pandas as pd
+
+    mr = MegatronReader(folder)
+    rows = []
+    for (t, p), path in sorted(mr.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        flat = layout.flatten(mr.state(t, p)["model"])
+        layers = {k.split("layers.")[1].split(".")[0] for k in flat if "layers." in k}
+        rows.append({"rank file": f"{layout.rank_dir(t, p, mr.pp)}/model_optim_rng.pt", "tp": t, "pp": p,
+                     "layers": len(layers), "tensors": len(flat), "MiB": round(path.stat().st_size / 1024**2, 2)})
+    return pd.DataFrame(rows)
+
+
+def plot_layout(folder: PathLike, png: Optional[PathLike] = None):
+    """Heat map of rank-file sizes (TP across, PP down), saved as PNG beside the checkpoint; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    mr = MegatronReader(folder)
+    sizes = np.zeros((mr.pp, mr.tp))
+    for (t, p), path in mr.files.items():
+        sizes[p, t] = path.stat().st_size / 1024**2
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * mr.tp, 1.0 + 0.8 * mr.pp))
+    im = ax.imshow(sizes, cmap="Blues")
+    for (p, t), v in np.ndenumerate(sizes):
+        ax.text(t, p, f"{v:.1f}", ha="center", va="center")
+    ax.set_xticks(range(mr.tp), [f"TP{t}" for t in range(mr.tp)])
+    ax.set_yticks(range(mr.pp), [f"PP{p}" for p in range(mr.pp)])
+    ax.set_title("rank file size (MiB)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    out = Path(png) if png else Path(folder) / "rank_file_sizes.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
