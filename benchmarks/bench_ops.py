@@ -7,7 +7,6 @@ baseline measured in the same run). On an NPU the same script times the torch_np
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from functools import partial
 
@@ -27,8 +26,8 @@ def _once(fn, inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
-def compare(kit_fn, base_fn, repeat: int = 15, inner: int = 5) -> tuple[float, float]:
-    """Median seconds per call of both, sampled alternately so machine load hits both alike."""
+def compare(kit_fn, base_fn, repeat: int = 25, inner: int = 5) -> tuple[float, float]:
+    """Best (minimum) seconds per call of both, sampled alternately: the least load-disturbed estimate."""
     for _ in range(2):
         kit_fn()
         base_fn()
@@ -37,14 +36,14 @@ def compare(kit_fn, base_fn, repeat: int = 15, inner: int = 5) -> tuple[float, f
     for _ in range(repeat):
         kit_s.append(_once(kit_fn, inner))
         base_s.append(_once(base_fn, inner))
-    return statistics.median(kit_s), statistics.median(base_s)
+    return min(kit_s), min(base_s)
 
 
 def timeit(fn, repeat: int = 15, inner: int = 5) -> float:
-    """Median seconds per call."""
+    """Best (minimum) seconds per call."""
     fn()
     synchronize(DEVICE)
-    return statistics.median(_once(fn, inner) for _ in range(repeat))
+    return min(_once(fn, inner) for _ in range(repeat))
 
 
 def rotate_half(x):
@@ -151,6 +150,8 @@ def bench_masks(size: int = 2048) -> None:
 
 if __name__ == "__main__":
     DEVICE = get_device()
+    if DEVICE.type == "cpu":
+        torch.set_num_threads(1)  # one thread: ratios are far less disturbed by other processes on a shared box
     torch.manual_seed(0)
     print(f"device {DEVICE}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"ops backend {ops.resolve_backend(torch.zeros(1, device=DEVICE))}")

@@ -108,11 +108,21 @@ def test_layouts_match_float64_reference(backend, layout, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-def test_bf16_within_1e2(backend):
+@pytest.mark.parametrize("layout", ["BSND", "BNSD", "BSH", "SBH", "TND"])
+def test_bf16_within_1e2(backend, layout):
     q, k, v = qkv(dtype=torch.bfloat16)
-    out = fusion_attention(q, k, v, 4, "BNSD", causal=True)
+    keep = ref_keep(9, 9, True, 4)
+    if layout == "TND":  # the two batch rows as two sequences
+        flat = [t.transpose(1, 2).reshape(18, t.shape[1], 16) for t in (q, k, v)]
+        out = fusion_attention(*flat, 4, "TND", causal=True, pre_tokens=4, actual_seq_qlen=[9, 18],
+                               actual_seq_kvlen=[9, 18])
+        got = out.view(2, 9, 4, 16).transpose(1, 2)
+    else:
+        out = fusion_attention(to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), 4, layout,
+                               causal=True, pre_tokens=4)
+        got = from_layout(out, layout, 4)
     assert out.dtype == torch.bfloat16
-    assert rel_err(out, ref_attention(q, k, v, ref_keep(9, 9, True), 0.25)) <= 1e-2
+    assert rel_err(got, ref_attention(q, k, v, keep, 0.25)) <= 1e-2
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -222,3 +232,35 @@ def test_standin_is_strict_about_raw_calls(monkeypatch):
         fake.npu_fusion_attention(t, t, t, 2, "TND", actual_seq_qlen=torch.tensor([4]), actual_seq_kvlen=[4])
     out = fake.npu_fusion_attention(q, q, q, 2, "BNSD", scale=0.3)
     assert isinstance(out, tuple) and len(out) == 7
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((2, "bsnd"), {}, "input_layout"),
+        ((3, "BNSD"), {"scale": 0.3}, "head_num"),
+        ((2, "BNSD"), {"scale": 0.3, "atten_mask": torch.zeros(4, 4)}, "dtype"),
+        ((2, "BNSD"), {"scale": 0.3, "atten_mask": torch.zeros(3, 4, dtype=torch.bool), "sparse_mode": 0}, "shape"),
+        ((2, "BNSD"), {"scale": 1}, "float"),
+        ((2, "BNSD"), {"scale": 0.3, "keep_prob": 0.0}, "keep_prob"),
+    ],
+)
+def test_standin_rejects_bad_raw_arguments(monkeypatch, args, kwargs, message):
+    fake = install(monkeypatch)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(fake.StandinError, match=message):
+        fake.npu_fusion_attention(q, q, q, *args, **kwargs)
+
+
+def test_standin_rejects_bad_varlen_lists(monkeypatch):
+    fake = install(monkeypatch)
+    t = torch.randn(6, 2, 8)
+    with pytest.raises(fake.StandinError, match="actual_seq"):
+        fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3)
+    with pytest.raises(fake.StandinError, match="cumulative"):
+        fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3, actual_seq_qlen=[4, 2], actual_seq_kvlen=[4, 2])
+    with pytest.raises(fake.StandinError, match="fully masked"):  # a row-padding mask inside TND
+        mask = torch.zeros(3, 3, dtype=torch.bool)
+        mask[2] = True
+        fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3, atten_mask=mask, actual_seq_qlen=[3, 6],
+                                  actual_seq_kvlen=[3, 6])

@@ -18,6 +18,7 @@ from kit.ops.fused import (
     silu_mul,
     swiglu,
 )
+from kit.ops.parity import parity_report
 
 __all__ = [
     "LAYOUTS",
@@ -27,6 +28,7 @@ __all__ = [
     "compressed_causal_mask",
     "fast_gelu",
     "fusion_attention",
+    "parity_report",
     "resolve_backend",
     "rms_norm",
     "rotary_mul",
