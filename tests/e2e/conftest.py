@@ -41,7 +41,8 @@ def lab(e2e_root, tmp_path_factory):
     if reason:
         pytest.skip(reason)
     home = tmp_path_factory.mktemp("e2e-jupyter")
-    server = JupyterLab(e2e_root, home, env={"KIT_WORKSPACE": str(e2e_root / "ws")})
+    # kernels get the workspace and a private .condarc (notebook 01 registers envs there when conda exists)
+    server = JupyterLab(e2e_root, home, env={"KIT_WORKSPACE": str(e2e_root / "ws"), "CONDARC": str(home / "condarc")})
     try:
         yield server.start()
     finally:
@@ -65,14 +66,15 @@ def browser(lab):
 
 
 @pytest.fixture
-def page(browser):
-    """A fresh browser context and tab per test (Playwright gives each a new empty profile)."""
+def page(browser, lab):
+    """A fresh browser context and tab per test; afterwards its kernels are shut down."""
     context = browser.new_context(viewport=VIEWPORT)
-    context.set_default_timeout(30_000)
+    context.set_default_timeout(60_000)
     try:
         yield context.new_page()
     finally:
         context.close()
+        lab.shutdown_kernels()
 
 
 @pytest.fixture(scope="session")

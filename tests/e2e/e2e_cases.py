@@ -18,19 +18,40 @@ class Expect:
 
 def tiny_parameters(prefix: str, root: Path) -> dict:
     """Parameter overrides for notebook `prefix` (e.g. "02"), with WORKSPACE inside the temporary lab root."""
-    params = dict(TINY.get(prefix, {}))
+    params = TINY[prefix]() if prefix in TINY else {}
     params["WORKSPACE"] = str(root / "ws")
     return params
 
 
-# From each notebook's own test (tests/test_nbNN_*.py, its run_notebook(...) call).
+def _sample_tokenizer() -> str:
+    from kit.samples import sample_tokenizer_dir
+
+    return str(sample_tokenizer_dir())
+
+
+# From each notebook's own test (its run_notebook(...) call in tests/test_*.py); callables so paths resolve late.
 TINY = {
-    "00": {"CHECK_DEEPSPEED": False, "EXPLAIN_ERROR": "EJ0001: Failed to initialize the HCCP process."},
+    "00": lambda: {"CHECK_DEEPSPEED": False, "EXPLAIN_ERROR": "EJ0001: Failed to initialize the HCCP process."},
+    # tests/test_envs_notebook.py: a fake CANN set_env.sh whose kernel can `import kit_fake_cann`
+    "01": lambda: {"VERIFY_IMPORTS": ["json", "ipykernel"], "SET_ENV_SCRIPTS": [str(FAKE_SET_ENV)],
+                   "KERNEL_CODE": "import kit_fake_cann", "NAME": "nb-env"},
+    # tests/test_data_notebook.py
+    "02": lambda: {"TOKENIZER": _sample_tokenizer(), "MAX_LENGTH": 64, "TEMPLATE": "telechat"},
+    # tests/test_profiling_notebook.py
+    "05": lambda: {"MODEL": "tiny", "DEVICE": "cpu", "WAIT": 0, "WARMUP": 1, "ACTIVE": 1, "SEQ_LEN": 16, "TOP": 5},
 }
+FAKE_SET_ENV = Path(__file__).parent.parent / "fixtures" / "envs" / "ascend_toolkit" / "ascend-toolkit" / "set_env.sh"
 
 EXPECT = {
     # the doctor's report table (PASS/WARN/FAIL lines), the device table, the explained error
     "00": Expect(tables=2, texts=("torch_npu", "CANN", "PASS", "gloo", "leftover_process")),
+    # envs table, the clone/pack/unpack progress bars, the steps table + plot, the kernel that ran in the clone
+    "01": Expect(tables=2, images=1, progress=3, texts=("is the clone", "ASCEND_HOME_PATH", "nb-env", "tar.zst")),
+    # the accounting tables (pretrain, sft), one packed sample explained, both length histograms, progress bars
+    "02": Expect(tables=3, images=2, progress=2, texts=("records_read", "records_dropped", "padding_ratio")),
+    # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice
+    "05": Expect(tables=3, images=3, progress=1,
+                 texts=("aten::mm", "Profile advice", "Findings", "Cast operators are slow", "AI_CPU")),
 }
 
 # A parameter a user could get wrong, and the words of the kit's error that must be visible in the cell output.

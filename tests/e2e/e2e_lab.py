@@ -93,6 +93,7 @@ class JupyterLab:
             "--LabApp.news_url=", "--ServerApp.terminals_enabled=False",
         ] + (["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else [])  # CI containers run as root
         self.proc: Optional[subprocess.Popen] = None
+        self._workspaces = 0
 
     def start(self, timeout: float = 90.0) -> JupyterLab:
         """Start the server and wait until its API answers with our token."""
@@ -123,8 +124,20 @@ class JupyterLab:
         return json.loads(raw) if raw else None
 
     def url(self, path: str = "") -> str:
-        """Browser address of a file under root (or the launcher), with the token."""
-        return f"{self.base}/lab/tree/{path}?token={self.token}" if path else f"{self.base}/lab?token={self.token}"
+        """Browser address of a file under root (or the launcher), with the token, in a fresh lab workspace.
+
+        A fresh workspace each time: the default one would reopen every earlier notebook (and its kernel).
+        """
+        self._workspaces += 1
+        ws = f"{self.base}/lab/workspaces/e2e-{self._workspaces}"
+        return f"{ws}/tree/{path}?reset&token={self.token}" if path else f"{ws}?reset&token={self.token}"
+
+    def shutdown_kernels(self) -> None:
+        """End every session and kernel (between tests: each notebook's kernel holds torch in memory)."""
+        for s in self.api("GET", "/api/sessions") or []:
+            self.api("DELETE", f"/api/sessions/{s['id']}")
+        for k in self.api("GET", "/api/kernels") or []:
+            self.api("DELETE", f"/api/kernels/{k['id']}")
 
     def log_tail(self, n: int = 4000) -> str:
         """The last characters of the server log (for failure messages)."""
@@ -138,8 +151,7 @@ class JupyterLab:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
-            for k in self.api("GET", "/api/kernels") or []:
-                self.api("DELETE", f"/api/kernels/{k['id']}")
+            self.shutdown_kernels()
             self.api("POST", "/api/shutdown")
             self.proc.wait(timeout=15)
         except Exception:  # noqa: BLE001 - whatever went wrong, fall through to the signals

@@ -40,6 +40,7 @@ def test_checks_catch_planted_error_and_missing_output(lab, page, e2e_root):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nb.cells = [
         nbformat.v4.new_code_cell("import pandas as pd\npd.DataFrame({'loss': [2.0, 1.5]})"),
+        nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor _ in tqdm(range(3)): pass"),
         nbformat.v4.new_code_cell("raise RuntimeError('planted')"),
         nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([1, 2]); plt.show()"),
     ]
@@ -49,5 +50,5 @@ def test_checks_catch_planted_error_and_missing_output(lab, page, e2e_root):
     cells = read_cells(page)
     errors = visible_errors(cells)
     assert len(errors) == 2 and "RuntimeError: planted" in errors[0] and "not executed" in errors[1], errors
-    assert missing_outputs(cells, Expect(tables=1, images=1, texts=("loss",))) == [
-        "images: 0 visible, expected at least 1"]
+    assert missing_outputs(cells, Expect(tables=1, images=1, progress=1, texts=("loss", "never shown"))) == [
+        "images: 0 visible, expected at least 1", "text 'never shown' not visible in any output"]

@@ -41,6 +41,8 @@ def test_notebook_runs_in_jupyterlab(name, lab, page, e2e_root, screenshots):
     cells = read_cells(page)
     save(page)
     shot = full_screenshot(page, screenshots / f"{name[:-6]}.png")
+    # the notebook as JupyterLab saved it, outputs included, beside its screenshot (to read after a failure)
+    (screenshots / name).write_text((e2e_root / name).read_text(encoding="utf-8"), encoding="utf-8")
     errors = visible_errors(cells)
     assert not errors, f"{name} (screenshot {shot}):\n" + "\n\n".join(errors)
     missing = missing_outputs(cells, EXPECT[name[:2]])
