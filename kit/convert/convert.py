@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
@@ -17,9 +18,10 @@ from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
 from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
-from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, save_rank
+from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader
 from kit.convert.spec import ModelSpec, megatron_args, padded_vocab_size
 from kit.convert.tensor_ops import full_to_parts, merge_tp, read_rank, split_tp
+from kit.convert.torch_zip import StreamingTorchFile
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], torch.Tensor]  # (role, global layer | None, tp rank) -> tensor
@@ -30,31 +32,43 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return _DTYPES[name] if name else None
 
 
+def _rank_entries(layer_roles: List[str], spec: ModelSpec, flavor: str, stages: List[List[int]], s: int):
+    """(key path, source role, global layer) of every tensor in a stage-s rank file, in writing order."""
+    pp = len(stages)
+    if s == 0:
+        yield layout.key_path(flavor, "embedding"), "embedding", None
+    for local, g in enumerate(stages[s]):
+        for role in layer_roles:
+            yield layout.key_path(flavor, role, local), role, g
+    if s == pp - 1:
+        yield layout.key_path(flavor, "final_norm"), "final_norm", None
+        if not spec.tied:
+            yield layout.key_path(flavor, "output"), "output", None
+        elif pp > 1:  # the last stage holds its own copy of a tied embedding
+            yield layout.key_path(flavor, "tied_head"), "embedding", None
+
+
 def _write_megatron(tmp: Path, fam: Family, spec: ModelSpec, tp: int, stages: List[List[int]], flavor: str,
                     args, rank_fn: RankFn, progress: bool) -> int:
-    """Write every rank file of the layout; one rank's tensors are in memory at a time. Returns bytes written."""
+    """Write every rank file of the layout, streaming each tensor to disk as soon as it is made (so memory holds
+    about one tensor and its source slices, not a whole rank file). Returns bytes written."""
     _, layer_roles = fam.roles(spec)
     pp, written = len(stages), 0
-    bar = tqdm(total=tp * spec.num_layers, desc=f"HF->Megatron TP{tp} PP{pp}", unit="layer", disable=not progress)
-    for s, layers in enumerate(stages):
+    bar = tqdm(total=tp * spec.num_layers, desc=f"->Megatron TP{tp} PP{pp}", unit="layer", disable=not progress)
+    for s in range(pp):
         for r in range(tp):
-            model: dict = {}
-            if s == 0:
-                layout.put(model, layout.key_path(flavor, "embedding"), rank_fn("embedding", None, r))
-            for local, g in enumerate(layers):
-                for role in layer_roles:
-                    layout.put(model, layout.key_path(flavor, role, local), rank_fn(role, g, r))
-                bar.update(1)
-            if s == pp - 1:
-                layout.put(model, layout.key_path(flavor, "final_norm"), rank_fn("final_norm", None, r))
-                if not spec.tied:
-                    layout.put(model, layout.key_path(flavor, "output"), rank_fn("output", None, r))
-                elif pp > 1:  # the last stage holds its own copy of a tied embedding
-                    layout.put(model, layout.key_path(flavor, "tied_head"), rank_fn("embedding", None, r))
             path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
-            save_rank(path, args, model)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f".{path.name}.partial")
+            out, model = StreamingTorchFile(part), {}
+            for key_path, role, layer in _rank_entries(layer_roles, spec, flavor, stages, s):
+                layout.put(model, key_path, out.store(rank_fn(role, layer, r)))
+                if layer is not None and role == layer_roles[-1]:
+                    bar.update(1)
+            out.finish({"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION,
+                        "iteration": layout.ITERATION, "model": model})
+            os.replace(part, path)
             written += path.stat().st_size
-            del model
     bar.close()
     return written
 
