@@ -85,19 +85,19 @@ def _digests(folder):
 
 
 @pytest.mark.slow
-def test_byte_identical_whatever_the_worker_count(tmp_path, corpus):
+def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpus):
     path, _ = corpus
     a = _run(tmp_path, path, num_workers=1, batch_size=7)
     da = _digests(tmp_path)
-    b = _run(tmp_path, path, num_workers=2, batch_size=7, overwrite=True)
+    b = _run(tmp_path, path, num_workers=2, batch_size=13, overwrite=True)
     db = _digests(tmp_path)
-    # config.json records num_workers and overwrite themselves; every other file matches byte for byte
+    # config.json records num_workers, batch_size and overwrite themselves; every other file matches byte for byte
     assert set(da) == set(db) and {k for k in da if da[k] != db[k]} == {"c_hf/config.json"}
     assert a.report.as_dict() == b.report.as_dict()
     out = tmp_path / "sft"
     x = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=1, batch_size=9), progress=False)
     dx = _digests(out)
-    y = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=2, batch_size=9,
+    y = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=2, batch_size=20,
                            overwrite=True), progress=False)
     dy = _digests(out)
     assert set(dx) == set(dy) and {k for k in dx if dx[k] != dy[k]} == {"alpaca_hf/config.json"}
@@ -130,3 +130,28 @@ def test_load_prepared_rejects_damaged_folders(tmp_path, corpus):
         load_prepared(res.hf_dir)
     with pytest.raises(FileNotFoundError, match="no meta.json"):
         load_prepared(tmp_path / "nothing_here")
+
+
+def test_arrow_sink_bytes_independent_of_write_sizes(tmp_path):
+    from datasets import load_from_disk
+
+    from kit.data.output import ArrowSink
+
+    rng = np.random.default_rng(0)
+    rows = {c: rng.integers(0, 100, size=(8, 6)).astype(np.int32)
+            for c in ("input_ids", "labels", "attention_mask", "position_ids")}
+    lens = [[6], [2, 4], [1, 2, 3], [6], [3, 3], [5], [6], [1, 1, 4]]
+    digests = []
+    for i, sizes in enumerate(([8], [2, 5, 1], [1] * 8)):
+        folder = tmp_path / f"s{i}"
+        folder.mkdir()
+        sink = ArrowSink(folder, "sft", 6, rows_per_batch=3)
+        at = 0
+        for n in sizes:
+            sink.write({c: a[at:at + n] for c, a in rows.items()}, lens[at:at + n])
+            at += n
+        assert sink.finalize({"x": 1}) == 8
+        digests.append({p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()})
+        ds = load_from_disk(str(folder))
+        assert ds["seq_lens"] == lens and np.array(ds["labels"]).tolist() == rows["labels"].tolist()
+    assert digests[0] == digests[1] == digests[2]

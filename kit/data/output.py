@@ -20,60 +20,79 @@ def _features(kind: str):
     return Features({c: List(Value("int32")) for c in COLUMNS[kind]})
 
 
-class ArrowSink:
-    """Append fixed-length rows (and ragged `seq_lens`) to one Arrow file, batch by batch."""
+DATA_FILE = "data-00000-of-00001.arrow"  # the name `Dataset.save_to_disk` gives a single shard
 
-    def __init__(self, path: Path, kind: str, max_length: int):
+
+class ArrowSink:
+    """Stream fixed-length rows (and ragged `seq_lens`) into the Arrow file of a `save_to_disk` folder.
+
+    Rows are re-cut into record batches of a fixed row count, so the bytes do not depend on how the caller
+    batched its work (batch_size, num_workers).
+    """
+
+    def __init__(self, folder: Path, kind: str, max_length: int, rows_per_batch: int = 0):
         from datasets.arrow_writer import ArrowWriter
 
-        self.path, self.kind, self.max_length = Path(path), kind, max_length
+        self.folder, self.kind, self.max_length = Path(folder), kind, max_length
         self.rows = 0
-        self._writer = ArrowWriter(features=_features(kind), path=str(self.path))
+        # default ~1M tokens (4 MB) per column and record batch
+        self.rows_per_batch = rows_per_batch or max(1, (1 << 20) // max_length)
+        self._pending: Dict[str, List[np.ndarray]] = {c: [] for c in FIXED_COLUMNS}
+        self._pending_lens: List[List[int]] = []
+        self._writer = ArrowWriter(features=_features(kind), path=str(self.folder / DATA_FILE))
 
     def write(self, columns: Dict[str, np.ndarray], seq_lens: Union[None, List[List[int]]] = None) -> None:
-        """Write rows: each fixed column an (n, max_length) array; `seq_lens` one list per row (sft)."""
-        import pyarrow as pa
-
+        """Add rows: each fixed column an (n, max_length) array; `seq_lens` one list per row (sft)."""
         n = columns["input_ids"].shape[0]
         if n == 0:
             return
+        for c in FIXED_COLUMNS:
+            self._pending[c].append(np.ascontiguousarray(columns[c], dtype=np.int32))
+        if self.kind == "sft":
+            self._pending_lens.extend(seq_lens)
+        self.rows += n
+        if sum(a.shape[0] for a in self._pending["input_ids"]) >= self.rows_per_batch:
+            self._drain(final=False)
+
+    def _drain(self, final: bool) -> None:
+        if not self._pending["input_ids"]:
+            return
+        full = {c: np.concatenate(v) if len(v) > 1 else v[0] for c, v in self._pending.items()}
+        total = full["input_ids"].shape[0]
+        cut = total if final else total - total % self.rows_per_batch
+        for start in range(0, cut, self.rows_per_batch):
+            stop = min(start + self.rows_per_batch, cut)
+            self._write_batch({c: a[start:stop] for c, a in full.items()}, self._pending_lens[start:stop])
+        self._pending = {c: ([full[c][cut:]] if cut < total else []) for c in FIXED_COLUMNS}
+        self._pending_lens = self._pending_lens[cut:]
+
+    def _write_batch(self, cols: Dict[str, np.ndarray], seq_lens: List[List[int]]) -> None:
+        import pyarrow as pa
+
+        n = cols["input_ids"].shape[0]
         offsets = pa.array(np.arange(0, (n + 1) * self.max_length, self.max_length, dtype=np.int32))
-        arrays, names = [], []
-        for name in FIXED_COLUMNS:
-            values = pa.array(np.ascontiguousarray(columns[name], dtype=np.int32).reshape(-1))
-            arrays.append(pa.ListArray.from_arrays(offsets, values))
-            names.append(name)
+        arrays = [pa.ListArray.from_arrays(offsets, pa.array(cols[c].reshape(-1))) for c in FIXED_COLUMNS]
+        names = list(FIXED_COLUMNS)
         if self.kind == "sft":
             lens = np.cumsum([0] + [len(s) for s in seq_lens]).astype(np.int32)
             flat = np.fromiter((x for s in seq_lens for x in s), dtype=np.int32, count=int(lens[-1]))
             arrays.append(pa.ListArray.from_arrays(pa.array(lens), pa.array(flat)))
             names.append("seq_lens")
         self._writer.write_table(pa.Table.from_arrays(arrays, names=names))
-        self.rows += n
 
-    def finalize(self) -> int:
+    def finalize(self, fingerprint_of: dict) -> int:
+        """Write the last rows and the folder's dataset_info.json / state.json (as save_to_disk does)."""
+        from datasets import DatasetInfo
+
+        self._drain(final=True)
         self._writer.finalize()
+        DatasetInfo(features=_features(self.kind)).write_to_directory(str(self.folder), pretty_print=True)
+        # a content-derived fingerprint keeps state.json byte-identical across runs
+        digest = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()[:16]
+        state = {"_data_files": [{"filename": DATA_FILE}], "_fingerprint": digest, "_format_columns": None,
+                 "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+        (self.folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
         return self.rows
-
-
-def save_dataset(arrow_file: Path, out_dir: Path, fingerprint_of: dict) -> None:
-    """Turn the Arrow file into a `save_to_disk` folder with a fingerprint derived from the content."""
-    from datasets import Dataset
-
-    ds = Dataset.from_file(str(arrow_file))
-    # a content-derived fingerprint keeps state.json byte-identical across runs (the default hashes temp paths)
-    ds._fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()[:16]
-    ds.save_to_disk(str(out_dir))
-    del ds
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file (streamed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _resolve(path: Union[str, Path]) -> Path:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -17,7 +16,7 @@ from kit.configs import check, save_config
 from kit.data.config import DataConfig
 from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
 from kit.data.indexed import IndexedWriter, token_dtype
-from kit.data.output import ArrowSink, megatron_names, save_dataset
+from kit.data.output import COLUMNS, ArrowSink, megatron_names
 from kit.data.readers import DataInputError, iter_records
 from kit.data.report import PrepReport, plot_lengths
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
@@ -98,16 +97,19 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
             on_bad(err)
 
 
+def _import_plotting() -> None:
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+
+
 def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
     """Prepare `cfg.kind` data: HF dataset folder + Megatron files + config/meta/report/histogram."""
-    from tqdm.auto import tqdm
-
-    from kit.data.pretrain import PretrainAssembler, pretrain_job
-    from kit.data.sft import SftAssembler, sft_job
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
     cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind))
     check(cfg, "DataConfig")
+    # matplotlib takes ~1.5 s to import; do it while the tokenizer (which releases the GIL) works
+    threading.Thread(target=_import_plotting, daemon=True).start()
     tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     vocab_size = len(tok)
     out = output_dir(cfg, workspace)
@@ -128,58 +130,26 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     if cfg.kind == "sft" and cfg.template == "tokenizer" and not getattr(tok, "chat_template", None):
         raise ValueError(f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
                          f"{sorted(TEMPLATES)}.")
-    settings = {"add_bos": cfg.add_bos, "template": cfg.template, "system": cfg.system,
-                "train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history}
-    initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
-
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
-    stream_dir = Path(tempfile.mkdtemp(prefix=f".{cfg.name}.stream-", dir=out))
     try:
-        if cfg.megatron:
-            dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
-            writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
-        sink = ArrowSink(stream_dir / "data.arrow", cfg.kind, cfg.max_length)
-        bar = tqdm(desc=f"{cfg.kind} {cfg.name}", unit=" records", disable=not progress)
-        chunks = batched(_items(cfg, report), cfg.batch_size)
-        if cfg.kind == "pretrain":
-            asm = PretrainAssembler(sink, writers[0] if writers else None, report)
-
-            def payloads():
-                for chunk in chunks:
-                    yield [text for text, _ in chunk]
-            for result in ordered_map(pretrain_job, payloads(), cfg.num_workers, initargs):
-                asm.add(result)
-                bar.update(result[1].size)
-        else:
-            asm = SftAssembler(sink, writers or None, report, tok.pad_token_id, cfg.overlong, cfg.pack,
-                               cfg.pack_window)
-            wheres: List[List[str]] = []
-
-            def payloads():
-                for chunk in chunks:
-                    wheres.append([w for _, w in chunk])
-                    yield [d for d, _ in chunk]
-            for result in ordered_map(sft_job, payloads(), cfg.num_workers, initargs):
-                asm.add(result, wheres.pop(0))
-                bar.update(len(result))
-        bar.close()
-        asm.finish()
-        sink.finalize()
-        for w in writers:
-            w.finalize()
-        meta = {"kind": cfg.kind, "max_length": cfg.max_length, "tokenizer": tok.kit_path,
-                "vocab_size": vocab_size, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
-                "bos_token_id": tok.bos_token_id, "num_samples": report.samples,
-                "num_tokens": report.tokens_out, "template": cfg.template if cfg.kind == "sft" else None,
-                "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
-                "columns": ["input_ids", "labels", "attention_mask", "position_ids"]
-                + (["seq_lens"] if cfg.kind == "sft" else []),
-                "megatron_prefix": mg_prefix if cfg.megatron else None,
-                "megatron_dtype": (str(writers[0].dtype) if writers else None)}
-        rep = report.as_dict()
         with atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data") as tmp:
-            save_dataset(stream_dir / "data.arrow", tmp, {"meta": meta, "report": rep})
+            if cfg.megatron:
+                dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
+                writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
+            sink = ArrowSink(tmp, cfg.kind, cfg.max_length)
+            _stream(cfg, tok, sink, writers, report, progress)
+            for w in writers:
+                w.finalize()
+            meta = {"kind": cfg.kind, "max_length": cfg.max_length, "tokenizer": tok.kit_path,
+                    "vocab_size": vocab_size, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
+                    "bos_token_id": tok.bos_token_id, "num_samples": report.samples,
+                    "num_tokens": report.tokens_out, "template": cfg.template if cfg.kind == "sft" else None,
+                    "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
+                    "columns": list(COLUMNS[cfg.kind]), "megatron_prefix": mg_prefix if cfg.megatron else None,
+                    "megatron_dtype": (str(writers[0].dtype) if writers else None)}
+            rep = report.as_dict()
+            sink.finalize({"meta": meta, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
@@ -190,7 +160,39 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
         for w in writers:
             w.abort()
         raise
-    finally:
-        shutil.rmtree(stream_dir, ignore_errors=True)
     return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta,
                       hf_dir / png.name, cfg)
+
+
+def _stream(cfg: DataConfig, tok: Any, sink: ArrowSink, writers: List[IndexedWriter], report: PrepReport,
+            progress: bool) -> None:
+    """Read, tokenize (in order, over cfg.num_workers) and hand every batch to the kind's assembler."""
+    from tqdm.auto import tqdm
+
+    from kit.data.pretrain import PretrainAssembler, pretrain_job
+    from kit.data.sft import SftAssembler, sft_job
+
+    settings = {"add_bos": cfg.add_bos, "template": cfg.template, "system": cfg.system,
+                "train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history}
+    initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
+    chunks = batched(_items(cfg, report), cfg.batch_size)
+    wheres: List[List[str]] = []
+
+    def payloads():
+        for chunk in chunks:
+            wheres.append([w for _, w in chunk])
+            yield [item for item, _ in chunk]
+
+    with tqdm(desc=f"{cfg.kind} {cfg.name}", unit=" records", disable=not progress) as bar:
+        if cfg.kind == "pretrain":
+            asm = PretrainAssembler(sink, writers[0] if writers else None, report)
+            for result in ordered_map(pretrain_job, payloads(), cfg.num_workers, initargs, tok):
+                asm.add(result)
+                bar.update(len(wheres.pop(0)))
+        else:
+            asm = SftAssembler(sink, writers or None, report, tok.pad_token_id, cfg.overlong, cfg.pack,
+                               cfg.pack_window)
+            for result in ordered_map(sft_job, payloads(), cfg.num_workers, initargs, tok):
+                asm.add(result, wheres.pop(0))
+                bar.update(len(result))
+    asm.finish()

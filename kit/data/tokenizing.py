@@ -47,14 +47,13 @@ def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def init_worker(tokenizer_path: Optional[str], trust_remote_code: bool, settings: dict) -> None:
-    """Load the tokenizer into this process for `worker_state()`."""
-    if _STATE.get("key") == (tokenizer_path, trust_remote_code):
-        _STATE["settings"] = settings
-        return
-    _STATE["tok"] = load_tokenizer(tokenizer_path, trust_remote_code)
-    _STATE["key"] = (tokenizer_path, trust_remote_code)
+def init_worker(tokenizer_path: Optional[str], trust_remote_code: bool, settings: dict, tok: Any = None) -> None:
+    """Load the tokenizer into this process (or adopt `tok`, already loaded from that path) for `worker_state()`."""
     _STATE["settings"] = settings
+    if tok is None and _STATE.get("key") == (tokenizer_path, trust_remote_code):
+        return
+    _STATE["tok"] = tok if tok is not None else load_tokenizer(tokenizer_path, trust_remote_code)
+    _STATE["key"] = (tokenizer_path, trust_remote_code)
 
 
 def worker_state() -> Dict[str, Any]:
@@ -68,10 +67,10 @@ def _pool_init(tokenizer_path, trust_remote_code, settings) -> None:
     init_worker(tokenizer_path, trust_remote_code, settings)
 
 
-def ordered_map(fn: Callable, chunks: Iterable, num_workers: int, initargs: tuple) -> Iterator:
+def ordered_map(fn: Callable, chunks: Iterable, num_workers: int, initargs: tuple, tok: Any = None) -> Iterator:
     """`fn` over `chunks` in order; with several workers at most 2 chunks per worker are in flight."""
     if num_workers <= 1:
-        init_worker(*initargs)
+        init_worker(*initargs, tok=tok)
         for chunk in chunks:
             yield fn(chunk)
         return
