@@ -199,3 +199,19 @@ def test_lora_on_adapted_model_matches_lora_on_plain_model():
     for name, p in patched.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_gives_same_gradients_on_packed_batch():
+    _, adapted, _ = _tiny("llama")
+    checkpointed = copy.deepcopy(adapted)
+    checkpointed.gradient_checkpointing_enable()
+    ids = _batch(8, s=10) % 100
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]] * 2)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    for model in (adapted, checkpointed):
+        model.train()
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=ids).loss.backward()
+    grads = dict(adapted.named_parameters())
+    for name, p in checkpointed.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
