@@ -249,3 +249,37 @@ def test_register_kernel_refuses_env_without_ipykernel(tmp_path):
     with pytest.raises(envs.EnvError, match="not allowed"):
         envs.register_kernel(bare, "bad/name", set_env_scripts=[], envs_root=tmp_path / "envs")
     assert not (tmp_path / "envs" / "kernels").exists() or list((tmp_path / "envs" / "kernels").iterdir()) == []
+
+
+def test_cli_clone_pack_unpack_kernel_restore(source_env, tmp_path, capsys):
+    import argparse
+
+    from kit.envs import cli as env_cli
+
+    # only this stage's sub-command: the other stages' modules are not this test's business
+    parser = argparse.ArgumentParser(prog="python -m kit")
+    env_cli.register(parser.add_subparsers(dest="stage", required=True))
+
+    def main(argv):
+        args = parser.parse_args(argv)
+        return args.func(args)
+
+    root = str(tmp_path / "envs")
+
+    def cli(*argv):
+        assert main(["env", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    cloned = cli("clone", str(source_env), "--name", "cli-env", "--envs-root", root, "--verify", "kitprobe")
+    assert cloned["target"] == f"{root}/venvs/cli-env" and cloned["verify"]["imports"]["kitprobe"] == "ok 1.0"
+    assert [e["name"] for e in cli("list", "--envs-root", root)] == ["cli-env"]
+    packed = cli("pack", "cli-env", "--envs-root", root, "--format", "tar.gz", "-j", "2")
+    assert packed["archive"] == f"{root}/packs/cli-env.tar.gz"
+    unpacked = cli("unpack", packed["archive"], str(tmp_path / "u" / "cli-env"), "--verify", "kitprobe")
+    assert unpacked["verify"]["prefix"] == str(tmp_path / "u" / "cli-env")
+    kernel = cli("kernel", cloned["target"], "--name", "cli-env", "--set-env", "none", "--envs-root", root)
+    assert kernel["cann_vars"] == [] and Path(kernel["installed"]).is_dir()
+    assert cli("restore", "--envs-root", root)["unchanged"] == ["cli-env"]
+    assert cli("remove", cloned["target"], "--envs-root", root)["kernels"] == ["cli-env"]
+    with pytest.raises(SystemExit):
+        main(["env", "pack"])  # missing argument: argparse usage error

@@ -190,6 +190,26 @@ def test_conda_clone_method_needs_conda(conda_prefix, tmp_path, monkeypatch):
         envs.clone(envs.create_venv(tmp_path / "v"), name="x", envs_root=tmp_path / "envs", method="conda-pack")
 
 
+def test_failed_conda_create_clone_leaves_nothing_and_keeps_the_old_env(conda_prefix, tmp_path, monkeypatch):
+    # a `conda` that fails half-way the way a clone without network or package cache does
+    exe = tmp_path / "conda"
+    exe.write_text('#!/bin/sh\nmkdir -p "$3/lib" && touch "$3/lib/half.so"\n'
+                   'echo "PackagesNotFoundError: The following packages are not available" >&2\nexit 1\n')
+    exe.chmod(0o755)
+    monkeypatch.setenv("CONDA_EXE", str(exe))
+    root = tmp_path / "envs"
+    with pytest.raises(envs.EnvError, match="PackagesNotFoundError"):
+        envs.clone(conda_prefix, name="cc", envs_root=root, method="conda-clone", verify_imports=None)
+    assert list((root / "user_conda").iterdir()) == []
+    (root / "user_conda" / "cc").mkdir()
+    (root / "user_conda" / "cc" / "mine").write_text("keep")
+    with pytest.raises(envs.EnvError, match="PackagesNotFoundError"):
+        envs.clone(conda_prefix, name="cc", envs_root=root, method="conda-clone", verify_imports=None,
+                   overwrite=True)
+    assert [p.name for p in (root / "user_conda").iterdir()] == ["cc"]
+    assert (root / "user_conda" / "cc" / "mine").read_text() == "keep"
+
+
 # ---- the conda CLI adapter, against recorded real output ----
 
 def test_parse_recorded_env_list_json():

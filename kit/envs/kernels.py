@@ -30,8 +30,8 @@ def find_set_env_scripts(roots: Optional[Iterable[Union[str, Path]]] = None) -> 
     """
     candidates = []
     home = os.environ.get("ASCEND_HOME_PATH")
-    if home:  # .../ascend-toolkit/latest -> install root two levels up
-        candidates.append(Path(home).resolve().parent.parent)
+    if home:  # .../ascend-toolkit/latest or .../cann-8.5.0: the install root is one of its parents
+        candidates += list(Path(home).parents)[:3]
     candidates += [Path(r).expanduser() for r in (roots if roots is not None else ASCEND_ROOTS)]
     for root in candidates:
         toolkit = [root / "cann" / "set_env.sh", root / "ascend-toolkit" / "set_env.sh",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from kit.envs.prefix import (
     EnvInfo,
     check_name,
     check_space,
+    copy_tree,
     env_info,
     find_editable,
     kind_of,
@@ -107,29 +109,38 @@ def clone(source: PathLike, name: Optional[str] = None, target: Optional[PathLik
     n_files, size = walk_tree(src.prefix)
     check_space(dest.parent, size, f"a clone of {src.prefix}")
     start = time.perf_counter()
-    with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(n_files, "clone") as bar:
-        if method == "copy":
-            counts = venv_backend_copy(src.prefix, tmp, dest, bar.update)
-        elif method == "conda-pack":
-            counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar.update)
-        else:
-            os.rmdir(tmp)  # conda create refuses an existing non-env folder
-            conda_clone(str(src.prefix), str(tmp))
-            counts = {"files": walk_tree(tmp)[0]}
-            from kit.envs.prefix import rewrite_prefix_files
-
-            # conda wrote the temporary path into scripts; move them to the final one
-            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(dest))
+    if method == "conda-clone":
+        counts = _conda_create_clone(src.prefix, dest, overwrite)
+    else:
+        with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(n_files, "clone") as bar:
+            if method == "copy":
+                counts = copy_tree(src.prefix, tmp, str(dest), bar.update)
+            else:
+                counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar.update)
     seconds = time.perf_counter() - start
     report = verify(dest, verify_imports, verify_env) if verify_imports is not None else None
     return {"source": str(src.prefix), "target": str(dest), "kind": src.kind, "method": method,
             "files": n_files, "bytes": size, "seconds": round(seconds, 3), "verify": report, **counts}
 
 
-def venv_backend_copy(src: Path, tmp: Path, dest: Path, progress) -> dict:
-    from kit.envs.prefix import copy_tree
-
-    return copy_tree(src, tmp, str(dest), progress)
+def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
+    """`conda create --clone` straight into `dest` (conda writes the prefix into binaries, so no temporary
+    name); whatever it leaves after a failure is removed, and an old env is only replaced on success."""
+    old = None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(dest) and overwrite:
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+    try:
+        conda_clone(str(source), str(dest))
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        if old is not None:
+            os.replace(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return {"files_after": walk_tree(dest)[0]}
 
 
 def _text_files_with(root: PathLike, needle: str) -> list[str]:
@@ -269,6 +280,8 @@ def remove(target: PathLike, envs_root: Optional[PathLike] = None) -> dict:
     from kit.envs.kernels import stored_kernels, unregister_kernel
 
     info = env_info(target)
+    if info.prefix.resolve() == Path(sys.prefix).resolve():
+        raise EnvError(f"{info.prefix} is the environment this python runs in; remove it from another one.")
     kernels = [n for n, spec in stored_kernels(envs_root).items()
                if spec.get("metadata", {}).get("kit", {}).get("prefix") == str(info.prefix)]
     for name in kernels:
