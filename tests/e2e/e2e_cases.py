@@ -57,4 +57,5 @@ EXPECT = {
 # A parameter a user could get wrong, and the words of the kit's error that must be visible in the cell output.
 BROKEN = {
     "00": ({"MODEL": "my model/v1"}, "is not a plain folder name"),
+    "02": ({"PRETRAIN_INPUTS": ["/nonexistent/corpus.jsonl"]}, "'/nonexistent/corpus.jsonl' does not exist; check the path"),
 }
