@@ -209,7 +209,7 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
     _need(rotary_mode in ("half", "interleave"), f"rotary_mode {rotary_mode!r}")
     _need(rotate is None, "stand-in: rotate unused")
     _need(input.dim() == 4 and r1.dim() == 4 and tuple(r1.shape) == tuple(r2.shape), "4-D input/r1/r2 needed")
-    _need(input.dtype in FLOATS, "dtype")
+    _need(input.dtype in FLOATS and r1.dtype == r2.dtype == input.dtype, "input/r1/r2 dtypes must match")
     d = input.shape[-1]
     _need(d % 2 == 0 and d < 896 and r1.shape[-1] == d, f"D={d} must be even, < 896 and equal r1's")
     _need(all(a in (1, b) for a, b in zip(r1.shape, input.shape)), "r1 must broadcast to input")
