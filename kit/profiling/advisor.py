@@ -68,6 +68,13 @@ def _fmt_ops(t: pd.DataFrame, n: int) -> str:
                      f"total {r.total_us:.1f} us, {r.share_pct:.2f}%" for r in t.head(n).itertuples())
 
 
+def _merge(left: pd.DataFrame, by_name: pd.DataFrame) -> pd.DataFrame:
+    """Join per-operator figures with the by-name operator table (keys as plain text: categories differ)."""
+    keys = ["name", "type", "core"]
+    left = left.astype({k: "string" for k in keys})
+    return left.merge(by_name.astype({k: "string" for k in keys}), on=keys)
+
+
 def cast_rule(by_type: pd.DataFrame, th: Thresholds) -> list:
     """Cast slower than cast_max_us or above cast_share_pct -> mixed precision."""
     cast = by_type[by_type["type"].str.lower() == "cast"]
@@ -116,12 +123,14 @@ def ratio_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> list
                         "(kit.profiling.profile(level='Level1', aic_metrics='PipeUtilization')).")]
     k = compute_kernels(data)
     peak = k[cols].max(axis=1, skipna=True)
-    k = k.assign(peak=peak)[peak.notna()]
+    k = pd.DataFrame({"name": k["name"], "type": k["type"], "core": k["core"], "dur_us": k["dur_us"],
+                      "weighted": peak * k["dur_us"]})[peak.notna()]  # only the columns needed: 1M-row profiles
     if k.empty:
         return []
-    agg = k.groupby(["name", "type", "core"], sort=False).apply(
-        lambda g: (g["peak"] * g["dur_us"]).sum() / max(g["dur_us"].sum(), 1e-9), include_groups=False)
-    agg = agg.rename("peak_ratio").reset_index().merge(by_name, on=["name", "type", "core"])
+    # duration-weighted mean of each kernel's best unit ratio, per operator
+    g = k.groupby(["name", "type", "core"], sort=False, observed=True)[["weighted", "dur_us"]].sum()
+    agg = (g["weighted"] / g["dur_us"].clip(lower=1e-9)).rename("peak_ratio").reset_index()
+    agg = _merge(agg, by_name)
     low = agg[(agg["peak_ratio"] < th.unit_ratio) & (agg["share_pct"] >= th.min_op_share_pct)]
     if low.empty:
         return []
@@ -143,7 +152,7 @@ def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> 
         cores.update({"AI_CORE": th.ai_core_num, "MIX_AIC": th.ai_core_num})
     if th.aiv_num:
         cores.update({"AI_VECTOR_CORE": th.aiv_num, "MIX_AIV": th.aiv_num})
-    k = compute_kernels(data)
+    k = compute_kernels(data)[["name", "type", "core", "block_dim"]]
     k = k[k["core"].isin(list(cores)) & (k["block_dim"] > 0)]
     if not cores or k["block_dim"].isna().all():
         why = "no core counts (PROF_*/device_*/info.json missing)" if not cores else "no Block Num/Block Dim values"
@@ -152,9 +161,9 @@ def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> 
                         "folder next to ASCEND_PROFILER_OUTPUT.")]
     if k.empty:
         return []
-    med = k.groupby(["name", "type", "core"], sort=False)["block_dim"].median().rename("block_dim").reset_index()
-    med["cores"] = med["core"].map(cores)
-    med = med.merge(by_name, on=["name", "type", "core"])
+    med = k.groupby(["name", "type", "core"], sort=False, observed=True)["block_dim"].median().reset_index()
+    med = _merge(med, by_name)
+    med["cores"] = med["core"].map(cores).astype("float64")
     low = med[(med["block_dim"] < med["cores"]) & (med["share_pct"] >= th.min_op_share_pct)]
     if low.empty:
         return []

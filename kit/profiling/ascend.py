@@ -74,6 +74,12 @@ def _to_number(df: pd.DataFrame, cols: list, path: Path, notes: list) -> None:
         df[c] = num.astype("float64")
 
 
+def _labels(col: pd.Series) -> pd.Series:
+    """A text column as a stripped categorical: a few hundred distinct names over millions of rows."""
+    cat = pd.Categorical(col.fillna("N/A"))
+    return pd.Series(cat.map(lambda v: str(v).strip() or "N/A"), index=col.index).astype("category")
+
+
 def read_kernel_details(path: Path, notes: Optional[list] = None) -> pd.DataFrame:
     """kernel_details.csv (or a CANN op_summary_*.csv) -> one row per kernel with KERNEL_COLUMNS + ratio columns."""
     notes = notes if notes is not None else []
@@ -90,7 +96,7 @@ def read_kernel_details(path: Path, notes: Optional[list] = None) -> pd.DataFram
     ratio_cols = [c for c in df.columns if RATIO_PATTERN.match(c)]
     _to_number(df, NUMERIC + ratio_cols, path, notes)
     for c in ("name", "type", "core"):
-        df[c] = df[c].astype("string").str.strip().fillna("N/A")
+        df[c] = _labels(df[c])
     for c in KERNEL_COLUMNS:
         if c not in df.columns:
             df[c] = float("nan")

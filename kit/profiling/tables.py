@@ -12,7 +12,8 @@ TABLE_COLUMNS = ["name", "type", "core", "calls", "total_us", "avg_us", "min_us"
 def compute_kernels(data: ProfileData) -> pd.DataFrame:
     """Kernel rows that count as computation (communication tasks excluded)."""
     k = data.kernels
-    return k[~k["core"].isin(COMMUNICATION_CORES)]
+    comm = k["core"].isin(COMMUNICATION_CORES)
+    return k[~comm] if comm.any() else k  # no copy of millions of rows when there is nothing to drop
 
 
 def operator_table(data: ProfileData, by: str = "type", sort: str = "total_us", top=None) -> pd.DataFrame:
@@ -29,16 +30,17 @@ def operator_table(data: ProfileData, by: str = "type", sort: str = "total_us", 
         table["share_pct"] = 100.0 * table["total_us"] / total if total else 0.0
     else:
         keys = ["type", "core"] if by == "type" else ["name", "type", "core"]
-        g = k.groupby(keys, sort=False, dropna=False)["dur_us"]
+        g = k.groupby(keys, sort=False, dropna=False, observed=True)["dur_us"]
         table = g.agg(calls="count", total_us="sum", avg_us="mean", min_us="min", max_us="max").reset_index()
         if by == "type":
             # the kernel name that took most of the type's time, so a row can be found in the trace
-            top_name = k.groupby(["type", "core", "name"], sort=False)["dur_us"].sum().reset_index()
+            top_name = k.groupby(["type", "core", "name"], sort=False, observed=True)["dur_us"].sum().reset_index()
             top_name = top_name.sort_values("dur_us").drop_duplicates(["type", "core"], keep="last")
             table = table.merge(top_name[["type", "core", "name"]], on=["type", "core"], how="left")
         total = float(k["dur_us"].sum())
         table["share_pct"] = 100.0 * table["total_us"] / total if total else 0.0
-    table = table[TABLE_COLUMNS].sort_values(sort, ascending=False, kind="stable").reset_index(drop=True)
+    table = table[TABLE_COLUMNS].astype({"name": "string", "type": "string", "core": "string"})
+    table = table.sort_values(sort, ascending=False, kind="stable").reset_index(drop=True)
     table["calls"] = table["calls"].astype("int64")
     return table.head(top) if top else table
 
