@@ -112,6 +112,8 @@ def test_pack_unpack_roundtrip(source_env, tmp_path, fmt, threads):
     out = tmp_path / f"src.{fmt}"
     packed = envs.pack(source_env, out, threads=threads)
     assert packed["format"] == fmt and out.is_file() and packed["prefix_files"] >= 3
+    sidecar = json.loads(Path(f"{out}.json").read_text())
+    assert sidecar["bytes"] == packed["bytes"] and sidecar["kind"] == "venv" and sidecar["archive"] == str(out)
     if fmt == "tar.gz":  # a standard gzip stream: the system tar lists it
         listing = subprocess.run(["tar", "-tzf", str(out)], capture_output=True, text=True, check=True).stdout
         assert "bin/hello" in listing and ".kit-env.json" in listing
@@ -200,6 +202,15 @@ def test_find_and_capture_both_cann_layouts():
     assert f"op_tiling/lib/linux/{arch}:" in old_vars["LD_LIBRARY_PATH"]  # $(arch) expanded by bash
     with pytest.raises(envs.EnvError, match="does not exist"):
         envs.capture_env([FIXTURES / "missing_set_env.sh"])
+
+
+def test_verification_gets_the_cann_env_found_from_ascend_home_path(source_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(OLD_LAYOUT / "ascend-toolkit" / "latest"))
+    result = envs.clone(source_env, name="npu-check", envs_root=tmp_path / "envs",
+                        verify_imports=["torch_npu", "kit_fake_cann"])
+    assert result["verify"]["imports"] == {"torch_npu": "absent", "kit_fake_cann": "ok "}
+    without = envs.verify(result["target"], ["kit_fake_cann"])
+    assert without["imports"]["kit_fake_cann"] == "absent"  # only the captured PYTHONPATH made it importable
 
 
 def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from kit.atomic import atomic_dir, atomic_file, refuse_existing
+from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, MANIFEST, EnvArchiveError, format_of, safe_extract
@@ -118,7 +119,7 @@ def clone(source: PathLike, name: Optional[str] = None, target: Optional[PathLik
             else:
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar.update)
     seconds = time.perf_counter() - start
-    report = verify(dest, verify_imports, verify_env) if verify_imports is not None else None
+    report = _verify(dest, verify_imports, verify_env)
     return {"source": str(src.prefix), "target": str(dest), "kind": src.kind, "method": method,
             "files": n_files, "bytes": size, "seconds": round(seconds, 3), "verify": report, **counts}
 
@@ -188,10 +189,12 @@ def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str]
         else:
             counts = venv_backend.pack_tree(src.prefix, fh, fmt, level, threads, manifest, bar.update)
     seconds = time.perf_counter() - start
-    return {"source": str(src.prefix), "archive": str(output), "format": fmt, "kind": src.kind,
-            "files": n_files, "bytes": size, "archive_bytes": output.stat().st_size,
-            "ratio": round(output.stat().st_size / max(size, 1), 4), "seconds": round(seconds, 3),
-            "editable_not_shipped": editable, **counts}
+    result = {"source": str(src.prefix), "archive": str(output), "format": fmt, "kind": src.kind,
+              "files": n_files, "bytes": size, "archive_bytes": output.stat().st_size,
+              "ratio": round(output.stat().st_size / max(size, 1), 4), "seconds": round(seconds, 3),
+              "editable_not_shipped": editable, **counts}
+    atomic_write_text(_sidecar(output), json.dumps(dict(result, **manifest), indent=1) + "\n")
+    return result
 
 
 def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
@@ -208,16 +211,15 @@ def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
     dest = Path(target).expanduser().absolute()
     check_name(dest.name, "target folder name")
     refuse_existing(dest, overwrite, "target env")
-    check_space(dest.parent, archive.stat().st_size * 3, f"unpacking {archive.name}")
+    expected = _expected_bytes(archive)
+    check_space(dest.parent, expected, f"unpacking {archive.name}")
     start = time.perf_counter()
     with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, \
-            _bar(archive.stat().st_size * 3, f"unpack {archive.name}", "B") as bar:
+            _bar(expected, f"unpack {archive.name}", "B") as bar:
         counts = safe_extract(archive, tmp, bar.update)
         manifest_path = tmp / MANIFEST
         manifest = None
         if manifest_path.is_file():
-            import json
-
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
             manifest_path.unlink()
         # Prefixes are rewritten to the final path before the rename, with the files at the temporary one.
@@ -231,9 +233,37 @@ def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
                 raise EnvArchiveError(f"archive {archive.name} holds no environment (no conda-meta/, no "
                                       f"pyvenv.cfg at its top level); nothing was unpacked.")
     seconds = time.perf_counter() - start
-    report = verify(dest, verify_imports, verify_env) if verify_imports is not None else None
+    report = _verify(dest, verify_imports, verify_env)
     return {"archive": str(archive), "target": str(dest), "kind": kind_of(dest),
             "seconds": round(seconds, 3), "verify": report, **counts}
+
+
+def _sidecar(archive: Path) -> Path:
+    return archive.with_name(archive.name + ".json")
+
+
+def _expected_bytes(archive: Path) -> int:
+    """Unpacked size: from the sidecar pack() writes, else a guess (envs compress about 4x with zstd)."""
+    side = _sidecar(archive)
+    if side.is_file():
+        try:
+            return int(json.loads(side.read_text(encoding="utf-8"))["bytes"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    size = archive.stat().st_size
+    return size if str(archive).endswith(".tar") else size * 5
+
+
+def _verify(prefix: Path, imports: Optional[Sequence[str]], env: Optional[dict]) -> Optional[dict]:
+    """verify() with the CANN variables when a CANN install is found, so torch_npu can import."""
+    if imports is None:
+        return None
+    if env is None:
+        from kit.envs.kernels import capture_env, find_set_env_scripts
+
+        scripts = find_set_env_scripts() if "torch_npu" in imports else []
+        env = capture_env(scripts, prefix) if scripts else {}
+    return verify(prefix, imports, env)
 
 
 class _Staged:

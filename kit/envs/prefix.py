@@ -199,7 +199,7 @@ def verify(prefix: os.PathLike | str, imports: Sequence[str] = DEFAULT_IMPORTS, 
     python = Path(prefix) / "bin" / "python"
     if not python.exists():
         raise EnvError(f"{python} does not exist: {str(prefix)!r} has no python; it is not a usable env.")
-    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHONPATH")}
+    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
     child_env.update(env or {})
     proc = subprocess.run([str(python), "-c", _VERIFY, *imports], capture_output=True, text=True,
                           timeout=timeout, env=child_env, cwd=str(prefix))
