@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from kit.adapt import RemoteCodeFixError, fix_remote_code
 
@@ -71,3 +72,21 @@ def test_folder_without_known_files_gives_no_results(tmp_path):
     assert fix_remote_code(tmp_path) == []
     with pytest.raises(FileNotFoundError):
         fix_remote_code(tmp_path / "missing")
+
+
+def test_jit_script_decorators_removed_and_code_still_works(tmp_path):
+    import importlib.util
+
+    folder = Path(shutil.copytree(FIXTURE.parent / "chatglm_jit", tmp_path / "glm"))
+    (result,) = fix_remote_code(folder)
+    assert result.fix == "torch-jit-script-off" and result.status == "applied"
+    assert "2 function(s): gelu_impl, rotate_half" in result.detail
+    text = (folder / "modeling_chatglm.py").read_text(encoding="utf-8")
+    assert "@torch.jit.script" not in text and "@staticmethod" in text
+    spec = importlib.util.spec_from_file_location("glm_fixed", folder / "modeling_chatglm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = torch.linspace(-3, 3, 8)
+    torch.testing.assert_close(module.gelu(x), torch.nn.functional.gelu(x, approximate="tanh"))
+    assert module.RotaryHelper.rotate_half(torch.tensor([1.0, 2.0])).tolist() == [-2.0, 1.0]
+    assert fix_remote_code(folder) == []  # nothing left to do, nothing reported

@@ -96,17 +96,53 @@ def fix_super_init_last(source: str, path: Path) -> tuple[Optional[str], str]:
     return new_source, "; ".join(details)
 
 
+def _is_jit_script(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr in ("script", "script_method")
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "jit"
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "torch")
+
+
+def fix_jit_script_decorators(source: str, path: Path) -> tuple[Optional[str], str]:
+    """ChatGLM-style `@torch.jit.script` helpers: drop the decorator (same function, run eagerly).
+
+    On NPU without transfer_to_npu the TorchScript fuser fails with "Unknown device for graph fuser"
+    (LLaMA-Factory #3788, #4228); transfer_to_npu turns torch.jit.script into a no-op for the same reason.
+    """
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for deco in node.decorator_list:
+                if _is_jit_script(deco):
+                    line = lines[deco.lineno - 1].strip()
+                    if deco.lineno != deco.end_lineno or line not in ("@torch.jit.script", "@torch.jit.script_method"):
+                        raise RemoteCodeFixError(f"{path}:{deco.lineno}: a torch.jit decorator shares its line with "
+                                                 "other code; remove it by hand.")
+                    spans.append((deco.lineno, node.name))
+    if not spans:
+        return None, "no @torch.jit.script decorators"
+    for lineno, _name in sorted(spans, reverse=True):
+        del lines[lineno - 1]
+    new_source = "".join(lines)
+    ast.parse(new_source)  # still valid Python
+    names = ", ".join(sorted({name for _, name in spans}))
+    return new_source, f"removed @torch.jit.script from {len(spans)} function(s): {names}"
+
+
 @dataclass(frozen=True)
 class KnownFix:
-    """A fix: name, file patterns it applies to, and the AST-based editor."""
+    """A fix: name, file patterns it applies to, the AST-based editor, and whether 'nothing to do' is reported."""
 
     name: str
     patterns: tuple
     apply: Callable[[str, Path], tuple]
+    report_unchanged: bool = True  # False for fixes that only apply to some files matching the pattern
 
 
 KNOWN_FIXES = (
     KnownFix("baichuan-tokenizer-super-init-last", ("tokenization_baichuan*.py",), fix_super_init_last),
+    KnownFix("torch-jit-script-off", ("modeling_*.py",), fix_jit_script_decorators, report_unchanged=False),
 )
 
 
@@ -123,7 +159,8 @@ def fix_remote_code(model_dir: Union[str, Path], *, dry_run: bool = False) -> li
             source = path.read_text(encoding="utf-8")
             new_source, detail = fix.apply(source, path)
             if new_source is None:
-                results.append(FixResult(str(path), fix.name, "already applied", detail))
+                if fix.report_unchanged:
+                    results.append(FixResult(str(path), fix.name, "already applied", detail))
                 continue
             if dry_run:
                 results.append(FixResult(str(path), fix.name, "would apply", detail))
