@@ -20,15 +20,16 @@ from kit.envs.kernels import (
                               user_kernels_dir,
 )
 from kit.envs.layout import default_envs_root, get_layout
-from kit.envs.manage import CLONE_METHODS, clone, demo_source, list_envs, pack, remove, resolve_env, unpack
+from kit.envs.manage import CLONE_METHODS, clone, list_envs, pack, remove, resolve_env, unpack
 from kit.envs.prefix import DEFAULT_IMPORTS, EnvError, EnvInfo, check_name, verify
 from kit.envs.report import plot_steps, steps_table
-from kit.envs.venv import create_venv
+from kit.envs.venv import create_venv, demo_source
 
 __all__ = [
-    "CLONE_METHODS", "DEFAULT_IMPORTS", "FORMATS", "EnvArchiveError", "EnvError", "EnvInfo", "EnvsConfig",
+    "CLONE_METHODS", "DEFAULT_IMPORTS", "EnvArchiveError", "EnvError", "EnvInfo", "EnvsConfig", "FORMATS",
     "activation_commands", "capture_env", "check_kernel", "check_name", "clone", "conda_executable",
-    "condarc_path", "create_venv", "demo_source", "plot_steps", "steps_table", "default_envs_root", "find_set_env_scripts", "get_layout", "list_envs",
-    "pack", "register_envs_dir", "register_envs_root", "register_kernel", "remove", "resolve_env", "restore", "safe_extract",
-    "stored_kernels", "unpack", "unregister_kernel", "user_kernels_dir", "verify",
+    "condarc_path", "create_venv", "default_envs_root", "demo_source", "find_set_env_scripts", "get_layout",
+    "list_envs", "pack", "plot_steps", "register_envs_dir", "register_envs_root", "register_kernel", "remove",
+    "resolve_env", "restore", "safe_extract", "steps_table", "stored_kernels", "unpack", "unregister_kernel",
+    "user_kernels_dir", "verify",
 ]

@@ -144,20 +144,6 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
     return {"files_after": walk_tree(dest)[0]}
 
 
-def _text_files_with(root: PathLike, needle: str) -> list[str]:
-    from kit.envs.prefix import SCAN_LIMIT, scan_prefix
-
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            if not os.path.islink(p) and os.path.getsize(p) <= SCAN_LIMIT:
-                with open(p, "rb") as fh:
-                    if scan_prefix(fh.read(), needle.encode()):
-                        out.append(os.path.relpath(p, root))
-    return out
-
-
 def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str] = None, level: int = 3,
          threads: int = 0, envs_root: Optional[PathLike] = None, ignore_editable: bool = False,
          overwrite: bool = False) -> dict:
@@ -286,23 +272,6 @@ class _Staged:
         if self.moved is not None:
             os.replace(self.moved, self.final)
         return False
-
-
-def demo_source(envs_root: Optional[PathLike] = None) -> Path:
-    """A small virtualenv to practise on (<envs_root>/venvs/demo-source), on top of this python's packages;
-    made once, reused after."""
-    from kit.envs.venv import create_venv
-
-    folder = get_layout(envs_root).venvs / "demo-source"
-    if kind_of(folder) != "venv":
-        with atomic_dir(folder, overwrite=True, what="demo env") as tmp:
-            os.rmdir(tmp)
-            create_venv(tmp)
-            # venv wrote the temporary path into its scripts; they must name the final one
-            from kit.envs.prefix import rewrite_prefix_files
-
-            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(folder))
-    return folder
 
 
 def remove(target: PathLike, envs_root: Optional[PathLike] = None) -> dict:

@@ -8,10 +8,12 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Optional, Union
 
+from kit.atomic import atomic_dir
 from kit.envs.archive import MANIFEST, add_bytes, compressed_writer, manifest_bytes
-from kit.envs.prefix import SCAN_LIMIT, EnvError, rewrite_prefix_files, scan_prefix
+from kit.envs.layout import get_layout
+from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix
 
 INHERIT_PTH = "_kit_inherit.pth"
 
@@ -132,3 +134,29 @@ def site_packages(prefix: os.PathLike | str) -> Optional[Path]:
     """The env's lib/pythonX.Y/site-packages, if any."""
     found = sorted(Path(prefix).glob("lib/python3*/site-packages"))
     return found[0] if found else None
+
+
+def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
+    """Relative paths of the text files under `root` that contain `needle`."""
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p) and os.path.getsize(p) <= SCAN_LIMIT:
+                with open(p, "rb") as fh:
+                    if scan_prefix(fh.read(), needle.encode()):
+                        out.append(os.path.relpath(p, root))
+    return out
+
+
+def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
+    """A small virtualenv to practise on (<envs_root>/venvs/demo-source), on top of this python's packages;
+    made once, reused after."""
+    folder = get_layout(envs_root).venvs / "demo-source"
+    if kind_of(folder) != "venv":
+        with atomic_dir(folder, overwrite=True, what="demo env") as tmp:
+            os.rmdir(tmp)
+            create_venv(tmp)
+            # venv wrote the temporary path into its scripts; they must name the final one
+            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(folder))
+    return folder
