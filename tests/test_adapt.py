@@ -145,10 +145,12 @@ def _tiny(family: str, **extra):
 @pytest.mark.parametrize("family, extra", [
     ("mistral", dict(sliding_window=4)),
     ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),  # one full, one sliding layer
+    ("qwen3", dict(head_dim=8)),  # q_norm / k_norm RMSNorms inside attention
 ])
 def test_sliding_window_families_match_eager(family, extra):
     base, adapted, report = _tiny(family, **extra)
-    assert report.model_type == family and report.rms_norms == 5 and report.skipped == []
+    assert report.model_type == family and report.rms_norms == (9 if family == "qwen3" else 5)
+    assert report.skipped == []
     ids = _batch(5, s=12) % 100
     torch.testing.assert_close(adapted(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
     # packed rows with a window: each dialog alone through the eager model

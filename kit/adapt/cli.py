@@ -9,7 +9,8 @@ import json
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("adapt", help="NPU adaptation: remote-code fixes, kit-op parity check")
     s = p.add_subparsers(dest="what", required=True)
-    f = s.add_parser("fix-remote-code", help="apply known fixes (Baichuan tokenizer, torch.jit.script) to a model folder's .py files")
+    f = s.add_parser("fix-remote-code",
+                     help="apply known fixes (Baichuan tokenizer, torch.jit.script) to a model folder's .py files")
     f.add_argument("model_dir")
     f.add_argument("--dry-run", action="store_true", help="only say what would change")
     c = s.add_parser("parity", help="run every kit op on this device and compare with float64 (do this on NPU)")
