@@ -220,3 +220,51 @@ def test_compare_reports_operator_deltas_and_step_change(planted, clean):
     assert abs(ops.loc["MatMulV2", "delta_pct"]) < 2
     assert -60 < cmp.step_us["change_pct"] < -45
     assert "NonZero" in cmp.summary()
+
+
+def test_kineto_gpu_kernels_are_grouped_by_launching_op(tmp_path):
+    """A CUDA-style trace (built by hand: no GPU here): kernels take the type of the op that launched them."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "pid": 1, "tid": 1, "ts": 1000.0 * s,
+           "dur": 900.0} for s in (5, 6)]
+    for s in (5, 6):
+        base = 1000.0 * s
+        ev += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": base + 10, "dur": 50,
+                "args": {"External id": s * 10}},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": base + 100, "dur": 20,
+                "args": {"External id": s * 10 + 1}},
+               # kernels start after the host step ended (asynchronous launch)
+               {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "pid": 0, "tid": 7, "ts": base + 950,
+                "dur": 300.0, "args": {"External id": s * 10, "device": 0}},
+               {"ph": "X", "cat": "kernel", "name": "vectorized_elementwise_kernel", "pid": 0, "tid": 7,
+                "ts": base + 1250, "dur": 5.0, "args": {"External id": s * 10 + 1, "device": 0}}]
+    path = tmp_path / "gpu.pt.trace.json.gz"
+    import gzip
+
+    path.write_bytes(gzip.compress(json.dumps({"schemaVersion": 1, "traceEvents": ev}).encode()))
+    data = kp.load(path)
+    assert set(data.kernels["core"]) == {"GPU"} and sorted(data.kernels["step"].unique()) == [5, 6]
+    table = kp.operator_table(data).set_index("type")
+    assert list(table.index) == ["aten::mm", "aten::add"]
+    assert table.loc["aten::mm", "calls"] == 2 and table.loc["aten::mm", "total_us"] == 600.0
+    assert table.loc["aten::mm", "name"] == "sm90_xmma_gemm"
+    assert kp.mean_step_us(data) == 900.0
+
+
+def test_na_operator_types_are_explained(planted, tmp_path):
+    pt = _copy(planted, tmp_path)
+
+    def blank_types(text: str) -> str:
+        lines = text.split("\n")
+        i = lines[0].split(",").index("Type")
+        out = [lines[0]]
+        for ln in lines[1:]:
+            cells = ln.split(",")
+            if len(cells) > i:
+                cells[i] = "N/A"
+            out.append(",".join(cells))
+        return "\n".join(out)
+
+    _edit_csv(pt / OUT / "kernel_details.csv", blank_types)
+    data = kp.load(pt)
+    assert any("Type is N/A on 100% of the rows" in n for n in data.notes)
+    assert "cast" not in kp.advise(data).problems  # nothing is named Cast any more, and the note says why

@@ -100,6 +100,11 @@ def read_kernel_details(path: Path, notes: Optional[list] = None) -> pd.DataFram
     for c in KERNEL_COLUMNS:
         if c not in df.columns:
             df[c] = float("nan")
+    na_type = float((df["type"] == "N/A").mean()) if len(df) else 0.0
+    if na_type >= 0.5:
+        notes.append(f"{path.name}: Type is N/A on {na_type:.0%} of the rows (CANN does this when task_time=l0, "
+                     f"e.g. some Level0 captures): the Cast and AI_CPU rules only see the other rows. Collect with "
+                     f"level='Level1' for operator types.")
     n_bad = int(df["dur_us"].isna().sum())
     if n_bad:
         notes.append(f"{path.name}: {n_bad} row(s) without a duration dropped")

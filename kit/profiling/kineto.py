@@ -73,10 +73,14 @@ def load_kineto(path: Path) -> ProfileData:
     steps = steps.assign(step=steps["name"].str.split("#").str[1].astype("int64")).sort_values("ts")
 
     dev = ev[cat.isin(DEVICE_CATS)].copy()
+    step_ts = None
     if len(dev):
         ops = ev[cat == "cpu_op"]
-        ext_of = {(a or {}).get("External id"): n for n, a in zip(ops["name"], ops["args"])}
-        dev["type"] = [ext_of.get((a or {}).get("External id"), n) for n, a in zip(dev["name"], dev["args"])]
+        ext_of = {(a or {}).get("External id"): (n, t) for n, t, a in zip(ops["name"], ops["ts"], ops["args"])}
+        launch = [ext_of.get((a or {}).get("External id")) for a in dev["args"]]
+        dev["type"] = [x[0] if x else n for x, n in zip(launch, dev["name"])]
+        # kernels run after their launch, often past the step's end on the host: use the launching op's time
+        step_ts = np.array([x[1] if x else t for x, t in zip(launch, dev["ts"])], dtype=float)
         dev["core"] = "GPU"
         rows = dev
     else:
@@ -89,7 +93,7 @@ def load_kineto(path: Path) -> ProfileData:
     kernels = pd.DataFrame({"name": rows["name"].astype("string"), "type": rows["type"].astype("string"),
                             "core": rows["core"].astype("string"), "start_us": rows["ts"].astype("float64"),
                             "dur_us": rows["dur"].astype("float64")})
-    kernels["step"] = _step_of(kernels["start_us"].to_numpy(), steps)
+    kernels["step"] = _step_of(kernels["start_us"].to_numpy() if step_ts is None else step_ts, steps)
     for c in KERNEL_COLUMNS:
         if c not in kernels.columns:
             kernels[c] = float("nan")
