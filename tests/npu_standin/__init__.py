@@ -25,6 +25,13 @@ def _npu_namespace() -> types.SimpleNamespace:
         is_bf16_supported=lambda: True,
         synchronize=lambda device=None: None,
         current_device=lambda: 0,
+        set_device=lambda device: None,
+        manual_seed=lambda seed: None,
+        manual_seed_all=lambda seed: None,
+        empty_cache=lambda: None,
+        memory_allocated=lambda device=None: 0,
+        max_memory_allocated=lambda device=None: 0,
+        reset_peak_memory_stats=lambda device=None: None,
     )
 
 
