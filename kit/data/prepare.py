@@ -69,7 +69,10 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
 
     fmt: Optional[str] = None if cfg.input_format == "auto" else cfg.input_format
     cols: Dict[str, str] = {}
+    # parquet: read only the columns needed when they are known (pretrain: the text column)
     parquet_cols = list(cfg.columns.values()) or None
+    if cfg.kind == "pretrain":
+        parquet_cols = [cfg.columns.get("text", "text")]
     for rec in iter_records(cfg.inputs, parquet_cols, None if cfg.on_error == "raise" else on_bad):
         if cfg.max_records is not None and report.records_read >= cfg.max_records:
             break

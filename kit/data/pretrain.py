@@ -18,18 +18,14 @@ def pretrain_job(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
     tok, add_bos = state["tok"], state["settings"]["add_bos"]
     encoded = encode_texts(tok, texts)
     head = [tok.bos_token_id] if add_bos and tok.bos_token_id is not None else []
-    eos = tok.eos_token_id
+    eos = [tok.eos_token_id]
+    ids: List[int] = []
+    for e in encoded:  # list.extend runs in C; one numpy conversion at the end
+        ids.extend(head)
+        ids.extend(e)
+        ids.extend(eos)
     lengths = np.fromiter((len(e) + len(head) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.empty(int(lengths.sum()), dtype=np.int32)
-    at = 0
-    for e in encoded:
-        if head:
-            flat[at] = head[0]
-            at += 1
-        flat[at:at + len(e)] = e
-        at += len(e)
-        flat[at] = eos
-        at += 1
+    flat = np.array(ids, dtype=np.int32)
     return flat, lengths
 
 
