@@ -61,3 +61,13 @@ def test_msprof_analyze_agrees_on_ai_cpu(tmp_path, clean):
     assert theirs == ours == (not clean)
     if not clean:
         assert "NonZero" in res.stdout.split("AICPU Issues", 1)[1][:800]
+
+
+@pytest.mark.slow
+def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
+    assert main(["profile", "demo", "--model", str(tiny_llama_dir), "--device", "cpu", "--wait", "0", "--warmup",
+                 "1", "--active", "1", "--seq-len", "16", "--out", str(tmp_path), "--tag", "cli"]) == 0
+    folder = capsys.readouterr().out.strip().splitlines()[-1]
+    assert folder.endswith("-cpu-cli")
+    meta = json.loads((tmp_path / folder.rsplit("/", 1)[1] / "capture.json").read_text())
+    assert meta["steps"] == 2 and meta["traces"] and meta["config"]["tag"] == "cli"
