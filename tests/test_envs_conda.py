@@ -26,7 +26,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 PLACEHOLDER = "/opt/conda-build/_h_env" + "_placehold" * 20
 
 
-def _package(channel: Path, name: str, version: str, files: list, depends: tuple = ()) -> None:
+def _package(channel: Path, name: str, version: str, files: list, depends: tuple = (),
+             placeholder: str = PLACEHOLDER) -> None:
     """Write a conda .tar.bz2 package: rows (path, bytes or None for a link, file_mode or None, link target)."""
     paths, buf = [], io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:bz2") as tar:
@@ -43,7 +44,7 @@ def _package(channel: Path, name: str, version: str, files: list, depends: tuple
             entry = {"_path": path, "path_type": "hardlink", "size_in_bytes": len(data),
                      "sha256": hashlib.sha256(data).hexdigest()}
             if file_mode:
-                entry.update(file_mode=file_mode, prefix_placeholder=PLACEHOLDER)
+                entry.update(file_mode=file_mode, prefix_placeholder=placeholder)
             paths.append(entry)
         index = {"name": name, "version": version, "build": "h0_0", "build_number": 0, "depends": list(depends),
                  "subdir": "linux-64", "arch": "x86_64", "platform": "linux", "license": "MIT",
@@ -60,15 +61,29 @@ def _package(channel: Path, name: str, version: str, files: list, depends: tuple
     out.write_bytes(buf.getvalue())
 
 
+def _install(base: Path, channel: Path, spec: str) -> Path:
+    """Index the local channel and install `spec` from it with rattler into base/env-src (cache base/pkgs)."""
+    from rattler.index import index_fs
+
+    (channel / "noarch").mkdir(parents=True, exist_ok=True)
+    asyncio.run(index_fs(channel, write_zst=False, write_shards=False))
+
+    async def install():
+        records = await rattler.solve([rattler.Channel(str(channel))], [spec], platforms=["linux-64", "noarch"],
+                                      virtual_packages=[])
+        await rattler.install(records, target_prefix=str(base / "env-src"), cache_dir=base / "pkgs",
+                              show_progress=False)
+
+    asyncio.run(install())
+    return base / "env-src"
+
+
 @pytest.fixture(scope="module")
 def conda_prefix(tmp_path_factory) -> Path:
     """A conda env with a python (a wrapper of this one), a text script, a binary file and a library link,
     all holding the build placeholder in the package cache, installed from a local channel by rattler."""
-    from rattler.index import index_fs
-
     base = tmp_path_factory.mktemp("conda")
     channel = base / "channel"
-    (channel / "noarch").mkdir(parents=True)
     real_python = os.path.realpath(sys.executable)
     words = " ".join(random.Random(0).choice(["npu", "cann", "torch", "kernel", "env", "pack"]) for _ in range(40000))
     _package(channel, "python", "3.11.7", [
@@ -80,16 +95,7 @@ def conda_prefix(tmp_path_factory) -> Path:
         ("share/hello/words.txt", words.encode(), None, None),
         ("lib/libhello.so.1", b"\x7fELF fake library", None, None),
         ("lib/libhello.so", None, None, "libhello.so.1")], depends=("python",))
-    asyncio.run(index_fs(channel, write_zst=False, write_shards=False))
-
-    async def install():
-        records = await rattler.solve([rattler.Channel(str(channel))], ["hello"], platforms=["linux-64", "noarch"],
-                                      virtual_packages=[])
-        await rattler.install(records, target_prefix=str(base / "env-src"), cache_dir=base / "pkgs",
-                              show_progress=False)
-
-    asyncio.run(install())
-    return base / "env-src"
+    return _install(base, channel, "hello")
 
 
 def _hello(prefix: Path) -> str:
@@ -177,6 +183,25 @@ def test_conda_pack_refuses_editable_and_missing_files(conda_prefix, tmp_path):
     with pytest.raises(envs.EnvError, match="deleted/overwritten|missing"):
         envs.clone(env, name="broken", envs_root=tmp_path / "envs", verify_imports=None, ignore_editable=True)
     assert sorted(p.name for p in (tmp_path / "envs" / "user_conda").iterdir()) == ["edit"]
+
+
+def test_clone_refuses_binary_prefix_that_cannot_grow(tmp_path):
+    import shutil
+    import tempfile
+
+    old = "/opt/anaconda1anaconda2anaconda3"  # the short placeholder of old packages: only short prefixes fit
+    base = Path(tempfile.mkdtemp(prefix="k", dir="/tmp"))
+    try:
+        _package(base / "ch", "oldbin", "1.0", [("lib/old.so", b"\x00ELF" + old.encode() + b"/lib\x00", "binary", None)],
+                 placeholder=old)
+        prefix = _install(base, base / "ch", "oldbin")
+        with pytest.raises(envs.EnvError, match="lib/old.so is a binary file .* shorter than the target path"):
+            envs.clone(prefix, name="long-enough-to-overflow", envs_root=tmp_path / "envs", verify_imports=None)
+        assert list((tmp_path / "envs" / "user_conda").iterdir()) == []
+        short = envs.clone(prefix, target=base / "c", verify_imports=None)["target"]
+        assert (Path(short) / "lib" / "old.so").read_bytes().startswith(b"\x00ELF" + short.encode() + b"/lib\x00")
+    finally:
+        shutil.rmtree(base)
 
 
 def test_conda_clone_method_needs_conda(conda_prefix, tmp_path, monkeypatch):

@@ -113,7 +113,16 @@ def clone_conda(source: os.PathLike | str, tmp_dir: os.PathLike | str, final_pre
     with _CopyArchive(str(tmp_dir)) as arc:
         packer = Packer(source, arc, dest_prefix=str(final_prefix))
         for f in env.files:
-            packer.add(f)
+            try:
+                packer.add(f)
+            except ValueError as exc:
+                if "padding" not in str(exc):
+                    raise
+                raise EnvError(
+                    f"{f.target} is a binary file whose build-time prefix ({len(f.prefix_placeholder or '')} "
+                    f"characters) is shorter than the target path {final_prefix} ({len(str(final_prefix))}); "
+                    f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
+                ) from exc
             if progress:
                 progress(1)
         packer.finish()
