@@ -84,7 +84,6 @@ def _digests(folder):
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow
 def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpus):
     path, _ = corpus
     a = _run(tmp_path, path, num_workers=1, batch_size=7)

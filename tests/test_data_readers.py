@@ -44,12 +44,23 @@ def test_skip_counts_every_reason(tmp_path):
                                "empty.jsonl", "empty_answer.jsonl")]
     res = _sft(tmp_path, files, on_error="skip")
     rep = res.report
-    assert rep.dropped == {"bad_type": 1, "empty_answer": 1, "empty_file": 1, "encoding": 1, "malformed": 1,
-                           "missing_field": 1}
-    # good records: 3 + 1 + 1 + 1 (gbk line 1) + 1 (empty_answer line 2)
-    assert rep.records_written == 7
+    # one bad line each; the non-UTF-8 line alone is skipped, the rest of its file is kept
+    assert rep.dropped == {"bad_type": 1, "empty_answer": 1, "encoding": 1, "malformed": 1, "missing_field": 1}
+    assert rep.as_dict()["files_skipped"] == {"empty_file": 1}
+    # good records: 3 + 1 + 1 + 1 (gbk line 1) + 1 (empty_answer line 2); every record read is accounted for
+    assert rep.records_written == 7 and rep.records_read == 12
+    assert rep.records_read == rep.records_written + rep.records_dropped
     assert any("malformed.jsonl:3" in p for p in rep.problems)
+    assert any("gbk.jsonl:2" in p for p in rep.problems)
     assert len(load_prepared(res.hf_dir).to_dict()["seq_lens"]) == rep.samples
+
+
+def test_non_utf8_line_in_the_middle_is_skipped_alone(tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"one\n" + "二\n".encode("gbk") + b"three\n")
+    res = prepare(DataConfig(kind="pretrain", inputs=[str(path)], max_length=8, on_error="skip",
+                             out_dir=str(tmp_path / "o")), progress=False)
+    assert res.report.records_written == 2 and res.report.dropped == {"encoding": 1}
 
 
 def test_existing_output_not_overwritten(tmp_path):

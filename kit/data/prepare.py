@@ -37,7 +37,8 @@ class PrepResult:
     def summary(self) -> dict:
         """Key numbers and paths (for notebook summaries)."""
         r = self.report.as_dict()
-        keys = ("records_read", "records_written", "records_dropped", "dropped", "truncated", "tokens_in",
+        keys = ("records_read", "records_written", "records_dropped", "dropped", "files_skipped", "truncated",
+                "tokens_in",
                 "tokens_out", "tokens_learned", "samples", "padding_ratio", "padding_ratio_unpacked")
         return {"hf_dir": str(self.hf_dir), "megatron_prefix": self.megatron_prefix,
                 "megatron_files": [str(p) for p in self.megatron_files], "histogram_png": str(self.histogram_png),
@@ -64,8 +65,12 @@ def output_dir(cfg: DataConfig, workspace: Any = None) -> Path:
 
 def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
     """(payload, where) per usable record: document text for pretrain, a Dialog for sft."""
-    def on_bad(err: DataInputError) -> None:
-        report.drop(err.reason, str(err))
+    def on_bad(err: DataInputError, whole_file: bool = False) -> None:
+        if whole_file:
+            report.skip_file(err.reason, str(err))
+        else:
+            report.records_read += 1  # a record was read, but it cannot be used
+            report.drop(err.reason, str(err))
 
     fmt: Optional[str] = None if cfg.input_format == "auto" else cfg.input_format
     cols: Dict[str, str] = {}
@@ -97,7 +102,7 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         except DataInputError as err:
             if cfg.on_error == "raise":
                 raise
-            on_bad(err)
+            report.drop(err.reason, str(err))
 
 
 def _import_plotting() -> None:
@@ -149,7 +154,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
                     "bos_token_id": tok.bos_token_id, "num_samples": report.samples,
                     "num_tokens": report.tokens_out, "template": cfg.template if cfg.kind == "sft" else None,
                     "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
-                    "columns": list(COLUMNS[cfg.kind]), "megatron_prefix": mg_prefix if cfg.megatron else None,
+                    "columns": list(COLUMNS[cfg.kind]), "ignore_index": -100, "labels_shifted": False, "megatron_prefix": mg_prefix if cfg.megatron else None,
                     "megatron_dtype": (str(writers[0].dtype) if writers else None)}
             rep = report.as_dict()
             sink.finalize({"meta": meta, "report": rep})

@@ -51,22 +51,29 @@ def list_files(paths: List[str]) -> List[Path]:
     return files
 
 
-def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Lines of a UTF-8 text file with 1-based numbers; a decoding error names the line."""
+def _text_lines(path: Path, per_line: bool = False) -> Iterator[tuple]:
+    """(1-based number, line) of a UTF-8 text file. A line that is not UTF-8 raises, naming the line, or with
+    `per_line` comes as (number, DataInputError) so the caller can skip just that line."""
     n = 0
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):  # noqa: B007 - n is used after the loop
             try:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise DataInputError(str(path), n, f"not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                                     _FIX_ENCODING, "encoding") from None
+                err = DataInputError(str(path), n, f"not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                                     _FIX_ENCODING, "encoding")
+                if not per_line:
+                    raise err from None
+                yield n, err
     if n == 0:
         raise DataInputError(str(path), 0, "the file is empty", "remove it from inputs or fill it", "empty_file")
 
 
 def _jsonl(path: Path) -> Iterator[Record]:
-    for n, line in _text_lines(path):
+    for n, line in _text_lines(path, per_line=True):
+        if isinstance(line, DataInputError):
+            yield _BadRecord(line)
+            continue
         text = line.strip()
         if not text:
             continue
@@ -144,8 +151,11 @@ def _csv(path: Path) -> Iterator[Record]:
 
 
 def _txt(path: Path) -> Iterator[Record]:
-    for n, line in _text_lines(path):
-        yield Record(str(path), n, {"text": line.rstrip("\r\n")})
+    for n, line in _text_lines(path, per_line=True):
+        if isinstance(line, DataInputError):
+            yield _BadRecord(line)
+        else:
+            yield Record(str(path), n, {"text": line.rstrip("\r\n")})
 
 
 class _BadRecord(Record):
@@ -164,20 +174,20 @@ READERS = {".jsonl": _jsonl, ".json": _json, ".csv": _csv, ".txt": _txt}
 
 
 def iter_records(paths: List[str], columns: Optional[List[str]] = None,
-                 on_bad: Optional[Callable[[DataInputError], None]] = None) -> Iterator[Record]:
-    """Yield every record of every file in order; bad records and files go to `on_bad` (default: raise)."""
-    def handle(err: DataInputError) -> None:
-        if on_bad is None:
-            raise err
-        on_bad(err)
-
+                 on_bad: Optional[Callable[[DataInputError, bool], None]] = None) -> Iterator[Record]:
+    """Yield every record of every file in order; problems go to `on_bad(error, whole_file)` (default: raise)."""
     for path in list_files(paths):
-        reader = (lambda p: _parquet(p, columns)) if path.suffix.lower() == ".parquet" else READERS[path.suffix.lower()]
+        suffix = path.suffix.lower()
+        reader = (lambda p: _parquet(p, columns)) if suffix == ".parquet" else READERS[suffix]
         try:
             for rec in reader(path):
-                if isinstance(rec, _BadRecord):
-                    handle(rec.error)
-                else:
+                if not isinstance(rec, _BadRecord):
                     yield rec
-        except DataInputError as err:  # whole-file problems (encoding, empty, unreadable) end that file
-            handle(err)
+                elif on_bad is None:
+                    raise rec.error
+                else:
+                    on_bad(rec.error, False)
+        except DataInputError as err:  # whole-file problems (empty, unreadable, broken JSON array) end that file
+            if on_bad is None:
+                raise
+            on_bad(err, True)

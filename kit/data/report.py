@@ -21,6 +21,7 @@ class PrepReport:
     records_read: int = 0
     records_written: int = 0
     dropped: Dict[str, int] = field(default_factory=dict)
+    files_skipped: Dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
@@ -43,6 +44,12 @@ class PrepReport:
         """Count one dropped record under `reason`; keep the first messages verbatim."""
         self._dropped[reason] += 1
         if message and len(self.problems) < MAX_EXAMPLES:
+            self.problems.append(message)
+
+    def skip_file(self, reason: str, message: str) -> None:
+        """Count one input file left out (or left from a line on) under `reason`."""
+        self.files_skipped[reason] = self.files_skipped.get(reason, 0) + 1
+        if len(self.problems) < MAX_EXAMPLES:
             self.problems.append(message)
 
     def add_lengths(self, lengths: np.ndarray) -> None:
@@ -72,7 +79,8 @@ class PrepReport:
         return {
             "kind": self.kind, "max_length": self.max_length, "records_read": self.records_read,
             "records_written": self.records_written, "records_dropped": self.records_dropped,
-            "dropped": self.dropped, "truncated": self.truncated, "tokens_in": self.tokens_in,
+            "dropped": self.dropped, "files_skipped": dict(sorted(self.files_skipped.items())),
+            "truncated": self.truncated, "tokens_in": self.tokens_in,
             "tokens_out": self.tokens_out, "tokens_learned": self.tokens_learned,
             "remainder_tokens": self.remainder_tokens, "samples": self.samples,
             "padding_tokens": self.padding_tokens, "padding_ratio": round(self.padding_ratio, 6),
@@ -91,6 +99,7 @@ class PrepReport:
                                     "tokens_in", "tokens_out", "tokens_learned", "remainder_tokens", "samples",
                                     "padding_ratio", "padding_ratio_unpacked")]
         rows += [(f"dropped: {k}", v) for k, v in d["dropped"].items()]
+        rows += [(f"files skipped: {k}", v) for k, v in d["files_skipped"].items()]
         # object dtype keeps counts as integers next to the ratios
         return pd.DataFrame({"value": pd.Series([v for _, v in rows], index=[k for k, _ in rows], dtype=object)})
 
