@@ -264,3 +264,15 @@ def test_standin_rejects_bad_varlen_lists(monkeypatch):
         mask[2] = True
         fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3, atten_mask=mask, actual_seq_qlen=[3, 6],
                                   actual_seq_kvlen=[3, 6])
+
+
+def test_npu_branch_checks_kernel_limits_before_calling(monkeypatch):
+    fake = install(monkeypatch)
+    with use_backend("npu"):
+        with pytest.raises(ValueError, match="fp16/bf16/fp32"):
+            fusion_attention(*qkv(dtype=torch.float64), 4, "BNSD")
+        big = torch.randn(1, 2, 4, 800)
+        with pytest.raises(ValueError, match="head_dim <= 768"):
+            fusion_attention(big, big, big, 2, "BNSD")
+        fusion_attention(big.double(), big.double(), big.double(), 2, "BNSD", backend="torch")  # way out works
+    assert fake.CALLS == []

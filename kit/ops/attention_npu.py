@@ -60,9 +60,24 @@ def sparse_arguments(atten_mask, query, key, layout: str, *, causal: bool, pre_t
                 next_tockens=MAX_TOKENS)
 
 
+NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM, MAX_QUERY_HEADS = 768, 256
+
+
+def check_limits(query, key, head_num: int, layout: str) -> None:
+    """The kernel's documented limits (dtype, D <= 768, Nq <= 256), as errors naming the way out."""
+    if query.dtype not in NPU_DTYPES:
+        raise ValueError(f"npu_fusion_attention takes fp16/bf16/fp32, not {query.dtype}; cast q/k/v first.")
+    d = query.shape[2] // head_num if layout in ("BSH", "SBH") else query.shape[-1]
+    if d > MAX_HEAD_DIM or head_num > MAX_QUERY_HEADS:
+        raise ValueError(f"npu_fusion_attention supports head_dim <= {MAX_HEAD_DIM} and <= {MAX_QUERY_HEADS} query "
+                         f"heads, got D={d}, N={head_num}; use backend='torch' for this call.")
+
+
 def run(query, key, value, head_num: int, layout: str, *, atten_mask, causal, scale, keep_prob,
         pre_tokens, next_tokens, seq_q, seq_kv):
     """Call torch_npu.npu_fusion_attention and return the attention output (index 0 of the 7-tuple)."""
+    check_limits(query, key, head_num, layout)
     torch_npu = torch_npu_module()
     kwargs = sparse_arguments(atten_mask, query, key, layout, causal=causal, pre_tokens=pre_tokens,
                               next_tokens=next_tokens, seq_q=seq_q, seq_kv=seq_kv)
