@@ -20,11 +20,11 @@ from kit.convert.families import Family, family_for_config
 from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader
 from kit.convert.spec import ModelSpec, megatron_args, padded_vocab_size
-from kit.convert.tensor_ops import full_to_parts, merge_tp, read_rank, split_tp
+from kit.convert.tensor_ops import Rows, as_tensor, full_to_parts, merge_tp, read_rank, split_tp
 from kit.convert.torch_zip import StreamingTorchFile
 
 PathLike = Union[str, Path]
-RankFn = Callable[[str, Optional[int], int], torch.Tensor]  # (role, global layer | None, tp rank) -> tensor
+RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -122,8 +122,11 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
                       groups=spec.num_groups, heads_per_group=spec.heads_per_group, head_dim=spec.head_dim,
                       padded_vocab=padded)
         if role == "output" and spec.norm_head:  # Baichuan2 NormHead: a plain output layer needs unit rows
+            t = as_tensor(t)
             t = torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype)
-        return t.to(cast) if cast is not None else t
+        if cast is not None and (t[0] if isinstance(t, Rows) else t).dtype != cast:
+            t = as_tensor(t).to(cast)
+        return t
 
     args = megatron_args(spec, cfg.tp, cfg.pp, [len(s) for s in stages], padded, cfg.make_vocab_size_divisible_by,
                          cast or src_dtype, cfg.flavor)

@@ -10,16 +10,16 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
+from kit.convert.file_slices import FileSlice, SafetensorsFile
+
 PathLike = Union[str, Path]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class HFReader:
-    """Index of an HF folder; `read(key, rows, cols)` loads only that slice (safetensors slices, mmap'd .bin)."""
+    """Index of an HF folder; `read(key, rows, cols)` loads only that slice (pread of safetensors, mmap'd .bin)."""
 
     def __init__(self, folder: PathLike):
         self.folder = Path(folder)
@@ -28,6 +28,7 @@ class HFReader:
                                     f"(the one holding config.json and the weight shards).")
         self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
         self._handles: Dict[str, object] = {}
+        self._cols_buf = torch.empty(0, dtype=torch.uint8)
         self.weight_map = self._weight_map()
         missing = sorted({f for f in self.weight_map.values() if not (self.folder / f).is_file()})
         if missing:
@@ -50,9 +51,7 @@ class HFReader:
         if handle is None:
             path = str(self.folder / fname)
             if fname.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                handle = safe_open(path, framework="pt")
+                handle = SafetensorsFile(path)
             else:  # .bin: zip pickles; mmap keeps tensors on disk until sliced
                 handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             self._handles[fname] = handle
@@ -63,38 +62,45 @@ class HFReader:
 
     def shape(self, key: str) -> Tuple[int, ...]:
         h = self._open(self.weight_map[key])
-        if isinstance(h, dict):
-            return tuple(h[key].shape)
-        return tuple(h.get_slice(key).get_shape())
+        return tuple(h[key].shape) if isinstance(h, dict) else h.entries[key][1]
 
     def dtype(self, key: str) -> torch.dtype:
         h = self._open(self.weight_map[key])
-        if isinstance(h, dict):
-            return h[key].dtype
-        return _ST_DTYPES[h.get_slice(key).get_dtype()]
+        return h[key].dtype if isinstance(h, dict) else h.entries[key][0]
 
     def read(self, key: str, rows: Optional[Tuple[int, int]] = None, cols: Optional[Tuple[int, int]] = None,
-             copy: bool = True) -> torch.Tensor:
-        """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it; a fresh CPU tensor unless copy=False
-        (then possibly a view of the mapped file, for callers that copy it themselves, e.g. with torch.cat)."""
+             copy: bool = True):
+        """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it, as a CPU tensor.
+
+        copy=False allows a lazier result for callers that write it out at once: a FileSlice (bytes still on
+        disk, read straight into the writer's buffer), a view of a memory-mapped .bin file, or (column blocks) a
+        view of a buffer the next column read reuses.
+        """
         h = self._open(self.weight_map[key])
-        r = slice(*rows) if rows else slice(None)
         if isinstance(h, dict):
             t = h[key]
-            t = t[r, cols[0]:cols[1]] if cols else t[r]
+            t = t[slice(*rows) if rows else slice(None)]
+            t = t[:, cols[0]:cols[1]] if cols else t
             return t.clone() if copy else t
-        # get_tensor maps the file (recent safetensors copies nothing here); slicing the view then copies only
-        # the rows/columns asked for, instead of materialising the whole tensor for every TP rank.
-        t = h.get_tensor(key)
-        t = t[r, cols[0]:cols[1]] if cols else t[r]
-        # A view of a larger storage (or of the mapped file) would make torch.save write all of that storage.
-        own = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        return t if own or not copy else t.clone()
+        a, b = rows if rows else (0, h.entries[key][1][0] if h.entries[key][1] else 1)
+        piece = h.rows(key, a, b) if h.entries[key][1] else FileSlice(h.fd, h.entries[key][2], (), h.entries[key][0])
+        if cols:  # a column block: read the rows once into a reused buffer, hand out the strided view
+            if copy:
+                return piece.tensor()[:, cols[0]:cols[1]].clone()
+            if self._cols_buf.numel() < piece.nbytes:
+                self._cols_buf = torch.empty(piece.nbytes, dtype=torch.uint8)
+            buf = self._cols_buf[:piece.nbytes]
+            piece.read_into(buf)
+            return buf.view(piece.dtype).view(piece.shape)[:, cols[0]:cols[1]]
+        return piece if not copy else piece.tensor()
 
     def weight_bytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
 
     def close(self) -> None:
+        for h in self._handles.values():
+            if isinstance(h, SafetensorsFile):
+                h.close()
         self._handles.clear()
 
 

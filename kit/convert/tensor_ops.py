@@ -7,12 +7,23 @@ embedding/output split dim 0 after padding the vocabulary; norms are replicated.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-Rows = Optional[Tuple[int, int]]
 Reader = Callable[..., torch.Tensor]  # read(key, rows=(a, b) | None, cols=(a, b) | None, copy=True) -> tensor
+
+
+class Rows(list):
+    """Tensors meant to be stacked along dim 0; a writer copies them piece by piece instead of concatenating."""
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat([as_tensor(p) for p in self])
+
+
+def as_tensor(x) -> torch.Tensor:
+    """A tensor from a tensor, a FileSlice (read now) or a Rows list (concatenated)."""
+    return x if isinstance(x, torch.Tensor) else x.tensor()
 
 
 def part_offsets(keys: Sequence[str], rows: Sequence[int]) -> List[int]:
@@ -105,34 +116,40 @@ def full_to_parts(kind: str, full: torch.Tensor, groups: int, heads_per_group: i
 
 def read_rank(kind: str, read: Reader, keys: Sequence[str], rows: Sequence[int], tp: int, r: int, *,
               full_shape: Tuple[int, ...], groups: int = 1, heads_per_group: int = 1, head_dim: int = 1,
-              padded_vocab: int = 0) -> torch.Tensor:
-    """TP rank r's part of a role, reading only the rows/columns it needs from the HF parts."""
+              padded_vocab: int = 0):
+    """TP rank r's part of a role, reading only the rows/columns it needs from the HF parts.
+
+    Returns a tensor or a Rows list (to be stacked along dim 0); either may view the mapped source file, so use it
+    (e.g. stream it to disk) before closing the reader. `as_tensor` makes one tensor of it.
+    """
     offs = part_offsets(keys, rows)
     if kind == "replicated":
-        return read(keys[0], rows=(offs[0], offs[0] + rows[0]))
+        return read(keys[0], rows=(offs[0], offs[0] + rows[0]), copy=False)
     if kind == "row":
         n = full_shape[1] // tp
-        return read(keys[0], rows=(offs[0], offs[0] + rows[0]), cols=(r * n, (r + 1) * n))
+        return read(keys[0], rows=(offs[0], offs[0] + rows[0]), cols=(r * n, (r + 1) * n), copy=False)
     if kind == "vocab":
         per, vocab = padded_vocab // tp, full_shape[0]
         a, b = r * per, min((r + 1) * per, vocab)
         if a >= vocab:
             return torch.zeros((per, *full_shape[1:]), dtype=read(keys[0], rows=(0, 1)).dtype)
-        return pad_rows(read(keys[0], rows=(offs[0] + a, offs[0] + b)), per)
+        real = read(keys[0], rows=(offs[0] + a, offs[0] + b), copy=False)
+        if b - a == per:
+            return real
+        return Rows([real, torch.zeros((per - (b - a), *full_shape[1:]), dtype=real.dtype)])  # rows past vocab
     if kind == "qkv" and groups % tp:  # fewer KV groups than ranks (mcore >= 0.16): a chunk of the whole matrix
-        parts = [read(k, rows=(o, o + n), copy=False) for k, o, n in zip(keys, offs, rows)]
+        parts = [read(k, rows=(o, o + n)) for k, o, n in zip(keys, offs, rows)]
         return torch.chunk(interleave_qkv(*parts, groups), tp)[r].clone()
-    if kind == "qkv":
-        gp = groups // tp
-        q_rows = gp * heads_per_group * head_dim
-        # copy=False: interleave_qkv's torch.cat makes the only copy
-        q = read(keys[0], rows=(offs[0] + r * q_rows, offs[0] + (r + 1) * q_rows), copy=False)
-        k = read(keys[1], rows=(offs[1] + r * gp * head_dim, offs[1] + (r + 1) * gp * head_dim), copy=False)
-        v = read(keys[2], rows=(offs[2] + r * gp * head_dim, offs[2] + (r + 1) * gp * head_dim), copy=False)
-        return interleave_qkv(q, k, v, gp)
-    if kind == "glu":
+    if kind == "qkv":  # this rank's groups, each [its q heads; k; v], as row slices of the sources
+        gp, nq = groups // tp, heads_per_group * head_dim
+        out = Rows()
+        for g in range(r * gp, (r + 1) * gp):
+            out += [read(keys[0], rows=(offs[0] + g * nq, offs[0] + (g + 1) * nq), copy=False),
+                    read(keys[1], rows=(offs[1] + g * head_dim, offs[1] + (g + 1) * head_dim), copy=False),
+                    read(keys[2], rows=(offs[2] + g * head_dim, offs[2] + (g + 1) * head_dim), copy=False)]
+        return out
+    if kind == "glu":  # [gate_r; up_r]
         n = rows[0] // tp
-        gate = read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n), copy=False)
-        up = read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n), copy=False)
-        return torch.cat([gate, up])
+        return Rows([read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n), copy=False),
+                     read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n), copy=False)])
     raise ValueError(f"unknown split kind {kind!r}")

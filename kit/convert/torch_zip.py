@@ -17,6 +17,8 @@ from typing import Tuple
 
 import torch
 
+from kit.convert.file_slices import FileSlice
+
 
 class _StorageRef:
     """Stands for a storage already written as record data/<key>."""
@@ -36,25 +38,64 @@ class _TensorStub:
                 (self.ref, 0, self.shape, self.stride, False, collections.OrderedDict()))
 
 
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
 class StreamingTorchFile:
     """`store(tensor)` writes its bytes now and returns a stub; `finish(obj)` pickles obj (with stubs) and closes."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._writer = torch._C.PyTorchFileWriter(str(self.path))
+        # No zip CRC32 (torch.serialization.config.save.compute_crc32=False does the same): it costs a CPU pass
+        # over every byte and torch.load does not need it.
+        self._writer = torch._C.PyTorchFileWriter(str(self.path), False)
         self._count = 0
+        self._scratch = torch.empty(0, dtype=torch.uint8)
         self.bytes = 0
 
-    def store(self, tensor: torch.Tensor) -> _TensorStub:
-        t = tensor.detach().cpu().contiguous()
-        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # a view of a larger buffer: write only its own bytes
+    def store(self, tensor) -> _TensorStub:
+        """Write the next storage: a tensor, a FileSlice (bytes still on disk), or a Rows list of them (stacked
+        along dim 0). Pieces are gathered into one reused buffer; a contiguous in-memory tensor is written as is."""
+        pieces = list(tensor) if isinstance(tensor, list) else [tensor]
+        first = pieces[0]
+        dtype = first.dtype
+        shape = (sum(p.shape[0] for p in pieces), *first.shape[1:]) if len(pieces) > 1 else tuple(first.shape)
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        if len(pieces) == 1 and isinstance(first, torch.Tensor) and first.is_contiguous():
+            ptr = first.data_ptr()  # e.g. a row range of a memory-mapped file: no copy at all
+        else:
+            buf, at = self._buffer(nbytes), 0
+            for p in pieces:
+                n = p.nbytes if isinstance(p, FileSlice) else p.numel() * p.element_size()
+                if isinstance(p, FileSlice):
+                    p.read_into(buf[at:at + n])
+                else:
+                    buf[at:at + n].view(p.dtype).view(p.shape).copy_(p)
+                at += n
+            ptr = buf.data_ptr()
         key = str(self._count)
         self._count += 1
-        storage = t.untyped_storage()
-        self._writer.write_record(f"data/{key}", storage, storage.nbytes())
-        self.bytes += storage.nbytes()
-        return _TensorStub(_StorageRef(key, t.dtype, t.numel()), tuple(t.shape), tuple(t.stride()))
+        self._writer.write_record(f"data/{key}", ptr, nbytes)
+        self.bytes += nbytes
+        return _TensorStub(_StorageRef(key, dtype, _numel(shape)), tuple(shape), _contiguous_stride(shape))
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        # One buffer reused for every tensor: fresh allocations would page-fault on every write.
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
 
     def finish(self, obj) -> None:
         names = torch.storage._dtype_to_storage_type_map()
