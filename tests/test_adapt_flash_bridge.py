@@ -126,3 +126,21 @@ def test_bert_padding_round_trip(bridge):
     assert tokens.shape == (8, 3) and cu.tolist() == [0, 3, 8] and max_len == 5 and cu.dtype == torch.int32
     back = pad_input(tokens, indices, 2, 5)
     torch.testing.assert_close(back, x * mask[..., None])
+
+
+def test_a_real_flash_attn_is_kept(tmp_path, monkeypatch):
+    remove_flash_attn_bridge()
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("REAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert install_flash_attn_bridge() == []
+    import flash_attn
+
+    assert flash_attn.REAL
+    monkeypatch.delitem(sys.modules, "flash_attn")
+    assert install_flash_attn_bridge(replace_real=True) == ["flash_attn", "flash_attn.flash_attn_interface",
+                                                            "flash_attn.bert_padding"]
+    assert not hasattr(sys.modules["flash_attn"], "REAL")
+    remove_flash_attn_bridge()

@@ -11,6 +11,7 @@ varlen (T, N, D) -> "TND" with actual_seq = cu_seqlens[1:] (one host sync per ca
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -148,11 +149,15 @@ def _module(name: str, attrs, package: bool = False) -> types.ModuleType:
 def install_flash_attn_bridge(replace_real: bool = False) -> list:
     """Make `import flash_attn` (and its interface / bert_padding modules) resolve to kit ops; returns the names.
 
-    A real flash-attn already imported is kept unless replace_real=True.
+    A real flash-attn (imported, or installed and importable) is kept unless replace_real=True: on a CUDA box
+    with flash-attn the real kernels stay in use.
     """
     existing = sys.modules.get("flash_attn")
-    if existing is not None and not getattr(existing, _MARK, False) and not replace_real:
-        return []
+    if not replace_real:
+        if existing is not None and not getattr(existing, _MARK, False):
+            return []
+        if existing is None and importlib.util.find_spec("flash_attn") is not None:
+            return []
     interface = _module("flash_attn.flash_attn_interface", INTERFACE)
     padding = _module("flash_attn.bert_padding", PADDING)
     root = _module("flash_attn", INTERFACE, package=True)
