@@ -258,3 +258,35 @@ def test_checksums_cover_every_tensor(tiny_glm_dir):
     sums = hf_checksums(tiny_glm_dir)
     assert len(sums) == 3 + 1 + 2 * 7  # emb, final norm, output, inv_freq; 7 tensors per layer (qkv w+b)
     assert sums["transformer.encoder.layers.0.self_attention.query_key_value.weight"]["shape"] == [128, 64]
+
+
+def test_te_flavor_key_names_and_round_trip(tiny_llama_dir, tmp_path):
+    r = round_trip(tiny_llama_dir, tmp_path, tp=2, pp=1, flavor="te")
+    assert r["bit_exact"], r
+    keys = MegatronReader(r["megatron"]).all_keys(0, 0)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys
+    assert not [k for k in keys if "input_layernorm" in k or "pre_mlp_layernorm" in k]
+
+
+def test_megatron_checkpoint_not_made_by_the_kit_needs_and_uses_an_hf_config(tiny_llama4_dir, tmp_path):
+    """A training run's checkpoint has no hf_meta/ or kit_convert.json: layout from args, config from the user."""
+    import shutil
+
+    out = tmp_path / "m"
+    to_megatron(tiny_llama4_dir, out, tp=2, pp=2, num_layer_list=[3, 1])
+    shutil.rmtree(out / "hf_meta")
+    (out / "kit_convert.json").unlink()
+    back = ConvertConfig(str(out), str(tmp_path / "hf"), direction="megatron_to_hf")
+    with pytest.raises(FileNotFoundError, match="Pass hf_config_dir"):
+        megatron_to_hf(back, progress=False)
+    back.hf_config_dir = str(tiny_llama4_dir)
+    megatron_to_hf(back, progress=False)  # uneven stages come from args.num_layer_list = "3,1"
+    assert compare_hf(tiny_llama4_dir, tmp_path / "hf")["bit_exact"]
+    wrong = ConvertConfig(str(out), str(tmp_path / "hf2"), direction="megatron_to_hf",
+                          hf_config_dir=str(tmp_path / "hf"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 6
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match="num_layers: checkpoint args say 4"):
+        megatron_to_hf(wrong, progress=False)
