@@ -42,20 +42,21 @@ def plan_varlen(position_ids, mask2d, batch: int, seqlen: int) -> Optional[Varle
 
 
 def _compute(position_ids, mask2d, batch: int, seqlen: int) -> Optional[VarlenPlan]:
+    # Work on host copies of the two small (B, S) tensors: the lengths must become Python ints for torch_npu
+    # anyway, and plain CPU ops avoid depending on device kernels such as bincount. Only `indices` goes back.
     device = mask2d.device if mask2d is not None else (position_ids.device if position_ids is not None else "cpu")
-    keep = None if mask2d is None else mask2d.to(torch.bool)
+    keep = None if mask2d is None else mask2d.detach().to("cpu", torch.bool)
     if keep is not None and bool(keep.all()):
         keep = None
-    starts = torch.zeros(batch, seqlen, dtype=torch.bool, device=device)
+    starts = torch.zeros(batch, seqlen, dtype=torch.bool)
     starts[:, 0] = True
     if position_ids is not None:
-        pos = position_ids.to(device)
+        pos = position_ids.detach().to("cpu")
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
         pos = pos.expand(batch, -1)
         starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    inner_starts = starts[:, 1:] if keep is None else (starts[:, 1:] & keep[:, 1:])
-    if keep is None and not bool(inner_starts.any()):
+    if keep is None and not bool(starts[:, 1:].any()):
         return None
     segment = torch.cumsum(starts.flatten().to(torch.int64), 0) - 1
     if keep is None:
@@ -63,9 +64,9 @@ def _compute(position_ids, mask2d, batch: int, seqlen: int) -> Optional[VarlenPl
     else:
         indices = keep.flatten().nonzero().squeeze(1)
         kept_segments = segment.index_select(0, indices)
+        indices = indices.to(device)
     lengths = torch.bincount(kept_segments, minlength=batch)
-    lengths = lengths[lengths > 0]
-    cumulative = torch.cumsum(lengths, 0).tolist()  # the one host sync per step
+    cumulative = torch.cumsum(lengths[lengths > 0], 0).tolist()
     return VarlenPlan(indices=indices, cumulative=cumulative, num_sequences=len(cumulative))
 
 
