@@ -276,3 +276,12 @@ def test_npu_branch_checks_kernel_limits_before_calling(monkeypatch):
             fusion_attention(big, big, big, 2, "BNSD")
         fusion_attention(big.double(), big.double(), big.double(), 2, "BNSD", backend="torch")  # way out works
     assert fake.CALLS == []
+
+
+def test_portable_gqa_without_native_sdpa_support(monkeypatch):
+    from kit.ops import attention_torch
+
+    monkeypatch.setattr(attention_torch, "_NATIVE_GQA", False)  # torch < 2.5 (older ModelArts images)
+    q, k, v = qkv()
+    out = fusion_attention(q, k, v, 4, "BNSD", causal=True, backend="torch")
+    assert rel_err(out, ref_attention(q, k, v, ref_keep(9, 9, True), 0.25)) <= 1e-5

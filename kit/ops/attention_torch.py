@@ -31,11 +31,21 @@ def _from_bnsd(out, layout: str):
     return out.permute(2, 0, 1, 3).reshape(s, b, n * dv)  # SBH
 
 
+# SDPA takes GQA natively from torch 2.5; ModelArts images with older torch get K/V repeated instead.
+_NATIVE_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def _sdpa(q, k, v, keep, *, scale: float, keep_prob: float, is_causal: bool = False):
     """SDPA on (B, N, S, D) with a boolean keep-mask (True = may attend); rows that see no key give 0."""
-    gqa = q.shape[1] != k.shape[1]
+    extra = {}
+    if q.shape[1] != k.shape[1]:
+        if _NATIVE_GQA:
+            extra["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, dropout_p=1.0 - keep_prob, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        q, k, v, attn_mask=keep, dropout_p=1.0 - keep_prob, is_causal=is_causal, scale=scale, **extra
     )
     if keep is not None:
         dead = ~keep.any(dim=-1, keepdim=True)  # no visible key: define the output as 0, never NaN
