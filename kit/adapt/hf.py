@@ -103,10 +103,19 @@ def kit_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 
 def register() -> str:
     """Register the "kit" attention function and mask builder with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    import transformers
 
-    AttentionInterface.register(ATTENTION_NAME, kit_attention_forward)
+    interface = getattr(transformers, "AttentionInterface", None)
+    if interface is None:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} has no AttentionInterface (added in 4.48), which adapt_model "
+            "uses. Upgrade transformers, or for remote-code models use install_flash_attn_bridge()."
+        )
+    interface.register(ATTENTION_NAME, kit_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # older transformers build 4-D masks in the model; kit attention reads those too
+        return ATTENTION_NAME
     AttentionMaskInterface.register(ATTENTION_NAME, kit_attention_mask)
     return ATTENTION_NAME
 
