@@ -125,3 +125,20 @@ def test_profile_training_of_a_tiny_llama(tiny_llama_dir, tmp_path):
     assert len(cap.step_times) == 4
     table = kp.operator_table(cap.load())
     assert "aten::mm" in set(table.head(5)["type"])  # linear layers dominate even a tiny Llama
+
+
+@pytest.mark.slow
+def test_capture_hooks_the_kit_trainer(tiny_llama_dir, tmp_path):
+    import test_train_helpers as H  # the trainer's synthetic prepared-dataset helpers
+
+    from kit.profiling.demo import profile_trainer
+
+    data = H.make_pretrain(tmp_path / "pre_hf", num_samples=16)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=4)
+    cap, result = profile_trainer(cfg, out_dir=tmp_path / "profiles", device="cpu", wait=1, warmup=1, active=2)
+    assert result.status == "completed" and cap.steps == 4
+    assert cap.folder.name.endswith("-cpu-pretrain")
+    table = kp.operator_table(cap.load())
+    assert "aten::mm" in set(table.head(8)["type"])
+    with pytest.raises(ValueError, match="TRAIN_ITERS=4"):
+        profile_trainer(cfg, out_dir=tmp_path / "profiles", device="cpu", wait=2, warmup=1, active=2)

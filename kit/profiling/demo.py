@@ -6,6 +6,7 @@ capture instead: `with kit.profiling.profile(...) as cap: kit.train.train(cfg, s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -108,3 +109,23 @@ def profile_training(model_dir: Optional[PathLike] = None, steps: Optional[int] 
     with cap:
         cap.step_times = run_steps(model, optimizer, batches, callbacks=[cap])
     return cap
+
+
+def profile_trainer(train_config: Any, config: Optional[ProfileConfig] = None, out_dir: Optional[PathLike] = None,
+                    workspace: Any = None, **options: Any) -> tuple:
+    """Run the kit trainer (kit.train.train) with a capture in its step_callbacks; returns (capture, result).
+
+    The schedule must fit in `train_config.train_iters`; the capture's folder is named after the run type.
+    """
+    from kit.train import train
+
+    cfg = dataclasses.replace(config or ProfileConfig(), **options)
+    if cfg.steps_needed > train_config.train_iters:
+        raise ValueError(f"the profile schedule needs {cfg.steps_needed} steps (skip_first+wait+warmup+active) but "
+                         f"TRAIN_ITERS={train_config.train_iters}; lower ACTIVE/WAIT or train longer.")
+    if not cfg.tag:
+        cfg = dataclasses.replace(cfg, tag=str(getattr(train_config, "run_type", "train")))
+    cap = profile(out_dir=out_dir, config=cfg, workspace=workspace)
+    with cap:
+        result = train(train_config, step_callbacks=[cap], progress=False)
+    return cap, result
