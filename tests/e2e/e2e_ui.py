@@ -28,6 +28,8 @@ _READ_CELLS = """() => Array.from(document.querySelectorAll('.jp-NotebookPanel:n
       progress: o.querySelectorAll('.widget-progress, .widget-hprogress, progress').length,
       widgets: o.querySelectorAll('.jupyter-widgets').length,
       widgetErrors: o.querySelectorAll('.jupyter-widgets-error-widget, .jp-Widget-error').length,
+      // tqdm.notebook turns a bar red (bar_style "danger") when it is closed before reaching its total
+      redBars: o.querySelectorAll('.progress-bar-danger').length,
     })),
   }))"""
 
@@ -85,9 +87,18 @@ def run_all(page, timeout: float = 300.0) -> float:
     return time.monotonic() - t0
 
 
-def read_cells(page) -> list:
-    """Every cell of the visible notebook, as the user sees it."""
-    return [Cell(**c) for c in page.evaluate(_READ_CELLS)]
+def read_cells(page, settle: float = 1.0, timeout: float = 20.0) -> list:
+    """Every cell of the visible notebook, as the user sees it, once two looks `settle` s apart agree.
+
+    Widget views (progress bars) and images attach to their output area a moment after the kernel is idle.
+    """
+    deadline, previous = time.monotonic() + timeout, None
+    while True:
+        cells = page.evaluate(_READ_CELLS)
+        if cells == previous or time.monotonic() > deadline:
+            return [Cell(**c) for c in cells]
+        previous = cells
+        time.sleep(settle)
 
 
 def visible_errors(cells: list) -> list:
@@ -101,6 +112,8 @@ def visible_errors(cells: list) -> list:
                 problems.append(f"cell {i} shows an error:\n{o['text'][-1500:]}")
             if o["widgetErrors"]:
                 problems.append(f"cell {i} shows a widget that failed to render")
+            if o["redBars"]:
+                problems.append(f"cell {i} shows a red progress bar (stopped before its total): {o['text'].strip()!r}")
         if not c.executed and c.source.strip():
             problems.append(f"cell {i} was not executed (prompt {c.prompt!r}): {c.source[:80]!r}")
     return problems

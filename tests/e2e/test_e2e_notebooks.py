@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
-from e2e_cases import EXPECT, Expect
+from e2e_cases import EXPECT, KNOWN_PROBLEMS, Expect
 from e2e_ui import full_screenshot, open_notebook, read_cells, run_all, save, visible_errors
 
 from kit.notebooks import numbered_notebooks
@@ -44,6 +45,10 @@ def test_notebook_runs_in_jupyterlab(name, lab, page, e2e_root, screenshots):
     # the notebook as JupyterLab saved it, outputs included, beside its screenshot (to read after a failure)
     (screenshots / name).write_text((e2e_root / name).read_text(encoding="utf-8"), encoding="utf-8")
     errors = visible_errors(cells)
+    known = [e for e in errors if any(k in e for k in KNOWN_PROBLEMS.get(name[:2], ()))]
+    for e in known:
+        warnings.warn(f"{name}: known problem (tests/e2e/e2e_cases.py KNOWN_PROBLEMS): {e}", stacklevel=1)
+    errors = [e for e in errors if e not in known]
     assert not errors, f"{name} (screenshot {shot}):\n" + "\n\n".join(errors)
     missing = missing_outputs(cells, EXPECT[name[:2]])
     assert not missing, f"{name} after {seconds:.0f} s (screenshot {shot}):\n" + "\n".join(missing)
