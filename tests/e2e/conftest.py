@@ -26,7 +26,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def e2e_root(tmp_path_factory) -> Path:
+def e2e_available() -> None:
+    """Skip (or, under KIT_E2E_REQUIRED=1 as `make e2e` sets, fail) when chromium or playwright is missing."""
+    reason = browser_available()
+    if reason and os.environ.get("KIT_E2E_REQUIRED") == "1":
+        pytest.fail(f"KIT_E2E_REQUIRED=1 but {reason}", pytrace=False)
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def e2e_root(e2e_available, tmp_path_factory) -> Path:
     """The temporary root JupyterLab serves: tiny-parameter copies of every numbered notebook + a workspace."""
     root = tmp_path_factory.mktemp("e2e-lab")
     for nb in numbered_notebooks():
@@ -37,9 +47,6 @@ def e2e_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def lab(e2e_root, tmp_path_factory):
     """One JupyterLab server for all browser tests, on 127.0.0.1 with a random token; always shut down."""
-    reason = browser_available()
-    if reason:
-        pytest.skip(reason)
     home = tmp_path_factory.mktemp("e2e-jupyter")
     # kernels get the workspace and a private .condarc (notebook 01 registers envs there when conda exists)
     server = JupyterLab(e2e_root, home, env={"KIT_WORKSPACE": str(e2e_root / "ws"), "CONDARC": str(home / "condarc")})
@@ -79,6 +86,8 @@ def page(browser, lab):
 
 @pytest.fixture(scope="session")
 def screenshots() -> Path:
-    """runs/e2e/ (or KIT_E2E_SCREENSHOTS): one full-page PNG per notebook test."""
+    """runs/e2e/ (or KIT_E2E_SCREENSHOTS): one full-page PNG (+ the notebook as run) per test, from this run only."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for old in [*SCREENSHOTS.glob("*.png"), *SCREENSHOTS.glob("*.ipynb")]:
+        old.unlink()
     return SCREENSHOTS
