@@ -4,12 +4,15 @@ Run: .venv/bin/python benchmarks/bench_profiling.py [--rows 1000000] [--steps 8]
 Every figure is printed as a ratio against a baseline measured in the same run:
 - reading: kit's kernel_details reader and the whole analyzer (load + advise) vs a plain pandas.read_csv of the
   same file (the floor), each in a fresh subprocess so that peak RSS is its own;
-- overhead: median step time of a tiny Llama with the profiler recording vs without it (torch.profiler on CPU).
+- overhead: median step time of a tiny Llama with the profiler recording vs without it (torch.profiler on CPU),
+  in a plain loop and in the kit trainer (iteration times from its metrics.jsonl).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import shutil
 import statistics
@@ -116,6 +119,42 @@ def bench_overhead(steps: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bench_trainer_overhead(steps: int) -> None:
+    """The same figure on the kit trainer (DeepSpeed, CPU): iteration times from its metrics.jsonl."""
+    from kit.data import DataConfig, prepare
+    from kit.profiling.demo import profile_trainer
+    from kit.samples import sample_tokenizer_dir, tiny_llama
+    from kit.train import TrainConfig, train
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_prof_"))
+    try:
+        model_dir = tiny_llama(tmp / "tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
+        data = prepare(DataConfig(kind="pretrain", name="bench", tokenizer=str(sample_tokenizer_dir()),
+                                  max_length=128, max_records=300, megatron=False, out_dir=str(tmp / "data")),
+                       progress=False).hf_dir
+        iters = steps + 2
+
+        def cfg(run: str) -> TrainConfig:
+            return TrainConfig(run_type="pretrain", model_type=run, model_path=str(model_dir),
+                               dataset_path=str(data), work_dir=str(tmp / "ws"), train_iters=iters, mbs=2, gbs=2,
+                               save_hf=False, seed=0)
+
+        def times(result) -> list:
+            rows = [json.loads(ln) for ln in result.metrics_path.read_text().splitlines() if ln.strip()]
+            return [r["elapsed_ms"] for r in rows]
+
+        with contextlib.redirect_stdout(io.StringIO()):  # the trainer's per-iteration log lines
+            off = times(train(cfg("off"), progress=False))[2:]
+            cap, result = profile_trainer(cfg("on"), out_dir=tmp / "caps", device="cpu", wait=0, warmup=2,
+                                          active=steps)
+        on = times(result)[2:]
+        print(f"kit trainer iteration (median of {len(off)}): {statistics.median(off):.1f} ms without, "
+              f"{statistics.median(on):.1f} ms recording -> overhead ratio "
+              f"{statistics.median(on) / statistics.median(off):.2f}x")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -125,6 +164,7 @@ def main() -> None:
     bench_reading(args.rows)
     print("== profiler overhead (torch.profiler, CPU, tiny Llama 4x128)")
     bench_overhead(args.steps)
+    bench_trainer_overhead(args.steps)
 
 
 if __name__ == "__main__":
