@@ -28,11 +28,12 @@ PER_LAYER = HIDDEN * (HIDDEN + 2 * HIDDEN // HEADS * GROUPS) + HIDDEN * HIDDEN +
 FIXED = 2 * VOCAB * HIDDEN + HIDDEN
 
 CHILD = {
-    "import": "import torch, transformers, kit.convert",
-    "kit": ("import torch, transformers, kit.convert\n"
+    "import-kit": "import torch, kit.convert",
+    "import-transformers": "import torch, transformers",
+    "kit": ("import torch, kit.convert\n"
             "from kit.convert import ConvertConfig, hf_to_megatron\n"
             "hf_to_megatron(ConvertConfig({src!r}, {out!r}, tp=2, pp=2, overwrite=True), progress=False)"),
-    "transformers": ("import torch, transformers, kit.convert\n"
+    "transformers": ("import torch, transformers\n"
                      "from transformers import AutoModelForCausalLM\n"
                      "m = AutoModelForCausalLM.from_pretrained({src!r}, dtype=torch.bfloat16)\n"
                      "m.save_pretrained({out!r}, max_shard_size='500MB')"),
@@ -100,19 +101,19 @@ def main() -> int:
                   f"(goal <= 2x)")
 
         print("\n== peak RSS of a fresh process (MiB) ==")
-        base = peak_rss_mb("import", small, work / "none")
+        base = {k: peak_rss_mb(f"import-{k}", small, work / "none") for k in ("kit", "transformers")}
         rss = {(k, n): peak_rss_mb(k, src, work / f"out-{k}-{n}") for k in ("kit", "transformers")
                for n, src in (("small", small), ("large", large))}
         growth = size["large"] - size["small"]
-        print(f"imports only (torch, transformers, kit.convert): {base:.0f}")
         for k in ("kit", "transformers"):
             g = rss[(k, "large")] - rss[(k, "small")]
-            print(f"{k:12s} small {rss[(k, 'small')]:7.0f}  large {rss[(k, 'large')]:7.0f}  "
-                  f"above imports at large {rss[(k, 'large')] - base:7.0f}  "
-                  f"growth {g:6.0f} = {100 * g / growth:5.1f}% of the model growth ({growth:.0f} MiB)")
-        kit_above = rss[("kit", "large")] - base
-        tf_above = rss[("transformers", "large")] - base
-        print(f"kit / transformers peak above imports, large model: {kit_above:.0f} / {tf_above:.0f} = "
+            print(f"{k:12s} imports only {base[k]:6.0f}  small {rss[(k, 'small')]:6.0f}  large "
+                  f"{rss[(k, 'large')]:6.0f}  above imports: small {rss[(k, 'small')] - base[k]:6.0f} large "
+                  f"{rss[(k, 'large')] - base[k]:6.0f}  growth {g:6.0f} = {100 * g / growth:5.1f}% of the model "
+                  f"growth ({growth:.0f} MiB)")
+        kit_above = rss[("kit", "large")] - base["kit"]
+        tf_above = rss[("transformers", "large")] - base["transformers"]
+        print(f"kit / transformers peak above imports, large model: {kit_above:.0f} / {tf_above:.0f} MiB = "
               f"{kit_above / max(tf_above, 1):.2f}x")
         g = (rss[("kit", "large")] - rss[("kit", "small")]) / growth
         print(f"goal: kit peak growth < 10% of model growth -> {100 * g:.1f}% ({'met' if g < 0.10 else 'NOT met'})")

@@ -73,8 +73,10 @@ class StreamingTorchFile:
         dtype = first.dtype
         shape = (sum(p.shape[0] for p in pieces), *first.shape[1:]) if len(pieces) > 1 else tuple(first.shape)
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        if len(pieces) == 1 and isinstance(first, torch.Tensor) and first.is_contiguous():
-            ptr = first.data_ptr()  # e.g. a row range of a memory-mapped file: no copy at all
+        storage = None
+        if len(pieces) == 1 and isinstance(first, torch.Tensor) and first.is_contiguous() \
+                and first.storage_offset() == 0 and first.untyped_storage().nbytes() == nbytes:
+            storage = first.untyped_storage()  # a tensor owning exactly its bytes: written as is
         else:
             buf, at = self._buffer(nbytes), 0
             for p in pieces:
@@ -84,10 +86,10 @@ class StreamingTorchFile:
                 else:
                     buf[at:at + n].view(p.dtype).view(p.shape).copy_(p)
                 at += n
-            ptr = buf.data_ptr()
+            storage = buf.untyped_storage()  # the reused buffer starts at its storage's first byte
         key = str(self._count)
         self._count += 1
-        self._writer.write_record(f"data/{key}", ptr, nbytes)
+        self._writer.write_record(f"data/{key}", storage, nbytes)
         self.bytes += nbytes
         return _TensorStub(_StorageRef(key, dtype, _numel(shape)), tuple(shape), _contiguous_stride(shape))
 
