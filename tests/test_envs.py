@@ -294,3 +294,17 @@ def test_cli_clone_pack_unpack_kernel_restore(source_env, tmp_path, capsys):
     assert cli("remove", cloned["target"], "--envs-root", root)["kernels"] == ["cli-env"]
     with pytest.raises(SystemExit):
         main(["env", "pack"])  # missing argument: argparse usage error
+
+
+def test_threaded_copy_matches_sequential_copy(source_env, tmp_path):
+    from kit.envs.prefix import copy_tree, is_network_fs
+
+    assert is_network_fs(tmp_path) is False  # pytest's temp folder is on a local disk here
+    results = {}
+    for workers in (1, 4):
+        out = tmp_path / f"w{workers}"
+        out.mkdir()
+        results[workers] = copy_tree(source_env, out, str(out), workers=workers)
+        assert _run(out / "bin" / "hello") == str(out)
+    assert results[1] == results[4] and results[1]["rewritten"] >= 3
+    assert _names(tmp_path / "w1") == _names(tmp_path / "w4")
