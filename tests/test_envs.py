@@ -308,3 +308,17 @@ def test_threaded_copy_matches_sequential_copy(source_env, tmp_path):
         assert _run(out / "bin" / "hello") == str(out)
     assert results[1] == results[4] and results[1]["rewritten"] >= 3
     assert _names(tmp_path / "w1") == _names(tmp_path / "w4")
+
+
+def test_unpack_over_an_existing_env_only_with_overwrite(source_env, tmp_path):
+    archive = tmp_path / "env.tar.zst"
+    envs.pack(source_env, archive)
+    target = tmp_path / "restored" / "env"
+    envs.unpack(archive, target, verify_imports=None)
+    (target / "marker").write_text("old")
+    with pytest.raises(FileExistsError, match="already exists"):
+        envs.unpack(archive, target, verify_imports=None)
+    assert (target / "marker").exists()
+    envs.unpack(archive, target, overwrite=True, verify_imports=None)
+    assert not (target / "marker").exists() and _run(target / "bin" / "hello") == str(target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["env"]

@@ -165,7 +165,7 @@ def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str]
     if editable and not ignore_editable and src.kind == "venv":
         raise EnvError(_EDITABLE.format(src.prefix, ", ".join(editable)))
     n_files, size = walk_tree(src.prefix)
-    check_space(output.parent, size // 2, f"an archive of {src.prefix}")
+    check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     start = time.perf_counter()
     with atomic_file(output, "wb", overwrite=overwrite) as fh, _bar(n_files, f"pack {fmt}") as bar:
