@@ -60,11 +60,11 @@ def export_lora(module, adapter_dir: PathLike, merged_dir: PathLike, base_path: 
 def merge_lora(base_path: PathLike, adapter_dir: PathLike, out_dir: PathLike,
                tokenizer_dir: Optional[PathLike] = None) -> Path:
     """base + adapter -> one plain HF folder (W + B·A·alpha/r folded into each target weight), fp32 on CPU."""
-    import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32)
+    from kit.train.engine import load_causal_lm
+
+    base = load_causal_lm(base_path)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     with atomic_dir(out_dir, overwrite=True, what="merged LoRA folder") as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
@@ -75,10 +75,12 @@ def merge_lora(base_path: PathLike, adapter_dir: PathLike, out_dir: PathLike,
 def generate(model_dir: PathLike, prompt: str, max_new_tokens: int = 32, chat: bool = True) -> str:
     """Greedy continuation of `prompt` (through the tokenizer's chat template when it has one), on CPU."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from kit.train.engine import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = load_causal_lm(model_dir).eval()
     if chat and tok.chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]

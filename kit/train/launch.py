@@ -30,6 +30,9 @@ NPU_ENV = {
 }
 
 
+STATUS_PREFIX = "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
+
+
 def job_config(cfg: TrainConfig) -> TrainConfig:
     """The config a launched job runs: a free MASTER_PORT chosen now so every node and rank agrees on it."""
     from kit.train.engine import free_port
@@ -85,11 +88,13 @@ class LaunchResult:
     iterations: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     stopped: bool = False
+    status: str = ""  # the trainer's own verdict: completed | preempted | nan ("" if it never said)
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0
+        """Finished, or stopped on request with a checkpoint (torchrun exits 1 when it is signalled itself)."""
+        return self.status in ("completed", "preempted") and (self.returncode == 0 or self.stopped)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> int:
@@ -139,6 +144,8 @@ def launch(cfg: TrainConfig, launcher: str = "torchrun", progress: bool = True, 
                 tail.append(line)
                 if echo:
                     print(line, flush=True)
+                if line.startswith(STATUS_PREFIX):
+                    result.status = line[len(STATUS_PREFIX):].split(" ", 1)[0]
                 rec = parse_line(line)
                 if rec and "loss" in rec:
                     result.iterations.append(rec["iteration"])
