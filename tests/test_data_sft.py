@@ -196,3 +196,16 @@ def test_unpacked_one_dialog_per_row(tmp_path):
     ds = load_prepared(res.hf_dir)
     assert len(ds) == 158 and all(len(r["seq_lens"]) == 1 for r in ds)
     assert res.report.padding_ratio == pytest.approx(res.report.padding_ratio_unpacked)
+
+
+def test_explain_sample_separates_learned_text(packed):
+    from kit.data.explain import explain_sample
+
+    table = explain_sample(packed.hf_dir, 0)
+    row = load_prepared(packed.hf_dir)[0]
+    assert list(table["tokens"])[:-1] == row["seq_lens"] and table.loc["padding", "tokens"] == 64 - sum(row["seq_lens"])
+    assert all(t.endswith("<end>") for t in table["learned (loss)"].tolist()[:-1])
+    assert all(c.startswith(("<_user>", "<_system>")) and c.endswith("<_bot>")
+               for c in table["context (no loss)"].tolist()[:-1])
+    with pytest.raises(IndexError, match="does not exist"):
+        explain_sample(packed.hf_dir, 10_000)
