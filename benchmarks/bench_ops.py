@@ -26,7 +26,7 @@ def _once(fn, inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
-def compare(kit_fn, base_fn, repeat: int = 25, inner: int = 5) -> tuple[float, float]:
+def compare(kit_fn, base_fn, repeat: int = 60, inner: int = 1) -> tuple[float, float]:
     """Best (minimum) seconds per call of both, sampled alternately: the least load-disturbed estimate."""
     for _ in range(2):
         kit_fn()
@@ -110,7 +110,7 @@ def bench_attention() -> None:
         mask = torch.ones(s, s, dtype=torch.bool, device=DEVICE).triu(1)
         scale = 1 / math.sqrt(d)
         row(f"causal B{b} S{s} N{n}/{nkv} D{d}", partial(ops.fusion_attention, q, k, v, n, "BNSD", causal=True),
-            partial(eager_attention, q, k, v, mask, scale), "eager attention", repeat=7, inner=2)
+            partial(eager_attention, q, k, v, mask, scale), "eager attention", repeat=9)
     # packed: 4 dialogs in one row of 1024 tokens; eager needs a block-diagonal S x S mask
     lengths, n, d = [300, 200, 400, 124], 8, 64
     total = sum(lengths)
@@ -121,7 +121,7 @@ def bench_attention() -> None:
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (qt, kt, vt))
     row("packed TND 4 dialogs / 1024 tok",
         lambda: ops.fusion_attention(qt, kt, vt, n, "TND", causal=True, actual_seq_qlen=cum, actual_seq_kvlen=cum),
-        lambda: eager_attention(q4, k4, v4, block, 1 / math.sqrt(d)), "eager + block-diag mask", repeat=7, inner=2)
+        lambda: eager_attention(q4, k4, v4, block, 1 / math.sqrt(d)), "eager + block-diag mask", repeat=9)
 
 
 def bench_masks(size: int = 2048) -> None:
