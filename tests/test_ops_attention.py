@@ -285,3 +285,21 @@ def test_portable_gqa_without_native_sdpa_support(monkeypatch):
     q, k, v = qkv()
     out = fusion_attention(q, k, v, 4, "BNSD", causal=True, backend="torch")
     assert rel_err(out, ref_attention(q, k, v, ref_keep(9, 9, True), 0.25)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tnd_with_more_keys_than_queries(backend, causal):
+    seq_q, seq_kv = [2, 3, 1], [5, 3, 4]  # e.g. chunked prefill: the queries are the last tokens of each sequence
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(seq_q), 4, 8, generator=gen)
+    k, v = torch.randn(sum(seq_kv), 2, 8, generator=gen), torch.randn(sum(seq_kv), 2, 8, generator=gen)
+    cum = lambda xs: torch.tensor(xs).cumsum(0).tolist()  # noqa: E731
+    out = fusion_attention(q, k, v, 4, "TND", causal=causal, actual_seq_qlen=cum(seq_q),
+                           actual_seq_kvlen=cum(seq_kv))
+    q0 = k0 = 0
+    for sq, skv in zip(seq_q, seq_kv):
+        want = ref_attention(q[q0:q0 + sq].transpose(0, 1)[None], k[k0:k0 + skv].transpose(0, 1)[None],
+                             v[k0:k0 + skv].transpose(0, 1)[None], ref_keep(sq, skv, causal), 8 ** -0.5)
+        assert rel_err(out[q0:q0 + sq].transpose(0, 1)[None], want) <= 1e-5
+        q0, k0 = q0 + sq, k0 + skv
