@@ -12,7 +12,6 @@ Usage: .venv/bin/python benchmarks/bench_convert.py [--small-gb 0.5] [--large-gb
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -54,13 +53,14 @@ def weights(folder: Path) -> list:
 
 
 def peak_rss_mb(kind: str, src: Path, out: Path) -> float:
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (this process) across exec.
     code = CHILD[kind].format(src=str(src), out=str(out)) + (
-        "\nimport resource, json; print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))")
+        "\nimport re; print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
     if res.returncode:
         raise RuntimeError(f"{kind} child failed:\n{res.stderr[-3000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    return json.loads(res.stdout.strip().splitlines()[-1]) / 1024  # ru_maxrss is KiB on Linux
+    return int(res.stdout.strip().splitlines()[-1]) / 1024  # kB
 
 
 def main() -> int:
