@@ -89,13 +89,36 @@ def bench_reading(rows: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class StepMarks:
+    """A step callback recording wall and process CPU time after each step (CPU time is steadier on a busy box)."""
+
+    def __init__(self):
+        self.marks = [(time.perf_counter(), time.process_time())]
+
+    def __call__(self, step: int) -> None:
+        self.marks.append((time.perf_counter(), time.process_time()))
+
+    def steps(self, skip: int) -> tuple:
+        """(wall seconds, cpu seconds) per step, after the first `skip` steps."""
+        d = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.marks, self.marks[1:])][skip:]
+        return [w for w, _ in d], [c for _, c in d]
+
+
+def report_values(label: str, w0: list, c0: list, w1: list, c1: list) -> None:
+    mw0, mw1, mc0, mc1 = (statistics.median(x) for x in (w0, w1, c0, c1))
+    print(f"{label}: median of {len(w0)}/{len(w1)} steps, wall {mw0 * 1000:.0f} -> {mw1 * 1000:.0f} ms "
+          f"(overhead ratio {mw1 / mw0:.2f}x), CPU {mc0 * 1000:.0f} -> {mc1 * 1000:.0f} ms (ratio {mc1 / mc0:.2f}x)")
+
+
 def bench_overhead(steps: int) -> None:
+    """Plain forward/backward/AdamW loop of a tiny Llama, without and with torch.profiler recording."""
     import torch
 
     import kit.profiling as kp
     from kit.profiling.demo import load_model, run_steps, sample_batches
     from kit.samples import tiny_llama
 
+    torch.set_num_threads(1)  # one thread: the figure is about the profiler, not about thread contention
     tmp = Path(tempfile.mkdtemp(prefix="bench_prof_"))
     try:
         torch.manual_seed(0)
@@ -104,53 +127,59 @@ def bench_overhead(steps: int) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         batches = sample_batches(tok, steps + 2, batch_size=2, seq_len=128)
         run_steps(model, opt, batches[:2])  # first steps allocate; not measured
-        off = run_steps(model, opt, batches[2:])
-        t = time.perf_counter()
-        with kp.profile(tmp / "caps", device="cpu", wait=0, warmup=1, active=steps, record_shapes=True) as cap:
-            on = run_steps(model, opt, batches[1:], callbacks=[cap])[1:]
-        wall = time.perf_counter() - t
-        med_off, med_on = statistics.median(off), statistics.median(on)
-        print(f"step time without profiler (median of {len(off)}): {med_off * 1000:.1f} ms")
-        print(f"step time while recording  (median of {len(on)}): {med_on * 1000:.1f} ms  -> "
-              f"overhead ratio {med_on / med_off:.2f}x")
-        print(f"whole capture incl. warmup step and trace export: {wall:.2f} s = "
-              f"{wall / (med_off * (steps + 1)):.2f}x the same steps unprofiled")
+        w_off, c_off, w_on, c_on, walls = [], [], [], [], []
+        for rnd in range(2):  # alternate off/on so that a slow phase of a busy machine hits both
+            off, on = StepMarks(), StepMarks()
+            run_steps(model, opt, batches[2:], callbacks=[off])
+            t = time.perf_counter()
+            with kp.profile(tmp / "caps", device="cpu", wait=0, warmup=1, active=steps, tag=f"r{rnd}") as cap:
+                run_steps(model, opt, batches[1:], callbacks=[cap, on])
+            walls.append(time.perf_counter() - t)
+            (w0, c0), (w1, c1) = off.steps(0), on.steps(1)  # on: skip the warmup step
+            w_off += w0
+            c_off += c0
+            w_on += w1[:-1]  # the last active step's callback also exports the trace
+            c_on += c1[:-1]
+        per = steps + 1
+        report_values("plain loop", w_off, c_off, w_on, c_on)
+        print(f"whole capture incl. warmup step and trace export: {statistics.median(walls):.2f} s = "
+              f"{statistics.median(walls) / (statistics.median(w_off) * per):.2f}x the same steps unprofiled")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def bench_trainer_overhead(steps: int) -> None:
-    """The same figure on the kit trainer (DeepSpeed, CPU): iteration times from its metrics.jsonl."""
+    """The same on the kit trainer (DeepSpeed, CPU), the capture passed in its step_callbacks."""
+    import torch
+
+    import kit.profiling as kp
     from kit.data import DataConfig, prepare
-    from kit.profiling.demo import profile_trainer
     from kit.samples import sample_tokenizer_dir, tiny_llama
     from kit.train import TrainConfig, train
 
+    torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_prof_"))
     try:
         model_dir = tiny_llama(tmp / "tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
         data = prepare(DataConfig(kind="pretrain", name="bench", tokenizer=str(sample_tokenizer_dir()),
                                   max_length=128, max_records=300, megatron=False, out_dir=str(tmp / "data")),
                        progress=False).hf_dir
-        iters = steps + 2
 
         def cfg(run: str) -> TrainConfig:
             return TrainConfig(run_type="pretrain", model_type=run, model_path=str(model_dir),
-                               dataset_path=str(data), work_dir=str(tmp / "ws"), train_iters=iters, mbs=2, gbs=2,
-                               save_hf=False, seed=0)
+                               dataset_path=str(data), work_dir=str(tmp / "ws"), train_iters=steps + 3, mbs=2,
+                               gbs=2, save_hf=False, seed=0)
 
-        def times(result) -> list:
-            rows = [json.loads(ln) for ln in result.metrics_path.read_text().splitlines() if ln.strip()]
-            return [r["elapsed_ms"] for r in rows]
-
-        with contextlib.redirect_stdout(io.StringIO()):  # the trainer's per-iteration log lines
-            off = times(train(cfg("off"), progress=False))[2:]
-            cap, result = profile_trainer(cfg("on"), out_dir=tmp / "caps", device="cpu", wait=0, warmup=2,
-                                          active=steps)
-        on = times(result)[2:]
-        print(f"kit trainer iteration (median of {len(off)}): {statistics.median(off):.1f} ms without, "
-              f"{statistics.median(on):.1f} ms recording -> overhead ratio "
-              f"{statistics.median(on) / statistics.median(off):.2f}x")
+        w_off, c_off, w_on, c_on = [], [], [], []
+        for rnd in range(2):  # alternate, as above
+            off, on = StepMarks(), StepMarks()
+            with contextlib.redirect_stdout(io.StringIO()):  # the trainer's per-iteration log lines
+                train(cfg(f"off{rnd}"), step_callbacks=[off], progress=False)
+                with kp.profile(tmp / "caps", device="cpu", wait=0, warmup=3, active=steps, tag=f"r{rnd}") as cap:
+                    train(cfg(f"on{rnd}"), step_callbacks=[cap, on], progress=False)
+            (w0, c0), (w1, c1) = off.steps(3), on.steps(3)  # skip DeepSpeed's first steps and the warmup
+            w_off, c_off, w_on, c_on = w_off + w0, c_off + c0, w_on + w1[:-1], c_on + c1[:-1]
+        report_values("kit trainer", w_off, c_off, w_on, c_on)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
