@@ -13,6 +13,7 @@ STAGES = {
     "env": "kit.envs.cli",
     "data": "kit.data.cli",
     "convert": "kit.convert.cli",
+    "adapt": "kit.adapt.cli",
     "train": "kit.train.cli",
     "profile": "kit.profiling.cli",
     "samples": "kit.samples.cli",
