@@ -142,3 +142,16 @@ def test_capture_hooks_the_kit_trainer(tiny_llama_dir, tmp_path):
     assert "aten::mm" in set(table.head(8)["type"])
     with pytest.raises(ValueError, match="TRAIN_ITERS=4"):
         profile_trainer(cfg, out_dir=tmp_path / "profiles", device="cpu", wait=2, warmup=1, active=2)
+
+
+def test_captures_in_the_same_second_get_their_own_folders_and_load_picks_the_newest(tmp_path):
+    caps = []
+    for _ in range(2):
+        with kp.profile(tmp_path, device="cpu", wait=0, warmup=1, active=1, tag="same") as cap:
+            _loop(cap, 2)
+        caps.append(cap)
+    (tmp_path / ".20991231-000000-cpu.partial-1").mkdir()  # an interrupted capture is never picked
+    assert caps[0].folder != caps[1].folder and all(c.folder.is_dir() for c in caps)
+    data = kp.load(tmp_path)
+    assert data.path.parent == max(c.folder for c in caps)
+    assert any("2 profiles under" in n for n in data.notes)

@@ -114,6 +114,10 @@ class Capture:
         self.config, self.kind = config, kind
         stamp = time.strftime("%Y%m%d-%H%M%S")
         name = f"{stamp}-{kind}" + (f"-{config.tag}" if config.tag else "")
+        n = 1
+        while (Path(out_dir) / name).exists():  # two captures in the same second
+            n += 1
+            name = f"{stamp}-{kind}" + (f"-{config.tag}" if config.tag else "") + f"-{n}"
         self.folder = Path(out_dir) / name
         self._partial = Path(out_dir) / f".{name}.partial-{os.getpid()}"
         self.steps = 0

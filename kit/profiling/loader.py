@@ -21,6 +21,8 @@ def find_profiles(root: PathLike, max_depth: int = 4) -> list:
     for depth in range(max_depth + 1):
         pattern = "/".join(["*"] * depth) if depth else "."
         for p in root.glob(pattern) if depth else [root]:
+            if any(part.startswith(".") for part in p.relative_to(root).parts):
+                continue  # unfinished captures (.name.partial-*) and other hidden folders
             if p.is_dir() and p.name.endswith(("_ascend_pt", "_ascend_ms")):
                 found.append(p)
             elif p.is_file() and p.name.endswith((".pt.trace.json", ".pt.trace.json.gz")):
