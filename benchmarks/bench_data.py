@@ -156,7 +156,9 @@ def main() -> int:
             runs["floor"].append(run_child("tok", str(small), tokenizer))
             runs["recipe"].append(run_child("hf", str(small), str(tmp / f"hf_cache{i}"), tokenizer, w))
             runs["kit"].append(run_child("kit", str(small), str(tmp / "out_small"), tokenizer, w))
-        floor, recipe, kit_small = (min(runs[k], key=lambda r: r["seconds"]) for k in ("floor", "recipe", "kit"))
+        # best wall time and best CPU time of each contender, taken separately
+        floor, recipe, kit_small = ({**min(runs[k], key=lambda r: r["seconds"]),
+                                     "cpu": min(r["cpu"] for r in runs[k])} for k in ("floor", "recipe", "kit"))
         print(f"uptime load during the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         kit_big = run_child("kit", str(big), str(tmp / "out_big"), tokenizer, w)
 

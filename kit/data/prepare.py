@@ -89,13 +89,13 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         try:
             if fmt == "text":
                 text = document_text(rec, cols)
-                if not text.strip():
+                if not text or text.isspace():  # isspace: no copy of large documents
                     report.drop("empty_text")
                     continue
                 yield text, where
             else:
                 dialog = PARSERS[fmt](rec, cols)
-                if any(not a.strip() for _, a in dialog.turns):
+                if any(not a or a.isspace() for _, a in dialog.turns):
                     report.drop("empty_answer", f"{where}: an answer is empty (dropped)")
                     continue
                 yield dialog, where
