@@ -149,13 +149,8 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
             _stream(cfg, tok, sink, writers, report, progress)
             for w in writers:
                 w.finalize()
-            meta = {"kind": cfg.kind, "max_length": cfg.max_length, "tokenizer": tok.kit_path,
-                    "vocab_size": vocab_size, "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
-                    "bos_token_id": tok.bos_token_id, "num_samples": report.samples,
-                    "num_tokens": report.tokens_out, "template": cfg.template if cfg.kind == "sft" else None,
-                    "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
-                    "columns": list(COLUMNS[cfg.kind]), "ignore_index": -100, "labels_shifted": False, "megatron_prefix": mg_prefix if cfg.megatron else None,
-                    "megatron_dtype": (str(writers[0].dtype) if writers else None)}
+            meta = _meta(cfg, tok, report, mg_prefix if cfg.megatron else None,
+                         str(writers[0].dtype) if writers else None)
             rep = report.as_dict()
             sink.finalize({"meta": meta, "report": rep})
             save_config(cfg, tmp)
@@ -170,6 +165,17 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
         raise
     return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta,
                       hf_dir / png.name, cfg)
+
+
+def _meta(cfg: DataConfig, tok: Any, report: PrepReport, mg_prefix: Optional[str],
+          mg_dtype: Optional[str]) -> Dict[str, Any]:
+    """meta.json: what a reader needs to use the data without the config (see the data-stage contract)."""
+    return {"kind": cfg.kind, "max_length": cfg.max_length, "tokenizer": tok.kit_path, "vocab_size": len(tok),
+            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+            "num_samples": report.samples, "num_tokens": report.tokens_out,
+            "template": cfg.template if cfg.kind == "sft" else None,
+            "packed": bool(cfg.pack) if cfg.kind == "sft" else True, "columns": list(COLUMNS[cfg.kind]),
+            "ignore_index": -100, "labels_shifted": False, "megatron_prefix": mg_prefix, "megatron_dtype": mg_dtype}
 
 
 def _stream(cfg: DataConfig, tok: Any, sink: ArrowSink, writers: List[IndexedWriter], report: PrepReport,
