@@ -3,7 +3,7 @@
 from kit.data.config import DataConfig
 from kit.data.indexed import IndexedReader, IndexedWriter
 from kit.data.output import load_prepared, read_meta
-from kit.data.prepare import PrepResult, prepare
+from kit.data.pipeline import PrepResult, prepare
 from kit.data.readers import DataInputError
 from kit.data.report import PrepReport
 from kit.data.templates import TEMPLATES, Template

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(meta, indent=2, ensure_ascii=False))
         print(f"ok: {len(ds)} samples, columns {ds.column_names}")
         return 0
-    from kit.data.prepare import prepare
+    from kit.data.pipeline import prepare
     from kit.workspace import get_workspace
 
     cfg = config_from_args(args)
