@@ -318,3 +318,23 @@ def test_peak_memory_stays_far_below_the_model_size(tmp_path):
     assert model_mb > 100
     # one TP1 rank file is the whole model here; whole-model converters grow by >= model_mb
     assert growth_mb < 0.35 * model_mb, (growth_mb, model_mb)
+
+
+def test_megatron_side_unknown_or_missing_tensors_are_errors(tiny_llama_dir, tmp_path):
+    from kit.convert.megatron_io import save_rank
+
+    out = tmp_path / "m"
+    to_megatron(tiny_llama_dir, out, tp=2, pp=1)
+    path = out / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    state = load_rank_file(path)
+    model = {k: v.clone() for k, v in state["model"].items()}
+    model["decoder.layers.0.self_attention.linear_proj.bias"] = torch.zeros(64)  # a bias the map does not know
+    model["decoder.layers.1.mlp.linear_fc1._extra_state"] = None  # metadata entries are fine
+    del model["decoder.layers.1.mlp.linear_fc2.weight"]
+    save_rank(path, state["args"], model)
+    with pytest.raises(ConversionError) as err:
+        megatron_to_hf(ConvertConfig(str(out), str(tmp_path / "hf"), direction="megatron_to_hf"), progress=False)
+    msg = str(err.value)
+    assert "mp_rank_01: tensor 'decoder.layers.0.self_attention.linear_proj.bias' is not in the llama map" in msg
+    assert "mp_rank_01: missing ['decoder.layers.1.mlp.linear_fc2.weight']" in msg
+    assert "_extra_state" not in msg and not (tmp_path / "hf").exists()

@@ -158,9 +158,34 @@ def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: 
     return fam, spec, cfg_dir
 
 
-def _full_fn(mr: MegatronReader, spec: ModelSpec) -> Callable[[str, Optional[int]], torch.Tensor]:
+def _check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stages: List[List[int]]) -> None:
+    """Every tensor in every rank file must be one the map knows: nothing is dropped silently."""
+    _, layer_roles = fam.roles(spec)
+    problems = []
+    for s in range(mr.pp):
+        known = {".".join(kp) for kp, _, _ in _rank_entries(layer_roles, spec, mr.flavor, stages, s)}
+        for r in range(mr.tp):
+            flat = layout.flatten(mr.state(r, s)["model"])
+            for key in sorted(set(flat) - known):
+                if key.endswith("_extra_state") or not isinstance(flat[key], torch.Tensor):
+                    continue  # TE/fp8 metadata, no weights
+                problems.append(f"{layout.rank_dir(r, s, mr.pp)}: tensor {key!r} is not in the {fam.name} map "
+                                f"({mr.flavor} key names); it would be dropped. Is the family or the config right?")
+            missing = sorted(known - set(flat))
+            if missing:
+                problems.append(f"{layout.rank_dir(r, s, mr.pp)}: missing {missing[:5]}"
+                                f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})")
+    if problems:
+        raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
+
+
+def _full_fn(mr: MegatronReader, spec: ModelSpec, fam: Family) -> Callable[[str, Optional[int]], torch.Tensor]:
     """(role, global layer) -> the whole tensor merged over the source's TP ranks (vocab still padded)."""
     stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
+    problems = layout.layout_problems(spec.num_layers, mr.pp, [len(x) for x in stages] or None)
+    if problems:
+        raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
+    _check_megatron_keys(mr, fam, spec, stages)
     where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
 
     def full(role: str, layer: Optional[int]) -> torch.Tensor:
@@ -180,7 +205,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     check(cfg)
     mr = MegatronReader(cfg.source)
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
-    full = _full_fn(mr, spec)
+    full = _full_fn(mr, spec, fam)
     glob, layer_roles = fam.roles(spec)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
 
@@ -221,7 +246,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
     padded, stages = _plan(spec, cfg.tp, cfg.pp, cfg.num_layer_list, cfg.make_vocab_size_divisible_by,
                            cfg.padded_vocab_size, cfg.flavor)
-    full = _full_fn(mr, spec)
+    full = _full_fn(mr, spec, fam)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
     cast = _dtype(cfg.dtype)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -33,9 +35,18 @@ def save_rank(path: Path, args: argparse.Namespace, model: dict) -> None:
 
 def load_rank_file(path: PathLike) -> dict:
     """torch.load with weights_only=True and mmap, so tensors stay on disk until used."""
-    # argparse.Namespace is the one non-tensor class in `args` (megatron.core allowlists it the same way).
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    # Namespace (`args`) and BytesIO (TE `_extra_state`) are what converter-written files hold; megatron.core
+    # allowlists them too.
+    with torch.serialization.safe_globals([argparse.Namespace, io.BytesIO]):
+        try:
+            return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError as first:
+            try:  # a training checkpoint (optimizer, numpy RNG state): megatron.core registers those classes
+                import megatron.core  # noqa: F401
+            except ImportError:
+                raise pickle.UnpicklingError(f"{path}: {first}\nInstall megatron-core (it allowlists the classes "
+                                             f"training checkpoints hold) or save the model weights alone.") from None
+            return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
 
 
 def detect_flavor(model: dict) -> str:
