@@ -106,8 +106,11 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
 
 
 def _import_plotting() -> None:
-    import matplotlib.backends.backend_agg  # noqa: F401
-    import matplotlib.figure  # noqa: F401
+    try:
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        pass  # plot_lengths reports it where it matters
 
 
 def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
