@@ -166,3 +166,21 @@ def test_lora_trains_and_merge_reproduces_adapted_logits(tmp_path, tiny_llama_di
     torch.testing.assert_close(m, a, atol=1e-4, rtol=1e-4)
     assert (m - plain).abs().max() > 1e-2  # the adapter changed something
     assert not any("lora" in k for k in merged.state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_train_and_export_the_same_model(tmp_path, tiny_llama_dir, pretrain_data, stage):
+    from transformers import AutoModelForCausalLM
+
+    common = dict(train_iters=3, save_hf=True)
+    ref = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "z0", **common), progress=False)
+    res = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / f"z{stage}", zero_stage=stage, **common),
+                progress=False)
+    assert res.status == "completed"
+    assert res.losses == pytest.approx(ref.losses, rel=1e-4)
+    a = AutoModelForCausalLM.from_pretrained(ref.hf_dir).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(res.hf_dir).state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=2e-4, rtol=1e-3)
