@@ -7,7 +7,7 @@ __all__ = ["TrainConfig", "from_env", "load_config", "train", "Trainer", "TrainR
 
 def __getattr__(name):
     # The trainer pulls in DeepSpeed; import it only when used so `import kit.train` stays fast.
-    if name in ("train", "Trainer", "TrainResult", "TrainingDiverged"):
+    if name in ("train", "Trainer", "TrainResult"):
         from kit.train import trainer
 
         return getattr(trainer, name)

@@ -19,10 +19,6 @@ from kit.train.config import TrainConfig, load_config
 StepCallback = Callable[[int], None]
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN/inf; the message names the iteration and the last good checkpoint."""
-
-
 @dataclass
 class TrainResult:
     """How a run ended and where its outputs are."""
