@@ -71,6 +71,48 @@ def test_megatron_core_reads_pretrain_files(tmp_path, corpus):
         assert ds[i].tolist() == ours[i].tolist()
 
 
+@pytest.mark.slow
+def test_megatron_gpt_dataset_samples_from_kit_documents(tmp_path, corpus):
+    """megatron-core's own GPTDataset builder samples training windows out of the kit's documents intact."""
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    path, _ = corpus
+    res = _run(tmp_path, path, max_records=40)
+
+    class SampleTokenizer:  # the attributes GPTDataset reads from a Megatron tokenizer
+        eod, pad, bos, vocab_size = 2, 3, 1, 2522
+        unique_identifiers = {"class": "kit-sample-tokenizer"}
+
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=32, blend=([res.megatron_prefix], None), split="100,0,0",
+                           path_to_cache=str(tmp_path / "cache"), tokenizer=SampleTokenizer(),
+                           reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [16, None, None], lambda: True, cfg).build()
+    docs = [tuple(d.tolist()) for d in IndexedReader(res.megatron_prefix)]
+    bodies = {d[:-1] for d in docs}
+    for i in range(16):
+        s = train[i]
+        window = s["tokens"].tolist() + s["labels"].tolist()[-1:]
+        assert s["labels"].tolist()[:-1] == s["tokens"].tolist()[1:]
+        pieces, cur = [], []
+        for t in window:  # split at EOS (id 2)
+            if t == 2:
+                pieces.append(tuple(cur))
+                cur = []
+            else:
+                cur.append(t)
+        pieces.append(tuple(cur))
+        if len(pieces) == 1:  # the window lies inside one document
+            inner = " " + " ".join(map(str, pieces[0])) + " "
+            assert any(inner in " " + " ".join(map(str, b)) + " " for b in bodies)
+            continue
+        first, *middle, last = pieces
+        assert any(b[len(b) - len(first):] == first for b in bodies)  # the end of a document
+        assert all(m in bodies for m in middle)  # whole documents
+        assert any(b[:len(last)] == last for b in bodies)  # the start of a document
+
+
 def test_bos_option(tmp_path, corpus, tok):
     path, texts = corpus
     res = _run(tmp_path, path, add_bos=True, max_records=3)
