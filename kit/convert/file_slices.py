@@ -28,12 +28,13 @@ def _numel(shape: Tuple[int, ...]) -> int:
 
 
 class FileSlice:
-    """A C-contiguous tensor of `shape` and `dtype` stored at bytes [offset, offset + nbytes) of an open file."""
+    """A C-contiguous tensor of `shape` and `dtype` stored at bytes [offset, offset + nbytes) of an open file; or,
+    with `row_pitch`, a column block: shape[0] rows of shape[1] elements, each row_pitch bytes after the last."""
 
-    __slots__ = ("fd", "offset", "shape", "dtype")
+    __slots__ = ("fd", "offset", "shape", "dtype", "row_pitch")
 
-    def __init__(self, fd: int, offset: int, shape: Tuple[int, ...], dtype: torch.dtype):
-        self.fd, self.offset, self.shape, self.dtype = fd, offset, tuple(shape), dtype
+    def __init__(self, fd: int, offset: int, shape: Tuple[int, ...], dtype: torch.dtype, row_pitch: int = 0):
+        self.fd, self.offset, self.shape, self.dtype, self.row_pitch = fd, offset, tuple(shape), dtype, row_pitch
 
     @property
     def nbytes(self) -> int:
@@ -42,15 +43,23 @@ class FileSlice:
     def numel(self) -> int:
         return _numel(self.shape)
 
+    def _pread(self, view: memoryview, offset: int) -> None:
+        done, total = 0, len(view)
+        while done < total:  # pread may return less than asked (e.g. > 2 GiB on Linux)
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"unexpected end of file reading {total} bytes at offset {offset}")
+            done += n
+
     def read_into(self, buf: torch.Tensor) -> None:
         """Fill a contiguous uint8 CPU tensor of nbytes with the slice's bytes."""
         view = memoryview(buf.numpy()).cast("B")
-        done, total = 0, self.nbytes
-        while done < total:  # pread may return less than asked (e.g. > 2 GiB on Linux)
-            n = os.preadv(self.fd, [view[done:total]], self.offset + done)
-            if n <= 0:
-                raise OSError(f"unexpected end of file reading {total} bytes at offset {self.offset}")
-            done += n
+        if not self.row_pitch:
+            self._pread(view, self.offset)
+            return
+        row = self.nbytes // self.shape[0]
+        for i in range(self.shape[0]):  # one read per row: only this block's bytes, never the whole matrix
+            self._pread(view[i * row:(i + 1) * row], self.offset + i * self.row_pitch)
 
     def tensor(self) -> torch.Tensor:
         out = torch.empty(self.nbytes, dtype=torch.uint8)
@@ -90,6 +99,12 @@ class SafetensorsFile:
         dtype, shape, offset = self.entries[key]
         row_bytes = _numel(shape[1:]) * torch.empty((), dtype=dtype).element_size()
         return FileSlice(self.fd, offset + start * row_bytes, (stop - start, *shape[1:]), dtype)
+
+    def columns(self, key: str, start: int, stop: int) -> FileSlice:
+        """Columns [start, stop) of every row of 2-D tensor `key`."""
+        dtype, shape, offset = self.entries[key]
+        item = torch.empty((), dtype=dtype).element_size()
+        return FileSlice(self.fd, offset + start * item, (shape[0], stop - start), dtype, row_pitch=shape[1] * item)
 
     def close(self) -> None:
         os.close(self.fd)

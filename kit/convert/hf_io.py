@@ -28,7 +28,6 @@ class HFReader:
                                     f"(the one holding config.json and the weight shards).")
         self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
         self._handles: Dict[str, object] = {}
-        self._cols_buf = torch.empty(0, dtype=torch.uint8)
         self.weight_map = self._weight_map()
         missing = sorted({f for f in self.weight_map.values() if not (self.folder / f).is_file()})
         if missing:
@@ -73,8 +72,7 @@ class HFReader:
         """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it, as a CPU tensor.
 
         copy=False allows a lazier result for callers that write it out at once: a FileSlice (bytes still on
-        disk, read straight into the writer's buffer), a view of a memory-mapped .bin file, or (column blocks) a
-        view of a buffer the next column read reuses.
+        disk, read straight into the writer's buffer) or a view of a memory-mapped .bin file.
         """
         h = self._open(self.weight_map[key])
         if isinstance(h, dict):
@@ -82,16 +80,15 @@ class HFReader:
             t = t[slice(*rows) if rows else slice(None)]
             t = t[:, cols[0]:cols[1]] if cols else t
             return t.clone() if copy else t
-        a, b = rows if rows else (0, h.entries[key][1][0] if h.entries[key][1] else 1)
-        piece = h.rows(key, a, b) if h.entries[key][1] else FileSlice(h.fd, h.entries[key][2], (), h.entries[key][0])
-        if cols:  # a column block: read the rows once into a reused buffer, hand out the strided view
-            if copy:
-                return piece.tensor()[:, cols[0]:cols[1]].clone()
-            if self._cols_buf.numel() < piece.nbytes:
-                self._cols_buf = torch.empty(piece.nbytes, dtype=torch.uint8)
-            buf = self._cols_buf[:piece.nbytes]
-            piece.read_into(buf)
-            return buf.view(piece.dtype).view(piece.shape)[:, cols[0]:cols[1]]
+        dtype, shape, offset = h.entries[key]
+        if cols:  # row-parallel block: all rows of the tensor, this rank's columns
+            if rows and tuple(rows) != (0, shape[0]):
+                raise ValueError(f"{key}: a column block must span all {shape[0]} rows, got rows {rows}")
+            piece = h.columns(key, *cols)
+        elif shape:
+            piece = h.rows(key, *(rows or (0, shape[0])))
+        else:
+            piece = FileSlice(h.fd, offset, (), dtype)
         return piece if not copy else piece.tensor()
 
     def weight_bytes(self) -> int:
