@@ -164,7 +164,8 @@ def verify_conversion(source: PathLike, target: PathLike, work_dir: Optional[Pat
         rows.append({"check": "HF -> Megatron -> HF tensors bit-identical",
                      "value": f"{cmp['identical'] - len(transformed)}/{n_model}", "limit": f"{n_model}/{n_model}"
                      + (f" ({len(transformed)} NormHead row-normalised)" if transformed else ""), "passed": exact})
-        details["round_trip"] = dict(cmp, transformed=transformed, hf=str(back) if keep_round_trip else None)
+        details["round_trip"] = dict(cmp, transformed=transformed, bit_exact=exact,
+                                     hf=str(back) if keep_round_trip else None)
         if not keep_round_trip:  # a full second copy of the model; keep it only when asked
             shutil.rmtree(back, ignore_errors=True)
     if logits:
