@@ -19,8 +19,6 @@ import pytest
 import kit.envs as envs
 from kit.envs import conda_cli
 
-rattler = pytest.importorskip("rattler", reason="py-rattler builds the real conda prefixes of these tests")
-
 FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 # conda-build's long placeholder shape: binary files can only be relocated to shorter prefixes.
 PLACEHOLDER = "/opt/conda-build/_h_env" + "_placehold" * 20
@@ -63,6 +61,7 @@ def _package(channel: Path, name: str, version: str, files: list, depends: tuple
 
 def _install(base: Path, channel: Path, spec: str) -> Path:
     """Index the local channel and install `spec` from it with rattler into base/env-src (cache base/pkgs)."""
+    rattler = pytest.importorskip("rattler", reason="py-rattler builds the real conda prefixes of these tests")
     from rattler.index import index_fs
 
     (channel / "noarch").mkdir(parents=True, exist_ok=True)
