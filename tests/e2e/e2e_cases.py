@@ -33,7 +33,8 @@ def _tiny_llama(root: Path) -> str:
     """The `tiny_llama_dir` fixture of tests/conftest.py (GQA, untied, seed 0), made inside the lab root."""
     from kit.samples import tiny_llama
 
-    return str(tiny_llama(root / "fixtures" / "tiny-llama-gqa", seed=0))
+    folder = root / "fixtures" / "tiny-llama-gqa"
+    return str(folder if folder.is_dir() else tiny_llama(folder, seed=0))  # made once, shared by 03 and 04
 
 
 # From each notebook's own test (its run_notebook(...) call in tests/test_*.py): callables of the lab root, so
@@ -47,6 +48,9 @@ TINY = {
     "02": lambda root: {"TOKENIZER": _sample_tokenizer(), "MAX_LENGTH": 64, "TEMPLATE": "telechat"},
     # tests/test_convert_notebook.py
     "03": lambda root: {"SOURCE": _tiny_llama(root), "TP": 2, "PP": 2, "LOGITS_TOKENS": 8},
+    # tests/test_train_notebook.py
+    "04": lambda root: {"MODEL": "tiny", "MODEL_PATH": _tiny_llama(root), "TRAIN_ITERS": 5, "MBS": 2, "GBS": 4,
+                        "SEQ_LEN": 64, "LR": 3e-3, "LAUNCH_ITERS": 2, "MAX_NEW_TOKENS": 8},
     # tests/test_profiling_notebook.py
     "05": lambda root: {"MODEL": "tiny", "DEVICE": "cpu", "WAIT": 0, "WARMUP": 1, "ACTIVE": 1, "SEQ_LEN": 16, "TOP": 5},
 }
@@ -62,6 +66,10 @@ EXPECT = {
     "02": Expect(tables=3, images=2, progress=2, texts=("records_read", "records_dropped", "padding_ratio")),
     # the source description, the rank-file table and its plot, the verification table (round trip, logits)
     "03": Expect(tables=3, images=1, texts=("mp_rank_01_001", "rank files (TP x PP)", "bit-identical", "max |logits - HF|")),
+    # the trainer's step bar and the launched run's bar, the loss/throughput plot, the curves and the runs side by
+    # side, the Megatron plan
+    "04": Expect(tables=2, images=1, progress=2,
+                 texts=("('completed', 5", "lm loss", "before:", "after:", "speed_vs_sft", "MODEL_TYPE=tiny")),
     # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice
     "05": Expect(tables=3, images=3, progress=1,
                  texts=("aten::mm", "Profile advice", "Findings", "Cast operators are slow", "AI_CPU")),

@@ -80,10 +80,17 @@ def run_all(page, timeout: float = 300.0) -> float:
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
     # Run All marks every code cell [*] at once; it is over when none is left and the kernel is idle
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.wait_for_function(_STARTED, timeout=20_000)
-    page.wait_for_function(f"() => !({_BUSY})()", timeout=timeout * 1000, polling=250)
-    time.sleep(0.5)  # let the last display messages (images, widget views) reach the DOM
-    page.wait_for_function(f"() => !({_BUSY})()", timeout=timeout * 1000, polling=250)
+    try:
+        page.wait_for_function(f"() => !({_BUSY})()", timeout=timeout * 1000, polling=250)
+        time.sleep(0.5)  # let the last display messages (images, widget views) reach the DOM
+        page.wait_for_function(f"() => !({_BUSY})()", timeout=timeout * 1000, polling=250)
+    except PlaywrightTimeout:
+        busy = [(i, c) for i, c in enumerate(read_cells(page, settle=0.1, timeout=1)) if "*" in c.prompt]
+        where = f"cell {busy[0][0]} ({busy[0][1].source[:80]!r}), last output: {busy[0][1].text[-600:]!r}" if busy else "?"
+        raise AssertionError(f"Run All still busy after {timeout:.0f} s at {where}") from None
     return time.monotonic() - t0
 
 

@@ -38,7 +38,11 @@ def test_every_numbered_notebook_has_expectations():
 def test_notebook_runs_in_jupyterlab(name, lab, page, e2e_root, screenshots):
     kernel = open_notebook(page, lab.url(name))
     assert "Python 3" in kernel, kernel
-    seconds = run_all(page, timeout=300)
+    try:
+        seconds = run_all(page, timeout=300)
+    except AssertionError:
+        full_screenshot(page, screenshots / f"{name[:-6]}.png")
+        raise
     cells = read_cells(page)
     save(page)
     shot = full_screenshot(page, screenshots / f"{name[:-6]}.png")
