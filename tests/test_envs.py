@@ -322,3 +322,28 @@ def test_unpack_over_an_existing_env_only_with_overwrite(source_env, tmp_path):
     envs.unpack(archive, target, overwrite=True, verify_imports=None)
     assert not (target / "marker").exists() and _run(target / "bin" / "hello") == str(target)
     assert sorted(p.name for p in target.parent.iterdir()) == ["env"]
+
+
+@pytest.fixture
+def bars(monkeypatch):
+    """The progress bars kit.envs opens (real tqdm objects), to check they end complete (not red in Jupyter)."""
+    from kit.envs import manage
+
+    made, real = [], manage._bar
+
+    def recording(*args, **kwargs):
+        bar = real(*args, **kwargs)
+        made.append(bar)
+        return bar
+
+    monkeypatch.setattr(manage, "_bar", recording)
+    return made
+
+
+def test_progress_bars_end_complete(source_env, tmp_path, bars):
+    target = envs.clone(source_env, name="bars", envs_root=tmp_path / "envs", verify_imports=None)["target"]
+    archive = envs.pack(target, tmp_path / "bars.tar.zst")["archive"]
+    (Path(archive + ".json")).unlink()  # no sidecar: the unpack total is only a guess
+    envs.unpack(archive, tmp_path / "u" / "bars", verify_imports=None)
+    assert [b.desc for b in bars] == ["clone", "pack tar.zst", "unpack bars.tar.zst"]
+    assert all(b.n == b.total and b.total > 0 for b in bars), [(b.desc, b.n, b.total) for b in bars]

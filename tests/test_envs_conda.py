@@ -327,3 +327,15 @@ def test_register_envs_root_is_restored_after_restart(tmp_path, monkeypatch):
     report = envs.restore(root)
     assert report["envs_dirs_added"] == [str(root / "user_conda")] and report["condarc"] == str(rc)
     assert envs.restore(root)["envs_dirs_added"] == []
+
+
+def test_progress_bars_end_complete_for_conda(conda_prefix, tmp_path, monkeypatch):
+    from kit.envs import manage
+
+    made, real = [], manage._bar
+    monkeypatch.setattr(manage, "_bar", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    target = envs.clone(conda_prefix, name="bars", envs_root=tmp_path / "envs", verify_imports=None)["target"]
+    envs.pack(conda_prefix, tmp_path / "bars.tar.gz", threads=2)
+    envs.unpack(tmp_path / "bars.tar.gz", tmp_path / "u" / "bars", verify_imports=None)
+    assert Path(target).is_dir() and len(made) == 3
+    assert all(b.n == b.total and b.total > 0 for b in made), [(b.desc, b.n, b.total) for b in made]

@@ -34,13 +34,20 @@ def _load(prefix: str, ignore_editable: bool):
         raise EnvError(f"conda-pack cannot read the env {prefix!r}: {text}") from exc
 
 
+def _set_total(bar, total: int) -> None:
+    """The bar counts conda-pack's records (files, links, conda-meta), not what a walk of the folder sees."""
+    if bar is not None:
+        bar.total = total
+        bar.refresh()
+
+
 def _mtime(prefix: str) -> Optional[float]:
     history = Path(prefix, "conda-meta", "history")
     return history.lstat().st_mtime if history.exists() else None
 
 
 def pack_conda(prefix: os.PathLike | str, raw: IO[bytes], fmt: str, level: int, threads: int,
-               ignore_editable: bool = False, manifest: Optional[dict] = None, progress=None) -> dict:
+               ignore_editable: bool = False, manifest: Optional[dict] = None, bar=None) -> dict:
     """Pack a conda env with conda-pack's file list and prefix records, into our compressor.
 
     The archive is what `conda pack` writes (bin/conda-unpack, activate scripts) plus the kit manifest last;
@@ -53,14 +60,15 @@ def pack_conda(prefix: os.PathLike | str, raw: IO[bytes], fmt: str, level: int, 
 
     prefix = os.path.abspath(prefix)
     env = _load(prefix, ignore_editable)
+    _set_total(bar, len(env.files))
     comp = compressed_writer(raw, fmt, level, threads)
     try:
         with TarArchive(comp, "", close_file=False, mode="w", mtime=_mtime(prefix)) as arc:
             packer = Packer(prefix, arc)
             for f in env.files:
                 packer.add(f)
-                if progress:
-                    progress(1)
+                if bar is not None:
+                    bar.update(1)
             packer.finish()
             info = tarfile.TarInfo(MANIFEST)
             data = manifest_bytes(dict(manifest or {}, kind="conda", prefix=prefix))
@@ -104,12 +112,13 @@ class _CopyArchive:
 
 
 def clone_conda(source: os.PathLike | str, tmp_dir: os.PathLike | str, final_prefix: os.PathLike | str,
-                ignore_editable: bool = False, progress=None) -> dict:
+                ignore_editable: bool = False, bar=None) -> dict:
     """Copy a conda env into `tmp_dir` with every prefix already rewritten to `final_prefix` (no conda-unpack)."""
     from conda_pack.core import Packer
 
     source = os.path.abspath(source)
     env = _load(source, ignore_editable)
+    _set_total(bar, len(env.files))
     with _CopyArchive(str(tmp_dir)) as arc:
         packer = Packer(source, arc, dest_prefix=str(final_prefix))
         for f in env.files:
@@ -123,8 +132,8 @@ def clone_conda(source: os.PathLike | str, tmp_dir: os.PathLike | str, final_pre
                     f"characters) is shorter than the target path {final_prefix} ({len(str(final_prefix))}); "
                     f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
                 ) from exc
-            if progress:
-                progress(1)
+            if bar is not None:
+                bar.update(1)
         packer.finish()
     return {"files": len(env.files)}
 

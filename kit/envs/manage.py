@@ -117,7 +117,7 @@ def clone(source: PathLike, name: Optional[str] = None, target: Optional[PathLik
             if method == "copy":
                 counts = copy_tree(src.prefix, tmp, str(dest), bar.update)
             else:
-                counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar.update)
+                counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     seconds = time.perf_counter() - start
     report = _verify(dest, verify_imports, verify_env)
     return {"source": str(src.prefix), "target": str(dest), "kind": src.kind, "method": method,
@@ -171,7 +171,7 @@ def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str]
     with atomic_file(output, "wb", overwrite=overwrite) as fh, _bar(n_files, f"pack {fmt}") as bar:
         if src.kind == "conda":
             counts = conda_backend.pack_conda(src.prefix, fh, fmt, level, threads, ignore_editable,
-                                              manifest, bar.update)
+                                              manifest, bar)
         else:
             counts = venv_backend.pack_tree(src.prefix, fh, fmt, level, threads, manifest, bar.update)
     seconds = time.perf_counter() - start
@@ -203,6 +203,8 @@ def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
     with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, \
             _bar(expected, f"unpack {archive.name}", "B") as bar:
         counts = safe_extract(archive, tmp, bar.update)
+        bar.total = bar.n  # the total was an estimate (sidecar or compression guess); end the bar complete
+        bar.refresh()
         manifest_path = tmp / MANIFEST
         manifest = None
         if manifest_path.is_file():

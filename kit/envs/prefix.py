@@ -182,6 +182,8 @@ def copy_tree(src: os.PathLike | str, dst: os.PathLike | str, new_prefix: str, p
                     target = new_prefix + target[len(src):]
                 os.symlink(target, d)
                 counts["links"] += 1
+                if progress:
+                    progress(1)
             else:
                 jobs.append((s, d))
     workers = workers or (8 if is_network_fs(dst) else 1)

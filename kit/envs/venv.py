@@ -70,6 +70,8 @@ def pack_tree(prefix: os.PathLike | str, raw: IO[bytes], fmt: str, level: int, t
     try:
         with tarfile.open(fileobj=comp, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for rel, path in _members(prefix):
+                if progress and (os.path.islink(path) or not os.path.isdir(path)):
+                    progress(1)  # one tick per file or link, what walk_tree() counts
                 if os.path.islink(path) and os.path.isabs(os.readlink(path)):
                     abs_links[rel] = os.readlink(path)
                     continue
@@ -86,8 +88,6 @@ def pack_tree(prefix: os.PathLike | str, raw: IO[bytes], fmt: str, level: int, t
                             tar.addfile(info, fh)
                     counts["files"] += 1
                     counts["bytes"] += info.size
-                    if progress:
-                        progress(1)
                 else:
                     tar.addfile(info)
             manifest = dict(manifest, prefix=prefix, prefix_files=prefix_files, abs_links=abs_links)
