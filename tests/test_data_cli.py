@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from kit.__main__ import main
 
 
@@ -18,8 +16,12 @@ def test_cli_sft_then_check(tmp_path, capsys):
     assert (out / "demo_packed_labels_document.idx").is_file()
     assert main(["data", "check", str(out / "demo_hf")]) == 0
     assert '"template": "chatml"' in capsys.readouterr().out
-    with pytest.raises(Exception, match="already exists"):
-        main(["data", "sft", "--out-dir", str(out), "--max-length", "64", "--name", "demo"])
+    assert main(["data", "sft", "--out-dir", str(out), "--max-length", "64", "--name", "demo"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "q", "output": 1}\n')
+    assert main(["data", "sft", str(bad), "--out-dir", str(out), "--name", "bad"]) == 2
+    assert f"{bad}:1: field 'output' is a int" in capsys.readouterr().err
 
 
 def test_cli_pretrain_into_workspace(tmp_path, capsys):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
+import sys
 
 
 def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> None:
-    from kit.data.config import DataConfig
-
     p = sub.add_parser(kind, help=help_text)
     p.add_argument("inputs", nargs="*", help="files or folders (.jsonl .json .parquet .csv .txt); default: sample")
     p.add_argument("--name", default="corpus" if kind == "pretrain" else "alpaca", help="output name")
@@ -36,7 +34,7 @@ def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> 
         p.add_argument("--mask-history", action="store_true")
         p.add_argument("--overlong", default="truncate", choices=["truncate", "drop"])
         p.add_argument("--no-pack", action="store_true", help="one dialog per sample")
-    p.set_defaults(func=run, kind=kind, _config_fields=[f.name for f in fields(DataConfig)])
+    p.set_defaults(func=run, kind=kind)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -93,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     ws = None if cfg.out_dir else get_workspace(args.workspace, model=args.model)
-    result = prepare(cfg, ws)
+    try:
+        result = prepare(cfg, ws)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:  # bad config, input or existing output
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result.summary(), indent=2, ensure_ascii=False))
     for w in result.report.warnings:
         print(f"warning: {w}")
