@@ -20,16 +20,24 @@ STAGES = {
 }
 
 
+def _unavailable(name: str, exc: ImportError):
+    def run(_args) -> int:
+        raise SystemExit(f"`python -m kit {name}` cannot run here: {exc}. Install the kit with its extras "
+                         f"(`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`) and retry.")
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kit", description="Ascend notebook kit, stage by stage.")
     sub = parser.add_subparsers(dest="stage", required=True)
     for module in STAGES.values():
         try:
             mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue  # stage not built yet
-            raise
+        except ImportError as exc:  # e.g. an optional dependency of one stage is missing
+            name = next(k for k, v in STAGES.items() if v == module)
+            sub.add_parser(name, help=f"(unavailable: {exc})").set_defaults(func=_unavailable(name, exc))
+            continue
         mod.register(sub)
     return parser
 
