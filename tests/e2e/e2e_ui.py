@@ -152,3 +152,15 @@ def full_screenshot(page, path: Path, max_height: int = 20_000) -> Path:
     page.screenshot(path=str(path), full_page=True)
     page.set_viewport_size(VIEWPORT)
     return path
+
+
+def missing_outputs(cells: list, expect) -> list:
+    """What the user should see but does not (empty when every key output is there)."""
+    outs = [o for c in cells for o in c.outputs]
+    text = "\n".join(o["text"] for o in outs)
+    seen = {"tables": sum(o["tables"] for o in outs), "images": sum(o["images"] for o in outs),
+            "progress": sum(o["progress"] for o in outs)}
+    problems = [f"{k}: {seen[k]} visible, expected at least {getattr(expect, k)}"
+                for k in seen if seen[k] < getattr(expect, k)]
+    problems += [f"text {t!r} not visible in any output" for t in expect.texts if t not in text]
+    return problems

@@ -6,8 +6,7 @@ import nbformat
 import pytest
 from e2e_cases import BROKEN, Expect, tiny_parameters
 from e2e_lab import tiny_copy
-from e2e_ui import full_screenshot, open_notebook, read_cells, run_all, visible_errors
-from test_e2e_notebooks import missing_outputs
+from e2e_ui import full_screenshot, missing_outputs, open_notebook, read_cells, run_all, visible_errors
 
 from kit.notebooks import numbered_notebooks
 

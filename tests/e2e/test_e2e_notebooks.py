@@ -6,8 +6,8 @@ import json
 import warnings
 
 import pytest
-from e2e_cases import EXPECT, KNOWN_PROBLEMS, Expect
-from e2e_ui import full_screenshot, open_notebook, read_cells, run_all, save, visible_errors
+from e2e_cases import EXPECT, KNOWN_PROBLEMS, TINY
+from e2e_ui import full_screenshot, missing_outputs, open_notebook, read_cells, run_all, save, visible_errors
 
 from kit.notebooks import numbered_notebooks
 
@@ -16,22 +16,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 NOTEBOOKS = [nb.name for nb in numbered_notebooks()]
 
 
-def missing_outputs(cells: list, expect: Expect) -> list:
-    """What the user should see but does not (empty when every key output is there)."""
-    outs = [o for c in cells for o in c.outputs]
-    text = "\n".join(o["text"] for o in outs)
-    seen = {"tables": sum(o["tables"] for o in outs), "images": sum(o["images"] for o in outs),
-            "progress": sum(o["progress"] for o in outs)}
-    problems = [f"{k}: {seen[k]} visible, expected at least {getattr(expect, k)}"
-                for k in seen if seen[k] < getattr(expect, k)]
-    problems += [f"text {t!r} not visible in any output" for t in expect.texts if t not in text]
-    return problems
-
-
 def test_every_numbered_notebook_has_expectations():
-    """A new notebook must get a row in e2e_cases.EXPECT (and TINY), or the browser test would check nothing."""
+    """A new notebook must get rows in e2e_cases.TINY and EXPECT, or the browser test would check nothing."""
     assert NOTEBOOKS, "no notebooks/NN_*.ipynb found"
-    assert not [n for n in NOTEBOOKS if n[:2] not in EXPECT], "add these notebooks to tests/e2e/e2e_cases.py"
+    missing = [n for n in NOTEBOOKS if n[:2] not in EXPECT or n[:2] not in TINY]
+    assert not missing, f"add {missing} to TINY and EXPECT in tests/e2e/e2e_cases.py"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
