@@ -145,3 +145,21 @@ def test_cli_log_prints_summary(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["iterations"] == 6 and summary["tokens_per_s_per_card"] > 0
     assert out_csv.read_text().splitlines()[0].startswith("iteration,")
+
+
+def test_megatron_plan_finds_the_prefix_beside_a_kit_dataset(tmp_path, tiny_llama_dir):
+    import test_train_helpers as H
+
+    hf = H.make_sft(tmp_path / "alpaca_hf", num_samples=2)
+    for key in ("input_ids", "attention_mask", "labels"):
+        for ext in ("bin", "idx"):
+            (tmp_path / f"alpaca_packed_{key}_document.{ext}").write_bytes(b"\0")
+    cfg = TrainConfig(engine="megatron", run_type="sft", model_type="tiny", model_path=str(tiny_llama_dir),
+                      dataset_path=str(hf), work_dir=str(tmp_path / "ws"), seq_len=48, gbs=2)
+    plan = build(cfg)
+    assert plan.argv[plan.argv.index("--data-path") + 1] == str(tmp_path / "alpaca")
+    assert "posttrain_gpt.py" in plan.argv and "--is-instruction-dataset" in plan.argv
+    assert not any("data file" in p for p in plan.problems), plan.problems
+    script = build(cfg, script="scripts/x.sh")
+    assert script.env["DATASET_PATH"] == str(tmp_path / "alpaca")
+    assert script.env["TOKENIZER_PATH"] == str(tiny_llama_dir)

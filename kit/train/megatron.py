@@ -48,6 +48,17 @@ class MegatronPlan:
         return text
 
 
+def megatron_prefix(dataset_path: str) -> str:
+    """The Megatron data prefix beside a kit `<name>_hf` folder (pretrain: `<name>_text_document`, SFT: `<name>`)."""
+    folder = Path(dataset_path)
+    meta = folder / "meta.json"
+    if not (folder.name.endswith("_hf") and meta.is_file()):
+        return dataset_path  # already a prefix
+    name = str(folder)[: -len("_hf")]
+    kind = json.loads(meta.read_text(encoding="utf-8")).get("kind")
+    return name + "_text_document" if kind == "pretrain" else name
+
+
 def data_problems(cfg: TrainConfig) -> list:
     """Megatron data naming: pretrain `<name>_text_document(.bin/.idx)`, SFT the bare prefix with `_packed_*`."""
     prefix = cfg.dataset_path
@@ -117,7 +128,8 @@ def _parallel_problems(cfg: TrainConfig, conf: dict) -> list:
 def build(cfg: TrainConfig, code_dir: Optional[str] = None, script: Optional[str] = None,
           load: Optional[str] = None, nproc_per_node: Optional[int] = None) -> MegatronPlan:
     """The AscendCloud script command (if `script` is given) or a torchrun `pretrain_gpt.py` command, validated."""
-    problems = dataclasses.replace(cfg, engine="megatron").problems()
+    cfg = dataclasses.replace(cfg, engine="megatron", dataset_path=megatron_prefix(cfg.dataset_path))
+    problems = cfg.problems()
     ws = cfg.workspace()
     code = Path(code_dir) if code_dir else ws.llm_train / "AscendSpeed"
     nproc = nproc_per_node or cfg.nproc_per_node
@@ -127,6 +139,7 @@ def build(cfg: TrainConfig, code_dir: Optional[str] = None, script: Optional[str
     if script:
         env = {name: str(getattr(cfg, attr)) for name, attr in SEED_ENV.items()}
         env["WORK_DIR"] = str(ws.root)
+        env["TOKENIZER_PATH"] = cfg.tokenizer_path or cfg.model_path
         if cfg.nnodes == 1:  # the seed: MASTER_ADDR / NNODES / NODE_RANK are for multi-node runs only
             for key in ("MASTER_ADDR", "NNODES", "NODE_RANK"):
                 env.pop(key)
