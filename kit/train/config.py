@@ -58,7 +58,7 @@ class TrainConfig:
     node_rank: int = 0  # this node's index, 0-based
     work_dir: str = ""  # the `${workdir}` root; empty = the kit's default workspace
     nproc_per_node: int = 1  # processes (cards) per node; world size = nnodes * nproc_per_node
-    master_port: int = 0  # rendezvous port; 0 = pick a free one
+    master_port: int = 0  # rendezvous port; 0 = a free one (one node) or 6000 (several nodes: same on each)
     engine: str = "deepspeed"  # deepspeed (kit trainer) | megatron (AscendCloud / MindSpeed-LLM scripts)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     dtype: str = "auto"  # auto (bf16 on NPU/GPU with bf16, fp16 otherwise, fp32 on CPU) | bfloat16 | float16 | float32

@@ -34,10 +34,15 @@ STATUS_PREFIX = "kit train: "  # what `python -m kit train run` prints last: "ki
 
 
 def job_config(cfg: TrainConfig) -> TrainConfig:
-    """The config a launched job runs: a free MASTER_PORT chosen now so every node and rank agrees on it."""
+    """The config a launched job runs, with its rendezvous port fixed now.
+
+    One node: a free port. Several nodes: every node must use the same one, so MASTER_PORT or 6000 (the port the
+    MindSpeed-LLM scripts use).
+    """
     from kit.train.engine import free_port
 
-    return dataclasses.replace(cfg, master_port=cfg.master_port or free_port())
+    port = cfg.master_port or (6000 if cfg.nnodes > 1 else free_port())
+    return dataclasses.replace(cfg, master_port=port)
 
 
 def launch_command(cfg: TrainConfig, config_path: Path, launcher: str = "torchrun") -> list:
