@@ -83,9 +83,6 @@ BROKEN = {
 
 # Problems seen in the browser that belong to another stage's code, tolerated here (reported as warnings) until
 # fixed there; each entry names the cause. Anything else still fails.
-KNOWN_PROBLEMS = {
-    # kit/envs/manage.py clone()/pack(): the bar's total comes from walk_tree() (files + symlinks, 10 for the demo
-    # venv) but bar.update is called for regular files only (6), so tqdm closes it at 6/10 and JupyterLab shows
-    # it red. Remove this entry when kit.envs counts both the same way.
-    "01": ("red progress bar",),
+KNOWN_PROBLEMS: dict = {
+    # e.g. "01": ("red progress bar",),  with a comment naming the cause and the file to fix
 }
