@@ -46,16 +46,22 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
 
 
 def _cpu() -> float:
-    """CPU seconds of this process, all threads (the tokenizer's own threads included)."""
+    """CPU seconds of this process (all threads) and of its finished worker processes."""
     import resource
 
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def _peak_rss_mb() -> float:
+    """Peak RSS of this process or of its largest finished worker process, in MB."""
+    import resource
+
+    return max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
 
 
 def child_kit(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
     """Run kit.data pretraining prep in this process; report time, tokens and peak RSS."""
-    import resource
 
     import datasets  # noqa: F401  - imports happen before the clock in every contender
     from transformers import AutoTokenizer  # noqa: F401
@@ -67,12 +73,11 @@ def child_kit(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
                              out_dir=out, num_workers=workers, overwrite=True), progress=False)
     seconds = time.perf_counter() - t
     return {"seconds": seconds, "cpu": _cpu() - c, "tokens": res.report.tokens_in,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": _peak_rss_mb()}
 
 
 def child_hf_recipe(corpus: str, cache: str, tokenizer: str, workers: int) -> dict:
     """The run_clm.py recipe: tokenize with datasets.map, then group_texts into 2048-token blocks."""
-    import resource
 
     from datasets import load_dataset
     from transformers import AutoTokenizer
@@ -95,7 +100,7 @@ def child_hf_recipe(corpus: str, cache: str, tokenizer: str, workers: int) -> di
     seconds, cpu = time.perf_counter() - t, _cpu() - c
     tokens = sum(len(x) for x in tokenized["input_ids"])
     return {"seconds": seconds, "cpu": cpu, "tokens": tokens, "rows": len(grouped),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": _peak_rss_mb()}
 
 
 def child_tokenizer(corpus: str, tokenizer: str) -> dict:
