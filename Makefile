@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.9 (no conda needed):
 #   make demo   - run every notebook headless on the embedded defaults (CPU, data_samples/), outputs under runs/
-#   make test   - lint, Python 3.9 compile check, unit tests and notebook tests
+#   make test   - lint, Python 3.9 compile check, unit tests, notebook tests, browser (e2e) tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -34,9 +34,14 @@ else
 endif
 
 unit: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-test: lint compat39 unit
+# JupyterLab in headless Chromium (Debian's chromium via apt-get, playwright via pip; installed if missing)
+e2e: install
+	tests/e2e/setup_e2e.sh $(PY)
+	KIT_E2E_REQUIRED=1 $(PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
+
+test: lint compat39 unit e2e
 
 clean:
-	rm -rf runs/demo runs/ws
+	rm -rf runs/demo runs/ws runs/e2e

@@ -92,7 +92,8 @@ class Report:
             f"<tr><td style='color:{colours[c.status]};font-weight:bold'>{c.status.upper()}</td>"
             f"<td>{html.escape(c.name)}</td><td style='text-align:left'>{html.escape(c.detail)}</td>"
             f"<td style='text-align:left'>{html.escape(c.fix)}</td></tr>" for c in self.checks)
-        return (f"<table class='kit-doctor'><thead><tr><th>status</th><th>check</th><th>detail</th><th>fix</th>"
+        return (f"<table class='kit-doctor'><thead><tr><th>status</th><th>check</th><th style='text-align:left'>detail</th>"
+                f"<th style='text-align:left'>fix</th>"
                 f"</tr></thead><tbody>{rows}</tbody></table><p>{self.counts}</p>")
 
 
