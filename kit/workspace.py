@@ -144,11 +144,15 @@ class Workspace:
         return [f for f in self.folders() if not f.is_dir()]
 
     def tree(self) -> str:
-        """The layout as an indented text tree, for notebooks."""
-        lines = [str(self.root)]
+        """The layout as an indented text tree (every intermediate folder shown), for notebooks."""
+        rels = set()
         for folder in self.folders():
-            rel = folder.relative_to(self.root)
-            lines.append("  " * (len(rel.parts) - 1) + f"├── {rel.name}/" + ("" if folder.is_dir() else "  (missing)"))
+            parts = folder.relative_to(self.root).parts
+            rels.update(parts[: i + 1] for i in range(len(parts)))
+        lines = [f"{self.root}/"]
+        for parts in sorted(rels):
+            missing = "" if (self.root.joinpath(*parts)).is_dir() else "  (missing)"
+            lines.append("    " * len(parts) + f"{parts[-1]}/{missing}")
         return "\n".join(lines)
 
 

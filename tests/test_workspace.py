@@ -26,7 +26,8 @@ def test_layout_matches_the_modelarts_manual(tmp_path):
     assert ws.output("retrain") == ws.output("pretrain")
     with pytest.raises(ValueError, match="RUN_TYPE"):
         ws.output("finetune")
-    assert "converted_weights/" in ws.tree()
+    tree = ws.tree().splitlines()
+    assert "            converted_weights/" in tree and "        GLM3-6B/" in tree
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", "", "a b", "x;rm"])
