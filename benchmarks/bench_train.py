@@ -6,7 +6,7 @@
 3. Packed SFT vs padded-per-dialog SFT on the shipped Alpaca sample: useful (non-padding) tokens/s (goal >= 1.5x).
 
 Every figure is the median over steps after warm-up, best of REPEATS runs interleaved A/B/A/B, because the
-machine may be shared. Run: .venv/bin/python benchmarks/bench_train.py [--steps 8 --seq-len 128 --repeats 3]
+machine may be shared. Run: .venv/bin/python benchmarks/bench_train.py [--steps 12 --seq-len 128 --repeats 4]
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def best(fn, cfgs: dict, repeats: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
 
     import logging

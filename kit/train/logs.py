@@ -127,6 +127,7 @@ def compare_runs(runs: Mapping[str, object], skip_first: int = 1):
 def plot_runs(runs: Mapping[str, object], png: Optional[Union[str, Path]] = None):
     """Loss and tokens/s/p per iteration for each run; saved as PNG when `png` is given. Returns the figure."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_loss, ax_tp) = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, df in runs.items():
@@ -136,6 +137,7 @@ def plot_runs(runs: Mapping[str, object], png: Optional[Union[str, Path]] = None
     ax_loss.set(xlabel="iteration", ylabel="lm loss", title="loss")
     ax_tp.set(xlabel="iteration", ylabel="tokens/s/p", title="throughput per card")
     for ax in (ax_loss, ax_tp):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
