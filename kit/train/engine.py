@@ -32,11 +32,12 @@ def init_distributed(info) -> tuple:
         raise RuntimeError("ASCEND_HOME_PATH is not set: source CANN's set_env.sh (/usr/local/Ascend/cann/set_env.sh "
                            "or /usr/local/Ascend/ascend-toolkit/set_env.sh) before training; notebook 00 shows how.")
     if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        launched = "LOCAL_WORLD_SIZE" in os.environ or "LOCAL_SIZE" in os.environ  # torchrun / DeepSpeed launcher
+        if not launched:
+            # Always a fresh port: a kernel started from a process that trained in-process inherits its
+            # MASTER_PORT, which that process still holds.
+            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(free_port())})
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
