@@ -171,7 +171,10 @@ def test_meta_and_report_files(packed):
     assert cfg["template"] == "telechat" and cfg["max_length"] == 64
     rep = json.loads((packed.hf_dir / "report.json").read_text())
     assert sum(rep["length_histogram"].values()) == 158
+    assert not (packed.hf_dir / "lengths.png").exists()  # plotting is a separate, optional step
+    assert packed.plot_lengths() == packed.hf_dir / "lengths.png"
     assert (packed.hf_dir / "lengths.png").stat().st_size > 1000
+    assert packed.summary()["histogram_png"] == str(packed.hf_dir / "lengths.png")
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop"])

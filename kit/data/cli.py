@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as exc:  # bad config, input or existing output
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    result.plot_lengths()
     print(json.dumps(result.summary(), indent=2, ensure_ascii=False))
     for w in result.report.warnings:
         print(f"warning: {w}")

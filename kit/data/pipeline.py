@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -31,17 +30,22 @@ class PrepResult:
     megatron_files: List[Path]
     report: PrepReport
     meta: Dict[str, Any]
-    histogram_png: Path
-    config: DataConfig = field(repr=False, default=None)
+    histogram_png: Optional[Path] = None
+    config: Optional[DataConfig] = field(repr=False, default=None)
+
+    def plot_lengths(self) -> Path:
+        """Plot the length histogram and save it as `<name>_hf/lengths.png`; return the path."""
+        self.histogram_png = plot_lengths(self.report, self.hf_dir / "lengths.png")
+        return self.histogram_png
 
     def summary(self) -> dict:
         """Key numbers and paths (for notebook summaries)."""
         r = self.report.as_dict()
         keys = ("records_read", "records_written", "records_dropped", "dropped", "files_skipped", "truncated",
-                "tokens_in",
-                "tokens_out", "tokens_learned", "samples", "padding_ratio", "padding_ratio_unpacked")
+                "tokens_in", "tokens_out", "tokens_learned", "samples", "padding_ratio", "padding_ratio_unpacked")
         return {"hf_dir": str(self.hf_dir), "megatron_prefix": self.megatron_prefix,
-                "megatron_files": [str(p) for p in self.megatron_files], "histogram_png": str(self.histogram_png),
+                "megatron_files": [str(p) for p in self.megatron_files],
+                "histogram_png": str(self.histogram_png) if self.histogram_png else None,
                 **{k: r[k] for k in keys}}
 
 
@@ -105,22 +109,12 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
             report.drop(err.reason, str(err))
 
 
-def _import_plotting() -> None:
-    try:
-        import matplotlib.backends.backend_agg  # noqa: F401
-        import matplotlib.figure  # noqa: F401
-    except ImportError:
-        pass  # plot_lengths reports it where it matters
-
-
 def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
-    """Prepare `cfg.kind` data: HF dataset folder + Megatron files + config/meta/report/histogram."""
+    """Prepare `cfg.kind` data: HF dataset folder + Megatron files + config/meta/report (plot with .plot_lengths())."""
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
     cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind))
     check(cfg, "DataConfig")
-    # matplotlib takes ~1.5 s to import; do it while the tokenizer (which releases the GIL) works
-    threading.Thread(target=_import_plotting, daemon=True).start()
     tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     vocab_size = len(tok)
     out = output_dir(cfg, workspace)
@@ -159,15 +153,13 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
             save_config(cfg, tmp)
             atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
-            png = plot_lengths(report, tmp / "lengths.png")
         for w in writers:
             w.commit()
     except BaseException:
         for w in writers:
             w.abort()
         raise
-    return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta,
-                      hf_dir / png.name, cfg)
+    return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta, config=cfg)
 
 
 def _meta(cfg: DataConfig, tok: Any, report: PrepReport, mg_prefix: Optional[str],

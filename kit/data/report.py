@@ -130,7 +130,9 @@ def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:
                           f"padding {100 * report.padding_ratio:.1f}%")
     ax.legend()
     fig.tight_layout()
+    from kit.atomic import atomic_file
+
     png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
+    with atomic_file(png, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=100)
     return png

@@ -68,21 +68,12 @@ def _pool_init(tokenizer_path, trust_remote_code, settings) -> None:
 
 
 def ordered_map(fn: Callable, chunks: Iterable, num_workers: int, initargs: tuple, tok: Any = None) -> Iterator:
-    """`fn` over `chunks`, results in order; at most 2 chunks per worker (or helper thread) are in flight."""
+    """`fn` over `chunks`, results in order; with several workers at most 2 chunks per worker are in flight."""
     if num_workers <= 1:
-        # one helper thread: the tokenizer releases the GIL, so batch k+1 is tokenized while this thread
-        # reads records and writes batch k
-        from concurrent.futures import ThreadPoolExecutor
-
+        # in this process: the fast tokenizers measured here hold the GIL, so a helper thread would gain nothing
         init_worker(*initargs, tok=tok)
-        with ThreadPoolExecutor(1, thread_name_prefix="kit-tokenize") as ex:
-            ahead: collections.deque = collections.deque()
-            for chunk in chunks:
-                ahead.append(ex.submit(fn, chunk))
-                if len(ahead) >= 2:
-                    yield ahead.popleft().result()
-            while ahead:
-                yield ahead.popleft().result()
+        for chunk in chunks:
+            yield fn(chunk)
         return
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     ctx = mp.get_context(method)
