@@ -35,8 +35,10 @@ class PrepReport:
     histogram: List[int] = field(default_factory=list)
 
     def __post_init__(self):
-        # lengths 0..max_length-1 one bucket each, then one overflow bucket for longer records
-        self._hist = np.zeros(self.max_length + 1, dtype=np.int64) if not self.histogram else \
+        # one bucket per length up to `hist_cap`, longer records counted at hist_cap; documents (pretrain) are
+        # often longer than a sample, so their histogram reaches further
+        self.hist_cap = self.max_length * (8 if self.kind == "pretrain" else 1)
+        self._hist = np.zeros(self.hist_cap + 1, dtype=np.int64) if not self.histogram else \
             np.asarray(self.histogram, dtype=np.int64)
         self._dropped = collections.Counter(self.dropped)
 
@@ -54,8 +56,8 @@ class PrepReport:
 
     def add_lengths(self, lengths: np.ndarray) -> None:
         """Add record lengths (tokens) to the histogram."""
-        lengths = np.minimum(np.asarray(lengths, dtype=np.int64), self.max_length)
-        self._hist += np.bincount(lengths, minlength=self.max_length + 1)
+        lengths = np.minimum(np.asarray(lengths, dtype=np.int64), self.hist_cap)
+        self._hist += np.bincount(lengths, minlength=self.hist_cap + 1)
 
     def finish(self) -> PrepReport:
         """Freeze the counters into the plain fields (for JSON)."""
@@ -124,7 +126,7 @@ def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:
         ax.stairs(counts, edges, fill=True, color="#4477aa")
     ax.axvline(report.max_length, color="#cc3311", linestyle="--", label=f"max_length = {report.max_length}")
     what = "document" if report.kind == "pretrain" else "dialog"
-    ax.set_xlabel(f"{what} length in tokens (longer ones counted at max_length)")
+    ax.set_xlabel(f"{what} length in tokens (longer ones counted at {report.hist_cap})")
     ax.set_ylabel(f"{what}s")
     ax.set_title(title or f"{report.kind}: {report.records_written} {what}s, "
                           f"padding {100 * report.padding_ratio:.1f}%")
