@@ -35,5 +35,5 @@ def test_cli_pretrain_into_workspace(tmp_path, capsys):
 def test_cli_templates_lists_all(capsys):
     assert main(["data", "templates"]) == 0
     text = capsys.readouterr().out
-    for name in ("telechat", "chatml", "qwen", "chatglm3", "llama2", "alpaca", "tokenizer"):
+    for name in ("telechat", "chatml", "qwen", "chatglm3", "llama2", "llama3", "baichuan2", "alpaca", "tokenizer"):
         assert name in text

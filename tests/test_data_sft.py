@@ -25,6 +25,11 @@ EXPECTED = {
                  "\nA1\nA2</s>"),
     "llama2": ("<s>[INST] <<SYS>>\nSYS\n<</SYS>>\n\nQ1 [/INST] A1 </s><s>[INST] Q2 [/INST] A2 </s>",
                " A1 </s> A2 </s>"),
+    "baichuan2": ("SYS<reserved_106>Q1<reserved_107>A1<reserved_106>Q2<reserved_107>A2</s>", "A1A2</s>"),
+    "llama3": ("<s><|start_header_id|>system<|end_header_id|>\n\nSYS<|eot_id|><|start_header_id|>user<|end_header_id|>"
+               "\n\nQ1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|><|start_header_id|>user"
+               "<|end_header_id|>\n\nQ2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA2<|eot_id|>",
+               "A1<|eot_id|>A2<|eot_id|>"),
     "alpaca": ("SYS\n\n### Instruction:\nQ1\n\n### Response:\nA1</s>\n\n### Instruction:\nQ2\n\n### Response:\nA2</s>",
                "A1</s>A2</s>"),
 }

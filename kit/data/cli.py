@@ -28,7 +28,7 @@ def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> 
     if kind == "pretrain":
         p.add_argument("--add-bos", action="store_true", help="BOS before each document")
     else:
-        p.add_argument("--template", default="telechat", help="telechat chatml qwen chatglm3 llama2 alpaca tokenizer")
+        p.add_argument("--template", default="telechat", help="see `python -m kit data templates`")
         p.add_argument("--system", default=None, help="system prompt for dialogs without one")
         p.add_argument("--train-on-prompt", action="store_true")
         p.add_argument("--mask-history", action="store_true")

@@ -37,7 +37,7 @@ class DataConfig:
     columns: Dict[str, str] = field(default_factory=dict)
     """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
     template: str = "telechat"
-    """Chat template for sft: telechat, chatml, qwen, chatglm3, llama2, alpaca, or 'tokenizer' (its chat_template)."""
+    """Chat template for sft: telechat, chatml, qwen, chatglm3, llama2, llama3, baichuan2, alpaca, or "tokenizer"."""
     system: Optional[str] = None
     """System prompt used when a dialog has none (None: the template's default, if any)."""
     train_on_prompt: bool = False

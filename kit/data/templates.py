@@ -53,6 +53,15 @@ TEMPLATES: Dict[str, Template] = {t.name: t for t in (
              system="<<SYS>>\n{content}\n<</SYS>>\n\n", system_in_user=True,
              special_tokens=("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"),
              source="Llama-2-chat prompt format (Meta); LLaMA-Factory 'llama2'"),
+    Template("baichuan2", user="<reserved_106>{content}<reserved_107>", assistant="{content}", suffix="{eos}",
+             special_tokens=("<reserved_106>", "<reserved_107>"),
+             source="Baichuan2-Chat generation_utils (user_token_id 195, assistant_token_id 196); LLaMA-Factory"),
+    Template("llama3", prefix="{bos}",
+             user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+                  "<|start_header_id|>assistant<|end_header_id|>\n\n",
+             assistant="{content}<|eot_id|>", system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+             special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+             source="Meta Llama-3-Instruct prompt format; LLaMA-Factory 'llama3'"),
     Template("alpaca", user="### Instruction:\n{content}\n\n### Response:\n", assistant="{content}{eos}",
              system="{content}\n\n", separator="\n\n",
              default_system="Below is an instruction that describes a task. "
