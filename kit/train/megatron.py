@@ -140,6 +140,9 @@ def build(cfg: TrainConfig, code_dir: Optional[str] = None, script: Optional[str
         env = {name: str(getattr(cfg, attr)) for name, attr in SEED_ENV.items()}
         env["WORK_DIR"] = str(ws.root)
         env["TOKENIZER_PATH"] = cfg.tokenizer_path or cfg.model_path
+        if not env["TOKENIZER_PATH"]:
+            problems.append("TOKENIZER_PATH is required by the scripts (seed: 必填): the tokenizer folder, e.g. "
+                            "<WORK_DIR>/tokenizers/<MODEL_TYPE>.")
         if cfg.nnodes == 1:  # the seed: MASTER_ADDR / NNODES / NODE_RANK are for multi-node runs only
             for key in ("MASTER_ADDR", "NNODES", "NODE_RANK"):
                 env.pop(key)
