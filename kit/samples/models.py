@@ -92,7 +92,11 @@ def demo_model_dir(cache: Optional[PathLike] = None) -> Path:
     serialize, so the weights are copied into a fresh LlamaForCausalLM before `save_pretrained`.
     """
     out = Path(cache or default_cache()) / "smollm2-135m-instruct"
-    if (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
+    config = out / "config.json"
+    # A cache written by an older kit kept the GGUF quantization_config, which makes transformers refuse to save
+    # trained copies: rebuild it.
+    if config.is_file() and (out / "model.safetensors.index.json").is_file() and \
+            "quantization_config" not in config.read_text(encoding="utf-8"):
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -100,7 +104,10 @@ def demo_model_dir(cache: Optional[PathLike] = None) -> Path:
     gguf = _smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model = LlamaForCausalLM(loaded.config)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized fp32 now; keep the folder a plain checkpoint
+    model = LlamaForCausalLM(config)
     result = model.load_state_dict(loaded.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys, result
     model.generation_config = loaded.generation_config
