@@ -25,6 +25,7 @@ demo: install
 
 lint: install
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 compat39:
 ifeq ($(PY39),)

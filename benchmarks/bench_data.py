@@ -30,8 +30,9 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
 
     from kit.samples import pretrain_corpus
 
-    sentences = [s.strip() + "." for t in pd.read_parquet(pretrain_corpus())["text"] for s in t.split(".")
-                 if s.strip()]
+    sentences = [
+        s.strip() + "." for t in pd.read_parquet(pretrain_corpus())["text"] for s in t.split(".") if s.strip()
+    ]
     rng = random.Random(seed)
     target, written = int(megabytes * 1e6), 0
     writer = None
@@ -49,15 +50,19 @@ def _cpu() -> float:
     """CPU seconds of this process (all threads) and of its finished worker processes."""
     import resource
 
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        r.ru_utime + r.ru_stime
+        for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 def _peak_rss_mb() -> float:
     """Peak RSS of this process or of its largest finished worker process, in MB."""
     import resource
 
-    return max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    return (
+        max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    )
 
 
 def child_kit(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
@@ -69,11 +74,26 @@ def child_kit(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
     from kit.data import DataConfig, prepare
 
     t, c = time.perf_counter(), _cpu()
-    res = prepare(DataConfig(kind="pretrain", inputs=[corpus], name="bench", tokenizer=tokenizer, max_length=2048,
-                             out_dir=out, num_workers=workers, overwrite=True), progress=False)
+    res = prepare(
+        DataConfig(
+            kind="pretrain",
+            inputs=[corpus],
+            name="bench",
+            tokenizer=tokenizer,
+            max_length=2048,
+            out_dir=out,
+            num_workers=workers,
+            overwrite=True,
+        ),
+        progress=False,
+    )
     seconds = time.perf_counter() - t
-    return {"seconds": seconds, "cpu": _cpu() - c, "tokens": res.report.tokens_in,
-            "peak_rss_mb": _peak_rss_mb()}
+    return {
+        "seconds": seconds,
+        "cpu": _cpu() - c,
+        "tokens": res.report.tokens_in,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
 
 
 def child_hf_recipe(corpus: str, cache: str, tokenizer: str, workers: int) -> dict:
@@ -86,21 +106,30 @@ def child_hf_recipe(corpus: str, cache: str, tokenizer: str, workers: int) -> di
     block = 2048
     t, c = time.perf_counter(), _cpu()
     raw = load_dataset("parquet", data_files=corpus, split="train", cache_dir=cache)
-    tokenized = raw.map(lambda ex: tok(ex["text"]), batched=True, remove_columns=["text"],
-                        num_proc=workers if workers > 1 else None)
+    tokenized = raw.map(
+        lambda ex: tok(ex["text"]),
+        batched=True,
+        remove_columns=["text"],
+        num_proc=workers if workers > 1 else None,
+    )
 
     def group_texts(examples):
         concatenated = {k: sum(examples[k], []) for k in examples}
         total = len(concatenated["input_ids"]) // block * block
-        result = {k: [v[i:i + block] for i in range(0, total, block)] for k, v in concatenated.items()}
+        result = {k: [v[i : i + block] for i in range(0, total, block)] for k, v in concatenated.items()}
         result["labels"] = result["input_ids"].copy()
         return result
 
     grouped = tokenized.map(group_texts, batched=True, num_proc=workers if workers > 1 else None)
     seconds, cpu = time.perf_counter() - t, _cpu() - c
     tokens = sum(len(x) for x in tokenized["input_ids"])
-    return {"seconds": seconds, "cpu": cpu, "tokens": tokens, "rows": len(grouped),
-            "peak_rss_mb": _peak_rss_mb()}
+    return {
+        "seconds": seconds,
+        "cpu": cpu,
+        "tokens": tokens,
+        "rows": len(grouped),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
 
 
 def child_tokenizer(corpus: str, tokenizer: str) -> dict:
@@ -114,7 +143,9 @@ def child_tokenizer(corpus: str, tokenizer: str) -> dict:
     t, c = time.perf_counter(), _cpu()
     tokens = 0
     for i in range(0, len(texts), 1000):
-        tokens += sum(len(e.ids) for e in backend.encode_batch_fast(texts[i:i + 1000], add_special_tokens=False))
+        tokens += sum(
+            len(e.ids) for e in backend.encode_batch_fast(texts[i : i + 1000], add_special_tokens=False)
+        )
     return {"seconds": time.perf_counter() - t, "cpu": _cpu() - c, "tokens": tokens}
 
 
@@ -122,7 +153,9 @@ def run_child(*args: str) -> dict:
     """Each measurement in a fresh interpreter, so peak RSS and caches belong to it alone."""
     env = dict(os.environ)
     env.pop("TOKENIZERS_PARALLELISM", None)  # every contender may use the tokenizer's own threads
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env
+    )
     if out.returncode != 0:
         raise RuntimeError(f"child {args[0]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -153,8 +186,10 @@ def main() -> int:
         small, big = tmp / "small.parquet", tmp / "big.parquet"
         mb_small = make_corpus(small, args.mb) / 1e6
         mb_big = make_corpus(big, args.big_mb, seed=1) / 1e6
-        print(f"corpus: {mb_small:.1f} MB and {mb_big:.1f} MB of text; tokenizer {tokenizer}; "
-              f"workers {args.workers}; {os.cpu_count()} CPUs")
+        print(
+            f"corpus: {mb_small:.1f} MB and {mb_big:.1f} MB of text; tokenizer {tokenizer}; "
+            f"workers {args.workers}; {os.cpu_count()} CPUs"
+        )
         # the machine is shared: run the contenders alternately and keep each one's best of `--repeat`
         runs = {"floor": [], "recipe": [], "kit": []}
         for i in range(args.repeat):
@@ -162,32 +197,49 @@ def main() -> int:
             runs["recipe"].append(run_child("hf", str(small), str(tmp / f"hf_cache{i}"), tokenizer, w))
             runs["kit"].append(run_child("kit", str(small), str(tmp / "out_small"), tokenizer, w))
         # best wall time and best CPU time of each contender, taken separately
-        floor, recipe, kit_small = ({**min(runs[k], key=lambda r: r["seconds"]),
-                                     "cpu": min(r["cpu"] for r in runs[k])} for k in ("floor", "recipe", "kit"))
+        floor, recipe, kit_small = (
+            {**min(runs[k], key=lambda r: r["seconds"]), "cpu": min(r["cpu"] for r in runs[k])}
+            for k in ("floor", "recipe", "kit")
+        )
         print(f"uptime load during the runs: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         kit_big = run_child("kit", str(big), str(tmp / "out_big"), tokenizer, w)
 
     def rate(r, key="seconds"):
         return r["tokens"] / r[key]
 
-    print(f"\n{'contender':44s} {'tokens':>10s} {'wall s':>7s} {'cpu s':>7s} {'tokens/s':>10s} {'tok/cpu-s':>10s}")
-    for name, r in (("tokenizer alone (floor, b)", floor), ("HF recipe: map + group_texts (a)", recipe),
-                    ("kit.data prepare (HF + Megatron files)", kit_small),
-                    (f"kit.data prepare at {mb_big:.0f} MB", kit_big)):
-        print(f"{name:44s} {r['tokens']:10d} {r['seconds']:7.2f} {r['cpu']:7.2f} {rate(r):10.0f} "
-              f"{rate(r, 'cpu'):10.0f}")
+    print(
+        f"\n{'contender':44s} {'tokens':>10s} {'wall s':>7s} {'cpu s':>7s} {'tokens/s':>10s} {'tok/cpu-s':>10s}"
+    )
+    for name, r in (
+        ("tokenizer alone (floor, b)", floor),
+        ("HF recipe: map + group_texts (a)", recipe),
+        ("kit.data prepare (HF + Megatron files)", kit_small),
+        (f"kit.data prepare at {mb_big:.0f} MB", kit_big),
+    ):
+        print(
+            f"{name:44s} {r['tokens']:10d} {r['seconds']:7.2f} {r['cpu']:7.2f} {rate(r):10.0f} "
+            f"{rate(r, 'cpu'):10.0f}"
+        )
     print("\nratios of tokens/s (wall clock; the machine may be shared) and of tokens per CPU-second:")
     for name, base, goal in (("HF recipe (a)", recipe, 1.5), ("tokenizer alone (b)", floor, 0.8)):
-        print(f"  kit.data vs {name:22s} wall {rate(kit_small) / rate(base):5.2f}x   "
-              f"cpu {rate(kit_small, 'cpu') / rate(base, 'cpu'):5.2f}x   (goal >= {goal}x)")
-    print(f"  kit.data at {mb_big:.0f} MB vs tokenizer alone at {mb_small:.0f} MB: "
-          f"wall {rate(kit_big) / rate(floor):5.2f}x   cpu {rate(kit_big, 'cpu') / rate(floor, 'cpu'):5.2f}x "
-          f"(fixed costs amortised)")
-    print(f"\npeak RSS kit.data: {kit_small['peak_rss_mb']:.0f} MB at {mb_small:.0f} MB of text, "
-          f"{kit_big['peak_rss_mb']:.0f} MB at {mb_big:.0f} MB of text "
-          f"(ratio {kit_big['peak_rss_mb'] / kit_small['peak_rss_mb']:.2f}x for {mb_big / mb_small:.1f}x the text)")
-    print(f"peak RSS HF recipe at {mb_small:.0f} MB: {recipe['peak_rss_mb']:.0f} MB "
-          f"({recipe['peak_rss_mb'] / kit_small['peak_rss_mb']:.2f}x kit.data)")
+        print(
+            f"  kit.data vs {name:22s} wall {rate(kit_small) / rate(base):5.2f}x   "
+            f"cpu {rate(kit_small, 'cpu') / rate(base, 'cpu'):5.2f}x   (goal >= {goal}x)"
+        )
+    print(
+        f"  kit.data at {mb_big:.0f} MB vs tokenizer alone at {mb_small:.0f} MB: "
+        f"wall {rate(kit_big) / rate(floor):5.2f}x   cpu {rate(kit_big, 'cpu') / rate(floor, 'cpu'):5.2f}x "
+        f"(fixed costs amortised)"
+    )
+    print(
+        f"\npeak RSS kit.data: {kit_small['peak_rss_mb']:.0f} MB at {mb_small:.0f} MB of text, "
+        f"{kit_big['peak_rss_mb']:.0f} MB at {mb_big:.0f} MB of text "
+        f"(ratio {kit_big['peak_rss_mb'] / kit_small['peak_rss_mb']:.2f}x for {mb_big / mb_small:.1f}x the text)"
+    )
+    print(
+        f"peak RSS HF recipe at {mb_small:.0f} MB: {recipe['peak_rss_mb']:.0f} MB "
+        f"({recipe['peak_rss_mb'] / kit_small['peak_rss_mb']:.2f}x kit.data)"
+    )
     return 0
 
 

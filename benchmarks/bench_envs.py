@@ -63,25 +63,37 @@ def main() -> int:
 
         tgz = scratch / "baseline.tar.gz"
         t_tar, _ = timed(sh, "tar", "czf", str(tgz), "-C", str(prefix), ".")
-        for fmt, threads, level, label in (("tar.zst", 0, 3, "kit pack tar.zst (zstd -3, all cores)"),
-                                           ("tar.gz", 0, 3, "kit pack tar.gz (parallel gzip -3)"),
-                                           ("tar.gz", 1, 4, "kit pack tar.gz (1 thread, = conda-pack default)")):
+        for fmt, threads, level, label in (
+            ("tar.zst", 0, 3, "kit pack tar.zst (zstd -3, all cores)"),
+            ("tar.gz", 0, 3, "kit pack tar.gz (parallel gzip -3)"),
+            ("tar.gz", 1, 4, "kit pack tar.gz (1 thread, = conda-pack default)"),
+        ):
             out = scratch / f"kit-{threads}.{fmt}"
             t, res = timed(envs.pack, prefix, out, fmt=fmt, level=level, threads=threads)
             rows.append(("pack", "tar czf", t_tar, tgz.stat().st_size, label, t, res["archive_bytes"]))
 
         (scratch / "tar-x").mkdir()
         t_untar, _ = timed(sh, "tar", "xzf", str(tgz), "-C", str(scratch / "tar-x"))
-        t_unpack, res = timed(envs.unpack, scratch / "kit-0.tar.zst", scratch / "kit-unpacked", verify_imports=None)
-        rows.append(("unpack", "tar xzf", t_untar, None, "kit unpack tar.zst (safe + prefix fix)", t_unpack, None))
+        t_unpack, res = timed(
+            envs.unpack, scratch / "kit-0.tar.zst", scratch / "kit-unpacked", verify_imports=None
+        )
+        rows.append(
+            ("unpack", "tar xzf", t_untar, None, "kit unpack tar.zst (safe + prefix fix)", t_unpack, None)
+        )
 
-        print(f"\n{'step':7} {'baseline':9} {'s':>7} {'MiB':>7} | {'kit':45} {'s':>7} {'MiB':>7} {'speed-up':>9} "
-              f"{'size':>6}")
+        print(
+            f"\n{'step':7} {'baseline':9} {'s':>7} {'MiB':>7} | {'kit':45} {'s':>7} {'MiB':>7} {'speed-up':>9} "
+            f"{'size':>6}"
+        )
         for step, base, tb, sb, label, tk, sk in rows:
             size_ratio = f"{sk / sb:6.2f}" if sb and sk else "      "
-            print(f"{step:7} {base:9} {tb:7.1f} {(sb or 0) / 2**20:7.0f} | {label:45} {tk:7.1f} {(sk or 0) / 2**20:7.0f}"
-                  f" {tb / tk:8.2f}x {size_ratio}")
-        print("\nspeed-up = baseline seconds / kit seconds (same run, same disk); size = kit archive / tar czf archive")
+            print(
+                f"{step:7} {base:9} {tb:7.1f} {(sb or 0) / 2**20:7.0f} | {label:45} {tk:7.1f} {(sk or 0) / 2**20:7.0f}"
+                f" {tb / tk:8.2f}x {size_ratio}"
+            )
+        print(
+            "\nspeed-up = baseline seconds / kit seconds (same run, same disk); size = kit archive / tar czf archive"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -68,7 +68,9 @@ def eager_attention(q, k, v, causal_mask, scale):
 
 def row(name: str, kit_fn, base_fn, baseline: str, **kw) -> None:
     kit_s, base_s = compare(kit_fn, base_fn, **kw)
-    print(f"{name:<34} kit {kit_s * 1e3:8.3f} ms   {baseline:<28} {base_s * 1e3:8.3f} ms   speed x{base_s / kit_s:5.2f}")
+    print(
+        f"{name:<34} kit {kit_s * 1e3:8.3f} ms   {baseline:<28} {base_s * 1e3:8.3f} ms   speed x{base_s / kit_s:5.2f}"
+    )
 
 
 def bench_overhead() -> None:
@@ -78,27 +80,60 @@ def bench_overhead() -> None:
     x, w = mk(8, 256, 512), mk(512)
     row("rms_norm (8x256x512)", lambda: ops.rms_norm(x, w), lambda: hf_rms(x, w), "HF RMSNorm expr")
     q, cos, sin = mk(4, 8, 256, 64), mk(1, 1, 256, 64), mk(1, 1, 256, 64)
-    row("rotary_mul half (4x8x256x64)", lambda: ops.rotary_mul(q, cos, sin),
-        lambda: q * cos + rotate_half(q) * sin, "x*cos + rotate_half(x)*sin")
+    row(
+        "rotary_mul half (4x8x256x64)",
+        lambda: ops.rotary_mul(q, cos, sin),
+        lambda: q * cos + rotate_half(q) * sin,
+        "x*cos + rotate_half(x)*sin",
+    )
     gate, up = mk(8, 256, 1024), mk(8, 256, 1024)
-    row("silu_mul (8x256x1024)", lambda: ops.silu_mul(gate, up), lambda: F.silu(gate) * up, "F.silu(gate) * up")
+    row(
+        "silu_mul (8x256x1024)",
+        lambda: ops.silu_mul(gate, up),
+        lambda: F.silu(gate) * up,
+        "F.silu(gate) * up",
+    )
     gu = torch.cat((gate, up), -1)
-    row("swiglu (8x256x2048)", lambda: ops.swiglu(gu), lambda: F.silu(gu[..., :1024]) * gu[..., 1024:],
-        "silu(a) * b on halves")
-    row("fast_gelu (8x256x1024)", lambda: ops.fast_gelu(gate), lambda: gate * torch.sigmoid(1.702 * gate),
-        "x * sigmoid(1.702x)")
+    row(
+        "swiglu (8x256x2048)",
+        lambda: ops.swiglu(gu),
+        lambda: F.silu(gu[..., :1024]) * gu[..., 1024:],
+        "silu(a) * b on halves",
+    )
+    row(
+        "fast_gelu (8x256x1024)",
+        lambda: ops.fast_gelu(gate),
+        lambda: gate * torch.sigmoid(1.702 * gate),
+        "x * sigmoid(1.702x)",
+    )
     s = mk(4, 8, 256, 256)
     m = torch.ones(256, 256, dtype=torch.bool, device=DEVICE).triu(1)
-    row("scaled_masked_softmax (4x8x256²)", lambda: ops.scaled_masked_softmax(s, m, 0.125),
-        lambda: torch.softmax((s.float() * 0.125).masked_fill(m, -1e9), -1), "masked_fill + softmax")
+    row(
+        "scaled_masked_softmax (4x8x256²)",
+        lambda: ops.scaled_masked_softmax(s, m, 0.125),
+        lambda: torch.softmax((s.float() * 0.125).masked_fill(m, -1e9), -1),
+        "masked_fill + softmax",
+    )
     a, b, empty = mk(32, 256, 64), mk(32, 64, 256), torch.empty(32, 256, 256, device=DEVICE)
-    row("baddbmm beta=0 (32x256²)", lambda: ops.baddbmm(empty, a, b, beta=0.0, alpha=0.125),
-        lambda: torch.baddbmm(empty, a, b, beta=0.0, alpha=0.125), "torch.baddbmm(beta=0)")
-    row("  same, NPU rule: bmm * alpha", lambda: torch.bmm(a, b) * 0.125,
-        lambda: torch.baddbmm(empty, a, b, beta=0.0, alpha=0.125), "torch.baddbmm(beta=0)")
+    row(
+        "baddbmm beta=0 (32x256²)",
+        lambda: ops.baddbmm(empty, a, b, beta=0.0, alpha=0.125),
+        lambda: torch.baddbmm(empty, a, b, beta=0.0, alpha=0.125),
+        "torch.baddbmm(beta=0)",
+    )
+    row(
+        "  same, NPU rule: bmm * alpha",
+        lambda: torch.bmm(a, b) * 0.125,
+        lambda: torch.baddbmm(empty, a, b, beta=0.0, alpha=0.125),
+        "torch.baddbmm(beta=0)",
+    )
     q, k = mk(2, 8, 512, 64), mk(2, 2, 512, 64)
-    row("fusion_attention BNSD causal GQA", lambda: ops.fusion_attention(q, k, k, 8, "BNSD", causal=True),
-        lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), "F.sdpa direct")
+    row(
+        "fusion_attention BNSD causal GQA",
+        lambda: ops.fusion_attention(q, k, k, 8, "BNSD", causal=True),
+        lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True),
+        "F.sdpa direct",
+    )
 
 
 def bench_attention() -> None:
@@ -109,8 +144,13 @@ def bench_attention() -> None:
         k, v = (torch.randn(b, nkv, s, d, generator=g).to(DEVICE) for _ in range(2))
         mask = torch.ones(s, s, dtype=torch.bool, device=DEVICE).triu(1)
         scale = 1 / math.sqrt(d)
-        row(f"causal B{b} S{s} N{n}/{nkv} D{d}", partial(ops.fusion_attention, q, k, v, n, "BNSD", causal=True),
-            partial(eager_attention, q, k, v, mask, scale), "eager attention", repeat=9)
+        row(
+            f"causal B{b} S{s} N{n}/{nkv} D{d}",
+            partial(ops.fusion_attention, q, k, v, n, "BNSD", causal=True),
+            partial(eager_attention, q, k, v, mask, scale),
+            "eager attention",
+            repeat=9,
+        )
     # packed: 4 dialogs in one row of 1024 tokens; eager needs a block-diagonal S x S mask
     lengths, n, d = [300, 200, 400, 124], 8, 64
     total = sum(lengths)
@@ -119,9 +159,15 @@ def bench_attention() -> None:
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)
     block = (seg[:, None] != seg[None, :]) | torch.ones(total, total, dtype=torch.bool, device=DEVICE).triu(1)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (qt, kt, vt))
-    row("packed TND 4 dialogs / 1024 tok",
-        lambda: ops.fusion_attention(qt, kt, vt, n, "TND", causal=True, actual_seq_qlen=cum, actual_seq_kvlen=cum),
-        lambda: eager_attention(q4, k4, v4, block, 1 / math.sqrt(d)), "eager + block-diag mask", repeat=9)
+    row(
+        "packed TND 4 dialogs / 1024 tok",
+        lambda: ops.fusion_attention(
+            qt, kt, vt, n, "TND", causal=True, actual_seq_qlen=cum, actual_seq_kvlen=cum
+        ),
+        lambda: eager_attention(q4, k4, v4, block, 1 / math.sqrt(d)),
+        "eager + block-diag mask",
+        repeat=9,
+    )
 
 
 def bench_masks(size: int = 2048) -> None:
@@ -139,22 +185,30 @@ def bench_masks(size: int = 2048) -> None:
 
     # bytes allocated per call by the intermediates (float64 numpy arrays; float32 torch; bool result)
     cells = size * size
-    ways = [("numpy triu + from_numpy", numpy_way, cells * 8 * 2 + cells),
-            ("torch.triu per call", torch_way, cells * 4 * 2 + cells),
-            ("kit cached (once per device)", cached_way, 0)]
+    ways = [
+        ("numpy triu + from_numpy", numpy_way, cells * 8 * 2 + cells),
+        ("torch.triu per call", torch_way, cells * 4 * 2 + cells),
+        ("kit cached (once per device)", cached_way, 0),
+    ]
     base = timeit(numpy_way, repeat=7, inner=2)
     for name, fn, nbytes in ways:
         t = timeit(fn, repeat=7, inner=2)
-        print(f"{name:<34} {t * 1e3:9.3f} ms/call  x{base / t:10.1f} vs numpy   {nbytes / 2**20:7.1f} MiB/call")
+        print(
+            f"{name:<34} {t * 1e3:9.3f} ms/call  x{base / t:10.1f} vs numpy   {nbytes / 2**20:7.1f} MiB/call"
+        )
 
 
 if __name__ == "__main__":
     DEVICE = get_device()
     if DEVICE.type == "cpu":
-        torch.set_num_threads(1)  # one thread: ratios are far less disturbed by other processes on a shared box
+        torch.set_num_threads(
+            1
+        )  # one thread: ratios are far less disturbed by other processes on a shared box
     torch.manual_seed(0)
-    print(f"device {DEVICE}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"ops backend {ops.resolve_backend(torch.zeros(1, device=DEVICE))}")
+    print(
+        f"device {DEVICE}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"ops backend {ops.resolve_backend(torch.zeros(1, device=DEVICE))}"
+    )
     bench_overhead()
     bench_attention()
     bench_masks()

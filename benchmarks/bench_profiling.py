@@ -64,7 +64,9 @@ def big_profile(tmp: Path, rows: int) -> Path:
 
 def child(what: str, path: Path) -> dict:
     code = CHILD.format(root=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code, what, str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, what, str(path)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -74,18 +76,27 @@ def bench_reading(rows: int) -> None:
         t = time.perf_counter()
         pt = big_profile(tmp, rows)
         kd = pt / "ASCEND_PROFILER_OUTPUT" / "kernel_details.csv"
-        print(f"synthetic kernel_details.csv: {kd.stat().st_size / 2**20:.0f} MiB, written in "
-              f"{time.perf_counter() - t:.1f} s")
+        print(
+            f"synthetic kernel_details.csv: {kd.stat().st_size / 2**20:.0f} MiB, written in "
+            f"{time.perf_counter() - t:.1f} s"
+        )
         base = child("pandas", kd)
         reader = child("reader", kd)
         full = child("advise", pt)
-        print(f"{'':26s}{'rows':>9s}{'wall s':>8s}{'CPU s':>7s}{'rows/CPU s':>12s}{'peak MB':>9s}{'wall x':>8s}"
-              f"{'CPU x':>7s}{'mem x':>7s}")
-        for name, r in (("pandas.read_csv (floor)", base), ("kit read_kernel_details", reader),
-                        ("kit load + advise", full)):
-            print(f"{name:26s}{r['rows']:>9d}{r['seconds']:>8.2f}{r['cpu_s']:>7.2f}{r['rows'] / r['cpu_s']:>12,.0f}"
-                  f"{r['peak_rss_mb']:>9.0f}{r['seconds'] / base['seconds']:>8.2f}{r['cpu_s'] / base['cpu_s']:>7.2f}"
-                  f"{r['peak_rss_mb'] / base['peak_rss_mb']:>7.2f}")
+        print(
+            f"{'':26s}{'rows':>9s}{'wall s':>8s}{'CPU s':>7s}{'rows/CPU s':>12s}{'peak MB':>9s}{'wall x':>8s}"
+            f"{'CPU x':>7s}{'mem x':>7s}"
+        )
+        for name, r in (
+            ("pandas.read_csv (floor)", base),
+            ("kit read_kernel_details", reader),
+            ("kit load + advise", full),
+        ):
+            print(
+                f"{name:26s}{r['rows']:>9d}{r['seconds']:>8.2f}{r['cpu_s']:>7.2f}{r['rows'] / r['cpu_s']:>12,.0f}"
+                f"{r['peak_rss_mb']:>9.0f}{r['seconds'] / base['seconds']:>8.2f}{r['cpu_s'] / base['cpu_s']:>7.2f}"
+                f"{r['peak_rss_mb'] / base['peak_rss_mb']:>7.2f}"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -107,8 +118,10 @@ class StepMarks:
 
 def report_values(label: str, w0: list, c0: list, w1: list, c1: list) -> None:
     mw0, mw1, mc0, mc1 = (statistics.median(x) for x in (w0, w1, c0, c1))
-    print(f"{label}: median of {len(w0)}/{len(w1)} steps, wall {mw0 * 1000:.0f} -> {mw1 * 1000:.0f} ms "
-          f"(overhead ratio {mw1 / mw0:.2f}x), CPU {mc0 * 1000:.0f} -> {mc1 * 1000:.0f} ms (ratio {mc1 / mc0:.2f}x)")
+    print(
+        f"{label}: median of {len(w0)}/{len(w1)} steps, wall {mw0 * 1000:.0f} -> {mw1 * 1000:.0f} ms "
+        f"(overhead ratio {mw1 / mw0:.2f}x), CPU {mc0 * 1000:.0f} -> {mc1 * 1000:.0f} ms (ratio {mc1 / mc0:.2f}x)"
+    )
 
 
 def bench_overhead(steps: int) -> None:
@@ -143,8 +156,10 @@ def bench_overhead(steps: int) -> None:
             c_on += c1[:-1]
         per = steps + 1
         report_values("plain loop", w_off, c_off, w_on, c_on)
-        print(f"whole capture incl. warmup step and trace export: {statistics.median(walls):.2f} s = "
-              f"{statistics.median(walls) / (statistics.median(w_off) * per):.2f}x the same steps unprofiled")
+        print(
+            f"whole capture incl. warmup step and trace export: {statistics.median(walls):.2f} s = "
+            f"{statistics.median(walls) / (statistics.median(w_off) * per):.2f}x the same steps unprofiled"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -162,21 +177,41 @@ def bench_trainer_overhead(steps: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_prof_"))
     try:
         model_dir = tiny_llama(tmp / "tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
-        data = prepare(DataConfig(kind="pretrain", name="bench", tokenizer=str(sample_tokenizer_dir()),
-                                  max_length=128, max_records=300, megatron=False, out_dir=str(tmp / "data")),
-                       progress=False).hf_dir
+        data = prepare(
+            DataConfig(
+                kind="pretrain",
+                name="bench",
+                tokenizer=str(sample_tokenizer_dir()),
+                max_length=128,
+                max_records=300,
+                megatron=False,
+                out_dir=str(tmp / "data"),
+            ),
+            progress=False,
+        ).hf_dir
 
         def cfg(run: str) -> TrainConfig:
-            return TrainConfig(run_type="pretrain", model_type=run, model_path=str(model_dir),
-                               dataset_path=str(data), work_dir=str(tmp / "ws"), train_iters=steps + 3, mbs=2,
-                               gbs=2, save_hf=False, seed=0)
+            return TrainConfig(
+                run_type="pretrain",
+                model_type=run,
+                model_path=str(model_dir),
+                dataset_path=str(data),
+                work_dir=str(tmp / "ws"),
+                train_iters=steps + 3,
+                mbs=2,
+                gbs=2,
+                save_hf=False,
+                seed=0,
+            )
 
         w_off, c_off, w_on, c_on = [], [], [], []
         for rnd in range(2):  # alternate, as above
             off, on = StepMarks(), StepMarks()
             with contextlib.redirect_stdout(io.StringIO()):  # the trainer's per-iteration log lines
                 train(cfg(f"off{rnd}"), step_callbacks=[off], progress=False)
-                with kp.profile(tmp / "caps", device="cpu", wait=0, warmup=3, active=steps, tag=f"r{rnd}") as cap:
+                with kp.profile(
+                    tmp / "caps", device="cpu", wait=0, warmup=3, active=steps, tag=f"r{rnd}"
+                ) as cap:
                     train(cfg(f"on{rnd}"), step_callbacks=[cap, on], progress=False)
             (w0, c0), (w1, c1) = off.steps(3), on.steps(3)  # skip DeepSpeed's first steps and the warmup
             w_off, c_off, w_on, c_on = w_off + w0, c_off + c0, w_on + w1[:-1], c_on + c1[:-1]

@@ -29,11 +29,15 @@ def kit_step_ms(cfg) -> tuple:
     from kit.train.metrics import read_metrics
 
     stamps = []
-    trainer = Trainer(dataclasses.replace(cfg, overwrite=True), step_callbacks=[lambda it: stamps.append(
-        time.perf_counter())], progress=False, echo=False)
+    trainer = Trainer(
+        dataclasses.replace(cfg, overwrite=True),
+        step_callbacks=[lambda it: stamps.append(time.perf_counter())],
+        progress=False,
+        echo=False,
+    )
     result = trainer.train()
     steps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
-    useful = [r["useful_tokens_per_s"] for r in read_metrics(result.metrics_path)][-cfg.train_iters:]
+    useful = [r["useful_tokens_per_s"] for r in read_metrics(result.metrics_path)][-cfg.train_iters :]
     return median_after_warmup(steps, 1), median_after_warmup(useful, 1)
 
 
@@ -86,22 +90,42 @@ def main() -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
     ws = get_workspace(tmp / "ws", model="bench")
-    model = tiny_llama(tmp / "model", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                       intermediate_size=688)
+    model = tiny_llama(
+        tmp / "model", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688
+    )
     seq = args.seq_len
 
     def data(kind: str, pack: bool = True) -> str:
-        cfg = DataConfig(kind=kind, name=f"{kind}_{'packed' if pack else 'padded'}", tokenizer=str(model),
-                         max_length=seq, template="tokenizer", pack=pack, megatron=False)
+        cfg = DataConfig(
+            kind=kind,
+            name=f"{kind}_{'packed' if pack else 'padded'}",
+            tokenizer=str(model),
+            max_length=seq,
+            template="tokenizer",
+            pack=pack,
+            megatron=False,
+        )
         return str(prepare(cfg, ws, progress=False).hf_dir)
 
     pretrain, sft_packed, sft_padded = data("pretrain"), data("sft", True), data("sft", False)
-    base = TrainConfig(run_type="pretrain", model_type="bench", model_path=str(model), dataset_path=pretrain,
-                       work_dir=str(ws.root), train_iters=args.steps, mbs=2, gbs=4, lr=1e-3, save_hf=False,
-                       adapt=False)
+    base = TrainConfig(
+        run_type="pretrain",
+        model_type="bench",
+        model_path=str(model),
+        dataset_path=pretrain,
+        work_dir=str(ws.root),
+        train_iters=args.steps,
+        mbs=2,
+        gbs=4,
+        lr=1e-3,
+        save_hf=False,
+        adapt=False,
+    )
 
-    print(f"model: tiny Llama hidden 256, 4 layers, GQA 8/4 heads; SEQ_LEN={seq}, MBS=2, GBS=4, "
-          f"{args.steps} steps, best of {args.repeats} interleaved runs; CPU fp32, ZeRO 0\n")
+    print(
+        f"model: tiny Llama hidden 256, 4 layers, GQA 8/4 heads; SEQ_LEN={seq}, MBS=2, GBS=4, "
+        f"{args.steps} steps, best of {args.repeats} interleaved runs; CPU fp32, ZeRO 0\n"
+    )
 
     # 1. kit trainer vs plain DeepSpeed loop
     kit_ms, plain_ms = [], []
@@ -109,24 +133,38 @@ def main() -> int:
         kit_ms.append(kit_step_ms(base)[0])
         plain_ms.append(plain_step_ms(base))
     k, p = min(kit_ms), min(plain_ms)
-    print(f"1. step time: plain DeepSpeed loop {p:.1f} ms, kit trainer {k:.1f} ms "
-          f"-> kit throughput = {p / k:.3f}x the plain loop (goal >= 0.95x)")
+    print(
+        f"1. step time: plain DeepSpeed loop {p:.1f} ms, kit trainer {k:.1f} ms "
+        f"-> kit throughput = {p / k:.3f}x the plain loop (goal >= 0.95x)"
+    )
 
     # 2. adapted vs unadapted
-    runs = best(lambda c: kit_step_ms(c)[0], {"plain HF": base, "adapted": dataclasses.replace(base, adapt=True)},
-                args.repeats)
+    runs = best(
+        lambda c: kit_step_ms(c)[0],
+        {"plain HF": base, "adapted": dataclasses.replace(base, adapt=True)},
+        args.repeats,
+    )
     u, a = min(runs["plain HF"]), min(runs["adapted"])
-    print(f"2. step time: unadapted {u:.1f} ms, adapted (kit ops) {a:.1f} ms "
-          f"-> adapted throughput = {u / a:.3f}x unadapted (CPU: kit ops' torch fallbacks)")
+    print(
+        f"2. step time: unadapted {u:.1f} ms, adapted (kit ops) {a:.1f} ms "
+        f"-> adapted throughput = {u / a:.3f}x unadapted (CPU: kit ops' torch fallbacks)"
+    )
 
     # 3. packed vs padded SFT, useful tokens/s
     sft = dataclasses.replace(base, run_type="sft", adapt=True)
-    useful = best(lambda c: kit_step_ms(c)[1], {"padded": dataclasses.replace(sft, dataset_path=sft_padded),
-                                                "packed": dataclasses.replace(sft, dataset_path=sft_packed)},
-                  args.repeats)
+    useful = best(
+        lambda c: kit_step_ms(c)[1],
+        {
+            "padded": dataclasses.replace(sft, dataset_path=sft_padded),
+            "packed": dataclasses.replace(sft, dataset_path=sft_packed),
+        },
+        args.repeats,
+    )
     pad, pack = max(useful["padded"]), max(useful["packed"])
-    print(f"3. useful tokens/s: padded per dialog {pad:.0f}, packed {pack:.0f} "
-          f"-> packed = {pack / pad:.2f}x padded (goal >= 1.5x)")
+    print(
+        f"3. useful tokens/s: padded per dialog {pad:.0f}, packed {pack:.0f} "
+        f"-> packed = {pack / pad:.2f}x padded (goal >= 1.5x)"
+    )
     return 0
 
 

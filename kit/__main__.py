@@ -22,8 +22,10 @@ STAGES = {
 
 def _unavailable(name: str, exc: ImportError):
     def run(_args) -> int:
-        raise SystemExit(f"`python -m kit {name}` cannot run here: {exc}. Install the kit with its extras "
-                         f"(`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`) and retry.")
+        raise SystemExit(
+            f"`python -m kit {name}` cannot run here: {exc}. Install the kit with its extras "
+            f"(`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`) and retry."
+        )
 
     return run
 

@@ -77,7 +77,9 @@ def detect(prefer: Optional[str] = None) -> DeviceInfo:
 
     prefer = (prefer or os.environ.get("KIT_DEVICE") or "").lower() or None
     if prefer not in (None, "npu", "cuda", "cpu"):
-        raise ValueError(f"KIT_DEVICE/prefer={prefer!r} is not one of npu, cuda, cpu; unset it to auto-detect.")
+        raise ValueError(
+            f"KIT_DEVICE/prefer={prefer!r} is not one of npu, cuda, cpu; unset it to auto-detect."
+        )
     reasons: list[str] = []
     npu_mod, npu_err = torch_npu_import()
     npu_ok = False
@@ -87,7 +89,9 @@ def detect(prefer: Optional[str] = None) -> DeviceInfo:
         except Exception as exc:  # pragma: no cover - depends on the driver
             npu_err = f"{type(exc).__name__}: {exc}"
         if not npu_ok:
-            reasons.append("torch_npu imports but no NPU is visible (check npu-smi info and ASCEND_RT_VISIBLE_DEVICES)")
+            reasons.append(
+                "torch_npu imports but no NPU is visible (check npu-smi info and ASCEND_RT_VISIBLE_DEVICES)"
+            )
     else:
         reasons.append(f"torch_npu not importable ({npu_err})")
     cuda_ok = torch.cuda.is_available()
@@ -95,7 +99,9 @@ def detect(prefer: Optional[str] = None) -> DeviceInfo:
         reasons.append("no CUDA device")
 
     if prefer == "npu" and not npu_ok:
-        raise RuntimeError(f"NPU requested but not usable: {npu_err or 'no visible NPU'}. Run notebook 00 (doctor).")
+        raise RuntimeError(
+            f"NPU requested but not usable: {npu_err or 'no visible NPU'}. Run notebook 00 (doctor)."
+        )
     if prefer == "cuda" and not cuda_ok:
         raise RuntimeError("CUDA requested but torch.cuda.is_available() is False.")
     kind = prefer or ("npu" if npu_ok else "cuda" if cuda_ok else "cpu")
@@ -110,7 +116,10 @@ def detect(prefer: Optional[str] = None) -> DeviceInfo:
         reasons.append(f"chose CUDA: {count} visible")
     else:
         count, name = 1, "cpu"
-        dtype, why = "float32", "CPU: fp32 gives results comparable with NPU/GPU runs; bf16 matmuls on CPU are slow"
+        dtype, why = (
+            "float32",
+            "CPU: fp32 gives results comparable with NPU/GPU runs; bf16 matmuls on CPU are slow",
+        )
         reasons.append("chose CPU: no accelerator usable")
     return DeviceInfo(
         kind=kind,

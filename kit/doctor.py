@@ -63,8 +63,12 @@ class Report:
         return self.counts["fail"] == 0
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "counts": self.counts, "device": self.device,
-                "checks": [asdict(c) for c in self.checks]}
+        return {
+            "ok": self.ok,
+            "counts": self.counts,
+            "device": self.device,
+            "checks": [asdict(c) for c in self.checks],
+        }
 
     def to_json(self, path) -> Path:
         from kit.atomic import atomic_write_text
@@ -75,13 +79,16 @@ class Report:
         """The checks as a pandas DataFrame (status, check, detail, fix)."""
         import pandas as pd
 
-        return pd.DataFrame([{"status": c.status, "check": c.name, "detail": c.detail, "fix": c.fix}
-                             for c in self.checks])
+        return pd.DataFrame(
+            [{"status": c.status, "check": c.name, "detail": c.detail, "fix": c.fix} for c in self.checks]
+        )
 
     def __str__(self) -> str:
         marks = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO"}
-        lines = [f"{marks[c.status]:4}  {c.name:<18} {c.detail}" + (f"\n      fix: {c.fix}" if c.fix else "")
-                 for c in self.checks]
+        lines = [
+            f"{marks[c.status]:4}  {c.name:<18} {c.detail}" + (f"\n      fix: {c.fix}" if c.fix else "")
+            for c in self.checks
+        ]
         return "\n".join(lines + [f"\n{self.counts}"])
 
     def _repr_html_(self) -> str:
@@ -91,10 +98,14 @@ class Report:
         rows = "".join(
             f"<tr><td style='color:{colours[c.status]};font-weight:bold'>{c.status.upper()}</td>"
             f"<td>{html.escape(c.name)}</td><td style='text-align:left'>{html.escape(c.detail)}</td>"
-            f"<td style='text-align:left'>{html.escape(c.fix)}</td></tr>" for c in self.checks)
-        return (f"<table class='kit-doctor'><thead><tr><th>status</th><th>check</th><th style='text-align:left'>detail</th>"
-                f"<th style='text-align:left'>fix</th>"
-                f"</tr></thead><tbody>{rows}</tbody></table><p>{self.counts}</p>")
+            f"<td style='text-align:left'>{html.escape(c.fix)}</td></tr>"
+            for c in self.checks
+        )
+        return (
+            f"<table class='kit-doctor'><thead><tr><th>status</th><th>check</th><th style='text-align:left'>detail</th>"
+            f"<th style='text-align:left'>fix</th>"
+            f"</tr></thead><tbody>{rows}</tbody></table><p>{self.counts}</p>"
+        )
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -126,34 +137,52 @@ def _check_python(r: Report, torch_version: Optional[str]) -> None:
     pyv = platform.python_version()
     ok = versions.python_supported(torch_version, pyv) if torch_version else None
     if ok is False:
-        r.add("python", "warn", f"Python {pyv} is outside the range torch {torch_version} supports",
-              "use a Python in the range of envs/README.md's table (ModelArts images: 3.9/3.10)")
+        r.add(
+            "python",
+            "warn",
+            f"Python {pyv} is outside the range torch {torch_version} supports",
+            "use a Python in the range of envs/README.md's table (ModelArts images: 3.9/3.10)",
+        )
     else:
         r.add("python", "pass", f"Python {pyv} ({sys.executable})")
 
 
-def _check_torch_npu(r: Report, torch_version: Optional[str], npu_error: Optional[str], on_ascend: bool) -> None:
+def _check_torch_npu(
+    r: Report, torch_version: Optional[str], npu_error: Optional[str], on_ascend: bool
+) -> None:
     npu_ver = _dist_version("torch-npu") or _dist_version("torch_npu")
     if npu_ver is None:
         if on_ascend:
-            r.add("torch_npu", "fail", "torch_npu is not installed but this machine has CANN",
-                  "pip install the torch_npu release matching your torch and CANN (envs/README.md)")
+            r.add(
+                "torch_npu",
+                "fail",
+                "torch_npu is not installed but this machine has CANN",
+                "pip install the torch_npu release matching your torch and CANN (envs/README.md)",
+            )
         else:
             r.add("torch_npu", "info", "not installed: not an Ascend machine, the CUDA/CPU path is used")
         return
     if npu_error:
         why = explain(npu_error)
-        r.add("torch_npu", "fail", f"torch_npu {npu_ver} installed but does not import: {npu_error[:300]}",
-              why.fix if why else SET_ENV_HINT)
+        r.add(
+            "torch_npu",
+            "fail",
+            f"torch_npu {npu_ver} installed but does not import: {npu_error[:300]}",
+            why.fix if why else SET_ENV_HINT,
+        )
     else:
         r.add("torch_npu", "pass", f"torch_npu {npu_ver} imports")
     if torch_version:
         if versions.torch_npu_pairs(torch_version, npu_ver):
             r.add("torch pairing", "pass", f"torch {torch_version} pairs with torch_npu {npu_ver}")
         else:
-            r.add("torch pairing", "fail", f"torch {torch_version} does not pair with torch_npu {npu_ver}",
-                  f"install torch=={versions.base_version(npu_ver)} (CPU build) or the torch_npu release for "
-                  f"torch {versions.base_version(torch_version)}")
+            r.add(
+                "torch pairing",
+                "fail",
+                f"torch {torch_version} does not pair with torch_npu {npu_ver}",
+                f"install torch=={versions.base_version(npu_ver)} (CPU build) or the torch_npu release for "
+                f"torch {versions.base_version(torch_version)}",
+            )
 
 
 def _check_cann(r: Report, env: Mapping[str, str], roots: Sequence[str], cann: Optional[str]) -> bool:
@@ -162,22 +191,35 @@ def _check_cann(r: Report, env: Mapping[str, str], roots: Sequence[str], cann: O
     if not scripts and not home:
         r.add("CANN", "info", "no CANN installation found (no set_env.sh under " + ", ".join(roots) + ")")
         return False
-    r.add("CANN", "pass" if cann else "warn", f"CANN {cann or 'version unknown'}; set_env.sh: "
-          + (", ".join(map(str, scripts)) or "not found"), "" if cann else "check ASCEND_HOME_PATH/version.cfg")
+    r.add(
+        "CANN",
+        "pass" if cann else "warn",
+        f"CANN {cann or 'version unknown'}; set_env.sh: " + (", ".join(map(str, scripts)) or "not found"),
+        "" if cann else "check ASCEND_HOME_PATH/version.cfg",
+    )
     libs = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if "Ascend" in p or "ascend" in p]
     missing = [v for v in ("ASCEND_HOME_PATH", "ASCEND_OPP_PATH") if not env.get(v)]
     if missing or not libs:
-        r.add("CANN env", "fail", f"this kernel/process was started without the CANN environment (missing: "
-              f"{', '.join(missing + ([] if libs else ['Ascend entries in LD_LIBRARY_PATH']))})", SET_ENV_HINT)
+        r.add(
+            "CANN env",
+            "fail",
+            f"this kernel/process was started without the CANN environment (missing: "
+            f"{', '.join(missing + ([] if libs else ['Ascend entries in LD_LIBRARY_PATH']))})",
+            SET_ENV_HINT,
+        )
     else:
         r.add("CANN env", "pass", f"ASCEND_HOME_PATH={home}; {len(libs)} Ascend entries in LD_LIBRARY_PATH")
     npu_ver = _dist_version("torch-npu")
     if cann and npu_ver:
         match = versions.cann_matches(cann, npu_ver)
         if match is False:
-            r.add("CANN pairing", "warn", f"torch_npu {npu_ver} was released for CANN "
-                  f"{', '.join(versions.cann_for(npu_ver))}, this is CANN {cann}",
-                  "use the torch_npu release listed for your CANN in envs/README.md")
+            r.add(
+                "CANN pairing",
+                "warn",
+                f"torch_npu {npu_ver} was released for CANN "
+                f"{', '.join(versions.cann_for(npu_ver))}, this is CANN {cann}",
+                "use the torch_npu release listed for your CANN in envs/README.md",
+            )
     return True
 
 
@@ -189,7 +231,12 @@ def _check_driver(r: Report, npu_smi: str) -> None:
     try:
         out = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
-        r.add("driver", "fail", f"npu-smi info failed: {exc}", "check the driver with `npu-smi info` in a terminal")
+        r.add(
+            "driver",
+            "fail",
+            f"npu-smi info failed: {exc}",
+            "check the driver with `npu-smi info` in a terminal",
+        )
         return
     m = re.search(r"Version:\s*([\w.]+)", out)
     r.add("driver", "pass", f"npu-smi {m.group(1) if m else 'ok'}")
@@ -200,14 +247,26 @@ def _check_device(r: Report, env: Mapping[str, str]):
 
     info = detect()
     r.device = info.to_dict()
-    r.add("device", "pass", f"{info.kind} x{info.count} ({info.name}); backend {info.backend}; "
-          f"reasons: {'; '.join(info.reasons)}")
+    r.add(
+        "device",
+        "pass",
+        f"{info.kind} x{info.count} ({info.name}); backend {info.backend}; "
+        f"reasons: {'; '.join(info.reasons)}",
+    )
     r.add("dtype", "pass", f"{info.dtype}: {info.dtype_reason}")
-    if info.kind == "npu" and env.get("CUDA_VISIBLE_DEVICES") is not None and not env.get("ASCEND_RT_VISIBLE_DEVICES"):
+    if (
+        info.kind == "npu"
+        and env.get("CUDA_VISIBLE_DEVICES") is not None
+        and not env.get("ASCEND_RT_VISIBLE_DEVICES")
+    ):
         why = explain("", env=env, on_npu=True)
         r.add("visible devices", "warn", why.cause, why.fix)
     elif info.visible_devices_env:
-        r.add("visible devices", "pass", f"{info.visible_devices_env}={env.get(info.visible_devices_env, '(all)')}")
+        r.add(
+            "visible devices",
+            "pass",
+            f"{info.visible_devices_env}={env.get(info.visible_devices_env, '(all)')}",
+        )
     return info
 
 
@@ -217,32 +276,53 @@ def _check_deepspeed(r: Report, kind: str, env: Mapping[str, str]) -> None:
         r.add("deepspeed", "warn", "not installed", "pip install deepspeed (needed by notebook 04)")
         return
     if kind == "npu" and not env.get("ASCEND_HOME_PATH"):
-        r.add("deepspeed", "fail", f"deepspeed {ver}: ASCEND_HOME_PATH unset, its NPU op builders will raise "
-              "KeyError: 'ASCEND_HOME_PATH'", SET_ENV_HINT)
+        r.add(
+            "deepspeed",
+            "fail",
+            f"deepspeed {ver}: ASCEND_HOME_PATH unset, its NPU op builders will raise "
+            "KeyError: 'ASCEND_HOME_PATH'",
+            SET_ENV_HINT,
+        )
         return
     try:
         from deepspeed.accelerator import get_accelerator
 
         acc = get_accelerator()._name
     except Exception as exc:  # deepspeed prints and raises many kinds of errors on broken setups
-        r.add("deepspeed", "fail", f"deepspeed {ver} failed to pick an accelerator: {exc}",
-              (explain(exc).fix if explain(exc) else "run `ds_report` in a terminal"))
+        r.add(
+            "deepspeed",
+            "fail",
+            f"deepspeed {ver} failed to pick an accelerator: {exc}",
+            (explain(exc).fix if explain(exc) else "run `ds_report` in a terminal"),
+        )
         return
     status = "pass" if acc == kind else "warn"
-    r.add("deepspeed", status, f"deepspeed {ver}, accelerator {acc!r}" + ("" if acc == kind else f" but kit chose {kind!r}"),
-          "" if status == "pass" else f"set DS_ACCELERATOR={kind} before importing deepspeed")
+    r.add(
+        "deepspeed",
+        status,
+        f"deepspeed {ver}, accelerator {acc!r}" + ("" if acc == kind else f" but kit chose {kind!r}"),
+        "" if status == "pass" else f"set DS_ACCELERATOR={kind} before importing deepspeed",
+    )
 
 
-def diagnose(env: Optional[Mapping[str, str]] = None, roots: Sequence[str] = ASCEND_ROOTS,
-             npu_smi: str = "npu-smi", deepspeed: bool = True) -> Report:
+def diagnose(
+    env: Optional[Mapping[str, str]] = None,
+    roots: Sequence[str] = ASCEND_ROOTS,
+    npu_smi: str = "npu-smi",
+    deepspeed: bool = True,
+) -> Report:
     """Run every check and return the report (env and roots are parameters so tests can simulate machines)."""
     env = dict(os.environ if env is None else env)
     r = Report()
     torch_version = _dist_version("torch")
     _check_python(r, torch_version)
     if torch_version is None:
-        r.add("torch", "fail", "torch is not installed",
-              "on ModelArts pick a kernel whose image brings torch + torch_npu; elsewhere `pip install torch`")
+        r.add(
+            "torch",
+            "fail",
+            "torch is not installed",
+            "on ModelArts pick a kernel whose image brings torch + torch_npu; elsewhere `pip install torch`",
+        )
         return r
     import torch
 
@@ -261,11 +341,19 @@ def diagnose(env: Optional[Mapping[str, str]] = None, roots: Sequence[str] = ASC
         _check_deepspeed(r, info.kind, env)
     for pkg in ("transformers", "accelerate", "peft", "datasets"):
         ver = _dist_version(pkg)
-        r.add(pkg, "pass" if ver else "warn", f"{pkg} {ver}" if ver else "not installed",
-              "" if ver else f"pip install {pkg}")
+        r.add(
+            pkg,
+            "pass" if ver else "warn",
+            f"{pkg} {ver}" if ver else "not installed",
+            "" if ver else f"pip install {pkg}",
+        )
     if "IPython" in sys.modules and info.kind == "npu":
-        r.add("task queue", "warn", "inside Jupyter torch_npu sets TASK_QUEUE_ENABLE=0 (slower kernels)",
-              "launch long training as a subprocess (notebook 04 shows how)")
+        r.add(
+            "task queue",
+            "warn",
+            "inside Jupyter torch_npu sets TASK_QUEUE_ENABLE=0 (slower kernels)",
+            "launch long training as a subprocess (notebook 04 shows how)",
+        )
     return r
 
 

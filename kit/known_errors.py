@@ -38,52 +38,82 @@ class _Rule:
 
 # Ordered: the first matching rule wins, so specific messages come before generic ones.
 RULES = [
-    _Rule("transfer_to_npu_missing", r"has no attribute '_cuda_setDevice'|has no attribute '_cuda_",
-          "CUDA-written code called torch.cuda on a machine whose accelerator is an Ascend NPU; without the "
-          "transfer_to_npu patch torch.cuda is the stock CUDA module, which this torch build lacks.",
-          "put `import torch_npu` and `from torch_npu.contrib import transfer_to_npu` (or "
-          "`kit.device.enable_transfer_to_npu()`) at the top of the entry script, before other imports; better, use "
-          "device 'npu' via `kit.device.get_device()`."),
-    _Rule("two_accelerators", r"Two accelerators cannot be used at the same time",
-          "a CUDA build of torch is installed next to torch_npu; torch_npu needs the CPU build of the same version.",
-          "reinstall the CPU build of torch matching torch_npu (x86: `pip install torch==X.Y.Z+cpu --index-url "
-          "https://download.pytorch.org/whl/cpu`; aarch64: `pip install torch==X.Y.Z`), see envs/README.md."),
-    _Rule("torch_npu_version_mismatch", r"torch_npu[^\n]*undefined symbol|libtorch_npu\.so: undefined symbol",
-          "torch_npu was built for a different torch version than the one installed (its C++ symbols do not resolve).",
-          "install the torch_npu release made for your torch (torch_npu X.Y.Z[.postN] pairs with torch X.Y.Z; "
-          "table in envs/README.md), e.g. `pip install torch==2.1.0 torch_npu==2.1.0.post12`; run notebook 00 to check."),
-    _Rule("cann_env_missing", r"lib(hccl|ascendcl|acl_op_compiler|ge_runner|graph|runtime|opapi|nnopbase)\.so[^\n]*"
-          r"(cannot open shared object|No such file)",
-          "this process (often a Jupyter kernel) was started without the CANN environment, so the dynamic loader "
-          "cannot find the CANN libraries that torch_npu links against.",
-          SET_ENV_HINT),
-    _Rule("deepspeed_ascend_home", r"KeyError: ['\"]ASCEND_HOME_PATH['\"]",
-          "DeepSpeed's NPU op builder reads ASCEND_HOME_PATH, which only CANN's set_env.sh exports "
-          "(deepspeed/ops/op_builder/npu/builder.py installed_cann_path).",
-          SET_ENV_HINT),
-    _Rule("hccl_notify_timeout", r"\bEI0002\b",
-          "HCCL timed out waiting for another rank inside a collective: a rank crashed, hung, is much slower "
-          "(e.g. still loading data or compiling), or ranks issued collectives in a different order.",
-          "look for the first error on the other ranks' logs (the root cause is usually there); if all ranks are "
-          "healthy but slow to start, raise `HCCL_EXEC_TIMEOUT` (and `HCCL_CONNECT_TIMEOUT`, default 120 s); make "
-          "every rank run the same collectives in the same order."),
-    _Rule("hccl_socket_timeout", r"\bEI0006\b",
-          "HCCL could not build its socket links in time: some rank started late or not at all, or the nodes cannot "
-          "reach each other (wrong MASTER_ADDR, NIC, firewall, ranks on different network segments).",
-          "start every node within the timeout (raise `HCCL_CONNECT_TIMEOUT`, e.g. 1200), check MASTER_ADDR / "
-          "NNODES / NODE_RANK on each node, set `HCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` to the right NIC."),
-    _Rule("leftover_process", r"\bEJ0001\b",
-          "the NPU is still held by a previous training process (HCCP could not initialise).",
-          "find it with `npu-smi info` (Process id column) or `ps -ef | grep python`, stop it "
-          "(`kill <pid>`; in a notebook, restart the kernel that ran training), wait ~10 s, then start again."),
-    _Rule("task_queue_interactive", r"TASK_QUEUE_ENABLE is set to 0",
-          "torch_npu disables its task queue inside IPython/Jupyter, which makes NPU training slower.",
-          "run long training as a subprocess (`kit.train` launch from notebook 04), not in the kernel."),
-    _Rule("invalid_device", r"Invalid device ID|SetDevice failed|set device.*failed",
-          "the process asked for a card it cannot see: more processes than visible NPUs, or the wrong "
-          "visible-devices variable.",
-          "use ASCEND_RT_VISIBLE_DEVICES (not CUDA_VISIBLE_DEVICES) to choose NPUs, numbered from 0 inside the "
-          "container, and launch at most as many processes per node as visible NPUs."),
+    _Rule(
+        "transfer_to_npu_missing",
+        r"has no attribute '_cuda_setDevice'|has no attribute '_cuda_",
+        "CUDA-written code called torch.cuda on a machine whose accelerator is an Ascend NPU; without the "
+        "transfer_to_npu patch torch.cuda is the stock CUDA module, which this torch build lacks.",
+        "put `import torch_npu` and `from torch_npu.contrib import transfer_to_npu` (or "
+        "`kit.device.enable_transfer_to_npu()`) at the top of the entry script, before other imports; better, use "
+        "device 'npu' via `kit.device.get_device()`.",
+    ),
+    _Rule(
+        "two_accelerators",
+        r"Two accelerators cannot be used at the same time",
+        "a CUDA build of torch is installed next to torch_npu; torch_npu needs the CPU build of the same version.",
+        "reinstall the CPU build of torch matching torch_npu (x86: `pip install torch==X.Y.Z+cpu --index-url "
+        "https://download.pytorch.org/whl/cpu`; aarch64: `pip install torch==X.Y.Z`), see envs/README.md.",
+    ),
+    _Rule(
+        "torch_npu_version_mismatch",
+        r"torch_npu[^\n]*undefined symbol|libtorch_npu\.so: undefined symbol",
+        "torch_npu was built for a different torch version than the one installed (its C++ symbols do not resolve).",
+        "install the torch_npu release made for your torch (torch_npu X.Y.Z[.postN] pairs with torch X.Y.Z; "
+        "table in envs/README.md), e.g. `pip install torch==2.1.0 torch_npu==2.1.0.post12`; run notebook 00 to check.",
+    ),
+    _Rule(
+        "cann_env_missing",
+        r"lib(hccl|ascendcl|acl_op_compiler|ge_runner|graph|runtime|opapi|nnopbase)\.so[^\n]*"
+        r"(cannot open shared object|No such file)",
+        "this process (often a Jupyter kernel) was started without the CANN environment, so the dynamic loader "
+        "cannot find the CANN libraries that torch_npu links against.",
+        SET_ENV_HINT,
+    ),
+    _Rule(
+        "deepspeed_ascend_home",
+        r"KeyError: ['\"]ASCEND_HOME_PATH['\"]",
+        "DeepSpeed's NPU op builder reads ASCEND_HOME_PATH, which only CANN's set_env.sh exports "
+        "(deepspeed/ops/op_builder/npu/builder.py installed_cann_path).",
+        SET_ENV_HINT,
+    ),
+    _Rule(
+        "hccl_notify_timeout",
+        r"\bEI0002\b",
+        "HCCL timed out waiting for another rank inside a collective: a rank crashed, hung, is much slower "
+        "(e.g. still loading data or compiling), or ranks issued collectives in a different order.",
+        "look for the first error on the other ranks' logs (the root cause is usually there); if all ranks are "
+        "healthy but slow to start, raise `HCCL_EXEC_TIMEOUT` (and `HCCL_CONNECT_TIMEOUT`, default 120 s); make "
+        "every rank run the same collectives in the same order.",
+    ),
+    _Rule(
+        "hccl_socket_timeout",
+        r"\bEI0006\b",
+        "HCCL could not build its socket links in time: some rank started late or not at all, or the nodes cannot "
+        "reach each other (wrong MASTER_ADDR, NIC, firewall, ranks on different network segments).",
+        "start every node within the timeout (raise `HCCL_CONNECT_TIMEOUT`, e.g. 1200), check MASTER_ADDR / "
+        "NNODES / NODE_RANK on each node, set `HCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` to the right NIC.",
+    ),
+    _Rule(
+        "leftover_process",
+        r"\bEJ0001\b",
+        "the NPU is still held by a previous training process (HCCP could not initialise).",
+        "find it with `npu-smi info` (Process id column) or `ps -ef | grep python`, stop it "
+        "(`kill <pid>`; in a notebook, restart the kernel that ran training), wait ~10 s, then start again.",
+    ),
+    _Rule(
+        "task_queue_interactive",
+        r"TASK_QUEUE_ENABLE is set to 0",
+        "torch_npu disables its task queue inside IPython/Jupyter, which makes NPU training slower.",
+        "run long training as a subprocess (`kit.train` launch from notebook 04), not in the kernel.",
+    ),
+    _Rule(
+        "invalid_device",
+        r"Invalid device ID|SetDevice failed|set device.*failed",
+        "the process asked for a card it cannot see: more processes than visible NPUs, or the wrong "
+        "visible-devices variable.",
+        "use ASCEND_RT_VISIBLE_DEVICES (not CUDA_VISIBLE_DEVICES) to choose NPUs, numbered from 0 inside the "
+        "container, and launch at most as many processes per node as visible NPUs.",
+    ),
 ]
 
 _CUDA_VISIBLE_ON_NPU = Explanation(
@@ -95,8 +125,9 @@ _CUDA_VISIBLE_ON_NPU = Explanation(
 )
 
 
-def explain(error: Union[BaseException, str], env: Optional[Mapping[str, str]] = None,
-            on_npu: Optional[bool] = None) -> Optional[Explanation]:
+def explain(
+    error: Union[BaseException, str], env: Optional[Mapping[str, str]] = None, on_npu: Optional[bool] = None
+) -> Optional[Explanation]:
     """Cause and fix for a known failure (an exception or its text); None if it is not a known one.
 
     `env` (default os.environ) and `on_npu` let it also spot CUDA_VISIBLE_DEVICES used on an NPU machine.
@@ -118,4 +149,6 @@ def _cuda_visible_on_npu(env: Optional[Mapping[str, str]], on_npu: Optional[bool
         from kit.device import torch_npu_import
 
         on_npu = torch_npu_import()[0] is not None
-    return bool(on_npu and env.get("CUDA_VISIBLE_DEVICES") is not None and not env.get("ASCEND_RT_VISIBLE_DEVICES"))
+    return bool(
+        on_npu and env.get("CUDA_VISIBLE_DEVICES") is not None and not env.get("ASCEND_RT_VISIBLE_DEVICES")
+    )

@@ -23,7 +23,11 @@ def numbered_notebooks(folder: Optional[Path] = None) -> list[Path]:
 def parameter_cells(nb_path: Path) -> list[dict]:
     """The code cells tagged `parameters`."""
     nb = json.loads(Path(nb_path).read_text(encoding="utf-8"))
-    return [c for c in nb["cells"] if c["cell_type"] == "code" and "parameters" in c.get("metadata", {}).get("tags", [])]
+    return [
+        c
+        for c in nb["cells"]
+        if c["cell_type"] == "code" and "parameters" in c.get("metadata", {}).get("tags", [])
+    ]
 
 
 def parameters_of(nb_path: Path) -> dict:
@@ -34,7 +38,9 @@ def parameters_of(nb_path: Path) -> dict:
     tree = ast.parse("".join(cells[0]["source"]))
     params = {}
     for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+        if not (
+            isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        ):
             raise ValueError(f"{nb_path.name}: the parameters cell may hold only `NAME = literal` lines.")
         params[node.targets[0].id] = ast.literal_eval(node.value)
     return params
@@ -50,13 +56,21 @@ def execute(nb_path: Path, out_path: Path, parameters: Optional[dict] = None, ti
         raise ValueError(f"{nb_path.name} has no parameter(s) {unknown}; see its parameters cell.")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(
-        str(nb_path), str(out_path), parameters=parameters, cwd=str(nb_path.parent), kernel_name="python3",
-        progress_bar=False, execution_timeout=timeout, log_output=False,
+        str(nb_path),
+        str(out_path),
+        parameters=parameters,
+        cwd=str(nb_path.parent),
+        kernel_name="python3",
+        progress_bar=False,
+        execution_timeout=timeout,
+        log_output=False,
     )
     return out_path
 
 
-def run_all(out_dir: Optional[Path] = None, only: Optional[list] = None, parameters: Optional[dict] = None) -> list[dict]:
+def run_all(
+    out_dir: Optional[Path] = None, only: Optional[list] = None, parameters: Optional[dict] = None
+) -> list[dict]:
     """Run every numbered notebook (or those whose name starts with one of `only`) on its defaults."""
     out = Path(out_dir or repo_root() / "runs" / "demo")
     results = []
@@ -67,7 +81,9 @@ def run_all(out_dir: Optional[Path] = None, only: Optional[list] = None, paramet
         params = {k: v for k, v in (parameters or {}).items() if k in parameters_of(nb)}
         print(f"running {nb.name} ...", flush=True)
         execute(nb, out / nb.name, params)
-        results.append({"notebook": nb.name, "executed": str(out / nb.name), "seconds": round(time.time() - t0, 1)})
+        results.append(
+            {"notebook": nb.name, "executed": str(out / nb.name), "seconds": round(time.time() - t0, 1)}
+        )
     return results
 
 
@@ -77,7 +93,9 @@ def main(argv: Optional[list] = None) -> int:
 
     from kit.workspace import default_root
 
-    ap = argparse.ArgumentParser(prog="python -m kit.notebooks", description="run the numbered notebooks headless")
+    ap = argparse.ArgumentParser(
+        prog="python -m kit.notebooks", description="run the numbered notebooks headless"
+    )
     ap.add_argument("only", nargs="*", help="notebook number prefixes, e.g. 00 02 (default: all)")
     ap.add_argument("--out", default=None, help="folder for executed notebooks (default: runs/demo)")
     args = ap.parse_args(argv)
@@ -89,7 +107,9 @@ def main(argv: Optional[list] = None) -> int:
         print(f"  {r['executed']}  ({r['seconds']} s)")
     print(f"workspace (data, checkpoints, logs, reports): {ws}")
     for summary in sorted((ws / "reports").glob("*.summary.json")):
-        print(f"  {summary.name}: {', '.join(f'{k}={v}' for k, v in list(json.loads(summary.read_text()).items())[:4])}")
+        print(
+            f"  {summary.name}: {', '.join(f'{k}={v}' for k, v in list(json.loads(summary.read_text()).items())[:4])}"
+        )
     return 0
 
 

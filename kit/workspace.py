@@ -156,7 +156,9 @@ class Workspace:
         return "\n".join(lines)
 
 
-def get_workspace(root: Optional[Union[str, Path]] = None, model: str = "demo", create: bool = True) -> Workspace:
+def get_workspace(
+    root: Optional[Union[str, Path]] = None, model: str = "demo", create: bool = True
+) -> Workspace:
     """The workspace at `root` (default: `default_root()`) for `model`, created unless create=False."""
     ws = Workspace(Path(root) if root else default_root(), model)
     return ws.create() if create else ws

@@ -26,8 +26,12 @@ def tiny_llama_tied_dir(tmp_path_factory) -> Path:
     """A tiny seeded Llama with plain multi-head attention and tied embeddings."""
     from kit.samples import tiny_llama
 
-    return tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama-mha-tied", num_kv_heads=4,
-                      tie_word_embeddings=True, seed=1)
+    return tiny_llama(
+        tmp_path_factory.mktemp("ckpt") / "tiny-llama-mha-tied",
+        num_kv_heads=4,
+        tie_word_embeddings=True,
+        seed=1,
+    )
 
 
 @pytest.fixture

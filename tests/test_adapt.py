@@ -14,7 +14,9 @@ from kit.adapt import adapt_model
 def llama_pair(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, attn_implementation="eager", dtype=torch.float32
+    )
     adapted = copy.deepcopy(base)
     report = adapt_model(adapted)
     return base, adapted, report
@@ -70,7 +72,7 @@ def test_packed_rows_attend_within_each_dialog(llama_pair):
     mask = torch.tensor([[1] * 10 + [0, 0], [1] * 12])
     out = adapted(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     for row, start, end in [(0, 0, 5), (0, 5, 8), (0, 8, 10), (1, 0, 8), (1, 8, 12)]:
-        alone = base(input_ids=ids[row:row + 1, start:end]).logits[0]
+        alone = base(input_ids=ids[row : row + 1, start:end]).logits[0]
         torch.testing.assert_close(out[row, start:end], alone, rtol=1e-5, atol=1e-5)
     # the unadapted model with the same inputs lets the second dialog see the first: the outputs differ
     leaky = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
@@ -134,19 +136,34 @@ def test_npu_branch_under_standin_matches_and_plans_once(llama_pair, monkeypatch
 def _tiny(family: str, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(family, vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager", **extra)
+    cfg = AutoConfig.for_model(
+        family,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+        **extra,
+    )
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(cfg).eval()
     adapted = copy.deepcopy(base)
     return base, adapted, adapt_model(adapted)
 
 
-@pytest.mark.parametrize("family, extra", [
-    ("mistral", dict(sliding_window=4)),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),  # one full, one sliding layer
-    ("qwen3", dict(head_dim=8)),  # q_norm / k_norm RMSNorms inside attention
-])
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("mistral", dict(sliding_window=4)),
+        (
+            "qwen2",
+            dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+        ),  # one full, one sliding layer
+        ("qwen3", dict(head_dim=8)),  # q_norm / k_norm RMSNorms inside attention
+    ],
+)
 def test_sliding_window_families_match_eager(family, extra):
     base, adapted, report = _tiny(family, **extra)
     assert report.model_type == family and report.rms_norms == (9 if family == "qwen3" else 5)

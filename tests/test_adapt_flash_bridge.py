@@ -36,8 +36,9 @@ def _toy_pair(folder):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    flash = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
-                                             trust_remote_code=True)
+    flash = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True
+    )
     eager_cfg = AutoConfig.from_pretrained(folder, trust_remote_code=True, use_flash_attn=False)
     eager = AutoModelForCausalLM.from_config(eager_cfg, trust_remote_code=True)
     eager.load_state_dict(flash.state_dict())
@@ -57,8 +58,9 @@ def test_toy_remote_code_needs_flash_attn_without_bridge(toy_dir):
 
     remove_flash_attn_bridge()
     with pytest.raises(ImportError, match="flash_attn"):
-        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(toy_dir, trust_remote_code=True),
-                                         trust_remote_code=True)
+        AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(toy_dir, trust_remote_code=True), trust_remote_code=True
+        )
 
 
 def test_toy_remote_code_runs_through_bridge_and_matches_eager(bridge, toy_dir):
@@ -90,16 +92,22 @@ def test_toy_remote_code_npu_branch_under_standin(bridge, toy_dir, monkeypatch):
     assert calls[0]["sparse_mode"] == 3 and calls[0]["scale"] == pytest.approx(1 / math.sqrt(8))
 
 
-@pytest.mark.parametrize("window, causal", [((-1, -1), False), ((-1, -1), True), ((2, 0), True), ((1, 2), False)])
+@pytest.mark.parametrize(
+    "window, causal", [((-1, -1), False), ((-1, -1), True), ((2, 0), True), ((1, 2), False)]
+)
 def test_flash_attn_func_semantics(bridge, window, causal):
     gen = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(2, 6, 4, 8, generator=gen), torch.randn(2, 7, 2, 8, generator=gen), \
-        torch.randn(2, 7, 2, 8, generator=gen)
+    q, k, v = (
+        torch.randn(2, 6, 4, 8, generator=gen),
+        torch.randn(2, 7, 2, 8, generator=gen),
+        torch.randn(2, 7, 2, 8, generator=gen),
+    )
     out = bridge.flash_attn_func(q, k, v, softmax_scale=0.4, causal=causal, window_size=window)
     pre = MAX_TOKENS if window[0] < 0 else window[0]
     nxt = MAX_TOKENS if window[1] < 0 else window[1]
-    want = ref_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ref_keep(6, 7, causal, pre, nxt),
-                         0.4)
+    want = ref_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ref_keep(6, 7, causal, pre, nxt), 0.4
+    )
     torch.testing.assert_close(out.transpose(1, 2).double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -140,7 +148,10 @@ def test_a_real_flash_attn_is_kept(tmp_path, monkeypatch):
 
     assert flash_attn.REAL
     monkeypatch.delitem(sys.modules, "flash_attn")
-    assert install_flash_attn_bridge(replace_real=True) == ["flash_attn", "flash_attn.flash_attn_interface",
-                                                            "flash_attn.bert_padding"]
+    assert install_flash_attn_bridge(replace_real=True) == [
+        "flash_attn",
+        "flash_attn.flash_attn_interface",
+        "flash_attn.bert_padding",
+    ]
     assert not hasattr(sys.modules["flash_attn"], "REAL")
     remove_flash_attn_bridge()

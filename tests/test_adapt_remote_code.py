@@ -62,7 +62,8 @@ def test_unexpected_shape_is_reported_clearly(tmp_path):
     with pytest.raises(RemoteCodeFixError, match="Tokenizer"):
         fix_remote_code(tmp_path)
     (tmp_path / "tokenization_baichuan.py").write_text(
-        "class BaichuanTokenizer:\n    def __init__(self):\n        self.x = 1\n", encoding="utf-8")
+        "class BaichuanTokenizer:\n    def __init__(self):\n        self.x = 1\n", encoding="utf-8"
+    )
     with pytest.raises(RemoteCodeFixError, match="0 top-level super"):
         fix_remote_code(tmp_path)
 

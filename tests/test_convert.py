@@ -33,7 +33,9 @@ def test_layout_on_disk_tp2_pp2(tiny_llama_dir, tmp_path):
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "1"
     ranks = sorted(p.name for p in (out / "iter_0000001").iterdir())
     assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    state = load_rank_file(out / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt")  # weights_only=True
+    state = load_rank_file(
+        out / "iter_0000001" / "mp_rank_01_001" / "model_optim_rng.pt"
+    )  # weights_only=True
     assert set(state) == {"args", "checkpoint_version", "iteration", "model"}
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == 1
     a = state["args"]
@@ -41,10 +43,16 @@ def test_layout_on_disk_tp2_pp2(tiny_llama_dir, tmp_path):
     assert (a.num_query_groups, a.num_key_value_heads, a.group_query_attention) == (2, 2, True)
     assert a.padded_vocab_size == 2560 == summary["padded_vocab_size"]  # ceil(2522 / (128*2)) * 256
     last = sorted(state["model"])
-    assert last == ["decoder.final_layernorm.weight", "decoder.layers.0.input_layernorm.weight",
-                    "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
-                    "decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.0.self_attention.linear_proj.weight",
-                    "decoder.layers.0.self_attention.linear_qkv.weight", "output_layer.weight"]
+    assert last == [
+        "decoder.final_layernorm.weight",
+        "decoder.layers.0.input_layernorm.weight",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "output_layer.weight",
+    ]
     m = state["model"]
     # hidden 64, 4 heads of 16, 2 groups: qkv rows (4 + 2*2) * 16 / 2 = 64; fc1 2*128/2; proj 64 x 32
     assert m["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (64, 64)
@@ -99,8 +107,10 @@ def test_megatron_to_hf_loads_with_from_pretrained(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     to_megatron(tiny_llama_dir, tmp_path / "m", tp=2, pp=2)
-    megatron_to_hf(ConvertConfig(str(tmp_path / "m"), str(tmp_path / "hf"), direction="megatron_to_hf",
-                                 max_shard_mb=1), progress=False)
+    megatron_to_hf(
+        ConvertConfig(str(tmp_path / "m"), str(tmp_path / "hf"), direction="megatron_to_hf", max_shard_mb=1),
+        progress=False,
+    )
     out = tmp_path / "hf"
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).is_file(), name
@@ -112,19 +122,31 @@ def test_megatron_to_hf_loads_with_from_pretrained(tiny_llama_dir, tmp_path):
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, got(ids).logits)
     assert AutoTokenizer.from_pretrained(str(out)).encode("hello") == AutoTokenizer.from_pretrained(
-        str(tiny_llama_dir)).encode("hello")
+        str(tiny_llama_dir)
+    ).encode("hello")
 
 
 def test_megatron_resharding_equals_direct_conversion(tiny_llama4_dir, tmp_path):
     to_megatron(tiny_llama4_dir, tmp_path / "a", tp=2, pp=2)
-    megatron_to_megatron(ConvertConfig(str(tmp_path / "a"), str(tmp_path / "b"), direction="megatron_to_megatron",
-                                       tp=1, pp=2, num_layer_list=[1, 3], flavor="legacy"), progress=False)
+    megatron_to_megatron(
+        ConvertConfig(
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            direction="megatron_to_megatron",
+            tp=1,
+            pp=2,
+            num_layer_list=[1, 3],
+            flavor="legacy",
+        ),
+        progress=False,
+    )
     to_megatron(tiny_llama4_dir, tmp_path / "c", tp=1, pp=2, num_layer_list=[1, 3], flavor="legacy")
     b, c = megatron_checksums(tmp_path / "b"), megatron_checksums(tmp_path / "c")
     assert b == c and len(b) == 4 * 7 + 3  # 4 layers x 7 tensors (with qkv bias) + embedding, norm, output
     assert MegatronReader(tmp_path / "b").meta["num_layer_list"] == [1, 3]
-    megatron_to_hf(ConvertConfig(str(tmp_path / "b"), str(tmp_path / "hf"), direction="megatron_to_hf"),
-                   progress=False)
+    megatron_to_hf(
+        ConvertConfig(str(tmp_path / "b"), str(tmp_path / "hf"), direction="megatron_to_hf"), progress=False
+    )
     assert compare_hf(tiny_llama4_dir, tmp_path / "hf")["bit_exact"]
 
 
@@ -137,8 +159,10 @@ def test_bin_shards_give_the_same_rank_files(tiny_llama_dir, tmp_path):
     shards = sorted(out.glob("model-*.safetensors"))
     for i, shard in enumerate(shards, 1):
         torch.save(load_file(shard), out / f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin")
-        index["weight_map"] = {k: (f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin" if v == shard.name else v)
-                               for k, v in index["weight_map"].items()}
+        index["weight_map"] = {
+            k: (f"pytorch_model-{i:05d}-of-{len(shards):05d}.bin" if v == shard.name else v)
+            for k, v in index["weight_map"].items()
+        }
         shard.unlink()
     (out / "model.safetensors.index.json").unlink()
     (out / "pytorch_model.bin.index.json").write_text(json.dumps(index))
@@ -160,22 +184,55 @@ def test_cli_accepts_the_seed_flags(tiny_llama_dir, tmp_path, capsys):
     from kit.__main__ import main
 
     out = tmp_path / "converted_weights"
-    rc = main(["convert", "--model-type", "GPT", "--loader", "llama2_hf", "--saver", "megatron",
-               "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
-               "--load-dir", str(tiny_llama_dir), "--save-dir", str(out),
-               "--tokenizer-model", str(tiny_llama_dir / "tokenizer.json"), "--no-progress"])
+    rc = main(
+        [
+            "convert",
+            "--model-type",
+            "GPT",
+            "--loader",
+            "llama2_hf",
+            "--saver",
+            "megatron",
+            "--target-tensor-parallel-size",
+            "2",
+            "--target-pipeline-parallel-size",
+            "2",
+            "--load-dir",
+            str(tiny_llama_dir),
+            "--save-dir",
+            str(out),
+            "--tokenizer-model",
+            str(tiny_llama_dir / "tokenizer.json"),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["tp"], summary["pp"], summary["family"]) == (2, 2, "llama")
     assert MegatronReader(out).tp == 2
-    rc = main(["convert", "--loader", "megatron", "--saver", "megatron", "--save-model-type", "hf",
-               "--load-dir", str(out), "--save-dir", str(tmp_path / "back"), "--no-progress"])
+    rc = main(
+        [
+            "convert",
+            "--loader",
+            "megatron",
+            "--saver",
+            "megatron",
+            "--save-model-type",
+            "hf",
+            "--load-dir",
+            str(out),
+            "--save-dir",
+            str(tmp_path / "back"),
+            "--no-progress",
+        ]
+    )
     assert rc == 0 and compare_hf(tiny_llama_dir, tmp_path / "back")["bit_exact"]
     rc = main(["convert", "--source", str(tiny_llama_dir), "--target", str(out), "--no-progress"])
     assert rc == 2 and "already exists" in capsys.readouterr().out
 
 
 # ---- bad input: every case fails before writing, with a message naming the value --------------------------
+
 
 def test_tp_must_divide_heads_and_groups(tiny_llama_dir, tmp_path):
     with pytest.raises(ConversionError, match="tensor parallel size 3 does not divide the 4 attention heads"):
@@ -221,13 +278,17 @@ def test_missing_shard_and_unknown_and_mismatched_tensors(tiny_llama_dir, tmp_pa
     save_file(sd, first, metadata={"format": "pt"})
     index["weight_map"]["model.layers.0.self_attn.q_norm.weight"] = first.name
     (b / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ConversionError, match="'model.layers.0.self_attn.q_norm.weight' is not in the llama key map"):
+    with pytest.raises(
+        ConversionError, match="'model.layers.0.self_attn.q_norm.weight' is not in the llama key map"
+    ):
         to_megatron(b, tmp_path / "x")
     c = _copy(tiny_llama_dir, tmp_path / "c")
     cfg = json.loads((c / "config.json").read_text())
     cfg["intermediate_size"] = 256
     (c / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConversionError, match=r"mlp.gate_proj.weight' has shape \[128, 64\] but config.json implies"):
+    with pytest.raises(
+        ConversionError, match=r"mlp.gate_proj.weight' has shape \[128, 64\] but config.json implies"
+    ):
         to_megatron(c, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
@@ -247,7 +308,9 @@ def test_existing_output_refused_and_disk_space_checked(tiny_llama_dir, tmp_path
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(tiny_llama_dir, tmp_path):
     a = _copy(tiny_llama_dir, tmp_path / "a")
     last = sorted(a.glob("model-*.safetensors"))[-1]
-    last.write_bytes(last.read_bytes()[:200])  # truncated download: fails after the first rank files are written
+    last.write_bytes(
+        last.read_bytes()[:200]
+    )  # truncated download: fails after the first rank files are written
     with pytest.raises(Exception):  # noqa: B017  (the safetensors error type is internal)
         to_megatron(a, tmp_path / "out", tp=2, pp=2)
     assert not (tmp_path / "out").exists()
@@ -283,8 +346,9 @@ def test_megatron_checkpoint_not_made_by_the_kit_needs_and_uses_an_hf_config(tin
     back.hf_config_dir = str(tiny_llama4_dir)
     megatron_to_hf(back, progress=False)  # uneven stages come from args.num_layer_list = "3,1"
     assert compare_hf(tiny_llama4_dir, tmp_path / "hf")["bit_exact"]
-    wrong = ConvertConfig(str(out), str(tmp_path / "hf2"), direction="megatron_to_hf",
-                          hf_config_dir=str(tmp_path / "hf"))
+    wrong = ConvertConfig(
+        str(out), str(tmp_path / "hf2"), direction="megatron_to_hf", hf_config_dir=str(tmp_path / "hf")
+    )
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     cfg["num_hidden_layers"] = 6
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
@@ -300,8 +364,18 @@ def test_peak_memory_stays_far_below_the_model_size(tmp_path):
 
     from kit.convert.synthetic import synthetic_checkpoint
 
-    src = synthetic_checkpoint(tmp_path / "src", "llama", hidden_size=512, num_layers=8, num_heads=8, num_groups=2,
-                               ffn_hidden_size=1408, vocab_size=8000, max_shard_mb=40, with_tokenizer=False)
+    src = synthetic_checkpoint(
+        tmp_path / "src",
+        "llama",
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_groups=2,
+        ffn_hidden_size=1408,
+        vocab_size=8000,
+        max_shard_mb=40,
+        with_tokenizer=False,
+    )
     model_mb = sum(p.stat().st_size for p in src.glob("*.safetensors")) / 1024**2
     code = (
         "import re, torch\n"
@@ -311,8 +385,12 @@ def test_peak_memory_stays_far_below_the_model_size(tmp_path):
         f"hf_to_megatron(ConvertConfig({str(src)!r}, {str(tmp_path / 'out')!r}, tp=1, pp=1), progress=False)\n"
         "print(hwm() - before)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=str(Path(__file__).resolve().parents[1]))
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     growth_mb = float(res.stdout.strip().splitlines()[-1])
     assert model_mb > 100
@@ -328,13 +406,19 @@ def test_megatron_side_unknown_or_missing_tensors_are_errors(tiny_llama_dir, tmp
     path = out / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
     state = load_rank_file(path)
     model = {k: v.clone() for k, v in state["model"].items()}
-    model["decoder.layers.0.self_attention.linear_proj.bias"] = torch.zeros(64)  # a bias the map does not know
+    model["decoder.layers.0.self_attention.linear_proj.bias"] = torch.zeros(
+        64
+    )  # a bias the map does not know
     model["decoder.layers.1.mlp.linear_fc1._extra_state"] = None  # metadata entries are fine
     del model["decoder.layers.1.mlp.linear_fc2.weight"]
     save_rank(path, state["args"], model)
     with pytest.raises(ConversionError) as err:
-        megatron_to_hf(ConvertConfig(str(out), str(tmp_path / "hf"), direction="megatron_to_hf"), progress=False)
+        megatron_to_hf(
+            ConvertConfig(str(out), str(tmp_path / "hf"), direction="megatron_to_hf"), progress=False
+        )
     msg = str(err.value)
-    assert "mp_rank_01: tensor 'decoder.layers.0.self_attention.linear_proj.bias' is not in the llama map" in msg
+    assert (
+        "mp_rank_01: tensor 'decoder.layers.0.self_attention.linear_proj.bias' is not in the llama map" in msg
+    )
     assert "mp_rank_01: missing ['decoder.layers.1.mlp.linear_fc2.weight']" in msg
     assert "_extra_state" not in msg and not (tmp_path / "hf").exists()

@@ -26,7 +26,9 @@ def convert_and_check(src, out, tp, pp, **kw) -> dict:
 
 @pytest.mark.parametrize("tp,pp", GRID)
 def test_llama_gqa_and_mha(tiny_llama_dir, tiny_llama_tied_dir, tmp_path, tp, pp):
-    gqa = convert_and_check(tiny_llama_dir, tmp_path / "gqa", tp, pp)  # TP4 > 2 KV groups: mcore >= 0.16 layout
+    gqa = convert_and_check(
+        tiny_llama_dir, tmp_path / "gqa", tp, pp
+    )  # TP4 > 2 KV groups: mcore >= 0.16 layout
     mha = convert_and_check(tiny_llama_tied_dir, tmp_path / "mha", tp, pp, flavor="legacy")
     for r in (gqa, mha):
         assert r["passed"] and r["max_abs_diff"] <= TOL and r["argmax_agree"] == 1.0, r
@@ -59,6 +61,7 @@ def test_reference_forward_matches_transformers_for_llama(tiny_llama_dir):
 
 
 # ---- negative controls: the check must catch the two classic conversion bugs -----------------------------------
+
 
 def _rewrite(folder, fn):
     for path in sorted((folder / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt")):

@@ -56,27 +56,49 @@ def build_gpt(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, layernorm_epsilon=args.norm_epsilon, normalization="RMSNorm",
-        gated_linear_unit=args.swiglu, activation_func=F.silu, add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias, rotary_interleaved=args.rotary_interleaved, use_cpu_initialization=True,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        rotary_interleaved=args.rotary_interleaved,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
     )
     return GPTModel(
-        config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="rope", rotary_percent=args.rotary_percent, rotary_base=int(args.rotary_base),
+        position_embedding_type="rope",
+        rotary_percent=args.rotary_percent,
+        rotary_base=int(args.rotary_base),
     ).eval()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["llama_gqa", "llama_tied_mha", "chatglm3"])
-def test_gptmodel_strict_load_and_logits(which, tiny_llama_dir, tiny_llama_tied_dir, tiny_glm_dir, tmp_path,
-                                         mcore_world, cpu_patches):
-    src = {"llama_gqa": tiny_llama_dir, "llama_tied_mha": tiny_llama_tied_dir, "chatglm3": tiny_glm_dir}[which]
+def test_gptmodel_strict_load_and_logits(
+    which, tiny_llama_dir, tiny_llama_tied_dir, tiny_glm_dir, tmp_path, mcore_world, cpu_patches
+):
+    src = {"llama_gqa": tiny_llama_dir, "llama_tied_mha": tiny_llama_tied_dir, "chatglm3": tiny_glm_dir}[
+        which
+    ]
     out = tmp_path / "m"
     hf_to_megatron(ConvertConfig(str(src), str(out), tp=1, pp=1, flavor="local"), progress=False)
     mr = MegatronReader(out)
@@ -92,7 +114,9 @@ def test_gptmodel_strict_load_and_logits(which, tiny_llama_dir, tiny_llama_tied_
     spec_vocab = state["args"].padded_vocab_size
     ids = sample_tokens(min(spec_vocab, 2522), 12)
     s = ids.numel()
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True = masked (Megatron convention)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[
+        None, None
+    ]  # True = masked (Megatron convention)
     with torch.no_grad():
         logits = model(ids[None], torch.arange(s)[None], mask)[0]
     ref = hf_logits(src, ids)
@@ -112,7 +136,8 @@ def test_gptmodel_logits_catch_a_wrong_qkv_layout(tiny_llama_dir, tmp_path, mcor
     model_sd = dict(state["model"])
     for i in range(2):
         model_sd[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat(
-            [hf.read(f"model.layers.{i}.self_attn.{n}_proj.weight") for n in "qkv"])
+            [hf.read(f"model.layers.{i}.self_attn.{n}_proj.weight") for n in "qkv"]
+        )
     model = build_gpt(state["args"])
     model.load_state_dict(model_sd, strict=True)
     ids = sample_tokens(2522, 12)

@@ -21,7 +21,9 @@ def test_notebook_03_converts_and_verifies(run_notebook, tiny_llama_dir, tmp_pat
     assert summary["verified"] and summary["round_trip_bit_exact"]
     assert summary["logits_max_abs_diff"] <= 1e-4
     target = Path(summary["target"])
-    assert target == tmp_path / "ws" / "processed_for_ma_input" / "demo" / "converted_weights" / "tp2pp2_local"
+    assert (
+        target == tmp_path / "ws" / "processed_for_ma_input" / "demo" / "converted_weights" / "tp2pp2_local"
+    )
     mr = MegatronReader(target)
     assert (mr.tp, mr.pp, mr.flavor) == (2, 2, "local")
     assert (target / "rank_file_sizes.png").stat().st_size > 1000

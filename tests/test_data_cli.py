@@ -9,8 +9,25 @@ from kit.__main__ import main
 
 def test_cli_sft_then_check(tmp_path, capsys):
     out = tmp_path / "o"
-    assert main(["data", "sft", "--out-dir", str(out), "--max-length", "64", "--max-records", "12",
-                 "--template", "chatml", "--name", "demo"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "sft",
+                "--out-dir",
+                str(out),
+                "--max-length",
+                "64",
+                "--max-records",
+                "12",
+                "--template",
+                "chatml",
+                "--name",
+                "demo",
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["records_read"] == 12 and summary["hf_dir"] == str(out / "demo_hf")
     assert (out / "demo_packed_labels_document.idx").is_file()
@@ -25,8 +42,26 @@ def test_cli_sft_then_check(tmp_path, capsys):
 
 
 def test_cli_pretrain_into_workspace(tmp_path, capsys):
-    assert main(["data", "pretrain", "--workspace", str(tmp_path / "ws"), "--model", "m", "--max-length", "32",
-                 "--max-records", "5", "--no-megatron", "--columns", '{"text": "text"}']) == 0
+    assert (
+        main(
+            [
+                "data",
+                "pretrain",
+                "--workspace",
+                str(tmp_path / "ws"),
+                "--model",
+                "m",
+                "--max-length",
+                "32",
+                "--max-records",
+                "5",
+                "--no-megatron",
+                "--columns",
+                '{"text": "text"}',
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["hf_dir"].endswith("processed_for_ma_input/m/data/pretrain/corpus_hf")
     assert summary["megatron_files"] == []
@@ -35,5 +70,15 @@ def test_cli_pretrain_into_workspace(tmp_path, capsys):
 def test_cli_templates_lists_all(capsys):
     assert main(["data", "templates"]) == 0
     text = capsys.readouterr().out
-    for name in ("telechat", "chatml", "qwen", "chatglm3", "llama2", "llama3", "baichuan2", "alpaca", "tokenizer"):
+    for name in (
+        "telechat",
+        "chatml",
+        "qwen",
+        "chatglm3",
+        "llama2",
+        "llama3",
+        "baichuan2",
+        "alpaca",
+        "tokenizer",
+    ):
         assert name in text

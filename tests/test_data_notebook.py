@@ -21,8 +21,13 @@ def test_notebook_committed_without_outputs():
 
 @pytest.mark.slow
 def test_notebook_02_tiny(run_notebook, tmp_path):
-    _, summary = run_notebook("02", TOKENIZER=str(sample_tokenizer_dir()), MAX_LENGTH=64, TEMPLATE="telechat",
-                              WORKSPACE=str(tmp_path / "ws"))
+    _, summary = run_notebook(
+        "02",
+        TOKENIZER=str(sample_tokenizer_dir()),
+        MAX_LENGTH=64,
+        TEMPLATE="telechat",
+        WORKSPACE=str(tmp_path / "ws"),
+    )
     assert summary is not None and summary["max_length"] == 64 and summary["template"] == "telechat"
     pre, sft = summary["pretrain"], summary["sft"]
     assert pre["records_read"] == 600 and pre["records_dropped"] == 0 and pre["samples"] > 0
@@ -33,4 +38,7 @@ def test_notebook_02_tiny(run_notebook, tmp_path):
     assert len(IndexedReader(pre["megatron_prefix"])) == 600
     assert all(Path(p).is_file() for p in pre["megatron_files"] + sft["megatron_files"])
     assert Path(sft["histogram_png"]).stat().st_size > 1000
-    assert Path(sft["hf_dir"]).parent == tmp_path / "ws" / "processed_for_ma_input" / "demo" / "data" / "finetune"
+    assert (
+        Path(sft["hf_dir"]).parent
+        == tmp_path / "ws" / "processed_for_ma_input" / "demo" / "data" / "finetune"
+    )

@@ -31,8 +31,14 @@ def corpus(tmp_path_factory):
 
 
 def _run(out, corpus_path, **kw):
-    cfg = DataConfig(kind="pretrain", inputs=[str(corpus_path)], name="c", max_length=kw.pop("max_length", 48),
-                     out_dir=str(out), **kw)
+    cfg = DataConfig(
+        kind="pretrain",
+        inputs=[str(corpus_path)],
+        name="c",
+        max_length=kw.pop("max_length", 48),
+        out_dir=str(out),
+        **kw,
+    )
     return prepare(cfg, progress=False)
 
 
@@ -45,7 +51,7 @@ def test_rows_are_the_concatenated_documents(tmp_path, corpus, tok):
     L = 48
     rows = np.array(ds["input_ids"])
     assert rows.shape == (stream.size // L, L)
-    np.testing.assert_array_equal(rows.reshape(-1), stream[:rows.size])
+    np.testing.assert_array_equal(rows.reshape(-1), stream[: rows.size])
     np.testing.assert_array_equal(np.array(ds["labels"]), rows)
     assert (np.array(ds["attention_mask"]) == 1).all()
     assert (np.array(ds["position_ids"]) == np.arange(L)).all()
@@ -85,9 +91,17 @@ def test_megatron_gpt_dataset_samples_from_kit_documents(tmp_path, corpus):
         eod, pad, bos, vocab_size = 2, 3, 1, 2522
         unique_identifiers = {"class": "kit-sample-tokenizer"}
 
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=32, blend=([res.megatron_prefix], None), split="100,0,0",
-                           path_to_cache=str(tmp_path / "cache"), tokenizer=SampleTokenizer(),
-                           reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=32,
+        blend=([res.megatron_prefix], None),
+        split="100,0,0",
+        path_to_cache=str(tmp_path / "cache"),
+        tokenizer=SampleTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [16, None, None], lambda: True, cfg).build()
     docs = [tuple(d.tolist()) for d in IndexedReader(res.megatron_prefix)]
     bodies = {d[:-1] for d in docs}
@@ -108,9 +122,9 @@ def test_megatron_gpt_dataset_samples_from_kit_documents(tmp_path, corpus):
             assert any(inner in " " + " ".join(map(str, b)) + " " for b in bodies)
             continue
         first, *middle, last = pieces
-        assert any(b[len(b) - len(first):] == first for b in bodies)  # the end of a document
+        assert any(b[len(b) - len(first) :] == first for b in bodies)  # the end of a document
         assert all(m in bodies for m in middle)  # whole documents
-        assert any(b[:len(last)] == last for b in bodies)  # the start of a document
+        assert any(b[: len(last)] == last for b in bodies)  # the start of a document
 
 
 def test_bos_option(tmp_path, corpus, tok):
@@ -122,8 +136,11 @@ def test_bos_option(tmp_path, corpus, tok):
 
 
 def _digests(folder):
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpus):
@@ -136,10 +153,14 @@ def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpu
     assert set(da) == set(db) and {k for k in da if da[k] != db[k]} == {"c_hf/config.json"}
     assert a.report.as_dict() == b.report.as_dict()
     out = tmp_path / "sft"
-    x = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=1, batch_size=9), progress=False)
+    x = prepare(
+        DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=1, batch_size=9), progress=False
+    )
     dx = _digests(out)
-    y = prepare(DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=2, batch_size=20,
-                           overwrite=True), progress=False)
+    y = prepare(
+        DataConfig(kind="sft", max_length=64, out_dir=str(out), num_workers=2, batch_size=20, overwrite=True),
+        progress=False,
+    )
     dy = _digests(out)
     assert set(dx) == set(dy) and {k for k in dx if dx[k] != dy[k]} == {"alpaca_hf/config.json"}
     assert x.report.samples == y.report.samples
@@ -148,12 +169,25 @@ def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpu
 def test_text_files_and_column_mapping(tmp_path, tok):
     (tmp_path / "d.txt").write_text("first line\nsecond line\n", encoding="utf-8")
     (tmp_path / "e.jsonl").write_text(json.dumps({"body": "third"}) + "\n", encoding="utf-8")
-    r1 = prepare(DataConfig(kind="pretrain", inputs=[str(tmp_path / "d.txt")], max_length=8,
-                            out_dir=str(tmp_path / "o1")), progress=False)
+    r1 = prepare(
+        DataConfig(
+            kind="pretrain", inputs=[str(tmp_path / "d.txt")], max_length=8, out_dir=str(tmp_path / "o1")
+        ),
+        progress=False,
+    )
     assert IndexedReader(r1.megatron_prefix)[1].tolist() == tok("second line", add_special_tokens=False)[
-        "input_ids"] + [tok.eos_token_id]
-    r2 = prepare(DataConfig(kind="pretrain", inputs=[str(tmp_path / "e.jsonl")], max_length=8,
-                            columns={"text": "body"}, out_dir=str(tmp_path / "o2")), progress=False)
+        "input_ids"
+    ] + [tok.eos_token_id]
+    r2 = prepare(
+        DataConfig(
+            kind="pretrain",
+            inputs=[str(tmp_path / "e.jsonl")],
+            max_length=8,
+            columns={"text": "body"},
+            out_dir=str(tmp_path / "o2"),
+        ),
+        progress=False,
+    )
     assert r2.report.records_written == 1 and r2.report.samples == 0 and r2.report.warnings
 
 
@@ -179,8 +213,10 @@ def test_arrow_sink_bytes_independent_of_write_sizes(tmp_path):
     from kit.data.output import ArrowSink
 
     rng = np.random.default_rng(0)
-    rows = {c: rng.integers(0, 100, size=(8, 6)).astype(np.int32)
-            for c in ("input_ids", "labels", "attention_mask", "position_ids")}
+    rows = {
+        c: rng.integers(0, 100, size=(8, 6)).astype(np.int32)
+        for c in ("input_ids", "labels", "attention_mask", "position_ids")
+    }
     lens = [[6], [2, 4], [1, 2, 3], [6], [3, 3], [5], [6], [1, 1, 4]]
     digests = []
     for i, sizes in enumerate(([8], [2, 5, 1], [1] * 8)):
@@ -189,7 +225,7 @@ def test_arrow_sink_bytes_independent_of_write_sizes(tmp_path):
         sink = ArrowSink(folder, "sft", 6, rows_per_batch=3)
         at = 0
         for n in sizes:
-            sink.write({c: a[at:at + n] for c, a in rows.items()}, lens[at:at + n])
+            sink.write({c: a[at : at + n] for c, a in rows.items()}, lens[at : at + n])
             at += n
         assert sink.finalize({"x": 1}) == 8
         digests.append({p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()})

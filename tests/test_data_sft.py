@@ -18,20 +18,30 @@ DIALOG = Dialog("SYS", [("Q1", "A1"), ("Q2", "A2")])
 # Expected text (full dialog, learned part) per template, written out by hand from each model family's format.
 EXPECTED = {
     "telechat": ("<_system>SYS<_user>Q1<_bot>A1<end><_user>Q2<_bot>A2<end>", "A1<end>A2<end>"),
-    "chatml": ("<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
-               "A1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
-               "A1<|im_end|>\nA2<|im_end|>\n"),
-    "chatglm3": ("[gMASK]sop<|system|>\nSYS<|user|>\nQ1<|assistant|>\nA1<|user|>\nQ2<|assistant|>\nA2</s>",
-                 "\nA1\nA2</s>"),
-    "llama2": ("<s>[INST] <<SYS>>\nSYS\n<</SYS>>\n\nQ1 [/INST] A1 </s><s>[INST] Q2 [/INST] A2 </s>",
-               " A1 </s> A2 </s>"),
+    "chatml": (
+        "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
+        "A1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
+        "A1<|im_end|>\nA2<|im_end|>\n",
+    ),
+    "chatglm3": (
+        "[gMASK]sop<|system|>\nSYS<|user|>\nQ1<|assistant|>\nA1<|user|>\nQ2<|assistant|>\nA2</s>",
+        "\nA1\nA2</s>",
+    ),
+    "llama2": (
+        "<s>[INST] <<SYS>>\nSYS\n<</SYS>>\n\nQ1 [/INST] A1 </s><s>[INST] Q2 [/INST] A2 </s>",
+        " A1 </s> A2 </s>",
+    ),
     "baichuan2": ("SYS<reserved_106>Q1<reserved_107>A1<reserved_106>Q2<reserved_107>A2</s>", "A1A2</s>"),
-    "llama3": ("<s><|start_header_id|>system<|end_header_id|>\n\nSYS<|eot_id|><|start_header_id|>user<|end_header_id|>"
-               "\n\nQ1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|><|start_header_id|>user"
-               "<|end_header_id|>\n\nQ2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA2<|eot_id|>",
-               "A1<|eot_id|>A2<|eot_id|>"),
-    "alpaca": ("SYS\n\n### Instruction:\nQ1\n\n### Response:\nA1</s>\n\n### Instruction:\nQ2\n\n### Response:\nA2</s>",
-               "A1</s>A2</s>"),
+    "llama3": (
+        "<s><|start_header_id|>system<|end_header_id|>\n\nSYS<|eot_id|><|start_header_id|>user<|end_header_id|>"
+        "\n\nQ1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|><|start_header_id|>user"
+        "<|end_header_id|>\n\nQ2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA2<|eot_id|>",
+        "A1<|eot_id|>A2<|eot_id|>",
+    ),
+    "alpaca": (
+        "SYS\n\n### Instruction:\nQ1\n\n### Response:\nA1</s>\n\n### Instruction:\nQ2\n\n### Response:\nA2</s>",
+        "A1</s>A2</s>",
+    ),
 }
 
 
@@ -138,7 +148,7 @@ def test_packed_rows_hold_whole_dialogs(packed):
         assert (labels[n:] == -100).all() and (ids[n:] == packed.meta["pad_token_id"]).all()
         at = 0
         for m in lens:
-            segments[(tuple(ids[at:at + m]), tuple(labels[at:at + m]))] += 1
+            segments[(tuple(ids[at : at + m]), tuple(labels[at : at + m]))] += 1
             at += m
     # every dialog of the input appears exactly once, unsplit (truncated ones cut at max_length)
     expected = Counter()
@@ -171,7 +181,11 @@ def test_mindspeed_files_agree(packed):
 def test_meta_and_report_files(packed):
     meta = json.loads((packed.hf_dir / "meta.json").read_text())
     assert meta["kind"] == "sft" and meta["max_length"] == 64 and meta["vocab_size"] == 2522
-    assert meta["pad_token_id"] == 3 and meta["eos_token_id"] == 2 and meta["num_samples"] == packed.report.samples
+    assert (
+        meta["pad_token_id"] == 3
+        and meta["eos_token_id"] == 2
+        and meta["num_samples"] == packed.report.samples
+    )
     cfg = json.loads((packed.hf_dir / "config.json").read_text())
     assert cfg["template"] == "telechat" and cfg["max_length"] == 64
     rep = json.loads((packed.hf_dir / "report.json").read_text())
@@ -188,7 +202,9 @@ def test_overlong_policy_counted(tmp_path, policy):
     L = 24
     over = sum(n > L for n in lengths)
     assert over > 0
-    res = prepare(DataConfig(kind="sft", max_length=L, out_dir=str(tmp_path), overlong=policy), progress=False)
+    res = prepare(
+        DataConfig(kind="sft", max_length=L, out_dir=str(tmp_path), overlong=policy), progress=False
+    )
     rep = res.report
     if policy == "drop":
         assert rep.dropped == {"too_long": over} and rep.records_written == 158 - over and rep.truncated == 0
@@ -211,9 +227,13 @@ def test_explain_sample_separates_learned_text(packed):
 
     table = explain_sample(packed.hf_dir, 0)
     row = load_prepared(packed.hf_dir)[0]
-    assert list(table["tokens"])[:-1] == row["seq_lens"] and table.loc["padding", "tokens"] == 64 - sum(row["seq_lens"])
+    assert list(table["tokens"])[:-1] == row["seq_lens"] and table.loc["padding", "tokens"] == 64 - sum(
+        row["seq_lens"]
+    )
     assert all(t.endswith("<end>") for t in table["learned (loss)"].tolist()[:-1])
-    assert all(c.startswith(("<_user>", "<_system>")) and c.endswith("<_bot>")
-               for c in table["context (no loss)"].tolist()[:-1])
+    assert all(
+        c.startswith(("<_user>", "<_system>")) and c.endswith("<_bot>")
+        for c in table["context (no loss)"].tolist()[:-1]
+    )
     with pytest.raises(IndexError, match="does not exist"):
         explain_sample(packed.hf_dir, 10_000)

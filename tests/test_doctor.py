@@ -19,7 +19,12 @@ def test_report_on_this_cpu_machine(tmp_path):
     assert report.get("deepspeed").status == "pass" and "'cpu'" in report.get("deepspeed").detail
     data = json.loads(report.to_json(tmp_path / "r.json").read_text())
     assert data["device"]["kind"] == "cpu" and data["counts"]["fail"] == 0
-    assert "<table" in report._repr_html_() and list(report.table().columns) == ["status", "check", "detail", "fix"]
+    assert "<table" in report._repr_html_() and list(report.table().columns) == [
+        "status",
+        "check",
+        "detail",
+        "fix",
+    ]
 
 
 def _fake_ascend(tmp_path, version="8.0.RC1"):
@@ -27,13 +32,17 @@ def _fake_ascend(tmp_path, version="8.0.RC1"):
     tk = root / "ascend-toolkit"
     (tk / "latest" / "x86_64-linux").mkdir(parents=True)
     (tk / "set_env.sh").write_text("export ASCEND_HOME_PATH=/x\n")
-    (tk / "latest" / "x86_64-linux" / "ascend_toolkit_install.info").write_text(f"package_name=x\nversion={version}\n")
+    (tk / "latest" / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
+        f"package_name=x\nversion={version}\n"
+    )
     return root
 
 
 def test_kernel_without_cann_environment_fails_with_fix(tmp_path):
     root = _fake_ascend(tmp_path)
-    report = doctor.diagnose(env={"PATH": "/usr/bin"}, roots=[str(root)], npu_smi="npu-smi-absent", deepspeed=False)
+    report = doctor.diagnose(
+        env={"PATH": "/usr/bin"}, roots=[str(root)], npu_smi="npu-smi-absent", deepspeed=False
+    )
     cann, env = report.get("CANN"), report.get("CANN env")
     assert cann.status == "pass" and "8.0.RC1" in cann.detail
     assert env.status == "fail" and "ASCEND_HOME_PATH" in env.detail and "set_env.sh" in env.fix
@@ -44,8 +53,11 @@ def test_kernel_without_cann_environment_fails_with_fix(tmp_path):
 
 def test_kernel_with_cann_environment_passes(tmp_path):
     root = _fake_ascend(tmp_path)
-    env = {"ASCEND_HOME_PATH": str(root / "ascend-toolkit/latest"), "ASCEND_OPP_PATH": str(root / "opp"),
-           "LD_LIBRARY_PATH": f"{root}/ascend-toolkit/latest/lib64:/usr/lib"}
+    env = {
+        "ASCEND_HOME_PATH": str(root / "ascend-toolkit/latest"),
+        "ASCEND_OPP_PATH": str(root / "opp"),
+        "LD_LIBRARY_PATH": f"{root}/ascend-toolkit/latest/lib64:/usr/lib",
+    }
     report = doctor.diagnose(env=env, roots=[str(root)], npu_smi="npu-smi-absent", deepspeed=False)
     assert report.get("CANN env").status == "pass"
 

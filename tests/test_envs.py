@@ -44,7 +44,9 @@ def source_env(tmp_path_factory) -> Path:
 
 def _run(path: Path, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    return subprocess.run([str(path), *args], capture_output=True, text=True, check=True, env=env).stdout.strip()
+    return subprocess.run(
+        [str(path), *args], capture_output=True, text=True, check=True, env=env
+    ).stdout.strip()
 
 
 def _names(root: Path) -> set:
@@ -61,8 +63,9 @@ def test_create_venv_inherits_parent_packages(source_env):
 
 
 def test_clone_venv_relocates_and_verifies(source_env, tmp_path):
-    result = envs.clone(source_env, name="clone-a", envs_root=tmp_path / "envs",
-                        verify_imports=["kitprobe", "ipykernel"])
+    result = envs.clone(
+        source_env, name="clone-a", envs_root=tmp_path / "envs", verify_imports=["kitprobe", "ipykernel"]
+    )
     target = tmp_path / "envs" / "venvs" / "clone-a"
     assert result["target"] == str(target) and result["kind"] == "venv" and result["method"] == "copy"
     assert result["verify"]["prefix"] == str(target)
@@ -70,7 +73,10 @@ def test_clone_venv_relocates_and_verifies(source_env, tmp_path):
     assert result["rewritten"] >= 3  # activate scripts, hello, kitprobe
     assert _run(target / "bin" / "hello") == str(target)
     assert str(source_env) not in (target / "bin" / "activate").read_text()
-    assert f"BUILT_AT = {str(target)!r}" in next(target.glob("lib/python3*/site-packages/kitprobe/__init__.py")).read_text()
+    assert (
+        f"BUILT_AT = {str(target)!r}"
+        in next(target.glob("lib/python3*/site-packages/kitprobe/__init__.py")).read_text()
+    )
     assert _run(source_env / "bin" / "hello") == str(source_env)  # source untouched
     assert _names(target) == _names(source_env)
     assert [p.name for p in target.parent.iterdir()] == ["clone-a"]  # no temporary folders left
@@ -113,7 +119,9 @@ def test_pack_unpack_roundtrip(source_env, tmp_path, fmt, threads):
     packed = envs.pack(source_env, out, threads=threads)
     assert packed["format"] == fmt and out.is_file() and packed["prefix_files"] >= 3
     sidecar = json.loads(Path(f"{out}.json").read_text())
-    assert sidecar["bytes"] == packed["bytes"] and sidecar["kind"] == "venv" and sidecar["archive"] == str(out)
+    assert (
+        sidecar["bytes"] == packed["bytes"] and sidecar["kind"] == "venv" and sidecar["archive"] == str(out)
+    )
     if fmt == "tar.gz":  # a standard gzip stream: the system tar lists it
         listing = subprocess.run(["tar", "-tzf", str(out)], capture_output=True, text=True, check=True).stdout
         assert "bin/hello" in listing and ".kit-env.json" in listing
@@ -121,9 +129,13 @@ def test_pack_unpack_roundtrip(source_env, tmp_path, fmt, threads):
     result = envs.unpack(out, target, verify_imports=["kitprobe"])
     assert result["verify"]["prefix"] == str(target) and result["verify"]["imports"]["kitprobe"] == "ok 1.0"
     assert _run(target / "bin" / "hello") == str(target)
-    assert os.readlink(target / "bin" / "python3.11" if (target / "bin" / "python3.11").is_symlink()
-                       else target / "bin" / "python") == os.readlink(source_env / "bin" / (
-                           "python3.11" if (source_env / "bin" / "python3.11").is_symlink() else "python"))
+    assert os.readlink(
+        target / "bin" / "python3.11"
+        if (target / "bin" / "python3.11").is_symlink()
+        else target / "bin" / "python"
+    ) == os.readlink(
+        source_env / "bin" / ("python3.11" if (source_env / "bin" / "python3.11").is_symlink() else "python")
+    )
     assert _names(target) == _names(source_env)
     assert not (target / ".kit-env.json").exists()
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
@@ -143,7 +155,9 @@ def test_pack_refuses_editable_installs_unless_asked(source_env, tmp_path):
     env = envs.clone(source_env, name="editable", envs_root=tmp_path / "envs", verify_imports=None)["target"]
     dist = next(Path(env).glob("lib/python3*/site-packages")) / "mypkg-0.1.dist-info"
     dist.mkdir()
-    (dist / "direct_url.json").write_text(json.dumps({"url": "file:///src/mypkg", "dir_info": {"editable": True}}))
+    (dist / "direct_url.json").write_text(
+        json.dumps({"url": "file:///src/mypkg", "dir_info": {"editable": True}})
+    )
     with pytest.raises(envs.EnvError, match="editable installs \\(mypkg\\)"):
         envs.pack(env, tmp_path / "e.tar.zst")
     assert not (tmp_path / "e.tar.zst").exists()
@@ -154,8 +168,11 @@ def test_unpack_corrupt_or_truncated_archive_leaves_nothing(source_env, tmp_path
     good = tmp_path / "good.tar.zst"
     envs.pack(source_env, good)
     data = good.read_bytes()
-    cases = {"truncated.tar.zst": data[: len(data) // 2], "garbage.tar.gz": b"\x1f\x8b" + os.urandom(4000),
-             "random.tar": os.urandom(5000)}
+    cases = {
+        "truncated.tar.zst": data[: len(data) // 2],
+        "garbage.tar.gz": b"\x1f\x8b" + os.urandom(4000),
+        "random.tar": os.urandom(5000),
+    }
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         target = tmp_path / "out" / name.split(".")[0]
@@ -206,8 +223,12 @@ def test_find_and_capture_both_cann_layouts():
 
 def test_verification_gets_the_cann_env_found_from_ascend_home_path(source_env, tmp_path, monkeypatch):
     monkeypatch.setenv("ASCEND_HOME_PATH", str(OLD_LAYOUT / "ascend-toolkit" / "latest"))
-    result = envs.clone(source_env, name="npu-check", envs_root=tmp_path / "envs",
-                        verify_imports=["torch_npu", "kit_fake_cann"])
+    result = envs.clone(
+        source_env,
+        name="npu-check",
+        envs_root=tmp_path / "envs",
+        verify_imports=["torch_npu", "kit_fake_cann"],
+    )
     assert result["verify"]["imports"] == {"torch_npu": "absent", "kit_fake_cann": "ok "}
     without = envs.verify(result["target"], ["kit_fake_cann"])
     assert without["imports"]["kit_fake_cann"] == "absent"  # only the captured PYTHONPATH made it importable
@@ -216,8 +237,13 @@ def test_verification_gets_the_cann_env_found_from_ascend_home_path(source_env, 
 def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_path):
     root = tmp_path / "envs"
     target = Path(envs.clone(source_env, name="npu-env", envs_root=root, verify_imports=None)["target"])
-    reg = envs.register_kernel(target, "npu-env", "Python (npu-env)",
-                               set_env_scripts=[OLD_LAYOUT / "ascend-toolkit" / "set_env.sh"], envs_root=root)
+    reg = envs.register_kernel(
+        target,
+        "npu-env",
+        "Python (npu-env)",
+        set_env_scripts=[OLD_LAYOUT / "ascend-toolkit" / "set_env.sh"],
+        envs_root=root,
+    )
     user_dir = tmp_path / "jupyter-data" / "kernels" / "npu-env"
     assert Path(reg["installed"]) == user_dir and Path(reg["stored"]) == root / "kernels" / "npu-env"
     spec = json.loads((user_dir / "kernel.json").read_text())
@@ -228,10 +254,13 @@ def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_pat
     assert "ASCEND_OPP_PATH" in reg["cann_vars"] and "LD_LIBRARY_PATH" in reg["cann_vars"]
 
     home = str((OLD_LAYOUT / "ascend-toolkit" / "latest").resolve())
-    ran = envs.check_kernel("npu-env", variables=("ASCEND_HOME_PATH", "LD_LIBRARY_PATH", "PATH"),
-                            code="import kit_fake_cann, subprocess\n"
-                                 "assert kit_fake_cann.ASCEND_HOME_PATH.endswith('latest')\n"
-                                 "assert subprocess.run(['msprof'], capture_output=True).returncode == 0")
+    ran = envs.check_kernel(
+        "npu-env",
+        variables=("ASCEND_HOME_PATH", "LD_LIBRARY_PATH", "PATH"),
+        code="import kit_fake_cann, subprocess\n"
+        "assert kit_fake_cann.ASCEND_HOME_PATH.endswith('latest')\n"
+        "assert subprocess.run(['msprof'], capture_output=True).returncode == 0",
+    )
     assert ran["error"] is None
     assert ran["prefix"] == str(target)
     assert ran["env"]["ASCEND_HOME_PATH"] == home
@@ -259,7 +288,9 @@ def test_register_kernel_refuses_env_without_ipykernel(tmp_path):
         envs.register_kernel(bare, "bare", set_env_scripts=[], envs_root=tmp_path / "envs")
     with pytest.raises(envs.EnvError, match="not allowed"):
         envs.register_kernel(bare, "bad/name", set_env_scripts=[], envs_root=tmp_path / "envs")
-    assert not (tmp_path / "envs" / "kernels").exists() or list((tmp_path / "envs" / "kernels").iterdir()) == []
+    assert (
+        not (tmp_path / "envs" / "kernels").exists() or list((tmp_path / "envs" / "kernels").iterdir()) == []
+    )
 
 
 def test_cli_clone_pack_unpack_kernel_restore(source_env, tmp_path, capsys):

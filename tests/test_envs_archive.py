@@ -23,8 +23,13 @@ def _tar(path: Path, members: list) -> Path:
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
                 continue
-            info.type = {"dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE, "hard": tarfile.LNKTYPE,
-                         "fifo": tarfile.FIFOTYPE, "chr": tarfile.CHRTYPE}[kind]
+            info.type = {
+                "dir": tarfile.DIRTYPE,
+                "sym": tarfile.SYMTYPE,
+                "hard": tarfile.LNKTYPE,
+                "fifo": tarfile.FIFOTYPE,
+                "chr": tarfile.CHRTYPE,
+            }[kind]
             if kind == "dir":
                 info.mode = 0o755
             if kind in ("sym", "hard"):
@@ -44,8 +49,9 @@ def box(tmp_path):
 
 
 def _outside_unchanged(root: Path) -> None:
-    assert sorted(p.name for p in root.iterdir()) == ["box", "bad.tar", "outside"] or \
-        sorted(p.name for p in root.iterdir()) == ["bad.tar", "box", "outside"]
+    assert sorted(p.name for p in root.iterdir()) == ["box", "bad.tar", "outside"] or sorted(
+        p.name for p in root.iterdir()
+    ) == ["bad.tar", "box", "outside"]
     assert [p.name for p in (root / "outside").iterdir()] == ["keep.txt"]
     assert (root / "outside" / "keep.txt").read_text() == "original"
     assert [p.name for p in (root / "box").iterdir()] == ["target"]
@@ -87,12 +93,22 @@ def test_unpack_of_an_unsafe_archive_leaves_no_env(box):
 
 def test_safe_links_and_modes_are_kept(box):
     root, target = box
-    path = _tar(root / "good.tar", [("lib", "dir", None), ("lib/libz.so.1.3", "file", "ELF"),
-                                    ("lib/libz.so", "sym", "libz.so.1.3"), ("lib/dup.so", "hard", "lib/libz.so.1.3"),
-                                    ("./bin/", "dir", None), ("bin/up", "sym", "../lib")])
+    path = _tar(
+        root / "good.tar",
+        [
+            ("lib", "dir", None),
+            ("lib/libz.so.1.3", "file", "ELF"),
+            ("lib/libz.so", "sym", "libz.so.1.3"),
+            ("lib/dup.so", "hard", "lib/libz.so.1.3"),
+            ("./bin/", "dir", None),
+            ("bin/up", "sym", "../lib"),
+        ],
+    )
     counts = envs.safe_extract(path, target)
     assert counts == {"files": 1, "dirs": 2, "symlinks": 2, "hardlinks": 1, "bytes": 3}
-    assert (target / "lib" / "libz.so").read_text() == "ELF" and os.readlink(target / "lib" / "libz.so") == "libz.so.1.3"
+    assert (target / "lib" / "libz.so").read_text() == "ELF" and os.readlink(
+        target / "lib" / "libz.so"
+    ) == "libz.so.1.3"
     assert os.stat(target / "lib" / "dup.so").st_ino == os.stat(target / "lib" / "libz.so.1.3").st_ino
     assert (target / "bin" / "up" / "libz.so.1.3").read_text() == "ELF"
 
@@ -108,7 +124,11 @@ def test_setuid_bits_are_dropped(box):
 
 
 def test_formats_and_threads():
-    assert format_of("a/env.tar.zst") == "tar.zst" and format_of("x.tgz") == "tar.gz" and format_of("y.tar") == "tar"
+    assert (
+        format_of("a/env.tar.zst") == "tar.zst"
+        and format_of("x.tgz") == "tar.gz"
+        and format_of("y.tar") == "tar"
+    )
     assert n_threads(0) == (os.cpu_count() or 1) and n_threads(3) == 3
     with pytest.raises(envs.EnvArchiveError):
         compressed_writer(io.BytesIO(), "tar.bz2")

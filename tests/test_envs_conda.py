@@ -24,8 +24,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 PLACEHOLDER = "/opt/conda-build/_h_env" + "_placehold" * 20
 
 
-def _package(channel: Path, name: str, version: str, files: list, depends: tuple = (),
-             placeholder: str = PLACEHOLDER) -> None:
+def _package(
+    channel: Path, name: str, version: str, files: list, depends: tuple = (), placeholder: str = PLACEHOLDER
+) -> None:
     """Write a conda .tar.bz2 package: rows (path, bytes or None for a link, file_mode or None, link target)."""
     paths, buf = [], io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:bz2") as tar:
@@ -34,22 +35,43 @@ def _package(channel: Path, name: str, version: str, files: list, depends: tuple
             if data is None:
                 info.type, info.linkname = tarfile.SYMTYPE, link
                 tar.addfile(info)
-                paths.append({"_path": path, "path_type": "softlink", "size_in_bytes": 0,
-                              "sha256": hashlib.sha256(b"").hexdigest()})
+                paths.append(
+                    {
+                        "_path": path,
+                        "path_type": "softlink",
+                        "size_in_bytes": 0,
+                        "sha256": hashlib.sha256(b"").hexdigest(),
+                    }
+                )
                 continue
             info.size, info.mode = len(data), 0o755 if path.startswith("bin/") else 0o644
             tar.addfile(info, io.BytesIO(data))
-            entry = {"_path": path, "path_type": "hardlink", "size_in_bytes": len(data),
-                     "sha256": hashlib.sha256(data).hexdigest()}
+            entry = {
+                "_path": path,
+                "path_type": "hardlink",
+                "size_in_bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
             if file_mode:
                 entry.update(file_mode=file_mode, prefix_placeholder=placeholder)
             paths.append(entry)
-        index = {"name": name, "version": version, "build": "h0_0", "build_number": 0, "depends": list(depends),
-                 "subdir": "linux-64", "arch": "x86_64", "platform": "linux", "license": "MIT",
-                 "timestamp": 1700000000000}
-        for member, text in (("info/index.json", json.dumps(index)),
-                             ("info/paths.json", json.dumps({"paths": paths, "paths_version": 1})),
-                             ("info/files", "".join(p["_path"] + "\n" for p in paths))):
+        index = {
+            "name": name,
+            "version": version,
+            "build": "h0_0",
+            "build_number": 0,
+            "depends": list(depends),
+            "subdir": "linux-64",
+            "arch": "x86_64",
+            "platform": "linux",
+            "license": "MIT",
+            "timestamp": 1700000000000,
+        }
+        for member, text in (
+            ("info/index.json", json.dumps(index)),
+            ("info/paths.json", json.dumps({"paths": paths, "paths_version": 1})),
+            ("info/files", "".join(p["_path"] + "\n" for p in paths)),
+        ):
             data = text.encode()
             info = tarfile.TarInfo(member)
             info.size = len(data)
@@ -61,17 +83,21 @@ def _package(channel: Path, name: str, version: str, files: list, depends: tuple
 
 def _install(base: Path, channel: Path, spec: str) -> Path:
     """Index the local channel and install `spec` from it with rattler into base/env-src (cache base/pkgs)."""
-    rattler = pytest.importorskip("rattler", reason="py-rattler builds the real conda prefixes of these tests")
+    rattler = pytest.importorskip(
+        "rattler", reason="py-rattler builds the real conda prefixes of these tests"
+    )
     from rattler.index import index_fs
 
     (channel / "noarch").mkdir(parents=True, exist_ok=True)
     asyncio.run(index_fs(channel, write_zst=False, write_shards=False))
 
     async def install():
-        records = await rattler.solve([rattler.Channel(str(channel))], [spec], platforms=["linux-64", "noarch"],
-                                      virtual_packages=[])
-        await rattler.install(records, target_prefix=str(base / "env-src"), cache_dir=base / "pkgs",
-                              show_progress=False)
+        records = await rattler.solve(
+            [rattler.Channel(str(channel))], [spec], platforms=["linux-64", "noarch"], virtual_packages=[]
+        )
+        await rattler.install(
+            records, target_prefix=str(base / "env-src"), cache_dir=base / "pkgs", show_progress=False
+        )
 
     asyncio.run(install())
     return base / "env-src"
@@ -84,21 +110,43 @@ def conda_prefix(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("conda")
     channel = base / "channel"
     real_python = os.path.realpath(sys.executable)
-    words = " ".join(random.Random(0).choice(["npu", "cann", "torch", "kernel", "env", "pack"]) for _ in range(40000))
-    _package(channel, "python", "3.11.7", [
-        ("bin/python", f"#!/bin/sh\n# prefix {PLACEHOLDER}\nexec {real_python} \"$@\"\n".encode(), "text", None),
-        ("lib/python3.11/site-packages/condaprobe.py", b"__version__ = '2.0'\n", None, None)])
-    _package(channel, "hello", "1.0", [
-        ("bin/hello", f"#!/bin/sh\necho {PLACEHOLDER}/share/hello\n".encode(), "text", None),
-        ("share/hello/data.bin", b"\x00\x01BIN" + PLACEHOLDER.encode() + b"/etc\x00tail", "binary", None),
-        ("share/hello/words.txt", words.encode(), None, None),
-        ("lib/libhello.so.1", b"\x7fELF fake library", None, None),
-        ("lib/libhello.so", None, None, "libhello.so.1")], depends=("python",))
+    words = " ".join(
+        random.Random(0).choice(["npu", "cann", "torch", "kernel", "env", "pack"]) for _ in range(40000)
+    )
+    _package(
+        channel,
+        "python",
+        "3.11.7",
+        [
+            (
+                "bin/python",
+                f'#!/bin/sh\n# prefix {PLACEHOLDER}\nexec {real_python} "$@"\n'.encode(),
+                "text",
+                None,
+            ),
+            ("lib/python3.11/site-packages/condaprobe.py", b"__version__ = '2.0'\n", None, None),
+        ],
+    )
+    _package(
+        channel,
+        "hello",
+        "1.0",
+        [
+            ("bin/hello", f"#!/bin/sh\necho {PLACEHOLDER}/share/hello\n".encode(), "text", None),
+            ("share/hello/data.bin", b"\x00\x01BIN" + PLACEHOLDER.encode() + b"/etc\x00tail", "binary", None),
+            ("share/hello/words.txt", words.encode(), None, None),
+            ("lib/libhello.so.1", b"\x7fELF fake library", None, None),
+            ("lib/libhello.so", None, None, "libhello.so.1"),
+        ],
+        depends=("python",),
+    )
     return _install(base, channel, "hello")
 
 
 def _hello(prefix: Path) -> str:
-    return subprocess.run([str(prefix / "bin" / "hello")], capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [str(prefix / "bin" / "hello")], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _data(prefix: Path) -> bytes:
@@ -120,7 +168,9 @@ def test_conda_clone_relocates_offline_without_sharing_inodes(conda_prefix, tmp_
     assert result["verify"]["imports"]["condaprobe"] == "absent" or result["verify"]["ok"]
     assert _hello(target) == f"{target}/share/hello"
     data = _data(target)
-    assert len(data) == len(_data(conda_prefix)) and data.startswith(b"\x00\x01BIN" + f"{target}/etc".encode() + b"\x00")
+    assert len(data) == len(_data(conda_prefix)) and data.startswith(
+        b"\x00\x01BIN" + f"{target}/etc".encode() + b"\x00"
+    )
     assert os.readlink(target / "lib" / "libhello.so") == "libhello.so.1"
     record = json.loads(next((target / "conda-meta").glob("hello-1.0-*.json")).read_text())
     assert record["link"]["source"] == ""  # no pointer back into the machine's package cache
@@ -161,8 +211,10 @@ def test_conda_pack_tar_zst_ignores_level_but_kit_does_not(conda_prefix, tmp_pat
     theirs = [tmp_path / f"cp{level}.tar.zst" for level in (1, 19)]
     for path, level in zip(theirs, (1, 19)):
         conda_pack.pack(prefix=str(conda_prefix), output=str(path), compress_level=level, n_threads=2)
-    ours = [envs.pack(conda_prefix, tmp_path / f"kit{level}.tar.zst", level=level)["archive_bytes"]
-            for level in (1, 19)]
+    ours = [
+        envs.pack(conda_prefix, tmp_path / f"kit{level}.tar.zst", level=level)["archive_bytes"]
+        for level in (1, 19)
+    ]
     # reference B6: conda-pack always uses level 9 (sizes differ only by member mtimes of its temp scripts)
     assert abs(theirs[0].stat().st_size - theirs[1].stat().st_size) < 64
     assert ours[0] - ours[1] > 1000
@@ -170,7 +222,9 @@ def test_conda_pack_tar_zst_ignores_level_but_kit_does_not(conda_prefix, tmp_pat
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # conda-pack: a clone's packages are not in the cache
 def test_conda_pack_refuses_editable_and_missing_files(conda_prefix, tmp_path):
-    env = Path(envs.clone(conda_prefix, name="edit", envs_root=tmp_path / "envs", verify_imports=None)["target"])
+    env = Path(
+        envs.clone(conda_prefix, name="edit", envs_root=tmp_path / "envs", verify_imports=None)["target"]
+    )
     dist = env / "lib" / "python3.11" / "site-packages" / "mine-0.1.dist-info"
     dist.mkdir()
     (dist / "direct_url.json").write_text(json.dumps({"url": "file:///src", "dir_info": {"editable": True}}))
@@ -191,14 +245,27 @@ def test_clone_refuses_binary_prefix_that_cannot_grow(tmp_path):
     old = "/opt/anaconda1anaconda2anaconda3"  # the short placeholder of old packages: only short prefixes fit
     base = Path(tempfile.mkdtemp(prefix="k", dir="/tmp"))
     try:
-        _package(base / "ch", "oldbin", "1.0", [("lib/old.so", b"\x00ELF" + old.encode() + b"/lib\x00", "binary", None)],
-                 placeholder=old)
+        _package(
+            base / "ch",
+            "oldbin",
+            "1.0",
+            [("lib/old.so", b"\x00ELF" + old.encode() + b"/lib\x00", "binary", None)],
+            placeholder=old,
+        )
         prefix = _install(base, base / "ch", "oldbin")
-        with pytest.raises(envs.EnvError, match="lib/old.so is a binary file .* shorter than the target path"):
-            envs.clone(prefix, name="long-enough-to-overflow", envs_root=tmp_path / "envs", verify_imports=None)
+        with pytest.raises(
+            envs.EnvError, match="lib/old.so is a binary file .* shorter than the target path"
+        ):
+            envs.clone(
+                prefix, name="long-enough-to-overflow", envs_root=tmp_path / "envs", verify_imports=None
+            )
         assert list((tmp_path / "envs" / "user_conda").iterdir()) == []
         short = envs.clone(prefix, target=base / "c", verify_imports=None)["target"]
-        assert (Path(short) / "lib" / "old.so").read_bytes().startswith(b"\x00ELF" + short.encode() + b"/lib\x00")
+        assert (
+            (Path(short) / "lib" / "old.so")
+            .read_bytes()
+            .startswith(b"\x00ELF" + short.encode() + b"/lib\x00")
+        )
     finally:
         shutil.rmtree(base)
 
@@ -208,17 +275,23 @@ def test_conda_clone_method_needs_conda(conda_prefix, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setattr(conda_cli, "KNOWN_CONDAS", ())
     with pytest.raises(envs.EnvError, match="conda is not installed here"):
-        envs.clone(conda_prefix, name="cc", envs_root=tmp_path / "envs", method="conda-clone", verify_imports=None)
+        envs.clone(
+            conda_prefix, name="cc", envs_root=tmp_path / "envs", method="conda-clone", verify_imports=None
+        )
     assert not (tmp_path / "envs" / "user_conda" / "cc").exists()
     with pytest.raises(envs.EnvError, match="needs a conda env"):
-        envs.clone(envs.create_venv(tmp_path / "v"), name="x", envs_root=tmp_path / "envs", method="conda-pack")
+        envs.clone(
+            envs.create_venv(tmp_path / "v"), name="x", envs_root=tmp_path / "envs", method="conda-pack"
+        )
 
 
 def test_failed_conda_create_clone_leaves_nothing_and_keeps_the_old_env(conda_prefix, tmp_path, monkeypatch):
     # a `conda` that fails half-way the way a clone without network or package cache does
     exe = tmp_path / "conda"
-    exe.write_text('#!/bin/sh\nmkdir -p "$3/lib" && touch "$3/lib/half.so"\n'
-                   'echo "PackagesNotFoundError: The following packages are not available" >&2\nexit 1\n')
+    exe.write_text(
+        '#!/bin/sh\nmkdir -p "$3/lib" && touch "$3/lib/half.so"\n'
+        'echo "PackagesNotFoundError: The following packages are not available" >&2\nexit 1\n'
+    )
     exe.chmod(0o755)
     monkeypatch.setenv("CONDA_EXE", str(exe))
     root = tmp_path / "envs"
@@ -228,19 +301,22 @@ def test_failed_conda_create_clone_leaves_nothing_and_keeps_the_old_env(conda_pr
     (root / "user_conda" / "cc").mkdir()
     (root / "user_conda" / "cc" / "mine").write_text("keep")
     with pytest.raises(envs.EnvError, match="PackagesNotFoundError"):
-        envs.clone(conda_prefix, name="cc", envs_root=root, method="conda-clone", verify_imports=None,
-                   overwrite=True)
+        envs.clone(
+            conda_prefix, name="cc", envs_root=root, method="conda-clone", verify_imports=None, overwrite=True
+        )
     assert [p.name for p in (root / "user_conda").iterdir()] == ["cc"]
     assert (root / "user_conda" / "cc" / "mine").read_text() == "keep"
 
 
 # ---- the conda CLI adapter, against recorded real output ----
 
+
 def test_parse_recorded_env_list_json():
     text = (FIXTURES / "conda_env_list_json_4.4.txt").read_text()
     assert conda_cli.parse_env_list_json(text) == {
         "custom-env-1": "/Users/user/anaconda/envs/custom-env-1",
-        "custom-env-2": "/Users/user/anaconda/envs/custom-env-2"}
+        "custom-env-2": "/Users/user/anaconda/envs/custom-env-2",
+    }
     noisy = "==> WARNING: A newer version of conda exists. <==\n" + text
     assert len(conda_cli.parse_env_list_json(noisy)) == 2
     with pytest.raises(envs.EnvError, match="no JSON"):
@@ -260,7 +336,9 @@ def test_conda_envs_runs_conda_and_lists_its_envs(conda_prefix, tmp_path, monkey
     recorded = json.loads((FIXTURES / "conda_env_list_json_4.4.txt").read_text())
     recorded["envs"].append(str(conda_prefix))
     exe = tmp_path / "conda"
-    exe.write_text(f"#!/bin/sh\n[ \"$1 $2 $3\" = 'env list --json' ] || exit 2\ncat <<'EOF'\n{json.dumps(recorded)}\nEOF\n")
+    exe.write_text(
+        f"#!/bin/sh\n[ \"$1 $2 $3\" = 'env list --json' ] || exit 2\ncat <<'EOF'\n{json.dumps(recorded)}\nEOF\n"
+    )
     exe.chmod(0o755)
     monkeypatch.setenv("CONDA_EXE", str(exe))
     assert conda_cli.conda_executable() == str(exe)
@@ -269,16 +347,26 @@ def test_conda_envs_runs_conda_and_lists_its_envs(conda_prefix, tmp_path, monkey
     assert [(e.name, e.kind) for e in listed] == [("env-src", "conda")]  # the missing 4.4 paths are skipped
     assert envs.resolve_env("env-src", tmp_path / "envs").prefix == conda_prefix
     assert conda_cli.clone_command("PyTorch-1.8", "/home/ma-user/work/envs/user_conda/x") == [
-        "create", "--prefix", "/home/ma-user/work/envs/user_conda/x", "--clone", "PyTorch-1.8", "--yes", "--quiet",
-        "--offline"]
+        "create",
+        "--prefix",
+        "/home/ma-user/work/envs/user_conda/x",
+        "--clone",
+        "PyTorch-1.8",
+        "--yes",
+        "--quiet",
+        "--offline",
+    ]
 
 
 # ---- .condarc ----
 
+
 def test_register_envs_dir_keeps_settings_and_comments(tmp_path):
     rc = tmp_path / ".condarc"
-    rc.write_text("# my mirror\nchannels:\n  - https://mirror.example/conda\nenvs_dirs:\n  - /home/ma-user/anaconda3/envs\n"
-                  "show_channel_urls: true  # keep\n")
+    rc.write_text(
+        "# my mirror\nchannels:\n  - https://mirror.example/conda\nenvs_dirs:\n  - /home/ma-user/anaconda3/envs\n"
+        "show_channel_urls: true  # keep\n"
+    )
     first = envs.register_envs_dir("/home/ma-user/work/envs/user_conda", rc)
     assert first["added"] is True
     assert first["envs_dirs"] == ["/home/ma-user/anaconda3/envs", "/home/ma-user/work/envs/user_conda"]
@@ -291,7 +379,9 @@ def test_register_envs_dir_keeps_settings_and_comments(tmp_path):
     assert second["added"] is False and rc.read_text() == text
 
 
-@pytest.mark.parametrize("before", ["", "envs_dirs: [/a, /b]\nauto_activate_base: false\n", "envs_dirs:\n- /a\n"])
+@pytest.mark.parametrize(
+    "before", ["", "envs_dirs: [/a, /b]\nauto_activate_base: false\n", "envs_dirs:\n- /a\n"]
+)
 def test_register_envs_dir_other_shapes(tmp_path, before):
     import yaml
 
@@ -303,7 +393,9 @@ def test_register_envs_dir_other_shapes(tmp_path, before):
     result = envs.register_envs_dir(tmp_path / "persist", rc)
     after = yaml.safe_load(rc.read_text())
     assert after["envs_dirs"] == [*old.get("envs_dirs", []), str(tmp_path / "persist")] == result["envs_dirs"]
-    assert {k: v for k, v in after.items() if k != "envs_dirs"} == {k: v for k, v in old.items() if k != "envs_dirs"}
+    assert {k: v for k, v in after.items() if k != "envs_dirs"} == {
+        k: v for k, v in old.items() if k != "envs_dirs"
+    }
 
 
 def test_register_envs_dir_refuses_broken_yaml(tmp_path):

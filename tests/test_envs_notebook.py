@@ -13,8 +13,11 @@ SET_ENV = Path(__file__).parent / "fixtures" / "envs" / "ascend_toolkit" / "asce
 
 
 def test_notebook_is_committed_without_outputs():
-    proc = subprocess.run([str(Path(__file__).parent.parent / ".venv" / "bin" / "nbstripout"), "--verify",
-                           str(NOTEBOOK)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(Path(__file__).parent.parent / ".venv" / "bin" / "nbstripout"), "--verify", str(NOTEBOOK)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -24,8 +27,13 @@ def test_notebook_01_clones_packs_and_registers_a_working_kernel(run_notebook, t
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
     monkeypatch.delenv("KIT_ENVS_ROOT", raising=False)
     (tmp_path / "home").mkdir()
-    _, summary = run_notebook("01_", VERIFY_IMPORTS=["json", "ipykernel"], SET_ENV_SCRIPTS=[str(SET_ENV)],
-                              KERNEL_CODE="import kit_fake_cann", NAME="nb-env")
+    _, summary = run_notebook(
+        "01_",
+        VERIFY_IMPORTS=["json", "ipykernel"],
+        SET_ENV_SCRIPTS=[str(SET_ENV)],
+        KERNEL_CODE="import kit_fake_cann",
+        NAME="nb-env",
+    )
     envs_root = tmp_path / "ws" / "envs"
     clone = envs_root / "venvs" / "nb-env"
     assert summary["envs_root"] == str(envs_root) and summary["clone"] == str(clone)

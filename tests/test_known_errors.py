@@ -11,24 +11,32 @@ REAL_MESSAGES = {
     "cann_env_missing": "OSError: libhccl.so: cannot open shared object file: No such file or directory",
     "cann_env_missing ": "ImportError: libascendcl.so: cannot open shared object file: No such file or directory",
     "deepspeed_ascend_home": (
-        "Traceback (most recent call last):\n  File \".../deepspeed/ops/op_builder/npu/builder.py\", line 55, in "
-        "installed_cann_path\n    if \"ASCEND_HOME_PATH\" in os.environ or os.path.exists(os.environ[\"ASCEND_HOME_PATH\"]):"
-        "\nKeyError: 'ASCEND_HOME_PATH'"),
+        'Traceback (most recent call last):\n  File ".../deepspeed/ops/op_builder/npu/builder.py", line 55, in '
+        'installed_cann_path\n    if "ASCEND_HOME_PATH" in os.environ or os.path.exists(os.environ["ASCEND_HOME_PATH"]):'
+        "\nKeyError: 'ASCEND_HOME_PATH'"
+    ),
     "torch_npu_version_mismatch": (
         "ImportError: /usr/local/python3.9.2/lib/python3.9/site-packages/torch_npu/lib/libtorch_npu.so: undefined "
-        "symbol: _ZNK3c1010TensorImpl36is_contiguous_nondefault_policy_implENS_12MemoryFormatE"),
-    "two_accelerators": ("RuntimeError: Two accelerators cannot be used at the same time in PyTorch: npu and cuda. "
-                         "You can install the cpu version of PyTorch to use your npu device"),
+        "symbol: _ZNK3c1010TensorImpl36is_contiguous_nondefault_policy_implENS_12MemoryFormatE"
+    ),
+    "two_accelerators": (
+        "RuntimeError: Two accelerators cannot be used at the same time in PyTorch: npu and cuda. "
+        "You can install the cpu version of PyTorch to use your npu device"
+    ),
     "hccl_notify_timeout": (
         "RuntimeError: ACL stream synchronize failed, error code:507048\nEI0002: [PID: 2873] 2024-05-11-10:12:06.715.398 "
         "The wait execution of the Notify register times out. Reason: The Notify register has not received the Notify "
-        "record from remote rank [3]."),
+        "record from remote rank [3]."
+    ),
     "hccl_socket_timeout": (
         "EI0006: [PID: 1024] 2024-05-11-10:12:06 Getting socket times out. Reason: 1. The remote does not initiate a "
-        "connect request. some NPUs in the cluster are abnormal."),
-    "leftover_process": ("EJ0001: [PID: 1103] 2024-01-01-00:00:00 Failed to initialize the HCCP process. Reason: Maybe "
-                         "the last training process is running. Solution: Wait for 10s after killing the last training "
-                         "process and try again."),
+        "connect request. some NPUs in the cluster are abnormal."
+    ),
+    "leftover_process": (
+        "EJ0001: [PID: 1103] 2024-01-01-00:00:00 Failed to initialize the HCCP process. Reason: Maybe "
+        "the last training process is running. Solution: Wait for 10s after killing the last training "
+        "process and try again."
+    ),
 }
 
 
@@ -57,7 +65,10 @@ def test_cuda_visible_devices_on_npu():
     why = explain("RuntimeError: SetDevice failed, Invalid device ID", env=env, on_npu=True)
     assert why.key == "cuda_visible_devices_on_npu" and "ASCEND_RT_VISIBLE_DEVICES" in why.fix
     # the same message on a machine that sets the right variable is the generic invalid-device case
-    assert explain("Invalid device ID", env={"ASCEND_RT_VISIBLE_DEVICES": "0"}, on_npu=True).key == "invalid_device"
+    assert (
+        explain("Invalid device ID", env={"ASCEND_RT_VISIBLE_DEVICES": "0"}, on_npu=True).key
+        == "invalid_device"
+    )
     # and on a GPU machine CUDA_VISIBLE_DEVICES is right: nothing to explain
     assert explain("some other error", env=env, on_npu=False) is None
 

@@ -6,8 +6,9 @@ import json
 
 
 def test_notebook_00_writes_report(run_notebook, tmp_path):
-    _out, summary = run_notebook("00", CHECK_DEEPSPEED=False,
-                                 EXPLAIN_ERROR="EJ0001: Failed to initialize the HCCP process.")
+    _out, summary = run_notebook(
+        "00", CHECK_DEEPSPEED=False, EXPLAIN_ERROR="EJ0001: Failed to initialize the HCCP process."
+    )
     assert summary["ok"] is True and summary["device"] == "cpu" and summary["backend"] == "gloo"
     report = json.loads(open(summary["report"]).read())
     names = {c["name"] for c in report["checks"]}

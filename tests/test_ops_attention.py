@@ -94,15 +94,22 @@ CASES = {
 def test_layouts_match_float64_reference(backend, layout, case):
     spec = dict(CASES[case])
     q, k, v = qkv()
-    keep = ref_keep(9, 9, spec.get("causal", False), spec.get("pre_tokens", MAX_TOKENS),
-                    spec.get("next_tokens", MAX_TOKENS))
+    keep = ref_keep(
+        9,
+        9,
+        spec.get("causal", False),
+        spec.get("pre_tokens", MAX_TOKENS),
+        spec.get("next_tokens", MAX_TOKENS),
+    )
     kwargs = {key: val for key, val in spec.items() if key != "mask"}
     if spec.get("mask"):
         user = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(5)) > 0.7  # True = masked
         user[..., 0] = False  # every row keeps one key
         kwargs["atten_mask"] = user
         keep = keep & ~user
-    out = fusion_attention(to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), 4, layout, **kwargs)
+    out = fusion_attention(
+        to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), 4, layout, **kwargs
+    )
     got = from_layout(out, layout, 4)
     assert rel_err(got, ref_attention(q, k, v, keep, 1 / math.sqrt(16))) <= 1e-5
 
@@ -114,12 +121,20 @@ def test_bf16_within_1e2(backend, layout):
     keep = ref_keep(9, 9, True, 4)
     if layout == "TND":  # the two batch rows as two sequences
         flat = [t.transpose(1, 2).reshape(18, t.shape[1], 16) for t in (q, k, v)]
-        out = fusion_attention(*flat, 4, "TND", causal=True, pre_tokens=4, actual_seq_qlen=[9, 18],
-                               actual_seq_kvlen=[9, 18])
+        out = fusion_attention(
+            *flat, 4, "TND", causal=True, pre_tokens=4, actual_seq_qlen=[9, 18], actual_seq_kvlen=[9, 18]
+        )
         got = out.view(2, 9, 4, 16).transpose(1, 2)
     else:
-        out = fusion_attention(to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), 4, layout,
-                               causal=True, pre_tokens=4)
+        out = fusion_attention(
+            to_layout(q, layout),
+            to_layout(k, layout),
+            to_layout(v, layout),
+            4,
+            layout,
+            causal=True,
+            pre_tokens=4,
+        )
         got = from_layout(out, layout, 4)
     assert out.dtype == torch.bfloat16
     assert rel_err(got, ref_attention(q, k, v, keep, 0.25)) <= 1e-2
@@ -144,14 +159,28 @@ def test_tnd_uneven_lengths_match_per_sequence_reference(backend, window):
     q, k, v = (torch.randn(total, heads, d, generator=gen) for heads in (n, nkv, nkv))
     cumulative = torch.tensor(lengths).cumsum(0).tolist() + [0, 0]  # trailing 0s: unused batches
     pre = MAX_TOKENS if window is None else window
-    out = fusion_attention(q, k, v, n, "TND", causal=True, pre_tokens=pre, actual_seq_qlen=cumulative,
-                           actual_seq_kvlen=cumulative)
+    out = fusion_attention(
+        q,
+        k,
+        v,
+        n,
+        "TND",
+        causal=True,
+        pre_tokens=pre,
+        actual_seq_qlen=cumulative,
+        actual_seq_kvlen=cumulative,
+    )
     start = 0
     for length in lengths:
         if length:
             sl = slice(start, start + length)
-            want = ref_attention(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
-                                 v[sl].transpose(0, 1)[None], ref_keep(length, length, True, pre), d ** -0.5)
+            want = ref_attention(
+                q[sl].transpose(0, 1)[None],
+                k[sl].transpose(0, 1)[None],
+                v[sl].transpose(0, 1)[None],
+                ref_keep(length, length, True, pre),
+                d**-0.5,
+            )
             assert rel_err(out[sl].transpose(0, 1)[None], want) <= 1e-5
         start += length
 
@@ -187,8 +216,9 @@ def test_npu_branch_tnd_passes_cumulative_int_lists(monkeypatch):
     fake = install(monkeypatch)
     q = torch.randn(6, 2, 8)
     with use_backend("npu"):
-        fusion_attention(q, q, q, 2, "TND", causal=True, actual_seq_qlen=torch.tensor([2, 6]),
-                         actual_seq_kvlen=[2, 6])
+        fusion_attention(
+            q, q, q, 2, "TND", causal=True, actual_seq_qlen=torch.tensor([2, 6]), actual_seq_kvlen=[2, 6]
+        )
     args = fake.CALLS[-1][1]
     assert args["actual_seq_qlen"] == [2, 6] and args["actual_seq_kvlen"] == [2, 6]
     assert all(type(x) is int for x in args["actual_seq_qlen"])
@@ -204,13 +234,40 @@ def test_npu_branch_tnd_passes_cumulative_int_lists(monkeypatch):
         (lambda q: fusion_attention(q, q, q.double(), 4, "BNSD"), "dtypes"),
         (lambda q: fusion_attention(q, q, q, 4, "BNSD", keep_prob=0.0), "keep_prob"),
         (lambda q: fusion_attention(q, q, q, 4, "BNSD", atten_mask=torch.zeros(9, 9)), "True = masked"),
-        (lambda q: fusion_attention(q, q, q, 4, "BNSD", atten_mask=torch.zeros(8, 9, dtype=torch.bool)), "shape"),
-        (lambda q: fusion_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND"),
-         "actual_seq_qlen"),
-        (lambda q: fusion_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND",
-                                    actual_seq_qlen=[5, 4], actual_seq_kvlen=[5, 4]), "cumulative"),
-        (lambda q: fusion_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND",
-                                    actual_seq_qlen=[4, 8], actual_seq_kvlen=[4, 8]), "ends at 8"),
+        (
+            lambda q: fusion_attention(q, q, q, 4, "BNSD", atten_mask=torch.zeros(8, 9, dtype=torch.bool)),
+            "shape",
+        ),
+        (
+            lambda q: fusion_attention(
+                q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), 4, "TND"
+            ),
+            "actual_seq_qlen",
+        ),
+        (
+            lambda q: fusion_attention(
+                q[0].transpose(0, 1),
+                q[0].transpose(0, 1),
+                q[0].transpose(0, 1),
+                4,
+                "TND",
+                actual_seq_qlen=[5, 4],
+                actual_seq_kvlen=[5, 4],
+            ),
+            "cumulative",
+        ),
+        (
+            lambda q: fusion_attention(
+                q[0].transpose(0, 1),
+                q[0].transpose(0, 1),
+                q[0].transpose(0, 1),
+                4,
+                "TND",
+                actual_seq_qlen=[4, 8],
+                actual_seq_kvlen=[4, 8],
+            ),
+            "ends at 8",
+        ),
     ],
 )
 def test_rejects_what_torch_npu_rejects(backend, call, message):
@@ -240,7 +297,11 @@ def test_standin_is_strict_about_raw_calls(monkeypatch):
         ((2, "bsnd"), {}, "input_layout"),
         ((3, "BNSD"), {"scale": 0.3}, "head_num"),
         ((2, "BNSD"), {"scale": 0.3, "atten_mask": torch.zeros(4, 4)}, "dtype"),
-        ((2, "BNSD"), {"scale": 0.3, "atten_mask": torch.zeros(3, 4, dtype=torch.bool), "sparse_mode": 0}, "shape"),
+        (
+            (2, "BNSD"),
+            {"scale": 0.3, "atten_mask": torch.zeros(3, 4, dtype=torch.bool), "sparse_mode": 0},
+            "shape",
+        ),
         ((2, "BNSD"), {"scale": 1}, "float"),
         ((2, "BNSD"), {"scale": 0.3, "keep_prob": 0.0}, "keep_prob"),
     ],
@@ -258,12 +319,15 @@ def test_standin_rejects_bad_varlen_lists(monkeypatch):
     with pytest.raises(fake.StandinError, match="actual_seq"):
         fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3)
     with pytest.raises(fake.StandinError, match="cumulative"):
-        fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3, actual_seq_qlen=[4, 2], actual_seq_kvlen=[4, 2])
+        fake.npu_fusion_attention(
+            t, t, t, 2, "TND", scale=0.3, actual_seq_qlen=[4, 2], actual_seq_kvlen=[4, 2]
+        )
     with pytest.raises(fake.StandinError, match="fully masked"):  # a row-padding mask inside TND
         mask = torch.zeros(3, 3, dtype=torch.bool)
         mask[2] = True
-        fake.npu_fusion_attention(t, t, t, 2, "TND", scale=0.3, atten_mask=mask, actual_seq_qlen=[3, 6],
-                                  actual_seq_kvlen=[3, 6])
+        fake.npu_fusion_attention(
+            t, t, t, 2, "TND", scale=0.3, atten_mask=mask, actual_seq_qlen=[3, 6], actual_seq_kvlen=[3, 6]
+        )
 
 
 def test_npu_branch_checks_kernel_limits_before_calling(monkeypatch):
@@ -274,7 +338,9 @@ def test_npu_branch_checks_kernel_limits_before_calling(monkeypatch):
         big = torch.randn(1, 2, 4, 800)
         with pytest.raises(ValueError, match="head_dim <= 768"):
             fusion_attention(big, big, big, 2, "BNSD")
-        fusion_attention(big.double(), big.double(), big.double(), 2, "BNSD", backend="torch")  # way out works
+        fusion_attention(
+            big.double(), big.double(), big.double(), 2, "BNSD", backend="torch"
+        )  # way out works
     assert fake.CALLS == []
 
 
@@ -290,16 +356,25 @@ def test_portable_gqa_without_native_sdpa_support(monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("causal", [False, True])
 def test_tnd_with_more_keys_than_queries(backend, causal):
-    seq_q, seq_kv = [2, 3, 1], [5, 3, 4]  # e.g. chunked prefill: the queries are the last tokens of each sequence
+    seq_q, seq_kv = (
+        [2, 3, 1],
+        [5, 3, 4],
+    )  # e.g. chunked prefill: the queries are the last tokens of each sequence
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(sum(seq_q), 4, 8, generator=gen)
     k, v = torch.randn(sum(seq_kv), 2, 8, generator=gen), torch.randn(sum(seq_kv), 2, 8, generator=gen)
     cum = lambda xs: torch.tensor(xs).cumsum(0).tolist()  # noqa: E731
-    out = fusion_attention(q, k, v, 4, "TND", causal=causal, actual_seq_qlen=cum(seq_q),
-                           actual_seq_kvlen=cum(seq_kv))
+    out = fusion_attention(
+        q, k, v, 4, "TND", causal=causal, actual_seq_qlen=cum(seq_q), actual_seq_kvlen=cum(seq_kv)
+    )
     q0 = k0 = 0
     for sq, skv in zip(seq_q, seq_kv):
-        want = ref_attention(q[q0:q0 + sq].transpose(0, 1)[None], k[k0:k0 + skv].transpose(0, 1)[None],
-                             v[k0:k0 + skv].transpose(0, 1)[None], ref_keep(sq, skv, causal), 8 ** -0.5)
-        assert rel_err(out[q0:q0 + sq].transpose(0, 1)[None], want) <= 1e-5
+        want = ref_attention(
+            q[q0 : q0 + sq].transpose(0, 1)[None],
+            k[k0 : k0 + skv].transpose(0, 1)[None],
+            v[k0 : k0 + skv].transpose(0, 1)[None],
+            ref_keep(sq, skv, causal),
+            8**-0.5,
+        )
+        assert rel_err(out[q0 : q0 + sq].transpose(0, 1)[None], want) <= 1e-5
         q0, k0 = q0 + sq, k0 + skv

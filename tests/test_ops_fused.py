@@ -50,8 +50,11 @@ def ref_rotary(x, theta, mode):
     """Rotate channel pairs by theta (one angle per pair): half pairs (i, i+D/2), interleave pairs (2i, 2i+1)."""
     x = x.double()
     d = x.shape[-1]
-    idx = (torch.arange(d // 2), torch.arange(d // 2) + d // 2) if mode == "half" else \
-        (torch.arange(0, d, 2), torch.arange(1, d, 2))
+    idx = (
+        (torch.arange(d // 2), torch.arange(d // 2) + d // 2)
+        if mode == "half"
+        else (torch.arange(0, d, 2), torch.arange(1, d, 2))
+    )
     a, b = x[..., idx[0]], x[..., idx[1]]
     c, s = theta.cos(), theta.sin()
     out = torch.empty_like(x)
@@ -129,8 +132,11 @@ def test_scaled_masked_softmax(backend, shape):
     mask = torch.rand(shape[0], 1, sq, sk, generator=torch.Generator().manual_seed(4)) > 0.8
     mask[0, 0, 1] = True  # one fully masked row -> zeros
     tri = torch.ones(sq, sk, dtype=torch.bool).triu(1)
-    for kwargs, masked in [({"mask": mask}, mask), ({"causal": True}, tri), ({"mask": mask, "causal": True},
-                                                                           mask | tri)]:
+    for kwargs, masked in [
+        ({"mask": mask}, mask),
+        ({"causal": True}, tri),
+        ({"mask": mask, "causal": True}, mask | tri),
+    ]:
         got = kops.scaled_masked_softmax(x, scale=0.7, **kwargs)
         assert rel_err(got, ref_softmax(x, masked.expand(shape), 0.7)) <= 1e-5
     assert torch.all(kops.scaled_masked_softmax(x, mask)[0, :, 1] == 0)
@@ -144,8 +150,9 @@ def test_baddbmm_beta_zero_is_bmm_and_ignores_input(backend):
     got = kops.baddbmm(junk, b1, b2, beta=0.0, alpha=0.5)
     torch.testing.assert_close(got, torch.baddbmm(torch.zeros(3, 4, 6), b1, b2, beta=0.0, alpha=0.5))
     bias = rand(3, 4, 6, seed=2)
-    torch.testing.assert_close(kops.baddbmm(bias, b1, b2, beta=1.0, alpha=2.0),
-                               torch.baddbmm(bias, b1, b2, beta=1.0, alpha=2.0))
+    torch.testing.assert_close(
+        kops.baddbmm(bias, b1, b2, beta=1.0, alpha=2.0), torch.baddbmm(bias, b1, b2, beta=1.0, alpha=2.0)
+    )
 
 
 def test_standin_rejects_kernel_limits(monkeypatch):

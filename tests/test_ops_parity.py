@@ -26,8 +26,14 @@ def test_parity_report_on_npu_branch_calls_every_kernel(monkeypatch):
     assert len(rows) == 10 and all(r["backend"] == "npu" for r in rows)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     called = {name for name, _ in ops.CALLS}
-    assert called == {"npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_fast_gelu",
-                      "npu_scaled_masked_softmax"}
+    assert called == {
+        "npu_fusion_attention",
+        "npu_rms_norm",
+        "npu_rotary_mul",
+        "npu_swiglu",
+        "npu_fast_gelu",
+        "npu_scaled_masked_softmax",
+    }
 
 
 def test_parity_report_bf16_portable():
@@ -43,8 +49,9 @@ def test_cli_parity_writes_json(tmp_path, capsys):
 
 
 def test_cli_fix_remote_code(tmp_path, capsys):
-    folder = shutil.copytree(Path(__file__).parent / "fixtures" / "remote_code" / "baichuan_tokenizer",
-                             tmp_path / "bc")
+    folder = shutil.copytree(
+        Path(__file__).parent / "fixtures" / "remote_code" / "baichuan_tokenizer", tmp_path / "bc"
+    )
     args = _parse("fix-remote-code", str(folder), "--dry-run")
     assert args.func(args) == 0 and "would apply" in capsys.readouterr().out
     args = _parse("fix-remote-code", str(folder))

@@ -35,7 +35,9 @@ def _edit_csv(path: Path, fn) -> None:
 
 def test_shipped_sample_matches_the_generator(tmp_path):
     shipped = kp.sample_profile_dir()
-    assert shipped is not None, "data_samples/ascend_profile_sample is missing; run `python -m kit profile sample`"
+    assert shipped is not None, (
+        "data_samples/ascend_profile_sample is missing; run `python -m kit profile sample`"
+    )
     fresh = kp.write_sample_ascend_profile(tmp_path)
     for f in ("kernel_details.csv", "op_statistic.csv", "step_trace_time.csv", "trace_view.json"):
         assert (shipped / OUT / f).read_bytes() == (fresh / OUT / f).read_bytes(), f
@@ -68,18 +70,26 @@ def test_operator_table_agrees_with_op_statistic(planted):
     theirs = data.op_statistic.set_index("type")
     assert sorted(ours.index) == sorted(theirs.index)
     assert (ours.loc[theirs.index, "calls"] == theirs["calls"]).all()
-    pd.testing.assert_series_equal(ours.loc[theirs.index, "total_us"], theirs["total_us"], atol=0.01,
-                                   check_names=False)
-    pd.testing.assert_series_equal(ours.loc[theirs.index, "share_pct"], theirs["share_pct"], atol=0.01,
-                                   check_names=False)
+    pd.testing.assert_series_equal(
+        ours.loc[theirs.index, "total_us"], theirs["total_us"], atol=0.01, check_names=False
+    )
+    pd.testing.assert_series_equal(
+        ours.loc[theirs.index, "share_pct"], theirs["share_pct"], atol=0.01, check_names=False
+    )
     by_name = kp.operator_table(data, by="name", sort="max_us")
     assert by_name.iloc[0]["type"] == "NonZero" and by_name.iloc[0]["core"] == "AI_CPU"
 
 
 def test_thresholds_change_the_verdict(planted):
     data = kp.load(planted)
-    loose = kp.Thresholds(cast_max_us=100, cast_share_pct=10, aicpu_max_us=5000, aicpu_share_pct=50,
-                          unit_ratio=0.4, min_op_share_pct=5)
+    loose = kp.Thresholds(
+        cast_max_us=100,
+        cast_share_pct=10,
+        aicpu_max_us=5000,
+        aicpu_share_pct=50,
+        unit_ratio=0.4,
+        min_op_share_pct=5,
+    )
     assert kp.advise(data, loose).problems == []
     with pytest.raises(ValueError, match="unit_ratio=1.5"):
         kp.advise(data, kp.Thresholds(unit_ratio=1.5))
@@ -99,12 +109,16 @@ def test_cann_op_summary_names_renamed_ratios_and_trailing_tabs(planted, tmp_pat
 
     def drift(text: str) -> str:
         head, body = text.split("\n", 1)
-        head = (head.replace("Name,Type,", "Op Name,OP Type,").replace("Accelerator Core", "Task Type")
-                .replace("Duration(us)", "Task Duration(us)").replace("aic_mac_ratio", "aic_cube_ratio"))
+        head = (
+            head.replace("Name,Type,", "Op Name,OP Type,")
+            .replace("Accelerator Core", "Task Type")
+            .replace("Duration(us)", "Task Duration(us)")
+            .replace("aic_mac_ratio", "aic_cube_ratio")
+        )
         # every duration cell gets a trailing tab, as msprof writes numbers for Excel
         rows = [r.split(",") for r in body.strip().split("\n")]
         i = head.split(",").index("Task Duration(us)")
-        return head + "\n" + "\n".join(",".join(r[:i] + [r[i] + "\t"] + r[i + 1:]) for r in rows) + "\n"
+        return head + "\n" + "\n".join(",".join(r[:i] + [r[i] + "\t"] + r[i + 1 :]) for r in rows) + "\n"
 
     _edit_csv(pt / OUT / "kernel_details.csv", drift)
     data = kp.load(pt)
@@ -140,8 +154,20 @@ def test_na_cells_and_non_numeric_values_are_counted(planted, tmp_path):
     assert data.kernels["block_dim"].isna().sum() == 3
 
 
-@pytest.mark.parametrize("case", ["empty_dir", "unparsed", "unfinished", "no_kernel_files", "empty_csv",
-                                  "binary_csv", "missing_columns", "truncated_trace", "list_trace"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "empty_dir",
+        "unparsed",
+        "unfinished",
+        "no_kernel_files",
+        "empty_csv",
+        "binary_csv",
+        "missing_columns",
+        "truncated_trace",
+        "list_trace",
+    ],
+)
 def test_bad_input_gives_a_clear_message(planted, tmp_path, case):
     pt = _copy(planted, tmp_path)
     kd = pt / OUT / "kernel_details.csv"
@@ -224,19 +250,63 @@ def test_compare_reports_operator_deltas_and_step_change(planted, clean):
 
 def test_kineto_gpu_kernels_are_grouped_by_launching_op(tmp_path):
     """A CUDA-style trace (built by hand: no GPU here): kernels take the type of the op that launched them."""
-    ev = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "pid": 1, "tid": 1, "ts": 1000.0 * s,
-           "dur": 900.0} for s in (5, 6)]
+    ev = [
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": f"ProfilerStep#{s}",
+            "pid": 1,
+            "tid": 1,
+            "ts": 1000.0 * s,
+            "dur": 900.0,
+        }
+        for s in (5, 6)
+    ]
     for s in (5, 6):
         base = 1000.0 * s
-        ev += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": base + 10, "dur": 50,
-                "args": {"External id": s * 10}},
-               {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": base + 100, "dur": 20,
-                "args": {"External id": s * 10 + 1}},
-               # kernels start after the host step ended (asynchronous launch)
-               {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "pid": 0, "tid": 7, "ts": base + 950,
-                "dur": 300.0, "args": {"External id": s * 10, "device": 0}},
-               {"ph": "X", "cat": "kernel", "name": "vectorized_elementwise_kernel", "pid": 0, "tid": 7,
-                "ts": base + 1250, "dur": 5.0, "args": {"External id": s * 10 + 1, "device": 0}}]
+        ev += [
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::mm",
+                "pid": 1,
+                "tid": 1,
+                "ts": base + 10,
+                "dur": 50,
+                "args": {"External id": s * 10},
+            },
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::add",
+                "pid": 1,
+                "tid": 1,
+                "ts": base + 100,
+                "dur": 20,
+                "args": {"External id": s * 10 + 1},
+            },
+            # kernels start after the host step ended (asynchronous launch)
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "sm90_xmma_gemm",
+                "pid": 0,
+                "tid": 7,
+                "ts": base + 950,
+                "dur": 300.0,
+                "args": {"External id": s * 10, "device": 0},
+            },
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "vectorized_elementwise_kernel",
+                "pid": 0,
+                "tid": 7,
+                "ts": base + 1250,
+                "dur": 5.0,
+                "args": {"External id": s * 10 + 1, "device": 0},
+            },
+        ]
     path = tmp_path / "gpu.pt.trace.json.gz"
     import gzip
 

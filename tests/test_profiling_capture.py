@@ -44,13 +44,18 @@ def test_torch_capture_matches_key_averages(tmp_path):
 
     data = cap.load()
     assert data.kind == "torch" and data.meta["capture"]["steps"] == 5
-    assert sorted(data.kernels["step"].dropna().unique()) == [2, 3]  # the two active steps (ProfilerStep#N counts from 0)
+    assert sorted(data.kernels["step"].dropna().unique()) == [
+        2,
+        3,
+    ]  # the two active steps (ProfilerStep#N counts from 0)
     table = kp.operator_table(data).set_index("type")
     ref = {e.key: e for e in cap.profiler.key_averages()}
     for op in ("aten::addmm", "aten::gelu", "aten::mm", "aten::gelu_backward"):
         assert table.loc[op, "calls"] == ref[op].count, op
     # self times from the trace equal the profiler's own self_cpu_time_total for the heavy ops
-    ops = [e for e in ref.values() if e.key.startswith("aten::")]  # annotations (ProfilerStep#, Optimizer.step) aren't ops
+    ops = [
+        e for e in ref.values() if e.key.startswith("aten::")
+    ]  # annotations (ProfilerStep#, Optimizer.step) aren't ops
     top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:3]
     for e in top:
         assert table.loc[e.key, "total_us"] == pytest.approx(e.self_cpu_time_total, rel=0.05, abs=5.0), e.key
@@ -83,8 +88,17 @@ def test_bad_options_are_listed_together():
 
 
 def test_npu_mapping_on_the_standin(npu_profiler, tmp_path):
-    with kp.profile(tmp_path, device="npu", wait=1, warmup=1, active=2, skip_first=1, level="Level1",
-                    record_shapes=True, with_stack=True) as cap:
+    with kp.profile(
+        tmp_path,
+        device="npu",
+        wait=1,
+        warmup=1,
+        active=2,
+        skip_first=1,
+        level="Level1",
+        record_shapes=True,
+        with_stack=True,
+    ) as cap:
         _loop(cap, 5)
     prof = npu_profiler.CREATED[-1]
     assert prof.activities == {npu_profiler.ProfilerActivity.CPU, npu_profiler.ProfilerActivity.NPU}
@@ -102,7 +116,9 @@ def test_npu_mapping_on_the_standin(npu_profiler, tmp_path):
 
 
 def test_npu_level0_drops_aic_metrics_without_the_reset_warning(npu_profiler, tmp_path):
-    with kp.profile(tmp_path, device="npu", level="Level0", aic_metrics="PipeUtilization", analyse=False) as cap:
+    with kp.profile(
+        tmp_path, device="npu", level="Level0", aic_metrics="PipeUtilization", analyse=False
+    ) as cap:
         _loop(cap, 5)
     exp = npu_profiler.CREATED[-1].experimental_config
     assert exp.aic_metrics == "ACL_AICORE_NONE" and exp.warnings == []
@@ -135,7 +151,9 @@ def test_capture_hooks_the_kit_trainer(tiny_llama_dir, tmp_path):
 
     data = H.make_pretrain(tmp_path / "pre_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=4)
-    cap, result = profile_trainer(cfg, out_dir=tmp_path / "profiles", device="cpu", wait=1, warmup=1, active=2)
+    cap, result = profile_trainer(
+        cfg, out_dir=tmp_path / "profiles", device="cpu", wait=1, warmup=1, active=2
+    )
     assert result.status == "completed" and cap.steps == 4
     assert cap.folder.name.endswith("-cpu-pretrain")
     table = kp.operator_table(cap.load())

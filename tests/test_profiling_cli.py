@@ -25,8 +25,21 @@ def test_sample_analyze_compare(tmp_path, capsys):
     assert main(["profile", "analyze", str(planted), "--fail-on-problems"]) == 1
     assert "PROBLEM - Operators run on the AI CPU" in capsys.readouterr().out
     # thresholds from the command line: a looser AI_CPU rule no longer fires
-    assert main(["profile", "analyze", str(planted), "--json", "--aicpu-max-us", "2000",
-                 "--aicpu-share-pct", "50"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "analyze",
+                str(planted),
+                "--json",
+                "--aicpu-max-us",
+                "2000",
+                "--aicpu-share-pct",
+                "50",
+            ]
+        )
+        == 0
+    )
     assert "aicpu" not in json.loads(capsys.readouterr().out)["problems"]
     assert main(["profile", "analyze", str(clean), "--fail-on-problems"]) == 0
     assert "SKIPPED - Unit utilisation not collected" in capsys.readouterr().out  # a Level0 sample
@@ -44,17 +57,25 @@ def test_bad_path_exits_2_with_a_message(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("msprof-analyze") is None and not (
-    __import__("pathlib").Path(sys.executable).parent / "msprof-analyze").exists(),
-    reason="msprof-analyze (PyPI) not installed")
+@pytest.mark.skipif(
+    shutil.which("msprof-analyze") is None
+    and not (__import__("pathlib").Path(sys.executable).parent / "msprof-analyze").exists(),
+    reason="msprof-analyze (PyPI) not installed",
+)
 @pytest.mark.parametrize("clean", [False, True])
 def test_msprof_analyze_agrees_on_ai_cpu(tmp_path, clean):
     from kit.profiling import advise, load, write_sample_ascend_profile
 
     pt = write_sample_ascend_profile(tmp_path / "p", clean=clean)
-    exe = shutil.which("msprof-analyze") or str(__import__("pathlib").Path(sys.executable).parent / "msprof-analyze")
-    res = subprocess.run([exe, "advisor", "computation", "-d", str(pt), "-l", "en", "-o", str(tmp_path / "o")],
-                         capture_output=True, text=True, timeout=240)
+    exe = shutil.which("msprof-analyze") or str(
+        __import__("pathlib").Path(sys.executable).parent / "msprof-analyze"
+    )
+    res = subprocess.run(
+        [exe, "advisor", "computation", "-d", str(pt), "-l", "en", "-o", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     theirs = "AICPU Issues" in res.stdout
     ours = "aicpu" in advise(load(pt)).problems
@@ -65,8 +86,31 @@ def test_msprof_analyze_agrees_on_ai_cpu(tmp_path, clean):
 
 @pytest.mark.slow
 def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
-    assert main(["profile", "demo", "--model", str(tiny_llama_dir), "--device", "cpu", "--wait", "0", "--warmup",
-                 "1", "--active", "1", "--seq-len", "16", "--out", str(tmp_path), "--tag", "cli"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "demo",
+                "--model",
+                str(tiny_llama_dir),
+                "--device",
+                "cpu",
+                "--wait",
+                "0",
+                "--warmup",
+                "1",
+                "--active",
+                "1",
+                "--seq-len",
+                "16",
+                "--out",
+                str(tmp_path),
+                "--tag",
+                "cli",
+            ]
+        )
+        == 0
+    )
     folder = capsys.readouterr().out.strip().splitlines()[-1]
     assert folder.endswith("-cpu-cli")
     meta = json.loads((tmp_path / folder.rsplit("/", 1)[1] / "capture.json").read_text())

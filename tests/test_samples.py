@@ -20,7 +20,9 @@ def test_shipped_data_matches_its_generator():
     recs = [json.loads(line) for line in sft_alpaca().read_text(encoding="utf-8").splitlines()]
     assert recs == alpaca_records()
     assert all({"instruction", "input", "output"} <= set(r) for r in recs)
-    assert any("history" in r for r in recs) and any(any("\u4e00" <= ch <= "\u9fff" for ch in r["output"]) for r in recs)
+    assert any("history" in r for r in recs) and any(
+        any("\u4e00" <= ch <= "\u9fff" for ch in r["output"]) for r in recs
+    )
 
 
 def test_sample_tokenizer_has_role_tokens_as_single_tokens():
@@ -44,10 +46,17 @@ def test_tiny_llama_layout_and_determinism(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((a / s).is_file() for s in shards)
     cfg = json.loads((a / "config.json").read_text())
-    assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["tie_word_embeddings"] is False
+    assert (
+        cfg["num_attention_heads"] == 4
+        and cfg["num_key_value_heads"] == 2
+        and cfg["tie_word_embeddings"] is False
+    )
     assert (a / "tokenizer.json").is_file() and (a / "generation_config.json").is_file()
     name = "model.layers.0.self_attn.k_proj.weight"
-    with safe_open(a / index["weight_map"][name], "pt") as fa, safe_open(b / index["weight_map"][name], "pt") as fb:
+    with (
+        safe_open(a / index["weight_map"][name], "pt") as fa,
+        safe_open(b / index["weight_map"][name], "pt") as fb,
+    ):
         assert fa.get_tensor(name).shape == (2 * 16, 64)
         assert torch.equal(fa.get_tensor(name), fb.get_tensor(name))
     model = AutoModelForCausalLM.from_pretrained(a)
@@ -64,12 +73,20 @@ def test_demo_model_is_a_plain_hf_checkpoint_that_answers(tmp_path):
     path = demo_model_dir(cache=tmp_path)
     cfg = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in cfg
-    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (9, 3, True)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (
+        9,
+        3,
+        True,
+    )
     assert json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert demo_model_dir(cache=tmp_path) == path  # cached: the second call converts nothing
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])

@@ -25,26 +25,67 @@ def sft_data(tmp_path_factory):
 
 
 def test_config_lists_every_problem(tmp_path):
-    cfg = TrainConfig(run_type="finetune", model_path=str(tmp_path / "none"), dataset_path=str(tmp_path / "nd"),
-                      gbs=6, mbs=4, tp=2, pp=4, nproc_per_node=3, nnodes=2, node_rank=2, zero_stage=4, lr=-1.0)
+    cfg = TrainConfig(
+        run_type="finetune",
+        model_path=str(tmp_path / "none"),
+        dataset_path=str(tmp_path / "nd"),
+        gbs=6,
+        mbs=4,
+        tp=2,
+        pp=4,
+        nproc_per_node=3,
+        nnodes=2,
+        node_rank=2,
+        zero_stage=4,
+        lr=-1.0,
+    )
     with pytest.raises(ConfigError) as err:
         check(cfg)
     text = str(err.value)
-    for needle in ("RUN_TYPE='finetune'", "NODE_RANK=2", "needs MASTER_ADDR", "not divisible by TP x PP",
-                   "GBS=6 is not divisible by MBS x DP", "data-parallel only", "ZERO_STAGE=4", "LR=-1.0",
-                   "has no config.json", "has no meta.json"):
+    for needle in (
+        "RUN_TYPE='finetune'",
+        "NODE_RANK=2",
+        "needs MASTER_ADDR",
+        "not divisible by TP x PP",
+        "GBS=6 is not divisible by MBS x DP",
+        "data-parallel only",
+        "ZERO_STAGE=4",
+        "LR=-1.0",
+        "has no config.json",
+        "has no meta.json",
+    ):
         assert needle in text, needle
     assert len(err.value.problems) == 10
 
 
 def test_seed_environment_overrides():
-    env = {"MODEL_TYPE": "GLM3-6B", "RUN_TYPE": "pretrain", "TRAIN_ITERS": "200", "MBS": "2", "GBS": "128",
-           "TP": "2", "PP": "8", "SEQ_LEN": "8192", "MASTER_ADDR": "10.0.0.1", "NNODES": "2", "NODE_RANK": "1",
-           "WORK_DIR": "/home/ma-user/ws", "DATASET_PATH": "/d/alpaca_text_document", "TOKENIZER_PATH": "/t",
-           "LR": "5"}  # LR is not a seed variable: the environment must not change it
+    env = {
+        "MODEL_TYPE": "GLM3-6B",
+        "RUN_TYPE": "pretrain",
+        "TRAIN_ITERS": "200",
+        "MBS": "2",
+        "GBS": "128",
+        "TP": "2",
+        "PP": "8",
+        "SEQ_LEN": "8192",
+        "MASTER_ADDR": "10.0.0.1",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "WORK_DIR": "/home/ma-user/ws",
+        "DATASET_PATH": "/d/alpaca_text_document",
+        "TOKENIZER_PATH": "/t",
+        "LR": "5",
+    }  # LR is not a seed variable: the environment must not change it
     cfg = from_env(env, lr=2e-5, gbs=64)
-    assert (cfg.model_type, cfg.run_type, cfg.train_iters, cfg.mbs, cfg.gbs, cfg.tp, cfg.pp) == \
-        ("GLM3-6B", "pretrain", 200, 2, 128, 2, 8, )
+    assert (cfg.model_type, cfg.run_type, cfg.train_iters, cfg.mbs, cfg.gbs, cfg.tp, cfg.pp) == (
+        "GLM3-6B",
+        "pretrain",
+        200,
+        2,
+        128,
+        2,
+        8,
+    )
     assert (cfg.seq_len, cfg.master_addr, cfg.nnodes, cfg.node_rank, cfg.lr) == (8192, "10.0.0.1", 2, 1, 2e-5)
     assert from_env(env, extra=["LR"]).lr == 5.0
     with pytest.raises(TypeError, match="GLOBAL_BATCH"):
@@ -86,7 +127,9 @@ def test_pretrain_loss_decreases_with_logs_checkpoint_and_hf_export(tmp_path, ti
     r = records[3]
     assert r["tokens_per_s_per_card"] == pytest.approx(4 * 32 / (1 * r["elapsed_ms"]) * 1000)
     assert r["real_tokens"] == 4 * 32 and r["grad_norm"] > 0
-    assert list((tmp_path / "ws" / "saved_dir_for_ma_output" / "tiny" / "logs" / "tensorboard").rglob("events.*"))
+    assert list(
+        (tmp_path / "ws" / "saved_dir_for_ma_output" / "tiny" / "logs" / "tensorboard").rglob("events.*")
+    )
     # the exported HF folder holds the trained weights
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +141,9 @@ def test_pretrain_loss_decreases_with_logs_checkpoint_and_hf_export(tmp_path, ti
 
 
 def test_sft_loss_decreases_on_answer_tokens(tmp_path, tiny_llama_dir, sft_data):
-    cfg = H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="sft", train_iters=8, gbs=8, mbs=4)
+    cfg = H.tiny_config(
+        tiny_llama_dir, sft_data, tmp_path / "ws", run_type="sft", train_iters=8, gbs=8, mbs=4
+    )
     result = train(cfg, progress=False)
     assert result.status == "completed"
     assert result.losses[-1] < result.losses[0] - 0.5, result.losses
@@ -108,15 +153,21 @@ def test_sft_loss_decreases_on_answer_tokens(tmp_path, tiny_llama_dir, sft_data)
 
 def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, tiny_llama_dir, pretrain_data):
     full = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "a", train_iters=6), progress=False)
-    first = Trainer(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "b", train_iters=6), progress=False)
+    first = Trainer(
+        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "b", train_iters=6), progress=False
+    )
     first.step_callbacks.append(lambda it: first.request_stop("test") if it == 3 else None)
     stopped = first.train()
     assert stopped.status == "preempted" and stopped.iteration == 3
     assert stopped.losses == full.losses[:3]
-    resumed = train(TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "b"), train_iters=6),
-                    progress=False)
+    resumed = train(
+        TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "b"), train_iters=6),
+        progress=False,
+    )
     assert resumed.status == "completed" and resumed.iteration == 6
-    assert resumed.losses == full.losses[3:]  # bit-exact: weights, Adam moments, LR schedule and data position
+    assert (
+        resumed.losses == full.losses[3:]
+    )  # bit-exact: weights, Adam moments, LR schedule and data position
     rows = [json.loads(ln) for ln in resumed.metrics_path.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
@@ -127,8 +178,10 @@ def test_retrain_without_checkpoint_is_a_config_problem(tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_llama_dir, pretrain_data):
-    trainer = Trainer(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ws", train_iters=8,
-                                    save_interval=2), progress=False)
+    trainer = Trainer(
+        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ws", train_iters=8, save_interval=2),
+        progress=False,
+    )
 
     def poison(iteration):
         if iteration == 3:  # weights go bad after step 3; step 4's loss is NaN
@@ -150,9 +203,20 @@ def test_lora_trains_and_merge_reproduces_adapted_logits(tmp_path, tiny_llama_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="lora", train_iters=8, gbs=8, mbs=4,
-                        lr=1e-2, save_hf=True, lora_r=8, lora_alpha=32,
-                        lora_targets=["q_proj", "v_proj", "down_proj", "lm_head"])  # tiny lm_head caps logits
+    cfg = H.tiny_config(
+        tiny_llama_dir,
+        sft_data,
+        tmp_path / "ws",
+        run_type="lora",
+        train_iters=8,
+        gbs=8,
+        mbs=4,
+        lr=1e-2,
+        save_hf=True,
+        lora_r=8,
+        lora_alpha=32,
+        lora_targets=["q_proj", "v_proj", "down_proj", "lm_head"],
+    )  # tiny lm_head caps logits
     result = train(cfg, progress=False)
     assert result.status == "completed" and result.losses[-1] < result.losses[0] - 0.3, result.losses
     assert result.adapter_dir.name == "adapter" and (result.adapter_dir / "adapter_config.json").is_file()
@@ -175,8 +239,10 @@ def test_zero_stages_train_and_export_the_same_model(tmp_path, tiny_llama_dir, p
 
     common = dict(train_iters=3, save_hf=True)
     ref = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "z0", **common), progress=False)
-    res = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / f"z{stage}", zero_stage=stage, **common),
-                progress=False)
+    res = train(
+        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / f"z{stage}", zero_stage=stage, **common),
+        progress=False,
+    )
     assert res.status == "completed"
     assert res.losses == pytest.approx(ref.losses, rel=1e-4)
     a = AutoModelForCausalLM.from_pretrained(ref.hf_dir).state_dict()

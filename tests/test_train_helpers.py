@@ -16,8 +16,9 @@ def _save(rows: dict, folder: Path, meta: dict) -> Path:
     return folder
 
 
-def make_pretrain(folder: Path, num_samples: int = 32, max_length: int = 32, vocab_size: int = 2522,
-                  seed: int = 0) -> Path:
+def make_pretrain(
+    folder: Path, num_samples: int = 32, max_length: int = 32, vocab_size: int = 2522, seed: int = 0
+) -> Path:
     """Packed pretraining samples: each row counts up from a random start by a row-specific stride (learnable)."""
     rng = random.Random(seed)
     rows = {"input_ids": [], "labels": [], "attention_mask": [], "position_ids": []}
@@ -28,13 +29,26 @@ def make_pretrain(folder: Path, num_samples: int = 32, max_length: int = 32, voc
         rows["labels"].append(list(ids))
         rows["attention_mask"].append([1] * max_length)
         rows["position_ids"].append(list(range(max_length)))
-    meta = {"kind": "pretrain", "max_length": max_length, "tokenizer": "synthetic", "vocab_size": vocab_size,
-            "pad_token_id": 0, "eos_token_id": 2, "num_samples": num_samples}
+    meta = {
+        "kind": "pretrain",
+        "max_length": max_length,
+        "tokenizer": "synthetic",
+        "vocab_size": vocab_size,
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+        "num_samples": num_samples,
+    }
     return _save(rows, Path(folder), meta)
 
 
-def make_sft(folder: Path, num_samples: int = 32, max_length: int = 48, vocab_size: int = 2522, pad_id: int = 0,
-             seed: int = 0) -> Path:
+def make_sft(
+    folder: Path,
+    num_samples: int = 32,
+    max_length: int = 48,
+    vocab_size: int = 2522,
+    pad_id: int = 0,
+    seed: int = 0,
+) -> Path:
     """Packed SFT samples: 1-3 dialogs per row (prompt masked with -100, answer = prompt reversed), then padding."""
     rng = random.Random(seed)
     rows = {"input_ids": [], "labels": [], "attention_mask": [], "position_ids": [], "seq_lens": []}
@@ -55,8 +69,15 @@ def make_sft(folder: Path, num_samples: int = 32, max_length: int = 48, vocab_si
         rows["attention_mask"].append([1] * len(ids) + [0] * pad)
         rows["position_ids"].append(pos + [0] * pad)
         rows["seq_lens"].append(lens)
-    meta = {"kind": "sft", "max_length": max_length, "tokenizer": "synthetic", "vocab_size": vocab_size,
-            "pad_token_id": pad_id, "eos_token_id": 2, "num_samples": num_samples}
+    meta = {
+        "kind": "sft",
+        "max_length": max_length,
+        "tokenizer": "synthetic",
+        "vocab_size": vocab_size,
+        "pad_token_id": pad_id,
+        "eos_token_id": 2,
+        "num_samples": num_samples,
+    }
     return _save(rows, Path(folder), meta)
 
 
@@ -64,8 +85,19 @@ def tiny_config(model_dir: Path, data_dir: Path, work_dir: Path, **kw):
     """A TrainConfig for a few fast CPU steps on the tiny model (override anything with keywords)."""
     from kit.train import TrainConfig
 
-    base = dict(run_type="pretrain", model_type="tiny", model_path=str(model_dir), dataset_path=str(data_dir),
-                work_dir=str(work_dir), train_iters=6, mbs=2, gbs=4, lr=3e-3, warmup_iters=1, seed=7,
-                save_hf=False)
+    base = dict(
+        run_type="pretrain",
+        model_type="tiny",
+        model_path=str(model_dir),
+        dataset_path=str(data_dir),
+        work_dir=str(work_dir),
+        train_iters=6,
+        mbs=2,
+        gbs=4,
+        lr=3e-3,
+        warmup_iters=1,
+        seed=7,
+        save_hf=False,
+    )
     base.update(kw)
     return TrainConfig(**base)

@@ -46,8 +46,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_llama_dir):
 
     cfg = job_config(cfg)
     config_path = save_config(cfg, tmp_path, "job.json")
-    proc = subprocess.Popen(launch_command(cfg, config_path), env=launch_env(cfg, "cpu"), cwd=str(repo_root()),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        launch_command(cfg, config_path),
+        env=launch_env(cfg, "cpu"),
+        cwd=str(repo_root()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = cfg.log_dir() / "pretrain.metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -66,37 +73,77 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_llama_dir):
     assert "stop requested (SIGTERM)" in output and "kit train: preempted" in output
     assert 2 <= last < 500
     # and the run continues from there
-    resumed = train(TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "ws"),
-                                train_iters=last + 2), progress=False)
+    resumed = train(
+        TrainConfig(
+            run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "ws"), train_iters=last + 2
+        ),
+        progress=False,
+    )
     assert resumed.status == "completed" and resumed.iteration == last + 2 and len(resumed.losses) == 2
 
 
 def test_cli_run_reports_config_problems(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kit", "train", "run", "--no-env", "--set", "RUN_TYPE=pretrain",
-                          "--set", "GBS=3", "--set", "MBS=2", "--set", f"WORK_DIR={tmp_path}"],
-                         capture_output=True, text=True, cwd=str(repo_root()), timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kit",
+            "train",
+            "run",
+            "--no-env",
+            "--set",
+            "RUN_TYPE=pretrain",
+            "--set",
+            "GBS=3",
+            "--set",
+            "MBS=2",
+            "--set",
+            f"WORK_DIR={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(repo_root()),
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert "GBS=3 is not divisible by MBS x DP = 2 x 1" in out.stderr and "MODEL_PATH is required" in out.stderr
+    assert (
+        "GBS=3 is not divisible by MBS x DP = 2 x 1" in out.stderr and "MODEL_PATH is required" in out.stderr
+    )
 
 
 def test_launch_command_and_environment_for_multi_node_npu(tmp_path, monkeypatch):
     from kit.train.launch import job_config
 
     monkeypatch.setenv("RANK", "0")  # left behind by an in-kernel run: must not reach the job
-    cfg = job_config(TrainConfig(nnodes=2, node_rank=1, nproc_per_node=8, master_addr="10.0.0.1",
-                                 work_dir=str(tmp_path)))
+    cfg = job_config(
+        TrainConfig(nnodes=2, node_rank=1, nproc_per_node=8, master_addr="10.0.0.1", work_dir=str(tmp_path))
+    )
     assert cfg.master_port == 6000  # the same on every node
     cmd = launch_command(cfg, tmp_path / "c.json")
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert {"--nnodes=2", "--node_rank=1", "--nproc_per_node=8", "--master_addr=10.0.0.1",
-            "--master_port=6000"} <= set(cmd)
-    assert cmd[cmd.index("-m", 3):] == ["-m", "kit", "train", "run", "--config", str(tmp_path / "c.json"),
-                                        "--no-progress"]
+    assert {
+        "--nnodes=2",
+        "--node_rank=1",
+        "--nproc_per_node=8",
+        "--master_addr=10.0.0.1",
+        "--master_port=6000",
+    } <= set(cmd)
+    assert cmd[cmd.index("-m", 3) :] == [
+        "-m",
+        "kit",
+        "train",
+        "run",
+        "--config",
+        str(tmp_path / "c.json"),
+        "--no-progress",
+    ]
     ds = launch_command(cfg, tmp_path / "c.json", launcher="deepspeed")
     assert ds[0] == "deepspeed" and "--num_gpus=8" in ds and "--module" in ds
     env = launch_env(cfg, "npu", visible_devices="0,1,2,3,4,5,6,7")
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and "RANK" not in env
-    assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" and env["HCCL_CONNECT_TIMEOUT"] == "3600"
+    assert (
+        env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" and env["HCCL_CONNECT_TIMEOUT"] == "3600"
+    )
     assert str(repo_root()) in env["PYTHONPATH"].split(":")
     cpu = launch_env(TrainConfig(nproc_per_node=2), "cpu")
     assert int(cpu["OMP_NUM_THREADS"]) >= 1

@@ -34,16 +34,29 @@ def test_megatron_fixture_parses_with_computed_throughput():
     assert df["samples_per_s"].iloc[1] == pytest.approx(128 / 4.2103)
     s = summarize(df)
     assert s["iterations"] == 6 and s["first_loss"] == pytest.approx(3.1021)
-    assert s["elapsed_ms_mean"] == pytest.approx(sum([4210.3, 4198.7, 4201.9, 4188.2, 4195.0]) / 5)  # warm-up skipped
+    assert s["elapsed_ms_mean"] == pytest.approx(
+        sum([4210.3, 4198.7, 4201.9, 4188.2, 4195.0]) / 5
+    )  # warm-up skipped
 
 
 def test_kit_line_round_trips_and_restart_keeps_the_later_line():
-    rec = {"iteration": 7, "consumed_samples": 28, "elapsed_ms": 123.45, "lr": 2.5e-4, "gbs": 4, "loss": 3.25,
-           "grad_norm": 0.5, "tokens_per_s_per_card": 1037.1, "samples_per_s": 32.41}
+    rec = {
+        "iteration": 7,
+        "consumed_samples": 28,
+        "elapsed_ms": 123.45,
+        "lr": 2.5e-4,
+        "gbs": 4,
+        "loss": 3.25,
+        "grad_norm": 0.5,
+        "tokens_per_s_per_card": 1037.1,
+        "samples_per_s": 32.41,
+    }
     line = format_line(rec, train_iters=10)
     parsed = parse_line(line)
     assert parsed["iteration"] == 7 and parsed["train_iters"] == 10 and parsed["loss"] == pytest.approx(3.25)
-    assert parsed["tokens_per_s_per_card"] == pytest.approx(1037.1) and parsed["grad_norm"] == pytest.approx(0.5)
+    assert parsed["tokens_per_s_per_card"] == pytest.approx(1037.1) and parsed["grad_norm"] == pytest.approx(
+        0.5
+    )
     assert parse_line("saving checkpoint at iteration       5 to /x") is None
     again = format_line(dict(rec, loss=3.0), train_iters=10)
     df = parse_log(line + "\nresumed from ...\n" + again + "\n")
@@ -53,7 +66,9 @@ def test_kit_line_round_trips_and_restart_keeps_the_later_line():
 def test_hf_train_metrics_and_side_by_side_table(tmp_path):
     base = parse_train_metrics(FIXTURES / "hf_train_metrics_baseline.txt")
     assert base["train_runtime"] == pytest.approx(2 * 3600 + 15 * 60 + 20.44)
-    assert base["train_samples_per_second"] == pytest.approx(12.61) and base["train_loss"] == pytest.approx(3.0146)
+    assert base["train_samples_per_second"] == pytest.approx(12.61) and base["train_loss"] == pytest.approx(
+        3.0146
+    )
     df = parse_log(FIXTURES / "megatron_glm3_pretrain.log", seq_len=8192, cards=16)
     faster = df.assign(elapsed_ms=df["elapsed_ms"] / 2, samples_per_s=df["samples_per_s"] * 2)
     table = compare_runs({"baseline": df, "tuned": faster})
@@ -68,8 +83,9 @@ def test_kit_log_written_by_the_trainer_parses(tmp_path, tiny_llama_dir):
     from kit.train import train
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=8)
-    result = train(H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=3, log_interval=2),
-                   progress=False)
+    result = train(
+        H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=3, log_interval=2), progress=False
+    )
     df = parse_log(result.log_path)
     assert list(df["iteration"]) == [2]  # LOG_INTERVAL=2: only iteration 2 printed
     jsonl = [json.loads(x) for x in result.metrics_path.read_text().splitlines()]
@@ -90,16 +106,29 @@ def _megatron_tree(tmp_path: Path, tiny_llama_dir: Path, tp: int, pp: int) -> tu
     for t in range(tp):
         for p in range(pp):
             (ckpt / "iter_0000001" / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")).mkdir(
-                parents=True)
+                parents=True
+            )
     (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
     return code, str(data), str(ckpt)
 
 
 def test_megatron_pretrain_command_is_built_and_validated(tmp_path, tiny_llama_dir):
     code, data, ckpt = _megatron_tree(tmp_path, tiny_llama_dir, tp=2, pp=2)
-    cfg = TrainConfig(engine="megatron", run_type="pretrain", model_type="tiny", model_path=str(tiny_llama_dir),
-                      dataset_path=data, work_dir=str(tmp_path / "ws"), tp=2, pp=2, nproc_per_node=4, mbs=1, gbs=8,
-                      seq_len=4096, train_iters=200)
+    cfg = TrainConfig(
+        engine="megatron",
+        run_type="pretrain",
+        model_type="tiny",
+        model_path=str(tiny_llama_dir),
+        dataset_path=data,
+        work_dir=str(tmp_path / "ws"),
+        tp=2,
+        pp=2,
+        nproc_per_node=4,
+        mbs=1,
+        gbs=8,
+        seq_len=4096,
+        train_iters=200,
+    )
     plan = build(cfg, load=ckpt)
     assert plan.problems == [], plan.problems
     argv = plan.argv
@@ -111,25 +140,55 @@ def test_megatron_pretrain_command_is_built_and_validated(tmp_path, tiny_llama_d
     assert "--untie-embeddings-and-output-weights" in argv and "--no-load-optim" in argv
     assert plan.env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
     # the wrong layout, data suffix and TP are all reported at once
-    bad = build(TrainConfig(**{**cfg.__dict__, "tp": 4, "dataset_path": data + ".bin", "nproc_per_node": 8}),
-                load=ckpt)
+    bad = build(
+        TrainConfig(**{**cfg.__dict__, "tp": 4, "dataset_path": data + ".bin", "nproc_per_node": 8}),
+        load=ckpt,
+    )
     text = "\n".join(bad.problems)
-    assert "TP=4 must divide" in text and "`<name>_text_document` prefix" in text and "needs ['mp_rank_00_000'" in text
+    assert (
+        "TP=4 must divide" in text
+        and "`<name>_text_document` prefix" in text
+        and "needs ['mp_rank_00_000'" in text
+    )
 
 
 def test_megatron_script_plan_uses_the_seed_variables(tmp_path, tiny_llama_dir):
     code, data, _ = _megatron_tree(tmp_path, tiny_llama_dir, tp=1, pp=1)
-    cfg = TrainConfig(engine="megatron", run_type="pretrain", model_type="GLM3-6B", dataset_path=data,
-                      tokenizer_path=str(tiny_llama_dir), work_dir=str(tmp_path / "ws"), tp=2, pp=4,
-                      nproc_per_node=8, mbs=1, gbs=64, seq_len=8192, train_iters=200)
+    cfg = TrainConfig(
+        engine="megatron",
+        run_type="pretrain",
+        model_type="GLM3-6B",
+        dataset_path=data,
+        tokenizer_path=str(tiny_llama_dir),
+        work_dir=str(tmp_path / "ws"),
+        tp=2,
+        pp=4,
+        nproc_per_node=8,
+        mbs=1,
+        gbs=64,
+        seq_len=8192,
+        train_iters=200,
+    )
     plan = build(cfg, script="scripts/glm3/glm3_base.sh")
     assert plan.problems == [] and plan.argv == ["sh", "scripts/glm3/glm3_base.sh"] and plan.cwd == code
-    assert plan.env == {"MODEL_TYPE": "GLM3-6B", "RUN_TYPE": "pretrain", "DATASET_PATH": data,
-                        "TOKENIZER_PATH": str(tiny_llama_dir), "TRAIN_ITERS": "200", "MBS": "1", "GBS": "64",
-                        "TP": "2", "PP": "4", "SEQ_LEN": "8192", "WORK_DIR": str((tmp_path / "ws").resolve())}
+    assert plan.env == {
+        "MODEL_TYPE": "GLM3-6B",
+        "RUN_TYPE": "pretrain",
+        "DATASET_PATH": data,
+        "TOKENIZER_PATH": str(tiny_llama_dir),
+        "TRAIN_ITERS": "200",
+        "MBS": "1",
+        "GBS": "64",
+        "TP": "2",
+        "PP": "4",
+        "SEQ_LEN": "8192",
+        "WORK_DIR": str((tmp_path / "ws").resolve()),
+    }
     assert plan.describe().startswith(f"cd {code} && MODEL_TYPE=GLM3-6B RUN_TYPE=pretrain")
-    two = build(TrainConfig(**{**cfg.__dict__, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1",
-                               "gbs": 128}), script="scripts/glm3/glm3_base.sh")
+    two = build(
+        TrainConfig(**{**cfg.__dict__, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "gbs": 128}),
+        script="scripts/glm3/glm3_base.sh",
+    )
     assert (two.env["MASTER_ADDR"], two.env["NNODES"], two.env["NODE_RANK"]) == ("10.0.0.1", "2", "1")
     missing = build(cfg, script="scripts/glm3/nope.sh", code_dir=str(tmp_path / "absent"))
     assert any("AscendCloud-3rdLLM" in p for p in missing.problems)
@@ -139,8 +198,19 @@ def test_cli_log_prints_summary(tmp_path, capsys):
     from kit.__main__ import main
 
     out_csv = tmp_path / "m.csv"
-    rc = main(["train", "log", str(FIXTURES / "megatron_glm3_pretrain.log"), "--seq-len", "8192", "--cards", "16",
-               "--csv", str(out_csv)])
+    rc = main(
+        [
+            "train",
+            "log",
+            str(FIXTURES / "megatron_glm3_pretrain.log"),
+            "--seq-len",
+            "8192",
+            "--cards",
+            "16",
+            "--csv",
+            str(out_csv),
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["iterations"] == 6 and summary["tokens_per_s_per_card"] > 0
@@ -154,8 +224,16 @@ def test_megatron_plan_finds_the_prefix_beside_a_kit_dataset(tmp_path, tiny_llam
     for key in ("input_ids", "attention_mask", "labels"):
         for ext in ("bin", "idx"):
             (tmp_path / f"alpaca_packed_{key}_document.{ext}").write_bytes(b"\0")
-    cfg = TrainConfig(engine="megatron", run_type="sft", model_type="tiny", model_path=str(tiny_llama_dir),
-                      dataset_path=str(hf), work_dir=str(tmp_path / "ws"), seq_len=48, gbs=2)
+    cfg = TrainConfig(
+        engine="megatron",
+        run_type="sft",
+        model_type="tiny",
+        model_path=str(tiny_llama_dir),
+        dataset_path=str(hf),
+        work_dir=str(tmp_path / "ws"),
+        seq_len=48,
+        gbs=2,
+    )
     plan = build(cfg)
     assert plan.argv[plan.argv.index("--data-path") + 1] == str(tmp_path / "alpaca")
     assert "posttrain_gpt.py" in plan.argv and "--is-instruction-dataset" in plan.argv

@@ -13,15 +13,28 @@ NOTEBOOK = repo_root() / "notebooks" / "04_adapted_training.ipynb"
 
 
 def test_notebook_is_committed_without_outputs():
-    out = subprocess.run([str(Path(repo_root()) / ".venv" / "bin" / "nbstripout"), "--verify", str(NOTEBOOK)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [str(Path(repo_root()) / ".venv" / "bin" / "nbstripout"), "--verify", str(NOTEBOOK)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.slow
 def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path):
-    _, summary = run_notebook("04", MODEL="tiny", MODEL_PATH=str(tiny_llama_dir), TRAIN_ITERS=5, MBS=2, GBS=4,
-                              SEQ_LEN=64, LR=3e-3, LAUNCH_ITERS=2, MAX_NEW_TOKENS=8)
+    _, summary = run_notebook(
+        "04",
+        MODEL="tiny",
+        MODEL_PATH=str(tiny_llama_dir),
+        TRAIN_ITERS=5,
+        MBS=2,
+        GBS=4,
+        SEQ_LEN=64,
+        LR=3e-3,
+        LAUNCH_ITERS=2,
+        MAX_NEW_TOKENS=8,
+    )
     assert summary["status"] == "completed" and summary["iterations"] == 5
     assert summary["last_loss"] < summary["first_loss"] - 0.3, summary["losses"]
     for key in ("checkpoint", "hf_dir", "log", "metrics", "plot"):

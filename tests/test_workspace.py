@@ -15,11 +15,19 @@ from kit.workspace import Workspace, default_root, get_workspace
 def test_layout_matches_the_modelarts_manual(tmp_path):
     ws = get_workspace(tmp_path, model="GLM3-6B")
     rel = {str(p.relative_to(tmp_path)) for p in ws.folders()}
-    for expected in ["llm_train", "processed_for_ma_input/GLM3-6B/data/pretrain",
-                     "processed_for_ma_input/GLM3-6B/data/finetune", "processed_for_ma_input/GLM3-6B/converted_weights",
-                     "saved_dir_for_ma_output/GLM3-6B/logs", "saved_dir_for_ma_output/GLM3-6B/lora",
-                     "saved_dir_for_ma_output/GLM3-6B/sft", "saved_dir_for_ma_output/GLM3-6B/pretrain",
-                     "tokenizers/GLM3-6B", "training_data/pretrain", "training_data/finetune"]:
+    for expected in [
+        "llm_train",
+        "processed_for_ma_input/GLM3-6B/data/pretrain",
+        "processed_for_ma_input/GLM3-6B/data/finetune",
+        "processed_for_ma_input/GLM3-6B/converted_weights",
+        "saved_dir_for_ma_output/GLM3-6B/logs",
+        "saved_dir_for_ma_output/GLM3-6B/lora",
+        "saved_dir_for_ma_output/GLM3-6B/sft",
+        "saved_dir_for_ma_output/GLM3-6B/pretrain",
+        "tokenizers/GLM3-6B",
+        "training_data/pretrain",
+        "training_data/finetune",
+    ]:
         assert expected in rel
         assert (tmp_path / expected).is_dir()
     assert ws.missing() == []

@@ -32,18 +32,41 @@ def _unsupported(softcap=0.0, alibi_slopes=None, return_attn_probs=False, **_ign
     if softcap:
         raise NotImplementedError("kit flash-attn bridge: softcap is not supported by npu_fusion_attention.")
     if alibi_slopes is not None:
-        raise NotImplementedError("kit flash-attn bridge: alibi_slopes are not supported; use a dense pse instead.")
+        raise NotImplementedError(
+            "kit flash-attn bridge: alibi_slopes are not supported; use a dense pse instead."
+        )
     if return_attn_probs:
         raise NotImplementedError("kit flash-attn bridge: return_attn_probs=True is not supported.")
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash-attn 2 `flash_attn_func`: q (B, Sq, N, D), k/v (B, Skv, Nkv, D) -> (B, Sq, N, D)."""
     _unsupported(softcap, alibi_slopes, return_attn_probs)
     pre, nxt = _window(window_size)
-    return fusion_attention(q, k, v, q.shape[2], "BSND", causal=causal, scale=softmax_scale,
-                            keep_prob=1.0 - dropout_p, pre_tokens=pre, next_tokens=nxt)
+    return fusion_attention(
+        q,
+        k,
+        v,
+        q.shape[2],
+        "BSND",
+        causal=causal,
+        scale=softmax_scale,
+        keep_prob=1.0 - dropout_p,
+        pre_tokens=pre,
+        next_tokens=nxt,
+    )
 
 
 def _ends(cu_seqlens) -> list:
@@ -54,57 +77,152 @@ def _ends(cu_seqlens) -> list:
     return [int(x) for x in values[1:]]
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash-attn 2 `flash_attn_varlen_func`: q (Tq, N, D), k/v (Tk, Nkv, D) with cu_seqlens -> (Tq, N, D)."""
     _unsupported(softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("kit flash-attn bridge: paged KV (block_table) is not supported.")
     pre, nxt = _window(window_size)
-    return fusion_attention(q, k, v, q.shape[1], "TND", causal=causal, scale=softmax_scale,
-                            keep_prob=1.0 - dropout_p, pre_tokens=pre, next_tokens=nxt,
-                            actual_seq_qlen=_ends(cu_seqlens_q), actual_seq_kvlen=_ends(cu_seqlens_k))
+    return fusion_attention(
+        q,
+        k,
+        v,
+        q.shape[1],
+        "TND",
+        causal=causal,
+        scale=softmax_scale,
+        keep_prob=1.0 - dropout_p,
+        pre_tokens=pre,
+        next_tokens=nxt,
+        actual_seq_qlen=_ends(cu_seqlens_q),
+        actual_seq_kvlen=_ends(cu_seqlens_k),
+    )
 
 
-def flash_attn_unpadded_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                             softmax_scale=None, causal=False, return_attn_probs=False, deterministic=False):
+def flash_attn_unpadded_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale=None,
+    causal=False,
+    return_attn_probs=False,
+    deterministic=False,
+):
     """flash-attn 1.x name of the varlen function (TeleChat, early Baichuan/ChatGLM ports)."""
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, return_attn_probs=return_attn_probs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        return_attn_probs=return_attn_probs,
+    )
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              **kwargs):
+def flash_attn_qkvpacked_func(
+    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kwargs
+):
     """qkv (B, S, 3, N, D)."""
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, **kwargs)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             **kwargs):
+def flash_attn_kvpacked_func(
+    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kwargs
+):
     """kv (B, S, 2, Nkv, D)."""
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, **kwargs)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, dropout_p=0.0, softmax_scale=None,
-                                     causal=False, window_size=(-1, -1), **kwargs):
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **kwargs,
+):
     """qkv (T, 3, N, D)."""
     q, k, v = qkv.unbind(dim=1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                  softmax_scale, causal, window_size, **kwargs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        **kwargs,
+    )
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kwargs):
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **kwargs,
+):
     """kv (Tk, 2, Nkv, D)."""
     k, v = kv.unbind(dim=1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, **kwargs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        **kwargs,
+    )
 
 
 # --- flash_attn.bert_padding ---------------------------------------------------------------------------------
+
 
 def index_first_axis(x, indices):
     """x[indices] along the first axis (flash-attn's autograd-friendly gather)."""
@@ -129,14 +247,23 @@ def pad_input(hidden_states, indices, batch, seqlen):
     return out.index_copy(0, indices, hidden_states).view(batch, seqlen, *hidden_states.shape[1:])
 
 
-INTERFACE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_unpadded_func", "flash_attn_qkvpacked_func",
-             "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func")
+INTERFACE = (
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_unpadded_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+)
 PADDING = ("index_first_axis", "unpad_input", "pad_input")
 MODULE_NAMES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding")
 
 
 def _module(name: str, attrs, package: bool = False) -> types.ModuleType:
-    mod = types.ModuleType(name, "kit flash-attn bridge: flash-attn API on kit.ops (npu_fusion_attention / SDPA)")
+    mod = types.ModuleType(
+        name, "kit flash-attn bridge: flash-attn API on kit.ops (npu_fusion_attention / SDPA)"
+    )
     mod.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=package)
     if package:
         mod.__path__ = []

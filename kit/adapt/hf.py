@@ -39,13 +39,28 @@ class AdaptReport:
         return asdict(self)
 
 
-def kit_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                          sliding_window=None, softcap=None, is_causal=None, **kwargs):
+def kit_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    is_causal=None,
+    **kwargs,
+):
     """transformers attention function: q/k/v (B, N, S, D) in, (B, S, N, D) out, through kit.ops.fusion_attention."""
     if softcap:
-        raise ValueError("attention softcap is not supported by kit attention; use attn_implementation='eager'.")
+        raise ValueError(
+            "attention softcap is not supported by kit attention; use attn_implementation='eager'."
+        )
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ValueError("attention sinks are not supported by kit attention; use attn_implementation='eager'.")
+        raise ValueError(
+            "attention sinks are not supported by kit attention; use attn_implementation='eager'."
+        )
     batch, nq, sq, _ = query.shape
     skv = key.shape[2]
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
@@ -64,8 +79,9 @@ def kit_attention_forward(module, query, key, value, attention_mask, dropout: fl
         plan = plan_varlen(kwargs.get("position_ids"), attention_mask, batch, sq)
     elif attention_mask is not None and not bool(attention_mask.all()):
         masked = ~attention_mask.to(torch.bool)[:, None, None, -skv:].expand(batch, 1, sq, skv)
-        out = fusion_attention(query, key, value, nq, "BNSD", atten_mask=masked, causal=causal,
-                               pre_tokens=pre, **common)
+        out = fusion_attention(
+            query, key, value, nq, "BNSD", atten_mask=masked, causal=causal, pre_tokens=pre, **common
+        )
         return out.transpose(1, 2).contiguous(), None
     if plan is None:
         out = fusion_attention(query, key, value, nq, "BNSD", causal=causal, pre_tokens=pre, **common)
@@ -79,14 +95,26 @@ def kit_attention_forward(module, query, key, value, attention_mask, dropout: fl
     dv = value.shape[-1]
     if plan.num_sequences == 0:
         return query.new_zeros(batch, sq, nq, dv), None
-    out = fusion_attention(flat(query), flat(key), flat(value), nq, "TND", causal=causal, pre_tokens=pre,
-                           actual_seq_qlen=plan.cumulative, actual_seq_kvlen=plan.cumulative, **common)
+    out = fusion_attention(
+        flat(query),
+        flat(key),
+        flat(value),
+        nq,
+        "TND",
+        causal=causal,
+        pre_tokens=pre,
+        actual_seq_qlen=plan.cumulative,
+        actual_seq_kvlen=plan.cumulative,
+        **common,
+    )
     if plan.indices is not None:
         out = out.new_zeros(batch * sq, nq, dv).index_copy(0, plan.indices, out)
     return out.view(batch, sq, nq, dv), None
 
 
-def kit_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+def kit_attention_mask(
+    batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs
+):
     """Mask builder for "kit": the 2-D padding mask (or None) when training; transformers' full mask otherwise."""
     from transformers.masking_utils import sdpa_mask
 
@@ -97,8 +125,15 @@ def kit_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
                 attention_mask = None
         return attention_mask
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
 
 
 def register() -> str:
@@ -150,11 +185,15 @@ def _swap_forward(module, new_forward, width: int, report: AdaptReport, label: s
             expected = module(probe)
             got = new_forward(module, probe)
     except Exception as exc:  # e.g. ZeRO-3 partitioned (empty) weights: adapt before deepspeed.initialize
-        report.skipped.append(f"{label} {type(module).__name__}: probe failed ({type(exc).__name__}: {exc}); "
-                              "kept original. Call adapt_model before wrapping the model (DeepSpeed/FSDP).")
+        report.skipped.append(
+            f"{label} {type(module).__name__}: probe failed ({type(exc).__name__}: {exc}); "
+            "kept original. Call adapt_model before wrapping the model (DeepSpeed/FSDP)."
+        )
         return False
     if not _same(expected, got):
-        report.skipped.append(f"{label} {type(module).__name__}: kit op differs on a probe input; kept original")
+        report.skipped.append(
+            f"{label} {type(module).__name__}: kit op differs on a probe input; kept original"
+        )
         return False
     module.forward = types.MethodType(new_forward, module)
     return True
@@ -185,8 +224,15 @@ def _patch_rotary(attn_module, report: AdaptReport) -> None:
     report.rotary.append(name)
 
 
-def adapt_model(model, *, attention: bool = True, norms: bool = True, mlp: bool = True, rotary: bool = True,
-                force: bool = False) -> AdaptReport:
+def adapt_model(
+    model,
+    *,
+    attention: bool = True,
+    norms: bool = True,
+    mlp: bool = True,
+    rotary: bool = True,
+    force: bool = False,
+) -> AdaptReport:
     """Make a transformers causal LM use kit ops (attention, RMSNorm, SwiGLU, rotary); return what changed."""
     config = getattr(model, "config", None)
     if config is None:
@@ -198,8 +244,9 @@ def adapt_model(model, *, attention: bool = True, norms: bool = True, mlp: bool 
             "Pass force=True to try anyway, or use install_flash_attn_bridge() for remote-code models."
         )
     param = next(model.parameters())
-    report = AdaptReport(model_type=model_type, attention=str(config._attn_implementation),
-                         backend=resolve_backend(param))
+    report = AdaptReport(
+        model_type=model_type, attention=str(config._attn_implementation), backend=resolve_backend(param)
+    )
     if attention:
         register()
         model.set_attn_implementation(ATTENTION_NAME)

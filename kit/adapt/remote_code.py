@@ -41,8 +41,13 @@ def _is_super_init(stmt: ast.stmt) -> bool:
     if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
         return False
     func = stmt.value.func
-    return (isinstance(func, ast.Attribute) and func.attr == "__init__" and isinstance(func.value, ast.Call)
-            and isinstance(func.value.func, ast.Name) and func.value.func.id == "super")
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "__init__"
+        and isinstance(func.value, ast.Call)
+        and isinstance(func.value.func, ast.Name)
+        and func.value.func.id == "super"
+    )
 
 
 def _tokenizer_inits(tree: ast.Module):
@@ -86,7 +91,9 @@ def fix_super_init_last(source: str, path: Path) -> tuple[Optional[str], str]:
         lines[insert_at:insert_at] = block
         del lines[start:end]
         changed = True
-        details.append(f"{cls.name}: moved super().__init__ (line {call.lineno}) after line {last.end_lineno}")
+        details.append(
+            f"{cls.name}: moved super().__init__ (line {call.lineno}) after line {last.end_lineno}"
+        )
     if not changed:
         return None, "; ".join(details)
     new_source = "".join(lines)
@@ -97,9 +104,14 @@ def fix_super_init_last(source: str, path: Path) -> tuple[Optional[str], str]:
 
 
 def _is_jit_script(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr in ("script", "script_method")
-            and isinstance(node.value, ast.Attribute) and node.value.attr == "jit"
-            and isinstance(node.value.value, ast.Name) and node.value.value.id == "torch")
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in ("script", "script_method")
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "jit"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "torch"
+    )
 
 
 def fix_jit_script_decorators(source: str, path: Path) -> tuple[Optional[str], str]:
@@ -116,9 +128,14 @@ def fix_jit_script_decorators(source: str, path: Path) -> tuple[Optional[str], s
             for deco in node.decorator_list:
                 if _is_jit_script(deco):
                     line = lines[deco.lineno - 1].strip()
-                    if deco.lineno != deco.end_lineno or line not in ("@torch.jit.script", "@torch.jit.script_method"):
-                        raise RemoteCodeFixError(f"{path}:{deco.lineno}: a torch.jit decorator shares its line with "
-                                                 "other code; remove it by hand.")
+                    if deco.lineno != deco.end_lineno or line not in (
+                        "@torch.jit.script",
+                        "@torch.jit.script_method",
+                    ):
+                        raise RemoteCodeFixError(
+                            f"{path}:{deco.lineno}: a torch.jit decorator shares its line with "
+                            "other code; remove it by hand."
+                        )
                     spans.append((deco.lineno, node.name))
     if not spans:
         return None, "no @torch.jit.script decorators"

@@ -44,7 +44,9 @@ def plan_varlen(position_ids, mask2d, batch: int, seqlen: int) -> Optional[Varle
 def _compute(position_ids, mask2d, batch: int, seqlen: int) -> Optional[VarlenPlan]:
     # Work on host copies of the two small (B, S) tensors: the lengths must become Python ints for torch_npu
     # anyway, and plain CPU ops avoid depending on device kernels such as bincount. Only `indices` goes back.
-    device = mask2d.device if mask2d is not None else (position_ids.device if position_ids is not None else "cpu")
+    device = (
+        mask2d.device if mask2d is not None else (position_ids.device if position_ids is not None else "cpu")
+    )
     keep = None if mask2d is None else mask2d.detach().to("cpu", torch.bool)
     if keep is not None and bool(keep.all()):
         keep = None

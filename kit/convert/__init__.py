@@ -7,5 +7,12 @@ from kit.convert.config import ConvertConfig
 from kit.convert.convert import convert, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from kit.convert.families import FAMILIES
 
-__all__ = ["FAMILIES", "ConversionError", "ConvertConfig", "convert", "hf_to_megatron", "megatron_to_hf",
-           "megatron_to_megatron"]
+__all__ = [
+    "FAMILIES",
+    "ConversionError",
+    "ConvertConfig",
+    "convert",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "megatron_to_megatron",
+]

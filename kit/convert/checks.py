@@ -49,19 +49,29 @@ def hf_problems(fam: Family, spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]]
     for key in sorted(set(shapes) - set(expected)):
         if key in ignorable or key.endswith(fam.ignore_suffixes):
             continue
-        problems.append(f"tensor {key!r} is not in the {fam.name} key map; it would be dropped. Check the family "
-                        f"(config model_type) or remove the tensor if it is not a model weight.")
+        problems.append(
+            f"tensor {key!r} is not in the {fam.name} key map; it would be dropped. Check the family "
+            f"(config model_type) or remove the tensor if it is not a model weight."
+        )
     for key in sorted(set(expected) & set(shapes)):
         if tuple(shapes[key]) != tuple(expected[key]):
-            problems.append(f"tensor {key!r} has shape {list(shapes[key])} but config.json implies "
-                            f"{list(expected[key])} (hidden {spec.hidden_size}, heads {spec.num_heads}, groups "
-                            f"{spec.num_groups}, head_dim {spec.head_dim}, ffn {spec.ffn_hidden_size}, vocab "
-                            f"{spec.vocab_size}); config and weights do not belong together.")
+            problems.append(
+                f"tensor {key!r} has shape {list(shapes[key])} but config.json implies "
+                f"{list(expected[key])} (hidden {spec.hidden_size}, heads {spec.num_heads}, groups "
+                f"{spec.num_groups}, head_dim {spec.head_dim}, ffn {spec.ffn_hidden_size}, vocab "
+                f"{spec.vocab_size}); config and weights do not belong together."
+            )
     return problems
 
 
-def layout_plan_problems(spec: ModelSpec, tp: int, pp: int, layer_list: Optional[Sequence[int]],
-                         padded_vocab: int, flavor: str = "local") -> List[str]:
+def layout_plan_problems(
+    spec: ModelSpec,
+    tp: int,
+    pp: int,
+    layer_list: Optional[Sequence[int]],
+    padded_vocab: int,
+    flavor: str = "local",
+) -> List[str]:
     """Why a TP x PP layout does not fit this model, if it does not."""
     problems = []
     if tp < 1:
@@ -69,15 +79,19 @@ def layout_plan_problems(spec: ModelSpec, tp: int, pp: int, layer_list: Optional
         return problems
     for what, n in (("attention heads", spec.num_heads), ("FFN hidden size", spec.ffn_hidden_size)):
         if n % tp:
-            problems.append(f"tensor parallel size {tp} does not divide the {n} {what}; choose a TP among "
-                            f"{[d for d in (1, 2, 4, 8, 16) if n % d == 0]}.")
+            problems.append(
+                f"tensor parallel size {tp} does not divide the {n} {what}; choose a TP among "
+                f"{[d for d in (1, 2, 4, 8, 16) if n % d == 0]}."
+            )
     ng = spec.num_groups
     if ng % tp and (tp % ng or flavor == "legacy"):
         # megatron-core >= 0.16 accepts TP a multiple of the KV groups (each group's rows split across ranks);
         # legacy Megatron and older mcore need the groups divisible by TP.
         ok = [d for d in (1, 2, 4, 8, 16) if ng % d == 0 or (flavor != "legacy" and d % ng == 0)]
-        problems.append(f"tensor parallel size {tp} does not fit the {ng} KV groups (num_key_value_heads) for "
-                        f"flavor {flavor!r}; choose a TP among {[d for d in ok if spec.num_heads % d == 0]}.")
+        problems.append(
+            f"tensor parallel size {tp} does not fit the {ng} KV groups (num_key_value_heads) for "
+            f"flavor {flavor!r}; choose a TP among {[d for d in ok if spec.num_heads % d == 0]}."
+        )
     if padded_vocab < spec.vocab_size:
         problems.append(f"padded vocabulary {padded_vocab} is smaller than the vocabulary {spec.vocab_size}.")
     elif padded_vocab % tp:
@@ -93,9 +107,13 @@ def check_disk(target: Path, need_bytes: int) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < need_bytes * 1.02 + 64 * 1024**2:
-        raise ConversionError([f"the output needs about {need_bytes / 1024**3:.2f} GiB but {probe} has only "
-                               f"{free / 1024**3:.2f} GiB free; free space or choose another target folder."],
-                              "disk space check")
+        raise ConversionError(
+            [
+                f"the output needs about {need_bytes / 1024**3:.2f} GiB but {probe} has only "
+                f"{free / 1024**3:.2f} GiB free; free space or choose another target folder."
+            ],
+            "disk space check",
+        )
 
 
 def role_kind(role: str) -> str:

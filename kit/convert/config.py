@@ -46,10 +46,16 @@ class ConvertConfig:
             out.append(f"flavor {self.flavor!r} is not one of {FLAVORS}.")
         if self.dtype not in DTYPES:
             out.append(f"dtype {self.dtype!r} is not one of {DTYPES}.")
-        if self.num_layer_list is not None and (not isinstance(self.num_layer_list, (list, tuple)) or
-                                                len(self.num_layer_list) != self.pp):
-            out.append(f"num_layer_list {self.num_layer_list!r} must list one layer count per stage (pp={self.pp}).")
-        if self.padded_vocab_size is not None and (not isinstance(self.padded_vocab_size, int) or
-                                                   self.padded_vocab_size % max(self.tp, 1)):
-            out.append(f"padded_vocab_size {self.padded_vocab_size!r} must be an integer divisible by tp={self.tp}.")
+        if self.num_layer_list is not None and (
+            not isinstance(self.num_layer_list, (list, tuple)) or len(self.num_layer_list) != self.pp
+        ):
+            out.append(
+                f"num_layer_list {self.num_layer_list!r} must list one layer count per stage (pp={self.pp})."
+            )
+        if self.padded_vocab_size is not None and (
+            not isinstance(self.padded_vocab_size, int) or self.padded_vocab_size % max(self.tp, 1)
+        ):
+            out.append(
+                f"padded_vocab_size {self.padded_vocab_size!r} must be an integer divisible by tp={self.tp}."
+            )
         return out

@@ -48,13 +48,24 @@ def _rank_entries(layer_roles: List[str], spec: ModelSpec, flavor: str, stages: 
             yield layout.key_path(flavor, "tied_head"), "embedding", None
 
 
-def _write_megatron(tmp: Path, fam: Family, spec: ModelSpec, tp: int, stages: List[List[int]], flavor: str,
-                    args, rank_fn: RankFn, progress: bool) -> int:
+def _write_megatron(
+    tmp: Path,
+    fam: Family,
+    spec: ModelSpec,
+    tp: int,
+    stages: List[List[int]],
+    flavor: str,
+    args,
+    rank_fn: RankFn,
+    progress: bool,
+) -> int:
     """Write every rank file of the layout, streaming each tensor to disk as soon as it is made (so memory holds
     about one tensor and its source slices, not a whole rank file). Returns bytes written."""
     _, layer_roles = fam.roles(spec)
     pp, written = len(stages), 0
-    bar = tqdm(total=tp * spec.num_layers, desc=f"->Megatron TP{tp} PP{pp}", unit="layer", disable=not progress)
+    bar = tqdm(
+        total=tp * spec.num_layers, desc=f"->Megatron TP{tp} PP{pp}", unit="layer", disable=not progress
+    )
     for s in range(pp):
         for r in range(tp):
             path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
@@ -65,8 +76,14 @@ def _write_megatron(tmp: Path, fam: Family, spec: ModelSpec, tp: int, stages: Li
                 layout.put(model, key_path, out.store(rank_fn(role, layer, r)))
                 if layer is not None and role == layer_roles[-1]:
                     bar.update(1)
-            out.finish({"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION,
-                        "iteration": layout.ITERATION, "model": model})
+            out.finish(
+                {
+                    "args": args,
+                    "checkpoint_version": layout.CHECKPOINT_VERSION,
+                    "iteration": layout.ITERATION,
+                    "model": model,
+                }
+            )
             os.replace(part, path)
             written += path.stat().st_size
     bar.close()
@@ -82,7 +99,9 @@ def _finish(tmp: Path, meta: dict, cfg: ConvertConfig, side_from: Optional[Path]
     atomic_write_text(tmp / layout.TRACKER, str(layout.ITERATION))
 
 
-def _plan(spec: ModelSpec, tp: int, pp: int, layer_list, divisible_by: int, explicit_vocab, flavor: str) -> tuple:
+def _plan(
+    spec: ModelSpec, tp: int, pp: int, layer_list, divisible_by: int, explicit_vocab, flavor: str
+) -> tuple:
     padded = padded_vocab_size(spec.vocab_size, tp, divisible_by, explicit_vocab)
     problems = layout_plan_problems(spec, tp, pp, layer_list, padded, flavor)
     if problems:
@@ -91,11 +110,30 @@ def _plan(spec: ModelSpec, tp: int, pp: int, layer_list, divisible_by: int, expl
     return padded, stages
 
 
-def _meta(direction: str, source: PathLike, spec: ModelSpec, tp: int, stages, flavor: str, padded: int,
-          divisible_by: int, dtype: Optional[str]) -> dict:
-    return {"direction": direction, "source": str(source), "family": spec.family, "flavor": flavor, "tp": tp,
-            "pp": len(stages), "num_layer_list": [len(s) for s in stages], "padded_vocab_size": padded,
-            "make_vocab_size_divisible_by": divisible_by, "dtype": dtype, "spec": spec.to_dict()}
+def _meta(
+    direction: str,
+    source: PathLike,
+    spec: ModelSpec,
+    tp: int,
+    stages,
+    flavor: str,
+    padded: int,
+    divisible_by: int,
+    dtype: Optional[str],
+) -> dict:
+    return {
+        "direction": direction,
+        "source": str(source),
+        "family": spec.family,
+        "flavor": flavor,
+        "tp": tp,
+        "pp": len(stages),
+        "num_layer_list": [len(s) for s in stages],
+        "padded_vocab_size": padded,
+        "make_vocab_size_divisible_by": divisible_by,
+        "dtype": dtype,
+        "spec": spec.to_dict(),
+    }
 
 
 def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
@@ -108,19 +146,37 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
-    padded, stages = _plan(spec, cfg.tp, cfg.pp, cfg.num_layer_list, cfg.make_vocab_size_divisible_by,
-                           cfg.padded_vocab_size, cfg.flavor)
+    padded, stages = _plan(
+        spec,
+        cfg.tp,
+        cfg.pp,
+        cfg.num_layer_list,
+        cfg.make_vocab_size_divisible_by,
+        cfg.padded_vocab_size,
+        cfg.flavor,
+    )
     cast = _dtype(cfg.dtype)
     src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
-    scale = (torch.finfo(cast).bits / torch.finfo(src_dtype).bits) if cast and src_dtype.is_floating_point else 1
+    scale = (
+        (torch.finfo(cast).bits / torch.finfo(src_dtype).bits) if cast and src_dtype.is_floating_point else 1
+    )
     check_disk(Path(cfg.target), int(reader.weight_bytes() * scale * (padded / spec.vocab_size)))
 
     def rank_fn(role: str, layer: Optional[int], r: int) -> torch.Tensor:
         kind = role_kind(role)
-        t = read_rank(kind, reader.read, fam.hf_keys(role, -1 if layer is None else layer),
-                      fam.part_rows(spec, role), cfg.tp, r, full_shape=spec.full_shape(role),
-                      groups=spec.num_groups, heads_per_group=spec.heads_per_group, head_dim=spec.head_dim,
-                      padded_vocab=padded)
+        t = read_rank(
+            kind,
+            reader.read,
+            fam.hf_keys(role, -1 if layer is None else layer),
+            fam.part_rows(spec, role),
+            cfg.tp,
+            r,
+            full_shape=spec.full_shape(role),
+            groups=spec.num_groups,
+            heads_per_group=spec.heads_per_group,
+            head_dim=spec.head_dim,
+            padded_vocab=padded,
+        )
         if role == "output" and spec.norm_head:  # Baichuan2 NormHead: a plain output layer needs unit rows
             t = as_tensor(t)
             t = torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype)
@@ -128,31 +184,62 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             t = as_tensor(t).to(cast)
         return t
 
-    args = megatron_args(spec, cfg.tp, cfg.pp, [len(s) for s in stages], padded, cfg.make_vocab_size_divisible_by,
-                         cast or src_dtype, cfg.flavor)
+    args = megatron_args(
+        spec,
+        cfg.tp,
+        cfg.pp,
+        [len(s) for s in stages],
+        padded,
+        cfg.make_vocab_size_divisible_by,
+        cast or src_dtype,
+        cfg.flavor,
+    )
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="converted weights folder") as tmp:
         written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
-        meta = _meta("hf_to_megatron", cfg.source, spec, cfg.tp, stages, cfg.flavor, padded,
-                     cfg.make_vocab_size_divisible_by, cfg.dtype or str(src_dtype).replace("torch.", ""))
+        meta = _meta(
+            "hf_to_megatron",
+            cfg.source,
+            spec,
+            cfg.tp,
+            stages,
+            cfg.flavor,
+            padded,
+            cfg.make_vocab_size_divisible_by,
+            cfg.dtype or str(src_dtype).replace("torch.", ""),
+        )
         _finish(tmp, meta, cfg, Path(cfg.source))
     reader.close()
-    return dict(meta, target=str(cfg.target), bytes_read=reader.weight_bytes(), bytes_written=written,
-                rank_files=cfg.tp * cfg.pp, seconds=round(time.perf_counter() - t0, 3))
+    return dict(
+        meta,
+        target=str(cfg.target),
+        bytes_read=reader.weight_bytes(),
+        bytes_written=written,
+        rank_files=cfg.tp * cfg.pp,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: Optional[str]) -> tuple:
     """Family and spec of a Megatron checkpoint: from its hf_meta/ (kit-made) or an HF config folder."""
     cfg_dir = Path(hf_config_dir) if hf_config_dir else mr.folder / HF_META_DIR
     if not (cfg_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no HF config.json at {cfg_dir}; this checkpoint was not made by the kit. Pass "
-                                f"hf_config_dir (--hf-config-dir) = the original HF model folder of this model.")
+        raise FileNotFoundError(
+            f"no HF config.json at {cfg_dir}; this checkpoint was not made by the kit. Pass "
+            f"hf_config_dir (--hf-config-dir) = the original HF model folder of this model."
+        )
     hf_cfg = json.loads((cfg_dir / "config.json").read_text(encoding="utf-8"))
     fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
     spec = fam.read_config(hf_cfg)
     a = mr.args
-    wrong = [f"{name}: checkpoint args say {getattr(a, name)}, {cfg_dir}/config.json implies {want}"
-             for name, want in (("num_layers", spec.num_layers), ("hidden_size", spec.hidden_size),
-                                ("num_attention_heads", spec.num_heads)) if getattr(a, name, want) != want]
+    wrong = [
+        f"{name}: checkpoint args say {getattr(a, name)}, {cfg_dir}/config.json implies {want}"
+        for name, want in (
+            ("num_layers", spec.num_layers),
+            ("hidden_size", spec.hidden_size),
+            ("num_attention_heads", spec.num_heads),
+        )
+        if getattr(a, name, want) != want
+    ]
     if wrong:
         raise ConversionError(wrong, f"Megatron checkpoint {mr.folder} vs its HF config")
     return fam, spec, cfg_dir
@@ -169,17 +256,23 @@ def _check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stage
             for key in sorted(set(flat) - known):
                 if key.endswith("_extra_state") or not isinstance(flat[key], torch.Tensor):
                     continue  # TE/fp8 metadata, no weights
-                problems.append(f"{layout.rank_dir(r, s, mr.pp)}: tensor {key!r} is not in the {fam.name} map "
-                                f"({mr.flavor} key names); it would be dropped. Is the family or the config right?")
+                problems.append(
+                    f"{layout.rank_dir(r, s, mr.pp)}: tensor {key!r} is not in the {fam.name} map "
+                    f"({mr.flavor} key names); it would be dropped. Is the family or the config right?"
+                )
             missing = sorted(known - set(flat))
             if missing:
-                problems.append(f"{layout.rank_dir(r, s, mr.pp)}: missing {missing[:5]}"
-                                f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})")
+                problems.append(
+                    f"{layout.rank_dir(r, s, mr.pp)}: missing {missing[:5]}"
+                    f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})"
+                )
     if problems:
         raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
 
 
-def _full_fn(mr: MegatronReader, spec: ModelSpec, fam: Family) -> Callable[[str, Optional[int]], torch.Tensor]:
+def _full_fn(
+    mr: MegatronReader, spec: ModelSpec, fam: Family
+) -> Callable[[str, Optional[int]], torch.Tensor]:
     """(role, global layer) -> the whole tensor merged over the source's TP ranks (vocab still padded)."""
     stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
     problems = layout.layout_problems(spec.num_layers, mr.pp, [len(x) for x in stages] or None)
@@ -212,9 +305,16 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     def emit(writer: HFWriter, role: str, layer: int, tensor: torch.Tensor) -> None:
         kind = role_kind(role)
         if kind == "vocab" and tensor.shape[0] < spec.vocab_size:
-            raise ConversionError([f"{role} has {tensor.shape[0]} rows, fewer than the vocabulary "
-                                   f"{spec.vocab_size} of config.json"], f"Megatron checkpoint {mr.folder}")
-        parts = full_to_parts(kind, tensor, spec.num_groups, spec.heads_per_group, spec.head_dim, spec.vocab_size)
+            raise ConversionError(
+                [
+                    f"{role} has {tensor.shape[0]} rows, fewer than the vocabulary "
+                    f"{spec.vocab_size} of config.json"
+                ],
+                f"Megatron checkpoint {mr.folder}",
+            )
+        parts = full_to_parts(
+            kind, tensor, spec.num_groups, spec.heads_per_group, spec.head_dim, spec.vocab_size
+        )
         grouped: Dict[str, List[torch.Tensor]] = {}
         for key, part in zip(fam.hf_keys(role, layer), parts):
             grouped.setdefault(key, []).append(part)
@@ -224,8 +324,12 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="HF output folder") as tmp:
         writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2)
         emit(writer, "embedding", -1, full("embedding", None))
-        for g in tqdm(range(spec.num_layers), desc=f"Megatron TP{mr.tp} PP{mr.pp}->HF", unit="layer",
-                      disable=not progress):
+        for g in tqdm(
+            range(spec.num_layers),
+            desc=f"Megatron TP{mr.tp} PP{mr.pp}->HF",
+            unit="layer",
+            disable=not progress,
+        ):
             for role in layer_roles:
                 emit(writer, role, g, full(role, g))
         for role in glob[1:]:
@@ -233,9 +337,17 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         writer.close()
         copy_side_files(cfg_dir, tmp)
         save_config(cfg, tmp, "convert_config.json")
-    return {"direction": "megatron_to_hf", "source": str(cfg.source), "target": str(cfg.target),
-            "family": spec.family, "tp": mr.tp, "pp": mr.pp, "flavor": mr.flavor, "bytes_written": writer.total_bytes,
-            "seconds": round(time.perf_counter() - t0, 3)}
+    return {
+        "direction": "megatron_to_hf",
+        "source": str(cfg.source),
+        "target": str(cfg.target),
+        "family": spec.family,
+        "tp": mr.tp,
+        "pp": mr.pp,
+        "flavor": mr.flavor,
+        "bytes_written": writer.total_bytes,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
@@ -244,8 +356,15 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     check(cfg)
     mr = MegatronReader(cfg.source)
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
-    padded, stages = _plan(spec, cfg.tp, cfg.pp, cfg.num_layer_list, cfg.make_vocab_size_divisible_by,
-                           cfg.padded_vocab_size, cfg.flavor)
+    padded, stages = _plan(
+        spec,
+        cfg.tp,
+        cfg.pp,
+        cfg.num_layer_list,
+        cfg.make_vocab_size_divisible_by,
+        cfg.padded_vocab_size,
+        cfg.flavor,
+    )
     full = _full_fn(mr, spec, fam)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
     cast = _dtype(cfg.dtype)
@@ -254,26 +373,50 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         kind = role_kind(role)
         t = full(role, layer)
         if kind == "vocab":
-            t = t[:spec.vocab_size]
+            t = t[: spec.vocab_size]
         t = split_tp(kind, t, cfg.tp, padded)[r].clone()
         return t.to(cast) if cast is not None else t
 
     dtype = cast or getattr(mr.args, "params_dtype", torch.float32)
-    args = megatron_args(spec, cfg.tp, cfg.pp, [len(s) for s in stages], padded, cfg.make_vocab_size_divisible_by,
-                         dtype, cfg.flavor)
+    args = megatron_args(
+        spec,
+        cfg.tp,
+        cfg.pp,
+        [len(s) for s in stages],
+        padded,
+        cfg.make_vocab_size_divisible_by,
+        dtype,
+        cfg.flavor,
+    )
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="re-sharded weights folder") as tmp:
         written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
-        meta = _meta("megatron_to_megatron", cfg.source, spec, cfg.tp, stages, cfg.flavor, padded,
-                     cfg.make_vocab_size_divisible_by, str(dtype).replace("torch.", ""))
+        meta = _meta(
+            "megatron_to_megatron",
+            cfg.source,
+            spec,
+            cfg.tp,
+            stages,
+            cfg.flavor,
+            padded,
+            cfg.make_vocab_size_divisible_by,
+            str(dtype).replace("torch.", ""),
+        )
         _finish(tmp, meta, cfg, cfg_dir)
-    return dict(meta, target=str(cfg.target), bytes_written=written, rank_files=cfg.tp * cfg.pp,
-                seconds=round(time.perf_counter() - t0, 3))
+    return dict(
+        meta,
+        target=str(cfg.target),
+        bytes_written=written,
+        rank_files=cfg.tp * cfg.pp,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
     """Run the conversion cfg.direction names; returns its summary."""
     check(cfg)
-    fn = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf,
-          "megatron_to_megatron": megatron_to_megatron}[cfg.direction]
+    fn = {
+        "hf_to_megatron": hf_to_megatron,
+        "megatron_to_hf": megatron_to_hf,
+        "megatron_to_megatron": megatron_to_megatron,
+    }[cfg.direction]
     return fn(cfg, progress=progress)
-

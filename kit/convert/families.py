@@ -14,9 +14,16 @@ from kit.convert.spec import ModelSpec
 
 # How each role is split over tensor-parallel ranks (facts: ckpt_data_formats.md 1.5-1.8, Megatron saver code).
 ROLE_KIND = {
-    "embedding": "vocab", "output": "vocab", "final_norm": "replicated",
-    "input_norm": "replicated", "post_norm": "replicated", "qkv.weight": "qkv", "qkv.bias": "qkv",
-    "proj.weight": "row", "fc1.weight": "glu", "fc2.weight": "row",
+    "embedding": "vocab",
+    "output": "vocab",
+    "final_norm": "replicated",
+    "input_norm": "replicated",
+    "post_norm": "replicated",
+    "qkv.weight": "qkv",
+    "qkv.bias": "qkv",
+    "proj.weight": "row",
+    "fc1.weight": "glu",
+    "fc2.weight": "row",
 }
 GLOBAL_ROLES = ("embedding", "final_norm", "output")
 LAYER_ROLES = ("input_norm", "qkv.weight", "qkv.bias", "proj.weight", "post_norm", "fc1.weight", "fc2.weight")
@@ -67,14 +74,22 @@ def _rope_theta(cfg: dict) -> float:
 def _llama_spec(cfg: dict) -> ModelSpec:
     nh = int(cfg["num_attention_heads"])
     return ModelSpec(
-        family="llama", hidden_size=int(cfg["hidden_size"]), ffn_hidden_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]), num_heads=nh,
+        family="llama",
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=nh,
         num_groups=int(cfg.get("num_key_value_heads") or nh),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // nh), vocab_size=int(cfg["vocab_size"]),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tied=bool(cfg.get("tie_word_embeddings", False)),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // nh),
+        vocab_size=int(cfg["vocab_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama has them only with attention_bias.
         qkv_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
-        position="rope", rotary_base=_rope_theta(cfg), rotary_percent=1.0, rotary_interleaved=False,
+        position="rope",
+        rotary_base=_rope_theta(cfg),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
     )
 
@@ -83,13 +98,22 @@ def _chatglm_spec(cfg: dict) -> ModelSpec:
     nh = int(cfg["num_attention_heads"])
     groups = int(cfg["multi_query_group_num"]) if cfg.get("multi_query_attention") else nh
     return ModelSpec(
-        family="chatglm", hidden_size=int(cfg["hidden_size"]), ffn_hidden_size=int(cfg["ffn_hidden_size"]),
-        num_layers=int(cfg["num_layers"]), num_heads=nh, num_groups=groups,
+        family="chatglm",
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["ffn_hidden_size"]),
+        num_layers=int(cfg["num_layers"]),
+        num_heads=nh,
+        num_groups=groups,
         head_dim=int(cfg.get("kv_channels") or cfg["hidden_size"] // nh),
-        vocab_size=int(cfg["padded_vocab_size"]), norm_eps=float(cfg.get("layernorm_epsilon", 1e-5)),
-        tied=False, qkv_bias=bool(cfg.get("add_qkv_bias", True)), position="rope",
+        vocab_size=int(cfg["padded_vocab_size"]),
+        norm_eps=float(cfg.get("layernorm_epsilon", 1e-5)),
+        tied=False,
+        qkv_bias=bool(cfg.get("add_qkv_bias", True)),
+        position="rope",
         # GLM rotates the first half of each head in interleaved pairs: mcore rotary_percent=0.5 + interleaved.
-        rotary_base=10000.0 * float(cfg.get("rope_ratio", 1.0)), rotary_percent=0.5, rotary_interleaved=True,
+        rotary_base=10000.0 * float(cfg.get("rope_ratio", 1.0)),
+        rotary_percent=0.5,
+        rotary_interleaved=True,
         max_position_embeddings=int(cfg.get("seq_length", 8192)),
     )
 
@@ -97,13 +121,24 @@ def _chatglm_spec(cfg: dict) -> ModelSpec:
 def _baichuan_spec(cfg: dict) -> ModelSpec:
     nh, h = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
     return ModelSpec(
-        family="baichuan", hidden_size=h, ffn_hidden_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]), num_heads=nh, num_groups=nh, head_dim=h // nh,
-        vocab_size=int(cfg["vocab_size"]), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tied=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False,
+        family="baichuan",
+        hidden_size=h,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=nh,
+        num_groups=nh,
+        head_dim=h // nh,
+        vocab_size=int(cfg["vocab_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=False,
         # Baichuan2-7B (hidden 4096) uses RoPE; 13B uses ALiBi, which only MindSpeed/ModelLink can train.
-        position="rope" if h == 4096 else "alibi", rotary_base=10000.0, rotary_percent=1.0,
-        rotary_interleaved=False, max_position_embeddings=int(cfg.get("model_max_length", 4096)), norm_head=True,
+        position="rope" if h == 4096 else "alibi",
+        rotary_base=10000.0,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        max_position_embeddings=int(cfg.get("model_max_length", 4096)),
+        norm_head=True,
     )
 
 
@@ -118,18 +153,29 @@ _LLAMA_LAYER = {
 }
 
 LLAMA = Family(
-    name="llama", model_types=("llama", "mistral", "qwen2"), read_config=_llama_spec,
-    global_keys={"embedding": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",),
-                 "output": ("lm_head.weight",)},
-    layer_prefix="model.layers.{i}.", layer_keys=_LLAMA_LAYER, ignore_suffixes=("rotary_emb.inv_freq",),
+    name="llama",
+    model_types=("llama", "mistral", "qwen2"),
+    read_config=_llama_spec,
+    global_keys={
+        "embedding": ("model.embed_tokens.weight",),
+        "final_norm": ("model.norm.weight",),
+        "output": ("lm_head.weight",),
+    },
+    layer_prefix="model.layers.{i}.",
+    layer_keys=_LLAMA_LAYER,
+    ignore_suffixes=("rotary_emb.inv_freq",),
     notes="Llama-2 (MHA, GQA as in 70B), Mistral, Qwen2 (q/k/v bias): one map.",
 )
 
 CHATGLM = Family(
-    name="chatglm", model_types=("chatglm",), read_config=_chatglm_spec,
-    global_keys={"embedding": ("transformer.embedding.word_embeddings.weight",),
-                 "final_norm": ("transformer.encoder.final_layernorm.weight",),
-                 "output": ("transformer.output_layer.weight",)},
+    name="chatglm",
+    model_types=("chatglm",),
+    read_config=_chatglm_spec,
+    global_keys={
+        "embedding": ("transformer.embedding.word_embeddings.weight",),
+        "final_norm": ("transformer.encoder.final_layernorm.weight",),
+        "output": ("transformer.output_layer.weight",),
+    },
     layer_prefix="transformer.encoder.layers.{i}.",
     layer_keys={
         "input_norm": ("input_layernorm.weight",),
@@ -146,9 +192,14 @@ CHATGLM = Family(
 )
 
 BAICHUAN = Family(
-    name="baichuan", model_types=("baichuan",), read_config=_baichuan_spec,
-    global_keys={"embedding": ("model.embed_tokens.weight",), "final_norm": ("model.norm.weight",),
-                 "output": ("lm_head.weight",)},
+    name="baichuan",
+    model_types=("baichuan",),
+    read_config=_baichuan_spec,
+    global_keys={
+        "embedding": ("model.embed_tokens.weight",),
+        "final_norm": ("model.norm.weight",),
+        "output": ("lm_head.weight",),
+    },
     layer_prefix="model.layers.{i}.",
     layer_keys=dict(_LLAMA_LAYER, **{"qkv.weight": ("self_attn.W_pack.weight",) * 3}),
     notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
@@ -156,8 +207,15 @@ BAICHUAN = Family(
 
 FAMILIES = {f.name: f for f in (LLAMA, CHATGLM, BAICHUAN)}
 # The seed's `util.py --loader` names (ModelLink 1.0) and their families.
-LOADER_ALIASES = {"llama2_hf": "llama", "llama_hf": "llama", "mistral_hf": "llama", "qwen2_hf": "llama",
-                  "chatglm3_hf": "chatglm", "baichuan2_hf": "baichuan", "hf": None}
+LOADER_ALIASES = {
+    "llama2_hf": "llama",
+    "llama_hf": "llama",
+    "mistral_hf": "llama",
+    "qwen2_hf": "llama",
+    "chatglm3_hf": "chatglm",
+    "baichuan2_hf": "baichuan",
+    "hf": None,
+}
 
 
 def family_for_config(cfg: dict, name: str = None) -> Family:
@@ -166,12 +224,16 @@ def family_for_config(cfg: dict, name: str = None) -> Family:
         name = LOADER_ALIASES.get(name, name)
     if name:
         if name not in FAMILIES:
-            raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)} "
-                             f"or loader names {sorted(k for k, v in LOADER_ALIASES.items() if v)}.")
+            raise ValueError(
+                f"unknown model family {name!r}; known: {sorted(FAMILIES)} "
+                f"or loader names {sorted(k for k, v in LOADER_ALIASES.items() if v)}."
+            )
         return FAMILIES[name]
     model_type = cfg.get("model_type", "")
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam
-    raise ValueError(f"config.json has model_type {model_type!r}, which no family map covers; supported: "
-                     f"{[t for f in FAMILIES.values() for t in f.model_types]}. Pass family=... if it is a variant.")
+    raise ValueError(
+        f"config.json has model_type {model_type!r}, which no family map covers; supported: "
+        f"{[t for f in FAMILIES.values() for t in f.model_types]}. Pass family=... if it is a variant."
+    )

@@ -15,9 +15,18 @@ from typing import Dict, Tuple
 
 import torch
 
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _numel(shape: Tuple[int, ...]) -> int:
@@ -34,7 +43,13 @@ class FileSlice:
     __slots__ = ("fd", "offset", "shape", "dtype", "row_pitch")
 
     def __init__(self, fd: int, offset: int, shape: Tuple[int, ...], dtype: torch.dtype, row_pitch: int = 0):
-        self.fd, self.offset, self.shape, self.dtype, self.row_pitch = fd, offset, tuple(shape), dtype, row_pitch
+        self.fd, self.offset, self.shape, self.dtype, self.row_pitch = (
+            fd,
+            offset,
+            tuple(shape),
+            dtype,
+            row_pitch,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +74,7 @@ class FileSlice:
             return
         row = self.nbytes // self.shape[0]
         for i in range(self.shape[0]):  # one read per row: only this block's bytes, never the whole matrix
-            self._pread(view[i * row:(i + 1) * row], self.offset + i * self.row_pitch)
+            self._pread(view[i * row : (i + 1) * row], self.offset + i * self.row_pitch)
 
     def tensor(self) -> torch.Tensor:
         out = torch.empty(self.nbytes, dtype=torch.uint8)
@@ -79,7 +94,9 @@ class SafetensorsFile:
         (n,) = struct.unpack("<Q", head)
         size = os.fstat(self.fd).st_size
         if n > size - 8:
-            raise ValueError(f"{path}: header length {n} exceeds the file size {size}; the file is truncated.")
+            raise ValueError(
+                f"{path}: header length {n} exceeds the file size {size}; the file is truncated."
+            )
         header = json.loads(os.pread(self.fd, n, 8))
         header.pop("__metadata__", None)
         self.base = 8 + n
@@ -87,8 +104,10 @@ class SafetensorsFile:
         for key, info in header.items():
             begin, end = info["data_offsets"]
             if self.base + end > size:
-                raise ValueError(f"{path}: tensor {key!r} ends at byte {self.base + end} but the file has {size} "
-                                 f"bytes; the file is truncated, download it again.")
+                raise ValueError(
+                    f"{path}: tensor {key!r} ends at byte {self.base + end} but the file has {size} "
+                    f"bytes; the file is truncated, download it again."
+                )
             self.entries[key] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]), self.base + begin)
 
     def keys(self):
@@ -104,7 +123,9 @@ class SafetensorsFile:
         """Columns [start, stop) of every row of 2-D tensor `key`."""
         dtype, shape, offset = self.entries[key]
         item = torch.empty((), dtype=dtype).element_size()
-        return FileSlice(self.fd, offset + start * item, (shape[0], stop - start), dtype, row_pitch=shape[1] * item)
+        return FileSlice(
+            self.fd, offset + start * item, (shape[0], stop - start), dtype, row_pitch=shape[1] * item
+        )
 
     def close(self) -> None:
         os.close(self.fd)

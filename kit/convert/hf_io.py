@@ -24,15 +24,19 @@ class HFReader:
     def __init__(self, folder: PathLike):
         self.folder = Path(folder)
         if not (self.folder / "config.json").is_file():
-            raise FileNotFoundError(f"{self.folder} has no config.json; point the source at an HF model folder "
-                                    f"(the one holding config.json and the weight shards).")
+            raise FileNotFoundError(
+                f"{self.folder} has no config.json; point the source at an HF model folder "
+                f"(the one holding config.json and the weight shards)."
+            )
         self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
         self._handles: Dict[str, object] = {}
         self.weight_map = self._weight_map()
         missing = sorted({f for f in self.weight_map.values() if not (self.folder / f).is_file()})
         if missing:
-            raise FileNotFoundError(f"{self.folder}: shard(s) listed in the index are missing: {missing}; "
-                                    f"download them again (the index names {len(set(self.weight_map.values()))}).")
+            raise FileNotFoundError(
+                f"{self.folder}: shard(s) listed in the index are missing: {missing}; "
+                f"download them again (the index names {len(set(self.weight_map.values()))})."
+            )
 
     def _weight_map(self) -> Dict[str, str]:
         for name in INDEX_NAMES:
@@ -42,8 +46,10 @@ class HFReader:
         for name in SINGLE_NAMES:
             if (self.folder / name).is_file():
                 return {k: name for k in self._open(name).keys()}
-        raise FileNotFoundError(f"{self.folder} has neither an index ({' / '.join(INDEX_NAMES)}) nor "
-                                f"{' / '.join(SINGLE_NAMES)}; it is not an HF checkpoint folder.")
+        raise FileNotFoundError(
+            f"{self.folder} has neither an index ({' / '.join(INDEX_NAMES)}) nor "
+            f"{' / '.join(SINGLE_NAMES)}; it is not an HF checkpoint folder."
+        )
 
     def _open(self, fname: str):
         handle = self._handles.get(fname)
@@ -67,8 +73,13 @@ class HFReader:
         h = self._open(self.weight_map[key])
         return h[key].dtype if isinstance(h, dict) else h.entries[key][0]
 
-    def read(self, key: str, rows: Optional[Tuple[int, int]] = None, cols: Optional[Tuple[int, int]] = None,
-             copy: bool = True):
+    def read(
+        self,
+        key: str,
+        rows: Optional[Tuple[int, int]] = None,
+        cols: Optional[Tuple[int, int]] = None,
+        copy: bool = True,
+    ):
         """The tensor `key`, or rows[0]:rows[1] (and cols[0]:cols[1]) of it, as a CPU tensor.
 
         copy=False allows a lazier result for callers that write it out at once: a FileSlice (bytes still on
@@ -78,7 +89,7 @@ class HFReader:
         if isinstance(h, dict):
             t = h[key]
             t = t[slice(*rows) if rows else slice(None)]
-            t = t[:, cols[0]:cols[1]] if cols else t
+            t = t[:, cols[0] : cols[1]] if cols else t
             return t.clone() if copy else t
         dtype, shape, offset = h.entries[key]
         if cols:  # row-parallel block: all rows of the tensor, this rank's columns
@@ -107,8 +118,12 @@ def copy_side_files(src: PathLike, dst: PathLike) -> List[str]:
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for p in sorted(src.iterdir()):
-        if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES) and p.name not in INDEX_NAMES \
-                and not p.name.startswith("."):
+        if (
+            p.is_file()
+            and not p.name.endswith(WEIGHT_SUFFIXES)
+            and p.name not in INDEX_NAMES
+            and not p.name.startswith(".")
+        ):
             shutil.copy2(p, dst / p.name)
             copied.append(p.name)
     return copied

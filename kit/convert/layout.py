@@ -12,33 +12,49 @@ CHECKPOINT_VERSION = 3.0
 
 # role -> key inside one rank's model dict. mcore keys are flat; legacy keys are paths in a nested dict.
 _MCORE_LAYER = {
-    "input_norm": "input_layernorm.weight", "qkv.weight": "self_attention.linear_qkv.weight",
-    "qkv.bias": "self_attention.linear_qkv.bias", "proj.weight": "self_attention.linear_proj.weight",
-    "post_norm": "pre_mlp_layernorm.weight", "fc1.weight": "mlp.linear_fc1.weight",
+    "input_norm": "input_layernorm.weight",
+    "qkv.weight": "self_attention.linear_qkv.weight",
+    "qkv.bias": "self_attention.linear_qkv.bias",
+    "proj.weight": "self_attention.linear_proj.weight",
+    "post_norm": "pre_mlp_layernorm.weight",
+    "fc1.weight": "mlp.linear_fc1.weight",
     "fc2.weight": "mlp.linear_fc2.weight",
 }
-_TE_LAYER = dict(_MCORE_LAYER, input_norm="self_attention.linear_qkv.layer_norm_weight",
-                 post_norm="mlp.linear_fc1.layer_norm_weight")
+_TE_LAYER = dict(
+    _MCORE_LAYER,
+    input_norm="self_attention.linear_qkv.layer_norm_weight",
+    post_norm="mlp.linear_fc1.layer_norm_weight",
+)
 _LEGACY_LAYER = {
-    "input_norm": "input_norm.weight", "qkv.weight": "self_attention.query_key_value.weight",
-    "qkv.bias": "self_attention.query_key_value.bias", "proj.weight": "self_attention.dense.weight",
-    "post_norm": "post_attention_norm.weight", "fc1.weight": "mlp.dense_h_to_4h.weight",
+    "input_norm": "input_norm.weight",
+    "qkv.weight": "self_attention.query_key_value.weight",
+    "qkv.bias": "self_attention.query_key_value.bias",
+    "proj.weight": "self_attention.dense.weight",
+    "post_norm": "post_attention_norm.weight",
+    "fc1.weight": "mlp.dense_h_to_4h.weight",
     "fc2.weight": "mlp.dense_4h_to_h.weight",
 }
-_MCORE_GLOBAL = {"embedding": ("embedding.word_embeddings.weight",), "final_norm": ("decoder.final_layernorm.weight",),
-                 "output": ("output_layer.weight",)}
-_LEGACY_GLOBAL = {"embedding": ("language_model", "embedding", "word_embeddings", "weight"),
-                  "final_norm": ("language_model", "encoder", "final_norm.weight"),
-                  "output": ("language_model", "output_layer", "weight"),
-                  "tied_head": ("word_embeddings_for_head", "weight")}
+_MCORE_GLOBAL = {
+    "embedding": ("embedding.word_embeddings.weight",),
+    "final_norm": ("decoder.final_layernorm.weight",),
+    "output": ("output_layer.weight",),
+}
+_LEGACY_GLOBAL = {
+    "embedding": ("language_model", "embedding", "word_embeddings", "weight"),
+    "final_norm": ("language_model", "encoder", "final_norm.weight"),
+    "output": ("language_model", "output_layer", "weight"),
+    "tied_head": ("word_embeddings_for_head", "weight"),
+}
 
 
 def key_path(flavor: str, role: str, local_layer: Optional[int] = None) -> Tuple[str, ...]:
     """Path of a role's tensor in one rank's `model` dict (one element for flat mcore keys)."""
     if flavor not in FLAVORS:
-        raise ValueError(f"unknown key flavor {flavor!r}; use one of {FLAVORS} (local = megatron-core local spec, "
-                         f"what MindSpeed-LLM trains; legacy = Megatron legacy / ModelLink legacy; te = "
-                         f"TransformerEngine spec).")
+        raise ValueError(
+            f"unknown key flavor {flavor!r}; use one of {FLAVORS} (local = megatron-core local spec, "
+            f"what MindSpeed-LLM trains; legacy = Megatron legacy / ModelLink legacy; te = "
+            f"TransformerEngine spec)."
+        )
     if local_layer is None:
         if flavor == "legacy":
             return _LEGACY_GLOBAL[role]
@@ -102,15 +118,21 @@ def layout_problems(num_layers: int, pp: int, layer_list: Optional[Sequence[int]
     if pp < 1:
         return [f"pipeline parallel size {pp} must be >= 1."]
     if pp > num_layers:
-        return [f"pipeline parallel size {pp} is larger than the {num_layers} layers; every stage needs a layer."]
+        return [
+            f"pipeline parallel size {pp} is larger than the {num_layers} layers; every stage needs a layer."
+        ]
     if layer_list:
         lst = [int(c) for c in layer_list]
         if len(lst) != pp or sum(lst) != num_layers or min(lst) < 1:
-            return [f"layer list {lst} must have {pp} positive counts (one per stage) summing to {num_layers}."]
+            return [
+                f"layer list {lst} must have {pp} positive counts (one per stage) summing to {num_layers}."
+            ]
         return []
     if num_layers % pp:
-        return [f"{num_layers} layers do not split evenly into {pp} pipeline stages; pass an explicit layer list "
-                f"(num_layer_list, e.g. {uneven_example(num_layers, pp)})."]
+        return [
+            f"{num_layers} layers do not split evenly into {pp} pipeline stages; pass an explicit layer list "
+            f"(num_layer_list, e.g. {uneven_example(num_layers, pp)})."
+        ]
     return []
 
 

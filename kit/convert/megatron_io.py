@@ -24,8 +24,12 @@ _RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 def save_rank(path: Path, args: argparse.Namespace, model: dict) -> None:
     """One rank's file: exactly the four entries a converter writes (MindSpeed-LLM v2 writes the same)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"args": args, "checkpoint_version": layout.CHECKPOINT_VERSION, "iteration": layout.ITERATION,
-             "model": model}
+    state = {
+        "args": args,
+        "checkpoint_version": layout.CHECKPOINT_VERSION,
+        "iteration": layout.ITERATION,
+        "model": model,
+    }
     # Default pickle protocol 2: torch's weights_only unpickler rejects protocol-4 FRAME opcodes.
     # Temp name + rename: never a half-written file, and an mmap'd older version of it stays readable.
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
@@ -44,8 +48,10 @@ def load_rank_file(path: PathLike) -> dict:
             try:  # a training checkpoint (optimizer, numpy RNG state): megatron.core registers those classes
                 import megatron.core  # noqa: F401
             except ImportError:
-                raise pickle.UnpicklingError(f"{path}: {first}\nInstall megatron-core (it allowlists the classes "
-                                             f"training checkpoints hold) or save the model weights alone.") from None
+                raise pickle.UnpicklingError(
+                    f"{path}: {first}\nInstall megatron-core (it allowlists the classes "
+                    f"training checkpoints hold) or save the model weights alone."
+                ) from None
             return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
 
 
@@ -65,9 +71,11 @@ class MegatronReader:
         self.folder = Path(folder)
         tracker = self.folder / layout.TRACKER
         if not tracker.is_file():
-            raise FileNotFoundError(f"{self.folder} has no {layout.TRACKER}: not a Megatron checkpoint, or a "
-                                    f"conversion/training save that did not finish. Point at the folder holding "
-                                    f"the tracker file.")
+            raise FileNotFoundError(
+                f"{self.folder} has no {layout.TRACKER}: not a Megatron checkpoint, or a "
+                f"conversion/training save that did not finish. Point at the folder holding "
+                f"the tracker file."
+            )
         text = tracker.read_text().strip()
         self.iter_dir = self.folder / ("release" if text == "release" else f"iter_{int(text):07d}")
         found: Dict[Tuple[int, int], Path] = {}
@@ -81,7 +89,9 @@ class MegatronReader:
         self.pp = 1 + max(p for _, p in found)
         missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in found]
         if missing:
-            raise FileNotFoundError(f"{self.iter_dir}: rank files missing for (tp, pp) {missing}; copy them again.")
+            raise FileNotFoundError(
+                f"{self.iter_dir}: rank files missing for (tp, pp) {missing}; copy them again."
+            )
         self.files = found
         self._cache: Dict[Tuple[int, int], dict] = {}
         first = self.state(0, 0)
@@ -115,8 +125,10 @@ class MegatronReader:
                 out.append(layout.get(self.state(r, pp_rank)["model"], path))
             except KeyError:
                 have = sorted(layout.flatten(self.state(r, pp_rank)["model"]))[:8]
-                raise KeyError(f"{self.files[(r, pp_rank)]} has no tensor {'.'.join(path)} (flavor "
-                               f"{self.flavor}); first keys there: {have}") from None
+                raise KeyError(
+                    f"{self.files[(r, pp_rank)]} has no tensor {'.'.join(path)} (flavor "
+                    f"{self.flavor}); first keys there: {have}"
+                ) from None
         return out
 
     def all_keys(self, tp_rank: int, pp_rank: int) -> List[str]:

@@ -34,13 +34,14 @@ def rope(x: torch.Tensor, base: float, percent: float = 1.0, interleaved: bool =
         a, b = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
     else:
-        a, b = rot[..., : rd // 2], rot[..., rd // 2:]
+        a, b = rot[..., : rd // 2], rot[..., rd // 2 :]
         out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
     return torch.cat([out, keep], dim=-1)
 
 
 def alibi_slopes(n: int) -> torch.Tensor:
     """ALiBi head slopes of Baichuan2-13B (`_get_interleave`): powers of 2**(-8/n), interleaved for non-powers."""
+
     def power_of_2(m: int) -> List[float]:
         start = 2 ** (-(2 ** -(math.log2(m) - 3)))
         return [start * start**i for i in range(m)]
@@ -67,8 +68,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.T
 def _pos(q, k, spec: ModelSpec):
     if spec.position != "rope":
         return q, k
-    return (rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved),
-            rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved))
+    return (
+        rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved),
+        rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved),
+    )
 
 
 def hf_forward(sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
@@ -102,7 +105,9 @@ def hf_forward(sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) 
         else:
             g, u = h @ sd[p + "mlp.gate_proj.weight"].T, h @ sd[p + "mlp.up_proj.weight"].T
             x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
-    x = rms_norm(x, sd["transformer.encoder.final_layernorm.weight" if glm else "model.norm.weight"], spec.norm_eps)
+    x = rms_norm(
+        x, sd["transformer.encoder.final_layernorm.weight" if glm else "model.norm.weight"], spec.norm_eps
+    )
     head = sd.get("transformer.output_layer.weight" if glm else "lm_head.weight", emb)
     if spec.norm_head:  # Baichuan2 NormHead normalises rows at forward time
         head = F.normalize(head.float(), dim=-1)
@@ -124,8 +129,10 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
     slopes = alibi_slopes(spec.num_heads) if spec.position == "alibi" else None
     for s, layers in enumerate(stages):
         for li in range(len(layers)):
+
             def w(role, s=s, li=li):
                 return [t.float() for t in mr.parts(layout.key_path(fl, role, li), s)]
+
             h = rms_norm(x, w("input_norm")[0], spec.norm_eps)
             qkv_w, proj = w("qkv.weight"), w("proj.weight")
             qkv_b = w("qkv.bias") if spec.qkv_bias else [0] * tp
@@ -135,14 +142,18 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
             for r in range(tp):  # each rank: its query groups, its slice of the output projection
                 if gp:
                     mixed = mixed_all[r].reshape(-1, gp, hpg + 2, hd)
-                    q, k, v = mixed[:, :, :hpg].reshape(-1, gp * hpg, hd), mixed[:, :, hpg], mixed[:, :, hpg + 1]
+                    q, k, v = (
+                        mixed[:, :, :hpg].reshape(-1, gp * hpg, hd),
+                        mixed[:, :, hpg],
+                        mixed[:, :, hpg + 1],
+                    )
                 else:  # fewer groups than ranks: all-gather, take this rank's group, then its share of q heads
                     per = tp // spec.num_groups
                     grp = torch.cat(mixed_all, -1).reshape(-1, spec.num_groups, hpg + 2, hd)[:, r // per]
-                    q = grp[:, (r % per) * nq:(r % per + 1) * nq]
-                    k, v = grp[:, hpg:hpg + 1], grp[:, hpg + 1:hpg + 2]
+                    q = grp[:, (r % per) * nq : (r % per + 1) * nq]
+                    k, v = grp[:, hpg : hpg + 1], grp[:, hpg + 1 : hpg + 2]
                 q, k = _pos(q, k, spec)
-                sl = slopes[r * nq:(r + 1) * nq] if slopes is not None else None
+                sl = slopes[r * nq : (r + 1) * nq] if slopes is not None else None
                 out = out + attention(q, k, v, sl) @ proj[r].T
             x = x + out
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)

@@ -22,18 +22,35 @@ def describe(cfg: ConvertConfig):
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config)
-    padded = padded_vocab_size(spec.vocab_size, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size)
+    padded = padded_vocab_size(
+        spec.vocab_size, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size
+    )
     stages = layout.stage_layers(spec.num_layers, cfg.pp, cfg.num_layer_list)
-    rows = [("family", f"{fam.name} ({fam.notes})"), ("layers", spec.num_layers), ("hidden size", spec.hidden_size),
-            ("attention heads / KV groups", f"{spec.num_heads} / {spec.num_groups}"),
-            ("head dim", spec.head_dim), ("FFN size", spec.ffn_hidden_size),
-            ("vocabulary -> padded", f"{spec.vocab_size} -> {padded}"), ("tied embeddings", spec.tied),
-            ("position encoding", spec.position + (f" (percent {spec.rotary_percent}, interleaved "
-                                                   f"{spec.rotary_interleaved})" if spec.position == "rope" else "")),
-            ("source weights", f"{reader.weight_bytes() / 1024**2:.1f} MiB in "
-                               f"{len(set(reader.weight_map.values()))} file(s)"),
-            ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
-            ("layers per stage", [len(s) for s in stages] if stages else "invalid")]
+    rows = [
+        ("family", f"{fam.name} ({fam.notes})"),
+        ("layers", spec.num_layers),
+        ("hidden size", spec.hidden_size),
+        ("attention heads / KV groups", f"{spec.num_heads} / {spec.num_groups}"),
+        ("head dim", spec.head_dim),
+        ("FFN size", spec.ffn_hidden_size),
+        ("vocabulary -> padded", f"{spec.vocab_size} -> {padded}"),
+        ("tied embeddings", spec.tied),
+        (
+            "position encoding",
+            spec.position
+            + (
+                f" (percent {spec.rotary_percent}, interleaved {spec.rotary_interleaved})"
+                if spec.position == "rope"
+                else ""
+            ),
+        ),
+        (
+            "source weights",
+            f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",
+        ),
+        ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
+        ("layers per stage", [len(s) for s in stages] if stages else "invalid"),
+    ]
     return pd.DataFrame(rows, columns=["item", "value"]).set_index("item")
 
 
@@ -46,8 +63,16 @@ def layout_table(folder: PathLike):
     for (t, p), path in sorted(mr.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         flat = layout.flatten(mr.state(t, p)["model"])
         layers = {k.split("layers.")[1].split(".")[0] for k in flat if "layers." in k}
-        rows.append({"rank file": f"{layout.rank_dir(t, p, mr.pp)}/model_optim_rng.pt", "tp": t, "pp": p,
-                     "layers": len(layers), "tensors": len(flat), "MiB": round(path.stat().st_size / 1024**2, 2)})
+        rows.append(
+            {
+                "rank file": f"{layout.rank_dir(t, p, mr.pp)}/model_optim_rng.pt",
+                "tp": t,
+                "pp": p,
+                "layers": len(layers),
+                "tensors": len(flat),
+                "MiB": round(path.stat().st_size / 1024**2, 2),
+            }
+        )
     return pd.DataFrame(rows)
 
 

@@ -48,7 +48,7 @@ def deinterleave_qkv(w: torch.Tensor, groups: int, heads_per_group: int, head_di
     rest = w.shape[1:]
     x = w.reshape(groups, (heads_per_group + 2) * head_dim, *rest)
     nq = heads_per_group * head_dim
-    q, k, v = x[:, :nq], x[:, nq:nq + head_dim], x[:, nq + head_dim:]
+    q, k, v = x[:, :nq], x[:, nq : nq + head_dim], x[:, nq + head_dim :]
     return [t.reshape(-1, *rest) for t in (q, k, v)]
 
 
@@ -90,8 +90,10 @@ def merge_tp(kind: str, parts: Sequence[torch.Tensor], what: str = "tensor") -> 
     if kind == "replicated":
         for r, p in enumerate(parts[1:], 1):
             if not torch.equal(p, parts[0]):
-                raise ValueError(f"{what}: replicated tensor differs between TP rank 0 and rank {r}; "
-                                 f"the checkpoint is inconsistent (mixed runs?).")
+                raise ValueError(
+                    f"{what}: replicated tensor differs between TP rank 0 and rank {r}; "
+                    f"the checkpoint is inconsistent (mixed runs?)."
+                )
         return parts[0]
     if kind == "row":
         return torch.cat(list(parts), dim=1)
@@ -102,8 +104,9 @@ def merge_tp(kind: str, parts: Sequence[torch.Tensor], what: str = "tensor") -> 
     raise ValueError(f"unknown merge kind {kind!r}")
 
 
-def full_to_parts(kind: str, full: torch.Tensor, groups: int, heads_per_group: int, head_dim: int,
-                  vocab: int) -> List[torch.Tensor]:
+def full_to_parts(
+    kind: str, full: torch.Tensor, groups: int, heads_per_group: int, head_dim: int, vocab: int
+) -> List[torch.Tensor]:
     """A full Megatron tensor -> the HF parts of its role (q, k, v / gate, up / the unpadded table / itself)."""
     if kind == "qkv":
         return deinterleave_qkv(full, groups, heads_per_group, head_dim)
@@ -114,9 +117,20 @@ def full_to_parts(kind: str, full: torch.Tensor, groups: int, heads_per_group: i
     return [full]
 
 
-def read_rank(kind: str, read: Reader, keys: Sequence[str], rows: Sequence[int], tp: int, r: int, *,
-              full_shape: Tuple[int, ...], groups: int = 1, heads_per_group: int = 1, head_dim: int = 1,
-              padded_vocab: int = 0):
+def read_rank(
+    kind: str,
+    read: Reader,
+    keys: Sequence[str],
+    rows: Sequence[int],
+    tp: int,
+    r: int,
+    *,
+    full_shape: Tuple[int, ...],
+    groups: int = 1,
+    heads_per_group: int = 1,
+    head_dim: int = 1,
+    padded_vocab: int = 0,
+):
     """TP rank r's part of a role, reading only the rows/columns it needs from the HF parts.
 
     Returns a tensor or a Rows list (to be stacked along dim 0); either may view the mapped source file, so use it
@@ -136,20 +150,30 @@ def read_rank(kind: str, read: Reader, keys: Sequence[str], rows: Sequence[int],
         real = read(keys[0], rows=(offs[0] + a, offs[0] + b), copy=False)
         if b - a == per:
             return real
-        return Rows([real, torch.zeros((per - (b - a), *full_shape[1:]), dtype=real.dtype)])  # rows past vocab
-    if kind == "qkv" and groups % tp:  # fewer KV groups than ranks (mcore >= 0.16): a chunk of the whole matrix
+        return Rows(
+            [real, torch.zeros((per - (b - a), *full_shape[1:]), dtype=real.dtype)]
+        )  # rows past vocab
+    if (
+        kind == "qkv" and groups % tp
+    ):  # fewer KV groups than ranks (mcore >= 0.16): a chunk of the whole matrix
         parts = [read(k, rows=(o, o + n)) for k, o, n in zip(keys, offs, rows)]
         return torch.chunk(interleave_qkv(*parts, groups), tp)[r].clone()
     if kind == "qkv":  # this rank's groups, each [its q heads; k; v], as row slices of the sources
         gp, nq = groups // tp, heads_per_group * head_dim
         out = Rows()
         for g in range(r * gp, (r + 1) * gp):
-            out += [read(keys[0], rows=(offs[0] + g * nq, offs[0] + (g + 1) * nq), copy=False),
-                    read(keys[1], rows=(offs[1] + g * head_dim, offs[1] + (g + 1) * head_dim), copy=False),
-                    read(keys[2], rows=(offs[2] + g * head_dim, offs[2] + (g + 1) * head_dim), copy=False)]
+            out += [
+                read(keys[0], rows=(offs[0] + g * nq, offs[0] + (g + 1) * nq), copy=False),
+                read(keys[1], rows=(offs[1] + g * head_dim, offs[1] + (g + 1) * head_dim), copy=False),
+                read(keys[2], rows=(offs[2] + g * head_dim, offs[2] + (g + 1) * head_dim), copy=False),
+            ]
         return out
     if kind == "glu":  # [gate_r; up_r]
         n = rows[0] // tp
-        return Rows([read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n), copy=False),
-                     read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n), copy=False)])
+        return Rows(
+            [
+                read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n), copy=False),
+                read(keys[1], rows=(offs[1] + r * n, offs[1] + (r + 1) * n), copy=False),
+            ]
+        )
     raise ValueError(f"unknown split kind {kind!r}")

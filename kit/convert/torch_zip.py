@@ -34,8 +34,10 @@ class _TensorStub:
         self.ref, self.shape, self.stride = ref, shape, stride
 
     def __reduce_ex__(self, protocol):
-        return (torch._utils._rebuild_tensor_v2,
-                (self.ref, 0, self.shape, self.stride, False, collections.OrderedDict()))
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (self.ref, 0, self.shape, self.stride, False, collections.OrderedDict()),
+        )
 
 
 def _numel(shape: Tuple[int, ...]) -> int:
@@ -74,17 +76,22 @@ class StreamingTorchFile:
         shape = (sum(p.shape[0] for p in pieces), *first.shape[1:]) if len(pieces) > 1 else tuple(first.shape)
         nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         storage = None
-        if len(pieces) == 1 and isinstance(first, torch.Tensor) and first.is_contiguous() \
-                and first.storage_offset() == 0 and first.untyped_storage().nbytes() == nbytes:
+        if (
+            len(pieces) == 1
+            and isinstance(first, torch.Tensor)
+            and first.is_contiguous()
+            and first.storage_offset() == 0
+            and first.untyped_storage().nbytes() == nbytes
+        ):
             storage = first.untyped_storage()  # a tensor owning exactly its bytes: written as is
         else:
             buf, at = self._buffer(nbytes), 0
             for p in pieces:
                 n = p.nbytes if isinstance(p, FileSlice) else p.numel() * p.element_size()
                 if isinstance(p, FileSlice):
-                    p.read_into(buf[at:at + n])
+                    p.read_into(buf[at : at + n])
                 else:
-                    buf[at:at + n].view(p.dtype).view(p.shape).copy_(p)
+                    buf[at : at + n].view(p.dtype).view(p.shape).copy_(p)
                 at += n
             storage = buf.untyped_storage()  # the reused buffer starts at its storage's first byte
         key = str(self._count)
@@ -112,6 +119,10 @@ class StreamingTorchFile:
         Pickler(buf, protocol=2).dump(obj)  # protocol 2: what torch.save uses by default
         data = buf.getvalue()
         self._writer.write_record("data.pkl", data, len(data))
-        for name, value in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", sys.byteorder)):
+        for name, value in (
+            (".format_version", "1"),
+            (".storage_alignment", "64"),
+            ("byteorder", sys.byteorder),
+        ):
             self._writer.write_record(name, value, len(value))
         self._writer.write_end_of_file()

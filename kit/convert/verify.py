@@ -25,7 +25,9 @@ PathLike = Union[str, Path]
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (dtype and shape are reported beside it)."""
     t = t.detach().contiguous()
-    return hashlib.sha256(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
+    return hashlib.sha256(
+        t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b""
+    ).hexdigest()[:16]
 
 
 def hf_checksums(folder: PathLike) -> Dict[str, dict]:
@@ -34,7 +36,11 @@ def hf_checksums(folder: PathLike) -> Dict[str, dict]:
     out = {}
     for key in sorted(reader.keys()):
         t = reader.read(key)
-        out[key] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "sha256": tensor_digest(t)}
+        out[key] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).replace("torch.", ""),
+            "sha256": tensor_digest(t),
+        }
     return out
 
 
@@ -42,13 +48,16 @@ def megatron_checksums(folder: PathLike) -> Dict[str, dict]:
     """{'mp_rank_XX[_YYY]/key': {shape, dtype, sha256}} for every tensor of every rank file."""
     mr = MegatronReader(folder)
     out = {}
-    for (t, p) in sorted(mr.files):
+    for t, p in sorted(mr.files):
         flat = layout.flatten(mr.state(t, p)["model"])
         for key in sorted(flat):
             v = flat[key]
             if isinstance(v, torch.Tensor):
                 out[f"{layout.rank_dir(t, p, mr.pp)}/{key}"] = {
-                    "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "sha256": tensor_digest(v)}
+                    "shape": list(v.shape),
+                    "dtype": str(v.dtype).replace("torch.", ""),
+                    "sha256": tensor_digest(v),
+                }
     return out
 
 
@@ -65,26 +74,50 @@ def compare_hf(a: PathLike, b: PathLike, ignore_suffixes: Tuple[str, ...] = ()) 
     dropped = [k for k in gone if ignore_suffixes and k.endswith(ignore_suffixes)]
     missing = [k for k in gone if k not in dropped]
     extra = sorted(set(cb) - set(ca))
-    return {"tensors": len(ca), "identical": len(common) - len(diff), "different": diff, "missing": missing,
-            "extra": extra, "dropped": dropped, "bit_exact": not diff and not missing and not extra}
+    return {
+        "tensors": len(ca),
+        "identical": len(common) - len(diff),
+        "different": diff,
+        "missing": missing,
+        "extra": extra,
+        "dropped": dropped,
+        "bit_exact": not diff and not missing and not extra,
+    }
 
 
-def round_trip(hf_dir: PathLike, work_dir: Optional[PathLike] = None, *, tp: int = 2, pp: int = 1,
-               flavor: str = "local", progress: bool = False, **options) -> dict:
+def round_trip(
+    hf_dir: PathLike,
+    work_dir: Optional[PathLike] = None,
+    *,
+    tp: int = 2,
+    pp: int = 1,
+    flavor: str = "local",
+    progress: bool = False,
+    **options,
+) -> dict:
     """HF -> Megatron(tp, pp) -> HF into work_dir (a temp folder if None) and compare every tensor."""
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kit-roundtrip-"))
     meg, back = work / f"megatron_tp{tp}pp{pp}_{flavor}", work / f"hf_from_tp{tp}pp{pp}_{flavor}"
-    hf_to_megatron(ConvertConfig(str(hf_dir), str(meg), tp=tp, pp=pp, flavor=flavor, overwrite=True, **options),
-                   progress=progress)
-    megatron_to_hf(ConvertConfig(str(meg), str(back), direction="megatron_to_hf", overwrite=True),
-                   progress=progress)
-    fam = family_for_config(json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")),
-                            options.get("family"))
+    hf_to_megatron(
+        ConvertConfig(str(hf_dir), str(meg), tp=tp, pp=pp, flavor=flavor, overwrite=True, **options),
+        progress=progress,
+    )
+    megatron_to_hf(
+        ConvertConfig(str(meg), str(back), direction="megatron_to_hf", overwrite=True), progress=progress
+    )
+    fam = family_for_config(
+        json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")), options.get("family")
+    )
     result = compare_hf(hf_dir, back, fam.ignore_suffixes)
-    if fam.read_config(HFReader(hf_dir).config).norm_head and result["different"] == list(fam.hf_keys("output")):
+    if fam.read_config(HFReader(hf_dir).config).norm_head and result["different"] == list(
+        fam.hf_keys("output")
+    ):
         # Baichuan2 NormHead: rows are normalised on the way in (same logits), so lm_head comes back normalised.
-        result.update(different=[], transformed=list(fam.hf_keys("output")),
-                      bit_exact=not result["missing"] and not result["extra"])
+        result.update(
+            different=[],
+            transformed=list(fam.hf_keys("output")),
+            bit_exact=not result["missing"] and not result["extra"],
+        )
     return dict(result, megatron=str(meg), hf=str(back))
 
 
@@ -111,8 +144,15 @@ def hf_logits(hf_dir: PathLike, ids: torch.Tensor, spec=None) -> torch.Tensor:
         return hf_forward(sd, spec, ids)
 
 
-def logits_check(hf_dir: PathLike, megatron_dir: PathLike, *, seq_len: int = 16, seed: int = 0,
-                 hf_config_dir: Optional[PathLike] = None, tolerance: float = 1e-4) -> dict:
+def logits_check(
+    hf_dir: PathLike,
+    megatron_dir: PathLike,
+    *,
+    seq_len: int = 16,
+    seed: int = 0,
+    hf_config_dir: Optional[PathLike] = None,
+    tolerance: float = 1e-4,
+) -> dict:
     """Run the Megatron shards (TP simulated) and the HF model on the same tokens; report max |diff| of logits."""
     mr = MegatronReader(megatron_dir)
     _, spec, _ = _source_spec(mr, hf_config_dir, None)
@@ -121,9 +161,17 @@ def logits_check(hf_dir: PathLike, megatron_dir: PathLike, *, seq_len: int = 16,
         meg = megatron_forward(mr, spec, ids)
     ref = hf_logits(hf_dir, ids, spec).float()
     diff = float((meg - ref).abs().max())
-    return {"family": spec.family, "tp": mr.tp, "pp": mr.pp, "flavor": mr.flavor, "tokens": seq_len,
-            "max_abs_diff": diff, "argmax_agree": float((meg.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "tolerance": tolerance, "passed": diff <= tolerance}
+    return {
+        "family": spec.family,
+        "tp": mr.tp,
+        "pp": mr.pp,
+        "flavor": mr.flavor,
+        "tokens": seq_len,
+        "max_abs_diff": diff,
+        "argmax_agree": float((meg.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "tolerance": tolerance,
+        "passed": diff <= tolerance,
+    }
 
 
 def verification_table(checks: List[dict]) -> object:
@@ -133,9 +181,18 @@ def verification_table(checks: List[dict]) -> object:
     return pd.DataFrame(checks, columns=["check", "value", "limit", "passed"])
 
 
-def verify_conversion(source: PathLike, target: PathLike, work_dir: Optional[PathLike] = None, *,
-                      logits: bool = True, back_to_hf: bool = True, seq_len: int = 16,
-                      tolerance: float = 1e-4, keep_round_trip: bool = False, progress: bool = False) -> dict:
+def verify_conversion(
+    source: PathLike,
+    target: PathLike,
+    work_dir: Optional[PathLike] = None,
+    *,
+    logits: bool = True,
+    back_to_hf: bool = True,
+    seq_len: int = 16,
+    tolerance: float = 1e-4,
+    keep_round_trip: bool = False,
+    progress: bool = False,
+) -> dict:
     """Check a finished HF -> Megatron conversion: files, weights_only loading, the way back, and the logits.
 
     Returns {"table": DataFrame(check, value, limit, passed), "passed": bool, "details": {...}}.
@@ -144,36 +201,71 @@ def verify_conversion(source: PathLike, target: PathLike, work_dir: Optional[Pat
     rows, details = [], {}
     tracker = (Path(target) / layout.TRACKER).read_text().strip()
     rows.append({"check": "tracker file", "value": tracker, "limit": "1", "passed": tracker == "1"})
-    rows.append({"check": "rank files (TP x PP)", "value": f"{len(mr.files)} = {mr.tp} x {mr.pp}",
-                 "limit": "all present", "passed": len(mr.files) == mr.tp * mr.pp})
+    rows.append(
+        {
+            "check": "rank files (TP x PP)",
+            "value": f"{len(mr.files)} = {mr.tp} x {mr.pp}",
+            "limit": "all present",
+            "passed": len(mr.files) == mr.tp * mr.pp,
+        }
+    )
     versions = {float(mr.state(t, p)["checkpoint_version"]) for t, p in mr.files}
-    rows.append({"check": "checkpoint_version (weights_only load)", "value": sorted(versions), "limit": 3.0,
-                 "passed": versions == {3.0}})
+    rows.append(
+        {
+            "check": "checkpoint_version (weights_only load)",
+            "value": sorted(versions),
+            "limit": 3.0,
+            "passed": versions == {3.0},
+        }
+    )
     if back_to_hf:
         work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kit-verify-"))
         back = work / "hf_round_trip"
-        megatron_to_hf(ConvertConfig(str(target), str(back), direction="megatron_to_hf", overwrite=True),
-                       progress=progress)
+        megatron_to_hf(
+            ConvertConfig(str(target), str(back), direction="megatron_to_hf", overwrite=True),
+            progress=progress,
+        )
         fam = family_for_config(HFReader(source).config, (mr.meta or {}).get("family"))
         cmp = compare_hf(source, back, fam.ignore_suffixes)
         transformed = []
-        if fam.read_config(HFReader(source).config).norm_head and cmp["different"] == list(fam.hf_keys("output")):
+        if fam.read_config(HFReader(source).config).norm_head and cmp["different"] == list(
+            fam.hf_keys("output")
+        ):
             transformed, cmp["different"] = cmp["different"], []
         exact = not cmp["different"] and not cmp["missing"] and not cmp["extra"]
         n_model = cmp["tensors"] - len(cmp["dropped"])
-        rows.append({"check": "HF -> Megatron -> HF tensors bit-identical",
-                     "value": f"{cmp['identical'] - len(transformed)}/{n_model}", "limit": f"{n_model}/{n_model}"
-                     + (f" ({len(transformed)} NormHead row-normalised)" if transformed else ""), "passed": exact})
-        details["round_trip"] = dict(cmp, transformed=transformed, bit_exact=exact,
-                                     hf=str(back) if keep_round_trip else None)
+        rows.append(
+            {
+                "check": "HF -> Megatron -> HF tensors bit-identical",
+                "value": f"{cmp['identical'] - len(transformed)}/{n_model}",
+                "limit": f"{n_model}/{n_model}"
+                + (f" ({len(transformed)} NormHead row-normalised)" if transformed else ""),
+                "passed": exact,
+            }
+        )
+        details["round_trip"] = dict(
+            cmp, transformed=transformed, bit_exact=exact, hf=str(back) if keep_round_trip else None
+        )
         if not keep_round_trip:  # a full second copy of the model; keep it only when asked
             shutil.rmtree(back, ignore_errors=True)
     if logits:
         lc = logits_check(source, target, seq_len=seq_len, tolerance=tolerance)
-        rows.append({"check": f"max |logits - HF| (TP{mr.tp} simulated, {seq_len} tokens, fp32)",
-                     "value": lc["max_abs_diff"], "limit": tolerance, "passed": lc["passed"]})
-        rows.append({"check": "same next-token argmax as HF", "value": lc["argmax_agree"], "limit": 1.0,
-                     "passed": lc["argmax_agree"] == 1.0})
+        rows.append(
+            {
+                "check": f"max |logits - HF| (TP{mr.tp} simulated, {seq_len} tokens, fp32)",
+                "value": lc["max_abs_diff"],
+                "limit": tolerance,
+                "passed": lc["passed"],
+            }
+        )
+        rows.append(
+            {
+                "check": "same next-token argmax as HF",
+                "value": lc["argmax_agree"],
+                "limit": 1.0,
+                "passed": lc["argmax_agree"] == 1.0,
+            }
+        )
         details["logits"] = lc
     table = verification_table(rows)
     return {"table": table, "passed": bool(table["passed"].all()), "details": details}

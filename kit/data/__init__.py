@@ -9,5 +9,17 @@ from kit.data.readers import DataInputError
 from kit.data.report import PrepReport
 from kit.data.templates import TEMPLATES, Template
 
-__all__ = ["TEMPLATES", "DataConfig", "DataInputError", "IndexedReader", "IndexedWriter", "PrepReport",
-           "PrepResult", "Template", "explain_sample", "load_prepared", "prepare", "read_meta"]
+__all__ = [
+    "TEMPLATES",
+    "DataConfig",
+    "DataInputError",
+    "IndexedReader",
+    "IndexedWriter",
+    "PrepReport",
+    "PrepResult",
+    "Template",
+    "explain_sample",
+    "load_prepared",
+    "prepare",
+    "read_meta",
+]

@@ -9,9 +9,13 @@ import sys
 
 def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> None:
     p = sub.add_parser(kind, help=help_text)
-    p.add_argument("inputs", nargs="*", help="files or folders (.jsonl .json .parquet .csv .txt); default: sample")
+    p.add_argument(
+        "inputs", nargs="*", help="files or folders (.jsonl .json .parquet .csv .txt); default: sample"
+    )
     p.add_argument("--name", default="corpus" if kind == "pretrain" else "alpaca", help="output name")
-    p.add_argument("--tokenizer", default=None, help="local HF tokenizer/model folder (default: sample tokenizer)")
+    p.add_argument(
+        "--tokenizer", default=None, help="local HF tokenizer/model folder (default: sample tokenizer)"
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer folder's own code")
     p.add_argument("--max-length", type=int, default=2048, help="tokens per sample (SEQ_LEN)")
     p.add_argument("--out-dir", default=None, help="output folder (default: the workspace's data folder)")
@@ -57,17 +61,37 @@ def config_from_args(args: argparse.Namespace):
     try:
         columns = json.loads(args.columns)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--columns {args.columns!r} is not JSON ({exc}); write e.g. '{{\"text\": \"content\"}}'.") from None
-    kw = dict(kind=args.kind, inputs=list(args.inputs), name=args.name, tokenizer=args.tokenizer,
-              trust_remote_code=args.trust_remote_code, max_length=args.max_length, out_dir=args.out_dir,
-              input_format=args.input_format, columns=columns, num_workers=args.num_workers,
-              batch_size=args.batch_size, max_records=args.max_records, on_error=args.on_error,
-              megatron=not args.no_megatron, overwrite=args.overwrite)
+        raise SystemExit(
+            f'--columns {args.columns!r} is not JSON ({exc}); write e.g. \'{{"text": "content"}}\'.'
+        ) from None
+    kw = dict(
+        kind=args.kind,
+        inputs=list(args.inputs),
+        name=args.name,
+        tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code,
+        max_length=args.max_length,
+        out_dir=args.out_dir,
+        input_format=args.input_format,
+        columns=columns,
+        num_workers=args.num_workers,
+        batch_size=args.batch_size,
+        max_records=args.max_records,
+        on_error=args.on_error,
+        megatron=not args.no_megatron,
+        overwrite=args.overwrite,
+    )
     if args.kind == "pretrain":
         kw.update(add_bos=args.add_bos)
     else:
-        kw.update(template=args.template, system=args.system, train_on_prompt=args.train_on_prompt,
-                  mask_history=args.mask_history, overlong=args.overlong, pack=not args.no_pack)
+        kw.update(
+            template=args.template,
+            system=args.system,
+            train_on_prompt=args.train_on_prompt,
+            mask_history=args.mask_history,
+            overlong=args.overlong,
+            pack=not args.no_pack,
+        )
     return DataConfig(**kw)
 
 

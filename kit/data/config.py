@@ -79,7 +79,9 @@ class DataConfig:
         if self.input_format not in INPUT_FORMATS:
             out.append(f"input_format={self.input_format!r}: use one of {INPUT_FORMATS}.")
         elif self.kind == "sft" and self.input_format == "text":
-            out.append("input_format='text' holds no dialogs; use kind='pretrain' or an alpaca/sharegpt/openai file.")
+            out.append(
+                "input_format='text' holds no dialogs; use kind='pretrain' or an alpaca/sharegpt/openai file."
+            )
         if self.template not in TEMPLATES and self.template != "tokenizer":
             out.append(f"template={self.template!r}: use one of {sorted(TEMPLATES) + ['tokenizer']}.")
         if self.overlong not in OVERLONG:
@@ -99,18 +101,27 @@ class DataConfig:
         else:
             from kit.data.dialogs import DEFAULT_COLUMNS
 
-            fmts = [self.input_format] if self.input_format in DEFAULT_COLUMNS else (
-                ["text"] if self.kind == "pretrain" else ["alpaca", "sharegpt", "openai"])
+            fmts = (
+                [self.input_format]
+                if self.input_format in DEFAULT_COLUMNS
+                else (["text"] if self.kind == "pretrain" else ["alpaca", "sharegpt", "openai"])
+            )
             known = sorted({k for f in fmts for k in DEFAULT_COLUMNS[f]})
             unknown = sorted(set(self.columns) - set(known))
             if unknown:
-                out.append(f"columns keys {unknown} are not kit fields here; keys are kit names ({known}) and "
-                           f"values your column names, e.g. {{'{known[0]}': '<your column>'}}.")
+                out.append(
+                    f"columns keys {unknown} are not kit fields here; keys are kit names ({known}) and "
+                    f"values your column names, e.g. {{'{known[0]}': '<your column>'}}."
+                )
         for p in self.inputs:
             if not Path(p).expanduser().exists():
-                out.append(f"input {str(p)!r} does not exist; check the path (files or folders are accepted).")
+                out.append(
+                    f"input {str(p)!r} does not exist; check the path (files or folders are accepted)."
+                )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
-            out.append(f"tokenizer={self.tokenizer!r} is not a folder; give a local HF tokenizer or model folder.")
+            out.append(
+                f"tokenizer={self.tokenizer!r} is not a folder; give a local HF tokenizer or model folder."
+            )
         return out
 
 

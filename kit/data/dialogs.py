@@ -10,8 +10,13 @@ from kit.data.readers import DataInputError, Record
 # kit field -> default column per format (Alpaca as in LLaMA-Factory / MindSpeed-LLM `--map-keys`)
 DEFAULT_COLUMNS = {
     "text": {"text": "text"},
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system",
-               "history": "history"},
+    "alpaca": {
+        "instruction": "instruction",
+        "input": "input",
+        "output": "output",
+        "system": "system",
+        "history": "history",
+    },
     "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "system": "system"},
     "openai": {"messages": "messages", "role": "role", "content": "content", "system": "system"},
 }
@@ -44,9 +49,11 @@ def detect_format(record: dict, kind: str, overrides: Optional[Dict[str, str]] =
             if cols["role"] not in first and first:
                 continue
         return fmt
-    raise ValueError(f"cannot tell the format of a record with keys {sorted(record)}; set input_format to "
-                     f"'alpaca', 'sharegpt' or 'openai' and map your fields with columns={{...}} "
-                     f"(e.g. {{'instruction': 'question', 'output': 'answer'}}).")
+    raise ValueError(
+        f"cannot tell the format of a record with keys {sorted(record)}; set input_format to "
+        f"'alpaca', 'sharegpt' or 'openai' and map your fields with columns={{...}} "
+        f"(e.g. {{'instruction': 'question', 'output': 'answer'}})."
+    )
 
 
 def column_map(fmt: str, overrides: Dict[str, str]) -> Dict[str, str]:
@@ -54,8 +61,10 @@ def column_map(fmt: str, overrides: Dict[str, str]) -> Dict[str, str]:
     cols = dict(DEFAULT_COLUMNS[fmt])
     unknown = set(overrides) - set(cols)
     if unknown:
-        raise ValueError(f"columns keys {sorted(unknown)} are not fields of format {fmt!r}; "
-                         f"use some of {sorted(cols)} (kit field -> your column).")
+        raise ValueError(
+            f"columns keys {sorted(unknown)} are not fields of format {fmt!r}; "
+            f"use some of {sorted(cols)} (kit field -> your column)."
+        )
     cols.update(overrides)
     return cols
 
@@ -64,14 +73,23 @@ def _string(rec: Record, cols: Dict[str, str], key: str, required: bool = True) 
     col = cols[key]
     if col not in rec.data or rec.data[col] is None:
         if required:
-            raise DataInputError(rec.source, rec.line, f"missing field {col!r} (found {sorted(rec.data)})",
-                                 f"add it, or map your column with columns={{'{key}': '<your column>'}}",
-                                 "missing_field")
+            raise DataInputError(
+                rec.source,
+                rec.line,
+                f"missing field {col!r} (found {sorted(rec.data)})",
+                f"add it, or map your column with columns={{'{key}': '<your column>'}}",
+                "missing_field",
+            )
         return None
     value = rec.data[col]
     if not isinstance(value, str):
-        raise DataInputError(rec.source, rec.line, f"field {col!r} is a {type(value).__name__}, not a string",
-                             "store text as a JSON string", "bad_type")
+        raise DataInputError(
+            rec.source,
+            rec.line,
+            f"field {col!r} is a {type(value).__name__}, not a string",
+            "store text as a JSON string",
+            "bad_type",
+        )
     return value
 
 
@@ -89,12 +107,22 @@ def alpaca_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     history = rec.data.get(cols["history"]) or []
     turns = []
     if not isinstance(history, list):
-        raise DataInputError(rec.source, rec.line, f"history is a {type(history).__name__}, not a list",
-                             "write history as [[question, answer], ...]", "bad_type")
+        raise DataInputError(
+            rec.source,
+            rec.line,
+            f"history is a {type(history).__name__}, not a list",
+            "write history as [[question, answer], ...]",
+            "bad_type",
+        )
     for i, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
-            raise DataInputError(rec.source, rec.line, f"history item {i} is not a [question, answer] pair of strings",
-                                 "write history as [[question, answer], ...]", "bad_type")
+            raise DataInputError(
+                rec.source,
+                rec.line,
+                f"history item {i} is not a [question, answer] pair of strings",
+                "write history as [[question, answer], ...]",
+                "bad_type",
+            )
         turns.append((pair[0], pair[1]))
     turns.append((instruction + ("\n" + extra if extra else ""), output))
     return Dialog(system, turns)
@@ -105,23 +133,41 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     col = cols["messages"]
     msgs = rec.data.get(col)
     if msgs is None:
-        raise DataInputError(rec.source, rec.line, f"missing field {col!r} (found {sorted(rec.data)})",
-                             "add it, or map your column with columns={'messages': '<your column>'}",
-                             "missing_field")
+        raise DataInputError(
+            rec.source,
+            rec.line,
+            f"missing field {col!r} (found {sorted(rec.data)})",
+            "add it, or map your column with columns={'messages': '<your column>'}",
+            "missing_field",
+        )
     if not isinstance(msgs, list):
-        raise DataInputError(rec.source, rec.line, f"field {col!r} is a {type(msgs).__name__}, not a list",
-                             "store the messages as a JSON list of objects", "bad_type")
+        raise DataInputError(
+            rec.source,
+            rec.line,
+            f"field {col!r} is a {type(msgs).__name__}, not a list",
+            "store the messages as a JSON list of objects",
+            "bad_type",
+        )
     system = _string(rec, cols, "system", required=False) if cols["system"] in rec.data else None
     roles, texts = [], []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or cols["role"] not in m or cols["content"] not in m:
-            raise DataInputError(rec.source, rec.line, f"message {i} lacks {cols['role']!r}/{cols['content']!r}",
-                                 "give every message a role and a content, or map them with columns",
-                                 "missing_field")
+            raise DataInputError(
+                rec.source,
+                rec.line,
+                f"message {i} lacks {cols['role']!r}/{cols['content']!r}",
+                "give every message a role and a content, or map them with columns",
+                "missing_field",
+            )
         role, content = m[cols["role"]], m[cols["content"]]
         if not isinstance(content, str) or not isinstance(role, str):
-            raise DataInputError(rec.source, rec.line, f"message {i} has a non-string role or content",
-                                 "store role and content as strings", "bad_type")
+            raise DataInputError(
+                rec.source,
+                rec.line,
+                f"message {i} has a non-string role or content",
+                "store role and content as strings",
+                "bad_type",
+            )
         roles.append(role.lower())
         texts.append(content)
     if roles and roles[0] == "system":
@@ -129,15 +175,20 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
         roles, texts = roles[1:], texts[1:]
     turns = []
     for i in range(0, len(roles), 2):
-        pair = roles[i:i + 2]
+        pair = roles[i : i + 2]
         if len(pair) < 2 or pair[0] not in USER_ROLES or pair[1] not in ASSISTANT_ROLES:
-            raise DataInputError(rec.source, rec.line,
-                                 f"roles {roles} do not alternate user/assistant ending with an assistant",
-                                 "keep one optional system message first, then user and assistant in turn",
-                                 "malformed")
+            raise DataInputError(
+                rec.source,
+                rec.line,
+                f"roles {roles} do not alternate user/assistant ending with an assistant",
+                "keep one optional system message first, then user and assistant in turn",
+                "malformed",
+            )
         turns.append((texts[i], texts[i + 1]))
     if not turns:
-        raise DataInputError(rec.source, rec.line, "no user/assistant turn", "add at least one pair", "malformed")
+        raise DataInputError(
+            rec.source, rec.line, "no user/assistant turn", "add at least one pair", "malformed"
+        )
     return Dialog(system or None, turns)
 
 

@@ -23,13 +23,27 @@ def explain_sample(path: Union[str, Path], index: int = 0, tokenizer: Any = None
     lens = row["seq_lens"] if "seq_lens" in row else [meta["max_length"]]
     rows, at = [], 0
     for n, m in enumerate(lens):
-        ids, labels = row["input_ids"][at:at + m], row["labels"][at:at + m]
+        ids, labels = row["input_ids"][at : at + m], row["labels"][at : at + m]
         learned = [t for t, lab in zip(ids, labels) if lab != IGNORE]
         context = [t for t, lab in zip(ids, labels) if lab == IGNORE]
-        rows.append({"dialog": n, "tokens": m, "learned_tokens": len(learned),
-                     "context (no loss)": tok.decode(context), "learned (loss)": tok.decode(learned)})
+        rows.append(
+            {
+                "dialog": n,
+                "tokens": m,
+                "learned_tokens": len(learned),
+                "context (no loss)": tok.decode(context),
+                "learned (loss)": tok.decode(learned),
+            }
+        )
         at += m
     pad = meta["max_length"] - at
-    rows.append({"dialog": "padding", "tokens": pad, "learned_tokens": 0, "context (no loss)": "",
-                 "learned (loss)": ""})
+    rows.append(
+        {
+            "dialog": "padding",
+            "tokens": pad,
+            "learned_tokens": 0,
+            "context (no loss)": "",
+            "learned (loss)": "",
+        }
+    )
     return pd.DataFrame(rows).set_index("dialog")

@@ -19,8 +19,16 @@ import numpy as np
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
 # megatron-core DType enum values
-DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7,
-               np.uint16: 8}
+DTYPE_CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
@@ -66,7 +74,9 @@ class IndexedWriter:
         """Add many one-sequence documents at once: `tokens` back to back, `lengths` one per document."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != int(np.asarray(tokens).size):
-            raise ValueError(f"document lengths add up to {int(lengths.sum())}, not {np.asarray(tokens).size}")
+            raise ValueError(
+                f"document lengths add up to {int(lengths.sum())}, not {np.asarray(tokens).size}"
+            )
         self._write(tokens)
         start = len(self._lengths)
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
@@ -81,7 +91,9 @@ class IndexedWriter:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int32) if len(self._lengths) else np.zeros(0, np.int32)
+        lengths = (
+            np.frombuffer(self._lengths, dtype=np.int32) if len(self._lengths) else np.zeros(0, np.int32)
+        )
         pointers = np.zeros(lengths.size, dtype=np.int64)
         if lengths.size:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
@@ -123,8 +135,10 @@ class IndexedReader:
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p} is missing; pass the prefix without .bin/.idx (e.g. "
-                                        f"'.../alpaca_text_document') of a dataset written by `python -m kit data`.")
+                raise FileNotFoundError(
+                    f"{p} is missing; pass the prefix without .bin/.idx (e.g. "
+                    f"'.../alpaca_text_document') of a dataset written by `python -m kit data`."
+                )
         with open(idx_path, "rb") as fh:
             head = fh.read(34)
         if len(head) < 34 or head[:9] != HEADER:
@@ -143,15 +157,17 @@ class IndexedReader:
         self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype)
         total = int(self.lengths.astype(np.int64).sum())
         if self._bin.size != total:
-            raise ValueError(f"{bin_path} holds {self._bin.size} tokens but the index lists {total}; the pair is "
-                             f"incomplete or mismatched: prepare the data again.")
+            raise ValueError(
+                f"{bin_path} holds {self._bin.size} tokens but the index lists {total}; the pair is "
+                f"incomplete or mismatched: prepare the data again."
+            )
 
     def __len__(self) -> int:
         return int(self.lengths.size)
 
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.dtype.itemsize
-        return np.asarray(self._bin[start:start + int(self.lengths[i])])
+        return np.asarray(self._bin[start : start + int(self.lengths[i])])
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):

@@ -89,8 +89,15 @@ class ArrowSink:
         DatasetInfo(features=_features(self.kind)).write_to_directory(str(self.folder), pretty_print=True)
         # a content-derived fingerprint keeps state.json byte-identical across runs
         digest = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()[:16]
-        state = {"_data_files": [{"filename": DATA_FILE}], "_fingerprint": digest, "_format_columns": None,
-                 "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+        state = {
+            "_data_files": [{"filename": DATA_FILE}],
+            "_fingerprint": digest,
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
         (self.folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
         return self.rows
 
@@ -104,7 +111,8 @@ def _resolve(path: Union[str, Path]) -> Path:
             return cand
     raise FileNotFoundError(
         f"{p} is not a folder prepared by kit.data (no meta.json); give the `<name>_hf` folder written by "
-        f"notebook 02 / `python -m kit data`, or prepare the data first.")
+        f"notebook 02 / `python -m kit data`, or prepare the data first."
+    )
 
 
 def read_meta(path: Union[str, Path]) -> Dict[str, Any]:
@@ -137,8 +145,10 @@ def load_prepared(path: Union[str, Path], return_meta: bool = False) -> Any:
         elif max(first["input_ids"]) >= meta["vocab_size"] or min(first["input_ids"]) < 0:
             problems.append(f"row 0 has token ids outside 0..{meta['vocab_size'] - 1}")
     if problems:
-        raise ValueError(f"{folder}: " + "; ".join(problems) + ". The folder is damaged or was changed by hand; "
-                         "prepare the data again.")
+        raise ValueError(
+            f"{folder}: " + "; ".join(problems) + ". The folder is damaged or was changed by hand; "
+            "prepare the data again."
+        )
     return (ds, meta) if return_meta else ds
 
 

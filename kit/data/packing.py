@@ -18,7 +18,9 @@ def pack_lengths(lengths: Sequence[int], capacity: int) -> List[List[int]]:
     """
     too_long = [i for i, n in enumerate(lengths) if n > capacity or n <= 0]
     if too_long:
-        raise ValueError(f"items {too_long[:5]} have lengths outside 1..{capacity}; truncate or drop them first")
+        raise ValueError(
+            f"items {too_long[:5]} have lengths outside 1..{capacity}; truncate or drop them first"
+        )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     free: List[Tuple[int, int]] = []  # (room left, bin id), sorted: the first with room >= n is the best fit
     bins: List[List[int]] = []
@@ -39,8 +41,9 @@ def pack_lengths(lengths: Sequence[int], capacity: int) -> List[List[int]]:
     return bins
 
 
-def build_packs(items: List[Tuple[np.ndarray, np.ndarray]], bins: List[List[int]], max_length: int,
-                pad_id: int) -> Dict[str, object]:
+def build_packs(
+    items: List[Tuple[np.ndarray, np.ndarray]], bins: List[List[int]], max_length: int, pad_id: int
+) -> Dict[str, object]:
     """Rows of the HF columns (and MindSpeed segment-id masks) for `bins` of (ids, labels) items."""
     n = len(bins)
     input_ids = np.full((n, max_length), pad_id, dtype=np.int32)
@@ -54,13 +57,19 @@ def build_packs(items: List[Tuple[np.ndarray, np.ndarray]], bins: List[List[int]
         for s, i in enumerate(b, 1):
             ids, lab = items[i]
             m = ids.size
-            input_ids[r, at:at + m] = ids
-            labels[r, at:at + m] = lab
-            positions[r, at:at + m] = np.arange(m, dtype=np.int32)
-            segments[r, at:at + m] = s
+            input_ids[r, at : at + m] = ids
+            labels[r, at : at + m] = lab
+            positions[r, at : at + m] = np.arange(m, dtype=np.int32)
+            segments[r, at : at + m] = s
             at += m
             lens.append(m)
         attention[r, :at] = 1
         seq_lens.append(lens)
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention, "position_ids": positions,
-            "segment_ids": segments, "seq_lens": seq_lens}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention,
+        "position_ids": positions,
+        "segment_ids": segments,
+        "seq_lens": seq_lens,
+    }

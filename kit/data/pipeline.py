@@ -41,12 +41,27 @@ class PrepResult:
     def summary(self) -> dict:
         """Key numbers and paths (for notebook summaries)."""
         r = self.report.as_dict()
-        keys = ("records_read", "records_written", "records_dropped", "dropped", "files_skipped", "truncated",
-                "tokens_in", "tokens_out", "tokens_learned", "samples", "padding_ratio", "padding_ratio_unpacked")
-        return {"hf_dir": str(self.hf_dir), "megatron_prefix": self.megatron_prefix,
-                "megatron_files": [str(p) for p in self.megatron_files],
-                "histogram_png": str(self.histogram_png) if self.histogram_png else None,
-                **{k: r[k] for k in keys}}
+        keys = (
+            "records_read",
+            "records_written",
+            "records_dropped",
+            "dropped",
+            "files_skipped",
+            "truncated",
+            "tokens_in",
+            "tokens_out",
+            "tokens_learned",
+            "samples",
+            "padding_ratio",
+            "padding_ratio_unpacked",
+        )
+        return {
+            "hf_dir": str(self.hf_dir),
+            "megatron_prefix": self.megatron_prefix,
+            "megatron_files": [str(p) for p in self.megatron_files],
+            "histogram_png": str(self.histogram_png) if self.histogram_png else None,
+            **{k: r[k] for k in keys},
+        }
 
 
 def default_inputs(kind: str) -> List[str]:
@@ -69,6 +84,7 @@ def output_dir(cfg: DataConfig, workspace: Any = None) -> Path:
 
 def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
     """(payload, where) per usable record: document text for pretrain, a Dialog for sft."""
+
     def on_bad(err: DataInputError, whole_file: bool = False) -> None:
         if whole_file:
             report.skip_file(err.reason, str(err))
@@ -129,12 +145,16 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     if cfg.kind == "sft" and cfg.template != "tokenizer":
         missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
         if missing:
-            report.warnings.append(f"template {cfg.template!r}: {missing} are not single tokens of this tokenizer "
-                                   f"(the model sees them spelled out); pick the model's own template "
-                                   f"(template='tokenizer' or its family) unless that is intended")
+            report.warnings.append(
+                f"template {cfg.template!r}: {missing} are not single tokens of this tokenizer "
+                f"(the model sees them spelled out); pick the model's own template "
+                f"(template='tokenizer' or its family) unless that is intended"
+            )
     if cfg.kind == "sft" and cfg.template == "tokenizer" and not getattr(tok, "chat_template", None):
-        raise ValueError(f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
-                         f"{sorted(TEMPLATES)}.")
+        raise ValueError(
+            f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
+            f"{sorted(TEMPLATES)}."
+        )
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
     try:
@@ -146,8 +166,13 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
             _stream(cfg, tok, sink, writers, report, progress)
             for w in writers:
                 w.finalize()
-            meta = _meta(cfg, tok, report, mg_prefix if cfg.megatron else None,
-                         str(writers[0].dtype) if writers else None)
+            meta = _meta(
+                cfg,
+                tok,
+                report,
+                mg_prefix if cfg.megatron else None,
+                str(writers[0].dtype) if writers else None,
+            )
             rep = report.as_dict()
             sink.finalize({"meta": meta, "report": rep})
             save_config(cfg, tmp)
@@ -162,27 +187,51 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta, config=cfg)
 
 
-def _meta(cfg: DataConfig, tok: Any, report: PrepReport, mg_prefix: Optional[str],
-          mg_dtype: Optional[str]) -> Dict[str, Any]:
+def _meta(
+    cfg: DataConfig, tok: Any, report: PrepReport, mg_prefix: Optional[str], mg_dtype: Optional[str]
+) -> Dict[str, Any]:
     """meta.json: what a reader needs to use the data without the config (see the data-stage contract)."""
-    return {"kind": cfg.kind, "max_length": cfg.max_length, "tokenizer": tok.kit_path, "vocab_size": len(tok),
-            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
-            "num_samples": report.samples, "num_tokens": report.tokens_out,
-            "template": cfg.template if cfg.kind == "sft" else None,
-            "packed": bool(cfg.pack) if cfg.kind == "sft" else True, "columns": list(COLUMNS[cfg.kind]),
-            "ignore_index": -100, "labels_shifted": False, "megatron_prefix": mg_prefix, "megatron_dtype": mg_dtype}
+    return {
+        "kind": cfg.kind,
+        "max_length": cfg.max_length,
+        "tokenizer": tok.kit_path,
+        "vocab_size": len(tok),
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": tok.bos_token_id,
+        "num_samples": report.samples,
+        "num_tokens": report.tokens_out,
+        "template": cfg.template if cfg.kind == "sft" else None,
+        "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
+        "columns": list(COLUMNS[cfg.kind]),
+        "ignore_index": -100,
+        "labels_shifted": False,
+        "megatron_prefix": mg_prefix,
+        "megatron_dtype": mg_dtype,
+    }
 
 
-def _stream(cfg: DataConfig, tok: Any, sink: ArrowSink, writers: List[IndexedWriter], report: PrepReport,
-            progress: bool) -> None:
+def _stream(
+    cfg: DataConfig,
+    tok: Any,
+    sink: ArrowSink,
+    writers: List[IndexedWriter],
+    report: PrepReport,
+    progress: bool,
+) -> None:
     """Read, tokenize (in order, over cfg.num_workers) and hand every batch to the kind's assembler."""
     from tqdm.auto import tqdm
 
     from kit.data.pretrain import PretrainAssembler, pretrain_job
     from kit.data.sft import SftAssembler, sft_job
 
-    settings = {"add_bos": cfg.add_bos, "template": cfg.template, "system": cfg.system,
-                "train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history}
+    settings = {
+        "add_bos": cfg.add_bos,
+        "template": cfg.template,
+        "system": cfg.system,
+        "train_on_prompt": cfg.train_on_prompt,
+        "mask_history": cfg.mask_history,
+    }
     initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
     chunks = batched(_items(cfg, report), cfg.batch_size)
     wheres: List[List[str]] = []
@@ -199,8 +248,9 @@ def _stream(cfg: DataConfig, tok: Any, sink: ArrowSink, writers: List[IndexedWri
                 asm.add(result)
                 bar.update(len(wheres.pop(0)))
         else:
-            asm = SftAssembler(sink, writers or None, report, tok.pad_token_id, cfg.overlong, cfg.pack,
-                               cfg.pack_window)
+            asm = SftAssembler(
+                sink, writers or None, report, tok.pad_token_id, cfg.overlong, cfg.pack, cfg.pack_window
+            )
             for result in ordered_map(sft_job, payloads(), cfg.num_workers, initargs, tok):
                 asm.add(result, wheres.pop(0))
                 bar.update(len(result))

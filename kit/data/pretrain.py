@@ -50,11 +50,16 @@ class PretrainAssembler:
         buf = np.concatenate([self.carry, flat]) if self.carry.size else flat
         rows = buf.size // self.max_length
         if rows:
-            ids = buf[:rows * self.max_length].reshape(rows, self.max_length)
-            self.sink.write({"input_ids": ids, "labels": ids,
-                             "attention_mask": np.ones_like(ids),
-                             "position_ids": np.broadcast_to(self._positions, ids.shape)})
-        self.carry = buf[rows * self.max_length:].copy()
+            ids = buf[: rows * self.max_length].reshape(rows, self.max_length)
+            self.sink.write(
+                {
+                    "input_ids": ids,
+                    "labels": ids,
+                    "attention_mask": np.ones_like(ids),
+                    "position_ids": np.broadcast_to(self._positions, ids.shape),
+                }
+            )
+        self.carry = buf[rows * self.max_length :].copy()
 
     def finish(self) -> None:
         r = self.report
@@ -65,5 +70,7 @@ class PretrainAssembler:
         # keeps it, its sampler builds its own sequences
         r.remainder_tokens = int(self.carry.size)
         if r.samples == 0:
-            r.warnings.append(f"only {r.tokens_in} tokens: not enough for one sample of max_length="
-                              f"{self.max_length}; lower max_length or add text")
+            r.warnings.append(
+                f"only {r.tokens_in} tokens: not enough for one sample of max_length="
+                f"{self.max_length}; lower max_length or add text"
+            )

@@ -18,7 +18,9 @@ class DataInputError(ValueError):
     def __init__(self, source: str, line: int, problem: str, fix: str, reason: str = "malformed"):
         self.source, self.line, self.problem, self.reason = source, line, problem, reason
         where = f"{source}:{line}" if line else source
-        super().__init__(f"{where}: {problem}. Fix: {fix}; or pass on_error='skip' to skip and count such records.")
+        super().__init__(
+            f"{where}: {problem}. Fix: {fix}; or pass on_error='skip' to skip and count such records."
+        )
 
 
 @dataclass
@@ -36,15 +38,24 @@ def list_files(paths: List[str]) -> List[Path]:
     for p in paths:
         p = Path(p).expanduser()
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in EXTENSIONS
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and f.suffix.lower() in EXTENSIONS
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
             if not found:
-                raise FileNotFoundError(f"folder {p} holds no {'/'.join(EXTENSIONS)} files; point inputs at the "
-                                        f"data files or the folder that holds them.")
+                raise FileNotFoundError(
+                    f"folder {p} holds no {'/'.join(EXTENSIONS)} files; point inputs at the "
+                    f"data files or the folder that holds them."
+                )
             files.extend(found)
         elif p.is_file():
             if p.suffix.lower() not in EXTENSIONS:
-                raise ValueError(f"{p}: unsupported file type {p.suffix!r}; use one of {', '.join(EXTENSIONS)}.")
+                raise ValueError(
+                    f"{p}: unsupported file type {p.suffix!r}; use one of {', '.join(EXTENSIONS)}."
+                )
             files.append(p)
         else:
             raise FileNotFoundError(f"input {p} does not exist; check the path.")
@@ -60,13 +71,20 @@ def _text_lines(path: Path, per_line: bool = False) -> Iterator[tuple]:
             try:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                err = DataInputError(str(path), n, f"not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                                     _FIX_ENCODING, "encoding")
+                err = DataInputError(
+                    str(path),
+                    n,
+                    f"not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                    _FIX_ENCODING,
+                    "encoding",
+                )
                 if not per_line:
                     raise err from None
                 yield n, err
     if n == 0:
-        raise DataInputError(str(path), 0, "the file is empty", "remove it from inputs or fill it", "empty_file")
+        raise DataInputError(
+            str(path), 0, "the file is empty", "remove it from inputs or fill it", "empty_file"
+        )
 
 
 def _jsonl(path: Path) -> Iterator[Record]:
@@ -80,12 +98,20 @@ def _jsonl(path: Path) -> Iterator[Record]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            yield _bad(path, n, f"malformed JSON ({exc.msg} at column {exc.colno})",
-                       "repair the line so it holds one JSON object")
+            yield _bad(
+                path,
+                n,
+                f"malformed JSON ({exc.msg} at column {exc.colno})",
+                "repair the line so it holds one JSON object",
+            )
             continue
         if not isinstance(value, dict):
-            yield _bad(path, n, f"expected a JSON object, found {type(value).__name__}",
-                       "write one object per line, e.g. {\"text\": \"...\"}")
+            yield _bad(
+                path,
+                n,
+                f"expected a JSON object, found {type(value).__name__}",
+                'write one object per line, e.g. {"text": "..."}',
+            )
             continue
         yield Record(str(path), n, value)
 
@@ -101,14 +127,20 @@ def _json(path: Path) -> Iterator[Record]:
     try:
         items = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
+        line = raw[: exc.start].count(b"\n") + 1
         raise DataInputError(str(path), line, "not valid UTF-8", _FIX_ENCODING, "encoding") from None
     except json.JSONDecodeError as exc:
-        raise DataInputError(str(path), exc.lineno, f"malformed JSON ({exc.msg} at column {exc.colno})",
-                             "repair the file (it must be one JSON array of objects) or convert it to .jsonl") from None
+        raise DataInputError(
+            str(path),
+            exc.lineno,
+            f"malformed JSON ({exc.msg} at column {exc.colno})",
+            "repair the file (it must be one JSON array of objects) or convert it to .jsonl",
+        ) from None
     for i, value in enumerate(items, 1):
         if not isinstance(value, dict):
-            yield _bad(path, i, f"item {i} is a {type(value).__name__}, not an object", "make every item an object")
+            yield _bad(
+                path, i, f"item {i} is a {type(value).__name__}, not an object", "make every item an object"
+            )
             continue
         yield Record(str(path), i, value)
 
@@ -119,8 +151,13 @@ def _parquet(path: Path, columns: Optional[List[str]], batch_rows: int = 2048) -
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for damaged files
-        raise DataInputError(str(path), 0, f"not a readable parquet file ({exc})",
-                             "re-export it with pandas/pyarrow", "malformed") from None
+        raise DataInputError(
+            str(path),
+            0,
+            f"not a readable parquet file ({exc})",
+            "re-export it with pandas/pyarrow",
+            "malformed",
+        ) from None
     names = set(pf.schema_arrow.names)
     wanted = [c for c in (columns or []) if c in names] or None
     row = 0
@@ -140,14 +177,22 @@ def _csv(path: Path) -> Iterator[Record]:
         for item in reader:
             rows += 1
             if None in item:
-                yield _bad(path, reader.line_num, "more values than header columns",
-                           "quote values that contain commas")
+                yield _bad(
+                    path,
+                    reader.line_num,
+                    "more values than header columns",
+                    "quote values that contain commas",
+                )
                 continue
             yield Record(str(path), reader.line_num, dict(item))
     except csv.Error as exc:
-        raise DataInputError(str(path), reader.line_num, f"malformed CSV ({exc})", "repair the quoting") from None
+        raise DataInputError(
+            str(path), reader.line_num, f"malformed CSV ({exc})", "repair the quoting"
+        ) from None
     if rows == 0 and reader.fieldnames is None:
-        raise DataInputError(str(path), 0, "the file is empty", "remove it from inputs or fill it", "empty_file")
+        raise DataInputError(
+            str(path), 0, "the file is empty", "remove it from inputs or fill it", "empty_file"
+        )
 
 
 def _txt(path: Path) -> Iterator[Record]:
@@ -173,8 +218,11 @@ def _bad(path: Path, line: int, problem: str, fix: str) -> _BadRecord:
 READERS = {".jsonl": _jsonl, ".json": _json, ".csv": _csv, ".txt": _txt}
 
 
-def iter_records(paths: List[str], columns: Optional[List[str]] = None,
-                 on_bad: Optional[Callable[[DataInputError, bool], None]] = None) -> Iterator[Record]:
+def iter_records(
+    paths: List[str],
+    columns: Optional[List[str]] = None,
+    on_bad: Optional[Callable[[DataInputError, bool], None]] = None,
+) -> Iterator[Record]:
     """Yield every record of every file in order; problems go to `on_bad(error, whole_file)` (default: raise)."""
     for path in list_files(paths):
         suffix = path.suffix.lower()
@@ -187,7 +235,9 @@ def iter_records(paths: List[str], columns: Optional[List[str]] = None,
                     raise rec.error
                 else:
                     on_bad(rec.error, False)
-        except DataInputError as err:  # whole-file problems (empty, unreadable, broken JSON array) end that file
+        except (
+            DataInputError
+        ) as err:  # whole-file problems (empty, unreadable, broken JSON array) end that file
             if on_bad is None:
                 raise
             on_bad(err, True)

@@ -38,8 +38,11 @@ class PrepReport:
         # one bucket per length up to `hist_cap`, longer records counted at hist_cap; documents (pretrain) are
         # often longer than a sample, so their histogram reaches further
         self.hist_cap = self.max_length * (8 if self.kind == "pretrain" else 1)
-        self._hist = np.zeros(self.hist_cap + 1, dtype=np.int64) if not self.histogram else \
-            np.asarray(self.histogram, dtype=np.int64)
+        self._hist = (
+            np.zeros(self.hist_cap + 1, dtype=np.int64)
+            if not self.histogram
+            else np.asarray(self.histogram, dtype=np.int64)
+        )
         self._dropped = collections.Counter(self.dropped)
 
     def drop(self, reason: str, message: Optional[str] = None) -> None:
@@ -79,16 +82,26 @@ class PrepReport:
         self.finish()
         hist = {int(i): int(n) for i, n in enumerate(self.histogram) if n}
         return {
-            "kind": self.kind, "max_length": self.max_length, "records_read": self.records_read,
-            "records_written": self.records_written, "records_dropped": self.records_dropped,
-            "dropped": self.dropped, "files_skipped": dict(sorted(self.files_skipped.items())),
-            "truncated": self.truncated, "tokens_in": self.tokens_in,
-            "tokens_out": self.tokens_out, "tokens_learned": self.tokens_learned,
-            "remainder_tokens": self.remainder_tokens, "samples": self.samples,
-            "padding_tokens": self.padding_tokens, "padding_ratio": round(self.padding_ratio, 6),
-            "padding_ratio_unpacked": None if self.padding_ratio_unpacked is None
+            "kind": self.kind,
+            "max_length": self.max_length,
+            "records_read": self.records_read,
+            "records_written": self.records_written,
+            "records_dropped": self.records_dropped,
+            "dropped": self.dropped,
+            "files_skipped": dict(sorted(self.files_skipped.items())),
+            "truncated": self.truncated,
+            "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out,
+            "tokens_learned": self.tokens_learned,
+            "remainder_tokens": self.remainder_tokens,
+            "samples": self.samples,
+            "padding_tokens": self.padding_tokens,
+            "padding_ratio": round(self.padding_ratio, 6),
+            "padding_ratio_unpacked": None
+            if self.padding_ratio_unpacked is None
             else round(self.padding_ratio_unpacked, 6),
-            "problems": self.problems, "warnings": self.warnings,
+            "problems": self.problems,
+            "warnings": self.warnings,
             "length_histogram": hist,
         }
 
@@ -97,13 +110,28 @@ class PrepReport:
         import pandas as pd
 
         d = self.as_dict()
-        rows = [(k, d[k]) for k in ("records_read", "records_written", "records_dropped", "truncated",
-                                    "tokens_in", "tokens_out", "tokens_learned", "remainder_tokens", "samples",
-                                    "padding_ratio", "padding_ratio_unpacked")]
+        rows = [
+            (k, d[k])
+            for k in (
+                "records_read",
+                "records_written",
+                "records_dropped",
+                "truncated",
+                "tokens_in",
+                "tokens_out",
+                "tokens_learned",
+                "remainder_tokens",
+                "samples",
+                "padding_ratio",
+                "padding_ratio_unpacked",
+            )
+        ]
         rows += [(f"dropped: {k}", v) for k, v in d["dropped"].items()]
         rows += [(f"files skipped: {k}", v) for k, v in d["files_skipped"].items()]
         # object dtype keeps counts as integers next to the ratios
-        return pd.DataFrame({"value": pd.Series([v for _, v in rows], index=[k for k, _ in rows], dtype=object)})
+        return pd.DataFrame(
+            {"value": pd.Series([v for _, v in rows], index=[k for k, _ in rows], dtype=object)}
+        )
 
 
 def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:
@@ -121,15 +149,16 @@ def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:
         hi = int(used[-1]) + 1
         width = max(1, -(-hi // 60))
         edges = np.arange(0, hi + width, width)
-        padded = np.pad(hist, (0, max(0, int(edges[-1]) - hist.size)))[:edges[-1]]
+        padded = np.pad(hist, (0, max(0, int(edges[-1]) - hist.size)))[: edges[-1]]
         counts = np.add.reduceat(padded, edges[:-1])
         ax.stairs(counts, edges, fill=True, color="#4477aa")
     ax.axvline(report.max_length, color="#cc3311", linestyle="--", label=f"max_length = {report.max_length}")
     what = "document" if report.kind == "pretrain" else "dialog"
     ax.set_xlabel(f"{what} length in tokens (longer ones counted at {report.hist_cap})")
     ax.set_ylabel(f"{what}s")
-    ax.set_title(title or f"{report.kind}: {report.records_written} {what}s, "
-                          f"padding {100 * report.padding_ratio:.1f}%")
+    ax.set_title(
+        title or f"{report.kind}: {report.records_written} {what}s, padding {100 * report.padding_ratio:.1f}%"
+    )
     ax.legend()
     fig.tight_layout()
     from kit.atomic import atomic_file

@@ -33,14 +33,14 @@ def sft_job(dialogs: List[Dialog]) -> List[Item]:
     k = 0
     for segs in pieces:
         flags = learned_flags([role for _, role in segs], s["train_on_prompt"], s["mask_history"])
-        parts = encoded[k:k + len(segs)]
+        parts = encoded[k : k + len(segs)]
         k += len(segs)
         ids = np.fromiter((t for p in parts for t in p), dtype=np.int32, count=sum(len(p) for p in parts))
         labels = ids.copy()
         at = 0
         for p, learn in zip(parts, flags):
             if not learn:
-                labels[at:at + len(p)] = IGNORE
+                labels[at : at + len(p)] = IGNORE
             at += len(p)
         out.append((ids, labels))
     return out
@@ -49,11 +49,24 @@ def sft_job(dialogs: List[Dialog]) -> List[Item]:
 class SftAssembler:
     """Receives (ids, labels) in order; applies the over-length policy, packs windows, writes rows and files."""
 
-    def __init__(self, sink: ArrowSink, writers: Optional[List[IndexedWriter]], report: PrepReport,
-                 pad_id: int, overlong: str, pack: bool, window: int):
+    def __init__(
+        self,
+        sink: ArrowSink,
+        writers: Optional[List[IndexedWriter]],
+        report: PrepReport,
+        pad_id: int,
+        overlong: str,
+        pack: bool,
+        window: int,
+    ):
         self.sink, self.writers, self.report = sink, writers, report
         self.max_length, self.pad_id, self.overlong, self.pack, self.window = (
-            report.max_length, pad_id, overlong, pack, window)
+            report.max_length,
+            pad_id,
+            overlong,
+            pack,
+            window,
+        )
         self.items: List[Item] = []
         self.useful_tokens = 0
         self.dialogs = 0
@@ -67,10 +80,13 @@ class SftAssembler:
                 if self.overlong == "drop":
                     r.drop("too_long", f"{src}: {ids.size} tokens > max_length {self.max_length} (dropped)")
                     continue
-                ids, labels = ids[:self.max_length], labels[:self.max_length]
+                ids, labels = ids[: self.max_length], labels[: self.max_length]
                 if not (labels != IGNORE).any():
-                    r.drop("too_long", f"{src}: {ids.size} tokens > max_length {self.max_length}, and no answer "
-                                       f"token is left after truncation (dropped)")
+                    r.drop(
+                        "too_long",
+                        f"{src}: {ids.size} tokens > max_length {self.max_length}, and no answer "
+                        f"token is left after truncation (dropped)",
+                    )
                     continue
                 r.truncated += 1
             if not (labels != IGNORE).any():
@@ -86,8 +102,9 @@ class SftAssembler:
         lengths = [ids.size for ids, _ in self.items]
         bins = pack_lengths(lengths, self.max_length) if self.pack else [[i] for i in range(len(lengths))]
         rows = build_packs(self.items, bins, self.max_length, self.pad_id)
-        self.sink.write({k: rows[k] for k in ("input_ids", "labels", "attention_mask", "position_ids")},
-                        rows["seq_lens"])
+        self.sink.write(
+            {k: rows[k] for k in ("input_ids", "labels", "attention_mask", "position_ids")}, rows["seq_lens"]
+        )
         if self.writers is not None:
             # MindSpeed-LLM packed layout: one sequence per sample; attention_mask as segment ids 1..k, 0 on
             # padding (its neat-pack convention, keeps the dialog boundaries)
@@ -113,12 +130,27 @@ class SftAssembler:
             r.warnings.append("no dialog was written; see `dropped` and `problems` in the report")
 
 
-def encode_dialogs(dialogs: List[Dialog], tokenizer: Optional[str] = None, template: str = "telechat",
-                   system: Optional[str] = None, train_on_prompt: bool = False,
-                   mask_history: bool = False, trust_remote_code: bool = False) -> List[Item]:
+def encode_dialogs(
+    dialogs: List[Dialog],
+    tokenizer: Optional[str] = None,
+    template: str = "telechat",
+    system: Optional[str] = None,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+    trust_remote_code: bool = False,
+) -> List[Item]:
     """(ids, labels) of each dialog exactly as `prepare` encodes it, before truncation and packing."""
     from kit.data.tokenizing import init_worker
 
-    init_worker(tokenizer, trust_remote_code, {"template": template, "system": system, "add_bos": False,
-                                               "train_on_prompt": train_on_prompt, "mask_history": mask_history})
+    init_worker(
+        tokenizer,
+        trust_remote_code,
+        {
+            "template": template,
+            "system": system,
+            "add_bos": False,
+            "train_on_prompt": train_on_prompt,
+            "mask_history": mask_history,
+        },
+    )
     return sft_job(list(dialogs))

@@ -34,40 +34,83 @@ class Template:
     source: str = ""
 
 
-TEMPLATES: Dict[str, Template] = {t.name: t for t in (
-    Template("telechat", user="<_user>{content}<_bot>", assistant="{content}<end>", system="<_system>{content}",
-             special_tokens=("<_user>", "<_bot>", "<end>", "<_system>"),
-             source="seed 000 (data format): <_user>question<_bot>answer<end>"),
-    Template("chatml", user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
-             assistant="{content}<|im_end|>\n", system="<|im_start|>system\n{content}<|im_end|>\n",
-             special_tokens=("<|im_start|>", "<|im_end|>"), source="ChatML (OpenAI); LLaMA-Factory 'chatml'"),
-    Template("qwen", user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
-             assistant="{content}<|im_end|>\n", system="<|im_start|>system\n{content}<|im_end|>\n",
-             default_system="You are a helpful assistant.", special_tokens=("<|im_start|>", "<|im_end|>"),
-             source="Qwen/Qwen2 chat format: ChatML with a default system prompt"),
-    Template("chatglm3", prefix="[gMASK]sop", user="<|user|>\n{content}<|assistant|>", assistant="\n{content}",
-             system="<|system|>\n{content}", suffix="{eos}",
-             special_tokens=("[gMASK]", "sop", "<|user|>", "<|assistant|>", "<|system|>"),
-             source="ChatGLM3-6B tokenizer build_chat_input; LLaMA-Factory 'chatglm3'"),
-    Template("llama2", user="{bos}[INST] {content} [/INST]", assistant=" {content} {eos}",
-             system="<<SYS>>\n{content}\n<</SYS>>\n\n", system_in_user=True,
-             special_tokens=("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"),
-             source="Llama-2-chat prompt format (Meta); LLaMA-Factory 'llama2'"),
-    Template("baichuan2", user="<reserved_106>{content}<reserved_107>", assistant="{content}", suffix="{eos}",
-             special_tokens=("<reserved_106>", "<reserved_107>"),
-             source="Baichuan2-Chat generation_utils (user_token_id 195, assistant_token_id 196); LLaMA-Factory"),
-    Template("llama3", prefix="{bos}",
-             user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
-                  "<|start_header_id|>assistant<|end_header_id|>\n\n",
-             assistant="{content}<|eot_id|>", system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
-             special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-             source="Meta Llama-3-Instruct prompt format; LLaMA-Factory 'llama3'"),
-    Template("alpaca", user="### Instruction:\n{content}\n\n### Response:\n", assistant="{content}{eos}",
-             system="{content}\n\n", separator="\n\n",
-             default_system="Below is an instruction that describes a task. "
-                            "Write a response that appropriately completes the request.",
-             source="Stanford Alpaca prompt; LLaMA-Factory 'alpaca'"),
-)}
+TEMPLATES: Dict[str, Template] = {
+    t.name: t
+    for t in (
+        Template(
+            "telechat",
+            user="<_user>{content}<_bot>",
+            assistant="{content}<end>",
+            system="<_system>{content}",
+            special_tokens=("<_user>", "<_bot>", "<end>", "<_system>"),
+            source="seed 000 (data format): <_user>question<_bot>answer<end>",
+        ),
+        Template(
+            "chatml",
+            user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+            assistant="{content}<|im_end|>\n",
+            system="<|im_start|>system\n{content}<|im_end|>\n",
+            special_tokens=("<|im_start|>", "<|im_end|>"),
+            source="ChatML (OpenAI); LLaMA-Factory 'chatml'",
+        ),
+        Template(
+            "qwen",
+            user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+            assistant="{content}<|im_end|>\n",
+            system="<|im_start|>system\n{content}<|im_end|>\n",
+            default_system="You are a helpful assistant.",
+            special_tokens=("<|im_start|>", "<|im_end|>"),
+            source="Qwen/Qwen2 chat format: ChatML with a default system prompt",
+        ),
+        Template(
+            "chatglm3",
+            prefix="[gMASK]sop",
+            user="<|user|>\n{content}<|assistant|>",
+            assistant="\n{content}",
+            system="<|system|>\n{content}",
+            suffix="{eos}",
+            special_tokens=("[gMASK]", "sop", "<|user|>", "<|assistant|>", "<|system|>"),
+            source="ChatGLM3-6B tokenizer build_chat_input; LLaMA-Factory 'chatglm3'",
+        ),
+        Template(
+            "llama2",
+            user="{bos}[INST] {content} [/INST]",
+            assistant=" {content} {eos}",
+            system="<<SYS>>\n{content}\n<</SYS>>\n\n",
+            system_in_user=True,
+            special_tokens=("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"),
+            source="Llama-2-chat prompt format (Meta); LLaMA-Factory 'llama2'",
+        ),
+        Template(
+            "baichuan2",
+            user="<reserved_106>{content}<reserved_107>",
+            assistant="{content}",
+            suffix="{eos}",
+            special_tokens=("<reserved_106>", "<reserved_107>"),
+            source="Baichuan2-Chat generation_utils (user_token_id 195, assistant_token_id 196); LLaMA-Factory",
+        ),
+        Template(
+            "llama3",
+            prefix="{bos}",
+            user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            assistant="{content}<|eot_id|>",
+            system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+            special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+            source="Meta Llama-3-Instruct prompt format; LLaMA-Factory 'llama3'",
+        ),
+        Template(
+            "alpaca",
+            user="### Instruction:\n{content}\n\n### Response:\n",
+            assistant="{content}{eos}",
+            system="{content}\n\n",
+            separator="\n\n",
+            default_system="Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.",
+            source="Stanford Alpaca prompt; LLaMA-Factory 'alpaca'",
+        ),
+    )
+}
 
 
 def _fill(fmt: str, content: str, specials: Dict[str, str]) -> str:
@@ -76,8 +119,9 @@ def _fill(fmt: str, content: str, specials: Dict[str, str]) -> str:
     return out.replace("{content}", content)
 
 
-def template_segments(dialog: Dialog, t: Template, specials: Dict[str, str],
-                      system: Optional[str] = None) -> List[Tuple[str, str]]:
+def template_segments(
+    dialog: Dialog, t: Template, specials: Dict[str, str], system: Optional[str] = None
+) -> List[Tuple[str, str]]:
     """The dialog as (text, role) pieces, role in prefix/system/user/assistant/separator/suffix."""
     sys_text = dialog.system or system or t.default_system
     out: List[Tuple[str, str]] = []
@@ -97,7 +141,9 @@ def template_segments(dialog: Dialog, t: Template, specials: Dict[str, str],
     return out
 
 
-def chat_template_segments(dialog: Dialog, tokenizer: Any, system: Optional[str] = None) -> List[Tuple[str, str]]:
+def chat_template_segments(
+    dialog: Dialog, tokenizer: Any, system: Optional[str] = None
+) -> List[Tuple[str, str]]:
     """The dialog rendered by the tokenizer's own `chat_template`, split into prompt and answer pieces."""
     msgs = []
     sys_text = dialog.system or system
@@ -111,11 +157,13 @@ def chat_template_segments(dialog: Dialog, tokenizer: Any, system: Optional[str]
         msgs.append({"role": "assistant", "content": answer})
         full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ValueError("the tokenizer's chat_template does not render a dialog as a growing prefix (it "
-                             "rewrites earlier turns), so answers cannot be located for loss masking; use a named "
-                             f"template instead (one of {sorted(TEMPLATES)}).")
-        out.append((prompt[len(done):], "user"))
-        out.append((full[len(prompt):], "assistant"))
+            raise ValueError(
+                "the tokenizer's chat_template does not render a dialog as a growing prefix (it "
+                "rewrites earlier turns), so answers cannot be located for loss masking; use a named "
+                f"template instead (one of {sorted(TEMPLATES)})."
+            )
+        out.append((prompt[len(done) :], "user"))
+        out.append((full[len(prompt) :], "assistant"))
         done = full
     return out
 

@@ -20,19 +20,26 @@ def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) 
 
     folder = Path(path).expanduser() if path else sample_tokenizer_dir()
     if not folder.is_dir():
-        raise FileNotFoundError(f"tokenizer folder {folder} does not exist; give a local HF tokenizer or model "
-                                f"folder (with tokenizer.json or tokenizer.model).")
+        raise FileNotFoundError(
+            f"tokenizer folder {folder} does not exist; give a local HF tokenizer or model "
+            f"folder (with tokenizer.json or tokenizer.model)."
+        )
     has_code = any(folder.glob("tokenization_*.py"))
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except Exception as exc:
-        hint = (" This folder ships its own tokenizer code: if you trust it, set trust_remote_code=True "
-                "(TRUST_REMOTE_CODE in the notebook, --trust-remote-code on the command line)."
-                if has_code and not trust_remote_code else "")
+        hint = (
+            " This folder ships its own tokenizer code: if you trust it, set trust_remote_code=True "
+            "(TRUST_REMOTE_CODE in the notebook, --trust-remote-code on the command line)."
+            if has_code and not trust_remote_code
+            else ""
+        )
         raise ValueError(f"cannot load a tokenizer from {folder}: {exc}.{hint}") from exc
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer {folder} has no EOS token; documents and dialogs need one as an end marker. "
-                         f"Set eos_token in its tokenizer_config.json.")
+        raise ValueError(
+            f"tokenizer {folder} has no EOS token; documents and dialogs need one as an end marker. "
+            f"Set eos_token in its tokenizer_config.json."
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # usual choice; padding is masked out of loss and attention anyway
     tok.kit_path = str(folder)
@@ -47,7 +54,9 @@ def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def init_worker(tokenizer_path: Optional[str], trust_remote_code: bool, settings: dict, tok: Any = None) -> None:
+def init_worker(
+    tokenizer_path: Optional[str], trust_remote_code: bool, settings: dict, tok: Any = None
+) -> None:
     """Load the tokenizer into this process (or adopt `tok`, already loaded from that path) for `worker_state()`."""
     _STATE["settings"] = settings
     if tok is None and _STATE.get("key") == (tokenizer_path, trust_remote_code):
@@ -67,7 +76,9 @@ def _pool_init(tokenizer_path, trust_remote_code, settings) -> None:
     init_worker(tokenizer_path, trust_remote_code, settings)
 
 
-def ordered_map(fn: Callable, chunks: Iterable, num_workers: int, initargs: tuple, tok: Any = None) -> Iterator:
+def ordered_map(
+    fn: Callable, chunks: Iterable, num_workers: int, initargs: tuple, tok: Any = None
+) -> Iterator:
     """`fn` over `chunks`, results in order; with several workers at most 2 chunks per worker are in flight."""
     if num_workers <= 1:
         # in this process: the fast tokenizers measured here hold the GIL, so a helper thread would gain nothing

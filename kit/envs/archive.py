@@ -30,12 +30,19 @@ def n_threads(threads: int) -> int:
 def format_of(path: os.PathLike | str) -> str:
     """The archive format from the file name ('x.tar.zst' -> 'tar.zst'; .tgz/.tzst accepted)."""
     name = str(path)
-    for suffix, fmt in ((".tar.zst", "tar.zst"), (".tzst", "tar.zst"), (".tar.gz", "tar.gz"),
-                        (".tgz", "tar.gz"), (".tar", "tar")):
+    for suffix, fmt in (
+        (".tar.zst", "tar.zst"),
+        (".tzst", "tar.zst"),
+        (".tar.gz", "tar.gz"),
+        (".tgz", "tar.gz"),
+        (".tar", "tar"),
+    ):
         if name.endswith(suffix):
             return fmt
-    raise EnvArchiveError(f"archive name {name!r} has no known suffix; use one of "
-                          f"{', '.join('.' + f for f in FORMATS)} (or .tgz / .tzst).")
+    raise EnvArchiveError(
+        f"archive name {name!r} has no known suffix; use one of "
+        f"{', '.join('.' + f for f in FORMATS)} (or .tgz / .tzst)."
+    )
 
 
 class _ZstdWriter:
@@ -46,7 +53,8 @@ class _ZstdWriter:
 
         self._zstd = zstandard
         self._writer = zstandard.ZstdCompressor(level=level, threads=threads).stream_writer(
-            fileobj, closefd=False)
+            fileobj, closefd=False
+        )
 
     def write(self, data) -> int:
         return self._writer.write(data)
@@ -141,8 +149,10 @@ def read_manifest(path: os.PathLike | str) -> Optional[dict]:
 
 
 def _corrupt(path, exc: BaseException) -> EnvArchiveError:
-    return EnvArchiveError(f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
-                           f"re-create it with `python -m kit env pack` (or kit.envs.pack).")
+    return EnvArchiveError(
+        f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
+        f"re-create it with `python -m kit env pack` (or kit.envs.pack)."
+    )
 
 
 def _clean_name(name: str) -> str:
@@ -151,7 +161,9 @@ def _clean_name(name: str) -> str:
         raise EnvArchiveError(f"archive member {name!r} has an absolute path; refusing to extract it.")
     parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise EnvArchiveError(f"archive member {name!r} contains '..'; refusing to extract outside the target.")
+        raise EnvArchiveError(
+            f"archive member {name!r} contains '..'; refusing to extract outside the target."
+        )
     return "/".join(parts)
 
 
@@ -159,8 +171,9 @@ def _inside(root: str, path: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
 
-def safe_extract(archive: os.PathLike | str, target: os.PathLike | str,
-                 progress: Optional[Callable[[int], None]] = None) -> dict:
+def safe_extract(
+    archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
+) -> dict:
     """Extract into the existing folder `target`; refuse members or links that would land outside it.
 
     Symbolic links are created after every file, so no member can be written through one; their resolved
@@ -178,8 +191,10 @@ def safe_extract(archive: os.PathLike | str, target: os.PathLike | str,
                 continue
             parents = name.split("/")
             if any("/".join(parents[:i]) in link_names for i in range(1, len(parents) + 1)):
-                raise EnvArchiveError(f"archive member {m.name!r} goes through (or replaces) a symbolic link "
-                                      f"of the same archive; refusing to extract it.")
+                raise EnvArchiveError(
+                    f"archive member {m.name!r} goes through (or replaces) a symbolic link "
+                    f"of the same archive; refusing to extract it."
+                )
             dest = os.path.join(root, *parents)
             if m.isdir():
                 os.makedirs(dest, exist_ok=True)
@@ -208,26 +223,34 @@ def safe_extract(archive: os.PathLike | str, target: os.PathLike | str,
                 counts["bytes"] += m.size
             elif m.issym():
                 if os.path.isabs(m.linkname):
-                    raise EnvArchiveError(f"archive member {m.name!r} is a link to the absolute path "
-                                          f"{m.linkname!r}; refusing to extract it.")
+                    raise EnvArchiveError(
+                        f"archive member {m.name!r} is a link to the absolute path "
+                        f"{m.linkname!r}; refusing to extract it."
+                    )
                 resolved = os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))
                 if not _inside(root, resolved):
-                    raise EnvArchiveError(f"archive member {m.name!r} links to {m.linkname!r}, outside the "
-                                          f"target; refusing to extract it.")
+                    raise EnvArchiveError(
+                        f"archive member {m.name!r} links to {m.linkname!r}, outside the "
+                        f"target; refusing to extract it."
+                    )
                 links.append((dest, m.linkname))
                 link_names.add(name)
             elif m.islnk():
                 other = _clean_name(m.linkname)
                 if other not in regular:
-                    raise EnvArchiveError(f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is "
-                                          f"not a file extracted before it; refusing to extract it.")
+                    raise EnvArchiveError(
+                        f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is "
+                        f"not a file extracted before it; refusing to extract it."
+                    )
                 if os.path.lexists(dest):
                     os.unlink(dest)
                 os.link(os.path.join(root, *other.split("/")), dest)
                 counts["hardlinks"] += 1
             else:
-                raise EnvArchiveError(f"archive member {m.name!r} is a device, FIFO or other special file; "
-                                      f"environments never contain those, refusing to extract it.")
+                raise EnvArchiveError(
+                    f"archive member {m.name!r} is a device, FIFO or other special file; "
+                    f"environments never contain those, refusing to extract it."
+                )
     except EnvArchiveError:
         raise
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
@@ -244,8 +267,10 @@ def safe_extract(archive: os.PathLike | str, target: os.PathLike | str,
     for dest, linkname in links:
         # Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..).
         if not _inside(root, os.path.realpath(dest)):
-            raise EnvArchiveError(f"link {os.path.relpath(dest, root)!r} -> {linkname!r} resolves outside the "
-                                  f"target through other links; refusing the archive.")
+            raise EnvArchiveError(
+                f"link {os.path.relpath(dest, root)!r} -> {linkname!r} resolves outside the "
+                f"target through other links; refusing the archive."
+            )
     return counts
 
 

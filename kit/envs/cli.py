@@ -7,8 +7,12 @@ import json
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--envs-root", default=None, help="persistent envs folder (default: /home/ma-user/work/envs "
-                                                     "on ModelArts, runs/envs here; env KIT_ENVS_ROOT)")
+    p.add_argument(
+        "--envs-root",
+        default=None,
+        help="persistent envs folder (default: /home/ma-user/work/envs "
+        "on ModelArts, runs/envs here; env KIT_ENVS_ROOT)",
+    )
 
 
 def _imports(text: str) -> list:
@@ -16,7 +20,9 @@ def _imports(text: str) -> list:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("env", help="clone / pack / unpack envs on persistent storage, register Jupyter kernels")
+    p = sub.add_parser(
+        "env", help="clone / pack / unpack envs on persistent storage, register Jupyter kernels"
+    )
     s = p.add_subparsers(dest="action", required=True)
     _common(s.add_parser("list", help="envs under the envs root and those conda knows"))
     c = s.add_parser("create-venv", help="make a virtualenv (inheriting this python's packages)")
@@ -35,11 +41,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = s.add_parser("pack", help="pack an env to one archive (tar.zst multithreaded by default)")
     c.add_argument("source")
     c.add_argument("-o", "--output", default=None)
-    c.add_argument("--format", default=None, help="tar.zst, tar.gz, tar (default: from --output, else tar.zst)")
+    c.add_argument(
+        "--format", default=None, help="tar.zst, tar.gz, tar (default: from --output, else tar.zst)"
+    )
     c.add_argument("--level", type=int, default=3)
     c.add_argument("-j", "--threads", type=int, default=0, help="0: every core; 1 with tar.gz: plain gzip")
-    c.add_argument("--ignore-editable-packages", action="store_true",
-                   help="pack although `pip install -e` packages are present (their sources are not shipped)")
+    c.add_argument(
+        "--ignore-editable-packages",
+        action="store_true",
+        help="pack although `pip install -e` packages are present (their sources are not shipped)",
+    )
     c.add_argument("--overwrite", action="store_true")
     _common(c)
     c = s.add_parser("unpack", help="safely extract an archive into TARGET and fix its prefixes")
@@ -54,10 +65,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("prefix")
     c.add_argument("--name", required=True)
     c.add_argument("--display-name", default=None)
-    c.add_argument("--set-env", action="append", default=None,
-                   help="a set_env.sh to capture (repeatable; default: detect; 'none' to skip)")
+    c.add_argument(
+        "--set-env",
+        action="append",
+        default=None,
+        help="a set_env.sh to capture (repeatable; default: detect; 'none' to skip)",
+    )
     _common(c)
-    c = s.add_parser("check-kernel", help="start a kernel, run code in it, print its sys.prefix and variables")
+    c = s.add_parser(
+        "check-kernel", help="start a kernel, run code in it, print its sys.prefix and variables"
+    )
     c.add_argument("name")
     c.add_argument("--code", default="")
     c = s.add_parser("restore", help="after a restart: reinstall stored kernels, re-register envs_dirs")
@@ -74,15 +91,33 @@ def run(args: argparse.Namespace) -> int:
 
     a = args.action
     if a == "list":
-        out = [{"name": e.name, "kind": e.kind, "prefix": str(e.prefix)} for e in envs.list_envs(args.envs_root)]
+        out = [
+            {"name": e.name, "kind": e.kind, "prefix": str(e.prefix)} for e in envs.list_envs(args.envs_root)
+        ]
     elif a == "create-venv":
         out = {"created": str(envs.create_venv(args.target, args.python, inherit=not args.no_inherit))}
     elif a == "clone":
-        out = envs.clone(args.source, args.name, args.target, args.envs_root, args.method, args.overwrite,
-                         args.ignore_editable_packages, _imports(args.verify))
+        out = envs.clone(
+            args.source,
+            args.name,
+            args.target,
+            args.envs_root,
+            args.method,
+            args.overwrite,
+            args.ignore_editable_packages,
+            _imports(args.verify),
+        )
     elif a == "pack":
-        out = envs.pack(args.source, args.output, args.format, args.level, args.threads, args.envs_root,
-                        args.ignore_editable_packages, args.overwrite)
+        out = envs.pack(
+            args.source,
+            args.output,
+            args.format,
+            args.level,
+            args.threads,
+            args.envs_root,
+            args.ignore_editable_packages,
+            args.overwrite,
+        )
     elif a == "unpack":
         out = envs.unpack(args.archive, args.target, args.overwrite, _imports(args.verify))
     elif a == "remove":

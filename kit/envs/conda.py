@@ -28,9 +28,11 @@ def _load(prefix: str, ignore_editable: bool):
     except conda_pack.CondaPackException as exc:
         text = str(exc)
         if "editable" in text:
-            text += ("\nEditable installs point at a source tree outside the env that is not shipped; pass "
-                     "ignore_editable=True (--ignore-editable-packages) to pack without them and reinstall them "
-                     "after unpacking, or `pip install` them normally first.")
+            text += (
+                "\nEditable installs point at a source tree outside the env that is not shipped; pass "
+                "ignore_editable=True (--ignore-editable-packages) to pack without them and reinstall them "
+                "after unpacking, or `pip install` them normally first."
+            )
         raise EnvError(f"conda-pack cannot read the env {prefix!r}: {text}") from exc
 
 
@@ -46,8 +48,16 @@ def _mtime(prefix: str) -> Optional[float]:
     return history.lstat().st_mtime if history.exists() else None
 
 
-def pack_conda(prefix: os.PathLike | str, raw: IO[bytes], fmt: str, level: int, threads: int,
-               ignore_editable: bool = False, manifest: Optional[dict] = None, bar=None) -> dict:
+def pack_conda(
+    prefix: os.PathLike | str,
+    raw: IO[bytes],
+    fmt: str,
+    level: int,
+    threads: int,
+    ignore_editable: bool = False,
+    manifest: Optional[dict] = None,
+    bar=None,
+) -> dict:
     """Pack a conda env with conda-pack's file list and prefix records, into our compressor.
 
     The archive is what `conda pack` writes (bin/conda-unpack, activate scripts) plus the kit manifest last;
@@ -111,8 +121,13 @@ class _CopyArchive:
         shutil.copymode(source, dest)
 
 
-def clone_conda(source: os.PathLike | str, tmp_dir: os.PathLike | str, final_prefix: os.PathLike | str,
-                ignore_editable: bool = False, bar=None) -> dict:
+def clone_conda(
+    source: os.PathLike | str,
+    tmp_dir: os.PathLike | str,
+    final_prefix: os.PathLike | str,
+    ignore_editable: bool = False,
+    bar=None,
+) -> dict:
     """Copy a conda env into `tmp_dir` with every prefix already rewritten to `final_prefix` (no conda-unpack)."""
     from conda_pack.core import Packer
 

@@ -16,8 +16,12 @@ from typing import Optional
 
 from kit.envs.prefix import EnvError
 
-KNOWN_CONDAS = ("/home/ma-user/anaconda3/bin/conda", "/home/ma-user/miniconda3/bin/conda",
-                "/home/work/anaconda/bin/conda", "/opt/conda/bin/conda")
+KNOWN_CONDAS = (
+    "/home/ma-user/anaconda3/bin/conda",
+    "/home/ma-user/miniconda3/bin/conda",
+    "/home/work/anaconda/bin/conda",
+    "/opt/conda/bin/conda",
+)
 
 
 def conda_executable() -> Optional[str]:
@@ -48,8 +52,9 @@ def parse_env_list_json(text: str) -> dict:
     for prefix in data.get("envs", []):
         name = (details.get(prefix) or {}).get("name")
         if not name:
-            root = Path(prefix).parent.name != "envs" and (Path(prefix, "condabin").is_dir()
-                                                            or Path(prefix).name.endswith("conda3"))
+            root = Path(prefix).parent.name != "envs" and (
+                Path(prefix, "condabin").is_dir() or Path(prefix).name.endswith("conda3")
+            )
             name = "base" if root else Path(prefix).name
         out.setdefault(name, prefix)
     return out
@@ -75,12 +80,16 @@ def run_conda(args: list, conda: Optional[str] = None, timeout: float = 3600) ->
     """Run conda with `args`; EnvError naming the command and its error if it fails or is missing."""
     conda = conda or conda_executable()
     if conda is None:
-        raise EnvError("conda is not installed here (no CONDA_EXE, no `conda` on PATH, none under /home/ma-user); "
-                       "use a virtualenv (backend 'venv') or the conda-pack path, which needs no conda.")
+        raise EnvError(
+            "conda is not installed here (no CONDA_EXE, no `conda` on PATH, none under /home/ma-user); "
+            "use a virtualenv (backend 'venv') or the conda-pack path, which needs no conda."
+        )
     proc = subprocess.run([conda, *args], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise EnvError(f"`conda {' '.join(args)}` failed (exit {proc.returncode}): "
-                       f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+        raise EnvError(
+            f"`conda {' '.join(args)}` failed (exit {proc.returncode}): "
+            f"{(proc.stderr or proc.stdout).strip()[-800:]}"
+        )
     return proc
 
 

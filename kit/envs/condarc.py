@@ -58,15 +58,17 @@ def register_envs_dir(folder: os.PathLike | str, condarc: Optional[os.PathLike |
         indent = item[: len(item) - len(item.lstrip())] if item.lstrip().startswith("-") else "  "
         lines.insert(i, f"{indent}- {folder}")
     elif key:  # flow style `envs_dirs: [a, b]` or a scalar: rewrite that one line in block style
-        lines[key[0]: key[0] + 1] = ["envs_dirs:"] + [f"  - {p}" for p in [*current, folder]]
+        lines[key[0] : key[0] + 1] = ["envs_dirs:"] + [f"  - {p}" for p in [*current, folder]]
     else:
         lines += ["envs_dirs:", f"  - {folder}"]
     new_text = "\n".join(lines) + "\n"
     after = _load(new_text, path)
     expected = dict(before, envs_dirs=[*current, folder])
     if after != expected:
-        raise EnvError(f"could not add {folder} to envs_dirs in {path} without changing other settings; "
-                       f"run `conda config --append envs_dirs {folder}` instead.")
+        raise EnvError(
+            f"could not add {folder} to envs_dirs in {path} without changing other settings; "
+            f"run `conda config --append envs_dirs {folder}` instead."
+        )
     atomic_write_text(path, new_text)
     return {"condarc": str(path), "added": True, "envs_dirs": after["envs_dirs"]}
 
@@ -81,8 +83,9 @@ def remember_envs_dir(folder: Union[str, Path], envs_root: Optional[Union[str, P
         atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")
 
 
-def register_envs_root(envs_root: Optional[Union[str, Path]] = None,
-                       condarc: Optional[Union[str, Path]] = None) -> dict:
+def register_envs_root(
+    envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Union[str, Path]] = None
+) -> dict:
     """Make conda envs under <envs_root>/user_conda usable by name (`conda activate <name>`), now and after
     every restore(): the registration is recorded on persistent storage and re-applied there."""
     folder = get_layout(envs_root).conda

@@ -68,8 +68,11 @@ class EnvsConfig:
             if not isinstance(self.set_env_scripts, (list, tuple)):
                 out.append("SET_ENV_SCRIPTS must be 'auto' or a list of set_env.sh paths ([] for none).")
             else:
-                out += [f"SET_ENV_SCRIPTS: {s!r} does not exist." for s in self.set_env_scripts
-                        if not Path(s).expanduser().is_file()]
+                out += [
+                    f"SET_ENV_SCRIPTS: {s!r} does not exist."
+                    for s in self.set_env_scripts
+                    if not Path(s).expanduser().is_file()
+                ]
         if not isinstance(self.verify_imports, (list, tuple)):
             out.append("VERIFY_IMPORTS must be a list of module names (e.g. ['torch', 'torch_npu']).")
         return out
@@ -81,8 +84,12 @@ def activation_commands(prefix: Union[str, Path], conda_envs_dir: Optional[Union
     py = prefix / "bin" / "python"
     if kind_of(prefix) == "conda":
         folder = conda_envs_dir or prefix.parent
-        return {"full path": f"conda activate {prefix}",
-                "by name": f"conda config --append envs_dirs {folder} && conda activate {prefix.name}",
-                "own python": f"{py} -V && {prefix / 'bin' / 'pip'} list"}
-    return {"activate script": f"source {prefix / 'bin' / 'activate'}",
-            "own python": f"{py} -V && {py} -m pip list"}
+        return {
+            "full path": f"conda activate {prefix}",
+            "by name": f"conda config --append envs_dirs {folder} && conda activate {prefix.name}",
+            "own python": f"{py} -V && {prefix / 'bin' / 'pip'} list",
+        }
+    return {
+        "activate script": f"source {prefix / 'bin' / 'activate'}",
+        "own python": f"{py} -V && {py} -m pip list",
+    }

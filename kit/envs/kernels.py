@@ -34,8 +34,11 @@ def find_set_env_scripts(roots: Optional[Iterable[Union[str, Path]]] = None) -> 
         candidates += list(Path(home).parents)[:3]
     candidates += [Path(r).expanduser() for r in (roots if roots is not None else ASCEND_ROOTS)]
     for root in candidates:
-        toolkit = [root / "cann" / "set_env.sh", root / "ascend-toolkit" / "set_env.sh",
-                   *sorted(root.glob("cann-*/set_env.sh"), reverse=True)]
+        toolkit = [
+            root / "cann" / "set_env.sh",
+            root / "ascend-toolkit" / "set_env.sh",
+            *sorted(root.glob("cann-*/set_env.sh"), reverse=True),
+        ]
         found = next((p for p in toolkit if p.is_file()), None)
         if found:
             atb = root / "nnal" / "atb" / "set_env.sh"
@@ -59,8 +62,10 @@ def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str,
     scripts probing `python` see the env's); values fully expanded."""
     for script in scripts:
         if not Path(script).is_file():
-            raise EnvError(f"set_env.sh {str(script)!r} does not exist; pass the CANN install's set_env.sh "
-                           f"(e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) or [] to skip.")
+            raise EnvError(
+                f"set_env.sh {str(script)!r} does not exist; pass the CANN install's set_env.sh "
+                f"(e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) or [] to skip."
+            )
     with tempfile.TemporaryDirectory(prefix="kit-env-") as tmp:
         before, after = os.path.join(tmp, "before"), os.path.join(tmp, "after")
         sources = "; ".join(f'source "{Path(s).absolute()}"' for s in scripts)
@@ -69,13 +74,17 @@ def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str,
         env = dict(os.environ, KIT_ENV_BEFORE=before, KIT_ENV_AFTER=after)
         proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
         if not os.path.exists(after):
-            raise EnvError(f"sourcing {', '.join(map(str, scripts))} failed (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-600:]}")
+            raise EnvError(
+                f"sourcing {', '.join(map(str, scripts))} failed (exit {proc.returncode}): "
+                f"{proc.stderr.strip()[-600:]}"
+            )
         old, new = _read_env0(before), _read_env0(after)
     return {k: v for k, v in sorted(new.items()) if k not in _NOISE and old.get(k) != v}
 
 
-def kernel_env(prefix: Union[str, Path], cann_env: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
+def kernel_env(
+    prefix: Union[str, Path], cann_env: Optional[dict] = None, extra: Optional[dict] = None
+) -> dict:
     """kernel.json env: the CANN variables, PATH with the env's bin/ first, and the env's activation marker."""
     prefix = str(Path(prefix).absolute())
     env = dict(cann_env or {})
@@ -95,10 +104,15 @@ def user_kernels_dir() -> Path:
     return Path(jupyter_data_dir()) / "kernels"
 
 
-def register_kernel(prefix: Union[str, Path], name: str, display_name: Optional[str] = None,
-                    set_env_scripts: Union[str, Sequence[Union[str, Path]], None] = "auto",
-                    envs_root: Optional[Union[str, Path]] = None, extra_env: Optional[dict] = None,
-                    check_ipykernel: bool = True) -> dict:
+def register_kernel(
+    prefix: Union[str, Path],
+    name: str,
+    display_name: Optional[str] = None,
+    set_env_scripts: Union[str, Sequence[Union[str, Path]], None] = "auto",
+    envs_root: Optional[Union[str, Path]] = None,
+    extra_env: Optional[dict] = None,
+    check_ipykernel: bool = True,
+) -> dict:
     """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user.
 
     set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
@@ -112,8 +126,10 @@ def register_kernel(prefix: Union[str, Path], name: str, display_name: Optional[
     if check_ipykernel:
         probe = subprocess.run([str(python), "-c", "import ipykernel"], capture_output=True, text=True)
         if probe.returncode != 0:
-            raise EnvError(f"ipykernel cannot be imported in {prefix} ({probe.stderr.strip()[-300:]}); run "
-                           f"`{python} -m pip install ipykernel` and register again.")
+            raise EnvError(
+                f"ipykernel cannot be imported in {prefix} ({probe.stderr.strip()[-300:]}); run "
+                f"`{python} -m pip install ipykernel` and register again."
+            )
     scripts = find_set_env_scripts() if set_env_scripts == "auto" else list(set_env_scripts or [])
     cann = capture_env(scripts, prefix) if scripts else {}
     spec = {
@@ -121,15 +137,26 @@ def register_kernel(prefix: Union[str, Path], name: str, display_name: Optional[
         "display_name": display_name or f"Python ({name})",
         "language": "python",
         "env": kernel_env(prefix, cann, extra_env),
-        "metadata": {"kit": {"prefix": str(prefix), "set_env_scripts": [str(s) for s in scripts],
-                             "cann_vars": sorted(cann)}},
+        "metadata": {
+            "kit": {
+                "prefix": str(prefix),
+                "set_env_scripts": [str(s) for s in scripts],
+                "cann_vars": sorted(cann),
+            }
+        },
     }
     store = get_layout(envs_root).kernels / name.lower()  # Jupyter lower-cases kernel names
     with atomic_dir(store, overwrite=True, what="kernelspec") as tmp:
         (tmp / "kernel.json").write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     installed = install_stored(store)
-    return {"name": name.lower(), "display_name": spec["display_name"], "stored": str(store),
-            "installed": installed, "cann_vars": sorted(cann), "set_env_scripts": [str(s) for s in scripts]}
+    return {
+        "name": name.lower(),
+        "display_name": spec["display_name"],
+        "stored": str(store),
+        "installed": installed,
+        "cann_vars": sorted(cann),
+        "set_env_scripts": [str(s) for s in scripts],
+    }
 
 
 def install_stored(store_dir: Union[str, Path]) -> str:
@@ -189,12 +216,18 @@ def unregister_kernel(name: str, envs_root: Optional[Union[str, Path]] = None) -
     return removed
 
 
-_PROBE = ("import json, os, sys; print('KIT-KERNEL ' + json.dumps({'prefix': sys.prefix, "
-          "'executable': sys.executable, 'env': {k: os.environ.get(k) for k in %r}}))")
+_PROBE = (
+    "import json, os, sys; print('KIT-KERNEL ' + json.dumps({'prefix': sys.prefix, "
+    "'executable': sys.executable, 'env': {k: os.environ.get(k) for k in %r}}))"
+)
 
 
-def check_kernel(name: str, variables: Sequence[str] = ("PATH", "LD_LIBRARY_PATH", "ASCEND_HOME_PATH"),
-                 code: str = "", timeout: float = 120) -> dict:
+def check_kernel(
+    name: str,
+    variables: Sequence[str] = ("PATH", "LD_LIBRARY_PATH", "ASCEND_HOME_PATH"),
+    code: str = "",
+    timeout: float = 120,
+) -> dict:
     """Start the installed kernel `name` with jupyter_client, run code in it, return its sys.prefix and vars.
 
     `code` (optional) runs first, e.g. "import torch_npu"; its error, if any, is returned under "error".
@@ -221,5 +254,5 @@ def check_kernel(name: str, variables: Sequence[str] = ("PATH", "LD_LIBRARY_PATH
     line = next((x for x in "".join(chunks).splitlines() if x.startswith("KIT-KERNEL ")), None)
     if line is None:
         raise EnvError(f"kernel {name!r} ran but printed nothing ({out['error']}).")
-    out.update(json.loads(line[len("KIT-KERNEL "):]))
+    out.update(json.loads(line[len("KIT-KERNEL ") :]))
     return out

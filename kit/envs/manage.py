@@ -33,9 +33,11 @@ from kit.envs.prefix import (
 
 PathLike = Union[str, "os.PathLike[str]"]
 CLONE_METHODS = ("auto", "copy", "conda-pack", "conda-clone")
-_EDITABLE = ("cannot pack {0}: it has editable installs ({1}) whose source trees live outside the env and "
-             "would not be shipped; pass ignore_editable=True (--ignore-editable-packages) to pack without them "
-             "and reinstall them after unpacking, or `pip install` them normally first.")
+_EDITABLE = (
+    "cannot pack {0}: it has editable installs ({1}) whose source trees live outside the env and "
+    "would not be shipped; pass ignore_editable=True (--ignore-editable-packages) to pack without them "
+    "and reinstall them after unpacking, or `pip install` them normally first."
+)
 
 
 def _bar(total: int, desc: str, unit: str = "file"):
@@ -65,19 +67,24 @@ def resolve_env(source: PathLike, envs_root: Optional[PathLike] = None) -> EnvIn
     if os.sep in text or text.startswith((".", "~")) or Path(text).exists():
         path = Path(text).expanduser()
         if not path.exists():
-            raise EnvError(f"source env {text!r} does not exist; pass an existing env folder or one of: "
-                           f"{', '.join(e.name for e in list_envs(envs_root)) or '(none found)'}.")
+            raise EnvError(
+                f"source env {text!r} does not exist; pass an existing env folder or one of: "
+                f"{', '.join(e.name for e in list_envs(envs_root)) or '(none found)'}."
+            )
         return env_info(path)
     known = list_envs(envs_root)
     for env in known:
         if env.name == text:
             return env
-    raise EnvError(f"source env {text!r} not found; known envs: "
-                   f"{', '.join(e.name for e in known) or '(none)'} (or pass a folder path).")
+    raise EnvError(
+        f"source env {text!r} not found; known envs: "
+        f"{', '.join(e.name for e in known) or '(none)'} (or pass a folder path)."
+    )
 
 
-def _target_for(source: EnvInfo, name: Optional[str], target: Optional[PathLike],
-                envs_root: Optional[PathLike]) -> Path:
+def _target_for(
+    source: EnvInfo, name: Optional[str], target: Optional[PathLike], envs_root: Optional[PathLike]
+) -> Path:
     if target is not None:
         path = Path(target).expanduser().absolute()
         check_name(path.name, "target folder name")
@@ -85,10 +92,17 @@ def _target_for(source: EnvInfo, name: Optional[str], target: Optional[PathLike]
     return get_layout(envs_root).folder_for(source.kind) / check_name(source.name if name is None else name)
 
 
-def clone(source: PathLike, name: Optional[str] = None, target: Optional[PathLike] = None,
-          envs_root: Optional[PathLike] = None, method: str = "auto", overwrite: bool = False,
-          ignore_editable: bool = False, verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
-          verify_env: Optional[dict] = None) -> dict:
+def clone(
+    source: PathLike,
+    name: Optional[str] = None,
+    target: Optional[PathLike] = None,
+    envs_root: Optional[PathLike] = None,
+    method: str = "auto",
+    overwrite: bool = False,
+    ignore_editable: bool = False,
+    verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
+    verify_env: Optional[dict] = None,
+) -> dict:
     """Clone an env to `target` (default <envs_root>/{venvs,user_conda}/<name>), ready to use at its new path.
 
     method: 'auto' (conda-pack for conda envs, copy for venvs), 'copy', 'conda-pack' (offline, relocates
@@ -120,8 +134,17 @@ def clone(source: PathLike, name: Optional[str] = None, target: Optional[PathLik
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     seconds = time.perf_counter() - start
     report = _verify(dest, verify_imports, verify_env)
-    return {"source": str(src.prefix), "target": str(dest), "kind": src.kind, "method": method,
-            "files": n_files, "bytes": size, "seconds": round(seconds, 3), "verify": report, **counts}
+    return {
+        "source": str(src.prefix),
+        "target": str(dest),
+        "kind": src.kind,
+        "method": method,
+        "files": n_files,
+        "bytes": size,
+        "seconds": round(seconds, 3),
+        "verify": report,
+        **counts,
+    }
 
 
 def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
@@ -144,9 +167,16 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
     return {"files_after": walk_tree(dest)[0]}
 
 
-def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str] = None, level: int = 3,
-         threads: int = 0, envs_root: Optional[PathLike] = None, ignore_editable: bool = False,
-         overwrite: bool = False) -> dict:
+def pack(
+    source: PathLike,
+    output: Optional[PathLike] = None,
+    fmt: Optional[str] = None,
+    level: int = 3,
+    threads: int = 0,
+    envs_root: Optional[PathLike] = None,
+    ignore_editable: bool = False,
+    overwrite: bool = False,
+) -> dict:
     """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>).
 
     fmt: 'tar.zst' (default; multithreaded zstd at `level`), 'tar.gz' (parallel gzip when threads != 1; plain
@@ -170,21 +200,36 @@ def pack(source: PathLike, output: Optional[PathLike] = None, fmt: Optional[str]
     start = time.perf_counter()
     with atomic_file(output, "wb", overwrite=overwrite) as fh, _bar(n_files, f"pack {fmt}") as bar:
         if src.kind == "conda":
-            counts = conda_backend.pack_conda(src.prefix, fh, fmt, level, threads, ignore_editable,
-                                              manifest, bar)
+            counts = conda_backend.pack_conda(
+                src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar
+            )
         else:
             counts = venv_backend.pack_tree(src.prefix, fh, fmt, level, threads, manifest, bar.update)
     seconds = time.perf_counter() - start
-    result = {"source": str(src.prefix), "archive": str(output), "format": fmt, "kind": src.kind,
-              "files": n_files, "bytes": size, "archive_bytes": output.stat().st_size,
-              "ratio": round(output.stat().st_size / max(size, 1), 4), "seconds": round(seconds, 3),
-              "editable_not_shipped": editable, **counts}
+    result = {
+        "source": str(src.prefix),
+        "archive": str(output),
+        "format": fmt,
+        "kind": src.kind,
+        "files": n_files,
+        "bytes": size,
+        "archive_bytes": output.stat().st_size,
+        "ratio": round(output.stat().st_size / max(size, 1), 4),
+        "seconds": round(seconds, 3),
+        "editable_not_shipped": editable,
+        **counts,
+    }
     atomic_write_text(_sidecar(output), json.dumps(dict(result, **manifest), indent=1) + "\n")
     return result
 
 
-def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
-           verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS, verify_env: Optional[dict] = None) -> dict:
+def unpack(
+    archive: PathLike,
+    target: PathLike,
+    overwrite: bool = False,
+    verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
+    verify_env: Optional[dict] = None,
+) -> dict:
     """Extract an env archive (kit or `conda pack` made) into `target` safely, then fix its prefixes.
 
     Members that would land outside the target (absolute, '..', escaping links) and special files are
@@ -192,16 +237,20 @@ def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
     """
     archive = Path(archive).expanduser().absolute()
     if not archive.is_file():
-        raise EnvError(f"archive {str(archive)!r} does not exist; make one with kit.envs.pack "
-                       f"(`python -m kit env pack`).")
+        raise EnvError(
+            f"archive {str(archive)!r} does not exist; make one with kit.envs.pack "
+            f"(`python -m kit env pack`)."
+        )
     dest = Path(target).expanduser().absolute()
     check_name(dest.name, "target folder name")
     refuse_existing(dest, overwrite, "target env")
     expected = _expected_bytes(archive)
     check_space(dest.parent, expected, f"unpacking {archive.name}")
     start = time.perf_counter()
-    with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, \
-            _bar(expected, f"unpack {archive.name}", "B") as bar:
+    with (
+        atomic_dir(dest, overwrite=overwrite, what="target env") as tmp,
+        _bar(expected, f"unpack {archive.name}", "B") as bar,
+    ):
         counts = safe_extract(archive, tmp, bar.update)
         bar.total = bar.n  # the total was an estimate (sidecar or compression guess); end the bar complete
         bar.refresh()
@@ -218,12 +267,20 @@ def unpack(archive: PathLike, target: PathLike, overwrite: bool = False,
             elif (dest / "conda-meta").is_dir() or (dest / "bin" / "conda-unpack").exists():
                 counts.update(conda_backend.finish_unpack(dest))
             elif kind_of(dest) is None:
-                raise EnvArchiveError(f"archive {archive.name} holds no environment (no conda-meta/, no "
-                                      f"pyvenv.cfg at its top level); nothing was unpacked.")
+                raise EnvArchiveError(
+                    f"archive {archive.name} holds no environment (no conda-meta/, no "
+                    f"pyvenv.cfg at its top level); nothing was unpacked."
+                )
     seconds = time.perf_counter() - start
     report = _verify(dest, verify_imports, verify_env)
-    return {"archive": str(archive), "target": str(dest), "kind": kind_of(dest),
-            "seconds": round(seconds, 3), "verify": report, **counts}
+    return {
+        "archive": str(archive),
+        "target": str(dest),
+        "kind": kind_of(dest),
+        "seconds": round(seconds, 3),
+        "verify": report,
+        **counts,
+    }
 
 
 def _sidecar(archive: Path) -> Path:
@@ -283,8 +340,11 @@ def remove(target: PathLike, envs_root: Optional[PathLike] = None) -> dict:
     info = env_info(target)
     if info.prefix.resolve() == Path(sys.prefix).resolve():
         raise EnvError(f"{info.prefix} is the environment this python runs in; remove it from another one.")
-    kernels = [n for n, spec in stored_kernels(envs_root).items()
-               if spec.get("metadata", {}).get("kit", {}).get("prefix") == str(info.prefix)]
+    kernels = [
+        n
+        for n, spec in stored_kernels(envs_root).items()
+        if spec.get("metadata", {}).get("kit", {}).get("prefix") == str(info.prefix)
+    ]
     for name in kernels:
         unregister_kernel(name, envs_root)
     shutil.rmtree(info.prefix)

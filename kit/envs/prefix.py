@@ -24,8 +24,10 @@ class EnvError(ValueError):
 def check_name(name: str, what: str = "environment name") -> str:
     """Return `name` if it is a plain folder name, else raise EnvError saying what is allowed."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise EnvError(f"{what} {name!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', starting "
-                       f"with a letter or digit (no '/', spaces or shell characters), e.g. 'torch-npu-env'.")
+        raise EnvError(
+            f"{what} {name!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', starting "
+            f"with a letter or digit (no '/', spaces or shell characters), e.g. 'torch-npu-env'."
+        )
     return name
 
 
@@ -57,8 +59,10 @@ def env_info(prefix: os.PathLike | str, name: Optional[str] = None) -> EnvInfo:
     p = Path(prefix).expanduser().absolute()
     kind = kind_of(p)
     if kind is None:
-        raise EnvError(f"{str(p)!r} is not an environment (no conda-meta/ and no pyvenv.cfg); pass the folder "
-                       f"of a conda env or a virtualenv (see kit.envs.list_envs()).")
+        raise EnvError(
+            f"{str(p)!r} is not an environment (no conda-meta/ and no pyvenv.cfg); pass the folder "
+            f"of a conda env or a virtualenv (see kit.envs.list_envs())."
+        )
     return EnvInfo(name or p.name, p, kind)
 
 
@@ -86,9 +90,11 @@ def check_space(target: os.PathLike | str, needed: int, what: str) -> None:
     want = int(needed * 1.05) + (64 << 20)
     free = free_bytes(target)
     if free < want:
-        raise EnvError(f"not enough space for {what} at {str(target)!r}: about {want / 2**30:.2f} GiB needed, "
-                       f"{free / 2**30:.2f} GiB free; free space there or choose another target "
-                       f"(on ModelArts, /home/ma-user/work is the persistent one; EVS can be expanded).")
+        raise EnvError(
+            f"not enough space for {what} at {str(target)!r}: about {want / 2**30:.2f} GiB needed, "
+            f"{free / 2**30:.2f} GiB free; free space there or choose another target "
+            f"(on ModelArts, /home/ma-user/work is the persistent one; EVS can be expanded)."
+        )
 
 
 def looks_text(data: bytes) -> bool:
@@ -145,16 +151,20 @@ def is_network_fs(path: os.PathLike | str) -> bool:
         with open("/proc/mounts", encoding="utf-8") as fh:
             for line in fh:
                 parts = line.split()
-                if len(parts) > 2 and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/")) \
-                        and len(parts[1]) > len(best):
+                if (
+                    len(parts) > 2
+                    and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/"))
+                    and len(parts[1]) > len(best)
+                ):
                     best, fstype = parts[1], parts[2]
     except OSError:
         return False
     return fstype.split(".")[0] in {f.split(".")[0] for f in NETWORK_FS}
 
 
-def copy_tree(src: os.PathLike | str, dst: os.PathLike | str, new_prefix: str, progress=None,
-              workers: int = 0) -> dict:
+def copy_tree(
+    src: os.PathLike | str, dst: os.PathLike | str, new_prefix: str, progress=None, workers: int = 0
+) -> dict:
     """Copy an env tree into the existing folder `dst`, rewriting `src` to `new_prefix` in text files.
 
     Symbolic links are copied as links; absolute ones into the source are re-pointed into the copy. On a
@@ -179,7 +189,7 @@ def copy_tree(src: os.PathLike | str, dst: os.PathLike | str, new_prefix: str, p
             if os.path.islink(s):
                 target = os.readlink(s)
                 if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
-                    target = new_prefix + target[len(src):]
+                    target = new_prefix + target[len(src) :]
                 os.symlink(target, d)
                 counts["links"] += 1
                 if progress:
@@ -213,8 +223,12 @@ print("KIT-VERIFY " + json.dumps(out))
 """
 
 
-def verify(prefix: os.PathLike | str, imports: Sequence[str] = DEFAULT_IMPORTS, env: Optional[dict] = None,
-           timeout: float = 900) -> dict:
+def verify(
+    prefix: os.PathLike | str,
+    imports: Sequence[str] = DEFAULT_IMPORTS,
+    env: Optional[dict] = None,
+    timeout: float = 900,
+) -> dict:
     """Run the env's own python: report sys.prefix, version and each import ('ok', 'absent' or the error).
 
     Runs in a child process, so torch_npu is imported there only, with `env` (e.g. the CANN variables) added.
@@ -224,13 +238,21 @@ def verify(prefix: os.PathLike | str, imports: Sequence[str] = DEFAULT_IMPORTS, 
         raise EnvError(f"{python} does not exist: {str(prefix)!r} has no python; it is not a usable env.")
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV")}
     child_env.update(env or {})
-    proc = subprocess.run([str(python), "-c", _VERIFY, *imports], capture_output=True, text=True,
-                          timeout=timeout, env=child_env, cwd=str(prefix))
+    proc = subprocess.run(
+        [str(python), "-c", _VERIFY, *imports],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env,
+        cwd=str(prefix),
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("KIT-VERIFY ")), None)
     if proc.returncode != 0 or line is None:
-        raise EnvError(f"python of {str(prefix)!r} does not run (exit {proc.returncode}): "
-                       f"{(proc.stderr or proc.stdout).strip()[-800:]}")
-    report = json.loads(line[len("KIT-VERIFY "):])
+        raise EnvError(
+            f"python of {str(prefix)!r} does not run (exit {proc.returncode}): "
+            f"{(proc.stderr or proc.stdout).strip()[-800:]}"
+        )
+    report = json.loads(line[len("KIT-VERIFY ") :])
     report["ok"] = not any(v.startswith("error") for v in report["imports"].values())
     return report
 
@@ -250,4 +272,4 @@ def find_editable(prefix: os.PathLike | str) -> list[str]:
 def python_version(prefix: os.PathLike | str) -> str:
     """'3.11' from the env's lib/pythonX.Y folder (no process started)."""
     libs = sorted(Path(prefix, "lib").glob("python3.*"))
-    return libs[0].name[len("python"):] if libs else f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return libs[0].name[len("python") :] if libs else f"{sys.version_info[0]}.{sys.version_info[1]}"

@@ -10,12 +10,24 @@ def steps_table(cloned: dict, packed: dict, unpacked: dict) -> list[dict]:
     """One row per step (clone, pack, unpack) with its size in MiB and seconds."""
     mib = 1 / 2**20
     return [
-        {"step": f"clone ({cloned['method']})", "MiB": round(cloned["bytes"] * mib, 3),
-         "seconds": cloned["seconds"], "where": cloned["target"]},
-        {"step": f"pack ({packed['format']})", "MiB": round(packed["archive_bytes"] * mib, 3),
-         "seconds": packed["seconds"], "where": packed["archive"]},
-        {"step": "unpack", "MiB": round(unpacked.get("bytes", 0) * mib, 3), "seconds": unpacked["seconds"],
-         "where": unpacked["target"]},
+        {
+            "step": f"clone ({cloned['method']})",
+            "MiB": round(cloned["bytes"] * mib, 3),
+            "seconds": cloned["seconds"],
+            "where": cloned["target"],
+        },
+        {
+            "step": f"pack ({packed['format']})",
+            "MiB": round(packed["archive_bytes"] * mib, 3),
+            "seconds": packed["seconds"],
+            "where": packed["archive"],
+        },
+        {
+            "step": "unpack",
+            "MiB": round(unpacked.get("bytes", 0) * mib, 3),
+            "seconds": unpacked["seconds"],
+            "where": unpacked["target"],
+        },
     ]
 
 
@@ -35,4 +47,3 @@ def plot_steps(rows: list[dict], png: Optional[Union[str, Path]] = None):
         Path(png).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(png, dpi=100)
     return fig
-

@@ -34,8 +34,16 @@ def create_venv(target: os.PathLike | str, python: Optional[str] = None, inherit
     if proc.returncode != 0:
         raise EnvError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-600:]}")
     if inherit:
-        parent = subprocess.run([python, "-c", "import site,sys; print(sys.prefix != sys.base_prefix); "
-                                 "print('\\n'.join(site.getsitepackages()))"], capture_output=True, text=True)
+        parent = subprocess.run(
+            [
+                python,
+                "-c",
+                "import site,sys; print(sys.prefix != sys.base_prefix); "
+                "print('\\n'.join(site.getsitepackages()))",
+            ],
+            capture_output=True,
+            text=True,
+        )
         lines = parent.stdout.split("\n")
         if lines and lines[0] == "True":  # venv of a venv: --system-site-packages alone skips the middle one
             site_dir = next(target.glob("lib/python3*/site-packages"))
@@ -55,8 +63,15 @@ def _members(prefix: str):
             yield os.path.normpath(os.path.join(rel_dir, name)), os.path.join(dirpath, name)
 
 
-def pack_tree(prefix: os.PathLike | str, raw: IO[bytes], fmt: str, level: int, threads: int,
-              manifest: dict, progress=None) -> dict:
+def pack_tree(
+    prefix: os.PathLike | str,
+    raw: IO[bytes],
+    fmt: str,
+    level: int,
+    threads: int,
+    manifest: dict,
+    progress=None,
+) -> dict:
     """Write `prefix` as a tar archive into the open file `raw`, recording text files that mention the prefix.
 
     Absolute symbolic links (a venv's bin/python3.X -> the base interpreter) go to the manifest, not the tar,
@@ -107,7 +122,9 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     for rel in manifest.get("prefix_files", []):
         path = os.path.realpath(os.path.join(target, rel))
         if not path.startswith(root + os.sep):
-            raise EnvError(f"archive manifest lists {rel!r}, which is outside the target; refusing the archive.")
+            raise EnvError(
+                f"archive manifest lists {rel!r}, which is outside the target; refusing the archive."
+            )
         files.append(rel)
     changed = rewrite_prefix_files(target, files, old, target)
     missing = []
@@ -115,7 +132,7 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
         if ".." in Path(rel).parts or os.path.isabs(rel):
             raise EnvError(f"archive manifest has a link named {rel!r}; refusing the archive.")
         if dest == old or dest.startswith(old + os.sep):
-            dest = target + dest[len(old):]
+            dest = target + dest[len(old) :]
         elif not os.path.exists(dest):
             missing.append(dest)
         link = os.path.join(target, rel)
@@ -126,7 +143,8 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
         raise EnvError(
             f"this virtualenv needs its base interpreter at {', '.join(sorted(set(missing)))}, which does not "
             f"exist here: virtualenvs are tied to the Python they were made with (same image, same path). "
-            f"Unpack it on a machine with that Python, or recreate it with kit.envs.create_venv.")
+            f"Unpack it on a machine with that Python, or recreate it with kit.envs.create_venv."
+        )
     return {"rewritten": changed, "links": len(manifest.get("abs_links", {}))}
 
 

@@ -53,7 +53,9 @@ def fusion_attention(
         seq_q = lengths_from_cumulative(actual_seq_qlen, query.shape[0], "actual_seq_qlen")
         seq_kv = lengths_from_cumulative(actual_seq_kvlen, key.shape[0], "actual_seq_kvlen")
         if len(seq_q) != len(seq_kv):
-            raise ValueError(f"actual_seq_qlen has {len(seq_q)} sequences but actual_seq_kvlen has {len(seq_kv)}.")
+            raise ValueError(
+                f"actual_seq_qlen has {len(seq_q)} sequences but actual_seq_kvlen has {len(seq_kv)}."
+            )
         for i, (sq, skv) in enumerate(zip(seq_q, seq_kv)):
             if sq > 0 and (skv == 0 or (causal and sq > skv)):
                 raise ValueError(
@@ -65,8 +67,14 @@ def fusion_attention(
     if atten_mask is not None:
         check_mask(atten_mask, query, key, layout, nq, seq_q, seq_kv)
     args = dict(
-        atten_mask=atten_mask, causal=bool(causal), scale=float(scale), keep_prob=float(keep_prob),
-        pre_tokens=int(pre_tokens), next_tokens=int(next_tokens), seq_q=seq_q, seq_kv=seq_kv,
+        atten_mask=atten_mask,
+        causal=bool(causal),
+        scale=float(scale),
+        keep_prob=float(keep_prob),
+        pre_tokens=int(pre_tokens),
+        next_tokens=int(next_tokens),
+        seq_q=seq_q,
+        seq_kv=seq_kv,
     )
     if resolve(query, backend) == "npu":
         from kit.ops import attention_npu
@@ -92,9 +100,13 @@ def head_dims(query, key, value, layout: str, head_num: int) -> tuple[int, int, 
         if t.dim() != rank:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; layout {layout} needs {rank}-D tensors.")
     if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}); cast them first.")
+        raise ValueError(
+            f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}); cast them first."
+        )
     if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)} (torch_npu needs equal).")
+        raise ValueError(
+            f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)} (torch_npu needs equal)."
+        )
     if layout in ("BSH", "SBH"):
         if head_num <= 0 or query.shape[2] % head_num:
             raise ValueError(f"head_num={head_num} does not divide the query hidden size {query.shape[2]}.")
@@ -110,7 +122,9 @@ def head_dims(query, key, value, layout: str, head_num: int) -> tuple[int, int, 
         if key.shape[-1] != d:
             raise ValueError(f"query head_dim {d} != key head_dim {key.shape[-1]}.")
     if nkv == 0 or nq % nkv:
-        raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads (GQA needs Nq % Nkv == 0).")
+        raise ValueError(
+            f"{nq} query heads are not a multiple of {nkv} key/value heads (GQA needs Nq % Nkv == 0)."
+        )
     if layout != "TND" and query.shape[1 if layout == "SBH" else 0] != key.shape[1 if layout == "SBH" else 0]:
         raise ValueError(f"query batch {query.shape[0]} != key batch {key.shape[0]}.")
     return nq, nkv, d, dv
@@ -119,7 +133,9 @@ def head_dims(query, key, value, layout: str, head_num: int) -> tuple[int, int, 
 def lengths_from_cumulative(cumulative, total: int, name: str) -> list[int]:
     """Per-sequence lengths from torch_npu's cumulative list (no leading 0; trailing 0s = unused batches)."""
     if cumulative is None:
-        raise ValueError(f"input_layout='TND' needs {name} (cumulative lengths, e.g. cu_seqlens[1:].tolist()).")
+        raise ValueError(
+            f"input_layout='TND' needs {name} (cumulative lengths, e.g. cu_seqlens[1:].tolist())."
+        )
     if hasattr(cumulative, "tolist"):
         cumulative = cumulative.tolist()
     values = [int(v) for v in cumulative]

@@ -31,33 +31,46 @@ def compressed_causal_mask(device) -> torch.Tensor:
     return mask
 
 
-def sparse_arguments(atten_mask, query, key, layout: str, *, causal: bool, pre_tokens: int, next_tokens: int,
-                     seq_q, seq_kv) -> dict[str, Any]:
+def sparse_arguments(
+    atten_mask, query, key, layout: str, *, causal: bool, pre_tokens: int, next_tokens: int, seq_q, seq_kv
+) -> dict[str, Any]:
     """atten_mask, sparse_mode, pre_tockens, next_tockens for npu_fusion_attention."""
     nxt = min(next_tokens, 0) if causal else next_tokens
     banded = pre_tokens < MAX_TOKENS or nxt < MAX_TOKENS
     if atten_mask is None:
         if not banded:
-            return dict(atten_mask=None, sparse_mode=SPARSE_DEFAULT, pre_tockens=MAX_TOKENS, next_tockens=MAX_TOKENS)
+            return dict(
+                atten_mask=None, sparse_mode=SPARSE_DEFAULT, pre_tockens=MAX_TOKENS, next_tockens=MAX_TOKENS
+            )
         mask = compressed_causal_mask(query.device)
         if causal and pre_tokens >= MAX_TOKENS:
-            return dict(atten_mask=mask, sparse_mode=SPARSE_CAUSAL_BOTTOM_RIGHT, pre_tockens=MAX_TOKENS,
-                        next_tockens=0)
+            return dict(
+                atten_mask=mask,
+                sparse_mode=SPARSE_CAUSAL_BOTTOM_RIGHT,
+                pre_tockens=MAX_TOKENS,
+                next_tockens=0,
+            )
         return dict(atten_mask=mask, sparse_mode=SPARSE_BAND, pre_tockens=pre_tokens, next_tockens=nxt)
     # An explicit mask: fold causal/band into it and let sparse_mode 0 read the full mask.
     mask = atten_mask.to(device=query.device, dtype=torch.bool)
     if banded:
         if layout == "TND":
             if any(a != b for a, b in zip(seq_q, seq_kv)):
-                raise ValueError("TND with an explicit atten_mask plus causal/band needs Sq == Skv per sequence.")
+                raise ValueError(
+                    "TND with an explicit atten_mask plus causal/band needs Sq == Skv per sequence."
+                )
             sq, skv = mask.shape
         else:
             sq, skv = mask.shape[-2:]
         keep = band_keep(sq, skv, causal, pre_tokens, next_tokens, mask.device)
         if keep is not None:
             mask = mask | ~keep
-    return dict(atten_mask=mask.contiguous(), sparse_mode=SPARSE_DEFAULT, pre_tockens=MAX_TOKENS,
-                next_tockens=MAX_TOKENS)
+    return dict(
+        atten_mask=mask.contiguous(),
+        sparse_mode=SPARSE_DEFAULT,
+        pre_tockens=MAX_TOKENS,
+        next_tockens=MAX_TOKENS,
+    )
 
 
 NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -70,23 +83,57 @@ def check_limits(query, key, head_num: int, layout: str) -> None:
         raise ValueError(f"npu_fusion_attention takes fp16/bf16/fp32, not {query.dtype}; cast q/k/v first.")
     d = query.shape[2] // head_num if layout in ("BSH", "SBH") else query.shape[-1]
     if d > MAX_HEAD_DIM or head_num > MAX_QUERY_HEADS:
-        raise ValueError(f"npu_fusion_attention supports head_dim <= {MAX_HEAD_DIM} and <= {MAX_QUERY_HEADS} query "
-                         f"heads, got D={d}, N={head_num}; use backend='torch' for this call.")
+        raise ValueError(
+            f"npu_fusion_attention supports head_dim <= {MAX_HEAD_DIM} and <= {MAX_QUERY_HEADS} query "
+            f"heads, got D={d}, N={head_num}; use backend='torch' for this call."
+        )
 
 
-def run(query, key, value, head_num: int, layout: str, *, atten_mask, causal, scale, keep_prob,
-        pre_tokens, next_tokens, seq_q, seq_kv):
+def run(
+    query,
+    key,
+    value,
+    head_num: int,
+    layout: str,
+    *,
+    atten_mask,
+    causal,
+    scale,
+    keep_prob,
+    pre_tokens,
+    next_tokens,
+    seq_q,
+    seq_kv,
+):
     """Call torch_npu.npu_fusion_attention and return the attention output (index 0 of the 7-tuple)."""
     check_limits(query, key, head_num, layout)
     torch_npu = torch_npu_module()
-    kwargs = sparse_arguments(atten_mask, query, key, layout, causal=causal, pre_tokens=pre_tokens,
-                              next_tokens=next_tokens, seq_q=seq_q, seq_kv=seq_kv)
+    kwargs = sparse_arguments(
+        atten_mask,
+        query,
+        key,
+        layout,
+        causal=causal,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+        seq_q=seq_q,
+        seq_kv=seq_kv,
+    )
     if layout == "TND":
         kwargs["actual_seq_qlen"] = _cumulative(seq_q)
         kwargs["actual_seq_kvlen"] = _cumulative(seq_kv)
     outputs = torch_npu.npu_fusion_attention(
-        query.contiguous(), key.contiguous(), value.contiguous(), head_num, layout,
-        pse=None, padding_mask=None, scale=scale, keep_prob=keep_prob, inner_precise=0, **kwargs,
+        query.contiguous(),
+        key.contiguous(),
+        value.contiguous(),
+        head_num,
+        layout,
+        pse=None,
+        padding_mask=None,
+        scale=scale,
+        keep_prob=keep_prob,
+        inner_precise=0,
+        **kwargs,
     )
     return outputs[0]
 

@@ -63,15 +63,31 @@ def _keep_mask(atten_mask, sq: int, skv: int, causal: bool, pre: int, nxt: int, 
     return keep
 
 
-def run(query, key, value, nq: int, nkv: int, layout: str, *, atten_mask, causal, scale, keep_prob,
-        pre_tokens, next_tokens, seq_q, seq_kv):
+def run(
+    query,
+    key,
+    value,
+    nq: int,
+    nkv: int,
+    layout: str,
+    *,
+    atten_mask,
+    causal,
+    scale,
+    keep_prob,
+    pre_tokens,
+    next_tokens,
+    seq_q,
+    seq_kv,
+):
     """Portable attention with the exact semantics of the NPU branch."""
     if layout == "TND":
-        return _run_varlen(query, key, value, atten_mask, causal, scale, keep_prob, pre_tokens, next_tokens,
-                           seq_q, seq_kv)
+        return _run_varlen(
+            query, key, value, atten_mask, causal, scale, keep_prob, pre_tokens, next_tokens, seq_q, seq_kv
+        )
     q, k, v = _to_bnsd(query, layout, nq), _to_bnsd(key, layout, nkv), _to_bnsd(value, layout, nkv)
     sq, skv = q.shape[2], k.shape[2]
-    plain_causal = (causal and atten_mask is None and sq == skv and pre_tokens >= skv - 1)
+    plain_causal = causal and atten_mask is None and sq == skv and pre_tokens >= skv - 1
     if plain_causal:  # lets SDPA pick its fused causal kernels
         out = _sdpa(q, k, v, None, scale=scale, keep_prob=keep_prob, is_causal=True)
     else:
@@ -88,15 +104,21 @@ def _run_varlen(query, key, value, atten_mask, causal, scale, keep_prob, pre, nx
         if sq == 0:
             k0 += skv
             continue
-        q = query[q0:q0 + sq].transpose(0, 1).unsqueeze(0)
-        k = key[k0:k0 + skv].transpose(0, 1).unsqueeze(0)
-        v = value[k0:k0 + skv].transpose(0, 1).unsqueeze(0)
+        q = query[q0 : q0 + sq].transpose(0, 1).unsqueeze(0)
+        k = key[k0 : k0 + skv].transpose(0, 1).unsqueeze(0)
+        v = value[k0 : k0 + skv].transpose(0, 1).unsqueeze(0)
         local = None if atten_mask is None else atten_mask[:sq, :skv]
         if causal and local is None and sq == skv and pre >= skv - 1:
             out = _sdpa(q, k, v, None, scale=scale, keep_prob=keep_prob, is_causal=True)
         else:
-            out = _sdpa(q, k, v, _keep_mask(local, sq, skv, causal, pre, nxt, q.device),
-                        scale=scale, keep_prob=keep_prob)
+            out = _sdpa(
+                q,
+                k,
+                v,
+                _keep_mask(local, sq, skv, causal, pre, nxt, q.device),
+                scale=scale,
+                keep_prob=keep_prob,
+            )
         outs.append(out.squeeze(0).transpose(0, 1))
         q0, k0 = q0 + sq, k0 + skv
     if not outs:

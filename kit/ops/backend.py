@@ -21,7 +21,9 @@ def _forced() -> str:
     value = getattr(_state, "backend", None) or os.environ.get("KIT_OPS_BACKEND", "auto") or "auto"
     value = value.lower()
     if value not in BACKENDS:
-        raise ValueError(f"kit ops backend {value!r} is not one of {BACKENDS}; fix KIT_OPS_BACKEND or use_backend().")
+        raise ValueError(
+            f"kit ops backend {value!r} is not one of {BACKENDS}; fix KIT_OPS_BACKEND or use_backend()."
+        )
     return value
 
 

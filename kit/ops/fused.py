@@ -102,21 +102,29 @@ def _softmax_kernel_fits(x) -> bool:
     return x.dim() == 4 and all(32 <= s <= 4096 and s % 32 == 0 for s in x.shape[-2:])
 
 
-def scaled_masked_softmax(x, mask=None, scale: float = 1.0, causal: bool = False, backend: Optional[str] = None):
+def scaled_masked_softmax(
+    x, mask=None, scale: float = 1.0, causal: bool = False, backend: Optional[str] = None
+):
     """softmax(x * scale) over the last dim with mask True = masked (and/or causal); fully masked rows give 0.
 
     NPU (`npu_scaled_masked_softmax`): fuses scale, mask and softmax of eager attention scores; pays off in
     remote-code models that still compute attention eagerly. Shapes outside the kernel's limits use torch.
     """
     if mask is not None and mask.dtype != torch.bool:
-        raise ValueError(f"mask dtype {mask.dtype} must be bool with True = masked (convert with `mask < 0`).")
+        raise ValueError(
+            f"mask dtype {mask.dtype} must be bool with True = masked (convert with `mask < 0`)."
+        )
     if resolve(x, backend) == "npu" and _softmax_kernel_fits(x):
         if mask is None:
             mask = torch.zeros((1, 1) + tuple(x.shape[-2:]), dtype=torch.bool, device=x.device)
-            return torch_npu_module().npu_scaled_masked_softmax(x, mask, scale=float(scale), fixed_triu_mask=causal)
+            return torch_npu_module().npu_scaled_masked_softmax(
+                x, mask, scale=float(scale), fixed_triu_mask=causal
+            )
         if causal:  # fold causal into the explicit mask: exact whatever the kernel does with both
             mask = mask | torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).triu(1)
-        return torch_npu_module().npu_scaled_masked_softmax(x, mask, scale=float(scale), fixed_triu_mask=False)
+        return torch_npu_module().npu_scaled_masked_softmax(
+            x, mask, scale=float(scale), fixed_triu_mask=False
+        )
     logits = x.to(torch.float32) * scale
     if causal:
         tri = torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).triu(1)

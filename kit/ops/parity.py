@@ -27,24 +27,40 @@ def _cases(gen: torch.Generator) -> list:
     mask[..., 0] = False
     fa = _attention.fusion_attention
     return [
-        ("attention BSND causal GQA", lambda q, k, v: fa(q, k, v, 8, "BSND", causal=True),
-         (r(2, 64, 8, 64), r(2, 64, 2, 64), r(2, 64, 2, 64))),
-        ("attention BNSD sliding window", lambda q, k, v: fa(q, k, v, 4, "BNSD", causal=True, pre_tokens=15),
-         (r(2, 4, 64, 64), r(2, 4, 64, 64), r(2, 4, 64, 64))),
-        ("attention SBH explicit mask", lambda q, k, v: fa(q, k, v, 4, "SBH", atten_mask=mask.to(q.device)),
-         (r(64, 2, 256), r(64, 2, 256), r(64, 2, 256))),
-        ("attention TND varlen causal", lambda q, k, v: fa(q, k, v, 4, "TND", causal=True, actual_seq_qlen=cum,
-                                                           actual_seq_kvlen=cum),
-         (r(64, 4, 64), r(64, 2, 64), r(64, 2, 64))),
+        (
+            "attention BSND causal GQA",
+            lambda q, k, v: fa(q, k, v, 8, "BSND", causal=True),
+            (r(2, 64, 8, 64), r(2, 64, 2, 64), r(2, 64, 2, 64)),
+        ),
+        (
+            "attention BNSD sliding window",
+            lambda q, k, v: fa(q, k, v, 4, "BNSD", causal=True, pre_tokens=15),
+            (r(2, 4, 64, 64), r(2, 4, 64, 64), r(2, 4, 64, 64)),
+        ),
+        (
+            "attention SBH explicit mask",
+            lambda q, k, v: fa(q, k, v, 4, "SBH", atten_mask=mask.to(q.device)),
+            (r(64, 2, 256), r(64, 2, 256), r(64, 2, 256)),
+        ),
+        (
+            "attention TND varlen causal",
+            lambda q, k, v: fa(q, k, v, 4, "TND", causal=True, actual_seq_qlen=cum, actual_seq_kvlen=cum),
+            (r(64, 4, 64), r(64, 2, 64), r(64, 2, 64)),
+        ),
         ("rms_norm", lambda x, w: fused.rms_norm(x, w, 1e-6), (r(4, 64, 256), r(256))),
         ("rotary_mul half", lambda x, c, s: fused.rotary_mul(x, c, s), (r(2, 8, 64, 64), cos, sin)),
         ("swiglu", lambda x: fused.swiglu(x), (r(4, 64, 512),)),
         ("fast_gelu", lambda x: fused.fast_gelu(x), (r(4, 64, 512),)),
-        ("scaled_masked_softmax causal", lambda x: fused.scaled_masked_softmax(x, scale=0.125, causal=True),
-         (r(2, 4, 64, 64),)),
-        ("baddbmm beta=0", lambda a, b: fused.baddbmm(a.new_empty(4, 64, 64), a, b, beta=0.0,
-                                                                    alpha=0.5),
-         (r(4, 64, 32), r(4, 32, 64))),
+        (
+            "scaled_masked_softmax causal",
+            lambda x: fused.scaled_masked_softmax(x, scale=0.125, causal=True),
+            (r(2, 4, 64, 64),),
+        ),
+        (
+            "baddbmm beta=0",
+            lambda a, b: fused.baddbmm(a.new_empty(4, 64, 64), a, b, beta=0.0, alpha=0.5),
+            (r(4, 64, 32), r(4, 32, 64)),
+        ),
     ]
 
 
@@ -64,8 +80,17 @@ def parity_report(device=None, dtype: Optional[torch.dtype] = None, backend: Opt
         got = _run(fn, got_inputs, used)
         err = float((got.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
         tol = TOLERANCE.get(dtype, 1e-2)
-        rows.append(dict(op=name, device=str(device), dtype=str(dtype).replace("torch.", ""), backend=used,
-                         max_rel_err=err, tolerance=tol, ok=err <= tol))
+        rows.append(
+            dict(
+                op=name,
+                device=str(device),
+                dtype=str(dtype).replace("torch.", ""),
+                backend=used,
+                max_rel_err=err,
+                tolerance=tol,
+                ok=err <= tol,
+            )
+        )
     return rows
 
 

@@ -12,7 +12,25 @@ from kit.profiling.sample import ensure_sample_profile, sample_profile_dir, writ
 from kit.profiling.tables import mean_step_us, operator_table, step_breakdown
 
 __all__ = [
-    "Advice", "Capture", "Comparison", "Finding", "ProfileConfig", "ProfileData", "ProfileError", "Thresholds",
-    "advise", "compare", "ensure_sample_profile", "find_profiles", "load", "mean_step_us", "operator_table", "plot_step_breakdown", "plot_top_operators", "profile", "sample_profile_dir",
-    "step_breakdown", "write_sample_ascend_profile",
+    "Advice",
+    "Capture",
+    "Comparison",
+    "Finding",
+    "ProfileConfig",
+    "ProfileData",
+    "ProfileError",
+    "Thresholds",
+    "advise",
+    "compare",
+    "ensure_sample_profile",
+    "find_profiles",
+    "load",
+    "mean_step_us",
+    "operator_table",
+    "plot_step_breakdown",
+    "plot_top_operators",
+    "profile",
+    "sample_profile_dir",
+    "step_breakdown",
+    "write_sample_ascend_profile",
 ]

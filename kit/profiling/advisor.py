@@ -17,9 +17,11 @@ import pandas as pd
 from kit.profiling.data import ProfileData
 from kit.profiling.tables import compute_kernels, operator_table, step_breakdown
 
-AOE_FIX = ("Tune these operators with AOE (Ascend Optimization Engine, operator tuning), or change their shapes "
-           "(multiples of 16 for cube, 32 bytes for vector) so the tiling fills every core; if they stay slow, "
-           "send this profile to Huawei engineers.")
+AOE_FIX = (
+    "Tune these operators with AOE (Ascend Optimization Engine, operator tuning), or change their shapes "
+    "(multiples of 16 for cube, 32 bytes for vector) so the tiling fills every core; if they stay slow, "
+    "send this profile to Huawei engineers."
+)
 
 
 @dataclass
@@ -40,8 +42,19 @@ class Thresholds:
 
     def problems(self) -> list:
         """Every invalid value, as messages."""
-        out = [f"{k}={getattr(self, k)!r} must be >= 0" for k in ("cast_max_us", "cast_share_pct", "aicpu_max_us",
-               "aicpu_share_pct", "unit_ratio", "min_op_share_pct", "free_share_pct") if getattr(self, k) < 0]
+        out = [
+            f"{k}={getattr(self, k)!r} must be >= 0"
+            for k in (
+                "cast_max_us",
+                "cast_share_pct",
+                "aicpu_max_us",
+                "aicpu_share_pct",
+                "unit_ratio",
+                "min_op_share_pct",
+                "free_share_pct",
+            )
+            if getattr(self, k) < 0
+        ]
         if not 0 < self.unit_ratio <= 1:
             out.append(f"unit_ratio={self.unit_ratio} must be in (0, 1]")
         if self.top_n < 1:
@@ -64,8 +77,11 @@ class Finding:
 
 def _fmt_ops(t: pd.DataFrame, n: int) -> str:
     """'Name (type, core): max X us, total Y us, Z%' for the first n rows."""
-    return "; ".join(f"{r.name} ({r.type}, {r.core}): {r.calls} calls, max {r.max_us:.1f} us, "
-                     f"total {r.total_us:.1f} us, {r.share_pct:.2f}%" for r in t.head(n).itertuples())
+    return "; ".join(
+        f"{r.name} ({r.type}, {r.core}): {r.calls} calls, max {r.max_us:.1f} us, "
+        f"total {r.total_us:.1f} us, {r.share_pct:.2f}%"
+        for r in t.head(n).itertuples()
+    )
 
 
 def _merge(left: pd.DataFrame, by_name: pd.DataFrame) -> pd.DataFrame:
@@ -83,13 +99,19 @@ def cast_rule(by_type: pd.DataFrame, th: Thresholds) -> list:
     mx, share = float(cast["max_us"].max()), float(cast["share_pct"].sum())
     if mx <= th.cast_max_us and share <= th.cast_share_pct:
         return []
-    return [Finding(
-        "cast", "problem", "Cast operators are slow or frequent",
-        f"Cast: {int(cast['calls'].sum())} calls, max {mx:.1f} us (limit {th.cast_max_us:g}), "
-        f"{share:.2f}% of computation time (limit {th.cast_share_pct:g}%)",
-        "Enable mixed precision (bf16 on Atlas A2: autocast/amp, or the trainer's bf16 option) so tensors are not "
-        "converted back and forth; look for .float()/.to(dtype) and fp32 buffers in the model and loss.",
-        operators=sorted(set(cast["type"])), numbers={"max_us": mx, "share_pct": share})]
+    return [
+        Finding(
+            "cast",
+            "problem",
+            "Cast operators are slow or frequent",
+            f"Cast: {int(cast['calls'].sum())} calls, max {mx:.1f} us (limit {th.cast_max_us:g}), "
+            f"{share:.2f}% of computation time (limit {th.cast_share_pct:g}%)",
+            "Enable mixed precision (bf16 on Atlas A2: autocast/amp, or the trainer's bf16 option) so tensors are not "
+            "converted back and forth; look for .float()/.to(dtype) and fp32 buffers in the model and loss.",
+            operators=sorted(set(cast["type"])),
+            numbers={"max_us": mx, "share_pct": share},
+        )
+    ]
 
 
 def aicpu_rule(by_name: pd.DataFrame, th: Thresholds) -> list:
@@ -102,29 +124,48 @@ def aicpu_rule(by_name: pd.DataFrame, th: Thresholds) -> list:
     if slow.empty and share <= th.aicpu_share_pct:
         return []
     ops = slow if share <= th.aicpu_share_pct else ai
-    return [Finding(
-        "aicpu", "problem", "Operators run on the AI CPU",
-        f"AI_CPU share {share:.2f}% (limit {th.aicpu_share_pct:g}%), {len(slow)} op(s) above "
-        f"{th.aicpu_max_us:g} us: {_fmt_ops(ops, th.top_n)}",
-        "Replace the API or change input types/shapes so the adapter dispatches the op to AI Core (e.g. int64 or "
-        "float64 inputs -> int32/float32, torch.topk on a 1-D tensor -> a 2-D view, avoid nonzero/boolean indexing "
-        "inside the step).",
-        operators=list(ops["type"].unique()), numbers={"share_pct": share, "max_us": float(ai["max_us"].max())})]
+    return [
+        Finding(
+            "aicpu",
+            "problem",
+            "Operators run on the AI CPU",
+            f"AI_CPU share {share:.2f}% (limit {th.aicpu_share_pct:g}%), {len(slow)} op(s) above "
+            f"{th.aicpu_max_us:g} us: {_fmt_ops(ops, th.top_n)}",
+            "Replace the API or change input types/shapes so the adapter dispatches the op to AI Core (e.g. int64 or "
+            "float64 inputs -> int32/float32, torch.topk on a 1-D tensor -> a 2-D view, avoid nonzero/boolean indexing "
+            "inside the step).",
+            operators=list(ops["type"].unique()),
+            numbers={"share_pct": share, "max_us": float(ai["max_us"].max())},
+        )
+    ]
 
 
 def ratio_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> list:
     """Operators whose every compute/memory unit ratio stays below unit_ratio -> AOE."""
     cols = data.ratio_columns
     if not cols:
-        return [Finding("low_ratio", "skipped", "Unit utilisation not collected",
-                        "kernel_details.csv has no aic_*_ratio / aiv_*_ratio columns (a Level0 capture, or "
-                        "aic_metrics=AiCoreNone), so the AOE ratio check could not run.",
-                        "Collect again with level='Level1' and aic_metrics='PipeUtilization' "
-                        "(kit.profiling.profile(level='Level1', aic_metrics='PipeUtilization')).")]
+        return [
+            Finding(
+                "low_ratio",
+                "skipped",
+                "Unit utilisation not collected",
+                "kernel_details.csv has no aic_*_ratio / aiv_*_ratio columns (a Level0 capture, or "
+                "aic_metrics=AiCoreNone), so the AOE ratio check could not run.",
+                "Collect again with level='Level1' and aic_metrics='PipeUtilization' "
+                "(kit.profiling.profile(level='Level1', aic_metrics='PipeUtilization')).",
+            )
+        ]
     k = compute_kernels(data)
     peak = k[cols].max(axis=1, skipna=True)
-    k = pd.DataFrame({"name": k["name"], "type": k["type"], "core": k["core"], "dur_us": k["dur_us"],
-                      "weighted": peak * k["dur_us"]})[peak.notna()]  # only the columns needed: 1M-row profiles
+    k = pd.DataFrame(
+        {
+            "name": k["name"],
+            "type": k["type"],
+            "core": k["core"],
+            "dur_us": k["dur_us"],
+            "weighted": peak * k["dur_us"],
+        }
+    )[peak.notna()]  # only the columns needed: 1M-row profiles
     if k.empty:
         return []
     # duration-weighted mean of each kernel's best unit ratio, per operator
@@ -135,12 +176,21 @@ def ratio_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> list
     if low.empty:
         return []
     low = low.sort_values("total_us", ascending=False)
-    ev = "; ".join(f"{r.name} ({r.type}): best unit ratio {r.peak_ratio:.2f}, {r.share_pct:.2f}%"
-                   for r in low.head(th.top_n).itertuples())
-    return [Finding("low_ratio", "problem", "Operators keep every compute/memory unit below "
-                    f"{th.unit_ratio:.0%} busy", f"{len(low)} operator(s): {ev}", AOE_FIX,
-                    operators=list(low["type"].unique()),
-                    numbers={"worst_ratio": float(low["peak_ratio"].min())})]
+    ev = "; ".join(
+        f"{r.name} ({r.type}): best unit ratio {r.peak_ratio:.2f}, {r.share_pct:.2f}%"
+        for r in low.head(th.top_n).itertuples()
+    )
+    return [
+        Finding(
+            "low_ratio",
+            "problem",
+            f"Operators keep every compute/memory unit below {th.unit_ratio:.0%} busy",
+            f"{len(low)} operator(s): {ev}",
+            AOE_FIX,
+            operators=list(low["type"].unique()),
+            numbers={"worst_ratio": float(low["peak_ratio"].min())},
+        )
+    ]
 
 
 def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> list:
@@ -155,10 +205,21 @@ def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> 
     k = compute_kernels(data)[["name", "type", "core", "block_dim"]]
     k = k[k["core"].isin(list(cores)) & (k["block_dim"] > 0)]
     if not cores or k["block_dim"].isna().all():
-        why = "no core counts (PROF_*/device_*/info.json missing)" if not cores else "no Block Num/Block Dim values"
-        return [Finding("block_dim", "skipped", "Block dim not checked", f"{why}.",
-                        "Pass ai_core_num/aiv_num to the advisor (npu-smi info shows the chip) or keep the PROF_* "
-                        "folder next to ASCEND_PROFILER_OUTPUT.")]
+        why = (
+            "no core counts (PROF_*/device_*/info.json missing)"
+            if not cores
+            else "no Block Num/Block Dim values"
+        )
+        return [
+            Finding(
+                "block_dim",
+                "skipped",
+                "Block dim not checked",
+                f"{why}.",
+                "Pass ai_core_num/aiv_num to the advisor (npu-smi info shows the chip) or keep the PROF_* "
+                "folder next to ASCEND_PROFILER_OUTPUT.",
+            )
+        ]
     if k.empty:
         return []
     med = k.groupby(["name", "type", "core"], sort=False, observed=True)["block_dim"].median().reset_index()
@@ -168,11 +229,21 @@ def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> 
     if low.empty:
         return []
     low = low.sort_values("total_us", ascending=False)
-    ev = "; ".join(f"{r.name} ({r.type}, {r.core}): block dim {r.block_dim:g} < {r.cores} cores, "
-                   f"{r.share_pct:.2f}%" for r in low.head(th.top_n).itertuples())
-    return [Finding("block_dim", "problem", "Operators use fewer blocks than the card has cores",
-                    f"{len(low)} operator(s): {ev}", AOE_FIX, operators=list(low["type"].unique()),
-                    numbers={"min_block_dim": float(low["block_dim"].min())})]
+    ev = "; ".join(
+        f"{r.name} ({r.type}, {r.core}): block dim {r.block_dim:g} < {r.cores} cores, {r.share_pct:.2f}%"
+        for r in low.head(th.top_n).itertuples()
+    )
+    return [
+        Finding(
+            "block_dim",
+            "problem",
+            "Operators use fewer blocks than the card has cores",
+            f"{len(low)} operator(s): {ev}",
+            AOE_FIX,
+            operators=list(low["type"].unique()),
+            numbers={"min_block_dim": float(low["block_dim"].min())},
+        )
+    ]
 
 
 def step_rules(data: ProfileData, th: Thresholds) -> list:
@@ -181,17 +252,33 @@ def step_rules(data: ProfileData, th: Thresholds) -> list:
     if "free_us" not in st.columns or st.empty:
         return []
     tot = float(st["total_us"].sum()) or 1.0
-    comp, comm, free = (100 * float(st[c].sum()) / tot for c in ("computing_us", "communication_us", "free_us"))
-    out = [Finding("step_breakdown", "info", "Step time breakdown",
-                   f"{len(st)} steps, mean {st['total_us'].mean():.1f} us: computing {comp:.1f}%, "
-                   f"communication (not overlapped) {comm:.1f}%, free {free:.1f}%", "",
-                   numbers={"computing_pct": comp, "communication_pct": comm, "free_pct": free})]
+    comp, comm, free = (
+        100 * float(st[c].sum()) / tot for c in ("computing_us", "communication_us", "free_us")
+    )
+    out = [
+        Finding(
+            "step_breakdown",
+            "info",
+            "Step time breakdown",
+            f"{len(st)} steps, mean {st['total_us'].mean():.1f} us: computing {comp:.1f}%, "
+            f"communication (not overlapped) {comm:.1f}%, free {free:.1f}%",
+            "",
+            numbers={"computing_pct": comp, "communication_pct": comm, "free_pct": free},
+        )
+    ]
     if free > th.free_share_pct:
-        out.append(Finding("free", "problem", "The device idles between operators",
-                           f"free {free:.1f}% of step time (limit {th.free_share_pct:g}%)",
-                           "The host does not feed the device fast enough: check data loading (num_workers, "
-                           "pin_memory), .item()/print of tensors and other synchronisations, and look at the gaps "
-                           "in trace_view.json.", numbers={"free_pct": free}))
+        out.append(
+            Finding(
+                "free",
+                "problem",
+                "The device idles between operators",
+                f"free {free:.1f}% of step time (limit {th.free_share_pct:g}%)",
+                "The host does not feed the device fast enough: check data loading (num_workers, "
+                "pin_memory), .item()/print of tensors and other synchronisations, and look at the gaps "
+                "in trace_view.json.",
+                numbers={"free_pct": free},
+            )
+        )
     return out
 
 
@@ -202,12 +289,21 @@ def top_rule(by_type: pd.DataFrame, th: Thresholds) -> list:
     parts, ops = [], []
     for col, label in (("total_us", "total"), ("avg_us", "average"), ("max_us", "max")):
         t = by_type.sort_values(col, ascending=False).head(th.top_n)
-        parts.append(f"by {label}: " + ", ".join(f"{r.type} {getattr(r, col):.1f} us" for r in t.itertuples()))
+        parts.append(
+            f"by {label}: " + ", ".join(f"{r.type} {getattr(r, col):.1f} us" for r in t.itertuples())
+        )
         ops += [x for x in t["type"] if x not in ops]
-    return [Finding("top_operators", "info", "Top operators", " | ".join(parts),
-                    "Expected heavy hitters (MatMul, attention) are fine; others are the first place to look. If a top "
-                    "operator stays slow after the fixes above, report it to Huawei engineers with this profile.",
-                    operators=ops)]
+    return [
+        Finding(
+            "top_operators",
+            "info",
+            "Top operators",
+            " | ".join(parts),
+            "Expected heavy hitters (MatMul, attention) are fine; others are the first place to look. If a top "
+            "operator stays slow after the fixes above, report it to Huawei engineers with this profile.",
+            operators=ops,
+        )
+    ]
 
 
 def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):

@@ -20,24 +20,46 @@ from kit.profiling.data import KERNEL_COLUMNS, ProfileData, ProfileError
 OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
 # header (tabs/spaces stripped) -> normalised column; several spellings map to one name.
 KERNEL_HEADER_MAP = {
-    "Step Id": "step", "Device_id": "device",
-    "Name": "name", "Op Name": "name",
-    "Type": "type", "OP Type": "type",
-    "Accelerator Core": "core", "Task Type": "core",
-    "Start Time(us)": "start_us", "Task Start Time(us)": "start_us",
-    "Duration(us)": "dur_us", "Task Duration(us)": "dur_us",
-    "Wait Time(us)": "wait_us", "Task Wait Time(us)": "wait_us",
-    "Block Num": "block_dim", "Block Dim": "block_dim",
-    "Mix Block Num": "mix_block_dim", "Mix Block Dim": "mix_block_dim",
+    "Step Id": "step",
+    "Device_id": "device",
+    "Name": "name",
+    "Op Name": "name",
+    "Type": "type",
+    "OP Type": "type",
+    "Accelerator Core": "core",
+    "Task Type": "core",
+    "Start Time(us)": "start_us",
+    "Task Start Time(us)": "start_us",
+    "Duration(us)": "dur_us",
+    "Task Duration(us)": "dur_us",
+    "Wait Time(us)": "wait_us",
+    "Task Wait Time(us)": "wait_us",
+    "Block Num": "block_dim",
+    "Block Dim": "block_dim",
+    "Mix Block Num": "mix_block_dim",
+    "Mix Block Dim": "mix_block_dim",
 }
 RATIO_PATTERN = re.compile(r"^((aic|aiv)_[a-z0-9]+|vec|mac|cube|scalar|mte1|mte2|mte3|fixpipe)_ratio$")
 REQUIRED_KERNEL = ["name", "type", "core", "dur_us"]
 NUMERIC = ["step", "device", "start_us", "dur_us", "wait_us", "block_dim", "mix_block_dim"]
-OP_STAT_MAP = {"OP Type": "type", "Core Type": "core", "Count": "calls", "Total Time(us)": "total_us",
-               "Min Time(us)": "min_us", "Avg Time(us)": "avg_us", "Max Time(us)": "max_us", "Ratio(%)": "share_pct",
-               "Device_id": "device"}
-STEP_MAP = {"Step": "step", "Device_id": "device", "Computing": "computing_us",
-            "Communication(Not Overlapped)": "communication_us", "Free": "free_us"}
+OP_STAT_MAP = {
+    "OP Type": "type",
+    "Core Type": "core",
+    "Count": "calls",
+    "Total Time(us)": "total_us",
+    "Min Time(us)": "min_us",
+    "Avg Time(us)": "avg_us",
+    "Max Time(us)": "max_us",
+    "Ratio(%)": "share_pct",
+    "Device_id": "device",
+}
+STEP_MAP = {
+    "Step": "step",
+    "Device_id": "device",
+    "Computing": "computing_us",
+    "Communication(Not Overlapped)": "communication_us",
+    "Free": "free_us",
+}
 NA_VALUES = ["N/A", "NA", "n/a", "", "\t"]
 
 
@@ -54,11 +76,15 @@ def _read_csv(path: Path, usecols=None) -> pd.DataFrame:
     try:
         return pd.read_csv(path, usecols=usecols, na_values=NA_VALUES, keep_default_na=True, low_memory=False)
     except pd.errors.EmptyDataError as exc:
-        raise ProfileError(f"{path} is empty (0 bytes or no header); the profiler did not finish writing it. "
-                           f"Re-run the parse (torch_npu.profiler.profiler.analyse) or collect again.") from exc
+        raise ProfileError(
+            f"{path} is empty (0 bytes or no header); the profiler did not finish writing it. "
+            f"Re-run the parse (torch_npu.profiler.profiler.analyse) or collect again."
+        ) from exc
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
-        raise ProfileError(f"{path} is not a readable CSV ({type(exc).__name__}: {str(exc)[:200]}); it may be "
-                           f"truncated or corrupt. Parse the raw data again or collect a new profile.") from exc
+        raise ProfileError(
+            f"{path} is not a readable CSV ({type(exc).__name__}: {str(exc)[:200]}); it may be "
+            f"truncated or corrupt. Parse the raw data again or collect a new profile."
+        ) from exc
 
 
 def _to_number(df: pd.DataFrame, cols: list, path: Path, notes: list) -> None:
@@ -92,7 +118,8 @@ def read_kernel_details(path: Path, notes: Optional[list] = None) -> pd.DataFram
         raise ProfileError(
             f"{path} lacks column(s) {missing} (needs the kernel_details.csv headers Name, Type, Accelerator Core, "
             f"Duration(us), or the CANN op_summary spellings). Check that this is a kernel_details.csv written by "
-            f"torch_npu with the NPU activity on (activities=[CPU, NPU]).")
+            f"torch_npu with the NPU activity on (activities=[CPU, NPU])."
+        )
     ratio_cols = [c for c in df.columns if RATIO_PATTERN.match(c)]
     _to_number(df, NUMERIC + ratio_cols, path, notes)
     for c in ("name", "type", "core"):
@@ -102,9 +129,11 @@ def read_kernel_details(path: Path, notes: Optional[list] = None) -> pd.DataFram
             df[c] = float("nan")
     na_type = float((df["type"] == "N/A").mean()) if len(df) else 0.0
     if na_type >= 0.5:
-        notes.append(f"{path.name}: Type is N/A on {na_type:.0%} of the rows (CANN does this when task_time=l0, "
-                     f"e.g. some Level0 captures): the Cast and AI_CPU rules only see the other rows. Collect with "
-                     f"level='Level1' for operator types.")
+        notes.append(
+            f"{path.name}: Type is N/A on {na_type:.0%} of the rows (CANN does this when task_time=l0, "
+            f"e.g. some Level0 captures): the Cast and AI_CPU rules only see the other rows. Collect with "
+            f"level='Level1' for operator types."
+        )
     n_bad = int(df["dur_us"].isna().sum())
     if n_bad:
         notes.append(f"{path.name}: {n_bad} row(s) without a duration dropped")
@@ -119,8 +148,10 @@ def read_op_statistic(path: Path, notes: Optional[list] = None) -> pd.DataFrame:
     df.columns = [OP_STAT_MAP.get(str(c).strip(), str(c).strip()) for c in df.columns]
     missing = [c for c in ("type", "calls", "total_us", "max_us") if c not in df.columns]
     if missing:
-        raise ProfileError(f"{path} lacks column(s) {missing}; expected OP Type, Core Type, Count, Total Time(us), "
-                           f"Min/Avg/Max Time(us), Ratio(%).")
+        raise ProfileError(
+            f"{path} lacks column(s) {missing}; expected OP Type, Core Type, Count, Total Time(us), "
+            f"Min/Avg/Max Time(us), Ratio(%)."
+        )
     _to_number(df, ["calls", "total_us", "min_us", "avg_us", "max_us", "share_pct", "device"], path, notes)
     if "core" not in df.columns:
         df["core"] = "N/A"
@@ -187,16 +218,21 @@ def load_ascend(pt_dir: Path, allow_unfinished: bool = False) -> ProfileData:
     """Read one `*_ascend_pt` folder; explain what is missing when it was not (fully) parsed."""
     pt_dir = Path(pt_dir)
     state = output_state(pt_dir)
-    raw = sorted(p.name for p in pt_dir.glob("PROF_*")) + (["FRAMEWORK"] if (pt_dir / "FRAMEWORK").exists() else [])
+    raw = sorted(p.name for p in pt_dir.glob("PROF_*")) + (
+        ["FRAMEWORK"] if (pt_dir / "FRAMEWORK").exists() else []
+    )
     if state == "unparsed":
         raise ProfileError(
             f"{pt_dir} has no {OUTPUT_DIR}/ (raw data: {raw or 'none'}). It was collected with analyse_flag=False or "
             f"the parse failed. On the NPU machine, with CANN's set_env.sh sourced (msprof on PATH), run "
-            f"`python -c \"from torch_npu.profiler.profiler import analyse; analyse('{pt_dir}')\"`, then load it again.")
+            f"`python -c \"from torch_npu.profiler.profiler import analyse; analyse('{pt_dir}')\"`, then load it again."
+        )
     notes: list = []
     if state == "unfinished":
-        msg = (f"{pt_dir / OUTPUT_DIR} has no analyse.done: the parse is still running or was interrupted "
-               f"(async_mode=True, killed kernel). Wait for it, or run analyse('{pt_dir}') again")
+        msg = (
+            f"{pt_dir / OUTPUT_DIR} has no analyse.done: the parse is still running or was interrupted "
+            f"(async_mode=True, killed kernel). Wait for it, or run analyse('{pt_dir}') again"
+        )
         if not allow_unfinished:
             raise ProfileError(msg + "; pass allow_unfinished=True to read what is there.")
         notes.append(msg)
@@ -217,7 +253,8 @@ def load_ascend(pt_dir: Path, allow_unfinished: bool = False) -> ProfileData:
             raise ProfileError(
                 f"{out} has neither kernel_details.csv nor op_statistic.csv (found: {present or 'nothing'}). "
                 f"Collect with activities=[CPU, NPU] (kit.profiling.profile does) and make sure `msprof` is on PATH "
-                f"in the kernel's environment (source CANN set_env.sh), then parse again.")
+                f"in the kernel's environment (source CANN set_env.sh), then parse again."
+            )
         notes.append("kernel_details.csv missing: per-kernel rules (block dim, ratios) use op_statistic only")
         kernels = pd.DataFrame({c: pd.Series(dtype="float64") for c in KERNEL_COLUMNS})
     step = None
@@ -232,5 +269,14 @@ def load_ascend(pt_dir: Path, allow_unfinished: bool = False) -> ProfileData:
                 meta[name] = json.loads(p.read_text(encoding="utf-8"))
             except ValueError:
                 notes.append(f"{name} is not valid JSON; ignored")
-    return ProfileData(kind="ascend", path=pt_dir, kernels=kernels, op_statistic=op_stat, step_trace=step,
-                       core_counts=core_counts(pt_dir), meta=meta, notes=notes, files=files)
+    return ProfileData(
+        kind="ascend",
+        path=pt_dir,
+        kernels=kernels,
+        op_statistic=op_stat,
+        step_trace=step,
+        core_counts=core_counts(pt_dir),
+        meta=meta,
+        notes=notes,
+        files=files,
+    )

@@ -30,11 +30,16 @@ def git_state(path: Optional[PathLike] = None) -> dict:
 
     for where in [Path(path) if path else Path.cwd(), repo_root()]:
         try:
-            commit = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    timeout=10).stdout.strip()
+            commit = subprocess.run(
+                ["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
             if commit:
-                dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                                       capture_output=True, text=True, timeout=10).stdout.strip()
+                dirty = subprocess.run(
+                    ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout.strip()
                 return {"git_commit": commit, "git_dirty": bool(dirty), "git_repo": str(where)}
         except (OSError, subprocess.SubprocessError):
             continue
@@ -62,8 +67,10 @@ def _npu_profiler_module():
 
     mod, err = torch_npu_import()
     if mod is None:
-        raise RuntimeError(f"device='npu' but torch_npu cannot be imported ({err}). Run `python -m kit doctor` "
-                           f"(notebook 00), or use device='auto' to profile with torch.profiler on this machine.")
+        raise RuntimeError(
+            f"device='npu' but torch_npu cannot be imported ({err}). Run `python -m kit doctor` "
+            f"(notebook 00), or use device='auto' to profile with torch.profiler on this machine."
+        )
     return importlib.import_module("torch_npu.profiler")
 
 
@@ -81,8 +88,9 @@ def npu_profiler_kwargs(cfg: ProfileConfig, tp: Any, trace_dir: Path) -> dict:
     )
     return dict(
         activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.NPU],
-        schedule=tp.schedule(wait=cfg.wait, active=cfg.active, warmup=cfg.warmup, repeat=cfg.repeat,
-                             skip_first=cfg.skip_first),
+        schedule=tp.schedule(
+            wait=cfg.wait, active=cfg.active, warmup=cfg.warmup, repeat=cfg.repeat, skip_first=cfg.skip_first
+        ),
         on_trace_ready=tp.tensorboard_trace_handler(dir_name=str(trace_dir), analyse_flag=cfg.analyse),
         record_shapes=cfg.record_shapes,
         profile_memory=cfg.profile_memory,
@@ -98,8 +106,9 @@ def torch_profiler_kwargs(cfg: ProfileConfig, kind: str, trace_dir: Path) -> dic
     acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if kind == "cuda" else [])
     return dict(
         activities=acts,
-        schedule=tp.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat,
-                             skip_first=cfg.skip_first),
+        schedule=tp.schedule(
+            wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat, skip_first=cfg.skip_first
+        ),
         on_trace_ready=tp.tensorboard_trace_handler(str(trace_dir)),
         record_shapes=cfg.record_shapes,
         profile_memory=cfg.profile_memory,
@@ -137,12 +146,16 @@ class Capture:
             tp = _npu_profiler_module()
             kwargs = npu_profiler_kwargs(cfg, tp, self._partial)
             if cfg.aic_metrics != cfg.effective_aic_metrics:
-                self.notes.append(f"aic_metrics={cfg.aic_metrics} dropped: torch_npu collects no AI Core metrics at "
-                                  f"{cfg.level} (use level='Level1' for unit ratios)")
+                self.notes.append(
+                    f"aic_metrics={cfg.aic_metrics} dropped: torch_npu collects no AI Core metrics at "
+                    f"{cfg.level} (use level='Level1' for unit ratios)"
+                )
             if cfg.analyse and shutil.which("msprof") is None:
-                self.notes.append("msprof is not on PATH: torch_npu cannot export kernel_details.csv. Start the "
-                                  "Jupyter kernel with CANN's set_env.sh sourced (notebook 01), or set analyse=False "
-                                  "and run torch_npu.profiler.profiler.analyse(<folder>) later.")
+                self.notes.append(
+                    "msprof is not on PATH: torch_npu cannot export kernel_details.csv. Start the "
+                    "Jupyter kernel with CANN's set_env.sh sourced (notebook 01), or set analyse=False "
+                    "and run torch_npu.profiler.profiler.analyse(<folder>) later."
+                )
             self._prof = tp.profile(**kwargs)
             profiler = "torch_npu.profiler"
         else:
@@ -150,20 +163,30 @@ class Capture:
 
             kwargs = torch_profiler_kwargs(cfg, self.kind, self._partial)
             if cfg.level != "Level1" or cfg.l2_cache or cfg.record_op_args:
-                self.notes.append("level / aic_metrics / l2_cache / record_op_args apply on NPU only; ignored here")
+                self.notes.append(
+                    "level / aic_metrics / l2_cache / record_op_args apply on NPU only; ignored here"
+                )
             self._prof = torch.profiler.profile(**kwargs)
             profiler = "torch.profiler"
-        self._record = {"kit_capture": 1, "profiler": profiler, "config": dataclasses.asdict(cfg),
-                        "effective_aic_metrics": cfg.effective_aic_metrics, "device": _device_record(self.kind),
-                        **git_state(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        "profiler_kwargs": {k: repr(v) for k, v in kwargs.items()}}
+        self._record = {
+            "kit_capture": 1,
+            "profiler": profiler,
+            "config": dataclasses.asdict(cfg),
+            "effective_aic_metrics": cfg.effective_aic_metrics,
+            "device": _device_record(self.kind),
+            **git_state(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "profiler_kwargs": {k: repr(v) for k, v in kwargs.items()},
+        }
         self._prof.start()
         return self
 
     def step(self) -> None:
         """Tell the profiler one training step finished (drives the wait/warmup/active schedule)."""
         if self._prof is None:
-            raise RuntimeError("capture not started: use `with kit.profiling.profile(...) as cap:` or call .start()")
+            raise RuntimeError(
+                "capture not started: use `with kit.profiling.profile(...) as cap:` or call .start()"
+            )
         self._prof.step()
         self.steps += 1
 
@@ -178,13 +201,20 @@ class Capture:
         self._prof.stop()
         self.profiler, self._prof = self._prof, None  # kept: torch.profiler's key_averages() stays usable
         if self.steps < self.config.steps_needed:
-            self.notes.append(f"the loop ran {self.steps} step(s) but the schedule needs {self.config.steps_needed} "
-                              f"(skip_first+wait+warmup+active): the trace is partial or missing")
+            self.notes.append(
+                f"the loop ran {self.steps} step(s) but the schedule needs {self.config.steps_needed} "
+                f"(skip_first+wait+warmup+active): the trace is partial or missing"
+            )
         traces = find_profiles(self._partial)
         if not traces:
             self.notes.append("no trace was written: run more steps, or check the profiler's warnings above")
-        self._record.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S"), steps=self.steps, failed=failed,
-                            notes=self.notes, traces=[str(p.relative_to(self._partial)) for p in traces])
+        self._record.update(
+            finished=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            steps=self.steps,
+            failed=failed,
+            notes=self.notes,
+            traces=[str(p.relative_to(self._partial)) for p in traces],
+        )
         (self._partial / CAPTURE_FILE).write_text(json.dumps(self._record, indent=2) + "\n", encoding="utf-8")
         if failed:
             return self._partial
@@ -209,8 +239,12 @@ class Capture:
         return load(self.folder, allow_unfinished=allow_unfinished)
 
 
-def profile(out_dir: Optional[PathLike] = None, config: Optional[ProfileConfig] = None, workspace: Any = None,
-            **options: Any) -> Capture:
+def profile(
+    out_dir: Optional[PathLike] = None,
+    config: Optional[ProfileConfig] = None,
+    workspace: Any = None,
+    **options: Any,
+) -> Capture:
     """A Capture writing under `out_dir` (default: the workspace's profiles/); options override `config` fields."""
     from kit.configs import check
 

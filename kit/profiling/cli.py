@@ -8,15 +8,25 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="analyze Ascend / torch.profiler captures, compare them, capture demo steps")
+    p = sub.add_parser(
+        "profile", help="analyze Ascend / torch.profiler captures, compare them, capture demo steps"
+    )
     s = p.add_subparsers(dest="what", required=True)
-    a = s.add_parser("analyze", help="slow-operator advice for a capture folder, *_ascend_pt or *.pt.trace.json")
+    a = s.add_parser(
+        "analyze", help="slow-operator advice for a capture folder, *_ascend_pt or *.pt.trace.json"
+    )
     a.add_argument("path")
-    a.add_argument("--out", default=None, help="write advice.md/.html/.json and operators.csv into this folder")
+    a.add_argument(
+        "--out", default=None, help="write advice.md/.html/.json and operators.csv into this folder"
+    )
     a.add_argument("--overwrite", action="store_true", help="replace existing advice files in --out")
     a.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    a.add_argument("--fail-on-problems", action="store_true", help="exit 1 when a rule finds a problem (for CI)")
-    a.add_argument("--allow-unfinished", action="store_true", help="read an output folder without analyse.done")
+    a.add_argument(
+        "--fail-on-problems", action="store_true", help="exit 1 when a rule finds a problem (for CI)"
+    )
+    a.add_argument(
+        "--allow-unfinished", action="store_true", help="read an output folder without analyse.done"
+    )
     a.add_argument("--cast-max-us", type=float, default=30.0)
     a.add_argument("--cast-share-pct", type=float, default=1.0)
     a.add_argument("--aicpu-max-us", type=float, default=1000.0)
@@ -66,12 +76,20 @@ def _run(args: argparse.Namespace) -> int:
     import kit.profiling as kp
 
     if args.what == "analyze":
-        th = kp.Thresholds(cast_max_us=args.cast_max_us, cast_share_pct=args.cast_share_pct,
-                           aicpu_max_us=args.aicpu_max_us, aicpu_share_pct=args.aicpu_share_pct,
-                           unit_ratio=args.unit_ratio, min_op_share_pct=args.min_op_share_pct,
-                           ai_core_num=args.ai_core_num, aiv_num=args.aiv_num)
+        th = kp.Thresholds(
+            cast_max_us=args.cast_max_us,
+            cast_share_pct=args.cast_share_pct,
+            aicpu_max_us=args.aicpu_max_us,
+            aicpu_share_pct=args.aicpu_share_pct,
+            unit_ratio=args.unit_ratio,
+            min_op_share_pct=args.min_op_share_pct,
+            ai_core_num=args.ai_core_num,
+            aiv_num=args.aiv_num,
+        )
         advice = kp.advise(kp.load(args.path, allow_unfinished=args.allow_unfinished), th)
-        print(json.dumps(advice.to_json(), indent=2, ensure_ascii=False) if args.json else advice.to_markdown())
+        print(
+            json.dumps(advice.to_json(), indent=2, ensure_ascii=False) if args.json else advice.to_markdown()
+        )
         if args.out:
             for role, path in advice.save(args.out, overwrite=args.overwrite).items():
                 print(f"{role}: {path}", file=sys.stderr)
@@ -85,14 +103,32 @@ def _run(args: argparse.Namespace) -> int:
             atomic_write_text(args.csv, cmp.operators.to_csv(index=False))
         return 0
     if args.what == "sample":
-        print(kp.write_sample_ascend_profile(args.out, clean=args.clean, steps=args.steps, level=args.level,
-                                             legacy_headers=args.legacy_headers, overwrite=args.overwrite))
+        print(
+            kp.write_sample_ascend_profile(
+                args.out,
+                clean=args.clean,
+                steps=args.steps,
+                level=args.level,
+                legacy_headers=args.legacy_headers,
+                overwrite=args.overwrite,
+            )
+        )
         return 0
     from kit.profiling.demo import profile_training
 
-    cap = profile_training(args.model, out_dir=args.out, device=args.device, wait=args.wait, warmup=args.warmup,
-                           active=args.active, level=args.level, aic_metrics=args.aic_metrics,
-                           batch_size=args.batch_size, seq_len=args.seq_len, tag=args.tag)
+    cap = profile_training(
+        args.model,
+        out_dir=args.out,
+        device=args.device,
+        wait=args.wait,
+        warmup=args.warmup,
+        active=args.active,
+        level=args.level,
+        aic_metrics=args.aic_metrics,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        tag=args.tag,
+    )
     print(cap.folder)
     for n in cap.notes:
         print(f"note: {n}", file=sys.stderr)

@@ -25,13 +25,18 @@ class Comparison:
         """A few lines: step time change and the operators that moved most."""
         a, b = self.labels
         s = self.step_us
-        lines = [f"mean step: {a} {s['a']:.1f} us -> {b} {s['b']:.1f} us ({s['change_pct']:+.1f}%)"
-                 if s["a"] == s["a"] and s["b"] == s["b"] else "mean step: not available in both captures"]
+        lines = [
+            f"mean step: {a} {s['a']:.1f} us -> {b} {s['b']:.1f} us ({s['change_pct']:+.1f}%)"
+            if s["a"] == s["a"] and s["b"] == s["b"]
+            else "mean step: not available in both captures"
+        ]
         if any(self.commits.values()):
             lines.append(f"commits: {a} {self.commits.get(a)} / {b} {self.commits.get(b)}")
         for r in self.operators.head(top).itertuples():
-            lines.append(f"{r.type}: {r.total_us_a:.1f} -> {r.total_us_b:.1f} us ({r.delta_us:+.1f} us), "
-                         f"calls {r.calls_a} -> {r.calls_b}")
+            lines.append(
+                f"{r.type}: {r.total_us_a:.1f} -> {r.total_us_b:.1f} us ({r.delta_us:+.1f} us), "
+                f"calls {r.calls_a} -> {r.calls_b}"
+            )
         return "\n".join(lines)
 
 
@@ -42,9 +47,12 @@ def _as_data(x: Union[ProfileData, str]) -> ProfileData:
 def compare(a, b, labels: tuple = ("before", "after")) -> Comparison:
     """Compare two profiles (ProfileData or paths) by operator type; rows sorted by |delta| descending."""
     da, db = _as_data(a), _as_data(b)
-    ta, tb = (operator_table(d, by="type").groupby("type", as_index=False)
-              .agg(calls=("calls", "sum"), total_us=("total_us", "sum"), share_pct=("share_pct", "sum"))
-              for d in (da, db))
+    ta, tb = (
+        operator_table(d, by="type")
+        .groupby("type", as_index=False)
+        .agg(calls=("calls", "sum"), total_us=("total_us", "sum"), share_pct=("share_pct", "sum"))
+        for d in (da, db)
+    )
     m = ta.merge(tb, on="type", how="outer", suffixes=("_a", "_b"))
     for c in ("calls_a", "calls_b"):
         m[c] = m[c].fillna(0).astype("int64")
@@ -56,5 +64,6 @@ def compare(a, b, labels: tuple = ("before", "after")) -> Comparison:
     sa, sb = mean_step_us(da), mean_step_us(db)
     change = 100.0 * (sb - sa) / sa if sa and sa == sa and sb == sb else float("nan")
     commits = {lab: (d.meta.get("capture") or {}).get("git_commit") for lab, d in zip(labels, (da, db))}
-    return Comparison(operators=m, step_us={"a": sa, "b": sb, "change_pct": change}, labels=tuple(labels),
-                      commits=commits)
+    return Comparison(
+        operators=m, step_us={"a": sa, "b": sb, "change_pct": change}, labels=tuple(labels), commits=commits
+    )

@@ -5,8 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LEVELS = ("Level_none", "Level0", "Level1", "Level2")  # torch_npu.profiler.ProfilerLevel attribute names
-AIC_METRICS = ("AiCoreNone", "PipeUtilization", "ArithmeticUtilization", "Memory", "MemoryL0", "MemoryUB",
-               "ResourceConflictRatio", "L2Cache", "MemoryAccess")  # torch_npu.profiler.AiCMetrics names
+AIC_METRICS = (
+    "AiCoreNone",
+    "PipeUtilization",
+    "ArithmeticUtilization",
+    "Memory",
+    "MemoryL0",
+    "MemoryUB",
+    "ResourceConflictRatio",
+    "L2Cache",
+    "MemoryAccess",
+)  # torch_npu.profiler.AiCMetrics names
 DEVICES = ("auto", "npu", "cuda", "cpu")
 
 
@@ -19,7 +28,9 @@ class ProfileConfig:
     active: int = 3  # steps recorded
     repeat: int = 1  # cycles; 0 = until the loop ends (one trace per cycle)
     skip_first: int = 0  # steps skipped once before the first cycle (compilation, first batches)
-    level: str = "Level1"  # NPU: Level_none | Level0 | Level1 (unit ratios, op_statistic) | Level2 (+AI CPU data)
+    level: str = (
+        "Level1"  # NPU: Level_none | Level0 | Level1 (unit ratios, op_statistic) | Level2 (+AI CPU data)
+    )
     aic_metrics: str = "PipeUtilization"  # NPU: AI Core counters; forced to AiCoreNone at Level0/Level_none
     l2_cache: bool = False  # NPU: L2 cache hit rates (l2_cache.csv)
     record_op_args: bool = False  # NPU: dump operator arguments (for AOE / op analysis)

@@ -39,6 +39,12 @@ class ProfileData:
 
     def describe(self) -> str:
         """One line: kind, rows, steps, what is present."""
-        steps = self.kernels["step"].nunique() if "step" in self.kernels and self.kernels["step"].notna().any() else 0
-        return (f"{self.kind} profile {self.path}: {len(self.kernels)} kernel rows, {steps} steps, "
-                f"{len(self.ratio_columns)} ratio columns, step trace {'yes' if self.step_trace is not None else 'no'}")
+        steps = (
+            self.kernels["step"].nunique()
+            if "step" in self.kernels and self.kernels["step"].notna().any()
+            else 0
+        )
+        return (
+            f"{self.kind} profile {self.path}: {len(self.kernels)} kernel rows, {steps} steps, "
+            f"{len(self.ratio_columns)} ratio columns, step trace {'yes' if self.step_trace is not None else 'no'}"
+        )

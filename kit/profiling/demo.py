@@ -36,7 +36,9 @@ def sample_batches(tokenizer: Any, n: int, batch_size: int = 2, seq_len: int = 6
     return [{"input_ids": b, "labels": b.clone(), "attention_mask": torch.ones_like(b)} for b in t]
 
 
-def run_steps(model: Any, optimizer: Any, batches: Sequence[dict], callbacks: Sequence[Callable] = ()) -> list:
+def run_steps(
+    model: Any, optimizer: Any, batches: Sequence[dict], callbacks: Sequence[Callable] = ()
+) -> list:
     """One optimizer step per batch; each callback(step) after it; returns each step's wall time in seconds."""
     from kit.device import synchronize
 
@@ -67,8 +69,10 @@ def load_model(model_dir: Optional[PathLike] = None, device: Optional[str] = Non
 
         model_dir = demo_model_dir()
     if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} does not exist; pass an HF folder (notebook 03/04 "
-                                f"output) or None for the demo model.")
+        raise FileNotFoundError(
+            f"model folder {model_dir} does not exist; pass an HF folder (notebook 03/04 "
+            f"output) or None for the demo model."
+        )
     dev = torch.device(device) if device else get_device()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(dev)
     model.train()
@@ -92,10 +96,18 @@ def model_folder(model: str, workspace: Any = None) -> Path:
     return Path(model)
 
 
-def profile_training(model_dir: Optional[PathLike] = None, steps: Optional[int] = None, batch_size: int = 2,
-                     seq_len: int = 64, lr: float = 1e-4, out_dir: Optional[PathLike] = None,
-                     config: Optional[ProfileConfig] = None, workspace: Any = None, seed: int = 0,
-                     **options: Any) -> Capture:
+def profile_training(
+    model_dir: Optional[PathLike] = None,
+    steps: Optional[int] = None,
+    batch_size: int = 2,
+    seq_len: int = 64,
+    lr: float = 1e-4,
+    out_dir: Optional[PathLike] = None,
+    config: Optional[ProfileConfig] = None,
+    workspace: Any = None,
+    seed: int = 0,
+    **options: Any,
+) -> Capture:
     """Train `steps` steps (default: what the schedule needs) under kit.profiling.profile; return the capture."""
     import torch
 
@@ -111,8 +123,13 @@ def profile_training(model_dir: Optional[PathLike] = None, steps: Optional[int] 
     return cap
 
 
-def profile_trainer(train_config: Any, config: Optional[ProfileConfig] = None, out_dir: Optional[PathLike] = None,
-                    workspace: Any = None, **options: Any) -> tuple:
+def profile_trainer(
+    train_config: Any,
+    config: Optional[ProfileConfig] = None,
+    out_dir: Optional[PathLike] = None,
+    workspace: Any = None,
+    **options: Any,
+) -> tuple:
     """Run the kit trainer (kit.train.train) with a capture in its step_callbacks; returns (capture, result).
 
     The schedule must fit in `train_config.train_iters`; the capture's folder is named after the run type.
@@ -121,8 +138,10 @@ def profile_trainer(train_config: Any, config: Optional[ProfileConfig] = None, o
 
     cfg = dataclasses.replace(config or ProfileConfig(), **options)
     if cfg.steps_needed > train_config.train_iters:
-        raise ValueError(f"the profile schedule needs {cfg.steps_needed} steps (skip_first+wait+warmup+active) but "
-                         f"TRAIN_ITERS={train_config.train_iters}; lower ACTIVE/WAIT or train longer.")
+        raise ValueError(
+            f"the profile schedule needs {cfg.steps_needed} steps (skip_first+wait+warmup+active) but "
+            f"TRAIN_ITERS={train_config.train_iters}; lower ACTIVE/WAIT or train longer."
+        )
     if not cfg.tag:
         cfg = dataclasses.replace(cfg, tag=str(getattr(train_config, "run_type", "train")))
     cap = profile(out_dir=out_dir, config=cfg, workspace=workspace)

@@ -27,9 +27,11 @@ def read_trace_json(path: Path):
         raw = gzip.open(path, "rb").read() if path.suffix == ".gz" else path.read_bytes()
         return json.loads(raw)
     except (OSError, EOFError, ValueError) as exc:
-        raise ProfileError(f"{path} is not a complete JSON trace ({type(exc).__name__}: {str(exc)[:160]}); the "
-                           f"profiler was probably stopped while writing it. Collect again (let the `with` block "
-                           f"finish, or call .stop()).") from exc
+        raise ProfileError(
+            f"{path} is not a complete JSON trace ({type(exc).__name__}: {str(exc)[:160]}); the "
+            f"profiler was probably stopped while writing it. Collect again (let the `with` block "
+            f"finish, or call .stop())."
+        ) from exc
 
 
 def _self_times(ops: pd.DataFrame) -> np.ndarray:
@@ -53,15 +55,21 @@ def load_kineto(path: Path) -> ProfileData:
     path = Path(path)
     doc = read_trace_json(path)
     if isinstance(doc, list):
-        raise ProfileError(f"{path} is a top-level JSON list: that is an Ascend trace_view.json, not a torch.profiler "
-                           f"trace. Load its *_ascend_pt folder instead.")
+        raise ProfileError(
+            f"{path} is a top-level JSON list: that is an Ascend trace_view.json, not a torch.profiler "
+            f"trace. Load its *_ascend_pt folder instead."
+        )
     if not isinstance(doc, dict) or "traceEvents" not in doc:
-        raise ProfileError(f"{path} has no 'traceEvents': not a torch.profiler trace (export_chrome_trace or "
-                           f"tensorboard_trace_handler output).")
+        raise ProfileError(
+            f"{path} has no 'traceEvents': not a torch.profiler trace (export_chrome_trace or "
+            f"tensorboard_trace_handler output)."
+        )
     ev = pd.DataFrame([e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"])
     if ev.empty:
-        raise ProfileError(f"{path} holds no complete ('X') events: the schedule never reached an active step. "
-                           f"Run at least wait+warmup+active steps and call .step() after each.")
+        raise ProfileError(
+            f"{path} holds no complete ('X') events: the schedule never reached an active step. "
+            f"Run at least wait+warmup+active steps and call .step() after each."
+        )
     for c in ("cat", "args", "pid", "tid"):
         if c not in ev.columns:
             ev[c] = None
@@ -76,7 +84,9 @@ def load_kineto(path: Path) -> ProfileData:
     step_ts = None
     if len(dev):
         ops = ev[cat == "cpu_op"]
-        ext_of = {(a or {}).get("External id"): (n, t) for n, t, a in zip(ops["name"], ops["ts"], ops["args"])}
+        ext_of = {
+            (a or {}).get("External id"): (n, t) for n, t, a in zip(ops["name"], ops["ts"], ops["args"])
+        }
         launch = [ext_of.get((a or {}).get("External id")) for a in dev["args"]]
         dev["type"] = [x[0] if x else n for x, n in zip(launch, dev["name"])]
         # kernels run after their launch, often past the step's end on the host: use the launching op's time
@@ -90,19 +100,37 @@ def load_kineto(path: Path) -> ProfileData:
         rows["dur"] = _self_times(rows.reset_index(drop=True))
         rows["type"] = rows["name"]
         rows["core"] = "CPU"
-    kernels = pd.DataFrame({"name": rows["name"].astype("string"), "type": rows["type"].astype("string"),
-                            "core": rows["core"].astype("string"), "start_us": rows["ts"].astype("float64"),
-                            "dur_us": rows["dur"].astype("float64")})
+    kernels = pd.DataFrame(
+        {
+            "name": rows["name"].astype("string"),
+            "type": rows["type"].astype("string"),
+            "core": rows["core"].astype("string"),
+            "start_us": rows["ts"].astype("float64"),
+            "dur_us": rows["dur"].astype("float64"),
+        }
+    )
     kernels["step"] = _step_of(kernels["start_us"].to_numpy() if step_ts is None else step_ts, steps)
     for c in KERNEL_COLUMNS:
         if c not in kernels.columns:
             kernels[c] = float("nan")
     step_trace = None
     if len(steps):
-        step_trace = pd.DataFrame({"step": steps["step"].to_numpy(), "total_us": steps["dur"].to_numpy(dtype=float)})
-    meta = {k: doc[k] for k in ("schemaVersion", "deviceProperties", "host_name", "baseTimeNanoseconds") if k in doc}
-    return ProfileData(kind="torch", path=path, kernels=kernels[KERNEL_COLUMNS].reset_index(drop=True),
-                       step_trace=step_trace, meta=meta, files={"trace": path})
+        step_trace = pd.DataFrame(
+            {"step": steps["step"].to_numpy(), "total_us": steps["dur"].to_numpy(dtype=float)}
+        )
+    meta = {
+        k: doc[k]
+        for k in ("schemaVersion", "deviceProperties", "host_name", "baseTimeNanoseconds")
+        if k in doc
+    }
+    return ProfileData(
+        kind="torch",
+        path=path,
+        kernels=kernels[KERNEL_COLUMNS].reset_index(drop=True),
+        step_trace=step_trace,
+        meta=meta,
+        files={"trace": path},
+    )
 
 
 def _step_of(ts: np.ndarray, steps: pd.DataFrame) -> np.ndarray:

@@ -35,14 +35,18 @@ def load(path: PathLike, allow_unfinished: bool = False) -> ProfileData:
     """Load one profile; a folder holding several loads the newest and says so in `notes`."""
     path = Path(path)
     if not path.exists():
-        raise ProfileError(f"{path} does not exist. Pass a kit capture folder (kit.profiling.profile), a "
-                           f"*_ascend_pt folder, its {OUTPUT_DIR}/, or a *.pt.trace.json[.gz] file.")
+        raise ProfileError(
+            f"{path} does not exist. Pass a kit capture folder (kit.profiling.profile), a "
+            f"*_ascend_pt folder, its {OUTPUT_DIR}/, or a *.pt.trace.json[.gz] file."
+        )
     if path.is_file():
         if path.name == "trace_view.json" and path.parent.name == OUTPUT_DIR:
             return load_ascend(path.parent.parent, allow_unfinished)
         if path.name.endswith((".json", ".json.gz")):
             return load_kineto(path)
-        raise ProfileError(f"{path} is neither a torch.profiler trace (*.pt.trace.json[.gz]) nor a profile folder.")
+        raise ProfileError(
+            f"{path} is neither a torch.profiler trace (*.pt.trace.json[.gz]) nor a profile folder."
+        )
     if path.name == OUTPUT_DIR:
         return load_ascend(path.parent, allow_unfinished)
     if path.name.endswith(("_ascend_pt", "_ascend_ms")):
@@ -55,12 +59,15 @@ def load(path: PathLike, allow_unfinished: bool = False) -> ProfileData:
             raise ProfileError(
                 f"no profile in {path}: expected a *_ascend_pt folder (torch_npu) or a *.pt.trace.json[.gz] file "
                 f"(torch.profiler) at most 4 levels down.{hint} Capture one with kit.profiling.profile(...) around "
-                f"a few training steps (notebook 05) and make sure the loop ran wait+warmup+active steps.")
+                f"a few training steps (notebook 05) and make sure the loop ran wait+warmup+active steps."
+            )
         target = found[-1]
         data = load_ascend(target, allow_unfinished) if target.is_dir() else load_kineto(target)
         if len(found) > 1:
-            data.notes.append(f"{len(found)} profiles under {path}; loaded the newest, {target.name}. "
-                              f"Pass one of them to load another: {[p.name for p in found]}")
+            data.notes.append(
+                f"{len(found)} profiles under {path}; loaded the newest, {target.name}. "
+                f"Pass one of them to load another: {[p.name for p in found]}"
+            )
     capture = _capture_meta(path, data.path)
     if capture:
         data.meta["capture"] = capture

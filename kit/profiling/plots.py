@@ -8,8 +8,15 @@ from typing import Optional, Union
 import pandas as pd
 
 PathLike = Union[str, Path]
-CORE_COLORS = {"AI_CORE": "#1f77b4", "MIX_AIC": "#17becf", "AI_VECTOR_CORE": "#2ca02c", "MIX_AIV": "#98df8a",
-               "AI_CPU": "#d62728", "CPU": "#7f7f7f", "GPU": "#9467bd"}
+CORE_COLORS = {
+    "AI_CORE": "#1f77b4",
+    "MIX_AIC": "#17becf",
+    "AI_VECTOR_CORE": "#2ca02c",
+    "MIX_AIV": "#98df8a",
+    "AI_CPU": "#d62728",
+    "CPU": "#7f7f7f",
+    "GPU": "#9467bd",
+}
 
 
 def _save(fig, path: Optional[PathLike]) -> None:

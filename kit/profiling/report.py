@@ -18,6 +18,7 @@ SEVERITY_ORDER = {"problem": 0, "skipped": 1, "info": 2}
 
 def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.1f}") -> str:
     """A GitHub Markdown table (pandas' to_markdown needs the optional tabulate package)."""
+
     def cell(v) -> str:
         s = floatfmt.format(v) if isinstance(v, float) else str(v)
         return s.replace("|", "\\|").replace("\n", " ")
@@ -53,8 +54,10 @@ class Advice:
         lines = [f"# Profile advice: {self.data.path.name}", "", f"{self.data.describe()}", ""]
         capture = self.data.meta.get("capture") or {}
         if capture.get("git_commit"):
-            lines += [f"Captured at git commit `{capture['git_commit']}` on {capture.get('device', {}).get('kind')}.",
-                      ""]
+            lines += [
+                f"Captured at git commit `{capture['git_commit']}` on {capture.get('device', {}).get('kind')}.",
+                "",
+            ]
         lines += ["## Findings", ""]
         if not self.findings:
             lines.append("No findings.")
@@ -75,31 +78,45 @@ class Advice:
         items = "".join(
             f"<li><b>{html.escape(f.severity.upper())} - {html.escape(f.title)}</b> "
             f"(<code>{html.escape(f.rule)}</code>): {html.escape(f.evidence)}"
-            + (f"<br><i>Fix:</i> {html.escape(f.fix)}" if f.fix else "") + "</li>"
-            for f in sorted(self.findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 9)))
+            + (f"<br><i>Fix:</i> {html.escape(f.fix)}" if f.fix else "")
+            + "</li>"
+            for f in sorted(self.findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 9))
+        )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.data.notes)
-        return (f"<html><head><meta charset='utf-8'><title>Profile advice</title></head><body>"
-                f"<h1>Profile advice: {html.escape(self.data.path.name)}</h1><p>{html.escape(self.data.describe())}</p>"
-                f"<h2>Findings</h2><ul>{items or '<li>No findings.</li>'}</ul>"
-                + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
-                + f"<h2>Top {top} operators</h2>{self.operators.head(top).to_html(index=False, float_format='%.1f')}"
-                "</body></html>")
+        return (
+            f"<html><head><meta charset='utf-8'><title>Profile advice</title></head><body>"
+            f"<h1>Profile advice: {html.escape(self.data.path.name)}</h1><p>{html.escape(self.data.describe())}</p>"
+            f"<h2>Findings</h2><ul>{items or '<li>No findings.</li>'}</ul>"
+            + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
+            + f"<h2>Top {top} operators</h2>{self.operators.head(top).to_html(index=False, float_format='%.1f')}"
+            "</body></html>"
+        )
 
     def to_json(self) -> dict:
         """Everything as plain JSON values."""
-        return {"profile": str(self.data.path), "kind": self.data.kind, "problems": self.problems,
-                "thresholds": asdict(self.thresholds), "findings": [asdict(f) for f in self.findings],
-                "notes": list(self.data.notes), "capture": self.data.meta.get("capture", {}),
-                "top_operators": json.loads(self.operators.head(20).to_json(orient="records")),
-                "steps": json.loads(step_breakdown(self.data).to_json(orient="records"))}
+        return {
+            "profile": str(self.data.path),
+            "kind": self.data.kind,
+            "problems": self.problems,
+            "thresholds": asdict(self.thresholds),
+            "findings": [asdict(f) for f in self.findings],
+            "notes": list(self.data.notes),
+            "capture": self.data.meta.get("capture", {}),
+            "top_operators": json.loads(self.operators.head(20).to_json(orient="records")),
+            "steps": json.loads(step_breakdown(self.data).to_json(orient="records")),
+        }
 
     def save(self, folder: Union[str, Path], overwrite: bool = False) -> dict:
         """Write advice.md, advice.html, advice.json and operators.csv into `folder`; return their paths."""
         from kit.atomic import atomic_write_text, refuse_existing
 
         folder = Path(folder)
-        paths = {"markdown": folder / "advice.md", "html": folder / "advice.html", "json": folder / "advice.json",
-                 "operators": folder / "operators.csv"}
+        paths = {
+            "markdown": folder / "advice.md",
+            "html": folder / "advice.html",
+            "json": folder / "advice.json",
+            "operators": folder / "operators.csv",
+        }
         for p in paths.values():
             refuse_existing(p, overwrite, "advice file")
         atomic_write_text(paths["markdown"], self.to_markdown())

@@ -22,17 +22,60 @@ AIV_NUM = 48  # vector cores of the same card
 
 AIC_RATIOS = ["aic_mac_ratio", "aic_scalar_ratio", "aic_mte1_ratio", "aic_mte2_ratio", "aic_fixpipe_ratio"]
 AIV_RATIOS = ["aiv_vec_ratio", "aiv_scalar_ratio", "aiv_mte2_ratio", "aiv_mte3_ratio"]
-BASE_HEADERS = ["Device_id", "Model ID", "Task ID", "Stream ID", "Name", "Type", "OP State", "Accelerator Core",
-                "Start Time(us)", "Duration(us)", "Wait Time(us)", "Block Num", "Mix Block Num", "HF32 Eligible",
-                "Input Shapes", "Input Data Types", "Input Formats", "Output Shapes", "Output Data Types",
-                "Output Formats", "Context ID"]
-METRIC_HEADERS = (["aicore_time(us)", "aic_total_cycles"] + AIC_RATIOS + ["aic_icache_miss_rate", "aiv_time(us)",
-                  "aiv_total_cycles"] + AIV_RATIOS + ["aiv_icache_miss_rate", "cube_utilization(%)"])
-STEP_TRACE_HEADERS = ["Device_id", "Step", "Computing", "Communication(Not Overlapped)", "Overlapped",
-                      "Communication", "Free", "Stage", "Bubble",
-                      "Communication(Not Overlapped and Exclude Receive)", "Preparing"]
-OP_STAT_HEADERS = ["Device_id", "OP Type", "Core Type", "Count", "Total Time(us)", "Min Time(us)", "Avg Time(us)",
-                   "Max Time(us)", "Ratio(%)"]
+BASE_HEADERS = [
+    "Device_id",
+    "Model ID",
+    "Task ID",
+    "Stream ID",
+    "Name",
+    "Type",
+    "OP State",
+    "Accelerator Core",
+    "Start Time(us)",
+    "Duration(us)",
+    "Wait Time(us)",
+    "Block Num",
+    "Mix Block Num",
+    "HF32 Eligible",
+    "Input Shapes",
+    "Input Data Types",
+    "Input Formats",
+    "Output Shapes",
+    "Output Data Types",
+    "Output Formats",
+    "Context ID",
+]
+METRIC_HEADERS = (
+    ["aicore_time(us)", "aic_total_cycles"]
+    + AIC_RATIOS
+    + ["aic_icache_miss_rate", "aiv_time(us)", "aiv_total_cycles"]
+    + AIV_RATIOS
+    + ["aiv_icache_miss_rate", "cube_utilization(%)"]
+)
+STEP_TRACE_HEADERS = [
+    "Device_id",
+    "Step",
+    "Computing",
+    "Communication(Not Overlapped)",
+    "Overlapped",
+    "Communication",
+    "Free",
+    "Stage",
+    "Bubble",
+    "Communication(Not Overlapped and Exclude Receive)",
+    "Preparing",
+]
+OP_STAT_HEADERS = [
+    "Device_id",
+    "OP Type",
+    "Core Type",
+    "Count",
+    "Total Time(us)",
+    "Min Time(us)",
+    "Avg Time(us)",
+    "Max Time(us)",
+    "Ratio(%)",
+]
 
 
 @dataclass(frozen=True)
@@ -51,21 +94,57 @@ CLEAN_OPS = [
     _Op("aclnnMm_MatMulCommon_MatMulV2", "MatMulV2", "AI_CORE", 120.0, 8, AI_CORE_NUM, 0.86, "aten::mm"),
     _Op("aclnnAdd_AddAiCore_Add", "Add", "AI_VECTOR_CORE", 12.0, 10, AIV_NUM, 0.83, "aten::add"),
     _Op("aclnnMul_MulAiCore_Mul", "Mul", "AI_VECTOR_CORE", 10.0, 8, AIV_NUM, 0.82, "aten::mul"),
-    _Op("aclnnSoftmax_SoftmaxV2AiCore_SoftmaxV2", "SoftmaxV2", "AI_VECTOR_CORE", 30.0, 4, AIV_NUM, 0.88,
-        "aten::_softmax"),
-    _Op("aclnnRmsNorm_RmsNormAiCore_RmsNorm", "RmsNorm", "AI_VECTOR_CORE", 20.0, 4, AIV_NUM, 0.84,
-        "npu_rms_norm"),
-    _Op("aclnnFlashAttentionScore_FlashAttentionScore", "FlashAttentionScore", "MIX_AIC", 200.0, 2, AI_CORE_NUM,
-        0.83, "npu_fusion_attention"),
+    _Op(
+        "aclnnSoftmax_SoftmaxV2AiCore_SoftmaxV2",
+        "SoftmaxV2",
+        "AI_VECTOR_CORE",
+        30.0,
+        4,
+        AIV_NUM,
+        0.88,
+        "aten::_softmax",
+    ),
+    _Op(
+        "aclnnRmsNorm_RmsNormAiCore_RmsNorm",
+        "RmsNorm",
+        "AI_VECTOR_CORE",
+        20.0,
+        4,
+        AIV_NUM,
+        0.84,
+        "npu_rms_norm",
+    ),
+    _Op(
+        "aclnnFlashAttentionScore_FlashAttentionScore",
+        "FlashAttentionScore",
+        "MIX_AIC",
+        200.0,
+        2,
+        AI_CORE_NUM,
+        0.83,
+        "npu_fusion_attention",
+    ),
     _Op("aclnnCast_CastAiCore_Cast", "Cast", "AI_VECTOR_CORE", 3.0, 2, AIV_NUM, 0.81, "aten::to"),
 ]
 # The planted problems, one per advisor rule (see kit.profiling.advisor).
 PLANTED_OPS = [
     _Op("aclnnCast_CastAiCore_Cast", "Cast", "AI_VECTOR_CORE", 45.0, 4, AIV_NUM, 0.81, "aten::to"),
-    _Op("aclnnNonzero_NonZeroAiCpu_NonZero", "NonZero", "AI_CPU", 1500.0, 1, 1, float("nan"), "aten::nonzero"),
-    _Op("aclnnBatchMatMul_BatchMatMulV2", "BatchMatMulV2", "AI_CORE", 150.0, 2, AI_CORE_NUM, 0.42, "aten::bmm"),
-    _Op("aclnnPermute_TransposeAiCore_Transpose", "Transpose", "AI_VECTOR_CORE", 60.0, 2, 8, 0.85,
-        "aten::permute"),
+    _Op(
+        "aclnnNonzero_NonZeroAiCpu_NonZero", "NonZero", "AI_CPU", 1500.0, 1, 1, float("nan"), "aten::nonzero"
+    ),
+    _Op(
+        "aclnnBatchMatMul_BatchMatMulV2", "BatchMatMulV2", "AI_CORE", 150.0, 2, AI_CORE_NUM, 0.42, "aten::bmm"
+    ),
+    _Op(
+        "aclnnPermute_TransposeAiCore_Transpose",
+        "Transpose",
+        "AI_VECTOR_CORE",
+        60.0,
+        2,
+        8,
+        0.85,
+        "aten::permute",
+    ),
 ]
 PLANTED = {"cast": ["Cast"], "aicpu": ["NonZero"], "low_ratio": ["BatchMatMulV2"], "block_dim": ["Transpose"]}
 
@@ -97,24 +176,45 @@ def _kernel_rows(ops: list, steps: int, level: str, rng: random.Random) -> tuple
             wait = round(rng.uniform(0.5, 2.0), 3)
             t += wait
             task += 1
-            row = {"Step Id": step, "Device_id": 0, "Model ID": "4294967295", "Task ID": task, "Stream ID": 2,
-                   "Name": op.name, "Type": op.type, "OP State": "static", "Accelerator Core": op.core,
-                   "Start Time(us)": f"{t:.3f}\t", "Duration(us)": dur, "Wait Time(us)": wait,
-                   "Block Num": op.block, "Mix Block Num": op.block if op.core.startswith("MIX") else 0,
-                   "HF32 Eligible": "NO", "Input Shapes": '"4,128,576"', "Input Data Types": "DT_BF16",
-                   "Input Formats": "ND", "Output Shapes": '"4,128,576"', "Output Data Types": "DT_BF16",
-                   "Output Formats": "ND", "Context ID": "N/A"}
+            row = {
+                "Step Id": step,
+                "Device_id": 0,
+                "Model ID": "4294967295",
+                "Task ID": task,
+                "Stream ID": 2,
+                "Name": op.name,
+                "Type": op.type,
+                "OP State": "static",
+                "Accelerator Core": op.core,
+                "Start Time(us)": f"{t:.3f}\t",
+                "Duration(us)": dur,
+                "Wait Time(us)": wait,
+                "Block Num": op.block,
+                "Mix Block Num": op.block if op.core.startswith("MIX") else 0,
+                "HF32 Eligible": "NO",
+                "Input Shapes": '"4,128,576"',
+                "Input Data Types": "DT_BF16",
+                "Input Formats": "ND",
+                "Output Shapes": '"4,128,576"',
+                "Output Data Types": "DT_BF16",
+                "Output Formats": "ND",
+                "Context ID": "N/A",
+            }
             if level != "Level0":
                 r = _ratios(op, rng)
                 row.update(r)
                 aic = op.core in ("AI_CORE", "MIX_AIC")
-                row.update({"aicore_time(us)": round(dur * 0.95, 3) if aic else "N/A",
-                            "aic_total_cycles": int(dur * 1800) if aic else "N/A",
-                            "aic_icache_miss_rate": "0.010" if aic else "N/A",
-                            "aiv_time(us)": "N/A" if aic or op.core == "AI_CPU" else round(dur * 0.95, 3),
-                            "aiv_total_cycles": "N/A" if aic or op.core == "AI_CPU" else int(dur * 1800),
-                            "aiv_icache_miss_rate": "N/A" if aic or op.core == "AI_CPU" else "0.010",
-                            "cube_utilization(%)": f"{float(r['aic_mac_ratio']) * 100:.2f}" if aic else "N/A"})
+                row.update(
+                    {
+                        "aicore_time(us)": round(dur * 0.95, 3) if aic else "N/A",
+                        "aic_total_cycles": int(dur * 1800) if aic else "N/A",
+                        "aic_icache_miss_rate": "0.010" if aic else "N/A",
+                        "aiv_time(us)": "N/A" if aic or op.core == "AI_CPU" else round(dur * 0.95, 3),
+                        "aiv_total_cycles": "N/A" if aic or op.core == "AI_CPU" else int(dur * 1800),
+                        "aiv_icache_miss_rate": "N/A" if aic or op.core == "AI_CPU" else "0.010",
+                        "cube_utilization(%)": f"{float(r['aic_mac_ratio']) * 100:.2f}" if aic else "N/A",
+                    }
+                )
             rows.append((row, op))
             t += dur
         windows.append((start, t))
@@ -161,9 +261,14 @@ def write_sample_ascend_profile(
         out.mkdir()
         headers = ["Step Id"] + BASE_HEADERS + (METRIC_HEADERS if level != "Level0" else [])
         if legacy_headers:
-            headers = [{"Block Num": "Block Dim", "Mix Block Num": "Mix Block Dim"}.get(h, h) for h in headers
-                       if h not in ("Step Id", "Device_id")]
-            plain = [dict(r, **{"Block Dim": r["Block Num"], "Mix Block Dim": r["Mix Block Num"]}) for r, _ in rows]
+            headers = [
+                {"Block Num": "Block Dim", "Mix Block Num": "Mix Block Dim"}.get(h, h)
+                for h in headers
+                if h not in ("Step Id", "Device_id")
+            ]
+            plain = [
+                dict(r, **{"Block Dim": r["Block Num"], "Mix Block Dim": r["Mix Block Num"]}) for r, _ in rows
+            ]
         else:
             plain = [r for r, _ in rows]
         _csv(out / "kernel_details.csv", headers, plain)
@@ -177,9 +282,17 @@ def write_sample_ascend_profile(
     return out_dir / name
 
 
-OPERATOR_HEADERS = ["Name", "Input Shapes", "Call Stack", "Host Self Duration(us)", "Host Total Duration(us)",
-                    "Device Self Duration(us)", "Device Total Duration(us)",
-                    "Device Self Duration With AICore(us)", "Device Total Duration With AICore(us)"]
+OPERATOR_HEADERS = [
+    "Name",
+    "Input Shapes",
+    "Call Stack",
+    "Host Self Duration(us)",
+    "Host Total Duration(us)",
+    "Device Self Duration(us)",
+    "Device Total Duration(us)",
+    "Device Self Duration With AICore(us)",
+    "Device Total Duration With AICore(us)",
+]
 
 
 def _op_statistic(rows: list) -> list:
@@ -190,10 +303,19 @@ def _op_statistic(rows: list) -> list:
     total = sum(sum(v) for v in groups.values())
     out = []
     for (typ, core), d in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
-        out.append({"Device_id": 0, "OP Type": typ, "Core Type": core, "Count": len(d),
-                    "Total Time(us)": f"{sum(d):.3f}", "Min Time(us)": f"{min(d):.3f}",
-                    "Avg Time(us)": f"{sum(d) / len(d):.3f}", "Max Time(us)": f"{max(d):.3f}",
-                    "Ratio(%)": f"{100 * sum(d) / total:.2f}"})
+        out.append(
+            {
+                "Device_id": 0,
+                "OP Type": typ,
+                "Core Type": core,
+                "Count": len(d),
+                "Total Time(us)": f"{sum(d):.3f}",
+                "Min Time(us)": f"{min(d):.3f}",
+                "Avg Time(us)": f"{sum(d) / len(d):.3f}",
+                "Max Time(us)": f"{max(d):.3f}",
+                "Ratio(%)": f"{100 * sum(d) / total:.2f}",
+            }
+        )
     return out
 
 
@@ -203,9 +325,21 @@ def _step_trace(rows: list, windows: list) -> list:
     for i, (start, end) in enumerate(windows, start=1):
         busy = sum(float(r["Duration(us)"]) for r, _ in rows if r["Step Id"] == i)
         free = (end - start) - busy + 30.0
-        out.append({"Device_id": 0, "Step": i, "Computing": f"{busy:.3f}", "Communication(Not Overlapped)": 0,
-                    "Overlapped": 0, "Communication": 0, "Free": f"{free:.3f}", "Stage": f"{busy + free:.3f}",
-                    "Bubble": 0, "Communication(Not Overlapped and Exclude Receive)": 0, "Preparing": "12.500"})
+        out.append(
+            {
+                "Device_id": 0,
+                "Step": i,
+                "Computing": f"{busy:.3f}",
+                "Communication(Not Overlapped)": 0,
+                "Overlapped": 0,
+                "Communication": 0,
+                "Free": f"{free:.3f}",
+                "Stage": f"{busy + free:.3f}",
+                "Bubble": 0,
+                "Communication(Not Overlapped and Exclude Receive)": 0,
+                "Preparing": "12.500",
+            }
+        )
     return out
 
 
@@ -214,11 +348,19 @@ def _operator_details(rows: list) -> list:
     out = []
     for r, op in rows:
         d = float(r["Duration(us)"])
-        out.append({"Name": op.torch_op, "Input Shapes": '"[4, 128, 576]"', "Call Stack": "",
-                    "Host Self Duration(us)": "8.000", "Host Total Duration(us)": "10.000",
-                    "Device Self Duration(us)": f"{d:.3f}", "Device Total Duration(us)": f"{d:.3f}",
-                    "Device Self Duration With AICore(us)": f"{d:.3f}" if op.core != "AI_CPU" else "0.000",
-                    "Device Total Duration With AICore(us)": f"{d:.3f}" if op.core != "AI_CPU" else "0.000"})
+        out.append(
+            {
+                "Name": op.torch_op,
+                "Input Shapes": '"[4, 128, 576]"',
+                "Call Stack": "",
+                "Host Self Duration(us)": "8.000",
+                "Host Total Duration(us)": "10.000",
+                "Device Self Duration(us)": f"{d:.3f}",
+                "Device Total Duration(us)": f"{d:.3f}",
+                "Device Self Duration With AICore(us)": f"{d:.3f}" if op.core != "AI_CPU" else "0.000",
+                "Device Total Duration With AICore(us)": f"{d:.3f}" if op.core != "AI_CPU" else "0.000",
+            }
+        )
     return out
 
 
@@ -231,29 +373,68 @@ def _trace_view(rows: list, windows: list) -> list:
         {"ph": "M", "name": "process_name", "pid": 3, "tid": 0, "args": {"name": "Overlap Analysis"}},
     ]
     for i, (start, end) in enumerate(windows, start=1):
-        ev.append({"ph": "X", "name": f"ProfilerStep#{i}", "pid": 1, "tid": 1, "ts": f"{start - 20:.3f}",
-                   "dur": end - start + 25, "cat": "cpu_op", "args": {}})
+        ev.append(
+            {
+                "ph": "X",
+                "name": f"ProfilerStep#{i}",
+                "pid": 1,
+                "tid": 1,
+                "ts": f"{start - 20:.3f}",
+                "dur": end - start + 25,
+                "cat": "cpu_op",
+                "args": {},
+            }
+        )
     for r, _ in rows:
         ts = r["Start Time(us)"].strip()
-        ev.append({"ph": "X", "name": r["Name"], "pid": 2, "tid": 2, "ts": ts, "dur": float(r["Duration(us)"]),
-                   "args": {"Task Type": r["Accelerator Core"], "Stream Id": 2, "Task Id": r["Task ID"]}})
-        ev.append({"ph": "X", "name": "Computing", "pid": 3, "tid": 1, "ts": ts, "dur": float(r["Duration(us)"])})
+        ev.append(
+            {
+                "ph": "X",
+                "name": r["Name"],
+                "pid": 2,
+                "tid": 2,
+                "ts": ts,
+                "dur": float(r["Duration(us)"]),
+                "args": {"Task Type": r["Accelerator Core"], "Stream Id": 2, "Task Id": r["Task ID"]},
+            }
+        )
+        ev.append(
+            {"ph": "X", "name": "Computing", "pid": 3, "tid": 1, "ts": ts, "dur": float(r["Duration(us)"])}
+        )
     return ev
 
 
 def _write_side_files(root: Path, level: str) -> None:
     """profiler_info.json, profiler_metadata.json and the PROF_* device info that carries the core counts."""
-    info = {"config": {"common_config": {"activities": ["CPU", "NPU"], "schedule": {"wait": 1, "warmup": 1,
-            "active": 5, "repeat": 1, "skip_first": 0}}, "experimental_config": {"_profiler_level": level,
-            "_aic_metrics": "ACL_AICORE_NONE" if level == "Level0" else "ACL_AICORE_PIPE_UTILIZATION"}},
-            "sample": "built by kit.profiling.sample; numbers are invented"}
+    info = {
+        "config": {
+            "common_config": {
+                "activities": ["CPU", "NPU"],
+                "schedule": {"wait": 1, "warmup": 1, "active": 5, "repeat": 1, "skip_first": 0},
+            },
+            "experimental_config": {
+                "_profiler_level": level,
+                "_aic_metrics": "ACL_AICORE_NONE" if level == "Level0" else "ACL_AICORE_PIPE_UTILIZATION",
+            },
+        },
+        "sample": "built by kit.profiling.sample; numbers are invented",
+    }
     (root / "profiler_info.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
-    (root / "profiler_metadata.json").write_text(json.dumps({"torch_npu_version": "2.13.0"}), encoding="utf-8")
+    (root / "profiler_metadata.json").write_text(
+        json.dumps({"torch_npu_version": "2.13.0"}), encoding="utf-8"
+    )
     dev = root / "PROF_000001_20260101120000000_SAMPLEKIT" / "device_0"
     dev.mkdir(parents=True)
-    (dev / "info.json.0").write_text(json.dumps({"DeviceInfo": [{"id": 0, "ai_core_num": AI_CORE_NUM,
-                                                                  "aiv_num": AIV_NUM, "hwts_frequency": "50"}]}),
-                                     encoding="utf-8")
+    (dev / "info.json.0").write_text(
+        json.dumps(
+            {
+                "DeviceInfo": [
+                    {"id": 0, "ai_core_num": AI_CORE_NUM, "aiv_num": AIV_NUM, "hwts_frequency": "50"}
+                ]
+            }
+        ),
+        encoding="utf-8",
+    )
 
 
 def sample_profile_dir() -> Optional[Path]:
@@ -269,8 +450,10 @@ def ensure_sample_profile(path: Optional[PathLike] = None, workspace=None, clean
     """`path` if given; else the shipped sample (clean=False), or one generated into the workspace's profiles/."""
     if path:
         if not Path(path).exists():
-            raise FileNotFoundError(f"profile {path} does not exist; pass a *_ascend_pt folder or leave it empty "
-                                    f"for the shipped sample.")
+            raise FileNotFoundError(
+                f"profile {path} does not exist; pass a *_ascend_pt folder or leave it empty "
+                f"for the shipped sample."
+            )
         return Path(path)
     shipped = None if clean else sample_profile_dir()
     if shipped is not None:

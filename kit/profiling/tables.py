@@ -19,7 +19,9 @@ def compute_kernels(data: ProfileData) -> pd.DataFrame:
 def operator_table(data: ProfileData, by: str = "type", sort: str = "total_us", top=None) -> pd.DataFrame:
     """Aggregate kernels by operator `type` (+core) or by kernel `name`; share_pct of all computation time."""
     if by not in ("type", "name"):
-        raise ValueError(f"by={by!r}: use 'type' (one row per operator type and core) or 'name' (per kernel name)")
+        raise ValueError(
+            f"by={by!r}: use 'type' (one row per operator type and core) or 'name' (per kernel name)"
+        )
     if sort not in ("total_us", "avg_us", "max_us", "calls"):
         raise ValueError(f"sort={sort!r}: use total_us, avg_us, max_us or calls")
     k = compute_kernels(data)
@@ -34,7 +36,9 @@ def operator_table(data: ProfileData, by: str = "type", sort: str = "total_us", 
         table = g.agg(calls="count", total_us="sum", avg_us="mean", min_us="min", max_us="max").reset_index()
         if by == "type":
             # the kernel name that took most of the type's time, so a row can be found in the trace
-            top_name = k.groupby(["type", "core", "name"], sort=False, observed=True)["dur_us"].sum().reset_index()
+            top_name = (
+                k.groupby(["type", "core", "name"], sort=False, observed=True)["dur_us"].sum().reset_index()
+            )
             top_name = top_name.sort_values("dur_us").drop_duplicates(["type", "core"], keep="last")
             table = table.merge(top_name[["type", "core", "name"]], on=["type", "core"], how="left")
         total = float(k["dur_us"].sum())

@@ -3,4 +3,11 @@
 from kit.samples.models import demo_model_dir, tiny_llama
 from kit.samples.paths import DATA_SAMPLES, pretrain_corpus, sample_tokenizer_dir, sft_alpaca
 
-__all__ = ["DATA_SAMPLES", "demo_model_dir", "pretrain_corpus", "sample_tokenizer_dir", "sft_alpaca", "tiny_llama"]
+__all__ = [
+    "DATA_SAMPLES",
+    "demo_model_dir",
+    "pretrain_corpus",
+    "sample_tokenizer_dir",
+    "sft_alpaca",
+    "tiny_llama",
+]

@@ -39,8 +39,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.what == "tiny":
         from kit.samples.models import tiny_llama
 
-        print(tiny_llama(args.out, num_kv_heads=args.num_kv_heads, tie_word_embeddings=args.tie, seed=args.seed,
-                         overwrite=args.overwrite))
+        print(
+            tiny_llama(
+                args.out,
+                num_kv_heads=args.num_kv_heads,
+                tie_word_embeddings=args.tie,
+                seed=args.seed,
+                overwrite=args.overwrite,
+            )
+        )
     else:
         from kit.samples.models import demo_model_dir
 

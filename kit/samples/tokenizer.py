@@ -6,11 +6,28 @@ from pathlib import Path
 from typing import Iterable
 
 # Role and template tokens of the chat formats the data stage supports, so each renders as one token.
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>",
-                  "<_system>", "<_user>", "<_bot>", "<end>",  # TeleChat-style (seed 000)
-                  "<|im_start|>", "<|im_end|>",  # ChatML / Qwen
-                  "[gMASK]", "sop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",  # ChatGLM3
-                  "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"]  # Llama-2 chat
+SPECIAL_TOKENS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "<_system>",
+    "<_user>",
+    "<_bot>",
+    "<end>",  # TeleChat-style (seed 000)
+    "<|im_start|>",
+    "<|im_end|>",  # ChatML / Qwen
+    "[gMASK]",
+    "sop",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",  # ChatGLM3
+    "[INST]",
+    "[/INST]",
+    "<<SYS>>",
+    "<</SYS>>",
+]  # Llama-2 chat
 # ChatML as the tokenizer's own template, so "use the tokenizer's chat_template" has something to use.
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -26,11 +43,22 @@ def train_sample_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=SPECIAL_TOKENS[4:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
     fast.chat_template = CHATML_TEMPLATE
     out = Path(out_dir)
     fast.save_pretrained(out)

@@ -72,7 +72,9 @@ def save(engine, ckpt_root: Path, iteration: int, trainer_state: dict) -> Path:
     _barrier()
     final = ckpt_root / tag_of(iteration)
     if rank == 0:
-        atomic_write_text(ckpt_root / partial_tag / "trainer_state.json", json.dumps(trainer_state, indent=2) + "\n")
+        atomic_write_text(
+            ckpt_root / partial_tag / "trainer_state.json", json.dumps(trainer_state, indent=2) + "\n"
+        )
         if final.exists():
             old = ckpt_root / f".old-{tag_of(iteration)}-{os.getpid()}"
             os.replace(final, old)
@@ -94,13 +96,18 @@ def load(engine, ckpt_root: Path, iteration: Optional[int] = None) -> dict:
     ckpt_root = Path(ckpt_root)
     iteration = latest_iteration(ckpt_root) if iteration is None else iteration
     if iteration is None or not (ckpt_root / tag_of(iteration)).is_dir():
-        raise FileNotFoundError(f"no checkpoint to resume in {ckpt_root} (iteration {iteration}); "
-                                f"train with RUN_TYPE=pretrain/sft/lora first.")
+        raise FileNotFoundError(
+            f"no checkpoint to resume in {ckpt_root} (iteration {iteration}); "
+            f"train with RUN_TYPE=pretrain/sft/lora first."
+        )
     folder = ckpt_root / tag_of(iteration)
-    path, _ = engine.load_checkpoint(str(ckpt_root), tag=tag_of(iteration), load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    path, _ = engine.load_checkpoint(
+        str(ckpt_root), tag=tag_of(iteration), load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load {folder}; it may be from another ZeRO stage or world size.")
+        raise RuntimeError(
+            f"DeepSpeed could not load {folder}; it may be from another ZeRO stage or world size."
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = folder / f"rng_state_rank{rank}.pt"
     if rng_file.is_file():  # absent when resuming with more ranks than saved: data order stays exact, RNG not

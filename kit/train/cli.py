@@ -10,33 +10,54 @@ import sys
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="a config.json written by the kit (TrainConfig fields)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, seed spelling (e.g. --set TRAIN_ITERS=200 --set MBS=1); repeatable")
-    p.add_argument("--no-env", action="store_true",
-                   help="ignore MODEL_TYPE/RUN_TYPE/... environment variables (by default they override, "
-                        "as with the seed's `MODEL_TYPE=... sh script.sh`)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, seed spelling (e.g. --set TRAIN_ITERS=200 --set MBS=1); repeatable",
+    )
+    p.add_argument(
+        "--no-env",
+        action="store_true",
+        help="ignore MODEL_TYPE/RUN_TYPE/... environment variables (by default they override, "
+        "as with the seed's `MODEL_TYPE=... sh script.sh`)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train with DeepSpeed (kit trainer) or build the Megatron/MindSpeed command")
+    p = sub.add_parser(
+        "train", help="train with DeepSpeed (kit trainer) or build the Megatron/MindSpeed command"
+    )
     s = p.add_subparsers(dest="what", required=True)
     r = s.add_parser("run", help="train in this process (also what each rank of a launched job runs)")
     _add_config_args(r)
     r.add_argument("--no-progress", action="store_true", help="no progress bar (launched jobs)")
-    la = s.add_parser("launch", help="validate, then run NPROC_PER_NODE ranks with torchrun / the DeepSpeed launcher")
+    la = s.add_parser(
+        "launch", help="validate, then run NPROC_PER_NODE ranks with torchrun / the DeepSpeed launcher"
+    )
     _add_config_args(la)
     la.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun")
     la.add_argument("--visible-devices", default=None, help="cards for this node, e.g. 0,1,2,3")
-    m = s.add_parser("megatron", help="print (or run) the AscendCloud script / pretrain_gpt.py command for the config")
+    m = s.add_parser(
+        "megatron", help="print (or run) the AscendCloud script / pretrain_gpt.py command for the config"
+    )
     _add_config_args(m)
-    m.add_argument("--code-dir", default=None, help="llm_train/AscendSpeed of the AscendCloud package "
-                                                    "(default: <WORK_DIR>/llm_train/AscendSpeed)")
-    m.add_argument("--script", default=None, help="scripts/<model>/<name>.sh to drive with the seed's variables")
+    m.add_argument(
+        "--code-dir",
+        default=None,
+        help="llm_train/AscendSpeed of the AscendCloud package (default: <WORK_DIR>/llm_train/AscendSpeed)",
+    )
+    m.add_argument(
+        "--script", default=None, help="scripts/<model>/<name>.sh to drive with the seed's variables"
+    )
     m.add_argument("--load", default=None, help="converted Megatron checkpoint folder (notebook 03)")
     m.add_argument("--execute", action="store_true", help="run it (needs the code package and NPUs)")
     lg = s.add_parser("log", help="parse a kit or Megatron/MindSpeed training log and print its summary")
     lg.add_argument("logs", nargs="+")
-    lg.add_argument("--seq-len", type=int, default=None, help="SEQ_LEN, to compute tokens/s/p for Megatron logs")
+    lg.add_argument(
+        "--seq-len", type=int, default=None, help="SEQ_LEN, to compute tokens/s/p for Megatron logs"
+    )
     lg.add_argument("--cards", type=int, default=None, help="cards of the run, to compute tokens/s/p")
     lg.add_argument("--csv", default=None, help="write the per-iteration table of the first log here")
     p.set_defaults(func=run)
@@ -73,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
         if args.what == "launch":
             from kit.train.launch import launch
 
-            res = launch(cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True,
-                         progress=False)
+            res = launch(
+                cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
+            )
             return res.returncode
         from kit.train.megatron import build, execute
 

@@ -30,9 +30,25 @@ SEED_ENV = {
     "WORK_DIR": "work_dir",
 }
 # The kit's extra knobs have the same upper-case spelling in notebooks and on the command line (--set LR=1e-4).
-_INT_FIELDS = {"train_iters", "mbs", "gbs", "tp", "pp", "seq_len", "nnodes", "node_rank", "nproc_per_node",
-               "master_port", "zero_stage", "warmup_iters", "save_interval", "log_interval", "seed", "lora_r",
-               "lora_alpha"}
+_INT_FIELDS = {
+    "train_iters",
+    "mbs",
+    "gbs",
+    "tp",
+    "pp",
+    "seq_len",
+    "nnodes",
+    "node_rank",
+    "nproc_per_node",
+    "master_port",
+    "zero_stage",
+    "warmup_iters",
+    "save_interval",
+    "log_interval",
+    "seed",
+    "lora_r",
+    "lora_alpha",
+}
 _FLOAT_FIELDS = {"lr", "min_lr", "weight_decay", "clip_grad", "lora_dropout"}
 _BOOL_FIELDS = {"adapt", "overwrite", "save_hf"}
 
@@ -43,8 +59,12 @@ class TrainConfig:
 
     run_type: str = "sft"  # pretrain | retrain (resume the latest checkpoint) | sft | lora
     resume_from: str = "pretrain"  # retrain only: the run folder to resume (pretrain | sft | lora)
-    model_type: str = "demo"  # model name: the workspace folder under saved_dir_for_ma_output/ (seed: 6B, GLM3-6B)
-    dataset_path: str = ""  # a prepared `<name>_hf` folder from notebook 02 (Megatron engine: the bin/idx prefix)
+    model_type: str = (
+        "demo"  # model name: the workspace folder under saved_dir_for_ma_output/ (seed: 6B, GLM3-6B)
+    )
+    dataset_path: str = (
+        ""  # a prepared `<name>_hf` folder from notebook 02 (Megatron engine: the bin/idx prefix)
+    )
     tokenizer_path: str = ""  # tokenizer folder; empty = the model folder's own tokenizer
     model_path: str = ""  # HF folder to start from (demo model, converted checkpoint, any local HF model)
     train_iters: int = 200  # optimizer steps in total (retrain: the new total, counted from iteration 0)
@@ -61,7 +81,9 @@ class TrainConfig:
     master_port: int = 0  # rendezvous port; 0 = a free one (one node) or 6000 (several nodes: same on each)
     engine: str = "deepspeed"  # deepspeed (kit trainer) | megatron (AscendCloud / MindSpeed-LLM scripts)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    dtype: str = "auto"  # auto (bf16 on NPU/GPU with bf16, fp16 otherwise, fp32 on CPU) | bfloat16 | float16 | float32
+    dtype: str = (
+        "auto"  # auto (bf16 on NPU/GPU with bf16, fp16 otherwise, fp32 on CPU) | bfloat16 | float16 | float32
+    )
     lr: float = 1e-5  # peak learning rate
     min_lr: float = 0.0  # learning rate at the end of the cosine decay
     warmup_iters: int = 0  # linear warm-up steps
@@ -70,11 +92,15 @@ class TrainConfig:
     seed: int = 1234  # data order and RNG seed
     save_interval: int = 0  # checkpoint every N steps (0 = only at the end, on SIGTERM)
     log_interval: int = 1  # print a Megatron-style line every N steps
-    adapt: bool = True  # patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU
+    adapt: bool = (
+        True  # patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU
+    )
     lora_r: int = 8  # LoRA rank (RUN_TYPE lora)
     lora_alpha: int = 16  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
-    lora_targets: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # LoRA modules
+    lora_targets: list = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )  # LoRA modules
     save_hf: bool = True  # at the end, save a plain HF folder (LoRA: merged weights) beside the checkpoints
     overwrite: bool = False  # allow starting over into an output folder that already holds checkpoints
 
@@ -123,16 +149,24 @@ class TrainConfig:
         if self.nnodes >= 1 and not 0 <= self.node_rank < self.nnodes:
             p.append(f"NODE_RANK={self.node_rank} must be in 0..NNODES-1 (NNODES={self.nnodes}).")
         if self.nnodes > 1 and self.master_addr in ("", "localhost", "127.0.0.1"):
-            p.append(f"NNODES={self.nnodes} needs MASTER_ADDR set to node 0's IP address (got {self.master_addr!r}).")
+            p.append(
+                f"NNODES={self.nnodes} needs MASTER_ADDR set to node 0's IP address (got {self.master_addr!r})."
+            )
         if self.tp >= 1 and self.pp >= 1 and self.world_size % (self.tp * self.pp):
-            p.append(f"world size {self.world_size} (NNODES={self.nnodes} x NPROC_PER_NODE={self.nproc_per_node}) is "
-                     f"not divisible by TP x PP = {self.tp} x {self.pp}; change TP/PP or the number of cards.")
+            p.append(
+                f"world size {self.world_size} (NNODES={self.nnodes} x NPROC_PER_NODE={self.nproc_per_node}) is "
+                f"not divisible by TP x PP = {self.tp} x {self.pp}; change TP/PP or the number of cards."
+            )
         if self.mbs >= 1 and self.gbs >= 1 and self.gbs % (self.mbs * self.dp):
-            p.append(f"GBS={self.gbs} is not divisible by MBS x DP = {self.mbs} x {self.dp}; "
-                     f"use GBS = a multiple of {self.mbs * self.dp}.")
+            p.append(
+                f"GBS={self.gbs} is not divisible by MBS x DP = {self.mbs} x {self.dp}; "
+                f"use GBS = a multiple of {self.mbs * self.dp}."
+            )
         if self.engine == "deepspeed" and (self.tp != 1 or self.pp != 1):
-            p.append(f"TP={self.tp}, PP={self.pp}: the kit's DeepSpeed engine is data-parallel only (TP=PP=1); "
-                     f"use ENGINE='megatron' for tensor/pipeline parallelism, or ZERO_STAGE=3 to shard a big model.")
+            p.append(
+                f"TP={self.tp}, PP={self.pp}: the kit's DeepSpeed engine is data-parallel only (TP=PP=1); "
+                f"use ENGINE='megatron' for tensor/pipeline parallelism, or ZERO_STAGE=3 to shard a big model."
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             p.append(f"ZERO_STAGE={self.zero_stage} is not one of 0, 1, 2, 3.")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -143,12 +177,17 @@ class TrainConfig:
             p.append(f"WARMUP_ITERS={self.warmup_iters} is more than TRAIN_ITERS={self.train_iters}.")
         if self.clip_grad < 0 or self.weight_decay < 0:
             p.append(f"CLIP_GRAD={self.clip_grad}, WEIGHT_DECAY={self.weight_decay} must be >= 0.")
-        if self.run_type == "lora" and (self.lora_r < 1 or self.lora_alpha < 1 or not self.lora_targets
-                                        or not 0 <= self.lora_dropout < 1):
-            p.append(f"LoRA needs LORA_R >= 1, LORA_ALPHA >= 1, 0 <= LORA_DROPOUT < 1 and LORA_TARGETS non-empty "
-                     f"(got {self.lora_r}, {self.lora_alpha}, {self.lora_dropout}, {self.lora_targets}).")
+        if self.run_type == "lora" and (
+            self.lora_r < 1 or self.lora_alpha < 1 or not self.lora_targets or not 0 <= self.lora_dropout < 1
+        ):
+            p.append(
+                f"LoRA needs LORA_R >= 1, LORA_ALPHA >= 1, 0 <= LORA_DROPOUT < 1 and LORA_TARGETS non-empty "
+                f"(got {self.lora_r}, {self.lora_alpha}, {self.lora_dropout}, {self.lora_targets})."
+            )
         if not self.model_type:
-            p.append("MODEL_TYPE is required (the model's folder name in the workspace, e.g. 'demo' or 'GLM3-6B').")
+            p.append(
+                "MODEL_TYPE is required (the model's folder name in the workspace, e.g. 'demo' or 'GLM3-6B')."
+            )
         if self.engine == "deepspeed":
             p.extend(_path_problems(self))
         return p
@@ -170,12 +209,16 @@ def _path_problems(cfg: TrainConfig) -> list:
 
         out = cfg.output_dir()
         if latest_iteration(out / "checkpoints") is None:
-            p.append(f"RUN_TYPE=retrain but {out / 'checkpoints'} holds no checkpoint; run RUN_TYPE=pretrain (or "
-                     f"sft/lora into that folder) first, or check MODEL_TYPE={cfg.model_type!r} and WORK_DIR.")
+            p.append(
+                f"RUN_TYPE=retrain but {out / 'checkpoints'} holds no checkpoint; run RUN_TYPE=pretrain (or "
+                f"sft/lora into that folder) first, or check MODEL_TYPE={cfg.model_type!r} and WORK_DIR."
+            )
         return p
     if not cfg.model_path:
-        p.append("MODEL_PATH is required: an HF model folder (notebook 03's output, the demo model, or any local "
-                 "HF checkpoint).")
+        p.append(
+            "MODEL_PATH is required: an HF model folder (notebook 03's output, the demo model, or any local "
+            "HF checkpoint)."
+        )
     elif not (Path(cfg.model_path) / "config.json").is_file():
         p.append(f"MODEL_PATH={cfg.model_path!r} has no config.json; point it at an HF model folder.")
     if not cfg.dataset_path:
@@ -186,8 +229,10 @@ def _path_problems(cfg: TrainConfig) -> list:
         try:
             read_meta(cfg.dataset_path)
         except FileNotFoundError:
-            p.append(f"DATASET_PATH={cfg.dataset_path!r} has no meta.json (not a prepared `<name>_hf` folder); "
-                     f"prepare it with notebook 02 / `python -m kit data ...`.")
+            p.append(
+                f"DATASET_PATH={cfg.dataset_path!r} has no meta.json (not a prepared `<name>_hf` folder); "
+                f"prepare it with notebook 02 / `python -m kit data ...`."
+            )
     if cfg.tokenizer_path and not Path(cfg.tokenizer_path).is_dir():
         p.append(f"TOKENIZER_PATH={cfg.tokenizer_path!r} is not a folder.")
     if p:
@@ -219,7 +264,9 @@ def from_env(environ: Optional[Mapping] = None, extra: Sequence = (), **override
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(k for k in list(overrides) + [e.lower() for e in extra] if k.lower() not in names)
     if unknown:
-        raise TypeError(f"unknown training parameter(s) {unknown}; allowed: {sorted(n.upper() for n in names)}")
+        raise TypeError(
+            f"unknown training parameter(s) {unknown}; allowed: {sorted(n.upper() for n in names)}"
+        )
     values = {k.lower(): v for k, v in overrides.items()}
     readable = set(SEED_ENV) | {e.upper() for e in extra}
     for f in fields(TrainConfig):

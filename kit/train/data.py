@@ -41,12 +41,16 @@ def dataset_problems(cfg) -> list:
         return [f"DATASET_PATH={cfg.dataset_path!r} cannot be loaded: {exc}"]
     want = KIND_FOR_RUN.get(cfg.run_type)
     if want and meta.get("kind") != want:
-        p.append(f"DATASET_PATH holds {meta.get('kind')!r} data but RUN_TYPE={cfg.run_type} needs {want!r} data "
-                 f"(prepare it in notebook 02 with the matching kind).")
+        p.append(
+            f"DATASET_PATH holds {meta.get('kind')!r} data but RUN_TYPE={cfg.run_type} needs {want!r} data "
+            f"(prepare it in notebook 02 with the matching kind)."
+        )
     length = int(meta.get("max_length", 0))
     if cfg.seq_len and cfg.seq_len != length:
-        p.append(f"SEQ_LEN={cfg.seq_len} but the dataset was prepared with max_length={length}; set SEQ_LEN=0 "
-                 f"(use the dataset's) or re-prepare the data with max_length={cfg.seq_len}.")
+        p.append(
+            f"SEQ_LEN={cfg.seq_len} but the dataset was prepared with max_length={length}; set SEQ_LEN=0 "
+            f"(use the dataset's) or re-prepare the data with max_length={cfg.seq_len}."
+        )
     if len(ds) == 0:
         p.append(f"DATASET_PATH={cfg.dataset_path!r} has no samples.")
     model_cfg = AutoConfig.from_pretrained(cfg.model_path)
@@ -58,13 +62,17 @@ def dataset_problems(cfg) -> list:
         p.append(f"TOKENIZER_PATH={tok_dir!r} has no loadable tokenizer ({exc}).")
         tok_vocab = 0
     if tok_vocab > model_vocab:
-        p.append(f"tokenizer {tok_dir} has {tok_vocab} tokens but the model's vocab_size is {model_vocab}; use the "
-                 f"model's own tokenizer or resize the embeddings first.")
+        p.append(
+            f"tokenizer {tok_dir} has {tok_vocab} tokens but the model's vocab_size is {model_vocab}; use the "
+            f"model's own tokenizer or resize the embeddings first."
+        )
     if len(ds) and model_vocab:
         top = max_token_id(ds)
         if top >= model_vocab:
-            p.append(f"DATASET_PATH contains token id {top} >= model vocab_size {model_vocab}: the data was "
-                     f"tokenized with another tokenizer ({meta.get('tokenizer')}); re-prepare it with the model's.")
+            p.append(
+                f"DATASET_PATH contains token id {top} >= model vocab_size {model_vocab}: the data was "
+                f"tokenized with another tokenizer ({meta.get('tokenizer')}); re-prepare it with the model's."
+            )
     return p
 
 
@@ -93,7 +101,7 @@ def micro_batches(ds, iteration: int, cfg, rank: int) -> Iterator[dict]:
     idx = global_batch_indices(iteration, cfg.gbs, len(ds), cfg.seed)
     per_micro = cfg.mbs * cfg.dp
     for m in range(cfg.grad_accum):
-        chunk = idx[m * per_micro + rank * cfg.mbs: m * per_micro + (rank + 1) * cfg.mbs]
+        chunk = idx[m * per_micro + rank * cfg.mbs : m * per_micro + (rank + 1) * cfg.mbs]
         yield ds[chunk]
 
 

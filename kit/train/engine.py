@@ -29,15 +29,26 @@ def init_distributed(info) -> tuple:
 
     if info.kind == "npu" and not os.environ.get("ASCEND_HOME_PATH"):
         # DeepSpeed's NPU op builders read os.environ["ASCEND_HOME_PATH"] unguarded (npu_anchors.md section 5).
-        raise RuntimeError("ASCEND_HOME_PATH is not set: source CANN's set_env.sh (/usr/local/Ascend/cann/set_env.sh "
-                           "or /usr/local/Ascend/ascend-toolkit/set_env.sh) before training; notebook 00 shows how.")
+        raise RuntimeError(
+            "ASCEND_HOME_PATH is not set: source CANN's set_env.sh (/usr/local/Ascend/cann/set_env.sh "
+            "or /usr/local/Ascend/ascend-toolkit/set_env.sh) before training; notebook 00 shows how."
+        )
     if not dist.is_initialized():
-        launched = "LOCAL_WORLD_SIZE" in os.environ or "LOCAL_SIZE" in os.environ  # torchrun / DeepSpeed launcher
+        launched = (
+            "LOCAL_WORLD_SIZE" in os.environ or "LOCAL_SIZE" in os.environ
+        )  # torchrun / DeepSpeed launcher
         if not launched:
             # Always a fresh port: a kernel started from a process that trained in-process inherits its
             # MASTER_PORT, which that process still holds.
-            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(free_port())})
+            os.environ.update(
+                {
+                    "RANK": "0",
+                    "WORLD_SIZE": "1",
+                    "LOCAL_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port()),
+                }
+            )
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
@@ -59,8 +70,14 @@ def ds_config(cfg, dtype: str) -> dict:
     if dtype == "bfloat16":
         conf["bf16"] = {"enabled": True}
     elif dtype == "float16":
-        conf["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                        "hysteresis": 2, "min_loss_scale": 1}
+        conf["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     if cfg.zero_stage == 3:
         conf["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True})
     return conf
@@ -85,8 +102,10 @@ def adapt(model) -> Optional[object]:
     try:
         from kit.adapt import adapt_model
     except ImportError as exc:
-        raise RuntimeError(f"ADAPT=True needs kit.adapt (the NPU-ops stage), which cannot be imported ({exc}); "
-                           f"set ADAPT=False to train the plain HF model.") from exc
+        raise RuntimeError(
+            f"ADAPT=True needs kit.adapt (the NPU-ops stage), which cannot be imported ({exc}); "
+            f"set ADAPT=False to train the plain HF model."
+        ) from exc
     return adapt_model(model)
 
 
@@ -120,10 +139,17 @@ def build_model(cfg, torch_dtype=None):
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         missing = [t for t in cfg.lora_targets if t not in names]
         if missing:
-            raise ValueError(f"LORA_TARGETS {missing} are not module names of {cfg.model_path}; it has e.g. "
-                             f"{sorted(n for n in names if n.endswith('proj'))[:8]}.")
-        lora = LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                          lora_dropout=cfg.lora_dropout, target_modules=list(cfg.lora_targets))
+            raise ValueError(
+                f"LORA_TARGETS {missing} are not module names of {cfg.model_path}; it has e.g. "
+                f"{sorted(n for n in names if n.endswith('proj'))[:8]}."
+            )
+        lora = LoraConfig(
+            task_type="CAUSAL_LM",
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=list(cfg.lora_targets),
+        )
         model = get_peft_model(model, lora)
     return model, report
 
@@ -134,10 +160,13 @@ def build_engine(cfg, model, dtype: str):
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config(cfg, dtype))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg, dtype)
+    )
     return engine
 
 

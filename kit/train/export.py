@@ -41,8 +41,15 @@ def export_hf(module, out_dir: PathLike, tokenizer_dir: PathLike, zero_stage: in
     return out_dir
 
 
-def export_lora(module, adapter_dir: PathLike, merged_dir: PathLike, base_path: PathLike, tokenizer_dir: PathLike,
-                zero_stage: int = 0, rank: int = 0) -> tuple:
+def export_lora(
+    module,
+    adapter_dir: PathLike,
+    merged_dir: PathLike,
+    base_path: PathLike,
+    tokenizer_dir: PathLike,
+    zero_stage: int = 0,
+    rank: int = 0,
+) -> tuple:
     """Save the LoRA adapter, then merge it into a fresh copy of the base model and save that as plain HF."""
     from peft import get_peft_model_state_dict
 
@@ -57,8 +64,9 @@ def export_lora(module, adapter_dir: PathLike, merged_dir: PathLike, base_path: 
     return adapter_dir, merged_dir
 
 
-def merge_lora(base_path: PathLike, adapter_dir: PathLike, out_dir: PathLike,
-               tokenizer_dir: Optional[PathLike] = None) -> Path:
+def merge_lora(
+    base_path: PathLike, adapter_dir: PathLike, out_dir: PathLike, tokenizer_dir: Optional[PathLike] = None
+) -> Path:
     """base + adapter -> one plain HF folder (W + B·A·alpha/r folded into each target weight), fp32 on CPU."""
     from peft import PeftModel
 
@@ -82,11 +90,19 @@ def generate(model_dir: PathLike, prompt: str, max_new_tokens: int = 32, chat: b
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_causal_lm(model_dir).eval()
     if chat and tok.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
     else:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

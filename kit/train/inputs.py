@@ -25,8 +25,14 @@ def find_prepared(ws, kind: str, seq_len: int, tokenizer: PathLike) -> Optional[
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def prepare_inputs(ws, model_path: Optional[PathLike] = None, dataset_path: Optional[PathLike] = None,
-                   seq_len: int = 256, kind: str = "sft", max_records: Optional[int] = None) -> Tuple[Path, Path]:
+def prepare_inputs(
+    ws,
+    model_path: Optional[PathLike] = None,
+    dataset_path: Optional[PathLike] = None,
+    seq_len: int = 256,
+    kind: str = "sft",
+    max_records: Optional[int] = None,
+) -> Tuple[Path, Path]:
     """(model folder, prepared data folder): given ones are checked; missing ones come from the samples.
 
     The model defaults to the demo model (SmolLM2-135M-Instruct). Data: notebook 02's output for this model's
@@ -37,8 +43,10 @@ def prepare_inputs(ws, model_path: Optional[PathLike] = None, dataset_path: Opti
 
     model = Path(model_path) if model_path else demo_model_dir()
     if not (model / "config.json").is_file():
-        raise FileNotFoundError(f"MODEL_PATH={str(model)!r} has no config.json; give an HF model folder (notebook "
-                                f"03's output) or None for the demo model.")
+        raise FileNotFoundError(
+            f"MODEL_PATH={str(model)!r} has no config.json; give an HF model folder (notebook "
+            f"03's output) or None for the demo model."
+        )
     if dataset_path:
         return model, Path(dataset_path)
     found = find_prepared(ws, kind, seq_len, model)
@@ -48,8 +56,17 @@ def prepare_inputs(ws, model_path: Optional[PathLike] = None, dataset_path: Opti
     from kit.data import DataConfig, prepare
 
     name = f"{kind}_sample_{model.name}_{seq_len}".replace(".", "_")
-    print(f"no prepared {kind} data for {model.name} at SEQ_LEN={seq_len} in the workspace (notebook 02 makes it); "
-          f"preparing the shipped sample now as {name}_hf")
-    cfg = DataConfig(kind=kind, name=name, tokenizer=str(model), max_length=seq_len, template="tokenizer",
-                     max_records=max_records, overwrite=True)
+    print(
+        f"no prepared {kind} data for {model.name} at SEQ_LEN={seq_len} in the workspace (notebook 02 makes it); "
+        f"preparing the shipped sample now as {name}_hf"
+    )
+    cfg = DataConfig(
+        kind=kind,
+        name=name,
+        tokenizer=str(model),
+        max_length=seq_len,
+        template="tokenizer",
+        max_records=max_records,
+        overwrite=True,
+    )
     return model, prepare(cfg, ws, progress=False).hf_dir

@@ -30,7 +30,9 @@ NPU_ENV = {
 }
 
 
-STATUS_PREFIX = "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
+STATUS_PREFIX = (
+    "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
+)
 
 
 def job_config(cfg: TrainConfig) -> TrainConfig:
@@ -48,16 +50,41 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
 def launch_command(cfg: TrainConfig, config_path: Path, launcher: str = "torchrun") -> list:
     """argv that runs `python -m kit train run --config <file>` on NPROC_PER_NODE processes of this node."""
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.nnodes}",
-                f"--node_rank={cfg.node_rank}", f"--nproc_per_node={cfg.nproc_per_node}",
-                f"--master_addr={cfg.master_addr}", f"--master_port={cfg.master_port}",
-                "-m", "kit", "train", "run", "--config", str(config_path), "--no-progress"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={cfg.nnodes}",
+            f"--node_rank={cfg.node_rank}",
+            f"--nproc_per_node={cfg.nproc_per_node}",
+            f"--master_addr={cfg.master_addr}",
+            f"--master_port={cfg.master_port}",
+            "-m",
+            "kit",
+            "train",
+            "run",
+            "--config",
+            str(config_path),
+            "--no-progress",
+        ]
     if launcher == "deepspeed":
         # The DeepSpeed launcher passes ASCEND_RT_VISIBLE_DEVICES on NPU (accelerator.visible_devices_envs()).
-        return ["deepspeed", f"--num_nodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}",
-                f"--num_gpus={cfg.nproc_per_node}", f"--master_addr={cfg.master_addr}",
-                f"--master_port={cfg.master_port}", "--no_ssh", "--module", "kit", "train", "run",
-                "--config", str(config_path), "--no-progress"]
+        return [
+            "deepspeed",
+            f"--num_nodes={cfg.nnodes}",
+            f"--node_rank={cfg.node_rank}",
+            f"--num_gpus={cfg.nproc_per_node}",
+            f"--master_addr={cfg.master_addr}",
+            f"--master_port={cfg.master_port}",
+            "--no_ssh",
+            "--module",
+            "kit",
+            "train",
+            "run",
+            "--config",
+            str(config_path),
+            "--no-progress",
+        ]
     raise ValueError(f"launcher {launcher!r} is not one of torchrun, deepspeed.")
 
 
@@ -114,8 +141,14 @@ def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> int:
     return proc.returncode
 
 
-def launch(cfg: TrainConfig, launcher: str = "torchrun", progress: bool = True, tail_lines: int = 8,
-           visible_devices: Optional[str] = None, echo: bool = False) -> LaunchResult:
+def launch(
+    cfg: TrainConfig,
+    launcher: str = "torchrun",
+    progress: bool = True,
+    tail_lines: int = 8,
+    visible_devices: Optional[str] = None,
+    echo: bool = False,
+) -> LaunchResult:
     """Validate, write the job config, start the job and stream it: a progress bar, the log tail, a clean stop.
 
     Interrupting the cell (Ctrl-C / the stop button) sends SIGTERM to the job, which saves a checkpoint first.
@@ -140,8 +173,16 @@ def launch(cfg: TrainConfig, launcher: str = "torchrun", progress: bool = True, 
     bar = tqdm(total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress)
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=str(repo_root()), start_new_session=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=str(repo_root()),
+            start_new_session=True,
+            bufsize=1,
+        )
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -150,7 +191,7 @@ def launch(cfg: TrainConfig, launcher: str = "torchrun", progress: bool = True, 
                 if echo:
                     print(line, flush=True)
                 if line.startswith(STATUS_PREFIX):
-                    result.status = line[len(STATUS_PREFIX):].split(" ", 1)[0]
+                    result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
                 rec = parse_line(line)
                 if rec and "loss" in rec:
                     result.iterations.append(rec["iteration"])

@@ -39,7 +39,7 @@ def parse_line(line: str) -> Optional[dict]:
     if not m:
         return None
     rec = {"iteration": int(m.group(1)), "train_iters": int(m.group(2))}
-    for key, value in _FIELD.findall(line[m.end():] + "|"):
+    for key, value in _FIELD.findall(line[m.end() :] + "|"):
         rec[COLUMNS.get(key.strip(), _snake(key))] = float(value)
     return rec
 
@@ -67,7 +67,9 @@ def parse_log(source: Union[str, Path], seq_len: Optional[int] = None, cards: Op
     if df.empty:
         return df
     if seq_len and cards and "elapsed_ms" in df and "gbs" in df:
-        computed = [tokens_per_second_per_card(int(g), seq_len, cards, e) for g, e in zip(df["gbs"], df["elapsed_ms"])]
+        computed = [
+            tokens_per_second_per_card(int(g), seq_len, cards, e) for g, e in zip(df["gbs"], df["elapsed_ms"])
+        ]
         if "tokens_per_s_per_card" not in df:
             df["tokens_per_s_per_card"] = computed
     if "samples_per_s" not in df and "elapsed_ms" in df and "gbs" in df:
@@ -99,7 +101,7 @@ def summarize(df, skip_first: int = 1) -> dict:
     if df is None or len(df) == 0:
         return {"iterations": 0}
     steady = df.iloc[skip_first:] if len(df) > skip_first else df
-    tail = df.iloc[-max(1, len(df) // 10):]
+    tail = df.iloc[-max(1, len(df) // 10) :]
     out = {
         "iterations": int(df["iteration"].iloc[-1]),
         "first_loss": float(df["loss"].iloc[0]),

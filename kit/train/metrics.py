@@ -41,7 +41,9 @@ def format_line(m: dict, train_iters: int) -> str:
 class MetricsWriter:
     """Writes each iteration's metrics to the log file (Megatron lines), metrics.jsonl and TensorBoard (rank 0)."""
 
-    def __init__(self, log_dir: Path, run_name: str, train_iters: int, enabled: bool = True, echo: bool = True):
+    def __init__(
+        self, log_dir: Path, run_name: str, train_iters: int, enabled: bool = True, echo: bool = True
+    ):
         self.log_dir, self.train_iters, self.enabled, self.echo = Path(log_dir), train_iters, enabled, echo
         self.log_path = self.log_dir / f"{run_name}.log"
         self.jsonl_path = self.log_dir / f"{run_name}.metrics.jsonl"

@@ -42,18 +42,31 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
         return cfg
     saved_path = cfg.output_dir() / "config.json"
     if not saved_path.is_file():
-        raise FileNotFoundError(f"RUN_TYPE=retrain: {saved_path} is missing, so there is no run to resume there.")
+        raise FileNotFoundError(
+            f"RUN_TYPE=retrain: {saved_path} is missing, so there is no run to resume there."
+        )
     saved = load_config(saved_path)
-    return dataclasses.replace(saved, train_iters=cfg.train_iters, save_interval=cfg.save_interval,
-                               log_interval=cfg.log_interval, work_dir=cfg.work_dir or saved.work_dir,
-                               master_addr=cfg.master_addr, master_port=cfg.master_port)
+    return dataclasses.replace(
+        saved,
+        train_iters=cfg.train_iters,
+        save_interval=cfg.save_interval,
+        log_interval=cfg.log_interval,
+        work_dir=cfg.work_dir or saved.work_dir,
+        master_addr=cfg.master_addr,
+        master_port=cfg.master_port,
+    )
 
 
 class Trainer:
     """One run of `cfg`: `Trainer(cfg).train()`; `step_callbacks` are called with the iteration after each step."""
 
-    def __init__(self, cfg: TrainConfig, step_callbacks: Sequence[StepCallback] = (), progress: bool = True,
-                 echo: bool = True):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        step_callbacks: Sequence[StepCallback] = (),
+        progress: bool = True,
+        echo: bool = True,
+    ):
         check(cfg, "training config")
         self.requested = cfg
         self.cfg = effective_config(cfg)
@@ -78,16 +91,20 @@ class Trainer:
         self.dtype = eng.resolve_dtype(cfg, self.info)
         self.rank, self.world, self.local_rank = eng.init_distributed(self.info)
         if self.world != cfg.world_size:
-            raise RuntimeError(f"this job has {self.world} processes but the config says NNODES x NPROC_PER_NODE = "
-                               f"{cfg.world_size}; launch with kit.train.launch (or fix NPROC_PER_NODE).")
+            raise RuntimeError(
+                f"this job has {self.world} processes but the config says NNODES x NPROC_PER_NODE = "
+                f"{cfg.world_size}; launch with kit.train.launch (or fix NPROC_PER_NODE)."
+            )
         eng.quiet_deepspeed()
         self.out = cfg.output_dir()
         self.ckpt_root = self.out / "checkpoints"
         resume = self.requested.run_type == "retrain"
         if not resume and checkpoint.latest_iteration(self.ckpt_root) is not None:
             if not cfg.overwrite:
-                raise FileExistsError(f"{self.ckpt_root} already holds checkpoints; use RUN_TYPE=retrain to continue "
-                                      f"them, or OVERWRITE=True to start over (they will be deleted).")
+                raise FileExistsError(
+                    f"{self.ckpt_root} already holds checkpoints; use RUN_TYPE=retrain to continue "
+                    f"them, or OVERWRITE=True to start over (they will be deleted)."
+                )
             if self.rank == 0:
                 shutil.rmtree(self.ckpt_root)
         self.ds, self.meta = load_dataset(cfg.dataset_path)
@@ -95,8 +112,9 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out)
-        self.writer = MetricsWriter(cfg.log_dir(), self.out.name, cfg.train_iters, enabled=self.rank == 0,
-                                    echo=self.echo)
+        self.writer = MetricsWriter(
+            cfg.log_dir(), self.out.name, cfg.train_iters, enabled=self.rank == 0, echo=self.echo
+        )
         model, self.adapt_report = eng.build_model(cfg)
         self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
@@ -104,13 +122,17 @@ class Trainer:
         if resume:
             state = checkpoint.load(self.engine, self.ckpt_root)
             self.start_iter = int(state["iteration"])
-            self.writer.text(f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
-                             f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})")
+            self.writer.text(
+                f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
+                f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})"
+            )
         if not resume:  # on resume the RNG comes from the checkpoint
             torch.manual_seed(cfg.seed + self.rank)
-        self.writer.text(f"training {cfg.run_type} on {self.world} x {self.info.kind} ({self.dtype}), "
-                         f"MBS={cfg.mbs} GBS={cfg.gbs} DP={cfg.dp} grad accum={cfg.grad_accum} SEQ_LEN={self.seq_len} "
-                         f"ZeRO={cfg.zero_stage} samples={len(self.ds)} adapt={bool(self.adapt_report)}")
+        self.writer.text(
+            f"training {cfg.run_type} on {self.world} x {self.info.kind} ({self.dtype}), "
+            f"MBS={cfg.mbs} GBS={cfg.gbs} DP={cfg.dp} grad accum={cfg.grad_accum} SEQ_LEN={self.seq_len} "
+            f"ZeRO={cfg.zero_stage} samples={len(self.ds)} adapt={bool(self.adapt_report)}"
+        )
 
     # ---- signals --------------------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
@@ -146,7 +168,9 @@ class Trainer:
         t0 = time.perf_counter()
         loss_sum, tokens, pre_clip_norm = 0.0, 0, None
         for batch in micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)):
-            batch = {k: v.to(self.device, dtype=torch.long) for k, v in batch.items()}  # kit.data stores int32
+            batch = {
+                k: v.to(self.device, dtype=torch.long) for k, v in batch.items()
+            }  # kit.data stores int32
             loss = engine(**batch).loss
             bad = self._all_reduce([0.0 if math.isfinite(loss.item()) else 1.0], "max")[0]
             if bad:
@@ -175,7 +199,9 @@ class Trainer:
             "loss_scale": float(getattr(engine.optimizer, "cur_scale", 1.0) or 1.0),
             "skipped": int(getattr(engine, "skipped_steps", 0) or 0),
             "nan": 0,
-            "tokens_per_s_per_card": tokens_per_second_per_card(cfg.gbs, self.seq_len, self.world, elapsed_ms),
+            "tokens_per_s_per_card": tokens_per_second_per_card(
+                cfg.gbs, self.seq_len, self.world, elapsed_ms
+            ),
             "samples_per_s": cfg.gbs / (elapsed_ms / 1000.0) if elapsed_ms > 0 else 0.0,
             "useful_tokens_per_s": tokens / (elapsed_ms / 1000.0) if elapsed_ms > 0 else 0.0,
             "real_tokens": int(tokens),
@@ -187,16 +213,24 @@ class Trainer:
         import torch
 
         grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads \
+        return (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            if grads
             else 0.0
+        )
 
     def request_stop(self, reason: str = "requested") -> None:
         """Ask the loop to save a checkpoint and stop after the current step (like SIGTERM)."""
         self._stop_reason = reason
 
     def _state(self, iteration: int) -> dict:
-        return {"iteration": iteration, "consumed_samples": iteration * self.cfg.gbs, "run_type": self.cfg.run_type,
-                "world_size": self.world, "seed": self.cfg.seed}
+        return {
+            "iteration": iteration,
+            "consumed_samples": iteration * self.cfg.gbs,
+            "run_type": self.cfg.run_type,
+            "world_size": self.world,
+            "seed": self.cfg.seed,
+        }
 
     def _save(self, iteration: int, why: str) -> Path:
         path = checkpoint.save(self.engine, self.ckpt_root, iteration, self._state(iteration))
@@ -212,8 +246,12 @@ class Trainer:
         cfg = self.cfg
         previous = self._install_signals()
         losses, iteration, status, message, last_ckpt = [], self.start_iter, "completed", "", None
-        bar = tqdm(total=cfg.train_iters, initial=self.start_iter, desc=f"{cfg.run_type} steps",
-                   disable=not self.progress or self.rank != 0)
+        bar = tqdm(
+            total=cfg.train_iters,
+            initial=self.start_iter,
+            desc=f"{cfg.run_type} steps",
+            disable=not self.progress or self.rank != 0,
+        )
         try:
             while iteration < cfg.train_iters:
                 metrics = self._one_step(iteration)
@@ -221,9 +259,11 @@ class Trainer:
                     status = "nan"
                     good = checkpoint.latest_iteration(self.ckpt_root)
                     where = self.ckpt_root / checkpoint.tag_of(good) if good is not None else None
-                    message = (f"loss is NaN/inf at iteration {iteration + 1}; stopped without stepping. Last good "
-                               f"checkpoint: {where or 'none (set SAVE_INTERVAL to keep one)'}. Lower LR, raise "
-                               f"WARMUP_ITERS or check the data, then resume with RUN_TYPE=retrain.")
+                    message = (
+                        f"loss is NaN/inf at iteration {iteration + 1}; stopped without stepping. Last good "
+                        f"checkpoint: {where or 'none (set SAVE_INTERVAL to keep one)'}. Lower LR, raise "
+                        f"WARMUP_ITERS or check the data, then resume with RUN_TYPE=retrain."
+                    )
                     last_ckpt = where
                     self.writer.text(message)
                     break
@@ -237,9 +277,13 @@ class Trainer:
                 stop = self._all_reduce([1.0 if self._stop_reason else 0.0], "max")[0]
                 if stop:
                     status = "preempted"
-                    last_ckpt = self._save(iteration, f"stop requested ({self._stop_reason or 'another rank'})")
-                    message = (f"stopped at iteration {iteration} on request; resume with RUN_TYPE=retrain "
-                               f"RESUME_FROM={self.out.name}.")
+                    last_ckpt = self._save(
+                        iteration, f"stop requested ({self._stop_reason or 'another rank'})"
+                    )
+                    message = (
+                        f"stopped at iteration {iteration} on request; resume with RUN_TYPE=retrain "
+                        f"RESUME_FROM={self.out.name}."
+                    )
                     self.writer.text(message)
                     break
                 if cfg.save_interval and iteration % cfg.save_interval == 0:
@@ -248,8 +292,16 @@ class Trainer:
             bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        result = TrainResult(status, iteration, self.out, last_ckpt, self.writer.log_path, self.writer.jsonl_path,
-                             losses=losses, message=message)
+        result = TrainResult(
+            status,
+            iteration,
+            self.out,
+            last_ckpt,
+            self.writer.log_path,
+            self.writer.jsonl_path,
+            losses=losses,
+            message=message,
+        )
         if status == "completed":
             if checkpoint.latest_iteration(self.ckpt_root) != iteration:
                 result.checkpoint = self._save(iteration, "end of training")
@@ -269,14 +321,22 @@ class Trainer:
         cfg = self.cfg
         tok = cfg.tokenizer_path or cfg.model_path
         if cfg.run_type == "lora":
-            result.adapter_dir, result.hf_dir = export_lora(self.engine.module, self.out / "adapter",
-                                                            self.out / "merged", cfg.model_path, tok,
-                                                            cfg.zero_stage, self.rank)
+            result.adapter_dir, result.hf_dir = export_lora(
+                self.engine.module,
+                self.out / "adapter",
+                self.out / "merged",
+                cfg.model_path,
+                tok,
+                cfg.zero_stage,
+                self.rank,
+            )
         else:
             result.hf_dir = export_hf(self.engine.module, self.out / "hf", tok, cfg.zero_stage, self.rank)
         self.writer.text(f"saved HF folder {result.hf_dir}")
 
 
-def train(cfg: TrainConfig, step_callbacks: Sequence[StepCallback] = (), progress: bool = True) -> TrainResult:
+def train(
+    cfg: TrainConfig, step_callbacks: Sequence[StepCallback] = (), progress: bool = True
+) -> TrainResult:
     """Train `cfg` in this process (a notebook cell for tiny runs; `kit.train.launch` for real ones)."""
     return Trainer(cfg, step_callbacks=step_callbacks, progress=progress).train()

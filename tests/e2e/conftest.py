@@ -22,7 +22,9 @@ SCREENSHOTS = Path(os.environ.get("KIT_E2E_SCREENSHOTS") or repo_root() / "runs"
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "e2e: drives JupyterLab in headless Chromium (needs tests/e2e/setup_e2e.sh; make e2e runs it)")
+        "markers",
+        "e2e: drives JupyterLab in headless Chromium (needs tests/e2e/setup_e2e.sh; make e2e runs it)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +51,9 @@ def lab(e2e_root, tmp_path_factory):
     """One JupyterLab server for all browser tests, on 127.0.0.1 with a random token; always shut down."""
     home = tmp_path_factory.mktemp("e2e-jupyter")
     # kernels get the workspace and a private .condarc (notebook 01 registers envs there when conda exists)
-    server = JupyterLab(e2e_root, home, env={"KIT_WORKSPACE": str(e2e_root / "ws"), "CONDARC": str(home / "condarc")})
+    server = JupyterLab(
+        e2e_root, home, env={"KIT_WORKSPACE": str(e2e_root / "ws"), "CONDARC": str(home / "condarc")}
+    )
     try:
         yield server.start()
     finally:

@@ -40,21 +40,47 @@ def _tiny_llama(root: Path) -> str:
 # From each notebook's own test (its run_notebook(...) call in tests/test_*.py): callables of the lab root, so
 # paths and fixtures are made there when the lab starts.
 TINY = {
-    "00": lambda root: {"CHECK_DEEPSPEED": False, "EXPLAIN_ERROR": "EJ0001: Failed to initialize the HCCP process."},
+    "00": lambda root: {
+        "CHECK_DEEPSPEED": False,
+        "EXPLAIN_ERROR": "EJ0001: Failed to initialize the HCCP process.",
+    },
     # tests/test_envs_notebook.py: a fake CANN set_env.sh whose kernel can `import kit_fake_cann`
-    "01": lambda root: {"VERIFY_IMPORTS": ["json", "ipykernel"], "SET_ENV_SCRIPTS": [str(FAKE_SET_ENV)],
-                   "KERNEL_CODE": "import kit_fake_cann", "NAME": "nb-env"},
+    "01": lambda root: {
+        "VERIFY_IMPORTS": ["json", "ipykernel"],
+        "SET_ENV_SCRIPTS": [str(FAKE_SET_ENV)],
+        "KERNEL_CODE": "import kit_fake_cann",
+        "NAME": "nb-env",
+    },
     # tests/test_data_notebook.py
     "02": lambda root: {"TOKENIZER": _sample_tokenizer(), "MAX_LENGTH": 64, "TEMPLATE": "telechat"},
     # tests/test_convert_notebook.py
     "03": lambda root: {"SOURCE": _tiny_llama(root), "TP": 2, "PP": 2, "LOGITS_TOKENS": 8},
     # tests/test_train_notebook.py
-    "04": lambda root: {"MODEL": "tiny", "MODEL_PATH": _tiny_llama(root), "TRAIN_ITERS": 5, "MBS": 2, "GBS": 4,
-                        "SEQ_LEN": 64, "LR": 3e-3, "LAUNCH_ITERS": 2, "MAX_NEW_TOKENS": 8},
+    "04": lambda root: {
+        "MODEL": "tiny",
+        "MODEL_PATH": _tiny_llama(root),
+        "TRAIN_ITERS": 5,
+        "MBS": 2,
+        "GBS": 4,
+        "SEQ_LEN": 64,
+        "LR": 3e-3,
+        "LAUNCH_ITERS": 2,
+        "MAX_NEW_TOKENS": 8,
+    },
     # tests/test_profiling_notebook.py
-    "05": lambda root: {"MODEL": "tiny", "DEVICE": "cpu", "WAIT": 0, "WARMUP": 1, "ACTIVE": 1, "SEQ_LEN": 16, "TOP": 5},
+    "05": lambda root: {
+        "MODEL": "tiny",
+        "DEVICE": "cpu",
+        "WAIT": 0,
+        "WARMUP": 1,
+        "ACTIVE": 1,
+        "SEQ_LEN": 16,
+        "TOP": 5,
+    },
 }
-FAKE_SET_ENV = Path(__file__).parent.parent / "fixtures" / "envs" / "ascend_toolkit" / "ascend-toolkit" / "set_env.sh"
+FAKE_SET_ENV = (
+    Path(__file__).parent.parent / "fixtures" / "envs" / "ascend_toolkit" / "ascend-toolkit" / "set_env.sh"
+)
 
 EXPECT = {
     # the doctor's report table (PASS/WARN/FAIL lines), the device table, the explained error
@@ -65,20 +91,35 @@ EXPECT = {
     # the accounting tables (pretrain, sft), one packed sample explained, both length histograms, progress bars
     "02": Expect(tables=3, images=2, progress=2, texts=("records_read", "records_dropped", "padding_ratio")),
     # the source description, the rank-file table and its plot, the verification table (round trip, logits)
-    "03": Expect(tables=3, images=1, texts=("mp_rank_01_001", "rank files (TP x PP)", "bit-identical", "max |logits - HF|")),
+    "03": Expect(
+        tables=3,
+        images=1,
+        texts=("mp_rank_01_001", "rank files (TP x PP)", "bit-identical", "max |logits - HF|"),
+    ),
     # the trainer's step bar and the launched run's bar, the loss/throughput plot, the curves and the runs side by
     # side, the Megatron plan
-    "04": Expect(tables=2, images=1, progress=2,
-                 texts=("('completed', 5", "lm loss", "before:", "after:", "speed_vs_sft", "MODEL_TYPE=tiny")),
+    "04": Expect(
+        tables=2,
+        images=1,
+        progress=2,
+        texts=("('completed', 5", "lm loss", "before:", "after:", "speed_vs_sft", "MODEL_TYPE=tiny"),
+    ),
     # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice
-    "05": Expect(tables=3, images=3, progress=1,
-                 texts=("aten::mm", "Profile advice", "Findings", "Cast operators are slow", "AI_CPU")),
+    "05": Expect(
+        tables=3,
+        images=3,
+        progress=1,
+        texts=("aten::mm", "Profile advice", "Findings", "Cast operators are slow", "AI_CPU"),
+    ),
 }
 
 # A parameter a user could get wrong, and the words of the kit's error that must be visible in the cell output.
 BROKEN = {
     "00": ({"MODEL": "my model/v1"}, "is not a plain folder name"),
-    "02": ({"PRETRAIN_INPUTS": ["/nonexistent/corpus.jsonl"]}, "'/nonexistent/corpus.jsonl' does not exist; check the path"),
+    "02": (
+        {"PRETRAIN_INPUTS": ["/nonexistent/corpus.jsonl"]},
+        "'/nonexistent/corpus.jsonl' does not exist; check the path",
+    ),
 }
 
 # Problems seen in the browser that belong to another stage's code, tolerated here (reported as warnings) until

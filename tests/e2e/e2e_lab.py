@@ -24,7 +24,9 @@ from kit.notebooks import parameters_of
 LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
-        "fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True,
+        "fetchNews": "false",
+        "checkForUpdates": False,
+        "doNotDisturbMode": True,
     },
 }
 PAGE_CONFIG = {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
@@ -44,7 +46,11 @@ def tiny_copy(nb_path: Path, dest: Path, overrides: dict) -> Path:
     if unknown:
         raise ValueError(f"{nb_path.name} has no parameter(s) {unknown}; its parameters are {sorted(known)}.")
     nb = json.loads(nb_path.read_text(encoding="utf-8"))
-    cell = next(c for c in nb["cells"] if c["cell_type"] == "code" and "parameters" in c.get("metadata", {}).get("tags", []))
+    cell = next(
+        c
+        for c in nb["cells"]
+        if c["cell_type"] == "code" and "parameters" in c.get("metadata", {}).get("tags", [])
+    )
     src = "".join(cell["source"])
     lines = src.splitlines()
     # replace whole statements (a literal may span lines), bottom-up so earlier line numbers stay valid
@@ -53,7 +59,7 @@ def tiny_copy(nb_path: Path, dest: Path, overrides: dict) -> Path:
         if name in overrides:
             comment = lines[node.end_lineno - 1].partition("#")[2].strip()
             new = f"{name} = {overrides[name]!r}" + (f"  # {comment}" if comment else "")
-            lines[node.lineno - 1:node.end_lineno] = [new]
+            lines[node.lineno - 1 : node.end_lineno] = [new]
     cell["source"] = "\n".join(lines) + "\n"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -86,12 +92,23 @@ class JupyterLab:
         labconfig.mkdir(parents=True, exist_ok=True)
         (labconfig / "page_config.json").write_text(json.dumps(PAGE_CONFIG))
         self.cmd = [
-            python, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
-            "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-            f"--ServerApp.root_dir={self.root}", f"--LabApp.user_settings_dir={self.home / 'settings'}",
-            f"--LabApp.workspaces_dir={self.home / 'workspaces'}", "--ServerApp.open_browser=False",
-            "--LabApp.news_url=", "--ServerApp.terminals_enabled=False",
-        ] + (["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else [])  # CI containers run as root
+            python,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            f"--LabApp.user_settings_dir={self.home / 'settings'}",
+            f"--LabApp.workspaces_dir={self.home / 'workspaces'}",
+            "--ServerApp.open_browser=False",
+            "--LabApp.news_url=",
+            "--ServerApp.terminals_enabled=False",
+        ] + (
+            ["--allow-root"] if hasattr(os, "getuid") and os.getuid() == 0 else []
+        )  # CI containers run as root
         self.proc: Optional[subprocess.Popen] = None
         self._workspaces = 0
 
@@ -99,8 +116,14 @@ class JupyterLab:
         """Start the server and wait until its API answers with our token."""
         log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the server's lifetime
         # own session: stop() can end the server and every kernel it started, and nothing else
-        self.proc = subprocess.Popen(self.cmd, cwd=self.root, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=self.root,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -111,14 +134,19 @@ class JupyterLab:
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"jupyter lab did not answer on {self.base} within {timeout:.0f} s; log:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"jupyter lab did not answer on {self.base} within {timeout:.0f} s; log:\n{self.log_tail()}"
+        )
 
     def api(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 10.0):
         """Call the Jupyter REST API with our token; returns the decoded JSON (or None)."""
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, method=method,
-                                     headers={"Authorization": f"token {self.token}",
-                                              "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
         return json.loads(raw) if raw else None

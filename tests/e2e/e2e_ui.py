@@ -9,8 +9,14 @@ from pathlib import Path
 
 # Chromium from Debian, started the way that works on a machine without network or GPU (see README, make e2e)
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
 ]
 VIEWPORT = {"width": 1400, "height": 900}
 
@@ -89,7 +95,11 @@ def run_all(page, timeout: float = 300.0) -> float:
         page.wait_for_function(f"() => !({_BUSY})()", timeout=timeout * 1000, polling=250)
     except PlaywrightTimeout:
         busy = [(i, c) for i, c in enumerate(read_cells(page, settle=0.1, timeout=1)) if "*" in c.prompt]
-        where = f"cell {busy[0][0]} ({busy[0][1].source[:80]!r}), last output: {busy[0][1].text[-600:]!r}" if busy else "?"
+        where = (
+            f"cell {busy[0][0]} ({busy[0][1].source[:80]!r}), last output: {busy[0][1].text[-600:]!r}"
+            if busy
+            else "?"
+        )
         raise AssertionError(f"Run All still busy after {timeout:.0f} s at {where}") from None
     return time.monotonic() - t0
 
@@ -120,7 +130,9 @@ def visible_errors(cells: list) -> list:
             if o["widgetErrors"]:
                 problems.append(f"cell {i} shows a widget that failed to render")
             if o["redBars"]:
-                problems.append(f"cell {i} shows a red progress bar (stopped before its total): {o['text'].strip()!r}")
+                problems.append(
+                    f"cell {i} shows a red progress bar (stopped before its total): {o['text'].strip()!r}"
+                )
         if not c.executed and c.source.strip():
             problems.append(f"cell {i} was not executed (prompt {c.prompt!r}): {c.source[:80]!r}")
     return problems
@@ -131,7 +143,8 @@ def save(page) -> None:
     page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Control+s")
     page.wait_for_function(
-        "() => !document.querySelector('.lm-TabBar-tab.lm-mod-current.jp-mod-dirty')", timeout=20_000)
+        "() => !document.querySelector('.lm-TabBar-tab.lm-mod-current.jp-mod-dirty')", timeout=20_000
+    )
 
 
 def full_screenshot(page, path: Path, max_height: int = 20_000) -> Path:
@@ -144,8 +157,11 @@ def full_screenshot(page, path: Path, max_height: int = 20_000) -> Path:
     height = page.evaluate(
         f"() => {{ const s = {scroller}; const cells = s ? s.querySelectorAll('.jp-Cell') : [];"
         " return cells.length ? cells[cells.length - 1].getBoundingClientRect().bottom - s.getBoundingClientRect().top"
-        " + s.scrollTop + 40 : document.body.scrollHeight; }")
-    page.set_viewport_size({"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], min(int(height) + 200, max_height))})
+        " + s.scrollTop + 40 : document.body.scrollHeight; }"
+    )
+    page.set_viewport_size(
+        {"width": VIEWPORT["width"], "height": max(VIEWPORT["height"], min(int(height) + 200, max_height))}
+    )
     time.sleep(0.5)  # relayout
     page.evaluate(f"() => {{ const s = {scroller}; if (s) s.scrollTop = 0; }}")
     time.sleep(0.2)
@@ -158,9 +174,15 @@ def missing_outputs(cells: list, expect) -> list:
     """What the user should see but does not (empty when every key output is there)."""
     outs = [o for c in cells for o in c.outputs]
     text = "\n".join(o["text"] for o in outs)
-    seen = {"tables": sum(o["tables"] for o in outs), "images": sum(o["images"] for o in outs),
-            "progress": sum(o["progress"] for o in outs)}
-    problems = [f"{k}: {seen[k]} visible, expected at least {getattr(expect, k)}"
-                for k in seen if seen[k] < getattr(expect, k)]
+    seen = {
+        "tables": sum(o["tables"] for o in outs),
+        "images": sum(o["images"] for o in outs),
+        "progress": sum(o["progress"] for o in outs),
+    }
+    problems = [
+        f"{k}: {seen[k]} visible, expected at least {getattr(expect, k)}"
+        for k in seen
+        if seen[k] < getattr(expect, k)
+    ]
     problems += [f"text {t!r} not visible in any output" for t in expect.texts if t not in text]
     return problems

@@ -36,7 +36,11 @@ def test_broken_parameter_shows_the_kit_error(nb, lab, page, e2e_root, screensho
 def test_checks_catch_planted_error_and_missing_output(lab, page, e2e_root):
     """A notebook with a raising cell: reported as an error, later cells as not run, the missing plot as missing."""
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     nb.cells = [
         nbformat.v4.new_code_cell("import pandas as pd\npd.DataFrame({'loss': [2.0, 1.5]})"),
         nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor _ in tqdm(range(3)): pass"),
@@ -50,4 +54,6 @@ def test_checks_catch_planted_error_and_missing_output(lab, page, e2e_root):
     errors = visible_errors(cells)
     assert len(errors) == 2 and "RuntimeError: planted" in errors[0] and "not executed" in errors[1], errors
     assert missing_outputs(cells, Expect(tables=1, images=1, progress=1, texts=("loss", "never shown"))) == [
-        "images: 0 visible, expected at least 1", "text 'never shown' not visible in any output"]
+        "images: 0 visible, expected at least 1",
+        "text 'never shown' not visible in any output",
+    ]

@@ -21,8 +21,9 @@ def kit_kernel(lab, tmp_path, monkeypatch):
     # a stand-in for CANN's set_env.sh: its exports must reach the kernel through kernel.json
     set_env = tmp_path / "set_env.sh"
     set_env.write_text('export ASCEND_HOME_PATH="/opt/fake-cann/latest"\n', encoding="utf-8")
-    info = envs.register_kernel(prefix, "kit-e2e", display_name=DISPLAY_NAME, set_env_scripts=[set_env],
-                                envs_root=tmp_path / "envs")
+    info = envs.register_kernel(
+        prefix, "kit-e2e", display_name=DISPLAY_NAME, set_env_scripts=[set_env], envs_root=tmp_path / "envs"
+    )
     assert info["cann_vars"] == ["ASCEND_HOME_PATH"]
     yield prefix
     envs.unregister_kernel("kit-e2e", envs_root=tmp_path / "envs")
@@ -35,10 +36,14 @@ def test_registered_kernel_in_launcher_runs_a_notebook(kit_kernel, lab, page, sc
     page.screenshot(path=str(screenshots / "kernel_launcher.png"))
     card.click()
     # a new Untitled notebook on that kernel: the status bar names it once it is connected and idle
-    status = page.locator("#jp-main-statusbar").get_by_text(re.compile(rf"^{re.escape(DISPLAY_NAME)} \| Idle$"))
+    status = page.locator("#jp-main-statusbar").get_by_text(
+        re.compile(rf"^{re.escape(DISPLAY_NAME)} \| Idle$")
+    )
     status.wait_for(timeout=90_000)
     page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell .cm-content").first.click()
-    page.keyboard.type("import os, sys; print('PREFIX', sys.prefix); print('CANN', os.environ['ASCEND_HOME_PATH'])")
+    page.keyboard.type(
+        "import os, sys; print('PREFIX', sys.prefix); print('CANN', os.environ['ASCEND_HOME_PATH'])"
+    )
     page.keyboard.press("Shift+Enter")
     page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output").first.wait_for(timeout=60_000)
     cells = read_cells(page)

@@ -12,8 +12,14 @@ import types
 from . import ops
 
 STANDIN_VERSION = "2.13.0+standin"
-OP_NAMES = ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_fast_gelu",
-            "npu_scaled_masked_softmax")
+OP_NAMES = (
+    "npu_fusion_attention",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_swiglu",
+    "npu_fast_gelu",
+    "npu_scaled_masked_softmax",
+)
 
 
 def _npu_namespace() -> types.SimpleNamespace:

@@ -30,8 +30,10 @@ def _need(cond: bool, message: str) -> None:
 
 
 def _check_int_list(name: str, values) -> list:
-    _need(isinstance(values, (list, tuple)) and all(type(v) is int for v in values),
-          f"{name} must be a list/tuple of Python ints (int[]), got {type(values).__name__}")
+    _need(
+        isinstance(values, (list, tuple)) and all(type(v) is int for v in values),
+        f"{name} must be a list/tuple of Python ints (int[]), got {type(values).__name__}",
+    )
     return list(values)
 
 
@@ -111,19 +113,56 @@ def _attend(q, k, v, masked, scale, keep_prob, varlen: bool):
     return torch.matmul(probs, v)
 
 
-def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
-                         scale=1.0, keep_prob=1.0, pre_tockens=MAX, next_tockens=MAX, inner_precise=0,
-                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
-                         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
-                         seed=0, offset=0):
-    _record("npu_fusion_attention", head_num=head_num, input_layout=input_layout, atten_mask=atten_mask,
-            scale=scale, keep_prob=keep_prob, pre_tockens=pre_tockens, next_tockens=next_tockens,
-            sparse_mode=sparse_mode, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
-            inner_precise=inner_precise, shapes=(tuple(query.shape), tuple(key.shape), tuple(value.shape)))
+def npu_fusion_attention(
+    query,
+    key,
+    value,
+    head_num,
+    input_layout,
+    pse=None,
+    padding_mask=None,
+    atten_mask=None,
+    scale=1.0,
+    keep_prob=1.0,
+    pre_tockens=MAX,
+    next_tockens=MAX,
+    inner_precise=0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode=0,
+    gen_mask_parallel=True,
+    sync=False,
+    softmax_layout="",
+    sink=None,
+    dropout_mask=None,
+    seed=0,
+    offset=0,
+):
+    _record(
+        "npu_fusion_attention",
+        head_num=head_num,
+        input_layout=input_layout,
+        atten_mask=atten_mask,
+        scale=scale,
+        keep_prob=keep_prob,
+        pre_tockens=pre_tockens,
+        next_tockens=next_tockens,
+        sparse_mode=sparse_mode,
+        actual_seq_qlen=actual_seq_qlen,
+        actual_seq_kvlen=actual_seq_kvlen,
+        inner_precise=inner_precise,
+        shapes=(tuple(query.shape), tuple(key.shape), tuple(value.shape)),
+    )
     _need(input_layout in LAYOUTS, f"input_layout {input_layout!r} not in {LAYOUTS}")
-    _need(query.dtype in FLOATS and query.dtype == key.dtype == value.dtype, "query/key/value dtypes must match")
+    _need(
+        query.dtype in FLOATS and query.dtype == key.dtype == value.dtype, "query/key/value dtypes must match"
+    )
     _need(type(head_num) is int and head_num > 0, "head_num must be a positive int")
-    _need(pse is None and padding_mask is None and prefix is None and sink is None, "stand-in: pse/prefix unused")
+    _need(
+        pse is None and padding_mask is None and prefix is None and sink is None,
+        "stand-in: pse/prefix unused",
+    )
     _need(isinstance(scale, float), f"scale must be a float, got {type(scale).__name__}")
     _need(0.0 < keep_prob <= 1.0, f"keep_prob {keep_prob} not in (0, 1]")
     _need(sparse_mode in (0, 1, 2, 3, 4), f"sparse_mode {sparse_mode} not modelled by the stand-in")
@@ -131,16 +170,25 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     _need(all(t.is_contiguous() for t in (query, key, value)), "query/key/value must be contiguous")
     varlen = input_layout == "TND"
     if atten_mask is not None:
-        _need(atten_mask.dtype in (torch.bool, torch.uint8), f"atten_mask dtype {atten_mask.dtype} not bool/uint8")
+        _need(
+            atten_mask.dtype in (torch.bool, torch.uint8),
+            f"atten_mask dtype {atten_mask.dtype} not bool/uint8",
+        )
         if sparse_mode in (2, 3, 4):
-            _need(_compressed_ok(atten_mask), f"sparse_mode {sparse_mode} needs the compressed 2048x2048 "
-                                              "triu(ones, 1) mask")
+            _need(
+                _compressed_ok(atten_mask),
+                f"sparse_mode {sparse_mode} needs the compressed 2048x2048 triu(ones, 1) mask",
+            )
         elif varlen:
             _need(atten_mask.dim() == 2, "TND supports only an SS atten_mask")
     if varlen:
         _need(actual_seq_qlen is not None and actual_seq_kvlen is not None, "TND needs actual_seq_qlen/kvlen")
-        seq_q = _lengths("actual_seq_qlen", _check_int_list("actual_seq_qlen", actual_seq_qlen), query.shape[0])
-        seq_kv = _lengths("actual_seq_kvlen", _check_int_list("actual_seq_kvlen", actual_seq_kvlen), key.shape[0])
+        seq_q = _lengths(
+            "actual_seq_qlen", _check_int_list("actual_seq_qlen", actual_seq_qlen), query.shape[0]
+        )
+        seq_kv = _lengths(
+            "actual_seq_kvlen", _check_int_list("actual_seq_kvlen", actual_seq_kvlen), key.shape[0]
+        )
         _need(len(seq_q) == len(seq_kv), "actual_seq_qlen/kvlen lengths differ")
         nq, nkv, d = query.shape[1], key.shape[1], query.shape[2]
         _need(head_num == nq, f"head_num {head_num} != query heads {nq}")
@@ -156,7 +204,9 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
             nq, nkv, d = query.shape[axis], key.shape[axis], query.shape[3]
             _need(head_num == nq, f"head_num {head_num} != query heads {nq} for {input_layout}")
     _need(key.shape[-1] == d or input_layout in ("BSH", "SBH"), "Dq must equal Dk")
-    _need(1 <= d <= 768 and nq <= 256 and nkv > 0 and nq % nkv == 0, f"bad heads/dim: Nq={nq} Nkv={nkv} D={d}")
+    _need(
+        1 <= d <= 768 and nq <= 256 and nkv > 0 and nq % nkv == 0, f"bad heads/dim: Nq={nq} Nkv={nkv} D={d}"
+    )
 
     q32, k32, v32 = query.float(), key.float(), value.float()
     if varlen:
@@ -164,22 +214,41 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
         for sq, skv in zip(seq_q, seq_kv):
             if sq:
                 _need(skv > 0, "a varlen sequence with queries but no keys")
-                user = None if atten_mask is None or sparse_mode in (2, 3, 4) else atten_mask.bool()[:sq, :skv]
-                masked = None if atten_mask is None else _block_mask(sparse_mode, user, sq, skv, pre_tockens,
-                                                                     next_tockens)
-                o = _attend(q32[q0:q0 + sq].transpose(0, 1), k32[k0:k0 + skv].transpose(0, 1),
-                            v32[k0:k0 + skv].transpose(0, 1), masked, scale, keep_prob, True)
+                user = (
+                    None if atten_mask is None or sparse_mode in (2, 3, 4) else atten_mask.bool()[:sq, :skv]
+                )
+                masked = (
+                    None
+                    if atten_mask is None
+                    else _block_mask(sparse_mode, user, sq, skv, pre_tockens, next_tockens)
+                )
+                o = _attend(
+                    q32[q0 : q0 + sq].transpose(0, 1),
+                    k32[k0 : k0 + skv].transpose(0, 1),
+                    v32[k0 : k0 + skv].transpose(0, 1),
+                    masked,
+                    scale,
+                    keep_prob,
+                    True,
+                )
                 outs.append(o.transpose(0, 1))
             q0, k0 = q0 + sq, k0 + skv
         out = torch.cat(outs, 0) if outs else q32.new_zeros(0, nq, value.shape[-1])
         out = torch.cat([out, q32.new_zeros(query.shape[0] - out.shape[0], nq, out.shape[-1])], 0)
     else:
-        q, k, v = _to_bnsd(q32, input_layout, nq), _to_bnsd(k32, input_layout, nkv), _to_bnsd(v32, input_layout, nkv)
+        q, k, v = (
+            _to_bnsd(q32, input_layout, nq),
+            _to_bnsd(k32, input_layout, nkv),
+            _to_bnsd(v32, input_layout, nkv),
+        )
         b, sq, skv = q.shape[0], q.shape[2], k.shape[2]
         _need(k.shape[0] == b, "batch sizes differ")
         if atten_mask is not None and sparse_mode in (0, 1):
             allowed = [(sq, skv), (1, 1, sq, skv), (b, 1, sq, skv), (b, nq, sq, skv)]
-            _need(tuple(atten_mask.shape) in allowed, f"atten_mask shape {tuple(atten_mask.shape)} not in {allowed}")
+            _need(
+                tuple(atten_mask.shape) in allowed,
+                f"atten_mask shape {tuple(atten_mask.shape)} not in {allowed}",
+            )
             user = atten_mask.bool().expand(b, nq, sq, skv)
         outs = []
         for bi in range(b):
@@ -196,9 +265,12 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
 
 def npu_rms_norm(self, gamma, epsilon=1e-06):
     _record("npu_rms_norm", shape=tuple(self.shape), epsilon=epsilon)
-    _need(self.dtype in FLOATS and gamma.dtype == self.dtype, f"gamma dtype {gamma.dtype} must equal {self.dtype}")
+    _need(
+        self.dtype in FLOATS and gamma.dtype == self.dtype,
+        f"gamma dtype {gamma.dtype} must equal {self.dtype}",
+    )
     _need(2 <= self.dim() <= 8, "npu_rms_norm takes 2-8 dims")
-    _need(tuple(gamma.shape) == tuple(self.shape[-gamma.dim():]), "gamma must match the trailing dims")
+    _need(tuple(gamma.shape) == tuple(self.shape[-gamma.dim() :]), "gamma must match the trailing dims")
     x = self.float()
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
     return (x * rstd * gamma.float()).to(self.dtype), rstd
@@ -213,7 +285,9 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
     d = input.shape[-1]
     _need(d % 2 == 0 and d < 896 and r1.shape[-1] == d, f"D={d} must be even, < 896 and equal r1's")
     _need(all(a in (1, b) for a, b in zip(r1.shape, input.shape)), "r1 must broadcast to input")
-    _need(float(r1.abs().max()) <= 1.0 + 1e-3 and float(r2.abs().max()) <= 1.0 + 1e-3, "r1/r2 outside [-1, 1]")
+    _need(
+        float(r1.abs().max()) <= 1.0 + 1e-3 and float(r2.abs().max()) <= 1.0 + 1e-3, "r1/r2 outside [-1, 1]"
+    )
     x = input.float()
     if rotary_mode == "half":
         x1, x2 = x.chunk(2, -1)
@@ -240,11 +314,18 @@ def npu_fast_gelu(input):
 
 
 def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
-    _record("npu_scaled_masked_softmax", shape=tuple(x.shape), mask_shape=tuple(mask.shape), scale=scale,
-            fixed_triu_mask=fixed_triu_mask)
+    _record(
+        "npu_scaled_masked_softmax",
+        shape=tuple(x.shape),
+        mask_shape=tuple(mask.shape),
+        scale=scale,
+        fixed_triu_mask=fixed_triu_mask,
+    )
     _need(x.dtype in FLOATS and x.dim() == 4, "x must be 4-D fp16/bf16/fp32")
-    _need(all(32 <= s <= 4096 and s % 32 == 0 for s in x.shape[-2:]), f"H, W of {tuple(x.shape)} not in [32, 4096]"
-                                                                        " and divisible by 32")
+    _need(
+        all(32 <= s <= 4096 and s % 32 == 0 for s in x.shape[-2:]),
+        f"H, W of {tuple(x.shape)} not in [32, 4096] and divisible by 32",
+    )
     _need(mask.dtype == torch.bool, f"mask dtype {mask.dtype} must be bool")
     masked = mask.expand(x.shape)  # raises when not broadcastable
     if fixed_triu_mask:

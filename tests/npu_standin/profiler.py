@@ -69,13 +69,28 @@ def _check_int(name: str, value) -> None:
 class Schedule:
     """torch_npu's Schedule: note the positional order wait, active, warmup."""
 
-    def __init__(self, wait: int, active: int, warmup: int = 0, repeat: int = 0, skip_first: int = 0,
-                 skip_first_wait: int = 0):
-        for k, v in dict(wait=wait, active=active, warmup=warmup, repeat=repeat, skip_first=skip_first,
-                         skip_first_wait=skip_first_wait).items():
+    def __init__(
+        self,
+        wait: int,
+        active: int,
+        warmup: int = 0,
+        repeat: int = 0,
+        skip_first: int = 0,
+        skip_first_wait: int = 0,
+    ):
+        for k, v in dict(
+            wait=wait,
+            active=active,
+            warmup=warmup,
+            repeat=repeat,
+            skip_first=skip_first,
+            skip_first_wait=skip_first_wait,
+        ).items():
             _check_int(k, v)
         if active < 1:
-            raise ValueError("Invalid parameter active, which must be larger than 0 (torch_npu resets it to 1)")
+            raise ValueError(
+                "Invalid parameter active, which must be larger than 0 (torch_npu resets it to 1)"
+            )
         self.wait, self.active, self.warmup = wait, active, warmup
         self.repeat, self.skip_first, self.skip_first_wait = repeat, skip_first, skip_first_wait
 
@@ -102,30 +117,59 @@ schedule = Schedule
 
 
 class _ExperimentalConfig:
-    def __init__(self, profiler_level: str = ProfilerLevel.Level0, aic_metrics: str = AiCMetrics.PipeUtilization,
-                 l2_cache: bool = False, msprof_tx: bool = False, mstx: bool = False,
-                 data_simplification: bool = True, record_op_args: bool = False, op_attr: bool = False,
-                 gc_detect_threshold=None, export_type="text", host_sys=None, mstx_domain_include=None,
-                 mstx_domain_exclude=None, sys_io: bool = False, sys_interconnection: bool = False):
+    def __init__(
+        self,
+        profiler_level: str = ProfilerLevel.Level0,
+        aic_metrics: str = AiCMetrics.PipeUtilization,
+        l2_cache: bool = False,
+        msprof_tx: bool = False,
+        mstx: bool = False,
+        data_simplification: bool = True,
+        record_op_args: bool = False,
+        op_attr: bool = False,
+        gc_detect_threshold=None,
+        export_type="text",
+        host_sys=None,
+        mstx_domain_include=None,
+        mstx_domain_exclude=None,
+        sys_io: bool = False,
+        sys_interconnection: bool = False,
+    ):
         if profiler_level not in LEVELS:
             raise ValueError(f"Invalid parameter profiler_level: {profiler_level!r}")
         if aic_metrics not in METRICS:
             raise ValueError(f"Invalid parameter aic_metrics: {aic_metrics!r}")
-        for k, v in dict(l2_cache=l2_cache, msprof_tx=msprof_tx, mstx=mstx, record_op_args=record_op_args,
-                         op_attr=op_attr, sys_io=sys_io, sys_interconnection=sys_interconnection).items():
+        for k, v in dict(
+            l2_cache=l2_cache,
+            msprof_tx=msprof_tx,
+            mstx=mstx,
+            record_op_args=record_op_args,
+            op_attr=op_attr,
+            sys_io=sys_io,
+            sys_interconnection=sys_interconnection,
+        ).items():
             if not isinstance(v, bool):
                 raise ValueError(f"Invalid parameter {k}, which must be of bool type")
         self.warnings: list = []
-        if profiler_level in (ProfilerLevel.Level0, ProfilerLevel.Level_none) and aic_metrics != AiCMetrics.AiCoreNone:
-            self.warnings.append("Please use level1 or level2 if you want to collect aic metrics, reset aic metrics "
-                                 "to None!")
+        if (
+            profiler_level in (ProfilerLevel.Level0, ProfilerLevel.Level_none)
+            and aic_metrics != AiCMetrics.AiCoreNone
+        ):
+            self.warnings.append(
+                "Please use level1 or level2 if you want to collect aic metrics, reset aic metrics to None!"
+            )
             aic_metrics = AiCMetrics.AiCoreNone
         self.profiler_level, self.aic_metrics, self.l2_cache = profiler_level, aic_metrics, l2_cache
-        self.record_op_args, self.data_simplification, self.export_type = record_op_args, data_simplification, \
-            export_type
+        self.record_op_args, self.data_simplification, self.export_type = (
+            record_op_args,
+            data_simplification,
+            export_type,
+        )
 
 
-def tensorboard_trace_handler(dir_name=None, worker_name=None, analyse_flag: bool = True, async_mode: bool = False):
+def tensorboard_trace_handler(
+    dir_name=None, worker_name=None, analyse_flag: bool = True, async_mode: bool = False
+):
     """Returns a handler that writes `{worker}_{pid}_{ms timestamp}_ascend_pt` under dir_name."""
     for k, v in dict(analyse_flag=analyse_flag, async_mode=async_mode).items():
         if not isinstance(v, bool):
@@ -137,8 +181,13 @@ def tensorboard_trace_handler(dir_name=None, worker_name=None, analyse_flag: boo
         base = Path(dir_name or os.environ.get("ASCEND_WORK_PATH", os.getcwd()))
         name = f"{worker_name or 'standin'}_{os.getpid()}_{time.strftime('%Y%m%d%H%M%S')}{len(prof.saved):03d}_ascend_pt"
         level = prof.experimental_config.profiler_level if prof.experimental_config else ProfilerLevel.Level0
-        out = write_sample_ascend_profile(base, clean=True, steps=prof.schedule.active if prof.schedule else 1,
-                                          level="Level0" if level == ProfilerLevel.Level_none else level, name=name)
+        out = write_sample_ascend_profile(
+            base,
+            clean=True,
+            steps=prof.schedule.active if prof.schedule else 1,
+            level="Level0" if level == ProfilerLevel.Level_none else level,
+            name=name,
+        )
         if not analyse_flag:
             shutil.rmtree(out / "ASCEND_PROFILER_OUTPUT")  # raw data only, to be parsed by analyse() later
         prof.saved.append(out)
@@ -148,13 +197,27 @@ def tensorboard_trace_handler(dir_name=None, worker_name=None, analyse_flag: boo
 
 
 class profile:  # noqa: N801 - the real name
-    def __init__(self, *, activities=None, schedule=None, on_trace_ready=None, record_shapes: bool = False,
-                 profile_memory: bool = False, with_stack: bool = False, with_flops: bool = False,
-                 with_modules: bool = False, experimental_config=None, execution_trace_observer=None,
-                 custom_trace_id_callback=None, use_cuda=None):
+    def __init__(
+        self,
+        *,
+        activities=None,
+        schedule=None,
+        on_trace_ready=None,
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+        with_flops: bool = False,
+        with_modules: bool = False,
+        experimental_config=None,
+        execution_trace_observer=None,
+        custom_trace_id_callback=None,
+        use_cuda=None,
+    ):
         acts = set(activities) if activities else {ProfilerActivity.CPU, ProfilerActivity.NPU}
         if not acts <= {ProfilerActivity.CPU, ProfilerActivity.NPU}:
-            raise ValueError(f"activities must be torch_npu.profiler.ProfilerActivity values, got {activities!r}")
+            raise ValueError(
+                f"activities must be torch_npu.profiler.ProfilerActivity values, got {activities!r}"
+            )
         if schedule is not None and not callable(schedule):
             raise ValueError("schedule is not Callable")
         if experimental_config is not None and not isinstance(experimental_config, _ExperimentalConfig):
@@ -187,8 +250,10 @@ class profile:  # noqa: N801 - the real name
         if not self.started:
             raise RuntimeError("stop() before start()")
         if self.action == ProfilerAction.RECORD:
-            self.warnings.append("Incorrect schedule: Stop profiler while current state is RECORD which may result "
-                                 "in incomplete parsed data.")
+            self.warnings.append(
+                "Incorrect schedule: Stop profiler while current state is RECORD which may result "
+                "in incomplete parsed data."
+            )
         if self.action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE) and self.on_trace_ready:
             self.on_trace_ready(self)
         self.stopped = True
@@ -203,8 +268,19 @@ class profile:  # noqa: N801 - the real name
 
 def _module() -> types.ModuleType:
     mod = types.ModuleType("torch_npu.profiler")
-    for name in ("ProfilerActivity", "ProfilerAction", "ProfilerLevel", "AiCMetrics", "ExportType", "Schedule",
-                 "schedule", "_ExperimentalConfig", "tensorboard_trace_handler", "profile", "CREATED"):
+    for name in (
+        "ProfilerActivity",
+        "ProfilerAction",
+        "ProfilerLevel",
+        "AiCMetrics",
+        "ExportType",
+        "Schedule",
+        "schedule",
+        "_ExperimentalConfig",
+        "tensorboard_trace_handler",
+        "profile",
+        "CREATED",
+    ):
         setattr(mod, name, globals()[name])
     mod.supported_activities = lambda: {ProfilerActivity.CPU, ProfilerActivity.NPU}
     return mod
