@@ -87,6 +87,15 @@ def run_all(
     return results
 
 
+def summary_line(summary: dict, width: int = 160) -> str:
+    """The scalar entries of a notebook summary on one line (nested tables and long lists are left out)."""
+    items = [
+        f"{k}={v}" for k, v in summary.items() if isinstance(v, (int, float, bool, str)) and len(str(v)) < 80
+    ]
+    line = ", ".join(items)
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def main(argv: Optional[list] = None) -> int:
     """`python -m kit.notebooks [--out DIR] [NN ...]`: the headless demo (make demo)."""
     import argparse
@@ -108,7 +117,7 @@ def main(argv: Optional[list] = None) -> int:
     print(f"workspace (data, checkpoints, logs, reports): {ws}")
     for summary in sorted((ws / "reports").glob("*.summary.json")):
         print(
-            f"  {summary.name}: {', '.join(f'{k}={v}' for k, v in list(json.loads(summary.read_text()).items())[:4])}"
+            f"  {summary.name.replace('.summary.json', '')}: {summary_line(json.loads(summary.read_text()))}"
         )
     return 0
 
