@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.9 (no conda needed):
 #   make demo   - run every notebook headless on the embedded defaults (CPU, data_samples/), outputs under runs/
-#   make test   - lint, Python 3.9 compile check, unit tests, notebook tests, browser (e2e) tests
+#   make test   - lint, Python 3.9 compile check, unit + notebook tests, nbval on the notebooks, browser (e2e) tests
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kit-installed
 PY39 := $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9 2>/dev/null))
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint compat39 unit e2e clean
+.PHONY: install demo test lint compat39 unit nbval e2e clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,12 +37,16 @@ endif
 unit: install
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
+# every notebook on its defaults under nbval (outputs are not compared: --nbval-lax), in a workspace of its own
+nbval: install
+	KIT_WORKSPACE=$(CURDIR)/runs/nbval-ws $(PY) -m pytest --nbval-lax notebooks/ -p no:cacheprovider
+
 # JupyterLab in headless Chromium (Debian's chromium via apt-get, playwright via pip; installed if missing)
 e2e: install
 	tests/e2e/setup_e2e.sh $(PY)
 	KIT_E2E_REQUIRED=1 $(PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 
-test: lint compat39 unit e2e
+test: lint compat39 unit nbval e2e
 
 clean:
-	rm -rf runs/demo runs/ws runs/e2e
+	rm -rf runs/demo runs/ws runs/e2e runs/nbval-ws
