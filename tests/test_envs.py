@@ -378,3 +378,13 @@ def test_progress_bars_end_complete(source_env, tmp_path, bars):
     envs.unpack(archive, tmp_path / "u" / "bars", verify_imports=None)
     assert [b.desc for b in bars] == ["clone", "pack tar.zst", "unpack bars.tar.zst"]
     assert all(b.n == b.total and b.total > 0 for b in bars), [(b.desc, b.n, b.total) for b in bars]
+
+
+def test_captured_kernel_env_never_holds_credentials(tmp_path):
+    script = tmp_path / "set_env.sh"
+    script.write_text(
+        "export ASCEND_HOME_PATH=/opt/cann\nexport HUAWEICLOUD_SDK_AK=ak-value\nexport HUAWEICLOUD_SDK_SK=sk-value\n"
+        "export OBS_SECRET_ACCESS_KEY=x\nexport MY_TOKEN=t\n"
+    )
+    captured = envs.capture_env([script])
+    assert captured == {"ASCEND_HOME_PATH": "/opt/cann"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +22,9 @@ from kit.envs.prefix import EnvError, check_name, kind_of
 
 ASCEND_ROOTS = ("/usr/local/Ascend", "~/Ascend", "/home/ma-user/Ascend")
 _NOISE = {"_", "SHLVL", "PWD", "OLDPWD", "KIT_ENV_BEFORE", "KIT_ENV_AFTER", "BASH_EXECUTION_STRING"}
+# kernel.json is a plain file on shared storage: credentials (AK/SK, tokens, passwords) must never be copied into it,
+# even when a sourced script exports them; the kernel inherits them from the server's environment instead.
+_SECRET = re.compile(r"(^|_)(AK|SK)$|SECRET|PASSW|TOKEN|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
 
 
 def find_set_env_scripts(roots: Optional[Iterable[Union[str, Path]]] = None) -> list[Path]:
@@ -79,7 +83,9 @@ def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str,
                 f"{proc.stderr.strip()[-600:]}"
             )
         old, new = _read_env0(before), _read_env0(after)
-    return {k: v for k, v in sorted(new.items()) if k not in _NOISE and old.get(k) != v}
+    return {
+        k: v for k, v in sorted(new.items()) if k not in _NOISE and not _SECRET.search(k) and old.get(k) != v
+    }
 
 
 def kernel_env(
