@@ -136,6 +136,41 @@ def _meta(
     }
 
 
+def _save_megatron(
+    cfg: ConvertConfig,
+    direction: str,
+    fam,
+    spec: ModelSpec,
+    stages,
+    padded: int,
+    dtype,
+    rank_fn,
+    progress: bool,
+    side_from,
+    what: str,
+) -> tuple:
+    """Write a whole Megatron folder atomically (rank files, metadata, tracker last); returns (meta, bytes written)."""
+    num_layer_list = [len(s) for s in stages]
+    args = megatron_args(
+        spec, cfg.tp, cfg.pp, num_layer_list, padded, cfg.make_vocab_size_divisible_by, dtype, cfg.flavor
+    )
+    with atomic_dir(cfg.target, overwrite=cfg.overwrite, what=what) as tmp:
+        written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
+        meta = _meta(
+            direction,
+            cfg.source,
+            spec,
+            cfg.tp,
+            stages,
+            cfg.flavor,
+            padded,
+            cfg.make_vocab_size_divisible_by,
+            str(dtype).replace("torch.", ""),
+        )
+        _finish(tmp, meta, cfg, side_from)
+    return meta, written
+
+
 def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     """Convert an HF folder into Megatron rank files for cfg.tp x cfg.pp; returns a summary dict."""
     t0 = time.perf_counter()
@@ -184,30 +219,19 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             t = as_tensor(t).to(cast)
         return t
 
-    args = megatron_args(
+    meta, written = _save_megatron(
+        cfg,
+        "hf_to_megatron",
+        fam,
         spec,
-        cfg.tp,
-        cfg.pp,
-        [len(s) for s in stages],
+        stages,
         padded,
-        cfg.make_vocab_size_divisible_by,
         cast or src_dtype,
-        cfg.flavor,
+        rank_fn,
+        progress,
+        Path(cfg.source),
+        "converted weights folder",
     )
-    with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="converted weights folder") as tmp:
-        written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
-        meta = _meta(
-            "hf_to_megatron",
-            cfg.source,
-            spec,
-            cfg.tp,
-            stages,
-            cfg.flavor,
-            padded,
-            cfg.make_vocab_size_divisible_by,
-            cfg.dtype or str(src_dtype).replace("torch.", ""),
-        )
-        _finish(tmp, meta, cfg, Path(cfg.source))
     reader.close()
     return dict(
         meta,
@@ -378,30 +402,19 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         return t.to(cast) if cast is not None else t
 
     dtype = cast or getattr(mr.args, "params_dtype", torch.float32)
-    args = megatron_args(
+    meta, written = _save_megatron(
+        cfg,
+        "megatron_to_megatron",
+        fam,
         spec,
-        cfg.tp,
-        cfg.pp,
-        [len(s) for s in stages],
+        stages,
         padded,
-        cfg.make_vocab_size_divisible_by,
         dtype,
-        cfg.flavor,
+        rank_fn,
+        progress,
+        cfg_dir,
+        "re-sharded weights folder",
     )
-    with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="re-sharded weights folder") as tmp:
-        written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
-        meta = _meta(
-            "megatron_to_megatron",
-            cfg.source,
-            spec,
-            cfg.tp,
-            stages,
-            cfg.flavor,
-            padded,
-            cfg.make_vocab_size_divisible_by,
-            str(dtype).replace("torch.", ""),
-        )
-        _finish(tmp, meta, cfg, cfg_dir)
     return dict(
         meta,
         target=str(cfg.target),
