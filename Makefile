@@ -1,4 +1,4 @@
-# Two commands do all the set-up on a fresh machine with Python >= 3.9 (no conda needed):
+# Two commands do all the set-up on a fresh machine with Python 3.10-3.13 (no conda needed):
 #   make demo   - run every notebook headless on the embedded defaults (CPU, data_samples/), outputs under runs/
 #   make test   - lint, Python 3.9 compile check, unit + notebook tests, nbval on the notebooks, browser (e2e) tests
 PYTHON ?= python3
