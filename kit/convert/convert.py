@@ -99,15 +99,14 @@ def _finish(tmp: Path, meta: dict, cfg: ConvertConfig, side_from: Optional[Path]
     atomic_write_text(tmp / layout.TRACKER, str(layout.ITERATION))
 
 
-def _plan(
-    spec: ModelSpec, tp: int, pp: int, layer_list, divisible_by: int, explicit_vocab, flavor: str
-) -> tuple:
-    padded = padded_vocab_size(spec.vocab_size, tp, divisible_by, explicit_vocab)
-    problems = layout_plan_problems(spec, tp, pp, layer_list, padded, flavor)
+def _plan(spec: ModelSpec, cfg: ConvertConfig) -> tuple:
+    """Padded vocabulary and layers per pipeline stage for the target layout; every problem raised at once."""
+    tp, pp = cfg.tp, cfg.pp
+    padded = padded_vocab_size(spec.vocab_size, tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size)
+    problems = layout_plan_problems(spec, tp, pp, cfg.num_layer_list, padded, cfg.flavor)
     if problems:
         raise ConversionError(problems, f"target layout TP{tp} PP{pp} for this {spec.family} model")
-    stages = layout.stage_layers(spec.num_layers, pp, layer_list)
-    return padded, stages
+    return padded, layout.stage_layers(spec.num_layers, pp, cfg.num_layer_list)
 
 
 def _meta(
@@ -181,15 +180,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
-    padded, stages = _plan(
-        spec,
-        cfg.tp,
-        cfg.pp,
-        cfg.num_layer_list,
-        cfg.make_vocab_size_divisible_by,
-        cfg.padded_vocab_size,
-        cfg.flavor,
-    )
+    padded, stages = _plan(spec, cfg)
     cast = _dtype(cfg.dtype)
     src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
     scale = (
@@ -380,15 +371,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     check(cfg)
     mr = MegatronReader(cfg.source)
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
-    padded, stages = _plan(
-        spec,
-        cfg.tp,
-        cfg.pp,
-        cfg.num_layer_list,
-        cfg.make_vocab_size_divisible_by,
-        cfg.padded_vocab_size,
-        cfg.flavor,
-    )
+    padded, stages = _plan(spec, cfg)
     full = _full_fn(mr, spec, fam)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
     cast = _dtype(cfg.dtype)
