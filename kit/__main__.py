@@ -1,43 +1,64 @@
-"""Command line: `python -m kit <stage> ...`, one sub-command per stage, each defined in its own module."""
+"""Command line: `python -m kit <stage> ...`, one sub-command per stage, each defined in its own module.
+
+Only the stage that is asked for is imported (`python -m kit convert --help` does not load pandas or the data
+stack). Expected failures print `error: ...` on one line and exit 2; `--debug` or `KIT_DEBUG=1` shows tracebacks.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional
 
-# sub-command -> module with `register(subparsers)`; modules are imported only when their stage exists.
+from kit.errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, debug_enabled, user_message
+
+# sub-command -> (module with `register(subparsers)`, one-line help shown by `python -m kit --help`)
 STAGES = {
-    "doctor": "kit.doctor",
-    "env": "kit.envs.cli",
-    "data": "kit.data.cli",
-    "convert": "kit.convert.cli",
-    "adapt": "kit.adapt.cli",
-    "train": "kit.train.cli",
-    "profile": "kit.profiling.cli",
-    "samples": "kit.samples.cli",
+    "doctor": ("kit.doctor", "check Python, torch, torch_npu, CANN, driver, devices, DeepSpeed"),
+    "env": ("kit.envs.cli", "conda envs / venvs on persistent storage, archives, Jupyter kernels with CANN"),
+    "data": ("kit.data.cli", "prepare pretraining / fine-tuning data (HF + Megatron formats)"),
+    "convert": ("kit.convert.cli", "convert weights HF <-> Megatron with TP/PP"),
+    "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
+    "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
+    "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
+    "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
 }
 
 
 def _unavailable(name: str, exc: ImportError):
     def run(_args) -> int:
-        raise SystemExit(
-            f"`python -m kit {name}` cannot run here: {exc}. Install the kit with its extras "
-            f"(`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`) and retry."
+        print(
+            f"error: `python -m kit {name}` cannot run here: {exc} — install the kit with its extras "
+            f"(`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`) and retry.",
+            file=sys.stderr,
         )
+        return EXIT_USER_ERROR
 
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _requested_stage(argv: list) -> Optional[str]:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in STAGES else None
+    return None
+
+
+def build_parser(argv: Optional[list] = None) -> argparse.ArgumentParser:
+    """The parser; only the stage named in `argv` is imported (all of them when argv is None)."""
     parser = argparse.ArgumentParser(prog="python -m kit", description="Ascend notebook kit, stage by stage.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks (also KIT_DEBUG=1)")
     sub = parser.add_subparsers(dest="stage", required=True)
-    for module in STAGES.values():
+    wanted = _requested_stage(argv) if argv is not None else None
+    for name, (module, help_text) in STAGES.items():
+        if argv is not None and name != wanted:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
         try:
             mod = importlib.import_module(module)
         except ImportError as exc:  # e.g. an optional dependency of one stage is missing
-            name = next(k for k, v in STAGES.items() if v == module)
             sub.add_parser(name, help=f"(unavailable: {exc})").set_defaults(func=_unavailable(name, exc))
             continue
         mod.register(sub)
@@ -45,8 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:  # accepted anywhere on the line, before or after the stage's own arguments
+        argv = [a for a in argv if a != "--debug"]
+        os.environ["KIT_DEBUG"] = "1"
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug_enabled():
+            raise
+        message = user_message(exc)
+        if message is not None:
+            print(f"error: {message}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        print(
+            f"error: unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+            "— rerun with --debug (python -m kit --debug ...) for the traceback and report it.",
+            file=sys.stderr,
+        )
+        return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

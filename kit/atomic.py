@@ -9,10 +9,12 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
+from kit.errors import KitError
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class OutputExistsError(FileExistsError):
+class OutputExistsError(KitError, FileExistsError):
     """An output already exists and overwrite was not requested."""
 
 

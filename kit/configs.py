@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from kit.errors import KitError
 
-class ConfigError(ValueError):
+
+class ConfigError(KitError, ValueError):
     """Raised with every problem found in a config, one per line, each saying what to change."""
 
     def __init__(self, problems: Iterable[str], where: str = "config"):

@@ -1,10 +1,15 @@
-"""`python -m kit`: every stage is reachable, and a stage that cannot import does not break the others."""
+"""`python -m kit`: every stage is reachable, only the asked-for stage is imported, one error contract."""
 
 from __future__ import annotations
+
+import errno
+import subprocess
+import sys
 
 import pytest
 
 from kit import __main__ as cli
+from kit.errors import InputError, KitError, one_line
 
 
 def test_all_stages_are_registered():
@@ -14,7 +19,80 @@ def test_all_stages_are_registered():
 
 
 def test_a_broken_stage_is_reported_not_fatal(monkeypatch, capsys):
-    monkeypatch.setitem(cli.STAGES, "bogus", "kit.no_such_stage_module")
+    monkeypatch.setitem(cli.STAGES, "bogus", ("kit.no_such_stage_module", "broken on purpose"))
     assert cli.main(["doctor", "--explain", "EJ0001: Failed to initialize the HCCP process."]) == 0
-    with pytest.raises(SystemExit, match="cannot run here"):
-        cli.main(["bogus"])
+    assert cli.main(["bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: `python -m kit bogus` cannot run here") and err.count("\n") == 1
+
+
+def test_help_of_one_stage_imports_only_that_stage():
+    code = (
+        "import sys\n"
+        "from kit.__main__ import main\n"
+        "try:\n    main(['convert', '--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('pandas', 'kit.data', 'kit.envs', 'kit.profiling', 'kit.train', 'deepspeed',"
+        " 'transformers', 'datasets', 'matplotlib') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "usage: python -m kit convert" in out
+    assert out.strip().splitlines()[-1] == "HEAVY []"
+
+
+def _stage_raising(monkeypatch, exc: BaseException):
+    def run(_args):
+        raise exc
+
+    def register(sub):
+        sub.add_parser("boom").set_defaults(func=run)
+
+    module = type(sys)("kit_test_boom")
+    module.register = register
+    monkeypatch.setitem(sys.modules, "kit_test_boom", module)
+    monkeypatch.setitem(cli.STAGES, "boom", ("kit_test_boom", "raises"))
+
+
+def test_kit_error_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.delenv("KIT_DEBUG", raising=False)
+    _stage_raising(monkeypatch, InputError("2 problem(s) in data:\n  - first\n  - second"))
+    assert cli.main(["boom"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: 2 problem(s) in data: first; second\n"
+
+
+@pytest.mark.parametrize(
+    "code, words",
+    [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"), (errno.ENAMETOOLONG, "too long")],
+)
+def test_os_errors_users_can_fix_are_one_line(monkeypatch, capsys, code, words):
+    monkeypatch.delenv("KIT_DEBUG", raising=False)
+    _stage_raising(monkeypatch, OSError(code, "os says no", "/out/x.bin"))
+    assert cli.main(["boom"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write '/out/x.bin':") and words in err and err.count("\n") == 1
+
+
+def test_unexpected_error_names_debug_and_exits_1(monkeypatch, capsys):
+    monkeypatch.delenv("KIT_DEBUG", raising=False)
+    _stage_raising(monkeypatch, ZeroDivisionError("division by zero"))
+    assert cli.main(["boom"]) == 1
+    err = capsys.readouterr().err
+    assert "unexpected ZeroDivisionError: division by zero" in err and "--debug" in err
+    assert "Traceback" not in err
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    monkeypatch.setenv("KIT_DEBUG", "0")  # main() sets it to 1; monkeypatch restores the original afterwards
+    _stage_raising(monkeypatch, InputError("bad"))
+    with pytest.raises(InputError):
+        cli.main(["boom", "--debug"])
+
+
+def test_notebooks_render_kit_errors_as_one_line(monkeypatch):
+    monkeypatch.delenv("KIT_DEBUG", raising=False)
+    err = KitError("first line\n  - detail")
+    assert err._render_traceback_() == ["error: first line: detail"]
+    monkeypatch.setenv("KIT_DEBUG", "1")
+    assert len(err._render_traceback_()) >= 1 and "KitError" in err._render_traceback_()[-1]
+    assert one_line(ValueError("")) == "ValueError"

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from kit.atomic import atomic_write_text
+from kit.errors import KitError
 
 BACKUP_SUFFIX = ".kit-orig"
 
 
-class RemoteCodeFixError(ValueError):
+class RemoteCodeFixError(KitError, ValueError):
     """A file looks like a known case but not in the shape the fix expects."""
 
 

@@ -10,9 +10,10 @@ from kit.convert.families import ROLE_KIND, Family
 from kit.convert.layout import layout_problems
 from kit.convert.spec import ModelSpec
 from kit.convert.tensor_ops import part_offsets
+from kit.errors import KitError
 
 
-class ConversionError(ValueError):
+class ConversionError(KitError, ValueError):
     """A checkpoint or a requested layout that cannot be converted; lists every problem found."""
 
     def __init__(self, problems: Iterable[str], where: str = "conversion"):

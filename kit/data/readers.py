@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
+from kit.errors import KitError
+
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 _FIX_ENCODING = "convert it to UTF-8 first (e.g. `iconv -f GBK -t UTF-8 in.jsonl > out.jsonl`)"
 
 
-class DataInputError(ValueError):
+class DataInputError(KitError, ValueError):
     """A record that cannot be used; names the file, the line and the fix."""
 
     def __init__(self, source: str, line: int, problem: str, fix: str, reason: str = "malformed"):

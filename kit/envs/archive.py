@@ -11,12 +11,14 @@ import zlib
 from pathlib import Path
 from typing import IO, Callable, Iterator, Optional
 
+from kit.errors import KitError
+
 FORMATS = ("tar.zst", "tar.gz", "tar")
 MANIFEST = ".kit-env.json"  # first member of every archive the kit writes: kind, old prefix, files to fix
 _CHUNK = 1 << 20
 
 
-class EnvArchiveError(ValueError):
+class EnvArchiveError(KitError, ValueError):
     """An archive that is unsafe, corrupt, or in a format the kit cannot read."""
 
 

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from kit.errors import KitError
+
 DEFAULT_IMPORTS = ("torch", "torch_npu", "deepspeed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SCAN_LIMIT = 2 << 20  # text files with a prefix are scripts and configs; bigger ones are binaries
 
 
-class EnvError(ValueError):
+class EnvError(KitError, ValueError):
     """A bad environment name, a missing source, a target that exists, no space: says what to do next."""
 
 

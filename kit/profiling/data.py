@@ -8,13 +8,15 @@ from typing import Optional
 
 import pandas as pd
 
+from kit.errors import KitError
+
 # Columns of the normalised kernel table; ratio columns (aic_*_ratio / aiv_*_ratio) follow when present.
 KERNEL_COLUMNS = ["step", "device", "name", "type", "core", "start_us", "dur_us", "wait_us", "block_dim"]
 # Cores whose time counts as computation (the share denominator); communication tasks are left out.
 COMMUNICATION_CORES = {"HCCL", "COMMUNICATION", "COMMUNICATION_TASK"}
 
 
-class ProfileError(ValueError):
+class ProfileError(KitError, ValueError):
     """A profile folder or file that cannot be analysed; the message says what is missing and what to do."""
 
 

@@ -1,0 +1,90 @@
+"""One error contract for the whole kit: expected failures are `KitError`s that read as one line.
+
+Every stage raises a subclass of `KitError` for a failure the user can fix (bad input, wrong config, an output
+that exists, damaged files). The command line prints `error: <message>` and exits 2; a notebook shows the same
+line instead of a traceback (IPython calls `_render_traceback_`). `--debug` / `KIT_DEBUG=1` shows tracebacks.
+Operating-system failures that a user can act on (disk full, read-only filesystem, name too long, permission
+denied) are turned into the same kind of line by `describe_os_error`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Optional
+
+EXIT_USER_ERROR = 2
+EXIT_UNEXPECTED = 1
+
+
+def debug_enabled() -> bool:
+    """True when KIT_DEBUG asks for full tracebacks."""
+    return os.environ.get("KIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+class KitError(Exception):
+    """A failure the user can fix; the message says what is wrong and what to do."""
+
+    def _render_traceback_(self) -> list:
+        # IPython uses this instead of the traceback when present: the notebook shows the kit's line.
+        if debug_enabled():
+            import traceback
+
+            return traceback.format_exception(type(self), self, self.__traceback__)
+        return [f"error: {one_line(self)}"]
+
+
+class InputError(KitError, ValueError):
+    """A file, folder or value given to the kit is missing, malformed or of the wrong kind."""
+
+
+class IntegrityError(KitError, ValueError):
+    """Stored data failed a check (hash, CRC, size, member list): it is damaged or incomplete."""
+
+
+class OutputError(KitError, OSError):
+    """An output cannot be written (disk full, read-only filesystem, name too long, permission denied)."""
+
+
+# errno -> what to do; the message always names the path.
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full; free space or choose an output folder on a larger volume",
+    errno.EDQUOT: "the disk quota is exceeded; free space or choose another output folder",
+    errno.EROFS: "the filesystem is read-only; choose an output folder on a writable volume "
+    "(on ModelArts: under /home/ma-user/work)",
+    errno.ENAMETOOLONG: "the file name is too long for this filesystem; choose a shorter name or folder",
+    errno.EACCES: "permission denied; choose a folder you can write to or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a folder you own",
+}
+
+
+def describe_os_error(exc: OSError) -> Optional[str]:
+    """One line for an OSError a user can act on, or None when it is not one of those."""
+    hint = _OS_HINTS.get(getattr(exc, "errno", None) or -1)
+    if hint is None:
+        return None
+    where = exc.filename if exc.filename is not None else "?"
+    return f"cannot write {str(where)!r}: {hint}"
+
+
+def user_message(exc: BaseException) -> Optional[str]:
+    """The one-line message for an expected failure, or None for an unexpected one."""
+    if isinstance(exc, KitError):
+        return one_line(exc)
+    if isinstance(exc, OSError):
+        described = describe_os_error(exc)
+        if described:
+            return described
+        if isinstance(exc, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)):
+            return one_line(exc)
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message joined onto one line (multi-problem errors keep `; ` between items)."""
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else text
+    head, rest = lines[0], [ln.lstrip("- ").strip() for ln in lines[1:]]
+    return head.rstrip(":") + ": " + "; ".join(rest)
