@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kit-installed
 PY39 := $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9 2>/dev/null))
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint compat39 unit nbval e2e clean
+.PHONY: install demo test lint compat39 unit nbval e2e bench test-compat clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,15 @@ e2e: install
 	KIT_E2E_REQUIRED=1 $(PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 
 test: lint compat39 unit nbval e2e
+
+# every benchmark in a short configuration; one table of ratios -> benchmarks/results.md (not part of make test)
+bench: install
+	$(PY) benchmarks/run_all.py
+
+# the unit and notebook tests on older stacks ModelArts images bring (envs/compat/<STACK>.txt); STACK=all: both
+STACK ?= all
+test-compat:
+	tests/compat/run_compat.sh $(STACK)
 
 clean:
 	rm -rf runs/demo runs/ws runs/e2e runs/nbval-ws
