@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from kit.errors import DeviceError, InputError
+
 # Which environment variable restricts the visible cards, and which collective backend to use, per kind.
 VISIBLE_DEVICES_ENV = {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES", "cpu": None}
 DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -77,7 +79,7 @@ def detect(prefer: Optional[str] = None) -> DeviceInfo:
 
     prefer = (prefer or os.environ.get("KIT_DEVICE") or "").lower() or None
     if prefer not in (None, "npu", "cuda", "cpu"):
-        raise ValueError(
+        raise InputError(
             f"KIT_DEVICE/prefer={prefer!r} is not one of npu, cuda, cpu; unset it to auto-detect."
         )
     reasons: list[str] = []
@@ -99,11 +101,11 @@ def detect(prefer: Optional[str] = None) -> DeviceInfo:
         reasons.append("no CUDA device")
 
     if prefer == "npu" and not npu_ok:
-        raise RuntimeError(
+        raise DeviceError(
             f"NPU requested but not usable: {npu_err or 'no visible NPU'}. Run notebook 00 (doctor)."
         )
     if prefer == "cuda" and not cuda_ok:
-        raise RuntimeError("CUDA requested but torch.cuda.is_available() is False.")
+        raise DeviceError("CUDA requested but torch.cuda.is_available() is False.")
     kind = prefer or ("npu" if npu_ok else "cuda" if cuda_ok else "cpu")
 
     if kind == "npu":

@@ -38,6 +38,18 @@ class InputError(KitError, ValueError):
     """A file, folder or value given to the kit is missing, malformed or of the wrong kind."""
 
 
+class MissingInputError(InputError, FileNotFoundError):
+    """A file or folder the kit was pointed at does not exist (or lacks the file that makes it what it is)."""
+
+
+class ParameterError(InputError, TypeError):
+    """An unknown parameter name (a typo in a notebook's parameters or a `--set KEY=VALUE`)."""
+
+
+class DeviceError(KitError, RuntimeError):
+    """The requested accelerator is not usable here."""
+
+
 class IntegrityError(KitError, ValueError):
     """Stored data failed a check (hash, CRC, size, member list): it is damaged or incomplete."""
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kit.errors import InputError
 from kit.workspace import repo_root
 
 NOTEBOOKS = repo_root() / "notebooks"
@@ -34,14 +35,14 @@ def parameters_of(nb_path: Path) -> dict:
     """Names and literal default values of the `parameters` cell (it must hold only literal assignments)."""
     cells = parameter_cells(nb_path)
     if len(cells) != 1:
-        raise ValueError(f"{nb_path.name} has {len(cells)} cells tagged 'parameters'; it needs exactly one.")
+        raise InputError(f"{nb_path.name} has {len(cells)} cells tagged 'parameters'; it needs exactly one.")
     tree = ast.parse("".join(cells[0]["source"]))
     params = {}
     for node in tree.body:
         if not (
             isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
         ):
-            raise ValueError(f"{nb_path.name}: the parameters cell may hold only `NAME = literal` lines.")
+            raise InputError(f"{nb_path.name}: the parameters cell may hold only `NAME = literal` lines.")
         params[node.targets[0].id] = ast.literal_eval(node.value)
     return params
 
@@ -53,7 +54,7 @@ def execute(nb_path: Path, out_path: Path, parameters: Optional[dict] = None, ti
     parameters = dict(parameters or {})
     unknown = sorted(set(parameters) - set(parameters_of(nb_path)))
     if unknown:
-        raise ValueError(f"{nb_path.name} has no parameter(s) {unknown}; see its parameters cell.")
+        raise InputError(f"{nb_path.name} has no parameter(s) {unknown}; see its parameters cell.")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(
         str(nb_path),

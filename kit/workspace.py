@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from kit.errors import InputError
+
 MODELARTS_ROOT = Path("/home/ma-user/ws")
 RUN_TYPES = ("pretrain", "sft", "lora", "retrain")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -41,7 +43,7 @@ class Workspace:
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
         if not _MODEL_NAME.match(self.model or ""):
-            raise ValueError(
+            raise InputError(
                 f"model name {self.model!r} is not a plain folder name; use letters, digits, '.', '_' or '-' "
                 f"(for example 'Llama2-7B' or 'GLM3-6B')."
             )
@@ -78,7 +80,7 @@ class Workspace:
     def output(self, run_type: str) -> Path:
         """Where a training run of `run_type` saves weights (retrain continues into pretrain's folder)."""
         if run_type not in RUN_TYPES:
-            raise ValueError(f"RUN_TYPE {run_type!r} is not one of {', '.join(RUN_TYPES)}.")
+            raise InputError(f"RUN_TYPE {run_type!r} is not one of {', '.join(RUN_TYPES)}.")
         return self.model_output / ("pretrain" if run_type == "retrain" else run_type)
 
     @property

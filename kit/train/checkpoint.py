@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from kit.atomic import atomic_write_text
+from kit.errors import InputError, MissingInputError
 
 LATEST = "latest"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
@@ -96,7 +97,7 @@ def load(engine, ckpt_root: Path, iteration: Optional[int] = None) -> dict:
     ckpt_root = Path(ckpt_root)
     iteration = latest_iteration(ckpt_root) if iteration is None else iteration
     if iteration is None or not (ckpt_root / tag_of(iteration)).is_dir():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"no checkpoint to resume in {ckpt_root} (iteration {iteration}); "
             f"train with RUN_TYPE=pretrain/sft/lora first."
         )
@@ -105,7 +106,7 @@ def load(engine, ckpt_root: Path, iteration: Optional[int] = None) -> dict:
         str(ckpt_root), tag=tag_of(iteration), load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
-        raise RuntimeError(
+        raise InputError(
             f"DeepSpeed could not load {folder}; it may be from another ZeRO stage or world size."
         )
     rank = dist.get_rank() if dist.is_initialized() else 0

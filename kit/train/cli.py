@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from kit.errors import InputError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -73,41 +74,35 @@ def _config(args: argparse.Namespace):
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+            raise InputError(f"--set {item!r}: expected KEY=VALUE, e.g. --set TRAIN_ITERS=20")
         environ[key.upper()] = value
     return from_env(environ, extra=[i.partition("=")[0].upper() for i in args.set], **values)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kit.configs import ConfigError
-
     if args.what == "log":
         return _log(args)
-    try:
-        cfg = _config(args)
-        if args.what == "run":
-            from kit.train.trainer import train
+    cfg = _config(args)
+    if args.what == "run":
+        from kit.train.trainer import train
 
-            result = train(cfg, progress=not args.no_progress)
-            print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
-            return {"completed": 0, "preempted": 0}.get(result.status, 3)
-        if args.what == "launch":
-            from kit.train.launch import launch
+        result = train(cfg, progress=not args.no_progress)
+        print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
+        return {"completed": 0, "preempted": 0}.get(result.status, 3)
+    if args.what == "launch":
+        from kit.train.launch import launch
 
-            res = launch(
-                cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
-            )
-            return res.returncode
-        from kit.train.megatron import build, execute
+        res = launch(
+            cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
+        )
+        return res.returncode
+    from kit.train.megatron import build, execute
 
-        plan = build(cfg, code_dir=args.code_dir, script=args.script, load=args.load)
-        print(plan.describe())
-        if plan.problems:
-            return 2
-        return execute(plan) if args.execute else 0
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    plan = build(cfg, code_dir=args.code_dir, script=args.script, load=args.load)
+    print(plan.describe())
+    if plan.problems:
         return 2
+    return execute(plan) if args.execute else 0
 
 
 def _log(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from kit.errors import InputError, ParameterError
+
 RUN_TYPES = ("pretrain", "retrain", "sft", "lora")
 ENGINES = ("deepspeed", "megatron")
 
@@ -264,7 +266,7 @@ def from_env(environ: Optional[Mapping] = None, extra: Sequence = (), **override
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(k for k in list(overrides) + [e.lower() for e in extra] if k.lower() not in names)
     if unknown:
-        raise TypeError(
+        raise ParameterError(
             f"unknown training parameter(s) {unknown}; allowed: {sorted(n.upper() for n in names)}"
         )
     values = {k.lower(): v for k, v in overrides.items()}
@@ -275,7 +277,7 @@ def from_env(environ: Optional[Mapping] = None, extra: Sequence = (), **override
             try:
                 values[f.name] = _coerce(f.name, str(environ[key]))
             except ValueError as exc:
-                raise ValueError(f"environment variable {key}={environ[key]!r} is not valid: {exc}") from exc
+                raise InputError(f"environment variable {key}={environ[key]!r} is not valid: {exc}") from exc
     return TrainConfig(**values)
 
 
@@ -285,5 +287,5 @@ def load_config(path) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+        raise InputError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(names)}")
     return TrainConfig(**data)

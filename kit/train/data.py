@@ -6,6 +6,8 @@ import functools
 from pathlib import Path
 from typing import Iterator, Union
 
+from kit.errors import InputError
+
 PathLike = Union[str, Path]
 MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")
 KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft"}
@@ -18,7 +20,7 @@ def load_dataset(path: PathLike):
     ds, meta = load_prepared(path, return_meta=True)
     missing = [c for c in MODEL_INPUTS if c not in ds.column_names]
     if missing:
-        raise ValueError(f"{path} lacks column(s) {missing} (has {ds.column_names}); re-run the data stage.")
+        raise InputError(f"{path} lacks column(s) {missing} (has {ds.column_names}); re-run the data stage.")
     return ds.with_format("torch", columns=list(MODEL_INPUTS)), meta
 
 

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
+from kit.errors import MissingInputError
+
 PathLike = Union[str, Path]
 
 
@@ -43,7 +45,7 @@ def prepare_inputs(
 
     model = Path(model_path) if model_path else demo_model_dir()
     if not (model / "config.json").is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"MODEL_PATH={str(model)!r} has no config.json; give an HF model folder (notebook "
             f"03's output) or None for the demo model."
         )

@@ -48,8 +48,11 @@ _BUSY = """() => {
 _STARTED = """() => Array.from(document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-InputPrompt'))
   .some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))"""
 
-# IPython's rendering of an exception: its header line, or the plain traceback banner
-_TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^-{20,}\s*$\n^\w+(Error|Exception)\b", re.M)
+# IPython's rendering of an exception: its header line, the plain traceback banner, or a kit error's one line
+# (kit.errors.KitError renders as "error: <message>" instead of a traceback)
+_TRACEBACK = re.compile(
+    r"Traceback \(most recent call last\)|^-{20,}\s*$\n^\w+(Error|Exception)\b|^error: \S", re.M
+)
 
 
 @dataclass
@@ -116,6 +119,14 @@ def read_cells(page, settle: float = 1.0, timeout: float = 20.0) -> list:
             return [Cell(**c) for c in cells]
         previous = cells
         time.sleep(settle)
+
+
+def error_output(cell) -> str:
+    """The text of the error a code cell shows ("" when none): a traceback or a kit error line."""
+    for o in cell.outputs:
+        if o["mime"] == "application/vnd.jupyter.stderr" and _TRACEBACK.search(o["text"]):
+            return o["text"]
+    return ""
 
 
 def visible_errors(cells: list) -> list:

@@ -6,7 +6,15 @@ import nbformat
 import pytest
 from e2e_cases import BROKEN, Expect, tiny_parameters
 from e2e_lab import tiny_copy
-from e2e_ui import full_screenshot, missing_outputs, open_notebook, read_cells, run_all, visible_errors
+from e2e_ui import (
+    error_output,
+    full_screenshot,
+    missing_outputs,
+    open_notebook,
+    read_cells,
+    run_all,
+    visible_errors,
+)
 
 from kit.notebooks import numbered_notebooks
 
@@ -26,11 +34,13 @@ def test_broken_parameter_shows_the_kit_error(nb, lab, page, e2e_root, screensho
     full_screenshot(page, screenshots / f"{name[:-6]}.png")
     errors = visible_errors(cells)
     assert errors, "a failing notebook must be reported by visible_errors"
-    failed = [c for c in cells if c.kind == "code" and "Traceback" in c.text]
+    failed = [c for c in cells if c.kind == "code" and error_output(c)]
     assert len(failed) == 1, [c.source for c in failed]
-    # the kit's message is what the user reads last in that output, not something buried in a traceback
-    last_line = [line for line in failed[0].text.splitlines() if line.strip()][-1]
-    assert message in last_line, f"last visible line: {last_line!r}\nwhole output:\n{failed[0].text}"
+    # the kit's message is what the user reads, as one line, not something buried in a traceback
+    shown = error_output(failed[0])
+    lines = [line for line in shown.splitlines() if line.strip()]
+    assert message in lines[-1], f"last visible line: {lines[-1]!r}\nwhole output:\n{shown}"
+    assert "Traceback" not in shown and lines[-1].startswith("error: "), shown
 
 
 def test_checks_catch_planted_error_and_missing_output(lab, page, e2e_root):
