@@ -100,3 +100,30 @@ def one_line(exc: BaseException) -> str:
         return lines[0] if lines else text
     head, rest = lines[0], [ln.lstrip("- ").strip() for ln in lines[1:]]
     return head.rstrip(":") + ": " + "; ".join(rest)
+
+
+def _ipython_os_error(shell, etype, value, tb, tb_offset=None):
+    """IPython custom-exception handler: OSErrors a user can act on show as one `error:` line."""
+    message = None if debug_enabled() else describe_os_error(value)
+    if message is None:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        return None
+    shell._showtraceback(etype, value, [f"error: {message}"])
+    return None
+
+
+def install_notebook_handler() -> bool:
+    """In a running IPython kernel, show disk-full / read-only / name-too-long errors as one line; else no-op."""
+    import sys
+
+    if "IPython" not in sys.modules:  # not inside IPython: nothing to do, and IPython is not imported
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return False
+    if not getattr(shell, "_kit_os_error_handler", False):
+        shell.set_custom_exc((OSError,), _ipython_os_error)
+        shell._kit_os_error_handler = True
+    return True

@@ -96,3 +96,31 @@ def test_notebooks_render_kit_errors_as_one_line(monkeypatch):
     monkeypatch.setenv("KIT_DEBUG", "1")
     assert len(err._render_traceback_()) >= 1 and "KitError" in err._render_traceback_()[-1]
     assert one_line(ValueError("")) == "ValueError"
+
+
+def test_notebook_shows_kit_and_disk_errors_as_one_line(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    outputs = {}
+    for name, code in {
+        "kit": "import kit\nfrom kit.errors import InputError\nraise InputError('bad value — do this')",
+        "disk": "import errno, kit\nraise OSError(errno.ENOSPC, 'No space left on device', '/ws/out.bin')",
+        "other": "import kit\nraise OSError(errno.EIO if False else 5, 'I/O error', '/ws/x')",
+    }.items():
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+        client = NotebookClient(
+            nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+        )
+        with pytest.raises(CellExecutionError):
+            client.execute()
+        outputs[name] = [o for o in nb.cells[0].outputs if o["output_type"] == "error"][0]["traceback"]
+    assert outputs["kit"] == ["error: bad value — do this"]
+    assert outputs["disk"] == [
+        "error: cannot write '/ws/out.bin': the disk is full; free space or choose an "
+        "output folder on a larger volume"
+    ]
+    assert len(outputs["other"]) > 1 and "OSError" in "".join(
+        outputs["other"]
+    )  # not ours: the usual traceback
