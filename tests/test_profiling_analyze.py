@@ -215,8 +215,9 @@ def test_unfinished_can_be_read_on_request_and_truncated_rows_are_reported(plant
     kd.write_text(text[: text.rindex("\n", 0, len(text) - 1) + 40], encoding="utf-8")  # last row cut short
     data = kp.load(pt, allow_unfinished=True)
     assert any("analyse.done" in n for n in data.notes)
-    assert any("without a duration dropped" in n for n in data.notes)
+    assert any("ends in the middle of a row" in w for w in data.warnings)
     assert len(data.kernels) == text.count("\n") - 2  # header and the cut row are not kernels
+    assert data.rows["kernel_details.csv"]["dropped"] == {"cut off at the end of the file": 1}
 
 
 def test_load_accepts_every_path_form(planted):

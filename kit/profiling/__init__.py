@@ -1,36 +1,52 @@
-"""Profiling: one capture API (torch_npu.profiler on NPU, torch.profiler elsewhere), one analyzer, slow-op advice."""
+"""Profiling: one capture API (torch_npu.profiler on NPU, torch.profiler elsewhere), one analyzer, slow-op advice.
 
-from kit.profiling.advisor import Finding, Thresholds, advise
-from kit.profiling.capture import Capture, profile
-from kit.profiling.compare import Comparison, compare
-from kit.profiling.config import ProfileConfig
-from kit.profiling.data import ProfileData, ProfileError
-from kit.profiling.loader import find_profiles, load
-from kit.profiling.plots import plot_step_breakdown, plot_top_operators
-from kit.profiling.report import Advice
-from kit.profiling.sample import ensure_sample_profile, sample_profile_dir, write_sample_ascend_profile
-from kit.profiling.tables import mean_step_us, operator_table, step_breakdown
+Names are imported on first use (module `__getattr__`, PEP 562): `python -m kit profile --help` and
+`import kit.profiling` load no pandas, torch or matplotlib until a function that needs them is called.
+"""
 
-__all__ = [
-    "Advice",
-    "Capture",
-    "Comparison",
-    "Finding",
-    "ProfileConfig",
-    "ProfileData",
-    "ProfileError",
-    "Thresholds",
-    "advise",
-    "compare",
-    "ensure_sample_profile",
-    "find_profiles",
-    "load",
-    "mean_step_us",
-    "operator_table",
-    "plot_step_breakdown",
-    "plot_top_operators",
-    "profile",
-    "sample_profile_dir",
-    "step_breakdown",
-    "write_sample_ascend_profile",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it. No public name may equal a submodule's name: importing that submodule
+# would rebind the package attribute to the module (hence comparison.py, not compare.py).
+_EXPORTS = {
+    "Advice": "kit.profiling.report",
+    "Capture": "kit.profiling.capture",
+    "CaptureError": "kit.profiling.data",
+    "Comparison": "kit.profiling.comparison",
+    "Finding": "kit.profiling.advisor",
+    "ProfileConfig": "kit.profiling.config",
+    "ProfileData": "kit.profiling.data",
+    "ProfileError": "kit.profiling.data",
+    "Thresholds": "kit.profiling.advisor",
+    "advise": "kit.profiling.advisor",
+    "compare": "kit.profiling.comparison",
+    "ensure_sample_profile": "kit.profiling.sample",
+    "find_profiles": "kit.profiling.loader",
+    "load": "kit.profiling.loader",
+    "mean_step_us": "kit.profiling.tables",
+    "operator_table": "kit.profiling.tables",
+    "plot_step_breakdown": "kit.profiling.plots",
+    "plot_top_operators": "kit.profiling.plots",
+    "profile": "kit.profiling.capture",
+    "sample_profile_dir": "kit.profiling.sample",
+    "step_breakdown": "kit.profiling.tables",
+    "write_sample_ascend_profile": "kit.profiling.sample",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kit.profiling' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -64,7 +64,7 @@ class Thresholds:
 
 @dataclass
 class Finding:
-    """One rule's verdict: severity 'problem', 'info' or 'skipped' (data missing), with evidence and fix."""
+    """One rule's verdict: severity 'warning' (damaged input), 'problem', 'info' or 'skipped' (data missing)."""
 
     rule: str
     severity: str
@@ -205,11 +205,12 @@ def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> 
     k = compute_kernels(data)[["name", "type", "core", "block_dim"]]
     k = k[k["core"].isin(list(cores)) & (k["block_dim"] > 0)]
     if not cores or k["block_dim"].isna().all():
-        why = (
-            "no core counts (PROF_*/device_*/info.json missing)"
-            if not cores
-            else "no Block Num/Block Dim values"
-        )
+        if cores:
+            why = "no Block Num/Block Dim values"
+        elif data.core_counts_problem:
+            why = f"no core counts: {data.core_counts_problem}"
+        else:
+            why = "no core counts (PROF_*/device_*/info.json missing)"
         return [
             Finding(
                 "block_dim",
@@ -247,14 +248,20 @@ def block_dim_rule(data: ProfileData, by_name: pd.DataFrame, th: Thresholds) -> 
 
 
 def step_rules(data: ProfileData, th: Thresholds) -> list:
-    """Step-time breakdown as info, and a problem when the device idles above free_share_pct."""
+    """Step-time breakdown as info, and a problem when the device idles above free_share_pct.
+
+    Shares are taken over the steps whose every part is a valid number (the reader drops the others and says
+    so), so they lie in [0, 100] and add up to 100.
+    """
     st = step_breakdown(data)
     if "free_us" not in st.columns or st.empty:
         return []
-    tot = float(st["total_us"].sum()) or 1.0
-    comp, comm, free = (
-        100 * float(st[c].sum()) / tot for c in ("computing_us", "communication_us", "free_us")
-    )
+    parts = ["computing_us", "communication_us", "free_us"]
+    st = st[st[parts].notna().all(axis=1) & (st[parts] >= 0).all(axis=1)]
+    tot = float(st["total_us"].sum())
+    if st.empty or tot <= 0:
+        return []
+    comp, comm, free = (100 * float(st[c].sum()) / tot for c in parts)
     out = [
         Finding(
             "step_breakdown",
@@ -306,6 +313,27 @@ def top_rule(by_type: pd.DataFrame, th: Thresholds) -> list:
     ]
 
 
+def input_rule(data: ProfileData) -> list:
+    """Damaged files or invalid values met while reading: a warning first in the report, with row counts."""
+    if not data.warnings:
+        return []
+    counts = data.row_summary()
+    return [
+        Finding(
+            "input",
+            "warning",
+            "The profile's files are damaged or hold invalid values; figures cover only the valid rows",
+            " | ".join(data.warnings + counts),
+            "Copy the profile again (a truncated transfer), or re-run torch_npu.profiler.profiler.analyse on the "
+            "*_ascend_pt folder; if the files came from a tool other than torch_npu, check how they were edited.",
+            numbers={
+                "rows_dropped": sum(sum(r.get("dropped", {}).values()) for r in data.rows.values()),
+                "warnings": len(data.warnings),
+            },
+        )
+    ]
+
+
 def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
     """Run every rule on a loaded profile; returns an Advice (findings, tables, Markdown/HTML/JSON)."""
     from kit.configs import check
@@ -315,7 +343,7 @@ def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
     check(th)
     by_type = operator_table(data, by="type")
     by_name = operator_table(data, by="name") if len(data.kernels) else by_type
-    findings: list = []
+    findings: list = input_rule(data)
     if data.kind == "ascend":
         findings += cast_rule(by_type, th) + aicpu_rule(by_name, th)
         if len(data.kernels):

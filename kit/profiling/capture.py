@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from kit.profiling.config import ProfileConfig
+from kit.profiling.data import CaptureError
 from kit.profiling.loader import CAPTURE_FILE, find_profiles
 
 PathLike = Union[str, Path]
@@ -67,7 +68,7 @@ def _npu_profiler_module():
 
     mod, err = torch_npu_import()
     if mod is None:
-        raise RuntimeError(
+        raise CaptureError(
             f"device='npu' but torch_npu cannot be imported ({err}). Run `python -m kit doctor` "
             f"(notebook 00), or use device='auto' to profile with torch.profiler on this machine."
         )
@@ -184,7 +185,7 @@ class Capture:
     def step(self) -> None:
         """Tell the profiler one training step finished (drives the wait/warmup/active schedule)."""
         if self._prof is None:
-            raise RuntimeError(
+            raise CaptureError(
                 "capture not started: use `with kit.profiling.profile(...) as cap:` or call .start()"
             )
         self._prof.step()
@@ -197,7 +198,7 @@ class Capture:
     def stop(self, failed: bool = False) -> Path:
         """Stop the profiler, write capture.json and give the folder its final name (kept .partial on failure)."""
         if self._prof is None:
-            raise RuntimeError("capture not started")
+            raise CaptureError("capture not started: call .start() (or use the `with` block) first")
         self._prof.stop()
         self.profiler, self._prof = self._prof, None  # kept: torch.profiler's key_averages() stays usable
         if self.steps < self.config.steps_needed:

@@ -5,6 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+
+def _check_folder(path: str, option: str) -> None:
+    """An output folder option must not name an existing file."""
+    if Path(path).exists() and not Path(path).is_dir():
+        from kit.profiling.data import ProfileError
+
+        raise ProfileError(
+            f"{option} {path} is a file; pass a folder (new or existing) for the advice files."
+        )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--cast-share-pct", type=float, default=1.0)
     a.add_argument("--aicpu-max-us", type=float, default=1000.0)
     a.add_argument("--aicpu-share-pct", type=float, default=10.0)
-    a.add_argument("--unit-ratio", type=float, default=0.8)
+    a.add_argument("--unit-ratio", type=float, default=0.8, help="in (0, 1]: every unit below it -> AOE")
     a.add_argument("--min-op-share-pct", type=float, default=1.0)
     a.add_argument("--ai-core-num", type=int, default=None, help="cube cores, when info.json is missing")
     a.add_argument("--aiv-num", type=int, default=None, help="vector cores, when info.json is missing")
@@ -63,38 +74,42 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kit.profiling import ProfileError
-
-    try:
-        return _run(args)
-    except ProfileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Expected failures raise ProfileError / ConfigError (KitError): `python -m kit` prints `error: ...`, exit 2."""
     import kit.profiling as kp
 
     if args.what == "analyze":
-        th = kp.Thresholds(
-            cast_max_us=args.cast_max_us,
-            cast_share_pct=args.cast_share_pct,
-            aicpu_max_us=args.aicpu_max_us,
-            aicpu_share_pct=args.aicpu_share_pct,
-            unit_ratio=args.unit_ratio,
-            min_op_share_pct=args.min_op_share_pct,
-            ai_core_num=args.ai_core_num,
-            aiv_num=args.aiv_num,
-        )
+        from kit.configs import check
+
+        th = check(
+            kp.Thresholds(
+                cast_max_us=args.cast_max_us,
+                cast_share_pct=args.cast_share_pct,
+                aicpu_max_us=args.aicpu_max_us,
+                aicpu_share_pct=args.aicpu_share_pct,
+                unit_ratio=args.unit_ratio,
+                min_op_share_pct=args.min_op_share_pct,
+                ai_core_num=args.ai_core_num,
+                aiv_num=args.aiv_num,
+            ),
+            "profile analyze options",
+        )  # before reading: a bad option must not wait for a million-row profile
+        if args.out:
+            _check_folder(args.out, "--out")
         advice = kp.advise(kp.load(args.path, allow_unfinished=args.allow_unfinished), th)
         print(
             json.dumps(advice.to_json(), indent=2, ensure_ascii=False) if args.json else advice.to_markdown()
         )
+        for w in advice.data.warnings:
+            print(f"warning: {w}", file=sys.stderr)
         if args.out:
             for role, path in advice.save(args.out, overwrite=args.overwrite).items():
                 print(f"{role}: {path}", file=sys.stderr)
         return 1 if advice.problems and args.fail_on_problems else 0
     if args.what == "compare":
+        if args.csv and Path(args.csv).is_dir():
+            raise kp.ProfileError(
+                f"--csv {args.csv} is a folder; give a file name, e.g. {Path(args.csv) / 'compare.csv'}"
+            )
         cmp = kp.compare(args.before, args.after)
         print(cmp.summary(top=args.top))
         if args.csv:

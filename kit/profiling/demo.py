@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from kit.profiling.capture import Capture, profile
 from kit.profiling.config import ProfileConfig
+from kit.profiling.data import ProfileError
 
 PathLike = Union[str, Path]
 
@@ -63,18 +64,19 @@ def load_model(model_dir: Optional[PathLike] = None, device: Optional[str] = Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kit.device import get_device
+    from kit.hf_compat import dtype_kw
 
     if model_dir is None:
         from kit.samples import demo_model_dir
 
         model_dir = demo_model_dir()
     if not Path(model_dir).is_dir():
-        raise FileNotFoundError(
+        raise ProfileError(
             f"model folder {model_dir} does not exist; pass an HF folder (notebook 03/04 "
             f"output) or None for the demo model."
         )
     dev = torch.device(device) if device else get_device()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(dev)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **dtype_kw(torch.float32)).to(dev)
     model.train()
     return model, AutoTokenizer.from_pretrained(str(model_dir))
 
@@ -92,7 +94,7 @@ def model_folder(model: str, workspace: Any = None) -> Path:
         target = Path((workspace or get_workspace()).model_input) / "tiny-llama"
         return target if (target / "config.json").exists() else tiny_llama(target)
     if not Path(model).is_dir():
-        raise FileNotFoundError(f"MODEL={model!r} is neither 'demo', 'tiny' nor an existing HF folder.")
+        raise ProfileError(f"MODEL={model!r} is neither 'demo', 'tiny' nor an existing HF folder.")
     return Path(model)
 
 
@@ -138,7 +140,7 @@ def profile_trainer(
 
     cfg = dataclasses.replace(config or ProfileConfig(), **options)
     if cfg.steps_needed > train_config.train_iters:
-        raise ValueError(
+        raise ProfileError(
             f"the profile schedule needs {cfg.steps_needed} steps (skip_first+wait+warmup+active) but "
             f"TRAIN_ITERS={train_config.train_iters}; lower ACTIVE/WAIT or train longer."
         )

@@ -74,8 +74,17 @@ def load_kineto(path: Path) -> ProfileData:
         if c not in ev.columns:
             ev[c] = None
     ev["ts"] = pd.to_numeric(ev["ts"], errors="coerce")
-    ev["dur"] = pd.to_numeric(ev["dur"], errors="coerce").fillna(0.0)
-    ev = ev[ev["ts"].notna()].reset_index(drop=True)
+    ev["dur"] = pd.to_numeric(ev["dur"], errors="coerce")
+    bad_ts, bad_dur = ev["ts"].isna(), ev["dur"].isna() | (ev["dur"] < 0)
+    warnings: list = []
+    n_read = len(ev)
+    if (bad_ts | bad_dur).any():
+        warnings.append(
+            f"{path.name}: {int((bad_ts | bad_dur).sum())} of {n_read} complete event(s) dropped "
+            f"({int(bad_ts.sum())} without a numeric ts, {int((bad_dur & ~bad_ts).sum())} with a missing or "
+            f"negative dur)."
+        )
+    ev = ev[~(bad_ts | bad_dur)].reset_index(drop=True)
     cat = ev["cat"].astype("string").fillna("")
     steps = ev[(cat == "user_annotation") & ev["name"].astype("string").str.startswith("ProfilerStep#")]
     steps = steps.assign(step=steps["name"].str.split("#").str[1].astype("int64")).sort_values("ts")
@@ -130,6 +139,16 @@ def load_kineto(path: Path) -> ProfileData:
         step_trace=step_trace,
         meta=meta,
         files={"trace": path},
+        warnings=warnings,
+        rows={
+            path.name: {
+                "read": n_read,
+                "used": len(ev),
+                "dropped": {"invalid ts or dur": int((bad_ts | bad_dur).sum())}
+                if (bad_ts | bad_dur).any()
+                else {},
+            }
+        },
     )
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 from kit.profiling.data import ProfileData
 from kit.profiling.tables import step_breakdown
 
-SEVERITY_ORDER = {"problem": 0, "skipped": 1, "info": 2}
+SEVERITY_ORDER = {"warning": 0, "problem": 1, "skipped": 2, "info": 3}
 
 
 def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.1f}") -> str:
@@ -65,6 +65,10 @@ class Advice:
             lines.append(f"- **{f.severity.upper()} - {f.title}** (`{f.rule}`): {f.evidence}")
             if f.fix:
                 lines.append(f"  - Fix: {f.fix}")
+        if self.data.warnings:
+            lines += ["", "## Damaged or invalid input", ""] + [f"- {w}" for w in self.data.warnings]
+        if self.data.rows:
+            lines += ["", "## Rows read", ""] + [f"- {r}" for r in self.data.row_summary()]
         if self.data.notes:
             lines += ["", "## Notes while reading", ""] + [f"- {n}" for n in self.data.notes]
         lines += ["", f"## Top {top} operators by total time", "", markdown_table(self.operators.head(top))]
@@ -83,10 +87,12 @@ class Advice:
             for f in sorted(self.findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 9))
         )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.data.notes)
+        warns = "".join(f"<li>{html.escape(w)}</li>" for w in self.data.warnings + self.data.row_summary())
         return (
             f"<html><head><meta charset='utf-8'><title>Profile advice</title></head><body>"
             f"<h1>Profile advice: {html.escape(self.data.path.name)}</h1><p>{html.escape(self.data.describe())}</p>"
             f"<h2>Findings</h2><ul>{items or '<li>No findings.</li>'}</ul>"
+            + (f"<h2>Damaged or invalid input</h2><ul>{warns}</ul>" if self.data.warnings else "")
             + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
             + f"<h2>Top {top} operators</h2>{self.operators.head(top).to_html(index=False, float_format='%.1f')}"
             "</body></html>"
@@ -100,6 +106,8 @@ class Advice:
             "problems": self.problems,
             "thresholds": asdict(self.thresholds),
             "findings": [asdict(f) for f in self.findings],
+            "warnings": list(self.data.warnings),
+            "rows": self.data.rows,
             "notes": list(self.data.notes),
             "capture": self.data.meta.get("capture", {}),
             "top_operators": json.loads(self.operators.head(20).to_json(orient="records")),
@@ -111,6 +119,12 @@ class Advice:
         from kit.atomic import atomic_write_text, refuse_existing
 
         folder = Path(folder)
+        if folder.exists() and not folder.is_dir():
+            from kit.profiling.data import ProfileError
+
+            raise ProfileError(
+                f"{folder} is a file; advice files go into a folder: pass a folder path (new or existing)."
+            )
         paths = {
             "markdown": folder / "advice.md",
             "html": folder / "advice.html",

@@ -250,7 +250,9 @@ def write_sample_ascend_profile(
     older names (Block Dim, no Device_id, no Step Id).
     """
     if level not in ("Level0", "Level1", "Level2"):
-        raise ValueError(f"level={level!r} is not one of Level0, Level1, Level2")
+        from kit.configs import ConfigError
+
+        raise ConfigError([f"level={level!r} is not one of Level0, Level1, Level2"], "sample profile")
     rng = random.Random(seed)
     ops = CLEAN_OPS[:-1] + ([CLEAN_OPS[-1]] if clean else PLANTED_OPS)
     out_dir = Path(out_dir)
@@ -450,7 +452,9 @@ def ensure_sample_profile(path: Optional[PathLike] = None, workspace=None, clean
     """`path` if given; else the shipped sample (clean=False), or one generated into the workspace's profiles/."""
     if path:
         if not Path(path).exists():
-            raise FileNotFoundError(
+            from kit.profiling.data import ProfileError
+
+            raise ProfileError(
                 f"profile {path} does not exist; pass a *_ascend_pt folder or leave it empty "
                 f"for the shipped sample."
             )

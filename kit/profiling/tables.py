@@ -18,12 +18,17 @@ def compute_kernels(data: ProfileData) -> pd.DataFrame:
 
 def operator_table(data: ProfileData, by: str = "type", sort: str = "total_us", top=None) -> pd.DataFrame:
     """Aggregate kernels by operator `type` (+core) or by kernel `name`; share_pct of all computation time."""
+    problems = []
     if by not in ("type", "name"):
-        raise ValueError(
+        problems.append(
             f"by={by!r}: use 'type' (one row per operator type and core) or 'name' (per kernel name)"
         )
     if sort not in ("total_us", "avg_us", "max_us", "calls"):
-        raise ValueError(f"sort={sort!r}: use total_us, avg_us, max_us or calls")
+        problems.append(f"sort={sort!r}: use total_us, avg_us, max_us or calls")
+    if problems:
+        from kit.configs import ConfigError
+
+        raise ConfigError(problems, "operator_table")
     k = compute_kernels(data)
     if k.empty and data.op_statistic is not None:
         table = data.op_statistic.copy()
