@@ -378,3 +378,108 @@ def test_tnd_with_more_keys_than_queries(backend, causal):
         )
         assert rel_err(out[q0 : q0 + sq].transpose(0, 1)[None], want) <= 1e-5
         q0, k0 = q0 + sq, k0 + skv
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "SBH"])
+def test_causal_with_negative_next_tokens_keeps_the_shift(backend, layout):
+    """causal=True, next_tokens=-2: each query sees keys up to 2 before it; the first 2 rows see none (0)."""
+    q, k, v = qkv()
+    keep = ref_keep(9, 9, True, MAX_TOKENS, -2)
+    out = fusion_attention(
+        to_layout(q, layout),
+        to_layout(k, layout),
+        to_layout(v, layout),
+        4,
+        layout,
+        causal=True,
+        next_tokens=-2,
+    )
+    assert rel_err(from_layout(out, layout, 4), ref_attention(q, k, v, keep, 0.25)) <= 1e-5
+    assert torch.all(from_layout(out, layout, 4)[:, :, :2] == 0)
+
+
+def test_npu_branch_negative_next_goes_to_band_mode_with_inner_precise(monkeypatch):
+    fake = install(monkeypatch)
+    q, k, v = qkv()
+    with use_backend("npu"):
+        fusion_attention(q, k, v, 4, "BNSD", causal=True, next_tokens=-2)
+        fusion_attention(q, k, v, 4, "BNSD", causal=True)
+    (_, shifted), (_, plain) = fake.CALLS
+    # sparse_mode 3 ignores pre/next_tockens (op docs), so the shift needs band mode 4
+    assert shifted["sparse_mode"] == 4 and shifted["next_tockens"] == -2 and shifted["inner_precise"] == 2
+    assert plain["sparse_mode"] == 3 and plain["inner_precise"] == 0  # no row without keys: the fast setting
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_left_padding_mask_rows_without_keys_give_zero(backend):
+    """An explicit mask where some query rows see no key (left padding): inner_precise=2 on NPU, rows are 0."""
+    q, k, v = qkv(b=2, sq=6, skv=6)
+    masked = torch.zeros(2, 1, 6, 6, dtype=torch.bool)
+    masked[0, :, :, :2] = True  # batch 0: the first 2 keys are padding
+    masked[0, :, :2, :] = True  # ... and the padding queries see nothing
+    out = fusion_attention(q, k, v, 4, "BNSD", atten_mask=masked)
+    assert rel_err(out, ref_attention(q, k, v, ~masked, 0.25)) <= 1e-5
+    assert torch.all(out[0, :, :2] == 0)
+
+
+def test_standin_refuses_fully_masked_rows_without_inner_precise(monkeypatch):
+    fake = install(monkeypatch)
+    q, k, v = qkv(b=1, sq=4, skv=4)
+    masked = torch.zeros(4, 4, dtype=torch.bool)
+    masked[1] = True
+    with pytest.raises(fake.StandinError, match="inner_precise=2"):
+        fake.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=masked, scale=0.25)
+    with pytest.raises(fake.StandinError, match="inner_precise=1"):
+        fake.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.25, inner_precise=1)
+    out = fake.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=masked, scale=0.25, inner_precise=2)[0]
+    assert torch.all(out[0, :, 1] == ops_garbage())  # undocumented content: the kit must not use it
+
+
+def ops_garbage():
+    from npu_standin import ops
+
+    return ops.GARBAGE
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_varlen_holds_at_most_1024_sequences(backend):
+    """The docs give both 2K and "1K in varlen" for actual_seq_qlen: the kit keeps to 1024 on every backend."""
+    q = torch.randn(1025, 2, 8)
+    ends = list(range(1, 1026))
+    with pytest.raises(ValueError, match="1..1024"):
+        fusion_attention(q, q, q, 2, "TND", actual_seq_qlen=ends, actual_seq_kvlen=ends)
+    out = fusion_attention(
+        q[:1024], q[:1024], q[:1024], 2, "TND", actual_seq_qlen=ends[:-1], actual_seq_kvlen=ends[:-1]
+    )
+    torch.testing.assert_close(out, q[:1024], rtol=1e-5, atol=1e-5)  # one token per sequence: softmax = 1
+
+
+def test_standin_refuses_more_than_1024_varlen_sequences(monkeypatch):
+    fake = install(monkeypatch)
+    q = torch.randn(1025, 2, 8)
+    ends = list(range(1, 1026))
+    with pytest.raises(fake.StandinError, match="1..1024"):
+        fake.npu_fusion_attention(q, q, q, 2, "TND", actual_seq_qlen=ends, actual_seq_kvlen=ends)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(pre_tokens=1, next_tokens=-3), "pre_tokens >= 3"),
+        (dict(pre_tokens=MAX_TOKENS, next_tokens=-9), "< Skv=9"),
+        (dict(pre_tokens=-2, next_tokens=1), "next_tokens >= 2"),
+    ],
+)
+def test_band_rules_of_torch_npu(kwargs, message):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=message):
+        fusion_attention(q, k, v, 4, "BNSD", **kwargs)
+
+
+def test_tnd_refuses_negative_windows():
+    q = torch.randn(6, 2, 8)
+    with pytest.raises(ValueError, match="varlen"):
+        fusion_attention(
+            q, q, q, 2, "TND", causal=True, next_tokens=-1, actual_seq_qlen=[3, 6], actual_seq_kvlen=[3, 6]
+        )

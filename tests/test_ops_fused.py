@@ -120,8 +120,9 @@ def test_fast_gelu_formula_and_distance_to_gelu(backend):
 
 
 def ref_softmax(x, masked, scale):
-    logits = (x.double() * scale).masked_fill(masked, float("-inf"))
-    return torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
+    """The kernel's own reference (torch_npu's op test): masked positions are -10000 before the softmax."""
+    logits = (x.double() * scale).masked_fill(masked, -10000.0)
+    return torch.softmax(logits, -1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -130,7 +131,7 @@ def test_scaled_masked_softmax(backend, shape):
     x = rand(*shape)
     sq, sk = shape[-2:]
     mask = torch.rand(shape[0], 1, sq, sk, generator=torch.Generator().manual_seed(4)) > 0.8
-    mask[0, 0, 1] = True  # one fully masked row -> zeros
+    mask[0, 0, 1] = True  # one fully masked row -> uniform, as the kernel's reference defines it
     tri = torch.ones(sq, sk, dtype=torch.bool).triu(1)
     for kwargs, masked in [
         ({"mask": mask}, mask),
@@ -139,8 +140,67 @@ def test_scaled_masked_softmax(backend, shape):
     ]:
         got = kops.scaled_masked_softmax(x, scale=0.7, **kwargs)
         assert rel_err(got, ref_softmax(x, masked.expand(shape), 0.7)) <= 1e-5
-    assert torch.all(kops.scaled_masked_softmax(x, mask)[0, :, 1] == 0)
+    torch.testing.assert_close(kops.scaled_masked_softmax(x, mask)[0, :, 1], torch.full((2, sk), 1.0 / sk))
     assert called("npu_scaled_masked_softmax") == (backend == "npu" and shape[-1] == 64)
+    # the reserved fixed_triu_mask is never set: causal reaches the kernel folded into the mask
+    assert all(not args["fixed_triu_mask"] for name, args in ops.CALLS if name == "npu_scaled_masked_softmax")
+
+
+def test_standin_refuses_fixed_triu_mask_and_uses_the_kernel_reference(monkeypatch):
+    fake = install(monkeypatch)
+    x = rand(1, 1, 32, 32)
+    none = torch.zeros(1, 1, 32, 32, dtype=torch.bool)
+    with pytest.raises(fake.StandinError, match="fixed_triu_mask"):
+        fake.npu_scaled_masked_softmax(x, none, 1.0, True)
+    dead = none.clone()
+    dead[..., 3, :] = True
+    torch.testing.assert_close(fake.npu_scaled_masked_softmax(x, dead)[0, 0, 3], torch.full((32,), 1 / 32))
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_rotary_kernel_shape_rules(monkeypatch, mode):
+    """npu_rotary_mul only gets shapes its docs allow (B, N < 1000 / B*N < 1000; interleave: 11SD-type cos)."""
+    fake = install(monkeypatch)
+    theta = torch.rand(1, 4, 1, 8, generator=torch.Generator().manual_seed(2)) * 6
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()  # 1S1D for BSND
+    cases = [
+        (rand(2, 4, 3, 16), cos, sin, True),  # BSND, B=2 N=3
+        (rand(1, 4, 1000, 16), cos, sin, False),  # N = 1000: over both modes' limits
+        (rand(40, 4, 30, 16), cos, sin, mode == "half"),  # B*N = 1200: fine for half, not for interleave
+    ]
+    b1sd = torch.zeros(2, 1, 4, 16)  # B1SD for BNSD: half only
+    cases.append((rand(2, 3, 4, 16), b1sd.cos(), b1sd.sin(), mode == "half"))
+    for x, c, s, kernel in cases:
+        fake.CALLS.clear()
+        with use_backend("npu"):
+            got = kops.rotary_mul(x, c, s, mode)
+        assert called("npu_rotary_mul") == kernel, (tuple(x.shape), tuple(c.shape))
+        with use_backend("torch"):
+            torch.testing.assert_close(got, kops.rotary_mul(x, c, s, mode))
+    with pytest.raises(fake.StandinError, match="B\\*N < 1000"):
+        fake.npu_rotary_mul(rand(40, 4, 30, 16), cos, sin, "interleave")
+    with pytest.raises(fake.StandinError, match="allowed interleave broadcast"):
+        fake.npu_rotary_mul(rand(2, 3, 4, 16), b1sd.cos(), b1sd.sin(), "interleave")
+
+
+def test_rotary_on_hf_layout_runs_bsnd_without_copies(monkeypatch):
+    """HF's q is a (B, N, S, D) view of (B, S, N, D) memory: rotated as BSND with BS1D cos, no .contiguous()."""
+    fake = install(monkeypatch)
+    proj = rand(2, 5, 3 * 8)  # what q_proj returns: (B, S, N*D)
+    q = proj.view(2, 5, 3, 8).transpose(1, 2)
+    k = rand(2, 5, 3 * 8, seed=1).view(2, 5, 3, 8).transpose(1, 2)
+    theta = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(3)) * 6
+    cos, sin = theta.cos(), theta.sin()
+    with use_backend("npu"):
+        q_out, k_out = kops.apply_rotary_pos_emb(q, k, cos, sin)
+    calls = [args for name, args in fake.CALLS if name == "npu_rotary_mul"]
+    assert [c["shape"] for c in calls] == [(2, 5, 3, 8)] * 2 and calls[0]["cos_shape"] == (2, 5, 1, 8)
+    assert calls[0]["data_ptr"] == proj.data_ptr() and calls[0]["contiguous"]
+    assert q_out.shape == (2, 3, 5, 8) and q_out.transpose(1, 2).is_contiguous()
+    with use_backend("torch"):
+        want_q, want_k = kops.apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(q_out, want_q)
+    torch.testing.assert_close(k_out, want_k)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)

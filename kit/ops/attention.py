@@ -19,7 +19,9 @@ from kit.ops.backend import resolve
 
 LAYOUTS = ("BSND", "BSH", "SBH", "BNSD", "TND")
 MAX_TOKENS = 2147483647  # torch_npu's "no limit" value for pre/next tokens
-MAX_VARLEN_SEQUENCES = 2048  # torch_npu: actual_seq_qlen holds 1..2K entries
+# torch_npu 2.13.0 `_op_plugin_docs.py` (npu_fusion_attention) says both "actual_seq_qlen holds 1..2K entries" and
+# "in the varlen case at most 1K": the safe side is 1024 sequences per TND call, on every backend.
+MAX_VARLEN_SEQUENCES = 1024
 
 
 def fusion_attention(
@@ -46,8 +48,8 @@ def fusion_attention(
         scale = 1.0 / math.sqrt(d)
     if not 0.0 < float(keep_prob) <= 1.0:
         raise ValueError(f"keep_prob={keep_prob} must be in (0, 1]; it is 1 - dropout_p (not dropout_p).")
-    if int(pre_tokens) < 0 and int(next_tokens) < 0:
-        raise ValueError(f"pre_tokens={pre_tokens} and next_tokens={next_tokens} leave no key visible.")
+    pre_tokens, next_tokens = int(pre_tokens), int(next_tokens)
+    check_band(pre_tokens, next_tokens, causal, query, key, layout)
     seq_q = seq_kv = None
     if layout == "TND":
         seq_q = lengths_from_cumulative(actual_seq_qlen, query.shape[0], "actual_seq_qlen")
@@ -155,6 +157,35 @@ def lengths_from_cumulative(cumulative, total: int, name: str) -> list[int]:
     if previous != total:
         raise ValueError(f"{name} ends at {previous} but the tensor has {total} tokens along T.")
     return lengths
+
+
+def check_band(pre_tokens: int, next_tokens: int, causal: bool, query, key, layout: str) -> None:
+    """torch_npu's rules for a band (npu_fusion_attention, sparse_mode 0/4): negative values need a wide other side.
+
+    next_tokens < 0: pre_tokens >= |next_tokens| and |next_tokens| < Skv; pre_tokens < 0: next_tokens >=
+    |pre_tokens| and |pre_tokens| < Sq. With causal=True the effective next is min(next_tokens, 0). In TND
+    (varlen) a negative side leaves the first or last rows of every sequence without keys, which varlen refuses.
+    """
+    nxt = min(next_tokens, 0) if causal else next_tokens
+    if pre_tokens < 0 and nxt < 0:
+        raise ValueError(f"pre_tokens={pre_tokens} and next_tokens={nxt} leave no key visible.")
+    if nxt >= 0 and pre_tokens >= 0:
+        return
+    if layout == "TND":
+        raise ValueError(
+            f"pre_tokens={pre_tokens}, next_tokens={nxt} (causal={causal}) leave rows without keys, which "
+            "torch_npu's varlen (TND) mode does not allow; use a non-negative window."
+        )
+    _b, sq, skv = _sizes(query, key, layout)
+    if nxt < 0 and not (pre_tokens >= -nxt and -nxt < skv):
+        raise ValueError(
+            f"next_tokens={nxt} needs pre_tokens >= {-nxt} and |next_tokens| < Skv={skv} (torch_npu band rules)."
+        )
+    if pre_tokens < 0 and not (nxt >= -pre_tokens and -pre_tokens < sq):
+        raise ValueError(
+            f"pre_tokens={pre_tokens} needs next_tokens >= {-pre_tokens} and |pre_tokens| < Sq={sq} "
+            "(torch_npu band rules)."
+        )
 
 
 def _sizes(query, key, layout: str) -> tuple[int, int, int]:

@@ -3,7 +3,11 @@
 Facts used (torch_npu 2.13.0 `_op_plugin_docs.py`, npu_fusion_attention): atten_mask True = masked; with
 sparse_mode 2/3/4 the mask is the compressed 2048x2048 `triu(ones, 1)`; 3 = causal aligned bottom-right, 4 = band
 (pre/next_tockens, origin bottom-right); sparse_mode 0 with a full mask for anything else; no mask = full
-attention; `scale` defaults to 1.0 so it is always passed; TND takes cumulative int lists; output index 0.
+attention; `scale` defaults to 1.0 so it is always passed; TND takes cumulative int lists; output index 0;
+sparse_mode 3 ignores pre/next_tockens (so a causal call with a negative next goes to band mode 4);
+inner_precise 2 "enables invalid-row computation" for rows with every key masked (0/1 are reserved).
+What the kernel writes into such a row is not documented: the kit zeroes those rows itself (no host sync), which
+is also what the torch branch returns.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def sparse_arguments(
                 atten_mask=None, sparse_mode=SPARSE_DEFAULT, pre_tockens=MAX_TOKENS, next_tockens=MAX_TOKENS
             )
         mask = compressed_causal_mask(query.device)
-        if causal and pre_tokens >= MAX_TOKENS:
+        if causal and pre_tokens >= MAX_TOKENS and nxt == 0:
             return dict(
                 atten_mask=mask,
                 sparse_mode=SPARSE_CAUSAL_BOTTOM_RIGHT,
@@ -71,6 +75,41 @@ def sparse_arguments(
         pre_tockens=MAX_TOKENS,
         next_tockens=MAX_TOKENS,
     )
+
+
+def dead_rows(kwargs: dict, query, key, layout: str, *, causal: bool, pre_tokens: int, next_tokens: int):
+    """Bool tensor (B|1, N|1, Sq) of query rows that see no key, or None when there can be none (no host sync)."""
+    if layout == "TND":
+        return None  # varlen refuses rows without keys before the call
+    mask = kwargs["atten_mask"]
+    if mask is None:
+        return None
+    from kit.ops.attention import _sizes
+
+    _b, sq, skv = _sizes(query, key, layout)
+    if kwargs["sparse_mode"] == SPARSE_DEFAULT:  # a full mask: every row of it may be fully masked
+        dead = mask.all(dim=-1)
+        return dead.reshape((1, 1) + tuple(dead.shape)) if dead.dim() == 1 else dead
+    nxt = min(next_tokens, 0) if causal else next_tokens
+    if nxt >= sq - skv and pre_tokens >= 0:  # every row keeps at least one key (origin bottom-right)
+        return None
+    keep = band_keep(sq, skv, causal, pre_tokens, next_tokens, query.device)
+    return (~keep.any(dim=-1)).reshape(1, 1, sq)
+
+
+def zero_rows(out, dead, layout: str, head_num: int):
+    """out with the rows in `dead` (B|1, N|1, Sq) set to 0, for the output layout."""
+    if layout == "BNSD":
+        return out.masked_fill(dead.unsqueeze(-1), 0.0)
+    rows = dead.transpose(1, 2).unsqueeze(-1)  # (B|1, Sq, N|1, 1)
+    if layout == "BSND":
+        return out.masked_fill(rows, 0.0)
+    if layout == "BSH":
+        b, s, h = out.shape
+        return out.view(b, s, head_num, h // head_num).masked_fill(rows, 0.0).view(b, s, h)
+    s, b, h = out.shape  # SBH
+    view = out.view(s, b, head_num, h // head_num)
+    return view.masked_fill(rows.transpose(0, 1), 0.0).view(s, b, h)
 
 
 NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -119,6 +158,9 @@ def run(
         seq_q=seq_q,
         seq_kv=seq_kv,
     )
+    dead = dead_rows(
+        kwargs, query, key, layout, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens
+    )
     if layout == "TND":
         kwargs["actual_seq_qlen"] = _cumulative(seq_q)
         kwargs["actual_seq_kvlen"] = _cumulative(seq_kv)
@@ -132,10 +174,11 @@ def run(
         padding_mask=None,
         scale=scale,
         keep_prob=keep_prob,
-        inner_precise=0,
+        # 2 = compute rows with every key masked correctly (slower); only where such rows can occur
+        inner_precise=0 if dead is None else 2,
         **kwargs,
     )
-    return outputs[0]
+    return outputs[0] if dead is None else zero_rows(outputs[0], dead, layout, head_num)
 
 
 def _cumulative(lengths) -> list[int]:

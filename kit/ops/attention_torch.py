@@ -87,7 +87,8 @@ def run(
         )
     q, k, v = _to_bnsd(query, layout, nq), _to_bnsd(key, layout, nkv), _to_bnsd(value, layout, nkv)
     sq, skv = q.shape[2], k.shape[2]
-    plain_causal = causal and atten_mask is None and sq == skv and pre_tokens >= skv - 1
+    # a negative next_tokens shifts the causal edge: then the explicit keep-mask, not SDPA's is_causal
+    plain_causal = causal and atten_mask is None and sq == skv and pre_tokens >= skv - 1 and next_tokens >= 0
     if plain_causal:  # lets SDPA pick its fused causal kernels
         out = _sdpa(q, k, v, None, scale=scale, keep_prob=keep_prob, is_causal=True)
     else:
@@ -108,7 +109,7 @@ def _run_varlen(query, key, value, atten_mask, causal, scale, keep_prob, pre, nx
         k = key[k0 : k0 + skv].transpose(0, 1).unsqueeze(0)
         v = value[k0 : k0 + skv].transpose(0, 1).unsqueeze(0)
         local = None if atten_mask is None else atten_mask[:sq, :skv]
-        if causal and local is None and sq == skv and pre >= skv - 1:
+        if causal and local is None and sq == skv and pre >= skv - 1 and nxt >= 0:
             out = _sdpa(q, k, v, None, scale=scale, keep_prob=keep_prob, is_causal=True)
         else:
             out = _sdpa(

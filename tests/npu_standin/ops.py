@@ -16,6 +16,9 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 
 
+GARBAGE = 12345.0  # what the stand-in writes where the real kernel's output is undocumented
+
+
 class StandinError(ValueError):
     """What the real torch_npu would reject (or silently compute wrongly)."""
 
@@ -41,7 +44,8 @@ def _lengths(name: str, cumulative: list, total: int) -> list:
     values = list(cumulative)
     while len(values) > 1 and values[-1] == 0:
         values.pop()
-    _need(1 <= len(values) <= 2048, f"{name}: 1..2048 entries allowed, got {len(values)}")
+    # the docs give 1..2K entries and "at most 1K in varlen": TND is varlen, so 1024 (safe side)
+    _need(1 <= len(values) <= 1024, f"{name}: 1..1024 entries allowed in varlen, got {len(values)}")
     out, prev = [], 0
     for v in values:
         _need(v >= prev, f"{name} must be cumulative (non-decreasing): {values}")
@@ -95,22 +99,34 @@ def _block_mask(sparse_mode, user, sq, skv, pre, nxt):
     return (rel > nxt) | (rel < -pre)
 
 
-def _attend(q, k, v, masked, scale, keep_prob, varlen: bool):
-    """q (N, Sq, D), k/v (Nkv, Skv, D) -> (N, Sq, Dv) in float32; GQA by repeating inside the stand-in only."""
+def _attend(
+    q, k, v, masked, scale, keep_prob, varlen: bool, inner_precise: int = 0, auto_invalid: bool = False
+):
+    """q (N, Sq, D), k/v (Nkv, Skv, D) -> (N, Sq, Dv) in float32; GQA by repeating inside the stand-in only.
+
+    Rows with every key masked: refused in varlen; elsewhere they need inner_precise=2 (or a case the kernel
+    detects itself, `auto_invalid`), and what the kernel writes there is undocumented, so the stand-in writes
+    GARBAGE there: a caller must not use those rows (the safe reading of the docs).
+    """
     rep = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    dead = None
     if masked is not None:
         dead = masked.all(dim=-1, keepdim=True)
-        if varlen and bool(dead.any()):
-            raise StandinError("varlen atten_mask has a fully masked row (not allowed in TND)")
+        if bool(dead.any()):
+            _need(not varlen, "varlen atten_mask has a fully masked row (not allowed in TND)")
+            _need(
+                inner_precise == 2 or auto_invalid,
+                "fully masked rows need inner_precise=2 (invalid-row computation), got "
+                f"inner_precise={inner_precise}",
+            )
         scores = scores.masked_fill(masked, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1)
-    if masked is not None:
-        probs = probs.masked_fill(dead, 0.0)
     if keep_prob < 1.0:
         probs = probs * (torch.rand_like(probs) < keep_prob) / keep_prob
-    return torch.matmul(probs, v)
+    out = torch.matmul(probs, v)
+    return out if dead is None else out.masked_fill(dead, GARBAGE)
 
 
 def npu_fusion_attention(
@@ -153,6 +169,7 @@ def npu_fusion_attention(
         actual_seq_kvlen=actual_seq_kvlen,
         inner_precise=inner_precise,
         shapes=(tuple(query.shape), tuple(key.shape), tuple(value.shape)),
+        data_ptrs=(query.data_ptr(), key.data_ptr(), value.data_ptr()),
     )
     _need(input_layout in LAYOUTS, f"input_layout {input_layout!r} not in {LAYOUTS}")
     _need(
@@ -166,6 +183,14 @@ def npu_fusion_attention(
     _need(isinstance(scale, float), f"scale must be a float, got {type(scale).__name__}")
     _need(0.0 < keep_prob <= 1.0, f"keep_prob {keep_prob} not in (0, 1]")
     _need(sparse_mode in (0, 1, 2, 3, 4), f"sparse_mode {sparse_mode} not modelled by the stand-in")
+    # inner_precise: 0 and 1 are reserved values, 2 enables invalid-row computation; 1 is refused (safe side)
+    _need(inner_precise in (0, 2), f"inner_precise={inner_precise}: only 0 (default) or 2 are meaningful")
+    if sparse_mode in (0, 4) and atten_mask is not None:
+        pre, nxt = pre_tockens, next_tockens
+        _need(
+            pre + nxt >= 0 and (nxt >= 0 or pre >= -nxt) and (pre >= 0 or nxt >= -pre),
+            f"pre_tockens={pre}, next_tockens={nxt} leave no band (a negative side needs the other >= its size)",
+        )
     _need(tuple(key.shape) == tuple(value.shape), "key and value shapes must be equal")
     _need(all(t.is_contiguous() for t in (query, key, value)), "query/key/value must be contiguous")
     varlen = input_layout == "TND"
@@ -230,6 +255,7 @@ def npu_fusion_attention(
                     scale,
                     keep_prob,
                     True,
+                    inner_precise,
                 )
                 outs.append(o.transpose(0, 1))
             q0, k0 = q0 + sq, k0 + skv
@@ -243,6 +269,12 @@ def npu_fusion_attention(
         )
         b, sq, skv = q.shape[0], q.shape[2], k.shape[2]
         _need(k.shape[0] == b, "batch sizes differ")
+        if sparse_mode in (0, 4) and atten_mask is not None:
+            _need(
+                next_tockens >= 0 or -next_tockens < skv,
+                f"|next_tockens|={-next_tockens} must be < Skv={skv}",
+            )
+            _need(pre_tockens >= 0 or -pre_tockens < sq, f"|pre_tockens|={-pre_tockens} must be < Sq={sq}")
         if atten_mask is not None and sparse_mode in (0, 1):
             allowed = [(sq, skv), (1, 1, sq, skv), (b, 1, sq, skv), (b, nq, sq, skv)]
             _need(
@@ -256,7 +288,9 @@ def npu_fusion_attention(
             if atten_mask is not None:
                 ub = user[bi] if sparse_mode in (0, 1) else None
                 masked = _block_mask(sparse_mode, ub, sq, skv, pre_tockens, next_tockens)
-            outs.append(_attend(q[bi], k[bi], v[bi], masked, scale, keep_prob, False))
+            # the kernel detects rows without keys itself for sparse_mode 3 with Sq > Skv (docs, inner_precise)
+            auto = sparse_mode == 3 and sq > skv
+            outs.append(_attend(q[bi], k[bi], v[bi], masked, scale, keep_prob, False, inner_precise, auto))
         out = _from_bnsd(torch.stack(outs, 0), input_layout)
     out = out.to(query.dtype)
     stats = torch.zeros(1, dtype=torch.float32)
@@ -276,15 +310,57 @@ def npu_rms_norm(self, gamma, epsilon=1e-06):
     return (x * rstd * gamma.float()).to(self.dtype), rstd
 
 
+# torch_npu 2.13.0 `_op_plugin_docs.py`, npu_rotary_mul (jit_compile=False): allowed cos/sin broadcasts of the
+# first three dims per input layout (1 = broadcast), and the B/N limits per mode.
+_ROTARY = {
+    "half": {
+        "BNSD": ((1, 1, 0), (0, 1, 0), (0, 0, 0)),
+        "BSND": ((1, 0, 1), (0, 0, 1), (0, 0, 0)),
+        "SBND": ((0, 1, 1), (0, 0, 1), (0, 0, 0)),
+    },
+    "interleave": {"BNSD": ((1, 1, 0),), "BSND": ((1, 0, 1),), "SBND": ((0, 1, 1),)},
+}
+_BN_AXES = {"BNSD": (0, 1), "BSND": (0, 2), "SBND": (1, 2)}
+
+
 def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
-    _record("npu_rotary_mul", shape=tuple(input.shape), cos_shape=tuple(r1.shape), rotary_mode=rotary_mode)
+    _record(
+        "npu_rotary_mul",
+        shape=tuple(input.shape),
+        cos_shape=tuple(r1.shape),
+        rotary_mode=rotary_mode,
+        data_ptr=input.data_ptr(),
+        contiguous=input.is_contiguous(),
+    )
     _need(rotary_mode in ("half", "interleave"), f"rotary_mode {rotary_mode!r}")
     _need(rotate is None, "stand-in: rotate unused")
     _need(input.dim() == 4 and r1.dim() == 4 and tuple(r1.shape) == tuple(r2.shape), "4-D input/r1/r2 needed")
     _need(input.dtype in FLOATS and r1.dtype == r2.dtype == input.dtype, "input/r1/r2 dtypes must match")
     d = input.shape[-1]
     _need(d % 2 == 0 and d < 896 and r1.shape[-1] == d, f"D={d} must be even, < 896 and equal r1's")
-    _need(all(a in (1, b) for a, b in zip(r1.shape, input.shape)), "r1 must broadcast to input")
+    layouts = [
+        layout
+        for layout, patterns in _ROTARY[rotary_mode].items()
+        if any(
+            all((r1.shape[i] == 1) if bc else (r1.shape[i] == input.shape[i]) for i, bc in enumerate(p))
+            for p in patterns
+        )
+    ]
+    _need(
+        bool(layouts),
+        f"r1 shape {tuple(r1.shape)} is not an allowed {rotary_mode} broadcast of {tuple(input.shape)} "
+        "(half: 11SD/B1SD/BNSD, 1S1D/BS1D/BSND, S11D/SB1D/SBND; interleave: 11SD/1S1D/S11D)",
+    )
+    for layout in layouts:  # a shape several layouts explain must satisfy each (the kernel cannot tell)
+        b, n = (input.shape[a] for a in _BN_AXES[layout])
+        if rotary_mode == "interleave":
+            _need(b * n < 1000, f"interleave needs B*N < 1000, got B={b} N={n} ({layout})")
+        else:
+            _need(b < 1000 and n < 1000, f"half needs B, N < 1000, got B={b} N={n} ({layout})")
+            _need(
+                not (r1.requires_grad or r2.requires_grad) or b * n <= 1024,
+                f"B*N={b * n} > 1024 with cos/sin gradients",
+            )
     _need(
         float(r1.abs().max()) <= 1.0 + 1e-3 and float(r2.abs().max()) <= 1.0 + 1e-3, "r1/r2 outside [-1, 1]"
     )
@@ -293,13 +369,12 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
         x1, x2 = x.chunk(2, -1)
         rotated = torch.cat((-x2, x1), -1)
     else:
-        _need(sum(s != 1 for s in r1.shape[:3]) <= 1, "interleave needs 11SD/1S1D/S11D cos/sin")
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
     return (r1.float() * x + r2.float() * rotated).to(input.dtype)
 
 
 def npu_swiglu(self, dim=-1):
-    _record("npu_swiglu", shape=tuple(self.shape), dim=dim)
+    _record("npu_swiglu", shape=tuple(self.shape), dim=dim, data_ptr=self.data_ptr())
     _need(self.dtype in FLOATS and 1 <= self.dim() <= 8, "npu_swiglu: fp16/bf16/fp32, 1-8 dims")
     _need(self.shape[dim] % 2 == 0, "size along dim must be even")
     a, b = self.float().chunk(2, dim)
@@ -321,6 +396,8 @@ def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
         scale=scale,
         fixed_triu_mask=fixed_triu_mask,
     )
+    # op-plugin docs/context/torch_npu-npu_scaled_masked_softmax.md: reserved, unfinished, only False supported
+    _need(fixed_triu_mask is False, "fixed_triu_mask is a reserved parameter: only False is supported")
     _need(x.dtype in FLOATS and x.dim() == 4, "x must be 4-D fp16/bf16/fp32")
     _need(
         all(32 <= s <= 4096 and s % 32 == 0 for s in x.shape[-2:]),
@@ -328,8 +405,6 @@ def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
     )
     _need(mask.dtype == torch.bool, f"mask dtype {mask.dtype} must be bool")
     masked = mask.expand(x.shape)  # raises when not broadcastable
-    if fixed_triu_mask:
-        masked = masked | torch.ones(x.shape[-2:], dtype=torch.bool).triu(1)
-    logits = (x.float() * scale).masked_fill(masked, torch.finfo(torch.float32).min)
-    probs = torch.softmax(logits, -1).masked_fill(masked.all(-1, keepdim=True), 0.0)
-    return probs.to(x.dtype)
+    # the op's reference: masked positions are -10000 before the softmax (a fully masked row is uniform)
+    logits = (x.float() * scale).masked_fill(masked, -10000.0)
+    return torch.softmax(logits, -1).to(x.dtype)
