@@ -52,12 +52,11 @@ def test_torch_capture_matches_key_averages(tmp_path):
     ref = {e.key: e for e in cap.profiler.key_averages()}
     for op in ("aten::addmm", "aten::gelu", "aten::mm", "aten::gelu_backward"):
         assert table.loc[op, "calls"] == ref[op].count, op
-    # self times from the trace equal the profiler's own self_cpu_time_total for the heavy ops
-    ops = [
-        e for e in ref.values() if e.key.startswith("aten::")
-    ]  # annotations (ProfilerStep#, Optimizer.step) aren't ops
-    top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:3]
-    for e in top:
+    # self times from the trace equal the profiler's own self_cpu_time_total, for every operator of the table
+    # (all of them, not the slowest few: which ones are slowest depends on the machine's load)
+    checked = [e for e in ref.values() if e.key in table.index]
+    assert len(checked) >= 20
+    for e in checked:
         assert table.loc[e.key, "total_us"] == pytest.approx(e.self_cpu_time_total, rel=0.05, abs=5.0), e.key
     advice = kp.advise(data)
     assert advice.problems == [] and advice.findings[-1].rule == "top_operators"
@@ -135,12 +134,25 @@ def test_npu_requested_without_torch_npu_says_what_to_do(tmp_path):
         kp.profile(tmp_path, device="npu").start()
 
 
+def _assert_linear_layers_captured(data, active: int) -> None:
+    """What a capture of a Llama must hold whatever the machine's load: the matmuls of its linear layers, the
+    same operator calls in every recorded step, a table sorted by total time (never an operator's rank)."""
+    table = kp.operator_table(data)
+    assert table["total_us"].is_monotonic_decreasing and (table["total_us"] >= 0).all()
+    assert "aten::mm" in set(table["type"])
+    steps = sorted(data.kernels["step"].dropna().unique())
+    assert len(steps) == active
+    per_step = data.kernels.groupby(["step", "type"]).size().unstack(fill_value=0)
+    for s in steps[1:]:
+        assert (per_step.loc[s] == per_step.loc[steps[0]]).all(), s
+    assert table.set_index("type").loc["aten::mm", "calls"] == active * per_step.loc[steps[0], "aten::mm"] > 0
+
+
 @pytest.mark.slow
 def test_profile_training_of_a_tiny_llama(tiny_llama_dir, tmp_path):
     cap = profile_training(tiny_llama_dir, out_dir=tmp_path, device="cpu", wait=1, warmup=1, active=2)
     assert len(cap.step_times) == 4
-    table = kp.operator_table(cap.load())
-    assert "aten::mm" in set(table.head(5)["type"])  # linear layers dominate even a tiny Llama
+    _assert_linear_layers_captured(cap.load(), active=2)
 
 
 @pytest.mark.slow
@@ -156,8 +168,7 @@ def test_capture_hooks_the_kit_trainer(tiny_llama_dir, tmp_path):
     )
     assert result.status == "completed" and cap.steps == 4
     assert cap.folder.name.endswith("-cpu-pretrain")
-    table = kp.operator_table(cap.load())
-    assert "aten::mm" in set(table.head(8)["type"])
+    _assert_linear_layers_captured(cap.load(), active=2)
     with pytest.raises(ValueError, match="TRAIN_ITERS=4"):
         profile_trainer(cfg, out_dir=tmp_path / "profiles", device="cpu", wait=2, warmup=1, active=2)
 

@@ -73,7 +73,7 @@ TINY = {
         "DEVICE": "cpu",
         "WAIT": 0,
         "WARMUP": 1,
-        "ACTIVE": 1,
+        "ACTIVE": 2,
         "SEQ_LEN": 16,
         "TOP": 5,
     },
@@ -104,12 +104,21 @@ EXPECT = {
         progress=2,
         texts=("('completed', 5", "lm loss", "before:", "after:", "speed_vs_sft", "MODEL_TYPE=tiny"),
     ),
-    # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice
+    # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice; the
+    # capture is checked by what it recorded (a torch profile of the two active steps), never by which operator
+    # ranked first: that depends on the machine's load
     "05": Expect(
         tables=3,
         images=3,
         progress=1,
-        texts=("aten::mm", "Profile advice", "Findings", "Cast operators are slow", "AI_CPU"),
+        texts=(
+            "torch profile",
+            "kernel rows, 2 steps",
+            "Profile advice",
+            "Findings",
+            "Cast operators are slow",
+            "AI_CPU",
+        ),
     ),
 }
 
