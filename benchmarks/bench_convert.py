@@ -1,12 +1,14 @@
-"""Benchmark the HF -> Megatron conversion against its physical floor and against loading the whole model.
+"""Conversion against its physical floor: HF -> Megatron through the CLI vs copying the same bytes, and the memory of
+Megatron -> HF as the model grows.
 
-1. Throughput: converting a synthetic Llama checkpoint to TP2 x PP2 vs `shutil.copyfile` of its shards on the same
-   disk (the floor: every byte read once and written once). Goal: conversion <= 2x the copy time.
-2. Peak memory (ru_maxrss of a fresh process) at two model sizes, for the kit and for what today's converters do
-   (transformers from_pretrained of the whole model, then save). Goal: the kit's peak grows by < 10% of the model
-   growth. Each figure is printed as a ratio against its baseline measured in this run.
+1. Wall time: `python -m kit convert --source HF --target OUT --tp 2 --pp 2` (a fresh process: start-up, imports,
+   checks, rank files with CRC32s) vs `shutil.copyfile` of the checkpoint's shards on the same disk (the floor:
+   every byte read once and written once). Min of >= 3 alternated repeats, warm page cache for both.
+   Goal: CLI wall <= 1.5x the copy.
+2. Memory: peak RSS (VmHWM) of `python -m kit convert --direction megatron_to_hf` above the same process after its
+   imports, at two model sizes. Goal: < 10% of the model and flat with size (growth < 10% of the model growth).
 
-Usage: .venv/bin/python benchmarks/bench_convert.py [--small-gb 0.5] [--large-gb 2] [--keep]
+Usage: .venv/bin/python benchmarks/bench_convert.py [--quick] [--small-gb 0.5] [--large-gb 1.5] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,22 +27,16 @@ sys.path.insert(0, str(ROOT))
 HIDDEN, FFN, HEADS, GROUPS, VOCAB = 1024, 2816, 16, 4, 32000
 PER_LAYER = HIDDEN * (HIDDEN + 2 * HIDDEN // HEADS * GROUPS) + HIDDEN * HIDDEN + 3 * FFN * HIDDEN + 2 * HIDDEN
 FIXED = 2 * VOCAB * HIDDEN + HIDDEN
-
-CHILD = {
-    "import-kit": "import torch, kit.convert",
-    "import-transformers": "import torch, transformers",
-    "kit": (
-        "import torch, kit.convert\n"
-        "from kit.convert import ConvertConfig, hf_to_megatron\n"
-        "hf_to_megatron(ConvertConfig({src!r}, {out!r}, tp=2, pp=2, overwrite=True), progress=False)"
-    ),
-    "transformers": (
-        "import torch, transformers\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "m = AutoModelForCausalLM.from_pretrained({src!r}, dtype=torch.bfloat16)\n"
-        "m.save_pretrained({out!r}, max_shard_size='500MB')"
-    ),
-}
+COPY_CODE = "for f in shards: shutil.copyfile(f, dst / f.name)"
+# The CLI in a child that records its peak RSS after the imports the CLI needs and again at the end.
+RSS_CHILD = (
+    "import re, sys\n"
+    "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+    "import kit.__main__, kit.convert.cli, kit.convert.convert\n"
+    "before = hwm()\n"
+    "rc = kit.__main__.main(sys.argv[1:])\n"
+    "print('RSS', before, hwm(), rc)\n"
+)
 
 
 def make_model(folder: Path, gb: float) -> Path:
@@ -63,95 +59,138 @@ def make_model(folder: Path, gb: float) -> Path:
     )
 
 
-def weights(folder: Path) -> list:
+def shards(folder: Path) -> list:
     return sorted(folder.glob("*.safetensors"))
 
 
-def peak_rss_mb(kind: str, src: Path, out: Path) -> float:
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (this process) across exec.
-    code = CHILD[kind].format(src=str(src), out=str(out)) + (
-        "\nimport re; print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+def cli(*args: str) -> list:
+    return [sys.executable, "-m", "kit", "convert", *args, "--no-progress"]
+
+
+def timed_cli(args: list) -> float:
+    t = time.perf_counter()
+    res = subprocess.run(args, capture_output=True, text=True, cwd=str(ROOT))
+    dt = time.perf_counter() - t
     if res.returncode:
-        raise RuntimeError(f"{kind} child failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(args)} failed:\n{res.stderr[-3000:]}")
+    return dt
+
+
+def timed_copy(src: Path, dst: Path) -> float:
+    dst.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    for f in shards(src):
+        shutil.copyfile(f, dst / f.name)
+    dt = time.perf_counter() - t
+    shutil.rmtree(dst)
+    return dt
+
+
+def rss_above_imports(mg: Path, out: Path) -> float:
+    """MiB the Megatron -> HF CLI adds to its peak RSS after its imports."""
+    args = [
+        "convert",
+        "--direction",
+        "megatron_to_hf",
+        "--source",
+        str(mg),
+        "--target",
+        str(out),
+        "--no-progress",
+    ]
+    res = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, *args], capture_output=True, text=True, cwd=str(ROOT)
+    )
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RSS ")]
+    if res.returncode or not line or line[-1].split()[3] != "0":
+        raise RuntimeError(f"megatron_to_hf child failed:\n{res.stderr[-3000:]}")
     shutil.rmtree(out, ignore_errors=True)
-    return int(res.stdout.strip().splitlines()[-1]) / 1024  # kB
+    _, before, after, _ = line[-1].split()
+    return (int(after) - int(before)) / 1024
+
+
+def row(figure: str, ratio: float, goal: str, met: bool, baseline: str) -> None:
+    print(f"convert | {figure} | {ratio:.2f}x | goal {goal} | {'MET' if met else 'MISSED'}")
+    print(f"        baseline: {baseline}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--small-gb", type=float, default=0.5)
-    ap.add_argument("--large-gb", type=float, default=2.0)
     ap.add_argument(
-        "--dir", default=None, help="work folder (default: a temp folder on the same disk as /tmp)"
+        "--quick", action="store_true", help="short run for `make bench` (0.5 and 1 GB, 3 repeats)"
     )
+    ap.add_argument("--small-gb", type=float, default=0.5)
+    ap.add_argument("--large-gb", type=float, default=1.5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="work folder (default: a temp folder under /tmp)")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
-    from kit.convert import ConvertConfig, hf_to_megatron
-
+    if a.quick:
+        a.small_gb, a.large_gb, a.repeats = 0.5, 1.0, 3
     work = Path(a.dir or tempfile.mkdtemp(prefix="bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         t = time.perf_counter()
         small, large = make_model(work / "small", a.small_gb), make_model(work / "large", a.large_gb)
         size = {
-            k: sum(p.stat().st_size for p in weights(f)) / 1024**2
+            k: sum(p.stat().st_size for p in shards(f)) / 1024**2
             for k, f in (("small", small), ("large", large))
         }
         print(
             f"synthetic Llama bf16 checkpoints: {size['small']:.0f} MiB and {size['large']:.0f} MiB "
-            f"(made in {time.perf_counter() - t:.0f} s)"
+            f"(made in {time.perf_counter() - t:.0f} s); repeats {a.repeats}, min of each"
         )
 
-        print("\n== throughput: HF -> Megatron TP2 PP2 vs copying the shards (same disk, warm page cache) ==")
+        # 1. HF -> Megatron TP2 PP2 through the CLI vs copying the shards, alternated.
+        times = {"copy": [], "cli": []}
+        convert_args = cli("--source", str(small), "--target", str(work / "mg"), "--tp", "2", "--pp", "2")
+        timed_copy(small, work / "copy")  # warm the page cache for both
+        for _ in range(a.repeats):
+            times["copy"].append(timed_copy(small, work / "copy"))
+            times["cli"].append(timed_cli(convert_args))
+            shutil.rmtree(work / "mg")
+        c, v = min(times["copy"]), min(times["cli"])
+        print(
+            f"HF -> Megatron TP2 PP2, {size['small']:.0f} MiB: copy {c:.2f} s ({size['small'] / c:.0f} MiB/s), "
+            f"CLI {v:.2f} s incl. start-up (all runs: copy {[round(x, 2) for x in times['copy']]}, "
+            f"CLI {[round(x, 2) for x in times['cli']]})"
+        )
+        row(
+            "HF->Megatron TP2PP2 CLI wall / copy",
+            v / c,
+            "<= 1.5x",
+            v / c <= 1.5,
+            f"shutil.copyfile of the same shards: {COPY_CODE}",
+        )
+
+        # 2. Megatron -> HF peak RSS above imports at two sizes.
+        above = {}
         for name, src in (("small", small), ("large", large)):
-            times = {"copy": [], "convert": []}
-            for _ in range(2):  # first round warms the page cache for both
-                t = time.perf_counter()
-                (work / "copy").mkdir(exist_ok=True)
-                for f in weights(src):
-                    shutil.copyfile(f, work / "copy" / f.name)
-                times["copy"].append(time.perf_counter() - t)
-                shutil.rmtree(work / "copy")
-                t = time.perf_counter()
-                hf_to_megatron(
-                    ConvertConfig(str(src), str(work / "mg"), tp=2, pp=2, overwrite=True), progress=False
-                )
-                times["convert"].append(time.perf_counter() - t)
-                shutil.rmtree(work / "mg")
-            c, v = min(times["copy"]), min(times["convert"])
+            mg = work / f"mg-{name}"
+            timed_cli(cli("--source", str(src), "--target", str(mg), "--tp", "2", "--pp", "2"))
+            runs = [rss_above_imports(mg, work / "hf") for _ in range(a.repeats)]
+            above[name] = min(runs)
             print(
-                f"{name:5s} {size[name]:7.0f} MiB  copy {c:6.2f} s ({size[name] / c:6.0f} MiB/s)  "
-                f"convert {v:6.2f} s ({size[name] / v:6.0f} MiB/s)  ratio convert/copy = {v / c:.2f}x "
-                f"(goal <= 2x)"
+                f"Megatron TP2 PP2 -> HF, {size[name]:.0f} MiB model: peak RSS above imports {above[name]:.0f} MiB "
+                f"(runs {[round(x) for x in runs]})"
             )
-
-        print("\n== peak RSS of a fresh process (MiB) ==")
-        base = {k: peak_rss_mb(f"import-{k}", small, work / "none") for k in ("kit", "transformers")}
-        rss = {
-            (k, n): peak_rss_mb(k, src, work / f"out-{k}-{n}")
-            for k in ("kit", "transformers")
-            for n, src in (("small", small), ("large", large))
-        }
-        growth = size["large"] - size["small"]
-        for k in ("kit", "transformers"):
-            g = rss[(k, "large")] - rss[(k, "small")]
-            print(
-                f"{k:12s} imports only {base[k]:6.0f}  small {rss[(k, 'small')]:6.0f}  large "
-                f"{rss[(k, 'large')]:6.0f}  above imports: small {rss[(k, 'small')] - base[k]:6.0f} large "
-                f"{rss[(k, 'large')] - base[k]:6.0f}  growth {g:6.0f} = {100 * g / growth:5.1f}% of the model "
-                f"growth ({growth:.0f} MiB)"
+            shutil.rmtree(mg)
+        for name in ("small", "large"):
+            frac = above[name] / size[name]
+            row(
+                f"Megatron->HF peak RSS above imports / model ({size[name]:.0f} MiB)",
+                frac,
+                "< 0.10x",
+                frac < 0.10,
+                "the model's size (a whole-model converter holds >= 1x)",
             )
-        kit_above = rss[("kit", "large")] - base["kit"]
-        tf_above = rss[("transformers", "large")] - base["transformers"]
-        print(
-            f"kit / transformers peak above imports, large model: {kit_above:.0f} / {tf_above:.0f} MiB = "
-            f"{kit_above / max(tf_above, 1):.2f}x"
-        )
-        g = (rss[("kit", "large")] - rss[("kit", "small")]) / growth
-        print(
-            f"goal: kit peak growth < 10% of model growth -> {100 * g:.1f}% ({'met' if g < 0.10 else 'NOT met'})"
+        growth = (above["large"] - above["small"]) / (size["large"] - size["small"])
+        row(
+            "Megatron->HF peak RSS growth / model growth",
+            max(growth, 0.0),
+            "< 0.10x (flat)",
+            growth < 0.10,
+            f"model growth {size['large'] - size['small']:.0f} MiB",
         )
     finally:
         if not a.keep:

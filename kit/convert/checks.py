@@ -80,25 +80,37 @@ def layout_plan_problems(
         return problems
     for what, n in (("attention heads", spec.num_heads), ("FFN hidden size", spec.ffn_hidden_size)):
         if n % tp:
-            problems.append(
-                f"tensor parallel size {tp} does not divide the {n} {what}; choose a TP among "
-                f"{[d for d in (1, 2, 4, 8, 16) if n % d == 0]}."
-            )
+            problems.append(f"tensor parallel size {tp} does not divide the {n} {what}.")
     ng = spec.num_groups
-    if ng % tp and (tp % ng or flavor == "legacy"):
+    if not _groups_fit(ng, tp, flavor):
         # megatron-core >= 0.16 accepts TP a multiple of the KV groups (each group's rows split across ranks);
         # legacy Megatron and older mcore need the groups divisible by TP.
-        ok = [d for d in (1, 2, 4, 8, 16) if ng % d == 0 or (flavor != "legacy" and d % ng == 0)]
         problems.append(
-            f"tensor parallel size {tp} does not fit the {ng} KV groups (num_key_value_heads) for "
-            f"flavor {flavor!r}; choose a TP among {[d for d in ok if spec.num_heads % d == 0]}."
+            f"tensor parallel size {tp} does not fit the {ng} KV groups (num_key_value_heads) for flavor {flavor!r}."
         )
+    if problems:  # the sizes that pass every rule at once, not one rule at a time
+        problems.append(f"TP sizes that fit this model (every rule at once): {tp_candidates(spec, flavor)}.")
     if padded_vocab < spec.vocab_size:
         problems.append(f"padded vocabulary {padded_vocab} is smaller than the vocabulary {spec.vocab_size}.")
     elif padded_vocab % tp:
         problems.append(f"padded vocabulary {padded_vocab} is not divisible by tensor parallel size {tp}.")
     problems += layout_problems(spec.num_layers, pp, layer_list)
     return problems
+
+
+def _groups_fit(groups: int, tp: int, flavor: str) -> bool:
+    return groups % tp == 0 or (flavor != "legacy" and tp % groups == 0)
+
+
+def tp_candidates(spec: ModelSpec, flavor: str = "local") -> List[int]:
+    """Every TP size that divides the heads and the FFN and fits the KV groups."""
+    return [
+        d
+        for d in range(1, spec.num_heads + 1)
+        if spec.num_heads % d == 0
+        and spec.ffn_hidden_size % d == 0
+        and _groups_fit(spec.num_groups, d, flavor)
+    ]
 
 
 def check_disk(target: Path, need_bytes: int) -> None:

@@ -8,28 +8,39 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
-import torch
-from tqdm.auto import tqdm
-
 from kit.atomic import atomic_dir, atomic_write_text
 from kit.configs import check, save_config
 from kit.convert import layout
 from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_plan_problems, role_kind
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
+from kit.convert.file_slices import FileSlice, Rows, Scratch, as_tensor, itemsize, piece_info, torch_dtype
 from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
-from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader
+from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
 from kit.convert.spec import ModelSpec, megatron_args, padded_vocab_size
-from kit.convert.tensor_ops import Rows, as_tensor, full_to_parts, merge_tp, read_rank, split_tp
-from kit.convert.torch_zip import StreamingTorchFile
+from kit.convert.tensor_ops import full_to_parts, hf_parts, merge_tp, read_rank, split_tp
+from kit.convert.torch_zip import StreamingTorchFile, TensorRef
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported only where numbers are computed (a dtype cast, Baichuan's NormHead, re-sharding); plain
+# HF <-> Megatron conversion moves bytes and starts in a fraction of torch's import time.
 
 
-def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
-    return _DTYPES[name] if name else None
+def _progress(total: int, desc: str, disable: bool):
+    if disable:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer")
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _rank_entries(layer_roles: List[str], spec: ModelSpec, flavor: str, stages: List[List[int]], s: int):
@@ -62,16 +73,14 @@ def _write_megatron(
     """Write every rank file of the layout, streaming each tensor to disk as soon as it is made (so memory holds
     about one tensor and its source slices, not a whole rank file). Returns bytes written."""
     _, layer_roles = fam.roles(spec)
-    pp, written = len(stages), 0
-    bar = tqdm(
-        total=tp * spec.num_layers, desc=f"->Megatron TP{tp} PP{pp}", unit="layer", disable=not progress
-    )
+    pp, written, scratch = len(stages), 0, Scratch()
+    bar = _progress(tp * spec.num_layers, f"->Megatron TP{tp} PP{pp}", not progress)
     for s in range(pp):
         for r in range(tp):
             path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
             part = path.with_name(f".{path.name}.partial")
-            out, model = StreamingTorchFile(part), {}
+            out, model = StreamingTorchFile(part, scratch), {}
             for key_path, role, layer in _rank_entries(layer_roles, spec, flavor, stages, s):
                 layout.put(model, key_path, out.store(rank_fn(role, layer, r)))
                 if layer is not None and role == layer_roles[-1]:
@@ -181,14 +190,12 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
     padded, stages = _plan(spec, cfg)
-    cast = _dtype(cfg.dtype)
+    cast = cfg.dtype
     src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
-    scale = (
-        (torch.finfo(cast).bits / torch.finfo(src_dtype).bits) if cast and src_dtype.is_floating_point else 1
-    )
+    scale = itemsize(cast) / itemsize(src_dtype) if cast else 1
     check_disk(Path(cfg.target), int(reader.weight_bytes() * scale * (padded / spec.vocab_size)))
 
-    def rank_fn(role: str, layer: Optional[int], r: int) -> torch.Tensor:
+    def rank_fn(role: str, layer: Optional[int], r: int):
         kind = role_kind(role)
         t = read_rank(
             kind,
@@ -204,10 +211,12 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             padded_vocab=padded,
         )
         if role == "output" and spec.norm_head:  # Baichuan2 NormHead: a plain output layer needs unit rows
+            import torch
+
             t = as_tensor(t)
             t = torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype)
-        if cast is not None and (t[0] if isinstance(t, Rows) else t).dtype != cast:
-            t = as_tensor(t).to(cast)
+        if cast is not None and piece_info(t)[1] != cast:
+            t = as_tensor(t).to(torch_dtype(cast))
         return t
 
     meta, written = _save_megatron(
@@ -235,7 +244,8 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
 
 
 def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: Optional[str]) -> tuple:
-    """Family and spec of a Megatron checkpoint: from its hf_meta/ (kit-made) or an HF config folder."""
+    """Family and spec of a Megatron checkpoint: from its hf_meta/ (kit-made) or an HF config folder, checked
+    against every dimension the checkpoint's own args state."""
     cfg_dir = Path(hf_config_dir) if hf_config_dir else mr.folder / HF_META_DIR
     if not (cfg_dir / "config.json").is_file():
         raise FileNotFoundError(
@@ -246,112 +256,198 @@ def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: 
     fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
     spec = fam.read_config(hf_cfg)
     a = mr.args
+    groups = getattr(a, "num_query_groups", None) if getattr(a, "group_query_attention", True) else None
+    if groups is None and getattr(a, "group_query_attention", None) is False:
+        groups = getattr(a, "num_attention_heads", None)  # Megatron ignores num_query_groups without GQA
+    wanted = (
+        ("num_layers", getattr(a, "num_layers", None), spec.num_layers),
+        ("hidden_size", getattr(a, "hidden_size", None), spec.hidden_size),
+        ("ffn_hidden_size", getattr(a, "ffn_hidden_size", None), spec.ffn_hidden_size),
+        ("num_attention_heads", getattr(a, "num_attention_heads", None), spec.num_heads),
+        ("num_query_groups (KV heads)", groups, spec.num_groups),
+        ("kv_channels (head_dim)", getattr(a, "kv_channels", None), spec.head_dim),
+        ("add_qkv_bias", getattr(a, "add_qkv_bias", None), spec.qkv_bias),
+        (
+            "untie_embeddings_and_output_weights",
+            getattr(a, "untie_embeddings_and_output_weights", None),
+            not spec.tied,
+        ),
+    )
     wrong = [
-        f"{name}: checkpoint args say {getattr(a, name)}, {cfg_dir}/config.json implies {want}"
-        for name, want in (
-            ("num_layers", spec.num_layers),
-            ("hidden_size", spec.hidden_size),
-            ("num_attention_heads", spec.num_heads),
-        )
-        if getattr(a, name, want) != want
+        f"{name}: checkpoint args say {have}, {cfg_dir}/config.json implies {want}"
+        for name, have, want in wanted
+        if have is not None and have != want
     ]
+    padded = getattr(a, "padded_vocab_size", None)
+    if padded is not None and padded < spec.vocab_size:
+        wrong.append(
+            f"padded_vocab_size: checkpoint args say {padded}, fewer than the vocabulary {spec.vocab_size} "
+            f"of {cfg_dir}/config.json"
+        )
     if wrong:
         raise ConversionError(wrong, f"Megatron checkpoint {mr.folder} vs its HF config")
     return fam, spec, cfg_dir
 
 
+def _rank_shape(spec: ModelSpec, role: str, tp: int) -> Optional[tuple]:
+    """The shape one TP rank holds of a role (None: the vocabulary rows, checked in total)."""
+    full, kind = spec.full_shape(role if role != "tied_head" else "embedding"), role_kind(role)
+    if kind == "replicated":
+        return full
+    if kind == "row":
+        return (full[0], full[1] // tp)
+    if kind == "vocab":
+        return None
+    return (full[0] // tp, *full[1:])
+
+
 def _check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stages: List[List[int]]) -> None:
-    """Every tensor in every rank file must be one the map knows: nothing is dropped silently."""
+    """Every tensor in every rank file must be one the map knows, with the shape the config implies for this TP:
+    nothing is dropped silently and a config that does not match the weights is an error, not a wrong model."""
     _, layer_roles = fam.roles(spec)
     problems = []
     for s in range(mr.pp):
-        known = {".".join(kp) for kp, _, _ in _rank_entries(layer_roles, spec, mr.flavor, stages, s)}
+        entries = list(_rank_entries(layer_roles, spec, mr.flavor, stages, s))
+        known = {".".join(kp) for kp, _, _ in entries}
         for r in range(mr.tp):
-            flat = layout.flatten(mr.state(r, s)["model"])
+            flat = layout.flatten(mr.refs(r, s))
+            where = layout.rank_dir(r, s, mr.pp)
             for key in sorted(set(flat) - known):
-                if key.endswith("_extra_state") or not isinstance(flat[key], torch.Tensor):
+                if key.endswith("_extra_state") or not isinstance(flat[key], TensorRef):
                     continue  # TE/fp8 metadata, no weights
                 problems.append(
-                    f"{layout.rank_dir(r, s, mr.pp)}: tensor {key!r} is not in the {fam.name} map "
+                    f"{where}: tensor {key!r} is not in the {fam.name} map "
                     f"({mr.flavor} key names); it would be dropped. Is the family or the config right?"
                 )
             missing = sorted(known - set(flat))
             if missing:
                 problems.append(
-                    f"{layout.rank_dir(r, s, mr.pp)}: missing {missing[:5]}"
+                    f"{where}: missing {missing[:5]}"
                     f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})"
                 )
+            for kp, role, _ in entries:
+                ref, want = flat.get(".".join(kp)), _rank_shape(spec, role, mr.tp)
+                if not isinstance(ref, TensorRef):
+                    continue
+                if want is None:
+                    want_rest = (spec.hidden_size,)
+                    if ref.shape[1:] != want_rest:
+                        problems.append(
+                            f"{where}: {'.'.join(kp)} has rows of {list(ref.shape[1:])}, the config "
+                            f"implies {list(want_rest)} (hidden_size)"
+                        )
+                elif ref.shape != want:
+                    problems.append(
+                        f"{where}: {'.'.join(kp)} has shape {list(ref.shape)}, the HF config implies {list(want)} "
+                        f"at TP{mr.tp}; config and checkpoint do not belong together"
+                    )
     if problems:
         raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
 
 
-def _full_fn(
-    mr: MegatronReader, spec: ModelSpec, fam: Family
-) -> Callable[[str, Optional[int]], torch.Tensor]:
-    """(role, global layer) -> the whole tensor merged over the source's TP ranks (vocab still padded)."""
+def _stages_of(mr: MegatronReader, spec: ModelSpec) -> List[List[int]]:
     stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
     problems = layout.layout_problems(spec.num_layers, mr.pp, [len(x) for x in stages] or None)
     if problems:
         raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
-    _check_megatron_keys(mr, fam, spec, stages)
-    where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
+    return stages
 
-    def full(role: str, layer: Optional[int]) -> torch.Tensor:
-        if layer is None:
-            s, path = (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role)
-        else:
-            s, local = where[layer]
-            path = layout.key_path(mr.flavor, role, local)
+
+def _locate(mr: MegatronReader, stages: List[List[int]], role: str, layer: Optional[int]) -> tuple:
+    """(stage, key path) of a role's tensor."""
+    if layer is None or layer < 0:
+        return (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role)
+    where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
+    s, local = where[layer]
+    return s, layout.key_path(mr.flavor, role, local)
+
+
+def _full_fn(mr: MegatronReader, spec: ModelSpec, fam: Family) -> Callable[[str, Optional[int]], object]:
+    """(role, global layer) -> the whole tensor merged over the source's TP ranks (vocab still padded)."""
+    stages = _stages_of(mr, spec)
+    _check_megatron_keys(mr, fam, spec, stages)
+
+    def full(role: str, layer: Optional[int]):
+        s, path = _locate(mr, stages, role, layer)
         return merge_tp(role_kind(role), mr.parts(path, s), what=".".join(path))
 
     return full
 
 
+def _same_bytes(parts: List[FileSlice]) -> bool:
+    first = os.pread(parts[0].fd, parts[0].nbytes, parts[0].offset)
+    return all(os.pread(p.fd, p.nbytes, p.offset) == first for p in parts[1:])
+
+
 def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
-    """Merge a Megatron checkpoint (any TP x PP) into one HF folder that loads with from_pretrained."""
+    """Merge a Megatron checkpoint (any TP x PP) into one HF folder that loads with from_pretrained.
+
+    Streaming: every HF tensor is a list of byte ranges of the rank files, copied through one small buffer when its
+    shard is written, so memory stays a few MB whatever the model size (and torch is not needed)."""
     t0 = time.perf_counter()
     check(cfg)
     mr = MegatronReader(cfg.source)
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
-    full = _full_fn(mr, spec, fam)
+    stages = _stages_of(mr, spec)
+    _check_megatron_keys(mr, fam, spec, stages)
     glob, layer_roles = fam.roles(spec)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
 
-    def emit(writer: HFWriter, role: str, layer: int, tensor: torch.Tensor) -> None:
+    def emit(writer: HFWriter, role: str, layer: int) -> None:
         kind = role_kind(role)
-        if kind == "vocab" and tensor.shape[0] < spec.vocab_size:
-            raise ConversionError(
-                [
-                    f"{role} has {tensor.shape[0]} rows, fewer than the vocabulary "
-                    f"{spec.vocab_size} of config.json"
-                ],
-                f"Megatron checkpoint {mr.folder}",
+        s, path = _locate(mr, stages, role, layer)
+        what = f"{layout.rank_dir(0, s, mr.pp)}: {'.'.join(path)}"
+        parts = mr.pieces(path, s)
+        if not all(
+            isinstance(p, FileSlice) for p in parts
+        ):  # a tensor not stored contiguously: merge in memory
+            full = merge_tp(kind, [as_tensor(p) for p in parts], what=what)
+            hparts = full_to_parts(
+                kind, full, spec.num_groups, spec.heads_per_group, spec.head_dim, spec.vocab_size
             )
-        parts = full_to_parts(
-            kind, tensor, spec.num_groups, spec.heads_per_group, spec.head_dim, spec.vocab_size
-        )
-        grouped: Dict[str, List[torch.Tensor]] = {}
-        for key, part in zip(fam.hf_keys(role, layer), parts):
+            hparts = [p.clone() for p in hparts]
+        else:
+            if kind == "replicated" and not _same_bytes(parts):
+                raise ConversionError(
+                    [
+                        f"{what}: replicated tensor differs between TP ranks; the checkpoint is inconsistent "
+                        f"(files from different runs?)"
+                    ],
+                    f"Megatron checkpoint {mr.folder}",
+                )
+            if kind == "vocab" and sum(p.shape[0] for p in parts) < spec.vocab_size:
+                raise ConversionError(
+                    [
+                        f"{what} has {sum(p.shape[0] for p in parts)} rows over {mr.tp} TP rank(s), fewer than the "
+                        f"vocabulary {spec.vocab_size} of config.json"
+                    ],
+                    f"Megatron checkpoint {mr.folder}",
+                )
+            hparts = hf_parts(
+                kind, parts, spec.num_groups, spec.heads_per_group, spec.head_dim, spec.vocab_size
+            )
+        grouped: Dict[str, list] = {}
+        for key, part in zip(fam.hf_keys(role, layer), hparts):
             grouped.setdefault(key, []).append(part)
         for key, ps in grouped.items():
-            writer.add(key, torch.cat(ps) if len(ps) > 1 else ps[0].clone())
+            writer.add(key, Rows(ps) if len(ps) > 1 else ps[0])
 
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="HF output folder") as tmp:
         writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2)
-        emit(writer, "embedding", -1, full("embedding", None))
-        for g in tqdm(
-            range(spec.num_layers),
-            desc=f"Megatron TP{mr.tp} PP{mr.pp}->HF",
-            unit="layer",
-            disable=not progress,
-        ):
+        emit(writer, "embedding", -1)
+        bar = _progress(spec.num_layers, f"Megatron TP{mr.tp} PP{mr.pp}->HF", not progress)
+        for g in range(spec.num_layers):
             for role in layer_roles:
-                emit(writer, role, g, full(role, g))
+                emit(writer, role, g)
+            bar.update(1)
+        bar.close()
         for role in glob[1:]:
-            emit(writer, role, -1, full(role, None))
+            emit(writer, role, -1)
         writer.close()
         copy_side_files(cfg_dir, tmp)
         save_config(cfg, tmp, "convert_config.json")
+    unverified = mr.unchecked_files()
+    mr.close()
     return {
         "direction": "megatron_to_hf",
         "source": str(cfg.source),
@@ -361,6 +457,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         "pp": mr.pp,
         "flavor": mr.flavor,
         "bytes_written": writer.total_bytes,
+        "crc_unverified": unverified,
         "seconds": round(time.perf_counter() - t0, 3),
     }
 
@@ -374,17 +471,17 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     padded, stages = _plan(spec, cfg)
     full = _full_fn(mr, spec, fam)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
-    cast = _dtype(cfg.dtype)
+    cast = cfg.dtype
 
-    def rank_fn(role: str, layer: Optional[int], r: int) -> torch.Tensor:
+    def rank_fn(role: str, layer: Optional[int], r: int):
         kind = role_kind(role)
         t = full(role, layer)
         if kind == "vocab":
             t = t[: spec.vocab_size]
         t = split_tp(kind, t, cfg.tp, padded)[r].clone()
-        return t.to(cast) if cast is not None else t
+        return t.to(torch_dtype(cast)) if cast is not None else t
 
-    dtype = cast or getattr(mr.args, "params_dtype", torch.float32)
+    dtype = cast or arg_dtype(mr.args)
     meta, written = _save_megatron(
         cfg,
         "megatron_to_megatron",
@@ -398,6 +495,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         cfg_dir,
         "re-sharded weights folder",
     )
+    mr.close()
     return dict(
         meta,
         target=str(cfg.target),

@@ -1,9 +1,10 @@
-"""Tensors still on disk: safetensors headers parsed directly, row ranges read with pread into the caller's buffer.
+"""Tensors still on disk, described by byte ranges, and the copy loop that streams them into an output file.
 
-Format (safetensors spec): 8-byte little-endian header length, a JSON header `{name: {dtype, shape,
-data_offsets: [begin, end]}}` (offsets relative to the end of the header), then the raw C-order bytes. A row range of
-a tensor is therefore one contiguous byte range of the file, read with one system call and no page faults, which
-keeps conversion close to the speed of copying the file.
+safetensors (spec): 8-byte little-endian header length, a JSON header `{name: {dtype, shape, data_offsets: [begin,
+end]}}` (offsets relative to the end of the header), then the raw C-order bytes. A row range of a tensor is one
+contiguous byte range, a column block is one range per row. Both directions of the conversion are byte moves between
+such ranges (splitting, merging, regrouping rows), so they run without torch: a piece is read with pread into one
+reused buffer and written out, and memory holds that buffer, never a whole tensor.
 """
 
 from __future__ import annotations
@@ -11,22 +12,44 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Dict, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
-import torch
-
-ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+# name -> (safetensors code, bytes per element, torch legacy storage class). Facts: safetensors spec dtypes;
+# torch/storage.py typed storage names (what torch.save pickles as the storage type of each dtype).
+DTYPES: Dict[str, Tuple[str, int, str]] = {
+    "float64": ("F64", 8, "DoubleStorage"),
+    "float32": ("F32", 4, "FloatStorage"),
+    "float16": ("F16", 2, "HalfStorage"),
+    "bfloat16": ("BF16", 2, "BFloat16Storage"),
+    "int64": ("I64", 8, "LongStorage"),
+    "int32": ("I32", 4, "IntStorage"),
+    "int16": ("I16", 2, "ShortStorage"),
+    "int8": ("I8", 1, "CharStorage"),
+    "uint8": ("U8", 1, "ByteStorage"),
+    "bool": ("BOOL", 1, "BoolStorage"),
 }
+ST_TO_NAME = {code: name for name, (code, _, _) in DTYPES.items()}
+STORAGE_TO_NAME = {storage: name for name, (_, _, storage) in DTYPES.items()}
+CHUNK = 2 * 1024 * 1024  # copy buffer: few system calls per tensor, small next to any model
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' from a torch.dtype, a name, or a safetensors code."""
+    name = str(dtype).replace("torch.", "")
+    name = ST_TO_NAME.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; the converter handles {sorted(DTYPES)}.")
+    return name
+
+
+def itemsize(dtype) -> int:
+    return DTYPES[dtype_name(dtype)][1]
+
+
+def torch_dtype(dtype):
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
 
 
 def _numel(shape: Tuple[int, ...]) -> int:
@@ -36,96 +59,304 @@ def _numel(shape: Tuple[int, ...]) -> int:
     return n
 
 
-class FileSlice:
-    """A C-contiguous tensor of `shape` and `dtype` stored at bytes [offset, offset + nbytes) of an open file; or,
-    with `row_pitch`, a column block: shape[0] rows of shape[1] elements, each row_pitch bytes after the last."""
+def pread_into(fd: int, view: memoryview, offset: int, what: str = "file") -> None:
+    """Fill `view` from `fd` at `offset`; a short file is an error (truncated), never zeros."""
+    done, total = 0, len(view)
+    while done < total:  # pread may return less than asked (e.g. > 2 GiB on Linux)
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise EOFError(
+                f"{what}: unexpected end of file reading {total} bytes at offset {offset}; the file is "
+                f"truncated, copy or download it again."
+            )
+        done += n
 
-    __slots__ = ("fd", "offset", "shape", "dtype", "row_pitch")
 
-    def __init__(self, fd: int, offset: int, shape: Tuple[int, ...], dtype: torch.dtype, row_pitch: int = 0):
-        self.fd, self.offset, self.shape, self.dtype, self.row_pitch = (
-            fd,
-            offset,
-            tuple(shape),
-            dtype,
-            row_pitch,
-        )
+class Piece:
+    """Bytes of a C-contiguous tensor of `shape` / `dtype` (a name), produced in order by `write_to`."""
+
+    shape: Tuple[int, ...]
+    dtype: str
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return _numel(self.shape) * itemsize(self.dtype)
 
     def numel(self) -> int:
         return _numel(self.shape)
 
-    def _pread(self, view: memoryview, offset: int) -> None:
-        done, total = 0, len(view)
-        while done < total:  # pread may return less than asked (e.g. > 2 GiB on Linux)
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"unexpected end of file reading {total} bytes at offset {offset}")
-            done += n
+    def write_to(self, sink, scratch: Scratch) -> None:
+        raise NotImplementedError
 
-    def read_into(self, buf: torch.Tensor) -> None:
-        """Fill a contiguous uint8 CPU tensor of nbytes with the slice's bytes."""
-        view = memoryview(buf.numpy()).cast("B")
-        if not self.row_pitch:
-            self._pread(view, self.offset)
-            return
-        row = self.nbytes // self.shape[0]
-        for i in range(self.shape[0]):  # one read per row: only this block's bytes, never the whole matrix
-            self._pread(view[i * row : (i + 1) * row], self.offset + i * self.row_pitch)
+    def tensor(self):
+        """The bytes as a torch tensor (reads now)."""
+        import torch
 
-    def tensor(self) -> torch.Tensor:
         out = torch.empty(self.nbytes, dtype=torch.uint8)
-        self.read_into(out)
-        return out.view(self.dtype).view(self.shape)
+        view = memoryview(out.numpy()).cast("B")
+        at = [0]
+
+        class _Into:
+            def write(self, mv) -> None:
+                view[at[0] : at[0] + len(mv)] = mv
+                at[0] += len(mv)
+
+        self.write_to(_Into(), Scratch())
+        return out.view(torch_dtype(self.dtype)).view(self.shape)
+
+
+class Scratch:
+    """Reused buffers, so that streaming allocates (and page-faults) a few MB once, not once per tensor."""
+
+    def __init__(self, size: int = CHUNK):
+        self.size = size
+        self._bufs: Dict[str, bytearray] = {}
+
+    def get(self, name: str, nbytes: int) -> memoryview:
+        buf = self._bufs.get(name)
+        if buf is None or len(buf) < nbytes:
+            buf = self._bufs[name] = bytearray(max(nbytes, self.size))
+        return memoryview(buf)[:nbytes]
+
+
+class FileSlice(Piece):
+    """A tensor stored at bytes [offset, offset + nbytes) of an open file; or, with `row_pitch`, a column block:
+    shape[0] rows of shape[1] elements, each row_pitch bytes after the last."""
+
+    __slots__ = ("fd", "offset", "shape", "dtype", "row_pitch", "what")
+
+    def __init__(self, fd: int, offset: int, shape, dtype, row_pitch: int = 0, what: str = "file"):
+        self.fd, self.offset, self.shape = fd, offset, tuple(shape)
+        self.dtype, self.row_pitch, self.what = dtype_name(dtype), row_pitch, what
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+    def rows(self, start: int, stop: int) -> FileSlice:
+        """Rows [start, stop) of a contiguous slice."""
+        assert not self.row_pitch
+        rb = self.row_bytes
+        return FileSlice(
+            self.fd, self.offset + start * rb, (stop - start, *self.shape[1:]), self.dtype, 0, self.what
+        )
+
+    def read_rows(self, start: int, stop: int, scratch: Scratch, name: str) -> memoryview:
+        """Rows [start, stop) as one buffer (a pitched block is read whole, then gathered)."""
+        rb = self.row_bytes
+        out = scratch.get(name, (stop - start) * rb)
+        if not self.row_pitch:
+            pread_into(self.fd, out, self.offset + start * rb, self.what)
+            return out
+        span = (stop - start - 1) * self.row_pitch + rb
+        raw = scratch.get(name + ".raw", span)
+        pread_into(self.fd, raw, self.offset + start * self.row_pitch, self.what)
+        import numpy as np  # one strided copy instead of one pread per row
+
+        src = np.lib.stride_tricks.as_strided(
+            np.frombuffer(raw, dtype=np.uint8), (stop - start, rb), (self.row_pitch, 1), writeable=False
+        )
+        np.frombuffer(out, dtype=np.uint8).reshape(stop - start, rb)[:] = src
+        return out
+
+    def write_to(self, sink, scratch: Scratch) -> None:
+        if not self.row_pitch:
+            at, end = self.offset, self.offset + self.nbytes
+            while at < end:
+                n = min(scratch.size, end - at)
+                buf = scratch.get("copy", n)
+                pread_into(self.fd, buf, at, self.what)
+                sink.write(buf)
+                at += n
+            return
+        step = max(1, scratch.size // max(self.row_pitch, 1))
+        for a in range(0, self.shape[0], step):
+            sink.write(self.read_rows(a, min(a + step, self.shape[0]), scratch, "pitched"))
+
+
+class Zeros(Piece):
+    """Rows of zeros (Megatron's padded vocabulary)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype_name(dtype)
+
+    def write_to(self, sink, scratch: Scratch) -> None:
+        left = self.nbytes
+        while left:
+            n = min(left, scratch.size)
+            buf = scratch.get("zeros", n)
+            buf[:] = bytes(n)
+            sink.write(buf)
+            left -= n
+
+
+class ColumnConcat(Piece):
+    """2-D contiguous parts joined along dim 1 (row-parallel layers merged over TP ranks)."""
+
+    def __init__(self, parts: List[FileSlice]):
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
+
+    def write_to(self, sink, scratch: Scratch) -> None:
+        import numpy as np
+
+        rows, rb = self.shape[0], self.nbytes // max(self.shape[0], 1)
+        step = max(1, scratch.size // max(rb, 1))
+        for a in range(0, rows, step):
+            b = min(a + step, rows)
+            out = scratch.get("concat", (b - a) * rb)
+            grid = np.frombuffer(out, dtype=np.uint8).reshape(b - a, rb)
+            col = 0
+            for i, p in enumerate(self.parts):
+                block = p.read_rows(a, b, scratch, f"part{i % 2}")
+                w = p.row_bytes
+                grid[:, col : col + w] = np.frombuffer(block, dtype=np.uint8).reshape(b - a, w)
+                col += w
+            sink.write(out)
+
+
+class Rows(list):
+    """Pieces (or tensors) stacked along dim 0; a writer copies them one after the other, never concatenated."""
+
+    def tensor(self):
+        import torch
+
+        return torch.cat([as_tensor(p) for p in self])
+
+
+def as_tensor(x):
+    """A torch tensor from a tensor, a piece (read now) or a Rows list (concatenated)."""
+    return x.tensor() if isinstance(x, (Piece, Rows)) else x
+
+
+def piece_info(x) -> Tuple[Tuple[int, ...], str]:
+    """(shape, dtype name) of a tensor, a piece or a Rows list."""
+    if isinstance(x, Rows):
+        shapes = [piece_info(p)[0] for p in x]
+        return (sum(s[0] for s in shapes), *shapes[0][1:]), piece_info(x[0])[1]
+    return tuple(x.shape), dtype_name(x.dtype)
+
+
+def write_piece(x, sink, scratch: Scratch) -> None:
+    """Stream a tensor, a piece or a Rows list into sink.write(memoryview)."""
+    if isinstance(x, Rows):
+        for p in x:
+            write_piece(p, sink, scratch)
+    elif isinstance(x, Piece):
+        x.write_to(sink, scratch)
+    else:  # a torch tensor in memory
+        t = x.contiguous()
+        if t.numel():
+            import torch
+
+            sink.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B"))
 
 
 class SafetensorsFile:
-    """One .safetensors file: its header, and row ranges of its tensors as FileSlices."""
+    """One .safetensors file: its header, and row ranges of its tensors as FileSlices. Damage is an error naming
+    the file (truncated, garbled header, a tensor past the end or of the wrong size)."""
 
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self._parse()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _bad(self, why: str) -> ValueError:
+        from kit.errors import IntegrityError
+
+        return IntegrityError(f"{self.path}: {why}; the file is damaged or truncated, download it again.")
+
+    def _parse(self) -> None:
+        size = os.fstat(self.fd).st_size
         head = os.pread(self.fd, 8, 0)
         if len(head) < 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes); download it again.")
+            raise self._bad(f"only {size} bytes, not a safetensors file")
         (n,) = struct.unpack("<Q", head)
-        size = os.fstat(self.fd).st_size
         if n > size - 8:
-            raise ValueError(
-                f"{path}: header length {n} exceeds the file size {size}; the file is truncated."
-            )
-        header = json.loads(os.pread(self.fd, n, 8))
-        header.pop("__metadata__", None)
+            raise self._bad(f"header length {n} exceeds the file size {size}")
+        try:
+            header = json.loads(os.pread(self.fd, n, 8))
+            header.pop("__metadata__", None)
+        except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+            raise self._bad(f"unreadable JSON header ({exc})") from None
         self.base = 8 + n
         self.entries: Dict[str, tuple] = {}
         for key, info in header.items():
-            begin, end = info["data_offsets"]
-            if self.base + end > size:
-                raise ValueError(
-                    f"{path}: tensor {key!r} ends at byte {self.base + end} but the file has {size} "
-                    f"bytes; the file is truncated, download it again."
+            try:
+                begin, end = (int(x) for x in info["data_offsets"])
+                name, shape = ST_TO_NAME[info["dtype"]], tuple(int(x) for x in info["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise self._bad(f"tensor {key!r} has a malformed header entry {info!r}") from None
+            if end - begin != _numel(shape) * itemsize(name) or begin < 0:
+                raise self._bad(
+                    f"tensor {key!r} spans {end - begin} bytes, its shape {list(shape)} needs more"
                 )
-            self.entries[key] = (ST_DTYPES[info["dtype"]], tuple(info["shape"]), self.base + begin)
+            if self.base + end > size:
+                raise self._bad(
+                    f"tensor {key!r} ends at byte {self.base + end} but the file has {size} bytes"
+                )
+            self.entries[key] = (name, shape, self.base + begin)
 
-    def keys(self):
+    def keys(self) -> List[str]:
         return list(self.entries)
+
+    def slice(self, key: str) -> FileSlice:
+        name, shape, offset = self.entries[key]
+        return FileSlice(self.fd, offset, shape, name, 0, self.path)
 
     def rows(self, key: str, start: int, stop: int) -> FileSlice:
         """Rows [start, stop) of tensor `key` (1-D tensors: elements)."""
-        dtype, shape, offset = self.entries[key]
-        row_bytes = _numel(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-        return FileSlice(self.fd, offset + start * row_bytes, (stop - start, *shape[1:]), dtype)
+        return self.slice(key).rows(start, stop)
 
     def columns(self, key: str, start: int, stop: int) -> FileSlice:
         """Columns [start, stop) of every row of 2-D tensor `key`."""
-        dtype, shape, offset = self.entries[key]
-        item = torch.empty((), dtype=dtype).element_size()
+        name, shape, offset = self.entries[key]
+        item = itemsize(name)
         return FileSlice(
-            self.fd, offset + start * item, (shape[0], stop - start), dtype, row_pitch=shape[1] * item
+            self.fd, offset + start * item, (shape[0], stop - start), name, shape[1] * item, self.path
         )
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class _FileSink:
+    """sink.write for a plain output file (safetensors shards)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, mv) -> None:
+        mv = memoryview(mv).cast("B")
+        while len(mv):
+            n = os.write(self.fd, mv)
+            mv = mv[n:]
+
+
+def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None) -> int:
+    """Write (key, tensor | piece | Rows) items as one safetensors file, streaming each; returns bytes of data."""
+    items = list(items)
+    header: Dict[str, dict] = {"__metadata__": metadata} if metadata else {}
+    at = 0
+    for key, x in items:
+        shape, name = piece_info(x)
+        n = _numel(shape) * itemsize(name)
+        header[key] = {"dtype": DTYPES[name][0], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the spec lets the header be padded with spaces; keeps the data 8-aligned
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        sink, scratch = _FileSink(fd), Scratch()
+        sink.write(struct.pack("<Q", len(raw)) + raw)
+        for _, x in items:
+            write_piece(x, sink, scratch)
+        # No fsync (as safetensors.save_file): the output folder is renamed into place only when complete.
+    finally:
+        os.close(fd)
+    return at

@@ -8,9 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-import torch
-
-from kit.convert.file_slices import FileSlice, SafetensorsFile
+from kit.convert.file_slices import SafetensorsFile, dtype_name, piece_info, write_safetensors
 
 PathLike = Union[str, Path]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
@@ -58,6 +56,8 @@ class HFReader:
             if fname.endswith(".safetensors"):
                 handle = SafetensorsFile(path)
             else:  # .bin: zip pickles; mmap keeps tensors on disk until sliced
+                import torch
+
                 handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             self._handles[fname] = handle
         return handle
@@ -69,9 +69,10 @@ class HFReader:
         h = self._open(self.weight_map[key])
         return tuple(h[key].shape) if isinstance(h, dict) else h.entries[key][1]
 
-    def dtype(self, key: str) -> torch.dtype:
+    def dtype(self, key: str) -> str:
+        """The tensor's dtype name ('bfloat16')."""
         h = self._open(self.weight_map[key])
-        return h[key].dtype if isinstance(h, dict) else h.entries[key][0]
+        return dtype_name(h[key].dtype if isinstance(h, dict) else h.entries[key][0])
 
     def read(
         self,
@@ -91,7 +92,7 @@ class HFReader:
             t = t[slice(*rows) if rows else slice(None)]
             t = t[:, cols[0] : cols[1]] if cols else t
             return t.clone() if copy else t
-        dtype, shape, offset = h.entries[key]
+        shape = h.entries[key][1]
         if cols:  # row-parallel block: all rows of the tensor, this rank's columns
             if rows and tuple(rows) != (0, shape[0]):
                 raise ValueError(f"{key}: a column block must span all {shape[0]} rows, got rows {rows}")
@@ -99,7 +100,7 @@ class HFReader:
         elif shape:
             piece = h.rows(key, *(rows or (0, shape[0])))
         else:
-            piece = FileSlice(h.fd, offset, (), dtype)
+            piece = h.slice(key)
         return piece if not copy else piece.tensor()
 
     def weight_bytes(self) -> int:
@@ -130,32 +131,37 @@ def copy_side_files(src: PathLike, dst: PathLike) -> List[str]:
 
 
 class HFWriter:
-    """Collects tensors into safetensors shards of at most `max_shard_bytes`, then writes the index."""
+    """Collects tensors (or pieces still on disk) into safetensors shards of at most `max_shard_bytes`, then writes
+    the index. Pieces are streamed when their shard is written, so memory holds descriptions, not weights."""
 
     def __init__(self, folder: PathLike, max_shard_bytes: int = 2 * 1024**3):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
-        self._buf: Dict[str, torch.Tensor] = {}
+        self._buf: List[Tuple[str, object]] = []
         self._buf_bytes = 0
         self._shards: List[Tuple[str, List[str]]] = []
         self.total_bytes = 0
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+    def add(self, key: str, tensor) -> None:
+        """A tensor, a piece or a Rows list of pieces (kept by reference until its shard is written)."""
+        from kit.convert.file_slices import itemsize
+
+        shape, name = piece_info(tensor)
+        nbytes = itemsize(name)
+        for d in shape:
+            nbytes *= d
         if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._buf[key] = tensor.contiguous()
+        self._buf.append((key, tensor))
         self._buf_bytes += nbytes
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         name = f".shard-{len(self._shards) + 1:05d}.safetensors"
-        save_file(self._buf, str(self.folder / name), metadata={"format": "pt"})
-        self._shards.append((name, list(self._buf)))
-        self._buf, self._buf_bytes = {}, 0
+        write_safetensors(str(self.folder / name), self._buf, metadata={"format": "pt"})
+        self._shards.append((name, [k for k, _ in self._buf]))
+        self._buf, self._buf_bytes = [], 0
 
     def close(self) -> Path:
         """Flush, give shards their final `model-0000i-of-0000N` names, write model.safetensors.index.json."""

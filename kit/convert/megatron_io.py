@@ -1,19 +1,24 @@
-"""Reading and writing Megatron per-rank checkpoint files (`iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`)."""
+"""Reading and writing Megatron per-rank checkpoint files (`iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`).
+
+Rank files are read by the kit's own zip reader (kit/convert/torch_zip.py): every record's CRC32 is checked when a
+file is opened, the pickle is loaded without running any class's code, and tensors stay on disk as byte ranges until
+used. So damage is an error naming the file, and the same code reads on every torch version the kit supports.
+"""
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import mmap
 import os
-import pickle
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-import torch
-
 from kit.convert import layout
+from kit.convert.checks import ConversionError
+from kit.convert.file_slices import FileSlice, Scratch, itemsize, torch_dtype
+from kit.convert.torch_zip import RankFileError, TensorRef, TorchGlobal, ZipIndex, load_refs, ref_bytes_range
 
 PathLike = Union[str, Path]
 META_FILE = "kit_convert.json"  # what the kit wrote: family, spec, layout (Megatron ignores it)
@@ -22,7 +27,9 @@ _RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 def save_rank(path: Path, args: argparse.Namespace, model: dict) -> None:
-    """One rank's file: exactly the four entries a converter writes (MindSpeed-LLM v2 writes the same)."""
+    """One rank's file through torch.save (tests use it to build checkpoints the way training runs write them)."""
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "args": args,
@@ -30,29 +37,94 @@ def save_rank(path: Path, args: argparse.Namespace, model: dict) -> None:
         "iteration": layout.ITERATION,
         "model": model,
     }
-    # Default pickle protocol 2: torch's weights_only unpickler rejects protocol-4 FRAME opcodes.
     # Temp name + rename: never a half-written file, and an mmap'd older version of it stays readable.
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     torch.save(state, str(tmp))
     os.replace(tmp, path)
 
 
-def load_rank_file(path: PathLike) -> dict:
-    """torch.load with weights_only=True and mmap, so tensors stay on disk until used."""
-    # Namespace (`args`) and BytesIO (TE `_extra_state`) are what converter-written files hold; megatron.core
-    # allowlists them too.
-    with torch.serialization.safe_globals([argparse.Namespace, io.BytesIO]):
+class RankFile:
+    """One rank file, opened and CRC-checked: `refs` is its object with TensorRefs (nothing else read yet)."""
+
+    def __init__(self, path: PathLike, verify: bool = True, scratch: Optional[Scratch] = None):
+        self.path = Path(path)
         try:
-            return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-        except pickle.UnpicklingError as first:
-            try:  # a training checkpoint (optimizer, numpy RNG state): megatron.core registers those classes
-                import megatron.core  # noqa: F401
-            except ImportError:
-                raise pickle.UnpicklingError(
-                    f"{path}: {first}\nInstall megatron-core (it allowlists the classes "
-                    f"training checkpoints hold) or save the model weights alone."
-                ) from None
-            return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+            self.index = ZipIndex(path)
+            self.unchecked = self.index.verify(scratch) if verify else 0
+            self.refs = load_refs(self.index)
+        except RankFileError as exc:
+            raise ConversionError([str(exc)], "Megatron rank file") from None
+        except OSError as exc:
+            if isinstance(exc, EOFError):
+                raise ConversionError([str(exc)], "Megatron rank file") from None
+            raise
+        if not isinstance(self.refs, dict) or not isinstance(self.refs.get("model"), dict):
+            raise ConversionError(
+                [f"{self.path}: holds no 'model' dict of weights (keys {sorted(self.refs)[:6]})"]
+                if isinstance(self.refs, dict)
+                else [f"{self.path}: holds a {type(self.refs).__name__}, not a Megatron checkpoint dict"],
+                "Megatron rank file",
+            )
+
+    def piece(self, ref: TensorRef) -> FileSlice:
+        """The tensor's bytes as a FileSlice (contiguous tensors; others raise)."""
+        try:
+            offset, _ = ref_bytes_range(self.index, ref)
+        except RankFileError as exc:
+            raise ConversionError([str(exc)], "Megatron rank file") from None
+        return FileSlice(self.index.fd, offset, ref.shape, ref.dtype, 0, str(self.path))
+
+    def tensor(self, ref: TensorRef, mapped: Optional[mmap.mmap] = None):
+        """A torch tensor of the ref: viewing `mapped` (lazy, shared pages) or read now."""
+        import torch
+
+        rec = self.index.records.get(f"data/{ref.storage.key}")
+        dt = torch_dtype(ref.dtype)
+        if rec is None:
+            raise ConversionError(
+                [f"{self.path}: storage data/{ref.storage.key} is missing"], "Megatron rank file"
+            )
+        if rec.size == 0 or ref.numel() == 0:
+            return torch.empty(ref.shape, dtype=dt)
+        if mapped is not None:
+            flat = torch.frombuffer(mapped, dtype=torch.uint8, count=rec.size, offset=rec.offset)
+        else:
+            flat = torch.empty(rec.size, dtype=torch.uint8)
+            from kit.convert.file_slices import pread_into
+
+            pread_into(self.index.fd, memoryview(flat.numpy()).cast("B"), rec.offset, str(self.path))
+        return flat.view(dt).as_strided(ref.shape, ref.stride, ref.offset)
+
+    def materialize(self) -> dict:
+        """The whole object with torch tensors (memory-mapped, copy-on-write) and torch dtypes in args."""
+        mapped = mmap.mmap(self.index.fd, 0, access=mmap.ACCESS_COPY)
+        storages: Dict[str, object] = {}
+
+        def conv(x):
+            if isinstance(x, TensorRef):
+                key = (x.storage.key, x.offset, x.shape, x.stride)
+                if key not in storages:
+                    storages[key] = self.tensor(x, mapped)
+                return storages[key]
+            if isinstance(x, TorchGlobal) and x.module == "torch":
+                return torch_dtype(x.name)
+            if isinstance(x, dict):
+                return type(x)((k, conv(v)) for k, v in x.items())
+            if isinstance(x, argparse.Namespace):
+                return argparse.Namespace(**{k: conv(v) for k, v in vars(x).items()})
+            if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+                return type(x)(conv(v) for v in x)
+            return x
+
+        return conv(self.refs)
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def load_rank_file(path: PathLike) -> dict:
+    """A rank file's object with torch tensors (memory-mapped until used); CRCs checked, no code run."""
+    return RankFile(path).materialize()
 
 
 def detect_flavor(model: dict) -> str:
@@ -64,8 +136,14 @@ def detect_flavor(model: dict) -> str:
     return "local"
 
 
+def arg_dtype(args: argparse.Namespace, default: str = "float32") -> str:
+    """args.params_dtype as a name (it may be a torch.dtype, a TorchGlobal or missing)."""
+    value = getattr(args, "params_dtype", None)
+    return str(value).replace("torch.", "") if value is not None else default
+
+
 class MegatronReader:
-    """A Megatron checkpoint folder: tracker, iteration folder, TP x PP rank files opened lazily (mmap)."""
+    """A Megatron checkpoint folder: tracker, iteration folder, TP x PP rank files opened lazily."""
 
     def __init__(self, folder: PathLike):
         self.folder = Path(folder)
@@ -77,36 +155,73 @@ class MegatronReader:
                 f"the tracker file."
             )
         text = tracker.read_text().strip()
+        if text != "release" and not text.isdigit():
+            raise ConversionError(
+                [f"{tracker} holds {text[:40]!r}, not an iteration number"], "Megatron checkpoint"
+            )
         self.iter_dir = self.folder / ("release" if text == "release" else f"iter_{int(text):07d}")
         found: Dict[Tuple[int, int], Path] = {}
+        folders = set()
         for p in sorted(self.iter_dir.iterdir()) if self.iter_dir.is_dir() else []:
             m = _RANK.match(p.name)
-            if m and (p / "model_optim_rng.pt").is_file():
-                found[(int(m.group(1)), int(m.group(2) or 0))] = p / "model_optim_rng.pt"
+            if m:
+                folders.add((int(m.group(1)), int(m.group(2) or 0)))
+                if (p / "model_optim_rng.pt").is_file():
+                    found[(int(m.group(1)), int(m.group(2) or 0))] = p / "model_optim_rng.pt"
         if not found:
             raise FileNotFoundError(f"{self.iter_dir} holds no mp_rank_*/model_optim_rng.pt files.")
-        self.tp = 1 + max(t for t, _ in found)
-        self.pp = 1 + max(p for _, p in found)
-        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in found]
-        if missing:
-            raise FileNotFoundError(
-                f"{self.iter_dir}: rank files missing for (tp, pp) {missing}; copy them again."
-            )
         self.files = found
-        self._cache: Dict[Tuple[int, int], dict] = {}
-        first = self.state(0, 0)
-        self.args: argparse.Namespace = first["args"]
-        self.flavor = detect_flavor(first["model"])
+        self._cache: Dict[Tuple[int, int], RankFile] = {}
+        self.tp = self.pp = 1
+        self._states: Dict[Tuple[int, int], dict] = {}
+        self.scratch = Scratch()
+        first = self.rank_file(*min(found))
+        self.args: argparse.Namespace = first.refs.get("args") or argparse.Namespace()
         meta = self.folder / META_FILE
         self.meta: Optional[dict] = json.loads(meta.read_text(encoding="utf-8")) if meta.is_file() else None
+        # The layout the checkpoint says it has (its args, the kit's metadata), not just the folders present:
+        # a missing rank is then named instead of surfacing later as a wrong-looking tensor.
+        said_tp = int(getattr(self.args, "tensor_model_parallel_size", 0) or (self.meta or {}).get("tp") or 0)
+        said_pp = int(
+            getattr(self.args, "pipeline_model_parallel_size", 0) or (self.meta or {}).get("pp") or 0
+        )
+        self.tp = max([said_tp] + [t + 1 for t, _ in folders])
+        self.pp = max([said_pp] + [p + 1 for _, p in folders])
+        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in found]
+        if missing:
+            names = [layout.rank_dir(t, p, self.pp) + "/model_optim_rng.pt" for t, p in missing]
+            raise ConversionError(
+                [
+                    f"{len(missing)} of {self.tp * self.pp} rank files missing in {self.iter_dir} (the checkpoint "
+                    f"is TP{self.tp} x PP{self.pp}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; "
+                    f"copy them again"
+                ],
+                "Megatron checkpoint",
+            )
+        self.flavor = detect_flavor(first.refs["model"])
+
+    def rank_file(self, tp_rank: int, pp_rank: int) -> RankFile:
+        """The opened (CRC-checked) rank file."""
+        key = (tp_rank, pp_rank)
+        if (
+            key not in self._cache
+        ):  # open files are an fd and an index each; pieces may point into any of them
+            self._cache[key] = RankFile(self.files[key], scratch=self.scratch)
+        return self._cache[key]
+
+    def refs(self, tp_rank: int, pp_rank: int) -> dict:
+        """The rank's model dict with TensorRefs (shapes, dtypes, byte ranges; no data read)."""
+        return self.rank_file(tp_rank, pp_rank).refs["model"]
 
     def state(self, tp_rank: int, pp_rank: int) -> dict:
+        """The rank's whole object with torch tensors (memory-mapped)."""
         key = (tp_rank, pp_rank)
-        if key not in self._cache:
-            if len(self._cache) > 4 * self.tp:  # keep a few stages open, not the whole model
-                self._cache.clear()
-            self._cache[key] = load_rank_file(self.files[key])
-        return self._cache[key]
+        rf = self.rank_file(*key)
+        if key not in self._states:
+            if len(self._states) >= 2 * self.tp:  # a few stages mapped, not the whole model
+                self._states.clear()
+            self._states[key] = rf.materialize()
+        return self._states[key]
 
     def layer_list(self, num_layers: int) -> List[int]:
         """Layers per stage: the kit's metadata, args.num_layer_list, or an even split."""
@@ -117,19 +232,60 @@ class MegatronReader:
             return [int(x) for x in str(lst).split(",")]
         return [num_layers // self.pp] * self.pp
 
-    def parts(self, path: Tuple[str, ...], pp_rank: int) -> List[torch.Tensor]:
-        """The TP ranks' tensors at one key path of one stage."""
+    def _ref(self, path: Tuple[str, ...], tp_rank: int, pp_rank: int) -> TensorRef:
+        try:
+            ref = layout.get(self.refs(tp_rank, pp_rank), path)
+        except KeyError:
+            have = sorted(layout.flatten(self.refs(tp_rank, pp_rank)))[:8]
+            raise ConversionError(
+                [
+                    f"{self.files[(tp_rank, pp_rank)]} has no tensor {'.'.join(path)} (flavor {self.flavor}); "
+                    f"first keys there: {have}"
+                ],
+                "Megatron checkpoint",
+            ) from None
+        if not isinstance(ref, TensorRef):
+            raise ConversionError(
+                [
+                    f"{self.files[(tp_rank, pp_rank)]}: {'.'.join(path)} is a {type(ref).__name__}, not a tensor"
+                ],
+                "Megatron checkpoint",
+            )
+        return ref
+
+    def part_refs(self, path: Tuple[str, ...], pp_rank: int) -> List[TensorRef]:
+        return [self._ref(path, r, pp_rank) for r in range(self.tp)]
+
+    def pieces(self, path: Tuple[str, ...], pp_rank: int) -> List[FileSlice]:
+        """The TP ranks' tensors at one key path of one stage, as byte ranges on disk."""
         out = []
         for r in range(self.tp):
-            try:
-                out.append(layout.get(self.state(r, pp_rank)["model"], path))
-            except KeyError:
-                have = sorted(layout.flatten(self.state(r, pp_rank)["model"]))[:8]
-                raise KeyError(
-                    f"{self.files[(r, pp_rank)]} has no tensor {'.'.join(path)} (flavor "
-                    f"{self.flavor}); first keys there: {have}"
-                ) from None
+            ref = self._ref(path, r, pp_rank)
+            if not ref.is_contiguous():  # not written by a converter; read it whole (rare, small)
+                from kit.convert.file_slices import Rows
+
+                out.append(Rows([self.rank_file(r, pp_rank).tensor(ref).contiguous()]))
+                continue
+            out.append(self.rank_file(r, pp_rank).piece(ref))
         return out
 
+    def parts(self, path: Tuple[str, ...], pp_rank: int) -> list:
+        """The TP ranks' tensors at one key path of one stage, as torch tensors (read now)."""
+        return [self.rank_file(r, pp_rank).tensor(self._ref(path, r, pp_rank)) for r in range(self.tp)]
+
     def all_keys(self, tp_rank: int, pp_rank: int) -> List[str]:
-        return sorted(layout.flatten(self.state(tp_rank, pp_rank)["model"]))
+        return sorted(layout.flatten(self.refs(tp_rank, pp_rank)))
+
+    def close(self) -> None:
+        for rf in self._cache.values():
+            rf.close()
+        self._cache.clear()
+        self._states.clear()
+
+    def unchecked_files(self) -> List[str]:
+        """Rank files opened so far whose records carry no CRC (older writers): not verifiable."""
+        return [str(rf.path) for rf in self._cache.values() if rf.unchecked]
+
+
+def itemsize_of(ref: TensorRef) -> int:
+    return itemsize(ref.dtype)

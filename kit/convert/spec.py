@@ -6,8 +6,6 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Tuple
 
-import torch
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -72,10 +70,16 @@ def megatron_args(
     layer_list: list,
     padded_vocab: int,
     divisible_by: int,
-    dtype: torch.dtype,
+    dtype,
     flavor: str,
 ) -> argparse.Namespace:
-    """The `args` Namespace of model_optim_rng.pt: primitives and one torch.dtype, so weights_only loading works."""
+    """The `args` Namespace of model_optim_rng.pt: primitives and one torch.dtype, so weights_only loading works.
+
+    The dtype is a reference to `torch.<name>` that pickles as torch.save writes a dtype, so no torch is needed."""
+    from kit.convert.file_slices import dtype_name
+    from kit.convert.torch_zip import torch_dtype_ref
+
+    name = dtype_name(dtype)
     uneven = len(set(layer_list)) > 1
     return argparse.Namespace(
         num_layers=spec.num_layers,
@@ -109,9 +113,9 @@ def megatron_args(
         num_layers_per_virtual_pipeline_stage=None,
         num_layer_list=",".join(map(str, layer_list)) if uneven else None,
         expert_model_parallel_size=1,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        params_dtype=torch_dtype_ref(name),
+        bf16=name == "bfloat16",
+        fp16=name == "float16",
         bert_binary_head=False,
         iteration=1,
         consumed_train_samples=0,

@@ -7,23 +7,17 @@ embedding/output split dim 0 after padding the vocabulary; norms are replicated.
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Sequence, Tuple
 
-import torch
+from kit.convert.file_slices import ColumnConcat, FileSlice, Rows, Zeros, as_tensor, piece_info
 
-Reader = Callable[..., torch.Tensor]  # read(key, rows=(a, b) | None, cols=(a, b) | None, copy=True) -> tensor
+if TYPE_CHECKING:  # torch is imported by the functions that compute; byte moves never need it
+    import torch
 
-
-class Rows(list):
-    """Tensors meant to be stacked along dim 0; a writer copies them piece by piece instead of concatenating."""
-
-    def tensor(self) -> torch.Tensor:
-        return torch.cat([as_tensor(p) for p in self])
-
-
-def as_tensor(x) -> torch.Tensor:
-    """A tensor from a tensor, a FileSlice (read now) or a Rows list (concatenated)."""
-    return x if isinstance(x, torch.Tensor) else x.tensor()
+Reader = Callable[
+    ..., "torch.Tensor"
+]  # read(key, rows=(a, b) | None, cols=(a, b) | None, copy=True) -> tensor
+__all__ = ["Rows", "as_tensor", "read_rank", "hf_parts", "split_tp", "merge_tp", "full_to_parts"]
 
 
 def part_offsets(keys: Sequence[str], rows: Sequence[int]) -> List[int]:
@@ -38,6 +32,8 @@ def part_offsets(keys: Sequence[str], rows: Sequence[int]) -> List[int]:
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """[Q; K; V] (HF) -> per group [q heads of g; k_g; v_g] (Megatron), for weights and biases alike."""
+    import torch
+
     rest = q.shape[1:]
     parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
@@ -54,17 +50,23 @@ def deinterleave_qkv(w: torch.Tensor, groups: int, heads_per_group: int, head_di
 
 def glu_rank(gate: torch.Tensor, up: torch.Tensor, tp: int) -> List[torch.Tensor]:
     """Per-rank fc1 = cat(gate_r, up_r), NOT a chunk of cat(gate, up) (mcore chunks each rank's output in two)."""
+    import torch
+
     return [torch.cat([g, u]) for g, u in zip(torch.chunk(gate, tp), torch.chunk(up, tp))]
 
 
 def glu_merge(parts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Inverse of glu_rank: [gate, up] of the whole layer."""
+    import torch
+
     halves = [torch.chunk(p, 2) for p in parts]
     return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
 
 
 def pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     """Zero rows appended up to `rows` (Megatron's padded vocabulary; padded ids never occur in data)."""
+    import torch
+
     if w.shape[0] == rows:
         return w
     return torch.cat([w, w.new_zeros((rows - w.shape[0], *w.shape[1:]))])
@@ -72,6 +74,8 @@ def pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 def split_tp(kind: str, full: torch.Tensor, tp: int, padded_vocab: int = 0) -> List[torch.Tensor]:
     """A full Megatron tensor (canonical layout) -> the TP ranks' parts."""
+    import torch
+
     if kind == "replicated":
         return [full] * tp
     if kind == "row":
@@ -87,6 +91,8 @@ def split_tp(kind: str, full: torch.Tensor, tp: int, padded_vocab: int = 0) -> L
 
 def merge_tp(kind: str, parts: Sequence[torch.Tensor], what: str = "tensor") -> torch.Tensor:
     """TP ranks' parts -> the full Megatron tensor (vocab stays padded); replicas must agree."""
+    import torch
+
     if kind == "replicated":
         for r, p in enumerate(parts[1:], 1):
             if not torch.equal(p, parts[0]):
@@ -108,6 +114,8 @@ def full_to_parts(
     kind: str, full: torch.Tensor, groups: int, heads_per_group: int, head_dim: int, vocab: int
 ) -> List[torch.Tensor]:
     """A full Megatron tensor -> the HF parts of its role (q, k, v / gate, up / the unpadded table / itself)."""
+    import torch
+
     if kind == "qkv":
         return deinterleave_qkv(full, groups, heads_per_group, head_dim)
     if kind == "glu":
@@ -145,17 +153,18 @@ def read_rank(
     if kind == "vocab":
         per, vocab = padded_vocab // tp, full_shape[0]
         a, b = r * per, min((r + 1) * per, vocab)
+        dtype = piece_info(read(keys[0], rows=(0, 1), copy=False))[1]
         if a >= vocab:
-            return torch.zeros((per, *full_shape[1:]), dtype=read(keys[0], rows=(0, 1)).dtype)
+            return Zeros((per, *full_shape[1:]), dtype)
         real = read(keys[0], rows=(offs[0] + a, offs[0] + b), copy=False)
         if b - a == per:
             return real
-        return Rows(
-            [real, torch.zeros((per - (b - a), *full_shape[1:]), dtype=real.dtype)]
-        )  # rows past vocab
+        return Rows([real, Zeros((per - (b - a), *full_shape[1:]), dtype)])  # rows past vocab
     if (
         kind == "qkv" and groups % tp
     ):  # fewer KV groups than ranks (mcore >= 0.16): a chunk of the whole matrix
+        import torch
+
         parts = [read(k, rows=(o, o + n)) for k, o, n in zip(keys, offs, rows)]
         return torch.chunk(interleave_qkv(*parts, groups), tp)[r].clone()
     if kind == "qkv":  # this rank's groups, each [its q heads; k; v], as row slices of the sources
@@ -177,3 +186,43 @@ def read_rank(
             ]
         )
     raise ValueError(f"unknown split kind {kind!r}")
+
+
+def _span(parts: Sequence[FileSlice], a: int, b: int) -> Rows:
+    """Rows [a, b) of the parts stacked along dim 0, as slices of the parts (nothing read)."""
+    out, base = Rows(), 0
+    for p in parts:
+        n = p.shape[0]
+        lo, hi = max(a, base), min(b, base + n)
+        if lo < hi:
+            out.append(p.rows(lo - base, hi - base))
+        base += n
+    return out
+
+
+def hf_parts(
+    kind: str, parts: Sequence[FileSlice], groups: int, heads_per_group: int, head_dim: int, vocab: int
+) -> list:
+    """TP ranks' pieces -> the HF parts of the role, as byte ranges (what merge_tp + full_to_parts compute)."""
+    if kind == "replicated":
+        return [parts[0]]
+    if kind == "vocab":
+        return [_span(parts, 0, vocab)]
+    if kind == "row":
+        return [parts[0] if len(parts) == 1 else ColumnConcat(list(parts))]
+    if kind == "glu":  # rank r holds [gate_r; up_r]
+        half = [p.shape[0] // 2 for p in parts]
+        return [
+            Rows(p.rows(0, h) for p, h in zip(parts, half)),
+            Rows(p.rows(h, 2 * h) for p, h in zip(parts, half)),
+        ]
+    if kind == "qkv":  # the groups in order across ranks, each [its q heads; k; v]
+        q, k, v = Rows(), Rows(), Rows()
+        nq, per = heads_per_group * head_dim, (heads_per_group + 2) * head_dim
+        for g in range(groups):
+            base = g * per
+            q += _span(parts, base, base + nq)
+            k += _span(parts, base + nq, base + nq + head_dim)
+            v += _span(parts, base + nq + head_dim, base + per)
+        return [q, k, v]
+    raise ValueError(f"unknown merge kind {kind!r}")

@@ -134,7 +134,9 @@ def hf_logits(hf_dir: PathLike, ids: torch.Tensor, spec=None) -> torch.Tensor:
     if cfg.get("model_type") in ("llama", "mistral", "qwen2"):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        from kit.hf_compat import dtype_kw
+
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **dtype_kw(torch.float32)).eval()
         with torch.no_grad():
             return model(ids[None]).logits[0]
     spec = spec or family_for_config(cfg).read_config(cfg)
