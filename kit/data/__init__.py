@@ -1,18 +1,36 @@
-"""Data preparation: pretraining and fine-tuning data, packed and loss-masked, in HF and Megatron formats."""
+"""Data preparation: pretraining and fine-tuning data, packed and loss-masked, in HF and Megatron formats.
 
-from kit.data.config import DataConfig
-from kit.data.explain import explain_sample
-from kit.data.indexed import IndexedReader, IndexedWriter
-from kit.data.output import load_prepared, read_meta
-from kit.data.pipeline import PrepResult, prepare
-from kit.data.readers import DataInputError
-from kit.data.report import PrepReport
-from kit.data.templates import TEMPLATES, Template
+The names below are imported on first use (PEP 562 module `__getattr__`), so `python -m kit data --help` and
+`import kit.data.cli` load neither numpy-heavy modules nor pandas, datasets, transformers or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> module that defines it
+_EXPORTS = {
+    "TEMPLATES": "kit.data.templates",
+    "Template": "kit.data.templates",
+    "DataConfig": "kit.data.config",
+    "DataInputError": "kit.data.readers",
+    "DataPathError": "kit.data.readers",
+    "IndexedReader": "kit.data.indexed",
+    "IndexedWriter": "kit.data.indexed",
+    "PrepReport": "kit.data.report",
+    "PrepResult": "kit.data.pipeline",
+    "explain_sample": "kit.data.explain",
+    "load_prepared": "kit.data.output",
+    "prepare": "kit.data.pipeline",
+    "read_meta": "kit.data.output",
+}
 
 __all__ = [
     "TEMPLATES",
     "DataConfig",
     "DataInputError",
+    "DataPathError",
     "IndexedReader",
     "IndexedWriter",
     "PrepReport",
@@ -23,3 +41,26 @@ __all__ = [
     "prepare",
     "read_meta",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs only
+    from kit.data.config import DataConfig
+    from kit.data.explain import explain_sample
+    from kit.data.indexed import IndexedReader, IndexedWriter
+    from kit.data.output import load_prepared, read_meta
+    from kit.data.pipeline import PrepResult, prepare
+    from kit.data.readers import DataInputError, DataPathError
+    from kit.data.report import PrepReport
+    from kit.data.templates import TEMPLATES, Template
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kit.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -31,6 +31,12 @@ def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> 
     p.add_argument("--overwrite", action="store_true")
     if kind == "pretrain":
         p.add_argument("--add-bos", action="store_true", help="BOS before each document")
+        p.add_argument(
+            "--keep-special-tokens",
+            action="store_true",
+            help="special-token strings in the text ('<|endoftext|>') become control tokens "
+            "(default: tokenized as plain text; counted in the report either way)",
+        )
     else:
         p.add_argument("--template", default="telechat", help="see `python -m kit data templates`")
         p.add_argument("--system", default=None, help="system prompt for dialogs without one")
@@ -56,13 +62,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The DataConfig the command-line arguments describe."""
+    from kit.configs import ConfigError
     from kit.data.config import DataConfig
 
     try:
         columns = json.loads(args.columns)
     except json.JSONDecodeError as exc:
-        raise SystemExit(
-            f'--columns {args.columns!r} is not JSON ({exc}); write e.g. \'{{"text": "content"}}\'.'
+        raise ConfigError(
+            [
+                f'the value of --columns, {args.columns!r}, is not JSON ({exc}); write e.g. \'{{"text": "content"}}\'.'
+            ],
+            "the command line",
         ) from None
     kw = dict(
         kind=args.kind,
@@ -82,7 +92,7 @@ def config_from_args(args: argparse.Namespace):
         overwrite=args.overwrite,
     )
     if args.kind == "pretrain":
-        kw.update(add_bos=args.add_bos)
+        kw.update(add_bos=args.add_bos, keep_special_tokens=args.keep_special_tokens)
     else:
         kw.update(
             template=args.template,
@@ -115,13 +125,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     ws = None if cfg.out_dir else get_workspace(args.workspace, model=args.model)
-    try:
-        result = prepare(cfg, ws)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:  # bad config, input or existing output
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # expected failures are KitErrors (and OSErrors such as a full disk): `kit.__main__` prints them as one line
+    result = prepare(cfg, ws)
     result.plot_lengths()
     print(json.dumps(result.summary(), indent=2, ensure_ascii=False))
     for w in result.report.warnings:
-        print(f"warning: {w}")
+        print(f"warning: {w}", file=sys.stderr)  # stdout stays one JSON document
     return 0

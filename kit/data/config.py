@@ -52,6 +52,8 @@ class DataConfig:
     """Dialogs packed together at a time (bounds memory; larger packs slightly tighter)."""
     add_bos: bool = False
     """Pretrain: put the tokenizer's BOS token before each document (EOS is always appended)."""
+    keep_special_tokens: bool = False
+    """Pretrain: special-token strings in the text ('<|endoftext|>') become control tokens; False: plain text."""
     on_error: str = "raise"
     """Malformed records: 'raise' (stop with file and line) or 'skip' (count them in the report)."""
     num_workers: int = 1

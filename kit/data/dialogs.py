@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from kit.data.readers import DataInputError, Record
+from kit.errors import InputError
 
 # kit field -> default column per format (Alpaca as in LLaMA-Factory / MindSpeed-LLM `--map-keys`)
 DEFAULT_COLUMNS = {
@@ -32,8 +33,10 @@ class Dialog:
     turns: List[Tuple[str, str]] = field(default_factory=list)
 
 
-def detect_format(record: dict, kind: str, overrides: Optional[Dict[str, str]] = None) -> str:
-    """Guess the input format from the keys of one record (after the user's column mapping)."""
+def detect_format(rec: Record, kind: str, overrides: Optional[Dict[str, str]] = None) -> str:
+    """The input format of one record, from its keys (after the user's column mapping).
+
+    Called per record: a file may mix ShareGPT and OpenAI-messages records (merged datasets often do)."""
     if kind == "pretrain":
         return "text"
     overrides = overrides or {}
@@ -41,7 +44,7 @@ def detect_format(record: dict, kind: str, overrides: Optional[Dict[str, str]] =
         if not set(overrides) <= set(DEFAULT_COLUMNS[fmt]):
             continue
         cols = {**DEFAULT_COLUMNS[fmt], **overrides}
-        value = record.get(cols[key])
+        value = rec.data.get(cols[key])
         if value is None:
             continue
         if key == "messages":
@@ -49,11 +52,18 @@ def detect_format(record: dict, kind: str, overrides: Optional[Dict[str, str]] =
             if cols["role"] not in first and first:
                 continue
         return fmt
-    raise ValueError(
-        f"cannot tell the format of a record with keys {sorted(record)}; set input_format to "
-        f"'alpaca', 'sharegpt' or 'openai' and map your fields with columns={{...}} "
-        f"(e.g. {{'instruction': 'question', 'output': 'answer'}})."
+    raise record_error(
+        rec,
+        f"cannot tell the dialog format of a record with keys {sorted(rec.data)}",
+        "set input_format to 'alpaca', 'sharegpt' or 'openai' and map your fields with columns={...} "
+        "(e.g. {'instruction': 'question', 'output': 'answer'})",
+        "unknown_format",
     )
+
+
+def record_error(rec: Record, problem: str, fix: str, reason: str = "malformed") -> DataInputError:
+    """A DataInputError at `rec`'s position (file:line, and item number inside a JSON array)."""
+    return DataInputError(rec.source, rec.line, problem, fix, reason, item=rec.item)
 
 
 def column_map(fmt: str, overrides: Dict[str, str]) -> Dict[str, str]:
@@ -61,7 +71,7 @@ def column_map(fmt: str, overrides: Dict[str, str]) -> Dict[str, str]:
     cols = dict(DEFAULT_COLUMNS[fmt])
     unknown = set(overrides) - set(cols)
     if unknown:
-        raise ValueError(
+        raise InputError(
             f"columns keys {sorted(unknown)} are not fields of format {fmt!r}; "
             f"use some of {sorted(cols)} (kit field -> your column)."
         )
@@ -73,9 +83,8 @@ def _string(rec: Record, cols: Dict[str, str], key: str, required: bool = True) 
     col = cols[key]
     if col not in rec.data or rec.data[col] is None:
         if required:
-            raise DataInputError(
-                rec.source,
-                rec.line,
+            raise record_error(
+                rec,
                 f"missing field {col!r} (found {sorted(rec.data)})",
                 f"add it, or map your column with columns={{'{key}': '<your column>'}}",
                 "missing_field",
@@ -83,9 +92,8 @@ def _string(rec: Record, cols: Dict[str, str], key: str, required: bool = True) 
         return None
     value = rec.data[col]
     if not isinstance(value, str):
-        raise DataInputError(
-            rec.source,
-            rec.line,
+        raise record_error(
+            rec,
             f"field {col!r} is a {type(value).__name__}, not a string",
             "store text as a JSON string",
             "bad_type",
@@ -107,18 +115,16 @@ def alpaca_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     history = rec.data.get(cols["history"]) or []
     turns = []
     if not isinstance(history, list):
-        raise DataInputError(
-            rec.source,
-            rec.line,
+        raise record_error(
+            rec,
             f"history is a {type(history).__name__}, not a list",
             "write history as [[question, answer], ...]",
             "bad_type",
         )
     for i, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
-            raise DataInputError(
-                rec.source,
-                rec.line,
+            raise record_error(
+                rec,
                 f"history item {i} is not a [question, answer] pair of strings",
                 "write history as [[question, answer], ...]",
                 "bad_type",
@@ -133,17 +139,15 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     col = cols["messages"]
     msgs = rec.data.get(col)
     if msgs is None:
-        raise DataInputError(
-            rec.source,
-            rec.line,
+        raise record_error(
+            rec,
             f"missing field {col!r} (found {sorted(rec.data)})",
             "add it, or map your column with columns={'messages': '<your column>'}",
             "missing_field",
         )
     if not isinstance(msgs, list):
-        raise DataInputError(
-            rec.source,
-            rec.line,
+        raise record_error(
+            rec,
             f"field {col!r} is a {type(msgs).__name__}, not a list",
             "store the messages as a JSON list of objects",
             "bad_type",
@@ -152,18 +156,16 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     roles, texts = [], []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or cols["role"] not in m or cols["content"] not in m:
-            raise DataInputError(
-                rec.source,
-                rec.line,
+            raise record_error(
+                rec,
                 f"message {i} lacks {cols['role']!r}/{cols['content']!r}",
                 "give every message a role and a content, or map them with columns",
                 "missing_field",
             )
         role, content = m[cols["role"]], m[cols["content"]]
         if not isinstance(content, str) or not isinstance(role, str):
-            raise DataInputError(
-                rec.source,
-                rec.line,
+            raise record_error(
+                rec,
                 f"message {i} has a non-string role or content",
                 "store role and content as strings",
                 "bad_type",
@@ -177,18 +179,15 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     for i in range(0, len(roles), 2):
         pair = roles[i : i + 2]
         if len(pair) < 2 or pair[0] not in USER_ROLES or pair[1] not in ASSISTANT_ROLES:
-            raise DataInputError(
-                rec.source,
-                rec.line,
+            raise record_error(
+                rec,
                 f"roles {roles} do not alternate user/assistant ending with an assistant",
                 "keep one optional system message first, then user and assistant in turn",
                 "malformed",
             )
         turns.append((texts[i], texts[i + 1]))
     if not turns:
-        raise DataInputError(
-            rec.source, rec.line, "no user/assistant turn", "add at least one pair", "malformed"
-        )
+        raise record_error(rec, "no user/assistant turn", "add at least one pair", "malformed")
     return Dialog(system or None, turns)
 
 

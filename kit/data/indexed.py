@@ -16,6 +16,9 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from kit.data.readers import DataPathError
+from kit.errors import InputError, IntegrityError
+
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
 # megatron-core DType enum values
@@ -42,7 +45,7 @@ class IndexedWriter:
 
     def __init__(self, prefix: Union[str, Path], dtype: type = np.int32, tmp_suffix: str = ""):
         if dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype {dtype} is not a Megatron token dtype; use one of {list(DTYPE_CODES)}")
+            raise InputError(f"dtype {dtype} is not a Megatron token dtype; use one of {list(DTYPE_CODES)}")
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         self.tmp_suffix = tmp_suffix
@@ -56,7 +59,7 @@ class IndexedWriter:
     def _write(self, tokens: np.ndarray) -> None:
         arr = np.asarray(tokens)
         if arr.size and self.dtype == np.uint16 and (arr.min() < 0 or arr.max() > 65535):
-            raise ValueError(f"{self.bin_path}: token ids outside 0..65535 cannot be stored as uint16")
+            raise InputError(f"{self.bin_path}: token ids outside 0..65535 cannot be stored as uint16")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
 
     def add_document(self, tokens: np.ndarray, lengths: Optional[Sequence[int]] = None) -> None:
@@ -66,7 +69,7 @@ class IndexedWriter:
         if lengths is None:
             lengths = [tokens.size]
         elif sum(lengths) != tokens.size:
-            raise ValueError(f"sequence lengths {list(lengths)} do not add up to {tokens.size} tokens")
+            raise InputError(f"sequence lengths {list(lengths)} do not add up to {tokens.size} tokens")
         self._lengths.extend(int(n) for n in lengths)
         self._doc_index.append(len(self._lengths))
 
@@ -74,7 +77,7 @@ class IndexedWriter:
         """Add many one-sequence documents at once: `tokens` back to back, `lengths` one per document."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != int(np.asarray(tokens).size):
-            raise ValueError(
+            raise InputError(
                 f"document lengths add up to {int(lengths.sum())}, not {np.asarray(tokens).size}"
             )
         self._write(tokens)
@@ -135,21 +138,21 @@ class IndexedReader:
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise FileNotFoundError(
+                raise DataPathError(
                     f"{p} is missing; pass the prefix without .bin/.idx (e.g. "
                     f"'.../alpaca_text_document') of a dataset written by `python -m kit data`."
                 )
         with open(idx_path, "rb") as fh:
             head = fh.read(34)
         if len(head) < 34 or head[:9] != HEADER:
-            raise ValueError(f"{idx_path} is not a Megatron index file (bad header {head[:9]!r}).")
+            raise IntegrityError(f"{idx_path} is not a Megatron index file (bad header {head[:9]!r}).")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
         if version != VERSION or code not in CODE_DTYPES:
-            raise ValueError(f"{idx_path}: unsupported version {version} or dtype code {code}.")
+            raise IntegrityError(f"{idx_path}: unsupported version {version} or dtype code {code}.")
         self.dtype = np.dtype(CODE_DTYPES[code])
         expected = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         if os.path.getsize(idx_path) < expected:
-            raise ValueError(f"{idx_path} is truncated ({os.path.getsize(idx_path)} < {expected} bytes).")
+            raise IntegrityError(f"{idx_path} is truncated ({os.path.getsize(idx_path)} < {expected} bytes).")
         idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.lengths = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=34)
         self.pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=34 + n_seq * 4)
@@ -157,7 +160,7 @@ class IndexedReader:
         self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype)
         total = int(self.lengths.astype(np.int64).sum())
         if self._bin.size != total:
-            raise ValueError(
+            raise IntegrityError(
                 f"{bin_path} holds {self._bin.size} tokens but the index lists {total}; the pair is "
                 f"incomplete or mismatched: prepare the data again."
             )

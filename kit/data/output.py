@@ -9,15 +9,23 @@ from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 
+from kit.data.readers import DataPathError
+from kit.errors import IntegrityError
+
 FIXED_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids")
 COLUMNS = {"pretrain": FIXED_COLUMNS, "sft": FIXED_COLUMNS + ("seq_lens",)}
 META_KEYS = ("kind", "max_length", "tokenizer", "vocab_size", "pad_token_id", "eos_token_id", "num_samples")
 
 
 def _features(kind: str):
-    from datasets import Features, List, Value
+    from datasets import Features, Value
 
-    return Features({c: List(Value("int32")) for c in COLUMNS[kind]})
+    try:  # datasets >= 4 names a variable-length list `List`
+        from datasets import List as ListFeature
+    except ImportError:  # datasets 2.x / 3.x: `Sequence` (see the datasets 4.0.0 release notes)
+        from datasets import Sequence as ListFeature
+
+    return Features({c: ListFeature(Value("int32")) for c in COLUMNS[kind]})
 
 
 DATA_FILE = "data-00000-of-00001.arrow"  # the name `Dataset.save_to_disk` gives a single shard
@@ -109,7 +117,7 @@ def _resolve(path: Union[str, Path]) -> Path:
     for cand in (Path(str(p) + "_hf"), p.with_name(p.name.replace("_text_document", "_hf"))):
         if (cand / "meta.json").is_file():
             return cand
-    raise FileNotFoundError(
+    raise DataPathError(
         f"{p} is not a folder prepared by kit.data (no meta.json); give the `<name>_hf` folder written by "
         f"notebook 02 / `python -m kit data`, or prepare the data first."
     )
@@ -131,7 +139,7 @@ def load_prepared(path: Union[str, Path], return_meta: bool = False) -> Any:
     if kind not in COLUMNS:
         problems.append(f"kind {kind!r} is not pretrain or sft")
     if problems:
-        raise ValueError(f"{folder}: " + "; ".join(problems) + ". Prepare the data again with kit.data.")
+        raise IntegrityError(f"{folder}: " + "; ".join(problems) + ". Prepare the data again with kit.data.")
     ds = load_from_disk(str(folder))
     missing = [c for c in COLUMNS[kind] if c not in ds.column_names]
     if missing:
@@ -145,7 +153,7 @@ def load_prepared(path: Union[str, Path], return_meta: bool = False) -> Any:
         elif max(first["input_ids"]) >= meta["vocab_size"] or min(first["input_ids"]) < 0:
             problems.append(f"row 0 has token ids outside 0..{meta['vocab_size'] - 1}")
     if problems:
-        raise ValueError(
+        raise IntegrityError(
             f"{folder}: " + "; ".join(problems) + ". The folder is damaged or was changed by hand; "
             "prepare the data again."
         )

@@ -19,6 +19,7 @@ from kit.data.output import COLUMNS, ArrowSink, megatron_names
 from kit.data.readers import DataInputError, iter_records
 from kit.data.report import PrepReport, plot_lengths
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
+from kit.errors import InputError
 
 
 @dataclass
@@ -92,8 +93,8 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
             report.records_read += 1  # a record was read, but it cannot be used
             report.drop(err.reason, str(err))
 
-    fmt: Optional[str] = None if cfg.input_format == "auto" else cfg.input_format
-    cols: Dict[str, str] = {}
+    fixed: Optional[str] = None if cfg.input_format == "auto" else cfg.input_format
+    col_maps: Dict[str, Dict[str, str]] = {}
     # parquet: read only the columns needed when they are known (pretrain: the text column)
     parquet_cols = list(cfg.columns.values()) or None
     if cfg.kind == "pretrain":
@@ -102,27 +103,44 @@ def _items(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         if cfg.max_records is not None and report.records_read >= cfg.max_records:
             break
         report.records_read += 1
-        if fmt is None or not cols:
-            fmt = fmt or detect_format(rec.data, cfg.kind, cfg.columns)
-            cols = column_map(fmt, cfg.columns)
-        where = f"{rec.source}:{rec.line}"
         try:
+            # per record: merged dialog files mix ShareGPT and OpenAI-messages records
+            fmt = fixed or detect_format(rec, cfg.kind, cfg.columns)
+            cols = col_maps.get(fmt) or col_maps.setdefault(fmt, column_map(fmt, cfg.columns))
             if fmt == "text":
                 text = document_text(rec, cols)
                 if not text or text.isspace():  # isspace: no copy of large documents
                     report.drop("empty_text")
                     continue
-                yield text, where
+                yield text, rec.where
             else:
                 dialog = PARSERS[fmt](rec, cols)
                 if any(not a or a.isspace() for _, a in dialog.turns):
-                    report.drop("empty_answer", f"{where}: an answer is empty (dropped)")
+                    report.drop("empty_answer", f"{rec.where}: an answer is empty (dropped)")
                     continue
-                yield dialog, where
+                report.count_format(fmt)
+                yield dialog, rec.where
         except DataInputError as err:
             if cfg.on_error == "raise":
                 raise
             report.drop(err.reason, str(err))
+
+
+def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
+    """The error for a run in which no record could be used (nothing is written then)."""
+    rep = report.as_dict()
+    inputs = cfg.inputs[0] + (f" and {len(cfg.inputs) - 1} more" if len(cfg.inputs) > 1 else "")
+    why = ", ".join(f"{k} {v}" for k, v in {**rep["dropped"], **rep["files_skipped"]}.items()) or "none"
+    # the first problem's position and what is wrong (its own fix would suggest skipping, which led here)
+    first = f"; first problem: {report.problems[0].split('. Fix: ')[0]}" if report.problems else ""
+    return DataInputError(
+        inputs,
+        0,
+        f"no usable record ({report.records_read} read, dropped or skipped: {why}){first}",
+        "repair the inputs (the first problem is shown) or point inputs at other files; nothing was written",
+        "nothing_usable",
+        skippable=False,
+    )
 
 
 def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
@@ -151,7 +169,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
                 f"(template='tokenizer' or its family) unless that is intended"
             )
     if cfg.kind == "sft" and cfg.template == "tokenizer" and not getattr(tok, "chat_template", None):
-        raise ValueError(
+        raise InputError(
             f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
             f"{sorted(TEMPLATES)}."
         )
@@ -164,6 +182,8 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
             sink = ArrowSink(tmp, cfg.kind, cfg.max_length)
             _stream(cfg, tok, sink, writers, report, progress)
+            if report.records_written == 0:
+                raise _nothing_usable(cfg, report)
             for w in writers:
                 w.finalize()
             meta = _meta(
@@ -227,6 +247,7 @@ def _stream(
 
     settings = {
         "add_bos": cfg.add_bos,
+        "keep_special_tokens": cfg.keep_special_tokens,
         "template": cfg.template,
         "system": cfg.system,
         "train_on_prompt": cfg.train_on_prompt,
@@ -243,7 +264,7 @@ def _stream(
 
     with tqdm(desc=f"{cfg.kind} {cfg.name}", unit=" records", disable=not progress) as bar:
         if cfg.kind == "pretrain":
-            asm = PretrainAssembler(sink, writers[0] if writers else None, report)
+            asm = PretrainAssembler(sink, writers[0] if writers else None, report, cfg.keep_special_tokens)
             for result in ordered_map(pretrain_job, payloads(), cfg.num_workers, initargs, tok):
                 asm.add(result)
                 bar.update(len(wheres.pop(0)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -12,12 +12,14 @@ from kit.data.report import PrepReport
 from kit.data.tokenizing import encode_texts, worker_state
 
 
-def pretrain_job(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
-    """Tokenize a batch of documents: (all ids back to back, each with EOS, as int32; document lengths)."""
+def pretrain_job(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, Dict[str, int]]:
+    """Tokenize a batch of documents: (all ids back to back, each with EOS, as int32; document lengths;
+    special-token strings found in the text)."""
     state = worker_state()
-    tok, add_bos = state["tok"], state["settings"]["add_bos"]
-    encoded = encode_texts(tok, texts)
-    head = [tok.bos_token_id] if add_bos and tok.bos_token_id is not None else []
+    tok, settings = state["tok"], state["settings"]
+    keep = settings.get("keep_special_tokens", False)
+    encoded = encode_texts(tok, texts, specials_as_text=not keep)
+    head = [tok.bos_token_id] if settings["add_bos"] and tok.bos_token_id is not None else []
     eos = [tok.eos_token_id]
     ids: List[int] = []
     for e in encoded:  # list.extend runs in C; one numpy conversion at the end
@@ -26,20 +28,28 @@ def pretrain_job(texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
         ids.extend(eos)
     lengths = np.fromiter((len(e) + len(head) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     flat = np.array(ids, dtype=np.int32)
-    return flat, lengths
+    return flat, lengths, state["count_specials"](texts)
 
 
 class PretrainAssembler:
     """Receives tokenized batches in order; writes Megatron documents and max_length HF rows."""
 
-    def __init__(self, sink: ArrowSink, writer: Optional[IndexedWriter], report: PrepReport):
+    def __init__(
+        self,
+        sink: ArrowSink,
+        writer: Optional[IndexedWriter],
+        report: PrepReport,
+        keep_special_tokens: bool = False,
+    ):
         self.sink, self.writer, self.report = sink, writer, report
+        self.keep_special_tokens = keep_special_tokens
         self.max_length = report.max_length
         self.carry = np.zeros(0, dtype=np.int32)
         self._positions = np.arange(self.max_length, dtype=np.int32)
 
-    def add(self, result: Tuple[np.ndarray, np.ndarray]) -> None:
-        flat, lengths = result
+    def add(self, result: Tuple[np.ndarray, np.ndarray, Dict[str, int]]) -> None:
+        flat, lengths, specials = result
+        self.report.count_special_strings(specials)
         if not lengths.size:
             return
         self.report.tokens_in += int(flat.size)
@@ -69,6 +79,20 @@ class PretrainAssembler:
         # the tail shorter than max_length is left out of the HF rows (as run_clm's group_texts does); Megatron
         # keeps it, its sampler builds its own sequences
         r.remainder_tokens = int(self.carry.size)
+        if r.special_strings:
+            found = ", ".join(
+                f"{k!r} x{v}" for k, v in sorted(r.special_strings.items(), key=lambda kv: -kv[1])
+            )
+            if self.keep_special_tokens:
+                r.warnings.append(
+                    f"special-token strings in the text became control tokens mid-document ({found}); "
+                    f"keep_special_tokens=False tokenizes them as plain text"
+                )
+            else:
+                r.warnings.append(
+                    f"special-token strings in the text were tokenized as plain text ({found}); "
+                    f"keep_special_tokens=True makes them control tokens"
+                )
         if r.samples == 0:
             r.warnings.append(
                 f"only {r.tokens_in} tokens: not enough for one sample of max_length="

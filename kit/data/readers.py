@@ -2,36 +2,62 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
-from kit.errors import KitError
+from kit.errors import InputError, KitError
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 _FIX_ENCODING = "convert it to UTF-8 first (e.g. `iconv -f GBK -t UTF-8 in.jsonl > out.jsonl`)"
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)  # UTF-32 LE starts like UTF-16 LE
+_JSON_WS = re.compile(r"[ \t\n\r]*")  # the whitespace JSON allows between tokens (RFC 8259)
+
+
+def position(source: str, line: int, item: Optional[int] = None) -> str:
+    """`file:line`, plus the item number inside a JSON array; the file alone for whole-file problems."""
+    where = f"{source}:{line}" if line else source
+    return f"{where} (item {item})" if item else where
 
 
 class DataInputError(KitError, ValueError):
-    """A record that cannot be used; names the file, the line and the fix."""
+    """A record (or a whole input file) that cannot be used; names the file, the line and the fix."""
 
-    def __init__(self, source: str, line: int, problem: str, fix: str, reason: str = "malformed"):
-        self.source, self.line, self.problem, self.reason = source, line, problem, reason
-        where = f"{source}:{line}" if line else source
-        super().__init__(
-            f"{where}: {problem}. Fix: {fix}; or pass on_error='skip' to skip and count such records."
-        )
+    def __init__(
+        self,
+        source: str,
+        line: int,
+        problem: str,
+        fix: str,
+        reason: str = "malformed",
+        item: Optional[int] = None,
+        skippable: bool = True,
+    ):
+        self.source, self.line, self.item, self.problem, self.reason = source, line, item, problem, reason
+        tail = "; or pass on_error='skip' to skip and count such records" if skippable else ""
+        super().__init__(f"{position(source, line, item)}: {problem}. Fix: {fix}{tail}.")
+
+
+class DataPathError(KitError, FileNotFoundError):
+    """An input, tokenizer or prepared folder that does not exist or holds nothing usable."""
 
 
 @dataclass
 class Record:
-    """One input record and where it came from (1-based line or row number)."""
+    """One input record and where it came from (1-based line or row number; item number in a JSON array)."""
 
     source: str
     line: int
     data: dict
+    item: Optional[int] = None
+
+    @property
+    def where(self) -> str:
+        return position(self.source, self.line, self.item)
 
 
 def list_files(paths: List[str]) -> List[Path]:
@@ -48,19 +74,19 @@ def list_files(paths: List[str]) -> List[Path]:
                 and not any(part.startswith(".") for part in f.relative_to(p).parts)
             )
             if not found:
-                raise FileNotFoundError(
+                raise DataPathError(
                     f"folder {p} holds no {'/'.join(EXTENSIONS)} files; point inputs at the "
                     f"data files or the folder that holds them."
                 )
             files.extend(found)
         elif p.is_file():
             if p.suffix.lower() not in EXTENSIONS:
-                raise ValueError(
+                raise InputError(
                     f"{p}: unsupported file type {p.suffix!r}; use one of {', '.join(EXTENSIONS)}."
                 )
             files.append(p)
         else:
-            raise FileNotFoundError(f"input {p} does not exist; check the path.")
+            raise DataPathError(f"input {p} does not exist; check the path.")
     return files
 
 
@@ -70,6 +96,8 @@ def _text_lines(path: Path, per_line: bool = False) -> Iterator[tuple]:
     n = 0
     with open(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):  # noqa: B007 - n is used after the loop
+            if n == 1:
+                raw = _strip_bom(path, raw)
             try:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -87,6 +115,22 @@ def _text_lines(path: Path, per_line: bool = False) -> Iterator[tuple]:
         raise DataInputError(
             str(path), 0, "the file is empty", "remove it from inputs or fill it", "empty_file"
         )
+
+
+def _strip_bom(path: Path, head: bytes) -> bytes:
+    """`head` without a UTF-8 byte-order mark (Windows tools write one; it is not part of the data).
+    UTF-16 text is refused with its own fix: decoding it as UTF-8 would only report a bad byte."""
+    if head.startswith(codecs.BOM_UTF8):
+        return head[len(codecs.BOM_UTF8) :]
+    if head.startswith(_UTF16_BOMS):
+        raise DataInputError(
+            str(path),
+            0,
+            "the file is UTF-16 text (it starts with a UTF-16 byte-order mark)",
+            "convert it to UTF-8 first (e.g. `iconv -f UTF-16 -t UTF-8 in.jsonl > out.jsonl`)",
+            "encoding",
+        )
+    return head
 
 
 def _jsonl(path: Path) -> Iterator[Record]:
@@ -120,31 +164,75 @@ def _jsonl(path: Path) -> Iterator[Record]:
 
 def _json(path: Path) -> Iterator[Record]:
     with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip()
+        head = _strip_bom(path, fh.read(4096)).lstrip()
     if not head.startswith(b"["):
         yield from _jsonl(path)  # many ".json" files are really JSON lines
         return
-    # A JSON array must be parsed whole; for corpora larger than memory use .jsonl instead.
-    raw = path.read_bytes()
+    # A JSON array must be read whole; for corpora larger than memory use .jsonl instead.
+    raw = _strip_bom(path, path.read_bytes())
     try:
-        items = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise DataInputError(str(path), line, "not valid UTF-8", _FIX_ENCODING, "encoding") from None
-    except json.JSONDecodeError as exc:
-        raise DataInputError(
-            str(path),
-            exc.lineno,
-            f"malformed JSON ({exc.msg} at column {exc.colno})",
-            "repair the file (it must be one JSON array of objects) or convert it to .jsonl",
-        ) from None
-    for i, value in enumerate(items, 1):
+    del raw
+    for i, line, value in _array_items(path, text):
         if not isinstance(value, dict):
             yield _bad(
-                path, i, f"item {i} is a {type(value).__name__}, not an object", "make every item an object"
+                path,
+                line,
+                f"item {i} is a {type(value).__name__}, not an object",
+                "make every item an object",
+                item=i,
             )
             continue
-        yield Record(str(path), i, value)
+        yield Record(str(path), line, value, i)
+
+
+def _array_items(path: Path, text: str) -> Iterator[tuple]:
+    """(item number, line where it starts, value) for each item of the JSON array `text`, parsed one item at a
+    time so that every item (and every syntax error) has its line."""
+    decoder = json.JSONDecoder()
+    fix = "repair the file (it must be one JSON array of objects) or convert it to .jsonl"
+    line, counted = 1, 0
+
+    def line_at(pos: int) -> int:
+        nonlocal line, counted
+        line += text.count("\n", counted, pos)
+        counted = pos
+        return line
+
+    def broken(pos: int, what: str, item: int) -> DataInputError:
+        return DataInputError(str(path), line_at(pos), f"malformed JSON ({what})", fix, item=item)
+
+    pos = _JSON_WS.match(text, _JSON_WS.match(text).end() + 1).end()  # past "[" (checked by the caller)
+    i = 0
+    if text.startswith("]", pos):
+        pos += 1
+    else:
+        while True:
+            i += 1
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as exc:
+                raise DataInputError(
+                    str(path), exc.lineno, f"malformed JSON ({exc.msg} at column {exc.colno})", fix, item=i
+                ) from None
+            yield i, line_at(pos), value
+            pos = _JSON_WS.match(text, end).end()
+            if text.startswith(",", pos):
+                pos = _JSON_WS.match(text, pos + 1).end()
+            elif text.startswith("]", pos):
+                pos += 1
+                break
+            else:
+                raise broken(pos, f"expected ',' or ']' after item {i}", i)
+    if _JSON_WS.match(text, pos).end() != len(text):
+        raise broken(pos, "text after the closing ']'", 0)
+    if i == 0:
+        raise DataInputError(
+            str(path), 0, "the JSON array is empty", "remove it from inputs or fill it", "empty_file"
+        )
 
 
 def _parquet(path: Path, columns: Optional[List[str]], batch_rows: int = 2048) -> Iterator[Record]:
@@ -209,12 +297,12 @@ class _BadRecord(Record):
     """A record that failed to parse; carries its error so the caller applies on_error."""
 
     def __init__(self, error: DataInputError):
-        super().__init__(error.source, error.line, {})
+        super().__init__(error.source, error.line, {}, error.item)
         self.error = error
 
 
-def _bad(path: Path, line: int, problem: str, fix: str) -> _BadRecord:
-    return _BadRecord(DataInputError(str(path), line, problem, fix))
+def _bad(path: Path, line: int, problem: str, fix: str, item: Optional[int] = None) -> _BadRecord:
+    return _BadRecord(DataInputError(str(path), line, problem, fix, item=item))
 
 
 READERS = {".jsonl": _jsonl, ".json": _json, ".csv": _csv, ".txt": _txt}

@@ -22,6 +22,8 @@ class PrepReport:
     records_written: int = 0
     dropped: Dict[str, int] = field(default_factory=dict)
     files_skipped: Dict[str, int] = field(default_factory=dict)
+    formats: Dict[str, int] = field(default_factory=dict)
+    special_strings: Dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
@@ -57,6 +59,15 @@ class PrepReport:
         if len(self.problems) < MAX_EXAMPLES:
             self.problems.append(message)
 
+    def count_format(self, fmt: str) -> None:
+        """Count one record read in dialog format `fmt` (files may mix formats)."""
+        self.formats[fmt] = self.formats.get(fmt, 0) + 1
+
+    def count_special_strings(self, counts: Dict[str, int]) -> None:
+        """Add occurrences of special-token strings (e.g. '<|endoftext|>') found in the raw text."""
+        for k, v in counts.items():
+            self.special_strings[k] = self.special_strings.get(k, 0) + int(v)
+
     def add_lengths(self, lengths: np.ndarray) -> None:
         """Add record lengths (tokens) to the histogram."""
         lengths = np.minimum(np.asarray(lengths, dtype=np.int64), self.hist_cap)
@@ -89,6 +100,8 @@ class PrepReport:
             "records_dropped": self.records_dropped,
             "dropped": self.dropped,
             "files_skipped": dict(sorted(self.files_skipped.items())),
+            "formats": dict(sorted(self.formats.items())),
+            "special_token_strings": dict(sorted(self.special_strings.items())),
             "truncated": self.truncated,
             "tokens_in": self.tokens_in,
             "tokens_out": self.tokens_out,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from kit.data.dialogs import Dialog
+from kit.errors import InputError
 
 Segment = Tuple[str, bool]  # (text, learned by the loss)
 
@@ -157,7 +158,7 @@ def chat_template_segments(
         msgs.append({"role": "assistant", "content": answer})
         full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ValueError(
+            raise InputError(
                 "the tokenizer's chat_template does not render a dialog as a growing prefix (it "
                 "rewrites earlier turns), so answers cannot be located for loss masking; use a named "
                 f"template instead (one of {sorted(TEMPLATES)})."

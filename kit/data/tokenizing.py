@@ -5,9 +5,13 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+
+from kit.data.readers import DataPathError
+from kit.errors import InputError
 
 _STATE: Dict[str, Any] = {}
 
@@ -20,7 +24,7 @@ def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) 
 
     folder = Path(path).expanduser() if path else sample_tokenizer_dir()
     if not folder.is_dir():
-        raise FileNotFoundError(
+        raise DataPathError(
             f"tokenizer folder {folder} does not exist; give a local HF tokenizer or model "
             f"folder (with tokenizer.json or tokenizer.model)."
         )
@@ -34,9 +38,10 @@ def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) 
             if has_code and not trust_remote_code
             else ""
         )
-        raise ValueError(f"cannot load a tokenizer from {folder}: {exc}.{hint}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"cannot load a tokenizer from {folder}: {first}.{hint}") from exc
     if tok.eos_token_id is None:
-        raise ValueError(
+        raise InputError(
             f"tokenizer {folder} has no EOS token; documents and dialogs need one as an end marker. "
             f"Set eos_token in its tokenizer_config.json."
         )
@@ -46,12 +51,50 @@ def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) 
     return tok
 
 
-def encode_texts(tok: Any, texts: List[str]) -> List[List[int]]:
-    """Token ids of each text without added special tokens; the Rust batch path when there is one."""
+def encode_texts(tok: Any, texts: List[str], specials_as_text: bool = False) -> List[List[int]]:
+    """Token ids of each text without added special tokens; the Rust batch path when there is one.
+
+    `specials_as_text`: a literal special-token string in the text ('<|endoftext|>') is tokenized like any
+    other text instead of becoming that control token (tokenizers' `encode_special_tokens`, transformers'
+    `split_special_tokens`)."""
     backend = getattr(tok, "_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch_fast"):
-        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
-    return tok(texts, add_special_tokens=False)["input_ids"]
+        if not specials_as_text:
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        if not hasattr(backend, "encode_special_tokens"):
+            raise InputError(
+                "this `tokenizers` version cannot tokenize special-token strings as plain text; upgrade it "
+                "(pip install 'tokenizers>=0.15') or set keep_special_tokens=True."
+            )
+        before = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        finally:
+            backend.encode_special_tokens = before
+    return tok(texts, add_special_tokens=False, split_special_tokens=specials_as_text)["input_ids"]
+
+
+def special_strings(tok: Any) -> List[str]:
+    """The strings a tokenizer turns into special tokens when they appear in text (longest first)."""
+    decoder = getattr(tok, "added_tokens_decoder", None) or {}
+    found = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    found.update(getattr(tok, "all_special_tokens", []) or [])
+    return sorted((s for s in found if s), key=lambda s: (-len(s), s))
+
+
+def special_string_counter(tok: Any) -> Callable[[List[str]], Dict[str, int]]:
+    """A function counting the special-token strings in a batch of texts (leftmost-longest matches)."""
+    strings = special_strings(tok)
+    if not strings:
+        return lambda texts: {}
+    pattern = re.compile("|".join(re.escape(s) for s in strings))
+
+    def count(texts: List[str]) -> Dict[str, int]:
+        # NUL joins the batch: no special-token string contains it, so no match spans two texts
+        return dict(collections.Counter(pattern.findall("\x00".join(texts))))
+
+    return count
 
 
 def init_worker(
@@ -63,6 +106,7 @@ def init_worker(
         return
     _STATE["tok"] = tok if tok is not None else load_tokenizer(tokenizer_path, trust_remote_code)
     _STATE["key"] = (tokenizer_path, trust_remote_code)
+    _STATE["count_specials"] = special_string_counter(_STATE["tok"])
 
 
 def worker_state() -> Dict[str, Any]:
