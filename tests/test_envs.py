@@ -212,7 +212,10 @@ def test_find_and_capture_both_cann_layouts():
     home = str((NEW_LAYOUT / "cann" / "latest").resolve())
     assert captured["ASCEND_HOME_PATH"] == home and captured["ASCEND_OPP_PATH"] == home + "/opp"
     assert captured["ATB_HOME_PATH"].endswith("nnal/atb/latest/atb/cxx_abi_0")
-    assert captured["LD_LIBRARY_PATH"].startswith(captured["ATB_HOME_PATH"] + "/lib:" + home + "/lib64:")
+    assert captured["LD_LIBRARY_PATH"].split(":")[:2] == [captured["ATB_HOME_PATH"] + "/lib", home + "/lib64"]
+    assert "" not in captured["LD_LIBRARY_PATH"].split(
+        ":"
+    )  # no empty entry (it would mean the current folder)
     assert "_kit_fixture_root" not in captured and "SHLVL" not in captured and "HOME" not in captured
     arch = subprocess.run(["arch"], capture_output=True, text=True).stdout.strip()
     old_vars = envs.capture_env(old)
@@ -380,11 +383,54 @@ def test_progress_bars_end_complete(source_env, tmp_path, bars):
     assert all(b.n == b.total and b.total > 0 for b in bars), [(b.desc, b.n, b.total) for b in bars]
 
 
-def test_captured_kernel_env_never_holds_credentials(tmp_path):
+CREDENTIALS = {
+    "API_KEY": "k-1",
+    "OPENAI_API_KEY": "sk-2",
+    "DB_PASS": "p-3",
+    "GITHUB_PAT": "ghp-4",
+    "HUAWEI_AK_ID": "ak-5",
+    "MA_SK_VALUE": "sk-6",
+    "AUTH_HEADER": "Bearer-7",
+    "SESSION_COOKIE": "c-8",
+    "SIGNING_KEY": "s-9",
+    "PIP_INDEX_URL": "https://user:pass@mirror.example/simple",
+    "HUAWEICLOUD_SDK_AK": "ak-10",
+    "OBS_SECRET_ACCESS_KEY": "sk-11",
+    "MY_TOKEN": "t-12",
+    "ASCEND_API_KEY": "k-13",  # a CANN-looking name that is a credential all the same
+    "ASCEND_MIRROR": "https://u:pw@mirror.example/cann",  # a login in the value
+}
+
+
+def test_kernel_env_is_an_allowlist_of_cann_variables(source_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/already/there")
     script = tmp_path / "set_env.sh"
     script.write_text(
-        "export ASCEND_HOME_PATH=/opt/cann\nexport HUAWEICLOUD_SDK_AK=ak-value\nexport HUAWEICLOUD_SDK_SK=sk-value\n"
-        "export OBS_SECRET_ACCESS_KEY=x\nexport MY_TOKEN=t\n"
+        "export ASCEND_HOME_PATH=/opt/cann\nexport ASCEND_OPP_PATH=/opt/cann/opp\nexport TOOLCHAIN_HOME=/opt/cann/tk\n"
+        "export ATB_HOME_PATH=/opt/atb\nexport LCCL_PARALLEL=0\nexport ASDOPS_LOG_LEVEL=ERROR\n"
+        "export LD_LIBRARY_PATH=/opt/cann/lib64:$LD_LIBRARY_PATH\nexport PATH=/opt/cann/bin:$PATH\n"
+        "export PYTHONPATH=/opt/cann/python/site-packages:$PYTHONPATH\nexport OMP_NUM_THREADS=4\n"
+        + "".join(f"export {k}='{v}'\n" for k, v in CREDENTIALS.items())
     )
     captured = envs.capture_env([script])
-    assert captured == {"ASCEND_HOME_PATH": "/opt/cann"}
+    assert {k: v for k, v in captured.items() if k not in ("PATH", "PYTHONPATH")} == {
+        "ASCEND_HOME_PATH": "/opt/cann",
+        "ASCEND_OPP_PATH": "/opt/cann/opp",
+        "TOOLCHAIN_HOME": "/opt/cann/tk",
+        "ATB_HOME_PATH": "/opt/atb",
+        "LCCL_PARALLEL": "0",
+        "ASDOPS_LOG_LEVEL": "ERROR",
+        "LD_LIBRARY_PATH": "/opt/cann/lib64:/already/there",  # the added entry, in front of what was there
+    }
+    assert captured["PATH"].split(":")[0] == "/opt/cann/bin"
+    assert captured["PYTHONPATH"].split(":")[0] == "/opt/cann/python/site-packages"
+
+    reg = envs.register_kernel(source_env, "allow", set_env_scripts=[script], envs_root=tmp_path / "envs")
+    text = (tmp_path / "envs" / "kernels" / "allow" / "kernel.json").read_text()
+    spec = json.loads(text)
+    for name, value in CREDENTIALS.items():
+        assert value not in text and name not in spec["env"]
+    assert reg["not_copied"] == sorted([*CREDENTIALS, "OMP_NUM_THREADS"])
+    assert spec["metadata"]["kit"]["not_copied"] == reg["not_copied"]
+    assert spec["env"]["PATH"].split(":")[:2] == [f"{source_env}/bin", "/opt/cann/bin"]
+    assert spec["env"]["PATH"].count(f"{source_env}/bin") == 1

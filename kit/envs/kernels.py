@@ -21,10 +21,20 @@ from kit.envs.layout import get_layout
 from kit.envs.prefix import EnvError, check_name, kind_of
 
 ASCEND_ROOTS = ("/usr/local/Ascend", "~/Ascend", "/home/ma-user/Ascend")
+# kernel.json is a plain file on shared storage, so only CANN's own variables go into it (an allowlist): what
+# CANN's set_env.sh scripts export (ascend-toolkit / cann: ASCEND_*, TOOLCHAIN_HOME; nnal/atb: ATB_*, and in
+# older NNAL releases ASDOPS_* and LCCL_*) and the entries they add to the search paths below. Anything else a
+# sourced script exports (an API key, a password, a pip index URL with a login) is reported by name, never copied;
+# the kernel still inherits it from the Jupyter server's environment if it is set there.
+_CANN_NAME = re.compile(r"^(ASCEND_|ATB_|ASDOPS_|LCCL_)[A-Z0-9_]*$|^TOOLCHAIN_HOME$")
+_SEARCH_PATHS = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
+# a CANN-looking name is still refused when it looks like a credential or its value carries a login
+_SECRET = re.compile(
+    r"(^|_)(AK|SK)(_|$)|SECRET|PASSW|PASSWD|_PASS$|TOKEN|API_?KEY|ACCESS_KEY|PRIVATE|CREDENTIAL|AUTH|COOKIE|SIGNING|SIGNATURE",
+    re.IGNORECASE,
+)
+_LOGIN_IN_VALUE = re.compile(r"[a-z][a-z0-9+.-]*://[^/@\s]+@", re.IGNORECASE)
 _NOISE = {"_", "SHLVL", "PWD", "OLDPWD", "KIT_ENV_BEFORE", "KIT_ENV_AFTER", "BASH_EXECUTION_STRING"}
-# kernel.json is a plain file on shared storage: credentials (AK/SK, tokens, passwords) must never be copied into it,
-# even when a sourced script exports them; the kernel inherits them from the server's environment instead.
-_SECRET = re.compile(r"(^|_)(AK|SK)$|SECRET|PASSW|TOKEN|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
 
 
 def find_set_env_scripts(roots: Optional[Iterable[Union[str, Path]]] = None) -> list[Path]:
@@ -62,8 +72,40 @@ def _read_env0(path: str) -> dict:
 
 
 def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None) -> dict:
-    """Variables that sourcing `scripts` in bash adds or changes (with the env's bin/ first on PATH, so that
-    scripts probing `python` see the env's); values fully expanded."""
+    """CANN variables that sourcing `scripts` in bash sets or changes, values fully expanded (see capture_cann)."""
+    return capture_cann(scripts, prefix)[0]
+
+
+def _search_path(name: str, old: dict, new: dict) -> Optional[str]:
+    """The entries sourcing added to a search path, in front of what the process had before; None if none."""
+    before = [e for e in old.get(name, "").split(":") if e]
+    added = [e for e in new.get(name, "").split(":") if e and e not in before]
+    added = list(dict.fromkeys(added))  # a script sourced twice adds its entries twice
+    return ":".join(added + before) if added else None
+
+
+def select_cann(old: dict, new: dict) -> tuple[dict, list]:
+    """(CANN variables to copy, names of other changed variables that are not copied) from two environments."""
+    keep, refused = {}, []
+    for key, value in sorted(new.items()):
+        if key in _NOISE or old.get(key) == value:
+            continue
+        if key in _SEARCH_PATHS:
+            merged = _search_path(key, old, new)
+            if merged is not None:
+                keep[key] = merged
+        elif _CANN_NAME.match(key) and not _SECRET.search(key) and not _LOGIN_IN_VALUE.search(value):
+            keep[key] = value
+        else:
+            refused.append(key)
+    return keep, refused
+
+
+def capture_cann(
+    scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None
+) -> tuple[dict, list]:
+    """Source `scripts` in bash (the env's bin/ first on PATH, so scripts probing `python` see the env's) and
+    return (CANN variables they set, names of the other variables they set, which are not copied)."""
     for script in scripts:
         if not Path(script).is_file():
             raise EnvError(
@@ -83,9 +125,7 @@ def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str,
                 f"{proc.stderr.strip()[-600:]}"
             )
         old, new = _read_env0(before), _read_env0(after)
-    return {
-        k: v for k, v in sorted(new.items()) if k not in _NOISE and not _SECRET.search(k) and old.get(k) != v
-    }
+    return select_cann(old, new)
 
 
 def kernel_env(
@@ -95,9 +135,7 @@ def kernel_env(
     prefix = str(Path(prefix).absolute())
     env = dict(cann_env or {})
     path = env.get("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
-    if not path.startswith(prefix + "/bin"):
-        path = f"{prefix}/bin:{path}"
-    env["PATH"] = path
+    env["PATH"] = ":".join([f"{prefix}/bin"] + [e for e in path.split(":") if e and e != f"{prefix}/bin"])
     env["CONDA_PREFIX" if kind_of(prefix) == "conda" else "VIRTUAL_ENV"] = prefix
     env.update(extra or {})
     return env
@@ -122,7 +160,8 @@ def register_kernel(
     """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user.
 
     set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
-    Returns {"name", "display_name", "stored", "installed", "cann_vars", "set_env_scripts"}.
+    Only CANN's variables are copied (see select_cann); the names of the others are returned under "not_copied".
+    Returns {"name", "display_name", "stored", "installed", "cann_vars", "not_copied", "set_env_scripts"}.
     """
     check_name(name, "kernel name")
     prefix = Path(prefix).expanduser().absolute()
@@ -137,7 +176,7 @@ def register_kernel(
                 f"`{python} -m pip install ipykernel` and register again."
             )
     scripts = find_set_env_scripts() if set_env_scripts == "auto" else list(set_env_scripts or [])
-    cann = capture_env(scripts, prefix) if scripts else {}
+    cann, not_copied = capture_cann(scripts, prefix) if scripts else ({}, [])
     spec = {
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": display_name or f"Python ({name})",
@@ -148,6 +187,7 @@ def register_kernel(
                 "prefix": str(prefix),
                 "set_env_scripts": [str(s) for s in scripts],
                 "cann_vars": sorted(cann),
+                "not_copied": not_copied,
             }
         },
     }
@@ -161,6 +201,7 @@ def register_kernel(
         "stored": str(store),
         "installed": installed,
         "cann_vars": sorted(cann),
+        "not_copied": not_copied,
         "set_env_scripts": [str(s) for s in scripts],
     }
 
