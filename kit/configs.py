@@ -47,3 +47,139 @@ def save_config(config: Any, folder: str | Path, name: str = "config.json") -> P
     path = Path(folder) / name
     atomic_write_text(path, json.dumps(to_jsonable(config), indent=2, ensure_ascii=False) + "\n")
     return path
+
+
+# ---- one declaration per setting: help texts, command-line options and notebook parameters from the dataclass --
+
+
+def field_docs(cls: type) -> dict:
+    """Each field's documentation: the string literal under it, else the comment on its line(s)."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    comments = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for i, node in enumerate(body):
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        nxt = body[i + 1] if i + 1 < len(body) else None
+        if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+            if isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+                continue
+        lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+        text = " ".join(comments[n] for n in lines if n in comments)
+        if text:
+            docs[node.target.id] = text
+    return docs
+
+
+def _field_kind(tp: Any) -> tuple:
+    """(base type, is_list, element type) of a config field's annotation."""
+    import typing
+
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _field_kind(args[0]) if len(args) == 1 else (str, False, None)
+    if origin in (list, tuple) or tp in (list, tuple):
+        args = typing.get_args(tp)
+        return (list, True, args[0] if args else str)
+    if origin is dict or tp is dict:
+        return (dict, False, None)
+    return (tp if tp in (int, float, bool, str) else str, False, None)
+
+
+def _parse_value(text: str, kind: tuple) -> Any:
+    base, is_list, elem = kind
+    if base is dict:
+        return json.loads(text)
+    if is_list:
+        text = text.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [elem(x) if elem in (int, float) else x for x in text.split(",") if x != ""]
+    return base(text)
+
+
+def add_config_arguments(
+    parser: Any, cls: type, skip: Iterable[str] = (), positional: Iterable[str] = ()
+) -> None:
+    """Add one option per field of `cls` (`--max-length`), help from its docs; unset options stay absent.
+
+    Options that are not given do not appear in the parsed namespace, so `config_from_args` can tell a value the
+    user typed from the dataclass default (and a stage can inherit the rest from the previous stage's manifest).
+    """
+    import argparse
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    skip, positional = set(skip), list(positional)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = _field_kind(hints.get(f.name, str))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        text = docs.get(f.name, "")
+        shown = f"{text} (default: {default!r})" if text else f"default: {default!r}"
+        if f.name in positional:
+            nargs = "*" if kind[1] else None
+            parser.add_argument(f.name, nargs=nargs, default=argparse.SUPPRESS, help=text or f.name)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if kind[0] is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=shown
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=lambda s, k=kind, n=flag: _typed(s, k, n),
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+                help=shown,
+            )
+
+
+def _typed(text: str, kind: tuple, flag: str) -> Any:
+    import argparse
+
+    try:
+        return _parse_value(text, kind)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: {exc}") from None
+
+
+def explicit_values(args: Any, cls: type) -> dict:
+    """The fields of `cls` that were given on the command line (absent ones are not in the namespace)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def bind(cls: type, namespace: dict, **overrides: Any) -> Any:
+    """Build `cls` from a notebook's parameters: every UPPER_SNAKE name in `namespace` that is a field of it.
+
+    `cfg = bind(DataConfig, globals())` replaces a hand-written `DataConfig(kind=KIND, name=NAME, ...)`; values
+    set to None stay None (the stage then inherits or defaults them). Keyword arguments win over the namespace.
+    """
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = f.name.upper()
+        if key in namespace:
+            values[f.name] = namespace[key]
+    values.update(overrides)
+    return cls(**values)
