@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,14 @@ def _package(
     out.write_bytes(buf.getvalue())
 
 
+def _run_async(coro):
+    """Run a coroutine to completion on a thread of its own: asyncio.run() refuses to run where an event loop
+    is already running in this thread, which is the case after any test that started one and left it running
+    (the browser tests' session-wide sync Playwright does), so these fixtures must not depend on test order."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def _install(base: Path, channel: Path, spec: str) -> Path:
     """Index the local channel and install `spec` from it with rattler into base/env-src (cache base/pkgs)."""
     rattler = pytest.importorskip(
@@ -89,7 +98,7 @@ def _install(base: Path, channel: Path, spec: str) -> Path:
     from rattler.index import index_fs
 
     (channel / "noarch").mkdir(parents=True, exist_ok=True)
-    asyncio.run(index_fs(channel, write_zst=False, write_shards=False))
+    _run_async(index_fs(channel, write_zst=False, write_shards=False))
 
     async def install():
         records = await rattler.solve(
@@ -99,7 +108,7 @@ def _install(base: Path, channel: Path, spec: str) -> Path:
             records, target_prefix=str(base / "env-src"), cache_dir=base / "pkgs", show_progress=False
         )
 
-    asyncio.run(install())
+    _run_async(install())
     return base / "env-src"
 
 
@@ -151,6 +160,20 @@ def _hello(prefix: Path) -> str:
 
 def _data(prefix: Path) -> bytes:
     return (prefix / "share" / "hello" / "data.bin").read_bytes()
+
+
+def test_conda_prefixes_build_while_an_event_loop_runs(tmp_path):
+    # `pytest -k "env or kernel"` ran the browser tests first; their Playwright loop kept running in the main
+    # thread and the conda fixture failed with "asyncio.run() cannot be called from a running event loop".
+    channel = tmp_path / "ch"
+    _package(channel, "tiny", "1.0", [("share/tiny.txt", b"tiny\n", None, None)])
+
+    async def inside_a_running_loop():
+        return _install(tmp_path, channel, "tiny")
+
+    prefix = asyncio.run(inside_a_running_loop())
+    assert (prefix / "share" / "tiny.txt").read_bytes() == b"tiny\n"
+    assert envs.resolve_env(prefix).kind == "conda"
 
 
 def test_prefix_is_a_genuine_conda_env(conda_prefix):
