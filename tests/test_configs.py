@@ -18,8 +18,7 @@ class Demo:
     name: str = "corpus"  # output name
     max_length: int = 2048
     """Tokens per sample."""
-    layers: Optional[List[int]] = None  # uneven pipeline,
-    # layers per stage
+    layers: Optional[List[int]] = None  # uneven pipeline, layers per stage
     pack: bool = True  # pack dialogs
     columns: dict = field(default_factory=dict)
 
