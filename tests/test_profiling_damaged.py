@@ -192,6 +192,18 @@ def test_corrupt_profiler_info_is_a_warning_naming_the_file(planted, tmp_path):
     assert any("profiler_info.json is corrupt" in w for w in data.warnings)
 
 
+def test_corrupt_capture_json_is_a_warning(planted, tmp_path):
+    folder = tmp_path / "20260101-120000-npu"
+    pt = _copy(planted, folder)
+    (folder / "capture.json").write_text('{"kit_capture": 1, "git_com', encoding="utf-8")
+    data = kp.load(folder)
+    assert data.path == pt and any("capture.json is corrupt" in w for w in data.warnings)
+
+
+def test_a_file_of_the_output_folder_loads_its_profile(planted):
+    assert kp.load(planted / OUT / "kernel_details.csv").path == planted
+
+
 @pytest.mark.parametrize("label", ["AICPU", "ai_cpu", "KERNEL_AICPU", "AI CPU"])
 def test_ai_cpu_spellings_are_recognised(planted, tmp_path, label):
     pt = _copy(planted, tmp_path)

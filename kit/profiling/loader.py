@@ -40,7 +40,8 @@ def load(path: PathLike, allow_unfinished: bool = False) -> ProfileData:
             f"*_ascend_pt folder, its {OUTPUT_DIR}/, or a *.pt.trace.json[.gz] file."
         )
     if path.is_file():
-        if path.name == "trace_view.json" and path.parent.name == OUTPUT_DIR:
+        if path.parent.name == OUTPUT_DIR and path.name.endswith((".json", ".csv")):
+            # one file of a torch_npu output folder (trace_view.json, kernel_details.csv, ...): load its profile
             return load_ascend(path.parent.parent, allow_unfinished)
         if path.name.endswith((".json", ".json.gz")):
             return load_kineto(path)
@@ -71,6 +72,8 @@ def load(path: PathLike, allow_unfinished: bool = False) -> ProfileData:
     capture = _capture_meta(path, data.path)
     if capture:
         data.meta["capture"] = capture
+        if "error" in capture:
+            data.warnings.append(capture["error"] + "; the capture's commit and settings are unknown")
     return data
 
 
@@ -81,8 +84,8 @@ def _capture_meta(root: Path, profile_path: Path) -> dict:
         if f.exists():
             try:
                 return json.loads(f.read_text(encoding="utf-8"))
-            except ValueError:
-                return {"error": f"{f} is not valid JSON"}
+            except (ValueError, OSError) as exc:
+                return {"error": f"{f} is corrupt ({type(exc).__name__}: {str(exc)[:80]})"}
         if d == root or d == root.parent:
             break
     return {}
