@@ -17,6 +17,7 @@ from kit.convert.checks import check_disk
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader, load_rank_file
 from kit.convert.verify import compare_hf, hf_checksums, megatron_checksums, round_trip
+from kit.hf_compat import dtype_kw
 
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir  # shared session fixtures
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
@@ -117,8 +118,8 @@ def test_megatron_to_hf_loads_with_from_pretrained(tiny_llama_dir, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
     ids = torch.tensor([[5, 17, 300, 2000, 9]])
-    ref = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
-    got = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), **dtype_kw(torch.float32)).eval()
+    got = AutoModelForCausalLM.from_pretrained(str(out), **dtype_kw(torch.float32)).eval()
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, got(ids).logits)
     assert AutoTokenizer.from_pretrained(str(out)).encode("hello") == AutoTokenizer.from_pretrained(
@@ -228,7 +229,7 @@ def test_cli_accepts_the_seed_flags(tiny_llama_dir, tmp_path, capsys):
     )
     assert rc == 0 and compare_hf(tiny_llama_dir, tmp_path / "back")["bit_exact"]
     rc = main(["convert", "--source", str(tiny_llama_dir), "--target", str(out), "--no-progress"])
-    assert rc == 2 and "already exists" in capsys.readouterr().out
+    assert rc == 2 and "already exists" in capsys.readouterr().err
 
 
 # ---- bad input: every case fails before writing, with a message naming the value --------------------------

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
 
 _DTYPE_ALIASES = {
@@ -56,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-mb", type=int, default=2048)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument(
+        "--clean-partial",
+        action="store_true",
+        help="delete leftover .TARGET.partial-* folders of interrupted runs (they are reported otherwise)",
+    )
+    p.add_argument(
         "--verify", action="store_true", help="after HF->Megatron: logits check against the HF model"
     )
     p.add_argument("--no-progress", action="store_true")
@@ -82,12 +90,34 @@ def _direction(args: argparse.Namespace) -> str:
     return "hf_to_megatron"
 
 
+def _on_sigterm(signum, frame):  # a kill cleans up like Ctrl-C: temporary folders are removed on the way out
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def _partials(target: str, clean: bool) -> None:
+    from kit.atomic import leftover_partials, remove_partials
+
+    found = remove_partials(target) if clean else leftover_partials(target)
+    for path, size in found:
+        if clean:
+            print(f"removed leftover partial output {path} ({size / 1024**2:.1f} MiB)", file=sys.stderr)
+        else:
+            print(
+                f"note: {path} ({size / 1024**2:.1f} MiB) is left from an interrupted run; "
+                f"--clean-partial removes it",
+                file=sys.stderr,
+            )
+
+
 def run(args: argparse.Namespace) -> int:
-    from kit.configs import ConfigError
-    from kit.convert import ConversionError, ConvertConfig, convert
+    from kit.convert.config import ConvertConfig
+    from kit.convert.convert import convert
 
     if args.model_type != "GPT":
-        print(f"--model-type {args.model_type!r}: only GPT (decoder-only) models are converted.")
+        print(
+            f"error: --model-type {args.model_type!r}: only GPT (decoder-only) models are converted.",
+            file=sys.stderr,
+        )
         return 2
     family = args.family
     if not family and args.loader and args.loader.endswith("_hf"):
@@ -108,11 +138,12 @@ def run(args: argparse.Namespace) -> int:
         max_shard_mb=args.max_shard_mb,
         overwrite=args.overwrite,
     )
-    try:
-        summary = convert(cfg, progress=not args.no_progress)
-    except (ConfigError, ConversionError, FileNotFoundError, FileExistsError) as exc:
-        print(f"error: {exc}")
-        return 2
+    _partials(cfg.target, args.clean_partial)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    # Expected failures (ConversionError, ConfigError, an existing output, ...) propagate to `python -m kit`,
+    # which prints them as one `error: ...` line with exit code 2.
+    summary = convert(cfg, progress=not args.no_progress)
     tok = Path(args.tokenizer_model) if args.tokenizer_model else None
     if tok is not None and tok.is_file() and cfg.direction != "megatron_to_hf":
         dst = Path(cfg.target) / "hf_meta" / tok.name

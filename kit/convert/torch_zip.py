@@ -33,6 +33,7 @@ from kit.convert.file_slices import (
 
 ARCHIVE = "archive"
 ALIGN = 64  # torch's kFieldAlignment
+ZIP64_AT = 0xFFFFFFFF  # sizes and offsets from here on need zip64 fields (a test lowers it)
 _U32, _U16 = 0xFFFFFFFF, 0xFFFF
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, fixed: the same input gives the same bytes
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
@@ -65,7 +66,7 @@ class ZipWriter:
     def begin(self, name: str, size: int) -> None:
         """Start a record of exactly `size` bytes; then write() them and end()."""
         raw = f"{ARCHIVE}/{name}".encode()
-        big = size >= _U32
+        big = size >= ZIP64_AT
         zip64 = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
         start = self.pos + _LOCAL.size + len(raw) + len(zip64) + 4  # data start with an empty padding field
         pad = -start % ALIGN
@@ -90,9 +91,14 @@ class ZipWriter:
         self._open = [raw, 0, size, self.pos - _LOCAL.size - len(raw) - len(extra), size]
 
     def write(self, mv) -> None:
-        self._open[1] = zlib.crc32(mv, self._open[1])
+        if len(mv) >= _OVERLAP_AT:  # zlib.crc32 and os.write both release the GIL: checksum while writing
+            job = _crc_pool().submit(zlib.crc32, mv, self._open[1])
+            self._raw(mv)
+            self._open[1] = job.result()
+        else:
+            self._open[1] = zlib.crc32(mv, self._open[1])
+            self._raw(mv)
         self._open[4] -= len(mv)
-        self._raw(mv)
 
     def end(self) -> None:
         raw, crc, size, offset, left = self._open
@@ -110,44 +116,41 @@ class ZipWriter:
     def close(self) -> None:
         cd_start = self.pos
         for raw, crc, size, offset in self.entries:
-            z = ([size, size] if size >= _U32 else []) + ([offset] if offset >= _U32 else [])
+            zs, zo = size >= ZIP64_AT, offset >= ZIP64_AT
+            z = ([size, size] if zs else []) + ([offset] if zo else [])
             extra = struct.pack(f"<HH{len(z)}Q", 1, 8 * len(z), *z) if z else b""
             self._raw(
                 _CENTRAL.pack(
-                    0x02014B50,
-                    45 if z else 20,
-                    45 if z else 20,
-                    0,
-                    0,
-                    0,
-                    _DOS_DATE,
-                    crc,
-                    _U32 if size >= _U32 else size,
-                    _U32 if size >= _U32 else size,
-                    len(raw),
-                    len(extra),
-                    0,
-                    0,
-                    0,
-                    0,
-                    _U32 if offset >= _U32 else offset,
+                    0x02014B50, 45 if z else 20, 45 if z else 20, 0, 0, 0, _DOS_DATE, crc,
+                    _U32 if zs else size, _U32 if zs else size, len(raw), len(extra),
+                    0, 0, 0, 0, _U32 if zo else offset,
                 )
                 + raw
                 + extra
-            )
+            )  # fmt: skip
         cd_size, n = self.pos - cd_start, len(self.entries)
-        if n >= _U16 or cd_start >= _U32 or cd_size >= _U32:
+        if n >= _U16 or cd_start >= ZIP64_AT or cd_size >= ZIP64_AT:
             at = self.pos
             self._raw(_EOCD64.pack(0x06064B50, _EOCD64.size - 12, 45, 45, 0, 0, n, n, cd_size, cd_start))
             self._raw(_LOCATOR.pack(0x07064B50, 0, at, 1))
-        self._raw(
-            _EOCD.pack(
-                0x06054B50, 0, 0, min(n, _U16), min(n, _U16), min(cd_size, _U32), min(cd_start, _U32), 0
-            )
-        )
+            self._raw(_EOCD.pack(0x06054B50, 0, 0, _U16, _U16, _U32, _U32, 0))
+        else:
+            self._raw(_EOCD.pack(0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
         # No fsync, like torch.save and safetensors: an interrupted run is caught by the temporary folder
         # (renamed only when complete), and a flush per file would double the time of a conversion.
         os.close(self.fd)
+
+
+_OVERLAP_AT = 256 * 1024
+_POOL = []
+
+
+def _crc_pool():
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="kit-crc32"))
+    return _POOL[0]
 
 
 class TorchGlobal:
