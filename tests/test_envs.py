@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -184,19 +185,28 @@ def test_unpack_corrupt_or_truncated_archive_leaves_nothing(source_env, tmp_path
         envs.unpack(tmp_path / "nope.tar.zst", tmp_path / "out" / "x")
 
 
+def _edit_member_list(archive: Path, out: Path, edit) -> Path:
+    """Copy a plain .tar archive with its member list (the last member) changed by edit(dict)."""
+    with tarfile.open(archive) as src, tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isreg() else None
+            if m.name == ".kit-env-members.json":
+                trailer = json.loads(data)
+                edit(trailer)
+                data = json.dumps(trailer).encode()
+                m.size = len(data)
+            dst.addfile(m, None if data is None else io.BytesIO(data))
+    return out
+
+
 def test_unpack_venv_needs_its_base_interpreter(source_env, tmp_path):
     out = tmp_path / "env.tar"
     envs.pack(source_env, out)
-    moved = tmp_path / "moved.tar"
-    with tarfile.open(out) as src, tarfile.open(moved, "w") as dst:
-        for m in src.getmembers():
-            data = src.extractfile(m).read() if m.isreg() else None
-            if m.name == ".kit-env.json":
-                manifest = json.loads(data)
-                manifest["abs_links"] = {k: "/nonexistent/python3.11" for k in manifest["abs_links"]}
-                data = json.dumps(manifest).encode()
-                m.size = len(data)
-            dst.addfile(m, None if data is None else __import__("io").BytesIO(data))
+
+    def elsewhere(trailer):
+        trailer["abs_links"] = {k: "/nonexistent/python3.11" for k in trailer["abs_links"]}
+
+    moved = _edit_member_list(out, tmp_path / "moved.tar", elsewhere)
     with pytest.raises(envs.EnvError, match="base interpreter at /nonexistent/python3.11"):
         envs.unpack(moved, tmp_path / "u" / "env", verify_imports=None)
     assert not (tmp_path / "u" / "env").exists()

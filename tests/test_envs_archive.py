@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -132,3 +133,158 @@ def test_formats_and_threads():
     assert n_threads(0) == (os.cpu_count() or 1) and n_threads(3) == 3
     with pytest.raises(envs.EnvArchiveError):
         compressed_writer(io.BytesIO(), "tar.bz2")
+
+
+# ---- archives the kit writes: manifest first, member list with sizes and hashes last, checked on unpack ----
+
+
+@pytest.fixture(scope="module")
+def small_env(tmp_path_factory) -> Path:
+    """A venv with text files of many sizes, one file above the whole-read limit, links and a hard link."""
+    prefix = envs.create_venv(tmp_path_factory.mktemp("arch") / "env")
+    site = next(prefix.glob("lib/python3*/site-packages"))
+    for i in range(12):
+        (site / f"mod{i}.py").write_text(f"VALUE = {i}\n" * (i * 40))
+    (site / "big.bin").write_bytes(bytes(range(256)) * (3 << 12))  # 3 MiB: read in chunks, not whole
+    (site / "mod0_link.py").symlink_to("mod0.py")
+    os.link(site / "mod1.py", site / "mod1_hard.py")
+    return prefix
+
+
+def _boundaries(plain_tar: Path) -> list:
+    with tarfile.open(plain_tar) as tar:
+        return [m.offset for m in tar.getmembers()][1:]
+
+
+def _recompress(data: bytes, fmt: str) -> bytes:
+    """A complete, valid compressed stream of `data` (what a cut-short tar looks like after recompression)."""
+    if fmt == "tar.zst":
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=1, write_checksum=True).compress(data)
+    if fmt == "tar.gz":
+        import gzip
+
+        return gzip.compress(data, 1)
+    return data
+
+
+def _refused(archive: Path, target: Path) -> str:
+    with pytest.raises(envs.EnvArchiveError) as info:
+        envs.unpack(archive, target, verify_imports=None)
+    assert not target.exists() and [p.name for p in target.parent.iterdir()] == []
+    return str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["tar", "tar.zst", "tar.gz"])
+def test_archives_cut_anywhere_never_unpack(small_env, tmp_path, fmt):
+    plain = tmp_path / "env.tar"
+    envs.pack(small_env, plain)
+    tar_bytes = plain.read_bytes()
+    whole = tmp_path / f"whole.{fmt}"
+    envs.pack(small_env, whole)
+    data = whole.read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    cut = tmp_path / f"cut.{fmt}"
+    # exactly at member boundaries (a tar reader sees a clean end there), recompressed as complete streams
+    boundaries = _boundaries(plain)
+    assert len(boundaries) > 30
+    for offset in boundaries:
+        cut.write_bytes(_recompress(tar_bytes[:offset], fmt))
+        assert "incomplete" in _refused(cut, out / "env")
+    # evenly spaced cuts of the archive file itself, up to the end of its member list
+    with tarfile.open(plain) as tar:
+        last = tar.getmembers()[-1]  # the member list; a .tar cut after it holds every member
+    end_of_list = len(data) if fmt != "tar" else last.offset_data + last.size
+    for k in range(1, 41):
+        cut.write_bytes(data[: end_of_list * k // 41])
+        _refused(cut, out / "env")
+    assert envs.unpack(whole, out / "env", verify_imports=None)["members_verified"] is True
+
+
+def test_read_manifest_reads_the_first_member(small_env, tmp_path):
+    for fmt in ("tar.zst", "tar.gz", "tar"):
+        manifest = envs.read_manifest(envs.pack(small_env, tmp_path / f"e.{fmt}")["archive"])
+        assert manifest["kind"] == "venv" and manifest["name"] == "env" and manifest["kit_archive"] == 2
+        assert manifest["prefix"] == str(small_env) and manifest["hash"] in ("xxh3_64", "crc32")
+
+
+def _replace_member(archive: Path, out: Path, name: str, change) -> Path:
+    with tarfile.open(archive) as src, tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isreg() else None
+            if m.name == name:
+                data = change(data)
+                m.size = len(data)
+            dst.addfile(m, None if data is None else io.BytesIO(data))
+    return out
+
+
+def test_damaged_member_is_named(small_env, tmp_path):
+    plain = Path(envs.pack(small_env, tmp_path / "env.tar")["archive"])
+    data = bytearray(plain.read_bytes())
+    at = data.index(b"VALUE = 7\n" * 3)
+    data[at] ^= 0x20  # one flipped bit inside mod7.py, same size: only the hash can tell
+    (tmp_path / "flip.tar").write_bytes(bytes(data))
+    (tmp_path / "out").mkdir()
+    message = _refused(tmp_path / "flip.tar", tmp_path / "out" / "env")
+    assert "mod7.py" in message and "hash" in message
+    extra = _replace_member(
+        plain,
+        tmp_path / "grown.tar",
+        next(m.name for m in tarfile.open(plain).getmembers() if m.name.endswith("mod3.py")),
+        lambda d: d + b"# more\n",
+    )
+    assert "bytes where the member list has" in _refused(extra, tmp_path / "out" / "env")
+
+
+def test_bad_json_in_an_archive_manifest_is_a_clear_error(small_env, tmp_path):
+    plain = Path(envs.pack(small_env, tmp_path / "env.tar")["archive"])
+    bad = _replace_member(plain, tmp_path / "bad.tar", ".kit-env.json", lambda d: b"{not json" + d[9:])
+    (tmp_path / "out").mkdir()
+    assert "not valid JSON" in _refused(bad, tmp_path / "out" / "env")
+    with pytest.raises(envs.EnvArchiveError, match="not valid JSON"):
+        envs.read_manifest(bad)
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        {"etc_link": "/etc"},
+        {"bin/python3": "/etc"},  # an interpreter name, but not pointing at one
+        {"lib/escape": "{old}/../../etc"},  # into the old prefix on paper, out of the target in fact
+    ],
+)
+def test_archive_manifest_cannot_plant_links_outside(small_env, tmp_path, links):
+    plain = Path(envs.pack(small_env, tmp_path / "env.tar")["archive"])
+
+    def plant(data):
+        trailer = json.loads(data)
+        trailer["abs_links"].update({k: v.format(old=small_env) for k, v in links.items()})
+        return json.dumps(trailer).encode()
+
+    bad = _replace_member(plain, tmp_path / "bad.tar", ".kit-env-members.json", plant)
+    (tmp_path / "out").mkdir()
+    assert "refusing the archive" in _refused(bad, tmp_path / "out" / "env")
+
+
+def test_unsafe_absolute_links_are_refused_at_pack_time(tmp_path):
+    env = envs.create_venv(tmp_path / "env", inherit=False)
+    (env / "etc_link").symlink_to("/etc")
+    with pytest.raises(envs.EnvError, match="point outside the env.*etc_link -> /etc"):
+        envs.pack(env, tmp_path / "env.tar.zst")
+    assert list(tmp_path.glob("env.tar*")) == []
+
+
+def test_format_and_extension_must_agree_and_levels_are_checked(small_env, tmp_path):
+    with pytest.raises(envs.EnvArchiveError, match="must agree"):
+        envs.pack(small_env, tmp_path / "env.tar.zst", fmt="tar.gz")
+    with pytest.raises(envs.EnvArchiveError, match="must agree"):
+        envs.pack(small_env, tmp_path / "env.rar", fmt="tar")
+    for fmt, level in (("tar.zst", 99), ("tar.zst", 0), ("tar.gz", 10)):
+        with pytest.raises(envs.EnvError, match=f"level {level} is outside"):
+            envs.pack(small_env, tmp_path / f"env.{fmt}", level=level)
+    assert [p.name for p in tmp_path.iterdir()] == []
+    gz = envs.pack(small_env, tmp_path / "env.tgz", fmt="tar.gz")
+    assert Path(gz["archive"]).read_bytes()[:2] == b"\x1f\x8b"

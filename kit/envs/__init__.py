@@ -5,10 +5,11 @@ Conda envs go through the conda-pack library (offline, prefixes relocated); virt
 prefix rewritten. Kernels carry the variables CANN's set_env.sh exports, so `import torch_npu` works in them.
 """
 
-from kit.envs.archive import FORMATS, EnvArchiveError, safe_extract
+from kit.envs.archive import FORMATS, extract, read_manifest, safe_extract
 from kit.envs.conda_cli import conda_executable
 from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
 from kit.envs.config import EnvsConfig, activation_commands
+from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
 from kit.envs.kernels import (
     capture_env,
     check_kernel,
@@ -21,11 +22,12 @@ from kit.envs.kernels import (
 )
 from kit.envs.layout import default_envs_root, get_layout
 from kit.envs.manage import CLONE_METHODS, clone, list_envs, pack, remove, resolve_env, unpack
-from kit.envs.prefix import DEFAULT_IMPORTS, EnvError, EnvInfo, check_name, verify
+from kit.envs.prefix import DEFAULT_IMPORTS, EnvInfo, check_name, verify
 from kit.envs.report import plot_steps, steps_table
 from kit.envs.venv import create_venv, demo_source
 
 __all__ = [
+    "ArchiveDamagedError",
     "CLONE_METHODS",
     "DEFAULT_IMPORTS",
     "EnvArchiveError",
@@ -43,10 +45,12 @@ __all__ = [
     "create_venv",
     "default_envs_root",
     "demo_source",
+    "extract",
     "find_set_env_scripts",
     "get_layout",
     "list_envs",
     "pack",
+    "read_manifest",
     "plot_steps",
     "register_envs_dir",
     "register_envs_root",

@@ -1,25 +1,26 @@
-"""Environment archives: tar.zst (multithreaded), tar.gz (parallel or plain gzip), tar; safe extraction."""
+"""Environment archives: tar.zst (multithreaded), tar.gz (parallel or plain gzip), tar; verified, safe extraction.
+
+Every archive the kit writes lists its members with sizes and hashes (kit/envs/tarstream.py); extraction refuses
+an archive unless every listed member arrived intact, and refuses members or links that would leave the target.
+"""
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
-import tarfile
+import stat
 import zlib
 from pathlib import Path
-from typing import IO, Callable, Iterator, Optional
+from typing import IO, Callable, Optional
 
-from kit.errors import KitError
+from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
+from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TRAILER, TarReader, json_bytes, new_hasher
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
-MANIFEST = ".kit-env.json"  # first member of every archive the kit writes: kind, old prefix, files to fix
-_CHUNK = 1 << 20
-
-
-class EnvArchiveError(KitError, ValueError):
-    """An archive that is unsafe, corrupt, or in a format the kit cannot read."""
+MANIFEST = HEAD  # first member of every archive the kit writes: kind, name, old prefix, hash algorithm
+LEVELS = {"tar.zst": (1, 19), "tar.gz": (1, 9)}  # zstd 20-22 need ~GBs of memory to unpack; gzip stops at 9
+__all__ = ["ArchiveDamagedError", "EnvArchiveError", "FORMATS", "MANIFEST", "TRAILER"]
 
 
 def n_threads(threads: int) -> int:
@@ -29,8 +30,19 @@ def n_threads(threads: int) -> int:
     return max(1, int(threads))
 
 
-def format_of(path: os.PathLike | str) -> str:
-    """The archive format from the file name ('x.tar.zst' -> 'tar.zst'; .tgz/.tzst accepted)."""
+def check_level(fmt: str, level: int) -> int:
+    """`level` if it is valid for `fmt` (plain tar has none), else EnvError naming the allowed range."""
+    low, high = LEVELS.get(fmt, (None, None))
+    if low is not None and not (isinstance(level, int) and low <= level <= high):
+        raise EnvError(
+            f"compression level {level!r} is outside {low}..{high} for {fmt}; pass --level between "
+            f"{low} and {high} (3 is fast and small enough for envs)."
+        )
+    return level
+
+
+def suffix_format(path: os.PathLike | str) -> Optional[str]:
+    """The format a file name announces ('x.tar.zst' -> 'tar.zst'; .tgz/.tzst accepted), or None."""
     name = str(path)
     for suffix, fmt in (
         (".tar.zst", "tar.zst"),
@@ -41,6 +53,15 @@ def format_of(path: os.PathLike | str) -> str:
     ):
         if name.endswith(suffix):
             return fmt
+    return None
+
+
+def format_of(path: os.PathLike | str) -> str:
+    """The archive format from the file name ('x.tar.zst' -> 'tar.zst'; .tgz/.tzst accepted)."""
+    name = str(path)
+    fmt = suffix_format(name)
+    if fmt is not None:
+        return fmt
     raise EnvArchiveError(
         f"archive name {name!r} has no known suffix; use one of "
         f"{', '.join('.' + f for f in FORMATS)} (or .tgz / .tzst)."
@@ -54,9 +75,11 @@ class _ZstdWriter:
         import zstandard
 
         self._zstd = zstandard
-        self._writer = zstandard.ZstdCompressor(level=level, threads=threads).stream_writer(
-            fileobj, closefd=False
+        # write_checksum: each frame carries an XXH64 of its content, which zstd checks on every unpack
+        cctx = zstandard.ZstdCompressor(
+            level=level, threads=threads if threads > 1 else 0, write_checksum=True
         )
+        self._writer = cctx.stream_writer(fileobj, closefd=False)
 
     def write(self, data) -> int:
         return self._writer.write(data)
@@ -71,10 +94,11 @@ class _ZstdWriter:
 
 def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int = 0):
     """Wrap `fileobj` in the compressor for `fmt`; the caller closes the wrapper, then the file."""
+    if fmt in LEVELS:
+        check_level(fmt, level)
     if fmt == "tar.zst":
         return _ZstdWriter(fileobj, level=level, threads=n_threads(threads))
     if fmt == "tar.gz":
-        level = min(max(level, 1), 9)
         if n_threads(threads) > 1:
             # gzip members compressed in blocks on a thread pool (zlib releases the GIL); plain gunzip reads it
             from conda_pack.formats import ParallelGzipFileWriter
@@ -101,60 +125,57 @@ class _Passthrough:
 
 
 def manifest_bytes(manifest: dict) -> bytes:
-    return (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode("utf-8")
-
-
-def add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
-    """Add an in-memory file to an open tar."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), mode
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _detect(fh: IO[bytes]) -> str:
-    head = fh.read(4)
-    fh.seek(0)
-    if head[:2] == b"\x1f\x8b":
-        return "tar.gz"
-    if head == b"\x28\xb5\x2f\xfd":
-        return "tar.zst"
-    return "tar"
-
-
-def iter_members(path: os.PathLike | str) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo]]:
-    """Stream (tar, member) pairs from an archive of any kit format, detected from its first bytes."""
-    with open(path, "rb") as raw:
-        fmt = _detect(raw)
-        if fmt == "tar.zst":
-            import zstandard
-
-            stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        elif fmt == "tar.gz":
-            stream = gzip.GzipFile(fileobj=raw, mode="rb")
-        else:
-            stream = raw
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for member in tar:
-                yield tar, member
-
-
-def read_manifest(path: os.PathLike | str) -> Optional[dict]:
-    """The kit manifest of an archive, or None (e.g. an archive made by plain `conda pack`)."""
-    try:
-        for tar, member in iter_members(path):
-            if _clean_name(member.name) == MANIFEST:
-                return json.loads(tar.extractfile(member).read().decode("utf-8"))
-            return None  # the kit always writes it first
-    except (tarfile.TarError, OSError, EOFError, zlib.error, ValueError) as exc:
-        raise _corrupt(path, exc) from exc
-    return None
+    return json_bytes(manifest)
 
 
 def _corrupt(path, exc: BaseException) -> EnvArchiveError:
-    return EnvArchiveError(
+    return ArchiveDamagedError(
         f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
         f"re-create it with `python -m kit env pack` (or kit.envs.pack)."
     )
+
+
+def _is_stream_error(exc: BaseException) -> bool:
+    """Errors of the decompressors and of parsing a damaged stream (zstandard.ZstdError, zlib.error, ...)."""
+    return isinstance(exc, (zlib.error, EOFError, UnicodeDecodeError)) or type(exc).__module__.startswith(
+        "zstd"
+    )
+
+
+def _json(data: bytes, what: str, path) -> dict:
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ArchiveDamagedError(
+            f"archive {str(path)!r}: its {what} is not valid JSON ({exc}); the archive is damaged or was "
+            f"edited; re-create it with `python -m kit env pack`."
+        ) from exc
+    if not isinstance(obj, dict):
+        raise ArchiveDamagedError(f"archive {str(path)!r}: its {what} is not a JSON object; re-create it.")
+    return obj
+
+
+def read_manifest(path: os.PathLike | str) -> Optional[dict]:
+    """What a kit archive is (its first member: kind, name, old prefix, ...), or None for other archives.
+
+    Reads only the start of the archive. Archives of kit versions before the member list carried their
+    manifest last; unpack() still reads those, this returns None for them.
+    """
+    reader = TarReader(path)
+    try:
+        for member in reader.members():
+            if _clean_name(member.raw_name) == MANIFEST and member.kind == "f":
+                return _json(reader.read_data(member.size), MANIFEST, path)
+            return None
+    except EnvArchiveError:
+        raise
+    except Exception as exc:
+        if _is_stream_error(exc):
+            raise _corrupt(path, exc) from exc
+        raise
+    finally:
+        reader.close()
+    return None
 
 
 def _clean_name(name: str) -> str:
@@ -173,107 +194,241 @@ def _inside(root: str, path: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
 
+def _write_all(fd: int, view) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _Extractor:
+    """Writes members under `root`, refusing anything that would land outside it; records what it wrote."""
+
+    def __init__(self, root: str, reader: TarReader, progress):
+        self.root, self.reader, self.progress = root, reader, progress
+        self.dirs = {""}  # folders (relative) known to be real folders under root, not links
+        self.links: list = []
+        self.link_names: set = set()
+        self.regular: set = set()
+        self.seen: list = []
+        self.counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
+
+    def folder(self, rel: str) -> str:
+        """Make sure root/rel is a real folder (made here, or checked not to be a link); return its path."""
+        path = os.path.join(self.root, rel) if rel else self.root
+        if rel in self.dirs:
+            return path
+        self.folder(rel.rpartition("/")[0])
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise EnvArchiveError(
+                    f"archive member {rel!r} needs a folder where the target has a file or link; "
+                    f"refusing to extract it."
+                ) from None
+        self.dirs.add(rel)
+        return path
+
+    def _through_link(self, name: str) -> None:
+        if not self.link_names:
+            return
+        parts = name.split("/")
+        if any("/".join(parts[:i]) in self.link_names for i in range(1, len(parts) + 1)):
+            raise EnvArchiveError(
+                f"archive member {name!r} goes through (or replaces) a symbolic link of the same archive; "
+                f"refusing to extract it."
+            )
+
+    def _open_new(self, dest: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            return os.open(dest, flags, 0o600)
+        except FileExistsError:
+            if stat.S_ISDIR(os.lstat(dest).st_mode):
+                raise EnvArchiveError(
+                    f"archive has both a folder and a file at {os.path.relpath(dest, self.root)!r}; "
+                    f"refusing it."
+                ) from None
+            os.unlink(dest)  # a later member of the same name replaces the earlier one, as tar does
+            return os.open(dest, flags, 0o600)
+
+    def member(self, m, hash_name: Optional[str]) -> None:
+        name = _clean_name(m.raw_name)
+        if not name:
+            return
+        self._through_link(name)
+        parent, _, _base = name.rpartition("/")
+        if m.kind == "d":
+            path = self.folder(name)
+            os.chmod(path, (m.mode & 0o777) | 0o700)
+            self.counts["dirs"] += 1
+            self.seen.append([name, "d", 0, ""])
+            return
+        dest = os.path.join(self.folder(parent), _base)
+        if m.kind == "f":
+            fd = self._open_new(dest)
+            try:
+                if hash_name:
+                    h = new_hasher(hash_name)
+
+                    def sink(view, fd=fd, h=h):
+                        h.update(view)
+                        _write_all(fd, view)
+
+                    self.reader.copy(m.size, sink)
+                else:
+                    self.reader.copy(m.size, lambda view, fd=fd: _write_all(fd, view))
+                os.fchmod(fd, m.mode & 0o777)  # setuid/setgid/sticky bits dropped on purpose
+                os.utime(fd, (m.mtime, m.mtime))
+            finally:
+                os.close(fd)
+            self.regular.add(name)
+            self.counts["files"] += 1
+            self.counts["bytes"] += m.size
+            self.seen.append([name, "f", m.size, h.hexdigest() if hash_name else ""])
+            if self.progress:
+                self.progress(m.size)
+        elif m.kind == "l":
+            if os.path.isabs(m.linkname):
+                raise EnvArchiveError(
+                    f"archive member {m.raw_name!r} is a link to the absolute path {m.linkname!r}; "
+                    f"refusing to extract it."
+                )
+            resolved = os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))
+            if not _inside(self.root, resolved):
+                raise EnvArchiveError(
+                    f"archive member {m.raw_name!r} links to {m.linkname!r}, outside the target; "
+                    f"refusing to extract it."
+                )
+            self.links.append((dest, m.linkname))
+            self.link_names.add(name)
+            self.seen.append([name, "l", 0, m.linkname])
+        elif m.kind == "h":
+            other = _clean_name(m.linkname)
+            if other not in self.regular:
+                raise EnvArchiveError(
+                    f"archive member {m.raw_name!r} is a hard link to {m.linkname!r}, which is not a file "
+                    f"extracted before it; refusing to extract it."
+                )
+            if os.path.lexists(dest):
+                os.unlink(dest)
+            os.link(os.path.join(self.root, *other.split("/")), dest)
+            self.counts["hardlinks"] += 1
+            self.seen.append([name, "h", 0, other])
+        else:
+            raise EnvArchiveError(
+                f"archive member {m.raw_name!r} is a device, FIFO or other special file; environments never "
+                f"contain those, refusing to extract it."
+            )
+
+    def make_links(self) -> None:
+        for dest, linkname in self.links:
+            if os.path.lexists(dest):
+                raise EnvArchiveError(
+                    f"archive has both a file and a link at {os.path.relpath(dest, self.root)!r}."
+                )
+            os.symlink(linkname, dest)
+            self.counts["symlinks"] += 1
+        for dest, linkname in self.links:
+            # Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..).
+            if not _inside(self.root, os.path.realpath(dest)):
+                raise EnvArchiveError(
+                    f"link {os.path.relpath(dest, self.root)!r} -> {linkname!r} resolves outside the "
+                    f"target through other links; refusing the archive."
+                )
+
+
+def _first_difference(path, seen: list, expected: list) -> ArchiveDamagedError:
+    for i, want in enumerate(expected):
+        got = seen[i] if i < len(seen) else None
+        if got != want:
+            if got is None:
+                what = f"member {want[0]!r} and {len(expected) - i - 1} after it are missing"
+            elif got[0] != want[0]:
+                what = f"member {i} is {got[0]!r} where the member list has {want[0]!r}"
+            elif got[2] != want[2]:
+                what = f"member {want[0]!r} has {got[2]} bytes where the member list has {want[2]}"
+            else:
+                what = f"member {want[0]!r} differs from its hash (damaged data)"
+            break
+    else:
+        what = f"{len(seen) - len(expected)} members are not in the member list"
+    return ArchiveDamagedError(
+        f"archive {str(path)!r} is damaged or incomplete: {what}; copy it again from its source or re-create "
+        f"it with `python -m kit env pack`."
+    )
+
+
+def extract(
+    archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
+) -> tuple:
+    """Extract into the existing folder `target`, checking every member; return (counts, manifest or None).
+
+    A kit archive must end with its member list and every member must match it (name, type, size, hash);
+    another archive (`conda pack`, `tar`) must at least end with tar's end-of-archive block and a complete
+    compressed stream. Members or links that would land outside `target` are refused, links are made last.
+    """
+    root = os.path.realpath(target)
+    reader = TarReader(archive)
+    ex = _Extractor(root, reader, progress)
+    head = trailer = legacy = None
+    try:
+        first = True
+        for m in reader.members():
+            name = _clean_name(m.raw_name)
+            if trailer is not None:
+                raise ArchiveDamagedError(
+                    f"archive {str(archive)!r} has members after its member list; it was altered, re-create it."
+                )
+            if first and name == MANIFEST and m.kind == "f":
+                head = _json(reader.read_data(m.size), MANIFEST, archive)
+                if int(head.get("kit_archive", 0)) > ARCHIVE_VERSION:
+                    raise EnvArchiveError(
+                        f"archive {str(archive)!r} was written by a newer kit (format {head['kit_archive']}); "
+                        f"update the kit to unpack it."
+                    )
+                first = False
+                continue
+            first = False
+            if head is not None and name == TRAILER and m.kind == "f":
+                trailer = _json(reader.read_data(m.size), TRAILER, archive)
+                continue
+            if head is None and name == MANIFEST and m.kind == "f":  # kit archives before the member list
+                legacy = _json(reader.read_data(m.size), MANIFEST, archive)
+                continue
+            ex.member(m, head.get("hash") if head is not None else None)
+    except EnvArchiveError:
+        raise
+    except Exception as exc:
+        if _is_stream_error(exc):
+            raise _corrupt(archive, exc) from exc
+        raise
+    finally:
+        reader.close()
+    if head is not None:
+        if trailer is None:
+            raise ArchiveDamagedError(
+                f"archive {str(archive)!r} is incomplete: it stops after {len(ex.seen)} members, before its "
+                f"member list; copy it again from its source or re-create it with `python -m kit env pack`."
+            )
+        if ex.seen != trailer.get("members"):
+            raise _first_difference(archive, ex.seen, trailer.get("members") or [])
+    elif not reader.ended:
+        raise ArchiveDamagedError(
+            f"archive {str(archive)!r} is truncated: it has no end-of-archive block after its "
+            f"{len(ex.seen)} members; copy it again or re-create it with `python -m kit env pack`."
+        )
+    ex.make_links()
+    manifest = legacy
+    if head is not None:
+        manifest = dict(head, **{k: v for k, v in trailer.items() if k != "members"})
+    return ex.counts, manifest
+
+
 def safe_extract(
     archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
 ) -> dict:
-    """Extract into the existing folder `target`; refuse members or links that would land outside it.
-
-    Symbolic links are created after every file, so no member can be written through one; their resolved
-    targets must stay inside `target`. Devices and FIFOs are refused. Returns counts.
-    """
-    root = os.path.realpath(target)
-    links: list[tuple[str, str]] = []
-    link_names: set[str] = set()
-    regular: set[str] = set()
-    counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
-    try:
-        for tar, m in iter_members(archive):
-            name = _clean_name(m.name)
-            if not name:
-                continue
-            parents = name.split("/")
-            if any("/".join(parents[:i]) in link_names for i in range(1, len(parents) + 1)):
-                raise EnvArchiveError(
-                    f"archive member {m.name!r} goes through (or replaces) a symbolic link "
-                    f"of the same archive; refusing to extract it."
-                )
-            dest = os.path.join(root, *parents)
-            if m.isdir():
-                os.makedirs(dest, exist_ok=True)
-                os.chmod(dest, (m.mode & 0o777) | 0o700)
-                counts["dirs"] += 1
-                continue
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            if not _inside(root, os.path.realpath(os.path.dirname(dest))):
-                raise EnvArchiveError(f"archive member {m.name!r} would land outside {root}.")
-            if m.isreg():
-                src = tar.extractfile(m)
-                if os.path.lexists(dest):
-                    os.unlink(dest)
-                with open(dest, "wb") as out:
-                    while True:
-                        chunk = src.read(_CHUNK)
-                        if not chunk:
-                            break
-                        out.write(chunk)
-                        if progress:
-                            progress(len(chunk))
-                os.chmod(dest, m.mode & 0o777)  # setuid/setgid/sticky bits dropped on purpose
-                os.utime(dest, (m.mtime, m.mtime))
-                regular.add(name)
-                counts["files"] += 1
-                counts["bytes"] += m.size
-            elif m.issym():
-                if os.path.isabs(m.linkname):
-                    raise EnvArchiveError(
-                        f"archive member {m.name!r} is a link to the absolute path "
-                        f"{m.linkname!r}; refusing to extract it."
-                    )
-                resolved = os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))
-                if not _inside(root, resolved):
-                    raise EnvArchiveError(
-                        f"archive member {m.name!r} links to {m.linkname!r}, outside the "
-                        f"target; refusing to extract it."
-                    )
-                links.append((dest, m.linkname))
-                link_names.add(name)
-            elif m.islnk():
-                other = _clean_name(m.linkname)
-                if other not in regular:
-                    raise EnvArchiveError(
-                        f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is "
-                        f"not a file extracted before it; refusing to extract it."
-                    )
-                if os.path.lexists(dest):
-                    os.unlink(dest)
-                os.link(os.path.join(root, *other.split("/")), dest)
-                counts["hardlinks"] += 1
-            else:
-                raise EnvArchiveError(
-                    f"archive member {m.name!r} is a device, FIFO or other special file; "
-                    f"environments never contain those, refusing to extract it."
-                )
-    except EnvArchiveError:
-        raise
-    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
-        raise _corrupt(archive, exc) from exc
-    except Exception as exc:  # zstandard.ZstdError and friends
-        if type(exc).__module__.startswith("zstd"):
-            raise _corrupt(archive, exc) from exc
-        raise
-    for dest, linkname in links:
-        if os.path.lexists(dest):
-            raise EnvArchiveError(f"archive has both a file and a link at {os.path.relpath(dest, root)!r}.")
-        os.symlink(linkname, dest)
-        counts["symlinks"] += 1
-    for dest, linkname in links:
-        # Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..).
-        if not _inside(root, os.path.realpath(dest)):
-            raise EnvArchiveError(
-                f"link {os.path.relpath(dest, root)!r} -> {linkname!r} resolves outside the "
-                f"target through other links; refusing the archive."
-            )
-    return counts
+    """Extract into the existing folder `target` (see extract()); return counts of what was written."""
+    return extract(archive, target, progress)[0]
 
 
 def archive_size(path: os.PathLike | str) -> int:

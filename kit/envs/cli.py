@@ -15,6 +15,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _clean(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--clean-partial",
+        action="store_true",
+        help="remove leftovers of interrupted runs (.NAME.partial-*) beside the output; they are always reported",
+    )
+
+
 def _imports(text: str) -> list:
     return [x for x in text.split(",") if x]
 
@@ -37,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--ignore-editable-packages", action="store_true")
     c.add_argument("--verify", default="torch,torch_npu,deepspeed", help="comma-separated imports to check")
     c.add_argument("--overwrite", action="store_true")
+    _clean(c)
     _common(c)
     c = s.add_parser("pack", help="pack an env to one archive (tar.zst multithreaded by default)")
     c.add_argument("source")
@@ -52,12 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="pack although `pip install -e` packages are present (their sources are not shipped)",
     )
     c.add_argument("--overwrite", action="store_true")
+    _clean(c)
     _common(c)
     c = s.add_parser("unpack", help="safely extract an archive into TARGET and fix its prefixes")
     c.add_argument("archive")
     c.add_argument("target")
     c.add_argument("--verify", default="torch,torch_npu,deepspeed")
     c.add_argument("--overwrite", action="store_true")
+    _clean(c)
     c = s.add_parser("remove", help="delete an env folder and its kernels")
     c.add_argument("target")
     _common(c)
@@ -87,7 +98,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kit.partial import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # a killed run removes its temporary output like Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import sys
+
     import kit.envs as envs
+    from kit.partial import describe
 
     a = args.action
     if a == "list":
@@ -106,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             args.overwrite,
             args.ignore_editable_packages,
             _imports(args.verify),
+            clean_partial=args.clean_partial,
         )
     elif a == "pack":
         out = envs.pack(
@@ -117,9 +139,12 @@ def run(args: argparse.Namespace) -> int:
             args.envs_root,
             args.ignore_editable_packages,
             args.overwrite,
+            clean_partial=args.clean_partial,
         )
     elif a == "unpack":
-        out = envs.unpack(args.archive, args.target, args.overwrite, _imports(args.verify))
+        out = envs.unpack(
+            args.archive, args.target, args.overwrite, _imports(args.verify), clean_partial=args.clean_partial
+        )
     elif a == "remove":
         out = envs.remove(args.target, args.envs_root)
     elif a == "kernel":
@@ -132,4 +157,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         out = envs.register_envs_root(args.envs_root, args.condarc)
     print(json.dumps(out, indent=1, default=str))
+    if isinstance(out, dict) and "partial_leftovers" in out:
+        note = describe({"found": out["partial_leftovers"], "removed": out["partial_removed"]})
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     return 0

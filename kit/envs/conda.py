@@ -7,17 +7,16 @@ the network; files installed by pip are copied with the old prefix rewritten in 
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from typing import IO, Optional
 
-from kit.envs.archive import MANIFEST, compressed_writer, manifest_bytes
+from kit.envs.archive import compressed_writer
 from kit.envs.prefix import EnvError
+from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, json_bytes
 
 
 def _load(prefix: str, ignore_editable: bool):
@@ -48,6 +47,20 @@ def _mtime(prefix: str) -> Optional[float]:
     return history.lstat().st_mtime if history.exists() else None
 
 
+class _KitTarArchive:
+    """conda-pack archive target that writes through the kit's TarWriter (member list with sizes and hashes)."""
+
+    def __init__(self, writer: TarWriter):
+        self.writer = writer
+
+    def add(self, source: str, target: str) -> None:
+        self.writer.add_path(source, target)
+
+    def add_bytes(self, source: str, data: bytes, target: str) -> None:
+        st = os.lstat(source)
+        self.writer.add_bytes(target, data, mode=st.st_mode & 0o777, st=st)
+
+
 def pack_conda(
     prefix: os.PathLike | str,
     raw: IO[bytes],
@@ -60,30 +73,31 @@ def pack_conda(
 ) -> dict:
     """Pack a conda env with conda-pack's file list and prefix records, into our compressor.
 
-    The archive is what `conda pack` writes (bin/conda-unpack, activate scripts) plus the kit manifest last;
-    writing through our compressor gives tar.zst a level and threads, which conda-pack's own tar.zst ignores.
+    The archive holds what `conda pack` writes (bin/conda-unpack, activate scripts) between the kit manifest
+    (first) and the member list (last); our compressor gives tar.zst a level and threads, which conda-pack's
+    own tar.zst ignores.
     """
-    # conda-pack's Packer/TarArchive are its internal writer classes (conda-pack 0.8-0.9); the file list,
-    # prefix records and conda-unpack script come from it unchanged.
+    # conda-pack's Packer is its internal writer class (conda-pack 0.8-0.9); it calls archive.add(source,
+    # target) and archive.add_bytes(source, data, target), which _KitTarArchive provides.
     from conda_pack.core import Packer
-    from conda_pack.formats import TarArchive
 
     prefix = os.path.abspath(prefix)
     env = _load(prefix, ignore_editable)
     _set_total(bar, len(env.files))
     comp = compressed_writer(raw, fmt, level, threads)
     try:
-        with TarArchive(comp, "", close_file=False, mode="w", mtime=_mtime(prefix)) as arc:
-            packer = Packer(prefix, arc)
-            for f in env.files:
-                packer.add(f)
-                if bar is not None:
-                    bar.update(1)
-            packer.finish()
-            info = tarfile.TarInfo(MANIFEST)
-            data = manifest_bytes(dict(manifest or {}, kind="conda", prefix=prefix))
-            info.size = len(data)
-            arc.archive.addfile(info, io.BytesIO(data))
+        writer = TarWriter(comp, mtime=_mtime(prefix))
+        head = dict(
+            manifest or {}, kind="conda", prefix=prefix, kit_archive=ARCHIVE_VERSION, hash=writer.hash_name
+        )
+        writer.add_bytes(HEAD, json_bytes(head), record=False)
+        packer = Packer(prefix, _KitTarArchive(writer))
+        for f in env.files:
+            packer.add(f)
+            if bar is not None:
+                bar.update(1)
+        packer.finish()
+        writer.finish({})
     finally:
         comp.close()
     return {"files": len(env.files), "prefix_records": len(packer.prefixes)}

@@ -219,8 +219,21 @@ def stored_kernels(envs_root: Optional[Union[str, Path]] = None) -> dict:
     folder = get_layout(envs_root).kernels
     out = {}
     for spec in sorted(folder.glob("*/kernel.json")) if folder.is_dir() else []:
-        out[spec.parent.name] = json.loads(spec.read_text(encoding="utf-8"))
+        out[spec.parent.name] = _read_spec(spec)
     return out
+
+
+def _read_spec(path: Path) -> dict:
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise EnvError(
+            f"{path} is not valid JSON ({exc}); delete or fix it (a kernel folder: register the kernel again "
+            f"with `python -m kit env kernel`) and run the command again."
+        ) from exc
+    if not isinstance(spec, dict):
+        raise EnvError(f"{path} does not hold a kernelspec object; delete it and register the kernel again.")
+    return spec
 
 
 def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Union[str, Path]] = None) -> dict:
@@ -239,18 +252,25 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
             report["skipped"][name] = f"env python {python} is missing (env removed or not unpacked yet)"
             continue
         current = target_root / name / "kernel.json"
-        if current.exists() and json.loads(current.read_text(encoding="utf-8")) == spec:
+        if current.exists() and _read_or_none(current) == spec:
             report["unchanged"].append(name)
             continue
         install_stored(layout.kernels / name)
         report["installed"].append(name)
     if layout.state.exists():
-        for folder in json.loads(layout.state.read_text(encoding="utf-8")).get("envs_dirs", []):
+        for folder in _read_spec(layout.state).get("envs_dirs", []):
             result = register_envs_dir(folder, condarc)
             report["condarc"] = result["condarc"]
             if result["added"]:
                 report["envs_dirs_added"].append(folder)
     return report
+
+
+def _read_or_none(path: Path) -> Optional[dict]:
+    try:
+        return _read_spec(path)
+    except EnvError:
+        return None  # a damaged installed copy is simply replaced by the stored one
 
 
 def unregister_kernel(name: str, envs_root: Optional[Union[str, Path]] = None) -> list[str]:
@@ -279,9 +299,16 @@ def check_kernel(
 
     `code` (optional) runs first, e.g. "import torch_npu"; its error, if any, is returned under "error".
     """
+    from jupyter_client.kernelspec import NoSuchKernel
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name=name, startup_timeout=timeout)
+    try:
+        km, kc = start_new_kernel(kernel_name=name, startup_timeout=timeout)
+    except NoSuchKernel as exc:
+        raise EnvError(
+            f"no Jupyter kernel named {name!r} is installed; register it with `python -m kit env kernel ENV "
+            f"--name {name}` (or run `python -m kit env restore` after a restart)."
+        ) from exc
     out: dict = {"error": None}
     chunks: list[str] = []
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, MANIFEST, EnvArchiveError, format_of, safe_extract
+from kit.envs.archive import FORMATS, EnvArchiveError, check_level, extract, suffix_format
 from kit.envs.conda_cli import conda_clone, conda_envs
 from kit.envs.layout import get_layout
 from kit.envs.prefix import (
@@ -27,9 +27,12 @@ from kit.envs.prefix import (
     env_info,
     find_editable,
     kind_of,
+    scan_tree,
+    tree_totals,
     verify,
     walk_tree,
 )
+from kit.partial import handle_partials
 
 PathLike = Union[str, "os.PathLike[str]"]
 CLONE_METHODS = ("auto", "copy", "conda-pack", "conda-clone")
@@ -102,6 +105,7 @@ def clone(
     ignore_editable: bool = False,
     verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
     verify_env: Optional[dict] = None,
+    clean_partial: bool = False,
 ) -> dict:
     """Clone an env to `target` (default <envs_root>/{venvs,user_conda}/<name>), ready to use at its new path.
 
@@ -109,19 +113,29 @@ def clone(
     prefixes), 'conda-clone' (`conda create --clone`, needs conda and its package cache or the network).
     Space is checked first; the env is built under a temporary name and renamed when complete; an existing
     target is refused unless overwrite=True. The result is verified by running its python (verify_imports).
+    Leftovers of interrupted runs beside the target are reported (`partial_leftovers`), removed with
+    clean_partial=True.
     """
     if method not in CLONE_METHODS:
         raise EnvError(f"clone method {method!r} is not one of {', '.join(CLONE_METHODS)}.")
     src = resolve_env(source, envs_root)
     dest = _target_for(src, name, target, envs_root)
-    if dest == src.prefix.absolute():
+    source_real, dest_real = os.path.realpath(src.prefix), os.path.realpath(dest)
+    if dest_real == source_real:
         raise EnvError(f"target {dest} is the source env itself; choose another name or folder.")
+    if dest_real.startswith(source_real + os.sep):
+        raise EnvError(
+            f"target {dest} is inside the source env {src.prefix}; the clone would copy itself and the source "
+            f"would gain a folder. Choose a target outside it (e.g. under {get_layout(envs_root).root})."
+        )
     refuse_existing(dest, overwrite, "target env")
     if method == "auto":
         method = "conda-pack" if src.kind == "conda" else "copy"
     if method.startswith("conda") and src.kind != "conda":
         raise EnvError(f"method {method!r} needs a conda env, but {src.prefix} is a {src.kind}; use 'copy'.")
-    n_files, size = walk_tree(src.prefix)
+    partial = handle_partials(dest.parent, clean_partial)
+    entries = scan_tree(src.prefix)
+    n_files, size = tree_totals(entries)
     check_space(dest.parent, size, f"a clone of {src.prefix}")
     start = time.perf_counter()
     if method == "conda-clone":
@@ -129,7 +143,7 @@ def clone(
     else:
         with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(n_files, "clone") as bar:
             if method == "copy":
-                counts = copy_tree(src.prefix, tmp, str(dest), bar.update)
+                counts = copy_tree(src.prefix, tmp, str(dest), bar.update, entries=entries)
             else:
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     seconds = time.perf_counter() - start
@@ -144,7 +158,12 @@ def clone(
         "seconds": round(seconds, 3),
         "verify": report,
         **counts,
+        **_partial_report(partial),
     }
+
+
+def _partial_report(report: dict) -> dict:
+    return {"partial_leftovers": report["found"], "partial_removed": report["removed"]}
 
 
 def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
@@ -176,25 +195,43 @@ def pack(
     envs_root: Optional[PathLike] = None,
     ignore_editable: bool = False,
     overwrite: bool = False,
+    clean_partial: bool = False,
 ) -> dict:
     """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>).
 
     fmt: 'tar.zst' (default; multithreaded zstd at `level`), 'tar.gz' (parallel gzip when threads != 1; plain
-    gzip, what `conda pack` does by default, with threads=1), 'tar'. threads=0 uses every core.
+    gzip, what `conda pack` does by default, with threads=1), 'tar'. threads=0 uses every core. The file name
+    must end in the format's suffix. The archive starts with the kit manifest and ends with a list of every
+    member with its size and hash, which unpack() checks.
     """
+    if fmt is not None and fmt not in FORMATS:
+        raise EnvError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
     src = resolve_env(source, envs_root)
     if output is None:
         fmt = fmt or "tar.zst"
         output = get_layout(envs_root).packs / f"{src.name}.{fmt}"
     output = Path(output).expanduser().absolute()
-    fmt = fmt or format_of(output)
-    if fmt not in FORMATS:
-        raise EnvError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    named = suffix_format(output)
+    if fmt is None and named is None:
+        raise EnvArchiveError(
+            f"archive name {str(output)!r} has no known suffix; use one of "
+            f"{', '.join('.' + f for f in FORMATS)} (or .tgz / .tzst)."
+        )
+    if fmt is not None and named != fmt:
+        raise EnvArchiveError(
+            f"archive name {output.name!r} does not end in .{fmt}, the format asked for; name it "
+            f"{output.name.split('.')[0]}.{fmt} or choose the format its name says"
+            f"{f' ({named})' if named else ''}: format and extension must agree."
+        )
+    fmt = fmt or named
+    check_level(fmt, level)
     refuse_existing(output, overwrite, "archive")
     editable = find_editable(src.prefix)
     if editable and not ignore_editable and src.kind == "venv":
         raise EnvError(_EDITABLE.format(src.prefix, ", ".join(editable)))
-    n_files, size = walk_tree(src.prefix)
+    partial = handle_partials(output.parent, clean_partial)
+    entries = scan_tree(src.prefix) if src.kind == "venv" else None
+    n_files, size = tree_totals(entries) if entries is not None else walk_tree(src.prefix)
     check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     start = time.perf_counter()
@@ -204,7 +241,9 @@ def pack(
                 src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar
             )
         else:
-            counts = venv_backend.pack_tree(src.prefix, fh, fmt, level, threads, manifest, bar.update)
+            counts = venv_backend.pack_tree(
+                src.prefix, fh, fmt, level, threads, manifest, bar.update, entries=entries
+            )
     seconds = time.perf_counter() - start
     result = {
         "source": str(src.prefix),
@@ -218,6 +257,7 @@ def pack(
         "seconds": round(seconds, 3),
         "editable_not_shipped": editable,
         **counts,
+        **_partial_report(partial),
     }
     atomic_write_text(_sidecar(output), json.dumps(dict(result, **manifest), indent=1) + "\n")
     return result
@@ -229,11 +269,14 @@ def unpack(
     overwrite: bool = False,
     verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
     verify_env: Optional[dict] = None,
+    clean_partial: bool = False,
 ) -> dict:
     """Extract an env archive (kit or `conda pack` made) into `target` safely, then fix its prefixes.
 
     Members that would land outside the target (absolute, '..', escaping links) and special files are
-    refused; a corrupt archive is reported; nothing is left at `target` unless everything succeeded.
+    refused; a kit archive must hold every member of its member list with the right size and hash, any other
+    must end with tar's end-of-archive block and a complete compressed stream; nothing is left at `target`
+    unless everything succeeded (verify_imports=None skips only the import check, never these).
     """
     archive = Path(archive).expanduser().absolute()
     if not archive.is_file():
@@ -244,6 +287,7 @@ def unpack(
     dest = Path(target).expanduser().absolute()
     check_name(dest.name, "target folder name")
     refuse_existing(dest, overwrite, "target env")
+    partial = handle_partials(dest.parent, clean_partial)
     expected = _expected_bytes(archive)
     check_space(dest.parent, expected, f"unpacking {archive.name}")
     start = time.perf_counter()
@@ -251,14 +295,9 @@ def unpack(
         atomic_dir(dest, overwrite=overwrite, what="target env") as tmp,
         _bar(expected, f"unpack {archive.name}", "B") as bar,
     ):
-        counts = safe_extract(archive, tmp, bar.update)
+        counts, manifest = extract(archive, tmp, bar.update)
         bar.total = bar.n  # the total was an estimate (sidecar or compression guess); end the bar complete
         bar.refresh()
-        manifest_path = tmp / MANIFEST
-        manifest = None
-        if manifest_path.is_file():
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            manifest_path.unlink()
         # Prefixes are rewritten to the final path before the rename, with the files at the temporary one.
         staged = _Staged(tmp, dest)
         with staged:
@@ -279,7 +318,9 @@ def unpack(
         "kind": kind_of(dest),
         "seconds": round(seconds, 3),
         "verify": report,
+        "members_verified": bool(manifest and manifest.get("kit_archive")),
         **counts,
+        **_partial_report(partial),
     }
 
 

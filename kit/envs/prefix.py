@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from kit.errors import KitError
+from kit.envs.errors import EnvError
 
 DEFAULT_IMPORTS = ("torch", "torch_npu", "deepspeed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SCAN_LIMIT = 2 << 20  # text files with a prefix are scripts and configs; bigger ones are binaries
-
-
-class EnvError(KitError, ValueError):
-    """A bad environment name, a missing source, a target that exists, no space: says what to do next."""
 
 
 def check_name(name: str, what: str = "environment name") -> str:
@@ -68,15 +66,42 @@ def env_info(prefix: os.PathLike | str, name: Optional[str] = None) -> EnvInfo:
     return EnvInfo(name or p.name, p, kind)
 
 
-def walk_tree(root: os.PathLike | str) -> tuple[int, int]:
-    """(number of files and links, total bytes) under `root`, links not followed."""
+def scan_tree(root: os.PathLike | str) -> list:
+    """[(relative name, path, lstat)] of everything under `root`: each folder before its contents, names sorted,
+    links not followed. One lstat per entry; pack and clone work from this list (no second walk)."""
+    out: list = []
+    root = os.fspath(root)
+
+    def walk(folder: str, rel: str) -> None:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        subdirs = []
+        for entry in entries:
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            st = entry.stat(follow_symlinks=False)
+            out.append((name, entry.path, st))
+            if stat.S_ISDIR(st.st_mode):
+                subdirs.append((entry.path, name))
+        for path, name in subdirs:
+            walk(path, name)
+
+    walk(root, "")
+    return out
+
+
+def tree_totals(entries: list) -> tuple[int, int]:
+    """(number of files and links, total bytes) of scan_tree() entries, what walk_tree() counts."""
     count = size = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            st = os.lstat(os.path.join(dirpath, name))
+    for _rel, _path, st in entries:
+        if not stat.S_ISDIR(st.st_mode):
             count += 1
             size += st.st_size
     return count, size
+
+
+def walk_tree(root: os.PathLike | str) -> tuple[int, int]:
+    """(number of files and links, total bytes) under `root`, links not followed."""
+    return tree_totals(scan_tree(root))
 
 
 def free_bytes(path: os.PathLike | str) -> int:
@@ -127,19 +152,57 @@ def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str
     return changed
 
 
-def _copy_file(s: str, d: str, old_b: bytes, new_b: bytes) -> tuple[int, bool]:
-    """Copy one file, rewriting the prefix if it is text that holds it; return (size, rewritten)."""
-    size = os.path.getsize(s)
-    if size > SCAN_LIMIT:
-        shutil.copy2(s, d)
-        return size, False
-    with open(s, "rb") as fh:
-        data = fh.read()
-    rewritten = scan_prefix(data, old_b)
-    with open(d, "wb") as fh:
-        fh.write(data.replace(old_b, new_b) if rewritten else data)
-    shutil.copystat(s, d)
-    return size, rewritten
+def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes) -> tuple[int, bool]:
+    """Copy one file (mode and times kept), rewriting the prefix if it is text that holds it.
+
+    Small files are read whole (they must be scanned for the prefix anyway); big ones are copied by the kernel
+    (copy_file_range, else sendfile), like `cp` does, without passing through Python.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    rewritten = False
+    with open(s, "rb", buffering=0) as src:
+        if st.st_size <= SCAN_LIMIT:
+            data = src.read()
+            rewritten = scan_prefix(data, old_b)
+            if rewritten:
+                data = data.replace(old_b, new_b)
+            fd = os.open(d, flags, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                _finish(fd, st)
+            finally:
+                os.close(fd)
+            return len(data), rewritten
+        fd = os.open(d, flags, 0o600)
+        try:
+            _kernel_copy(src.fileno(), fd, st.st_size)
+            _finish(fd, st)
+        finally:
+            os.close(fd)
+    return st.st_size, False
+
+
+def _finish(fd: int, st) -> None:
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _kernel_copy(src: int, dst: int, size: int) -> None:
+    done = 0
+    copy = getattr(os, "copy_file_range", None)
+    while done < size:
+        try:
+            n = copy(src, dst, size - done) if copy else os.sendfile(dst, src, None, size - done)
+        except OSError as exc:
+            if copy is None or exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copy = None  # old kernels / some filesystems: sendfile works everywhere on Linux
+            continue
+        if n == 0:
+            break
+        done += n
 
 
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "fuse", "fuse.sshfs", "lustre", "gpfs", "ceph", "9p", "efs")
@@ -165,13 +228,19 @@ def is_network_fs(path: os.PathLike | str) -> bool:
 
 
 def copy_tree(
-    src: os.PathLike | str, dst: os.PathLike | str, new_prefix: str, progress=None, workers: int = 0
+    src: os.PathLike | str,
+    dst: os.PathLike | str,
+    new_prefix: str,
+    progress=None,
+    workers: int = 0,
+    entries: Optional[list] = None,
 ) -> dict:
     """Copy an env tree into the existing folder `dst`, rewriting `src` to `new_prefix` in text files.
 
     Symbolic links are copied as links; absolute ones into the source are re-pointed into the copy. On a
     network filesystem (SFS/NFS: every small file costs a round trip) files are copied on 8 threads; on a local
-    disk one thread is faster (measured: threads lose to the GIL there).
+    disk one thread is as fast (the copies are system calls; measured in benchmarks/bench_envs.py).
+    `entries` is scan_tree(src) when the caller has it already.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -179,33 +248,45 @@ def copy_tree(
     old_b, new_b = src.encode(), new_prefix.encode()
     counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
     jobs = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        rel_dir = os.path.relpath(dirpath, src)
-        out_dir = os.path.normpath(os.path.join(dst, rel_dir))
-        os.makedirs(out_dir, exist_ok=True)
-        shutil.copymode(dirpath, out_dir)
-        linked_dirs = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-        dirnames[:] = [d for d in dirnames if d not in linked_dirs]
-        for name in filenames + linked_dirs:
-            s, d = os.path.join(dirpath, name), os.path.join(out_dir, name)
-            if os.path.islink(s):
-                target = os.readlink(s)
-                if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
-                    target = new_prefix + target[len(src) :]
-                os.symlink(target, d)
-                counts["links"] += 1
-                if progress:
-                    progress(1)
-            else:
-                jobs.append((s, d))
+    for rel, s, st in scan_tree(src) if entries is None else entries:
+        d = os.path.join(dst, rel)
+        if stat.S_ISDIR(st.st_mode):
+            os.mkdir(d, 0o700)
+            os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
+        elif stat.S_ISLNK(st.st_mode):
+            target = os.readlink(s)
+            if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
+                target = new_prefix + target[len(src) :]
+            os.symlink(target, d)
+            counts["links"] += 1
+            if progress:
+                progress(1)
+        elif stat.S_ISREG(st.st_mode):
+            jobs.append((s, d, st))
+        else:
+            raise EnvError(
+                f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
+            )
     workers = workers or (8 if is_network_fs(dst) else 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for size, rewritten in pool.map(lambda job: _copy_file(*job, old_b, new_b), jobs, chunksize=64):
+
+    def one(job):
+        return _copy_file(*job, old_b, new_b)
+
+    if workers == 1:
+        results = map(one, jobs)
+    else:
+        pool = ThreadPoolExecutor(max_workers=workers)
+        results = pool.map(one, jobs, chunksize=64)
+    try:
+        for size, rewritten in results:
             counts["files"] += 1
             counts["bytes"] += size
             counts["rewritten"] += rewritten
             if progress:
                 progress(1)
+    finally:
+        if workers != 1:
+            pool.shutdown()
     return counts
 
 

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import io
 import os
+import re
+import stat
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from typing import IO, Optional, Union
 
 from kit.atomic import atomic_dir
-from kit.envs.archive import MANIFEST, add_bytes, compressed_writer, manifest_bytes
+from kit.envs.archive import compressed_writer
+from kit.envs.errors import EnvArchiveError
 from kit.envs.layout import get_layout
-from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix
+from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix, scan_tree
+from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, json_bytes
 
 INHERIT_PTH = "_kit_inherit.pth"
 
@@ -51,16 +53,18 @@ def create_venv(target: os.PathLike | str, python: Optional[str] = None, inherit
     return target
 
 
-def _members(prefix: str):
-    """(relative path, absolute path) of every entry under `prefix`, directories first, links not followed."""
-    for dirpath, dirnames, filenames in os.walk(prefix):
-        linked = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-        dirnames[:] = sorted(d for d in dirnames if d not in linked)
-        rel_dir = os.path.relpath(dirpath, prefix)
-        if rel_dir != ".":
-            yield rel_dir, dirpath
-        for name in sorted(filenames + linked):
-            yield os.path.normpath(os.path.join(rel_dir, name)), os.path.join(dirpath, name)
+_INTERPRETER = re.compile(r"^python[0-9.]*$")
+
+
+def _outside_link_ok(rel: str, dest: str) -> bool:
+    """Absolute links that leave the env are allowed only where a virtualenv has them: bin/python* pointing at
+    the base interpreter (a file named python*)."""
+    folder, _, name = rel.rpartition("/")
+    return (
+        folder == "bin"
+        and bool(_INTERPRETER.match(name))
+        and bool(_INTERPRETER.match(os.path.basename(dest)))
+    )
 
 
 def pack_tree(
@@ -71,81 +75,107 @@ def pack_tree(
     threads: int,
     manifest: dict,
     progress=None,
+    entries: Optional[list] = None,
 ) -> dict:
-    """Write `prefix` as a tar archive into the open file `raw`, recording text files that mention the prefix.
+    """Write `prefix` as a tar archive into the open file `raw`: the kit manifest first, then every member, then
+    the member list with sizes and hashes and the text files that mention the prefix.
 
-    Absolute symbolic links (a venv's bin/python3.X -> the base interpreter) go to the manifest, not the tar,
-    so that extraction never has to create a link that leaves the target. The manifest is the last member.
+    Absolute symbolic links (a venv's bin/python3.X -> the base interpreter) go to the member list's
+    `abs_links`, not the tar, so that extraction never has to create a link that leaves the target.
     """
     prefix = os.path.abspath(prefix)
-    old = prefix.encode()
-    prefix_files, abs_links = [], {}
-    counts = {"files": 0, "bytes": 0}
+    entries = scan_tree(prefix) if entries is None else entries
+    abs_links, outside = {}, []
+    for rel, path, st in entries:
+        if stat.S_ISLNK(st.st_mode) and os.path.isabs(os.readlink(path)):
+            dest = os.readlink(path)
+            abs_links[rel] = dest
+            inside = dest == prefix or dest.startswith(prefix + os.sep)
+            if not inside and not _outside_link_ok(rel, dest):
+                outside.append(f"{rel} -> {dest}")
+    if outside:
+        raise EnvError(
+            f"cannot pack {prefix}: {len(outside)} link(s) point outside the env ({', '.join(outside[:5])}); an "
+            f"unpacked env could not have them. Replace them with copies or relative links, then pack again."
+        )
     comp = compressed_writer(raw, fmt, level, threads)
     try:
-        with tarfile.open(fileobj=comp, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for rel, path in _members(prefix):
-                if progress and (os.path.islink(path) or not os.path.isdir(path)):
-                    progress(1)  # one tick per file or link, what walk_tree() counts
-                if os.path.islink(path) and os.path.isabs(os.readlink(path)):
-                    abs_links[rel] = os.readlink(path)
-                    continue
-                info = tar.gettarinfo(path, rel)
-                if info.isreg():
-                    with open(path, "rb") as fh:
-                        if info.size <= SCAN_LIMIT:
-                            data = fh.read()
-                            if scan_prefix(data, old):
-                                prefix_files.append(rel)
-                            info.size = len(data)
-                            tar.addfile(info, io.BytesIO(data))
-                        else:
-                            tar.addfile(info, fh)
-                    counts["files"] += 1
-                    counts["bytes"] += info.size
-                else:
-                    tar.addfile(info)
-            manifest = dict(manifest, prefix=prefix, prefix_files=prefix_files, abs_links=abs_links)
-            add_bytes(tar, MANIFEST, manifest_bytes(manifest))
+        writer = TarWriter(comp, scan=prefix.encode())
+        head = dict(manifest, kit_archive=ARCHIVE_VERSION, prefix=prefix, hash=writer.hash_name)
+        writer.add_bytes(HEAD, json_bytes(head), record=False)
+        for rel, path, st in entries:
+            if rel not in abs_links:
+                writer.add_path(path, rel, st)
+            if progress and not stat.S_ISDIR(st.st_mode):
+                progress(1)  # one tick per file or link, what walk_tree() counts
+        writer.finish({"abs_links": abs_links})
     finally:
         comp.close()
-    counts["prefix_files"] = len(prefix_files)
-    return counts
+    files = sum(1 for m in writer.members if m[1] == "f")
+    return {"files": files, "bytes": writer.bytes, "prefix_files": len(writer.prefix_files)}
 
 
 def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
-    """After extraction: rewrite the recorded prefix in text files, then recreate the absolute links."""
+    """After extraction: rewrite the recorded prefix in text files, then recreate the absolute links.
+
+    The manifest comes from the archive, so it is checked like the members were: files to fix must be inside
+    the target, links into the old prefix must stay inside the new one, and links that leave the env are only
+    accepted for the interpreter (bin/python* -> an existing python*), never e.g. `etc_link -> /etc`.
+    """
     target = os.path.abspath(target)
     root = os.path.realpath(target)
-    old = manifest["prefix"]
+    old = manifest.get("prefix")
+    if not isinstance(old, str) or not os.path.isabs(old):
+        raise EnvArchiveError(f"archive manifest has no absolute 'prefix' ({old!r}); the archive is damaged.")
     files = []
     for rel in manifest.get("prefix_files", []):
         path = os.path.realpath(os.path.join(target, rel))
         if not path.startswith(root + os.sep):
-            raise EnvError(
+            raise EnvArchiveError(
                 f"archive manifest lists {rel!r}, which is outside the target; refusing the archive."
             )
         files.append(rel)
-    changed = rewrite_prefix_files(target, files, old, target)
-    missing = []
-    for rel, dest in manifest.get("abs_links", {}).items():
-        if ".." in Path(rel).parts or os.path.isabs(rel):
-            raise EnvError(f"archive manifest has a link named {rel!r}; refusing the archive.")
+    links, missing = [], []
+    for rel, dest in (manifest.get("abs_links") or {}).items():
+        if (
+            not isinstance(rel, str)
+            or not isinstance(dest, str)
+            or ".." in Path(rel).parts
+            or os.path.isabs(rel)
+        ):
+            raise EnvArchiveError(f"archive manifest has a link named {rel!r}; refusing the archive.")
         if dest == old or dest.startswith(old + os.sep):
-            dest = target + dest[len(old) :]
-        elif not os.path.exists(dest):
+            dest = os.path.normpath(target + dest[len(old) :])
+            if not (dest == target or dest.startswith(target + os.sep)):
+                raise EnvArchiveError(
+                    f"archive manifest has a link {rel!r} that leaves the env; refusing the archive."
+                )
+        elif not _outside_link_ok(rel, dest):
+            raise EnvArchiveError(
+                f"archive manifest asks for a link {rel!r} -> {dest!r} outside the env; only bin/python* may "
+                f"point at the base interpreter; refusing the archive."
+            )
+        elif not os.path.isfile(dest):
             missing.append(dest)
         link = os.path.join(target, rel)
+        parent = os.path.realpath(os.path.dirname(link))
+        if not (parent == root or parent.startswith(root + os.sep)):
+            raise EnvArchiveError(
+                f"archive manifest has a link {rel!r} outside the target; refusing the archive."
+            )
         if os.path.lexists(link):
-            raise EnvError(f"archive has both a file and a link at {rel!r}; refusing the archive.")
-        os.symlink(dest, link)
+            raise EnvArchiveError(f"archive has both a file and a link at {rel!r}; refusing the archive.")
+        links.append((dest, link))
     if missing:
         raise EnvError(
             f"this virtualenv needs its base interpreter at {', '.join(sorted(set(missing)))}, which does not "
             f"exist here: virtualenvs are tied to the Python they were made with (same image, same path). "
             f"Unpack it on a machine with that Python, or recreate it with kit.envs.create_venv."
         )
-    return {"rewritten": changed, "links": len(manifest.get("abs_links", {}))}
+    changed = rewrite_prefix_files(target, files, old, target)
+    for dest, link in links:
+        os.symlink(dest, link)
+    return {"rewritten": changed, "links": len(links)}
 
 
 def site_packages(prefix: os.PathLike | str) -> Optional[Path]:

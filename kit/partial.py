@@ -1,0 +1,108 @@
+"""Leftovers of interrupted runs, and SIGTERM handled like Ctrl-C so that runs clean up after themselves.
+
+kit/atomic.py writes every output under a temporary sibling `.NAME.partial-XXXX` and renames it when complete.
+A run killed with SIGKILL (or a machine that stops) leaves that folder behind: it never looks finished, but it
+takes space. Stages call `handle_partials()` on their output folder before they start: leftovers are reported
+with their size, and removed when the user asks (`--clean-partial`, `clean_partial=True`). Do not clean a
+folder into which another kit run is writing at the same moment: its temporary folder looks the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import stat
+import threading
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+MARK = ".partial-"
+
+
+def _size(path: str) -> int:
+    """Bytes under `path` (links not followed); files that vanish meanwhile count as 0."""
+    total = 0
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames + dirnames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def find_partials(folder: PathLike, name: Optional[str] = None) -> list:
+    """[{"path", "bytes"}] of the `.NAME.partial-*` leftovers in `folder` (only those of `name` if given)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    start = f".{name}{MARK}" if name else "."
+    found = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.startswith(start) and MARK in entry.name:
+            found.append({"path": entry.path, "bytes": _size(entry.path)})
+    return found
+
+
+def remove_partials(found: list) -> list:
+    """Delete the leftovers find_partials() returned; return the paths removed."""
+    removed = []
+    for item in found:
+        path = item["path"]
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        removed.append(path)
+    return removed
+
+
+def handle_partials(folder: PathLike, clean: bool = False, name: Optional[str] = None) -> dict:
+    """Report leftovers in `folder` with their size; remove them when `clean` is set.
+
+    Returns {"found": [{"path", "bytes"}], "removed": [paths], "bytes": total}.
+    """
+    found = find_partials(folder, name)
+    removed = remove_partials(found) if clean else []
+    return {"found": found, "removed": removed, "bytes": sum(x["bytes"] for x in found)}
+
+
+def describe(report: dict) -> Optional[str]:
+    """One line about leftovers that were found and not removed (None when there are none)."""
+    left = [x for x in report["found"] if x["path"] not in report["removed"]]
+    if not left:
+        return None
+    mib = sum(x["bytes"] for x in left) / 2**20
+    return (
+        f"{len(left)} leftover partial output(s) of interrupted runs ({mib:.1f} MiB): "
+        f"{', '.join(x['path'] for x in left[:3])}{' ...' if len(left) > 3 else ''}; "
+        f"rerun with --clean-partial (clean_partial=True) to remove them."
+    )
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt like Ctrl-C (SIGINT) does, so temporary outputs are
+    removed by the same `except BaseException` paths (kit/atomic.py). Python's default for SIGTERM is to end
+    at once, leaving them. No-op outside the main thread, where signal handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
