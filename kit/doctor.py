@@ -305,14 +305,45 @@ def _check_deepspeed(r: Report, kind: str, env: Mapping[str, str]) -> None:
     )
 
 
+def _stage_line(pkg: str, ver: Optional[str]) -> tuple:
+    """(status, detail, fix) of one library against what the stages need (kit.versions.STAGE_NEEDS)."""
+    need, stages = versions.below_needs(pkg, ver)
+    if not stages:
+        return "pass", f"{pkg} {ver}", ""
+    what = "not installed" if ver is None else f"{pkg} {ver} is older than {need}"
+    return (
+        "warn",
+        f"{what}: stage {', '.join(stages)} needs {pkg}>={need}",
+        f"pip install '{pkg}>={need}' (README: tested stacks)",
+    )
+
+
+def _check_stage_versions(r: Report, have: Mapping[str, Optional[str]]) -> None:
+    for pkg in versions.needed_packages():
+        if pkg in ("torch", "deepspeed"):
+            continue  # their own lines say it (see _versioned)
+        r.add(pkg, *_stage_line(pkg, have.get(pkg)))
+
+
+def _versioned(r: Report, name: str, have: Mapping[str, Optional[str]]) -> None:
+    """Turn the line `name` into a warning when the installed version is below a stage's needs."""
+    status, detail, fix = _stage_line(name, have.get(name))
+    line = r.get(name)
+    if status == "warn" and line.status == "pass":
+        line.status, line.detail, line.fix = "warn", f"{line.detail}; {detail}", fix
+
+
 def diagnose(
     env: Optional[Mapping[str, str]] = None,
     roots: Sequence[str] = ASCEND_ROOTS,
     npu_smi: str = "npu-smi",
     deepspeed: bool = True,
+    installed: Optional[Mapping[str, Optional[str]]] = None,
 ) -> Report:
-    """Run every check and return the report (env and roots are parameters so tests can simulate machines)."""
+    """Run every check and return the report (env, roots and installed versions can simulate other machines)."""
     env = dict(os.environ if env is None else env)
+    have = {pkg: _dist_version(pkg) for pkg in versions.needed_packages()}
+    have.update(installed or {})
     r = Report()
     torch_version = _dist_version("torch")
     _check_python(r, torch_version)
@@ -328,6 +359,7 @@ def diagnose(
 
     build = "CUDA " + str(torch.version.cuda) if torch.version.cuda else "CPU build"
     r.add("torch", "pass", f"torch {torch.__version__} ({build})")
+    _versioned(r, "torch", {"torch": have.get("torch", torch_version)})
     from kit.device import torch_npu_import
 
     _mod, npu_error = torch_npu_import()
@@ -339,14 +371,8 @@ def diagnose(
     info = _check_device(r, env)
     if deepspeed:
         _check_deepspeed(r, info.kind, env)
-    for pkg in ("transformers", "accelerate", "peft", "datasets"):
-        ver = _dist_version(pkg)
-        r.add(
-            pkg,
-            "pass" if ver else "warn",
-            f"{pkg} {ver}" if ver else "not installed",
-            "" if ver else f"pip install {pkg}",
-        )
+        _versioned(r, "deepspeed", have)
+    _check_stage_versions(r, have)
     if "IPython" in sys.modules and info.kind == "npu":
         r.add(
             "task queue",

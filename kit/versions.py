@@ -119,3 +119,49 @@ def python_supported(torch_version: str, python_version: str) -> Optional[bool]:
         return tuple(int(x) for x in v.split(".")[:2])
 
     return key(rng[0]) <= key(python_version) <= key(rng[1])
+
+
+# What each stage needs at least: the oldest versions the kit's tests pass with (the Python 3.9 + torch 2.1 stack,
+# envs/compat/py39-torch21.txt; `make test-compat` runs it). Keys are distribution names.
+STAGE_NEEDS = {
+    "02 data prep": {"transformers": "4.44", "tokenizers": "0.19", "datasets": "2.21", "pyarrow": "17.0"},
+    "03 weight conversion": {"torch": "2.1", "transformers": "4.44", "safetensors": "0.4.5"},
+    "04 training": {
+        "torch": "2.1",
+        "transformers": "4.44",
+        "datasets": "2.21",
+        "safetensors": "0.4.5",
+        "deepspeed": "0.14.4",
+        "accelerate": "0.34",
+        "peft": "0.12",
+    },
+    "05 profiling": {"torch": "2.1", "transformers": "4.44", "pandas": "2.2"},
+}
+
+
+def _key(version: str) -> tuple:
+    return tuple(int(x) for x in base_version(version).split("."))
+
+
+def below_needs(package: str, installed: Optional[str]) -> tuple:
+    """(minimum, stages) of the stages whose needs `installed` does not meet, else (None, ()).
+
+    `installed` None means not installed; the minimum is the highest any unmet stage asks for.
+    """
+    unmet = [
+        (need, stage)
+        for stage, needs in STAGE_NEEDS.items()
+        for pkg, need in needs.items()
+        if pkg == package and (installed is None or _key(installed) < _key(need))
+    ]
+    if not unmet:
+        return None, ()
+    return max((need for need, _ in unmet), key=_key), tuple(stage for _, stage in unmet)
+
+
+def needed_packages() -> list:
+    """Every distribution some stage needs, in first-mentioned order."""
+    seen = {}
+    for needs in STAGE_NEEDS.values():
+        seen.update(dict.fromkeys(needs))
+    return list(seen)

@@ -72,3 +72,52 @@ def test_version_pairing_rules():
     assert versions.cann_matches("9.9.9", "2.99.0") is None
     assert versions.python_supported("2.6.0", "3.12") is False
     assert versions.python_supported("2.1.0", "3.9.18") is True
+
+
+def test_versions_below_a_stages_needs_warn_and_name_the_stage(tmp_path):
+    report = doctor.diagnose(
+        roots=[str(tmp_path / "noascend")],
+        npu_smi="npu-smi-absent",
+        installed={
+            "transformers": "4.40.2",
+            "peft": "0.10.0",
+            "deepspeed": "0.13.1",
+            "torch": "2.0.1",
+            "pyarrow": None,
+        },
+    )
+    tf = report.get("transformers")
+    assert tf.status == "warn" and "4.40.2 is older than 4.44" in tf.detail
+    assert all(
+        s in tf.detail for s in ("02 data prep", "03 weight conversion", "04 training", "05 profiling")
+    )
+    assert "transformers>=4.44" in tf.fix
+    peft = report.get("peft")
+    assert peft.status == "warn" and "04 training" in peft.detail and "02 data prep" not in peft.detail
+    assert report.get("pyarrow").status == "warn" and "not installed" in report.get("pyarrow").detail
+    assert report.get("torch").status == "warn" and "older than 2.1" in report.get("torch").detail
+    assert report.get("deepspeed").status == "warn" and "older than 0.14.4" in report.get("deepspeed").detail
+    assert report.get("datasets").status == "pass" and report.ok  # warnings, not failures
+
+
+def test_stage_needs_are_the_pyproject_floors_and_the_oldest_tested_stack():
+    """One set of numbers: STAGE_NEEDS, pyproject.toml's floors and envs/compat/py39-torch21.txt agree."""
+    import re
+
+    from kit.workspace import repo_root
+
+    root = repo_root()
+    pyproject = (root / "pyproject.toml").read_text(encoding="utf-8")
+    floors = dict(re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)', pyproject))
+    pins = dict(
+        re.findall(
+            r"^([A-Za-z0-9_.-]+)==([0-9.]+)", (root / "envs/compat/py39-torch21.txt").read_text(), re.M
+        )
+    )
+    for pkg in versions.needed_packages():
+        need = max((n[pkg] for n in versions.STAGE_NEEDS.values() if pkg in n), key=versions._key)
+        assert versions._key(floors[pkg]) == versions._key(need), pkg
+        assert versions._key(pins[pkg]) >= versions._key(need), pkg
+        assert versions.below_needs(pkg, pins[pkg]) == (None, ())
+    assert versions.below_needs("peft", "0.11.1") == ("0.12", ("04 training",))
+    assert versions.below_needs("transformers", "4.44.2") == (None, ())

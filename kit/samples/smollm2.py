@@ -24,7 +24,7 @@ PathLike = Union[str, Path]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "kit_demo_model.json"
 # Bump when the folder's layout or contents change: a cache written under another number is rebuilt.
-FORMAT = 2
+FORMAT = 3
 SHARD_BYTES = 200 * 1024 * 1024
 
 # GGUF tensor name (llama.cpp's llama layout) -> HF LlamaForCausalLM name; {i} is the block index.
@@ -225,6 +225,8 @@ def hf_tokenizer_files(reader) -> dict:
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "clean_up_tokenization_spaces": False,
         "eos_token": token("eos"),
+        # transformers 4.x gives PreTrainedTokenizerFast token_type_ids too, which Llama generate() rejects
+        "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": _field(reader, f"{_field(reader, 'general.architecture')}.context_length"),
         "pad_token": token("padding"),
         "tokenizer_class": "PreTrainedTokenizerFast",

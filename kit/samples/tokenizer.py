@@ -76,6 +76,8 @@ def tokenizer_config(tokenizer_json: dict) -> dict:
         "chat_template": CHATML_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": "</s>",
+        # transformers 4.x gives PreTrainedTokenizerFast token_type_ids too, which Llama generate() rejects
+        "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": NO_MAX_LENGTH,
         "pad_token": "<pad>",
         "tokenizer_class": "PreTrainedTokenizerFast",
