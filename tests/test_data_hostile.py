@@ -219,3 +219,33 @@ def test_lazy_package_still_exports_everything():
     with pytest.raises(AttributeError):
         kit.data.no_such_name  # noqa: B018
     assert isinstance(np.int32(1), np.int32)  # numpy stays importable next to the lazy package
+
+
+def test_parquet_text_nulls_wrong_types_and_damage(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document number {i}" for i in range(3000)]
+    texts[2100] = None
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=1000)
+    with pytest.raises(DataInputError, match=r"nulls.parquet:2101: missing field 'text'"):
+        _pretrain(tmp_path / "o", [path])
+    res = _pretrain(tmp_path / "s", [path], on_error="skip")
+    assert res.report.records_read == 3000 and res.report.records_written == 2999
+    assert res.report.dropped == {"missing_field": 1}
+    capped = _pretrain(tmp_path / "m", [path], max_records=1500)  # max_records inside a bulk batch
+    assert capped.report.records_read == 1500 == capped.report.records_written
+    numbers = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": list(range(5))}), numbers)
+    with pytest.raises(DataInputError, match=r"numbers.parquet:1: field 'text' is a int"):
+        _pretrain(tmp_path / "o", [numbers])
+    # the same bytes with the middle overwritten: an error naming the file, not a pyarrow traceback
+    damaged = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"text": texts[:2000]}), damaged, row_group_size=500, compression="snappy")
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 2000] = b"\xff" * 2000
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(DataInputError, match=r"damaged.parquet"):
+        _pretrain(tmp_path / "o", [damaged])
+    assert not (tmp_path / "o").exists() or sorted(p.name for p in (tmp_path / "o").iterdir()) == []

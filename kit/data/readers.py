@@ -8,7 +8,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Union
 
 from kit.errors import InputError, KitError
 
@@ -235,7 +235,20 @@ def _array_items(path: Path, text: str) -> Iterator[tuple]:
         )
 
 
-def _parquet(path: Path, columns: Optional[List[str]], batch_rows: int = 2048) -> Iterator[Record]:
+@dataclass
+class TextBlock:
+    """Consecutive rows of one string column (no nulls): pretraining text read in bulk, without a Record each."""
+
+    source: str
+    line: int
+    """Row number (1-based) of the first text."""
+    texts: List[str]
+
+
+def _parquet(
+    path: Path, columns: Optional[List[str]], text_column: Optional[str] = None, batch_rows: int = 2048
+) -> Iterator[Record]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -250,9 +263,32 @@ def _parquet(path: Path, columns: Optional[List[str]], batch_rows: int = 2048) -
         ) from None
     names = set(pf.schema_arrow.names)
     wanted = [c for c in (columns or []) if c in names] or None
+    bulk = text_column is not None and wanted == [text_column]
     row = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=wanted):
-        for item in batch.to_pylist():
+    batches = pf.iter_batches(batch_size=batch_rows, columns=wanted)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        except Exception as exc:  # a damaged page or column chunk
+            raise DataInputError(
+                str(path),
+                row + 1,
+                f"damaged parquet data after row {row} ({str(exc).splitlines()[0] if str(exc) else exc!r})",
+                "re-export or re-download the file",
+                "malformed",
+            ) from None
+        col = batch.column(0) if bulk else None
+        if (
+            col is not None
+            and col.null_count == 0
+            and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type))
+        ):
+            yield TextBlock(str(path), row + 1, col.to_pylist())  # type: ignore[misc]
+            row += batch.num_rows
+            continue
+        for item in batch.to_pylist():  # other types and nulls: per record, so problems name their row
             row += 1
             yield Record(str(path), row, item)
     if row == 0:
@@ -312,11 +348,14 @@ def iter_records(
     paths: List[str],
     columns: Optional[List[str]] = None,
     on_bad: Optional[Callable[[DataInputError, bool], None]] = None,
-) -> Iterator[Record]:
-    """Yield every record of every file in order; problems go to `on_bad(error, whole_file)` (default: raise)."""
+    text_column: Optional[str] = None,
+) -> Iterator[Union[Record, TextBlock]]:
+    """Yield every record of every file in order; problems go to `on_bad(error, whole_file)` (default: raise).
+
+    With `text_column`, parquet rows whose only wanted column is that string column come as `TextBlock`s."""
     for path in list_files(paths):
         suffix = path.suffix.lower()
-        reader = (lambda p: _parquet(p, columns)) if suffix == ".parquet" else READERS[suffix]
+        reader = (lambda p: _parquet(p, columns, text_column)) if suffix == ".parquet" else READERS[suffix]
         try:
             for rec in reader(path):
                 if not isinstance(rec, _BadRecord):

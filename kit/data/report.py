@@ -47,9 +47,9 @@ class PrepReport:
         )
         self._dropped = collections.Counter(self.dropped)
 
-    def drop(self, reason: str, message: Optional[str] = None) -> None:
-        """Count one dropped record under `reason`; keep the first messages verbatim."""
-        self._dropped[reason] += 1
+    def drop(self, reason: str, message: Optional[str] = None, count: int = 1) -> None:
+        """Count `count` dropped records under `reason`; keep the first messages verbatim."""
+        self._dropped[reason] += count
         if message and len(self.problems) < MAX_EXAMPLES:
             self.problems.append(message)
 

@@ -16,10 +16,23 @@ from kit.errors import InputError
 _STATE: Dict[str, Any] = {}
 
 
-def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) -> Any:
-    """A local HF tokenizer (the sample tokenizer when `path` is None), with a pad id (EOS if it has none)."""
+def _from_folder(folder: Path, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        # transformers < 4.4x needs a `tokenizer_class` or a model config.json to pick the class; a bare
+        # tokenizer.json (what `tokenizers` saves) is a fast tokenizer whatever the model
+        if not (folder / "tokenizer.json").is_file() or any(folder.glob("tokenization_*.py")):
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) -> Any:
+    """A local HF tokenizer (the sample tokenizer when `path` is None), with a pad id (EOS if it has none)."""
     from kit.samples import sample_tokenizer_dir
 
     folder = Path(path).expanduser() if path else sample_tokenizer_dir()
@@ -30,7 +43,7 @@ def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) 
         )
     has_code = any(folder.glob("tokenization_*.py"))
     try:
-        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        tok = _from_folder(folder, trust_remote_code)
     except Exception as exc:
         hint = (
             " This folder ships its own tokenizer code: if you trust it, set trust_remote_code=True "
@@ -132,7 +145,21 @@ def ordered_map(
         return
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     ctx = mp.get_context(method)
-    with ctx.Pool(num_workers, initializer=_pool_init, initargs=initargs) as pool:
+    if method == "fork" and tok is not None:
+        init_worker(
+            *initargs, tok=tok
+        )  # forked workers inherit the loaded tokenizer instead of loading it again
+    # the workers must run single-threaded; set before the fork so `tokenizers` does not warn about it
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = ctx.Pool(num_workers, initializer=_pool_init, initargs=initargs)
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+    with pool:
         pending: collections.deque = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(fn, (chunk,)))
