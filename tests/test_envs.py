@@ -6,6 +6,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -444,3 +445,148 @@ def test_kernel_env_is_an_allowlist_of_cann_variables(source_env, tmp_path, monk
     assert spec["metadata"]["kit"]["not_copied"] == reg["not_copied"]
     assert spec["env"]["PATH"].split(":")[:2] == [f"{source_env}/bin", "/opt/cann/bin"]
     assert spec["env"]["PATH"].count(f"{source_env}/bin") == 1
+
+
+def test_clone_into_a_folder_inside_the_source_is_refused(source_env, tmp_path):
+    before = _names(source_env)
+    for inside in (source_env / "inner", source_env / "lib" / "nested"):
+        with pytest.raises(envs.EnvError, match="inside the source env"):
+            envs.clone(source_env, target=inside, verify_imports=None)
+    assert _names(source_env) == before
+
+
+def _kit(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("KIT_DEBUG", "VIRTUAL_ENV")}
+    env["TQDM_DISABLE"] = "1"  # progress bars also write to stderr; the error line is what is checked here
+    return subprocess.run(
+        [sys.executable, "-m", "kit", "env", *args], capture_output=True, text=True, env=env, cwd=cwd
+    )
+
+
+def test_every_env_command_error_is_one_line_and_exit_2(source_env, tmp_path):
+    good = envs.pack(source_env, tmp_path / "good.tar")["archive"]
+    data = Path(good).read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2 // 512 * 512])
+    (tmp_path / "bad-json.tar").write_bytes(
+        data.replace(b'{"created"', b'{"created" garbage', 1)[: len(data)]
+    )
+    kernels = tmp_path / "jupyter-data" / "kernels"
+    kernels.mkdir(parents=True)
+    long_parent = tmp_path / ("x" * 300) / "env"
+    cases = {
+        "level": ["pack", str(source_env), "-o", str(tmp_path / "a.tar.zst"), "--level", "99"],
+        "format": ["pack", str(source_env), "-o", str(tmp_path / "a.tar.zst"), "--format", "tar.gz"],
+        "suffix": ["pack", str(source_env), "-o", str(tmp_path / "a.rar")],
+        "cut": ["unpack", str(tmp_path / "cut.tar"), str(tmp_path / "u1"), "--verify", ""],
+        "bad-json": ["unpack", str(tmp_path / "bad-json.tar"), str(tmp_path / "u2"), "--verify", ""],
+        "missing-archive": ["unpack", str(tmp_path / "none.tar.zst"), str(tmp_path / "u3")],
+        "name-too-long": ["unpack", good, str(long_parent), "--verify", ""],
+        "no-source": ["clone", "no-such-env", "--envs-root", str(tmp_path / "envs")],
+        "inside": ["clone", str(source_env), "--target", str(source_env / "inner"), "--verify", ""],
+        "method": ["clone", str(source_env), "--method", "rsync", "--envs-root", str(tmp_path / "envs")],
+        "not-env": ["remove", str(tmp_path)],
+        "set-env": ["kernel", str(source_env), "--name", "k", "--set-env", str(tmp_path / "none.sh")],
+        "no-kernel": ["check-kernel", "no-such-kernel"],
+    }
+    for case, argv in cases.items():
+        proc = _kit(*argv)
+        assert proc.returncode == 2, (case, proc.returncode, proc.stderr[-2000:])
+        assert proc.stderr.startswith("error: ") and proc.stderr.strip().count("\n") == 0, (case, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "a.tar.zst").exists() and not (tmp_path / "a.rar").exists()
+    assert not any((tmp_path / u).exists() for u in ("u1", "u2", "u3"))
+
+
+def test_env_help_imports_only_the_light_modules():
+    code = (
+        "import sys, runpy; sys.argv = ['kit', 'env', '--help']\n"
+        "try:\n    runpy.run_module('kit', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "heavy = ['zstandard', 'conda_pack', 'jupyter_client', 'tqdm', 'yaml', 'pandas', 'numpy', 'torch',"
+        " 'xxhash', 'kit.data', 'kit.convert', 'kit.train', 'kit.profiling']\n"
+        "print('LOADED', [m for m in heavy if m in sys.modules])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "usage: python -m kit env" in proc.stdout
+    assert "LOADED []" in proc.stdout, proc.stdout[-500:]
+
+
+def _wait_for(predicate, what: str, ceiling: float = 300.0):
+    """Poll until predicate() is true; the ceiling is generous (a loaded machine), never a timing assertion."""
+    import time
+
+    deadline = time.monotonic() + ceiling
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def many_files_env(tmp_path_factory) -> Path:
+    """A venv with 3000 small files, so a clone is still running when the test stops it."""
+    prefix = envs.create_venv(tmp_path_factory.mktemp("many") / "many-env", inherit=False)
+    site = next(prefix.glob("lib/python3*/site-packages"))
+    for d in range(30):
+        (site / f"pkg{d}").mkdir()
+        for f in range(100):
+            (site / f"pkg{d}" / f"m{f}.py").write_text(f"X = {d * 100 + f}\n")
+    return prefix
+
+
+def _stopped_mid_clone(source: Path, root: Path) -> subprocess.Popen:
+    """Start a CLI clone and freeze it (SIGSTOP) as soon as its temporary folder holds files."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "KIT_DEBUG"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kit", "env", "clone", str(source), "--name", "c", "--envs-root", str(root)]
+        + ["--verify", ""],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    venvs = root / "venvs"
+
+    def copying():
+        return venvs.is_dir() and any(
+            p.name.startswith(".c.partial-") and any(p.rglob("*.py")) for p in venvs.iterdir()
+        )
+
+    _wait_for(copying, "the clone to start copying")
+    proc.send_signal(signal.SIGSTOP)
+    return proc
+
+
+def test_sigterm_cleans_up_like_ctrl_c_and_leftovers_are_reported(many_files_env, tmp_path):
+    import signal
+
+    root = tmp_path / "envs"
+    proc = _stopped_mid_clone(many_files_env, root)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and err.strip().endswith("error: interrupted")
+    assert list((root / "venvs").iterdir()) == []  # the temporary folder went away, nothing looks finished
+
+    proc = _stopped_mid_clone(many_files_env, root)
+    proc.send_signal(signal.SIGKILL)  # what nothing can clean up after: the next run reports it
+    proc.communicate(timeout=300)
+    [left] = list((root / "venvs").iterdir())
+    assert left.name.startswith(".c.partial-")
+    size = sum(p.lstat().st_size for p in left.rglob("*"))
+    report = _kit("clone", str(many_files_env), "--name", "d", "--envs-root", str(root), "--verify", "")
+    assert (
+        report.returncode == 0
+        and "leftover partial output" in report.stderr
+        and "--clean-partial" in report.stderr
+    )
+    result = json.loads(report.stdout)
+    assert (
+        result["partial_leftovers"] == [{"path": str(left), "bytes": size}]
+        and result["partial_removed"] == []
+    )
+    assert left.exists()
+    cleaned = envs.clone(many_files_env, name="e", envs_root=root, verify_imports=None, clean_partial=True)
+    assert cleaned["partial_removed"] == [str(left)] and not left.exists()
+    assert sorted(p.name for p in (root / "venvs").iterdir()) == ["d", "e"]
