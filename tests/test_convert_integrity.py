@@ -138,6 +138,19 @@ def test_truncated_safetensors_shard_is_a_one_line_error(src, tmp_path):
     assert os.listdir(tmp_path) == ["src"]
 
 
+def test_garbled_config_or_unknown_family_is_a_one_line_error(src, tmp_path):
+    bad = _copy(src, tmp_path / "src")
+    (bad / "config.json").write_text("{not json")
+    line = _one_line_error(_cli("--source", str(bad), "--target", str(tmp_path / "o")))
+    assert f"{bad / 'config.json'} is not valid JSON" in line
+    cfg = json.loads((src / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt_neox")))
+    assert "model_type 'gpt_neox', which no family map covers" in _one_line_error(
+        _cli("--source", str(bad), "--target", str(tmp_path / "o"))
+    )
+    assert not (tmp_path / "o").exists()
+
+
 # ---- the checkpoint's own args vs the HF config ---------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
 from kit.convert.file_slices import FileSlice, Rows, Scratch, as_tensor, itemsize, piece_info, torch_dtype
-from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
+from kit.convert.hf_io import HFReader, HFWriter, copy_side_files, read_json
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
 from kit.convert.spec import ModelSpec, megatron_args, padded_vocab_size
 from kit.convert.tensor_ops import full_to_parts, hf_parts, merge_tp, read_rank, split_tp
@@ -219,20 +219,22 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             t = as_tensor(t).to(torch_dtype(cast))
         return t
 
-    meta, written = _save_megatron(
-        cfg,
-        "hf_to_megatron",
-        fam,
-        spec,
-        stages,
-        padded,
-        cast or src_dtype,
-        rank_fn,
-        progress,
-        Path(cfg.source),
-        "converted weights folder",
-    )
-    reader.close()
+    try:
+        meta, written = _save_megatron(
+            cfg,
+            "hf_to_megatron",
+            fam,
+            spec,
+            stages,
+            padded,
+            cast or src_dtype,
+            rank_fn,
+            progress,
+            Path(cfg.source),
+            "converted weights folder",
+        )
+    finally:
+        reader.close()
     return dict(
         meta,
         target=str(cfg.target),
@@ -252,7 +254,7 @@ def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: 
             f"no HF config.json at {cfg_dir}; this checkpoint was not made by the kit. Pass "
             f"hf_config_dir (--hf-config-dir) = the original HF model folder of this model."
         )
-    hf_cfg = json.loads((cfg_dir / "config.json").read_text(encoding="utf-8"))
+    hf_cfg = read_json(cfg_dir / "config.json")
     fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
     spec = fam.read_config(hf_cfg)
     a = mr.args

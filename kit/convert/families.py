@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
 from kit.convert.spec import ModelSpec
+from kit.errors import InputError
 
 # How each role is split over tensor-parallel ranks (facts: ckpt_data_formats.md 1.5-1.8, Megatron saver code).
 ROLE_KIND = {
@@ -224,7 +225,7 @@ def family_for_config(cfg: dict, name: str = None) -> Family:
         name = LOADER_ALIASES.get(name, name)
     if name:
         if name not in FAMILIES:
-            raise ValueError(
+            raise InputError(
                 f"unknown model family {name!r}; known: {sorted(FAMILIES)} "
                 f"or loader names {sorted(k for k, v in LOADER_ALIASES.items() if v)}."
             )
@@ -233,7 +234,7 @@ def family_for_config(cfg: dict, name: str = None) -> Family:
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam
-    raise ValueError(
+    raise InputError(
         f"config.json has model_type {model_type!r}, which no family map covers; supported: "
         f"{[t for f in FAMILIES.values() for t in f.model_types]}. Pass family=... if it is a variant."
     )

@@ -9,11 +9,23 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from kit.convert.file_slices import SafetensorsFile, dtype_name, piece_info, write_safetensors
+from kit.errors import InputError
 
 PathLike = Union[str, Path]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file; damage is a one-line InputError naming it."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path} is not valid JSON ({exc}); download or copy it again.") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path} holds a JSON {type(value).__name__}, not an object; is it the right file?")
+    return value
 
 
 class HFReader:
@@ -26,7 +38,7 @@ class HFReader:
                 f"{self.folder} has no config.json; point the source at an HF model folder "
                 f"(the one holding config.json and the weight shards)."
             )
-        self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
+        self.config = read_json(self.folder / "config.json")
         self._handles: Dict[str, object] = {}
         self.weight_map = self._weight_map()
         missing = sorted({f for f in self.weight_map.values() if not (self.folder / f).is_file()})
@@ -40,7 +52,10 @@ class HFReader:
         for name in INDEX_NAMES:
             path = self.folder / name
             if path.is_file():
-                return dict(json.loads(path.read_text(encoding="utf-8"))["weight_map"])
+                index = read_json(path)
+                if not isinstance(index.get("weight_map"), dict):
+                    raise InputError(f"{path} has no weight_map; download the index again.")
+                return dict(index["weight_map"])
         for name in SINGLE_NAMES:
             if (self.folder / name).is_file():
                 return {k: name for k in self._open(name).keys()}

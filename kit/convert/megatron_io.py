@@ -8,7 +8,6 @@ used. So damage is an error naming the file, and the same code reads on every to
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import re
@@ -18,6 +17,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from kit.convert import layout
 from kit.convert.checks import ConversionError
 from kit.convert.file_slices import FileSlice, Scratch, itemsize, torch_dtype
+from kit.convert.hf_io import read_json
 from kit.convert.torch_zip import RankFileError, TensorRef, TorchGlobal, ZipIndex, load_refs, ref_bytes_range
 
 PathLike = Union[str, Path]
@@ -178,7 +178,7 @@ class MegatronReader:
         first = self.rank_file(*min(found))
         self.args: argparse.Namespace = first.refs.get("args") or argparse.Namespace()
         meta = self.folder / META_FILE
-        self.meta: Optional[dict] = json.loads(meta.read_text(encoding="utf-8")) if meta.is_file() else None
+        self.meta: Optional[dict] = read_json(meta) if meta.is_file() else None
         # The layout the checkpoint says it has (its args, the kit's metadata), not just the folders present:
         # a missing rank is then named instead of surfacing later as a wrong-looking tensor.
         said_tp = int(getattr(self.args, "tensor_model_parallel_size", 0) or (self.meta or {}).get("tp") or 0)
