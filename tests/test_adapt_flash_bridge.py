@@ -155,3 +155,17 @@ def test_a_real_flash_attn_is_kept(tmp_path, monkeypatch):
     ]
     assert not hasattr(sys.modules["flash_attn"], "REAL")
     remove_flash_attn_bridge()
+
+
+def test_bridge_version_matches_its_signature():
+    """The positional order is flash-attn 2.6's (softcap after window_size), so the version says 2.6."""
+    import inspect
+
+    from kit.adapt import flash_attn_bridge as bridge
+
+    major_minor = tuple(int(x) for x in bridge.BRIDGE_VERSION.split(".")[:2])
+    assert (2, 6) <= major_minor < (2, 7)
+    names = list(inspect.signature(bridge.flash_attn_func).parameters)
+    assert names[6:9] == ["window_size", "softcap", "alibi_slopes"]
+    names = list(inspect.signature(bridge.flash_attn_varlen_func).parameters)
+    assert names[10:13] == ["window_size", "softcap", "alibi_slopes"]

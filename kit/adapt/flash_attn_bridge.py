@@ -19,7 +19,10 @@ import torch
 
 from kit.ops import MAX_TOKENS, fusion_attention
 
-BRIDGE_VERSION = "2.5.9.post1"  # the API level emulated: unpad_input returns 4 values, as remote code expects
+# The API level emulated: flash-attn 2.6.x, whose flash_attn_func/varlen_func take `softcap` right after
+# `window_size` (2.5.9 had `alibi_slopes` there: a positional caller of 2.5 would land in softcap) and whose
+# unpad_input still returns 4 values (2.7 returns 5), as remote code expects.
+BRIDGE_VERSION = "2.6.3"
 _MARK = "__kit_bridge__"
 
 
