@@ -45,34 +45,35 @@ class ArrowSink:
         self.rows = 0
         # default ~1M tokens (4 MB) per column and record batch
         self.rows_per_batch = rows_per_batch or max(1, (1 << 20) // max_length)
-        self._pending: Dict[str, List[np.ndarray]] = {c: [] for c in FIXED_COLUMNS}
+        # one preallocated record batch per column, filled in place: each token is copied once, whatever the
+        # caller's batching (no list of pieces to concatenate)
+        self._buf = {c: np.empty((self.rows_per_batch, max_length), dtype=np.int32) for c in FIXED_COLUMNS}
+        self._fill = 0
         self._pending_lens: List[List[int]] = []
         self._writer = ArrowWriter(features=_features(kind), path=str(self.folder / DATA_FILE))
 
     def write(self, columns: Dict[str, np.ndarray], seq_lens: Union[None, List[List[int]]] = None) -> None:
         """Add rows: each fixed column an (n, max_length) array; `seq_lens` one list per row (sft)."""
         n = columns["input_ids"].shape[0]
-        if n == 0:
-            return
-        for c in FIXED_COLUMNS:
-            self._pending[c].append(np.ascontiguousarray(columns[c], dtype=np.int32))
         if self.kind == "sft":
             self._pending_lens.extend(seq_lens)
+        start = 0
+        while start < n:
+            take = min(n - start, self.rows_per_batch - self._fill)
+            for c in FIXED_COLUMNS:  # broadcast views (position_ids) are fine here
+                self._buf[c][self._fill : self._fill + take] = columns[c][start : start + take]
+            self._fill += take
+            start += take
+            if self._fill == self.rows_per_batch:
+                self._flush()
         self.rows += n
-        if sum(a.shape[0] for a in self._pending["input_ids"]) >= self.rows_per_batch:
-            self._drain(final=False)
 
-    def _drain(self, final: bool) -> None:
-        if not self._pending["input_ids"]:
-            return
-        full = {c: np.concatenate(v) if len(v) > 1 else v[0] for c, v in self._pending.items()}
-        total = full["input_ids"].shape[0]
-        cut = total if final else total - total % self.rows_per_batch
-        for start in range(0, cut, self.rows_per_batch):
-            stop = min(start + self.rows_per_batch, cut)
-            self._write_batch({c: a[start:stop] for c, a in full.items()}, self._pending_lens[start:stop])
-        self._pending = {c: ([full[c][cut:]] if cut < total else []) for c in FIXED_COLUMNS}
-        self._pending_lens = self._pending_lens[cut:]
+    def _flush(self) -> None:
+        if self._fill:
+            n = self._fill
+            self._write_batch({c: a[:n] for c, a in self._buf.items()}, self._pending_lens[:n])
+            self._pending_lens = self._pending_lens[n:]
+            self._fill = 0
 
     def _write_batch(self, cols: Dict[str, np.ndarray], seq_lens: List[List[int]]) -> None:
         import pyarrow as pa
@@ -92,7 +93,7 @@ class ArrowSink:
         """Write the last rows and the folder's dataset_info.json / state.json (as save_to_disk does)."""
         from datasets import DatasetInfo
 
-        self._drain(final=True)
+        self._flush()
         self._writer.finalize()
         DatasetInfo(features=_features(self.kind)).write_to_directory(str(self.folder), pretty_print=True)
         # a content-derived fingerprint keeps state.json byte-identical across runs

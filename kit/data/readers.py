@@ -265,7 +265,8 @@ def _parquet(
     wanted = [c for c in (columns or []) if c in names] or None
     bulk = text_column is not None and wanted == [text_column]
     row = 0
-    batches = pf.iter_batches(batch_size=batch_rows, columns=wanted)
+    # one thread: the tokenizer workers are the parallelism (pyarrow's pool only adds CPU here)
+    batches = pf.iter_batches(batch_size=batch_rows, columns=wanted, use_threads=False)
     while True:
         try:
             batch = next(batches)
