@@ -180,6 +180,8 @@ def read_manifest(path: os.PathLike | str) -> Optional[dict]:
 
 def _clean_name(name: str) -> str:
     """Normalise a member name; raise on absolute names and `..` parts."""
+    if not name.startswith("/") and "/." not in "/" + name and "//" not in name and "\\" not in name:
+        return name.rstrip("/")  # the common case: nothing to normalise (checked per member, so kept cheap)
     if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
         raise EnvArchiveError(f"archive member {name!r} has an absolute path; refusing to extract it.")
     parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
@@ -210,12 +212,19 @@ class _Extractor:
         self.regular: set = set()
         self.seen: list = []
         self.counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
+        self.umask = os.umask(0o022)
+        os.umask(self.umask)
 
     def folder(self, rel: str) -> str:
         """Make sure root/rel is a real folder (made here, or checked not to be a link); return its path."""
-        path = os.path.join(self.root, rel) if rel else self.root
+        path = f"{self.root}/{rel}" if rel else self.root
         if rel in self.dirs:
             return path
+        if rel in self.link_names:
+            raise EnvArchiveError(
+                f"archive member {rel!r} is a symbolic link of the same archive used as a folder; refusing "
+                f"to extract through it."
+            )
         self.folder(rel.rpartition("/")[0])
         try:
             os.mkdir(path, 0o755)
@@ -229,19 +238,18 @@ class _Extractor:
         return path
 
     def _through_link(self, name: str) -> None:
-        if not self.link_names:
-            return
-        parts = name.split("/")
-        if any("/".join(parts[:i]) in self.link_names for i in range(1, len(parts) + 1)):
+        # Links are made last, so until then a link's name used as a folder is a real folder made here
+        # (folder() refuses that) and one used as a file is caught here; nothing is written through a link.
+        if name in self.link_names:
             raise EnvArchiveError(
                 f"archive member {name!r} goes through (or replaces) a symbolic link of the same archive; "
                 f"refusing to extract it."
             )
 
-    def _open_new(self, dest: str) -> int:
+    def _open_new(self, dest: str, mode: int) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            return os.open(dest, flags, 0o600)
+            return os.open(dest, flags, mode)
         except FileExistsError:
             if stat.S_ISDIR(os.lstat(dest).st_mode):
                 raise EnvArchiveError(
@@ -249,7 +257,7 @@ class _Extractor:
                     f"refusing it."
                 ) from None
             os.unlink(dest)  # a later member of the same name replaces the earlier one, as tar does
-            return os.open(dest, flags, 0o600)
+            return os.open(dest, flags, mode)
 
     def member(self, m, hash_name: Optional[str]) -> None:
         name = _clean_name(m.raw_name)
@@ -263,9 +271,10 @@ class _Extractor:
             self.counts["dirs"] += 1
             self.seen.append([name, "d", 0, ""])
             return
-        dest = os.path.join(self.folder(parent), _base)
+        dest = f"{self.folder(parent)}/{_base}"
         if m.kind == "f":
-            fd = self._open_new(dest)
+            mode = m.mode & 0o777  # setuid/setgid/sticky bits dropped on purpose
+            fd = self._open_new(dest, mode)
             try:
                 if hash_name:
                     h = new_hasher(hash_name)
@@ -277,7 +286,8 @@ class _Extractor:
                     self.reader.copy(m.size, sink)
                 else:
                     self.reader.copy(m.size, lambda view, fd=fd: _write_all(fd, view))
-                os.fchmod(fd, m.mode & 0o777)  # setuid/setgid/sticky bits dropped on purpose
+                if mode & self.umask:  # open() applied the umask; only then is a second call needed
+                    os.fchmod(fd, mode)
                 os.utime(fd, (m.mtime, m.mtime))
             finally:
                 os.close(fd)
@@ -324,7 +334,7 @@ class _Extractor:
         for dest, linkname in self.links:
             if os.path.lexists(dest):
                 raise EnvArchiveError(
-                    f"archive has both a file and a link at {os.path.relpath(dest, self.root)!r}."
+                    f"archive has both a file and a link at {os.path.relpath(dest, self.root)!r}; refusing it."
                 )
             os.symlink(linkname, dest)
             self.counts["symlinks"] += 1

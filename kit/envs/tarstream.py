@@ -73,6 +73,56 @@ def json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=None, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
 
+_TAILS: dict = {}  # (kind, uname, gname) -> the constant part of a header after the link name, and its sum
+
+
+def _tail(kind: bytes, uname: str, gname: str) -> tuple:
+    key = (kind, uname, gname)
+    if key not in _TAILS:
+        u, g = uname.encode("utf-8", "replace")[:31], gname.encode("utf-8", "replace")[:31]
+        tail = b"ustar\x0000" + u.ljust(32, b"\0") + g.ljust(32, b"\0") + b"0000000\0" * 2
+        _TAILS[key] = (tail, sum(tail))
+    return _TAILS[key]
+
+
+def _ustar(name, mode, uid, gid, size, mtime, kind, linkname, uname, gname) -> Optional[bytes]:
+    """A POSIX ustar header built directly (tarfile's builder costs more per member than reading a small
+    file), or None when the member needs pax records (long or non-ASCII names, big sizes or ids)."""
+    if not (name.isascii() and linkname.isascii()):
+        return None
+    path = name.encode("ascii")
+    link = linkname.encode("ascii")
+    prefix = b""
+    if len(path) > 100:
+        cut = path.rfind(b"/", 0, 156)
+        if cut <= 0 or not 0 < len(path) - cut - 1 <= 100:
+            return None
+        prefix, path = path[:cut], path[cut + 1 :]
+    if (
+        len(link) > 100
+        or size >= 0o77777777777
+        or not 0 <= mtime < 0o77777777777
+        or uid > 0o7777777
+        or gid > 0o7777777
+    ):
+        return None
+    tail, tail_sum = _tail(kind, uname, gname)
+    numbers = b"%07o\0%07o\0%07o\0%011o\0%011o\0" % (mode, uid, gid, size, mtime)
+    chksum = sum(path) + sum(numbers) + 256 + kind[0] + sum(link) + tail_sum + sum(prefix)
+    return b"".join(
+        (
+            path.ljust(100, b"\0"),
+            numbers,
+            b"%06o\0 " % chksum,
+            kind,
+            link.ljust(100, b"\0"),
+            tail,
+            prefix.ljust(155, b"\0"),
+            _ZERO[:12],
+        )
+    )
+
+
 class TarWriter:
     """Write tar members to `out` (anything with write()), recording [name, type, size, hash|link] for each."""
 
@@ -87,8 +137,20 @@ class TarWriter:
         self._buf = bytearray()
         self._inodes: dict = {}
         self._names: dict = {}
+        self._oneshot = None
 
     # -- low level
+    def _digest(self, data) -> str:
+        if self.hash_name == "xxh3_64":
+            if self._oneshot is None:
+                import xxhash
+
+                self._oneshot = xxhash.xxh3_64_hexdigest
+            return self._oneshot(data)
+        h = new_hasher(self.hash_name)
+        h.update(data)
+        return h.hexdigest()
+
     def _emit(self, data) -> None:
         self._buf += data
         if len(self._buf) >= _FLUSH:
@@ -117,6 +179,20 @@ class TarWriter:
         return self._names[key]
 
     def _header(self, name: str, kind: bytes, st=None, size: int = 0, linkname: str = "", mode=None) -> bytes:
+        if st is not None:
+            fast = _ustar(
+                name + "/" if kind == tarfile.DIRTYPE else name,  # tar's convention for folders
+                stat.S_IMODE(st.st_mode) if mode is None else mode,
+                st.st_uid,
+                st.st_gid,
+                size,
+                int(st.st_mtime),
+                kind,
+                linkname,
+                *self._owner(st.st_uid, st.st_gid),
+            )
+            if fast is not None:
+                return fast
         info = tarfile.TarInfo(name)
         info.type = kind
         info.size = size
@@ -175,39 +251,58 @@ class TarWriter:
             )
 
     def _add_file(self, path: str, name: str, st) -> None:
-        h = new_hasher(self.hash_name)
         if st.st_size <= SMALL:
-            with open(path, "rb") as fh:
-                data = fh.read()
-            if self.scan and self.scan in data and b"\0" not in data[:8192]:
-                self.prefix_files.append(name)
-            self._emit(self._header(name, tarfile.REGTYPE, st, len(data)))
-            self._emit(data)
-            self._pad(len(data))
-            h.update(data)
-            size = len(data)
-        else:
-            self._emit(self._header(name, tarfile.REGTYPE, st, st.st_size))
-            self.flush()
-            size = 0
-            buf = bytearray(_FLUSH)
-            view = memoryview(buf)
-            with open(path, "rb", buffering=0) as fh:
-                while size < st.st_size:
-                    n = fh.readinto(view[: min(_FLUSH, st.st_size - size)])
-                    if not n:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, st.st_size + 1)
+                while len(data) <= st.st_size:  # short reads are allowed; read until the end of the file
+                    more = os.read(fd, st.st_size + 1 - len(data))
+                    if not more:
                         break
-                    h.update(view[:n])
-                    self.out.write(view[:n])
-                    size += n
-            if size != st.st_size:
-                raise EnvArchiveError(
-                    f"{path} changed size while it was packed ({st.st_size} -> {size} bytes); stop what writes "
-                    f"to the env and pack again."
-                )
-            self._pad(size)
+                    data += more
+            finally:
+                os.close(fd)
+            if len(data) != st.st_size:
+                raise self._changed(path, st.st_size, len(data))
+            if self.scan and self.scan in data and data.find(b"\0", 0, 8192) < 0:
+                self.prefix_files.append(name)
+            size = len(data)
+            buf = self._buf
+            buf += self._header(name, tarfile.REGTYPE, st, size)
+            buf += data
+            if size % BLOCK:
+                buf += _ZERO[: BLOCK - size % BLOCK]
+            if len(buf) >= _FLUSH:
+                self.flush()
+            self.members.append([name, "f", size, self._digest(data)])
+            self.bytes += size
+            return
+        h = new_hasher(self.hash_name)
+        self._emit(self._header(name, tarfile.REGTYPE, st, st.st_size))
+        self.flush()
+        size = 0
+        buf = bytearray(_FLUSH)
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as fh:
+            while size < st.st_size:
+                n = fh.readinto(view[: min(_FLUSH, st.st_size - size)])
+                if not n:
+                    break
+                h.update(view[:n])
+                self.out.write(view[:n])
+                size += n
+        if size != st.st_size:
+            raise self._changed(path, st.st_size, size)
+        self._pad(size)
         self.members.append([name, "f", size, h.hexdigest()])
         self.bytes += size
+
+    @staticmethod
+    def _changed(path: str, before: int, now: int) -> EnvArchiveError:
+        return EnvArchiveError(
+            f"{path} changed size while it was packed ({before} -> {now} bytes); stop what writes to the env "
+            f"and pack again."
+        )
 
     def finish(self, extra: dict) -> None:
         """Write the member list (with `extra`, e.g. prefix fixes) and the end-of-archive blocks."""
@@ -386,6 +481,41 @@ def _pax(data: bytes) -> dict:
     return out
 
 
+class _Info:
+    """The fields of a header that reading needs (what tarfile.TarInfo has, without its per-field cost)."""
+
+    __slots__ = ("name", "mode", "size", "mtime", "type", "linkname")
+
+    def isdir(self) -> bool:
+        return self.type == tarfile.DIRTYPE
+
+
+def _parse_ustar(hdr: bytes) -> Optional[_Info]:
+    """Parse a plain POSIX ustar header with octal fields; None for anything else (tarfile parses those)."""
+    if hdr[257:263] != b"ustar\x00" or any(hdr[i] & 0x80 for i in (100, 124, 136)):
+        return None
+    try:
+        chksum = int(hdr[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
+        if chksum != sum(hdr) - sum(hdr[148:156]) + 256:
+            raise tarfile.InvalidHeaderError("bad checksum")
+        info = _Info()
+        name = hdr[0:100].split(b"\0", 1)[0]
+        prefix = hdr[345:500].split(b"\0", 1)[0]
+        info.name = os.fsdecode(prefix + b"/" + name if prefix else name)
+        info.mode = int(hdr[100:108].split(b"\0", 1)[0].strip() or b"0", 8)
+        info.size = int(hdr[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+        info.mtime = int(hdr[136:148].split(b"\0", 1)[0].strip() or b"0", 8)
+        info.type = hdr[156:157] or tarfile.REGTYPE
+        if info.type == b"\0":
+            info.type = tarfile.REGTYPE
+        info.linkname = os.fsdecode(hdr[157:257].split(b"\0", 1)[0])
+    except ValueError as exc:
+        raise tarfile.InvalidHeaderError(f"bad number field ({exc})") from exc
+    if info.type == tarfile.AREGTYPE and info.name.endswith("/"):
+        info.type = tarfile.DIRTYPE
+    return info
+
+
 class TarReader:
     """Parse a tar stream of any kit format; `ended` says whether the end-of-archive block was seen."""
 
@@ -426,7 +556,7 @@ class TarReader:
                 self.ended = True
                 return
             try:
-                info = tarfile.TarInfo.frombuf(hdr, "utf-8", "surrogateescape")
+                info = _parse_ustar(hdr) or tarfile.TarInfo.frombuf(hdr, "utf-8", "surrogateescape")
             except tarfile.HeaderError as exc:
                 raise ArchiveDamagedError(
                     f"archive {self.path!r} is corrupt at byte {self.stream.offset - BLOCK} of its tar stream "
