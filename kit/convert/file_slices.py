@@ -328,14 +328,17 @@ class SafetensorsFile:
 class _FileSink:
     """sink.write for a plain output file (safetensors shards)."""
 
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, fd: int, path: str = "?"):
+        self.fd, self.path = fd, path
 
     def write(self, mv) -> None:
         mv = memoryview(mv).cast("B")
-        while len(mv):
-            n = os.write(self.fd, mv)
-            mv = mv[n:]
+        try:
+            while len(mv):
+                n = os.write(self.fd, mv)
+                mv = mv[n:]
+        except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
+            raise OSError(exc.errno, exc.strerror, self.path) from None
 
 
 def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None) -> int:
@@ -352,7 +355,7 @@ def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: 
     raw += b" " * (-len(raw) % 8)  # the spec lets the header be padded with spaces; keeps the data 8-aligned
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        sink, scratch = _FileSink(fd), Scratch()
+        sink, scratch = _FileSink(fd, path), Scratch()
         sink.write(struct.pack("<Q", len(raw)) + raw)
         for _, x in items:
             write_piece(x, sink, scratch)

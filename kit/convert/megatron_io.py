@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from kit.convert import layout
 from kit.convert.checks import ConversionError
-from kit.convert.file_slices import FileSlice, Scratch, itemsize, torch_dtype
+from kit.convert.file_slices import FileSlice, Scratch, torch_dtype
 from kit.convert.hf_io import read_json
 from kit.convert.torch_zip import RankFileError, TensorRef, TorchGlobal, ZipIndex, load_refs, ref_bytes_range
 
@@ -52,12 +52,8 @@ class RankFile:
             self.index = ZipIndex(path)
             self.unchecked = self.index.verify(scratch) if verify else 0
             self.refs = load_refs(self.index)
-        except RankFileError as exc:
+        except (RankFileError, EOFError) as exc:  # damaged: one line naming the file
             raise ConversionError([str(exc)], "Megatron rank file") from None
-        except OSError as exc:
-            if isinstance(exc, EOFError):
-                raise ConversionError([str(exc)], "Megatron rank file") from None
-            raise
         if not isinstance(self.refs, dict) or not isinstance(self.refs.get("model"), dict):
             raise ConversionError(
                 [f"{self.path}: holds no 'model' dict of weights (keys {sorted(self.refs)[:6]})"]
@@ -285,7 +281,3 @@ class MegatronReader:
     def unchecked_files(self) -> List[str]:
         """Rank files opened so far whose records carry no CRC (older writers): not verifiable."""
         return [str(rf.path) for rf in self._cache.values() if rf.unchecked]
-
-
-def itemsize_of(ref: TensorRef) -> int:
-    return itemsize(ref.dtype)

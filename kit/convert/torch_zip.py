@@ -58,10 +58,13 @@ class ZipWriter:
 
     def _raw(self, data) -> None:
         mv = memoryview(data).cast("B")
-        while len(mv):
-            n = os.write(self.fd, mv)
-            mv = mv[n:]
-        self.pos += len(memoryview(data).cast("B"))
+        self.pos += len(mv)
+        try:
+            while len(mv):
+                n = os.write(self.fd, mv)
+                mv = mv[n:]
+        except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
+            raise OSError(exc.errno, exc.strerror, self.path) from None
 
     def begin(self, name: str, size: int) -> None:
         """Start a record of exactly `size` bytes; then write() them and end()."""
