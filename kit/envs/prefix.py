@@ -152,41 +152,49 @@ def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str
     return changed
 
 
-def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes) -> tuple[int, bool]:
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o022) -> tuple[int, bool]:
     """Copy one file (mode and times kept), rewriting the prefix if it is text that holds it.
 
     Small files are read whole (they must be scanned for the prefix anyway); big ones are copied by the kernel
     (copy_file_range, else sendfile), like `cp` does, without passing through Python.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    mode = stat.S_IMODE(st.st_mode)
     rewritten = False
-    with open(s, "rb", buffering=0) as src:
-        if st.st_size <= SCAN_LIMIT:
-            data = src.read()
-            rewritten = scan_prefix(data, old_b)
-            if rewritten:
-                data = data.replace(old_b, new_b)
-            fd = os.open(d, flags, 0o600)
-            try:
+    src = os.open(s, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
+        try:
+            if st.st_size <= SCAN_LIMIT:
+                data = os.read(src, st.st_size + 1)
+                while len(data) <= st.st_size:  # short reads are allowed; read to the end of the file
+                    more = os.read(src, SCAN_LIMIT)
+                    if not more:
+                        break
+                    data += more
+                rewritten = scan_prefix(data, old_b)
+                if rewritten:
+                    data = data.replace(old_b, new_b)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
-                _finish(fd, st)
-            finally:
-                os.close(fd)
-            return len(data), rewritten
-        fd = os.open(d, flags, 0o600)
-        try:
-            _kernel_copy(src.fileno(), fd, st.st_size)
-            _finish(fd, st)
+                size = len(data)
+            else:
+                _kernel_copy(src, fd, st.st_size)
+                size = st.st_size
+            if mode & (umask | 0o7000):  # open() applied the umask (and never sets setuid/setgid/sticky)
+                os.fchmod(fd, mode)
+            os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
             os.close(fd)
-    return st.st_size, False
-
-
-def _finish(fd: int, st) -> None:
-    os.fchmod(fd, stat.S_IMODE(st.st_mode))
-    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(src)
+    return size, rewritten
 
 
 def _kernel_copy(src: int, dst: int, size: int) -> None:
@@ -269,8 +277,10 @@ def copy_tree(
             )
     workers = workers or (8 if is_network_fs(dst) else 1)
 
+    umask = _umask()
+
     def one(job):
-        return _copy_file(*job, old_b, new_b)
+        return _copy_file(*job, old_b, new_b, umask)
 
     if workers == 1:
         results = map(one, jobs)
