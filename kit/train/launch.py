@@ -21,12 +21,18 @@ from kit.configs import check, save_config
 from kit.train.config import TrainConfig
 from kit.workspace import repo_root
 
-# Environment the MindSpeed-LLM scripts set for NPU jobs (npu_anchors.md section 1.6); user values win.
+# Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
+# queue: operator dispatch split across two threads) and CPU_AFFINITY_CONF=1 (bind each rank's threads to the
+# cores of its NPU's NUMA node) are what Ascend's PyTorch performance-tuning guide recommends for training. Both
+# are read when torch_npu starts, so they go into the child's environment (torch_npu 2.13.0
+# `_init/core/optional_features.py` even forces TASK_QUEUE_ENABLE=0 inside an interactive session).
 NPU_ENV = {
     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
     "HCCL_CONNECT_TIMEOUT": "3600",
     "HCCL_EXEC_TIMEOUT": "3600",
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    "TASK_QUEUE_ENABLE": "2",
+    "CPU_AFFINITY_CONF": "1",
 }
 
 
@@ -101,12 +107,29 @@ def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = Non
     if var and visible_devices is not None:
         env[var] = visible_devices
     if kind == "npu":
+        if _task_queue_forced_off(env):
+            env.pop(
+                "TASK_QUEUE_ENABLE"
+            )  # torch_npu's value for this kernel, not the user's: the job is not interactive
         for key, value in NPU_ENV.items():
             env.setdefault(key, value)
     if kind == "cpu":
         # Each process would otherwise start one thread per core and the processes fight over them.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node)))
     return env
+
+
+def _task_queue_forced_off(env: dict) -> bool:
+    """True when TASK_QUEUE_ENABLE=0 was written by torch_npu itself in this interactive process.
+
+    torch_npu (2.13.0 `_init/core/optional_features.py`) overwrites TASK_QUEUE_ENABLE with 0 at import when it
+    runs under IPython/Jupyter or a `>>>` prompt, whatever the user had set; a launched job would inherit that.
+    """
+    if env.get("TASK_QUEUE_ENABLE") != "0" or "torch_npu" not in sys.modules:
+        return False
+    import builtins
+
+    return hasattr(sys, "ps1") or hasattr(builtins, "__IPYTHON__")
 
 
 @dataclass

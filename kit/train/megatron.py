@@ -284,9 +284,16 @@ def build(
         "--distributed-backend",
         "nccl",
     ]
-    if cfg.dtype in ("auto", "bfloat16"):
+    dtype = cfg.dtype
+    if dtype == "auto":
+        # the device's choice: Ascend 910A has no bf16 (kit.device asks torch.npu.is_bf16_supported()); on a
+        # machine without an accelerator the plan gets neither flag (fp32), never a bf16 the card may lack
+        from kit.device import detect
+
+        dtype = detect().dtype
+    if dtype == "bfloat16":
         argv.append("--bf16")
-    elif cfg.dtype == "float16":
+    elif dtype == "float16":
         argv.append("--fp16")
     load_dir = load or (str(save) if cfg.run_type == "retrain" else None)
     if load_dir:

@@ -89,6 +89,7 @@ class Trainer:
         cfg = self.cfg
         self.info = detect()
         self.dtype = eng.resolve_dtype(cfg, self.info)
+        bind_device(self.info)
         self.rank, self.world, self.local_rank = eng.init_distributed(self.info)
         if self.world != cfg.world_size:
             raise RuntimeError(
@@ -116,8 +117,10 @@ class Trainer:
             cfg.log_dir(), self.out.name, cfg.train_iters, enabled=self.rank == 0, echo=self.echo
         )
         model, self.adapt_report = eng.build_model(cfg)
+        check_packing(self.meta, self.adapt_report, cfg.dataset_path, self.ds)
         self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
+        self.fused_optimizer = use_fused_adamw(self.engine.optimizer, self.device)
         self.start_iter = 0
         if resume:
             state = checkpoint.load(self.engine, self.ckpt_root)
@@ -146,18 +149,35 @@ class Trainer:
         return {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
     # ---- collectives ----------------------------------------------------------------------------------------
+    # HCCL (torch_npu's ProcessGroupHCCL, Ascend/pytorch `torch_npu/csrc/distributed/ProcessGroupHCCL.cpp`) reduces
+    # int8/16/32/64, fp16, fp32 and bf16 only; float64 is refused on Atlas A2/A3. So floats go as fp32 and counts
+    # as int64, and a world of one reduces nothing (its numbers stay exactly what was computed).
     def _all_reduce(self, values: list, op: str = "sum") -> list:
+        """Sum (or max) of float values over ranks, reduced as fp32."""
+        return self._reduce(values, "float32", op)
+
+    def _all_reduce_ints(self, values: list, op: str = "sum") -> list:
+        """Sum (or max) of integer values over ranks, reduced as int64."""
+        return [int(v) for v in self._reduce(values, "int64", op)]
+
+    def _reduce(self, values: list, dtype: str, op: str) -> list:
+        if self.world == 1:
+            return list(values)
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        t = torch.tensor(values, dtype=getattr(torch, dtype), device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.tolist()
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def _one_step(self, iteration: int) -> Optional[dict]:
-        """One optimizer step over this rank's micro-batches; None when a loss was not finite (nothing stepped)."""
+        """One optimizer step over this rank's micro-batches; None when a loss was not finite (nothing stepped).
+
+        The losses stay on the device until the last micro-batch: one host sync and one collective per
+        optimizer step decide NaN/inf (before the step), instead of a `.item()` and an all_reduce per micro-batch
+        that would drain the NPU's task queue each time.
+        """
         import torch
 
         from kit.device import synchronize
@@ -166,24 +186,31 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         lr = engine.lr_scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
-        loss_sum, tokens, pre_clip_norm = 0.0, 0, None
-        for batch in micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)):
+        losses, tokens, pre_clip_norm = [], 0, None
+        batches = list(micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)))
+        for i, batch in enumerate(batches):
             batch = {
                 k: v.to(self.device, dtype=torch.long) for k, v in batch.items()
             }  # kit.data stores int32
             loss = engine(**batch).loss
-            bad = self._all_reduce([0.0 if math.isfinite(loss.item()) else 1.0], "max")[0]
-            if bad:
-                return None
+            losses.append(loss.detach())
             engine.backward(loss)
+            if i == len(batches) - 1:
+                values = torch.stack(losses).float().tolist()  # the step's one host sync
+                bad = self._all_reduce_ints([0 if all(map(math.isfinite, values)) else 1], "max")[0]
+                if bad:
+                    return None
             if engine.is_gradient_accumulation_boundary() and cfg.zero_stage == 0:
                 pre_clip_norm = self._grad_norm()  # DeepSpeed reports it only for ZeRO >= 1 / mixed precision
             engine.step()
-            loss_sum += loss.item()
             tokens += tokens_in(batch)
+        loss_sum = 0.0
+        for v in values:  # summed on the host in float64, micro-batch order, as before
+            loss_sum += v
         synchronize(self.device)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
-        loss_sum, tokens, elapsed_ms = self._all_reduce([loss_sum, tokens, elapsed_ms])
+        loss_sum, elapsed_ms = self._all_reduce([loss_sum, elapsed_ms])
+        tokens = self._all_reduce_ints([tokens])[0]
         elapsed_ms /= self.world
         grad_norm = engine.get_global_grad_norm() if pre_clip_norm is None else pre_clip_norm
         from kit.train.metrics import tokens_per_second_per_card
@@ -274,7 +301,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 for cb in self.step_callbacks:
                     cb(iteration)
-                stop = self._all_reduce([1.0 if self._stop_reason else 0.0], "max")[0]
+                stop = self._all_reduce_ints([1 if self._stop_reason else 0], "max")[0]
                 if stop:
                     status = "preempted"
                     last_ckpt = self._save(
@@ -333,6 +360,100 @@ class Trainer:
         else:
             result.hf_dir = export_hf(self.engine.module, self.out / "hf", tok, cfg.zero_stage, self.rank)
         self.writer.text(f"saved HF folder {result.hf_dir}")
+
+
+def _restarts(ds, rows: int = 64) -> bool:
+    """True when some of the first rows restart position_ids inside their real tokens (several dialogs)."""
+    sample = ds[: min(rows, len(ds))]
+    pos, mask = sample["position_ids"], sample["attention_mask"].bool()
+    return bool(((pos[:, 1:] == 0) & mask[:, 1:]).any())
+
+
+def check_packing(meta: dict, adapt_report, dataset_path, ds=None) -> None:
+    """Refuse packed SFT rows when attention is not kit attention: plain HF attention would mix the dialogs.
+
+    Packed rows restart position_ids at each dialog; only kit attention (ADAPT=True) turns that into varlen
+    attention. transformers' eager/sdpa attention ignores it and lets every dialog see the ones before it.
+    A meta.json without `packed` (not written by kit.data) is judged from the rows themselves.
+    """
+    from kit.errors import InputError
+
+    packed = meta.get("packed")
+    if packed is None and ds is not None and meta.get("kind") == "sft":
+        packed = _restarts(ds)
+    packed_sft = meta.get("kind") == "sft" and bool(packed)
+    kit_attention = adapt_report is not None and getattr(adapt_report, "attention", None) == "kit"
+    if packed_sft and not kit_attention:
+        raise InputError(
+            f"{dataset_path} packs several dialogs per row, which plain HF attention would let attend to each "
+            "other: set ADAPT=True (kit attention keeps dialogs apart) or prepare the data with PACK=False."
+        )
+
+
+def bind_device(info) -> None:
+    """Pin this process to its card (LOCAL_RANK) before the process group exists.
+
+    HCCL/NCCL communicators are created on the current device: without an explicit set_device every rank of a
+    node would first touch card 0 (torch_npu's distributed docs ask for `torch.npu.set_device(local_rank)`
+    before `init_process_group`). torch.npu exists once kit.device has imported torch_npu.
+    """
+    import os
+
+    import torch
+
+    if info.kind not in ("npu", "cuda"):
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    getattr(torch, info.kind).set_device(local_rank)
+
+
+def _innermost_optimizer(optimizer):
+    """The torch optimizer inside DeepSpeed's wrappers (BF16/FP16/ZeRO keep it as `.optimizer`)."""
+    import torch
+
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") and seen < 4:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def has_fused_adamw(device_type: str) -> bool:
+    """True when torch has a fused AdamW kernel registered for this device type (CUDA, or NPU via torch_npu).
+
+    torch_npu 2.13.0 registers `_fused_adamw_` for PrivateUse1 (`csrc/aten/npu_native_functions_by_codegen.yaml`);
+    the dispatcher is asked rather than a version compared, so an older torch_npu without it keeps foreach.
+    """
+    import torch
+
+    key = {"cuda": "CUDA", "npu": "PrivateUse1"}.get(device_type)
+    if key is None:
+        return False
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", key))
+    except (AttributeError, RuntimeError):  # pragma: no cover - very old torch
+        return False
+
+
+def use_fused_adamw(optimizer, device) -> bool:
+    """Switch torch AdamW to its fused kernel on NPU/CUDA (foreach stays on CPU); True if switched.
+
+    torch reads `fused`/`foreach` from each param group at every step (and creates the step counters on the
+    device for fused), so setting them after DeepSpeed moved the parameters, before the first step, is the
+    same as constructing with fused=True on the device (which the CPU-side construction cannot do).
+    """
+    import torch
+
+    inner = _innermost_optimizer(optimizer)
+    device_type = getattr(device, "type", str(device).split(":")[0])
+    if not isinstance(inner, torch.optim.AdamW) or not has_fused_adamw(device_type):
+        return False
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if not params or any(p.device.type != device_type or not p.is_floating_point() for p in params):
+        return False
+    for group in inner.param_groups:
+        group["foreach"] = False
+        group["fused"] = True
+    return True
 
 
 def train(

@@ -22,16 +22,19 @@ OP_NAMES = (
 )
 
 
-def _npu_namespace() -> types.SimpleNamespace:
-    """The `torch.npu` functions kit.device uses, answering as one Atlas A2 card would."""
+SET_DEVICE_CALLS: list = []  # every torch.npu.set_device(...) argument, in order
+
+
+def _npu_namespace(bf16: bool = True, count: int = 1) -> types.SimpleNamespace:
+    """The `torch.npu` functions kit.device uses, answering as Atlas A2 cards would (bf16=False: a 910A)."""
     return types.SimpleNamespace(
         is_available=lambda: True,
-        device_count=lambda: 1,
-        get_device_name=lambda index=0: "Ascend910B2 (stand-in)",
-        is_bf16_supported=lambda: True,
+        device_count=lambda: count,
+        get_device_name=lambda index=0: "Ascend910B2 (stand-in)" if bf16 else "Ascend910A (stand-in)",
+        is_bf16_supported=lambda: bf16,
         synchronize=lambda device=None: None,
         current_device=lambda: 0,
-        set_device=lambda device: None,
+        set_device=SET_DEVICE_CALLS.append,
         manual_seed=lambda seed: None,
         manual_seed_all=lambda seed: None,
         empty_cache=lambda: None,
@@ -53,16 +56,18 @@ def build_module() -> types.ModuleType:
     return module
 
 
-def install(monkeypatch, *, profiler: bool = True) -> types.ModuleType:
+def install(monkeypatch, *, profiler: bool = True, bf16: bool = True, count: int = 1) -> types.ModuleType:
     """Install the fake torch_npu (+ torch.npu functions, + fake profiler if present); undone by monkeypatch."""
     import torch
 
     import kit.device as device
 
     ops.CALLS.clear()
+    SET_DEVICE_CALLS.clear()
     fake = build_module()
+    fake.SET_DEVICE_CALLS = SET_DEVICE_CALLS
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    monkeypatch.setattr(torch, "npu", _npu_namespace(), raising=False)
+    monkeypatch.setattr(torch, "npu", _npu_namespace(bf16, count), raising=False)
 
     def torch_npu_import():
         return fake, None
