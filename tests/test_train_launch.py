@@ -147,3 +147,32 @@ def test_launch_command_and_environment_for_multi_node_npu(tmp_path, monkeypatch
     assert str(repo_root()) in env["PYTHONPATH"].split(":")
     cpu = launch_env(TrainConfig(nproc_per_node=2), "cpu")
     assert int(cpu["OMP_NUM_THREADS"]) >= 1
+
+
+def test_npu_jobs_get_task_queue_and_cpu_affinity_unless_set(tmp_path, tiny_llama_dir, monkeypatch):
+    """Ascend's tuning guide: TASK_QUEUE_ENABLE=2 and CPU_AFFINITY_CONF=1 for training; a user's value wins."""
+    cfg = H.tiny_config(tiny_llama_dir, tmp_path / "data", tmp_path / "ws")
+    monkeypatch.delenv("TASK_QUEUE_ENABLE", raising=False)
+    monkeypatch.setenv("CPU_AFFINITY_CONF", "2")
+    env = launch_env(cfg, "npu")
+    assert env["TASK_QUEUE_ENABLE"] == "2" and env["CPU_AFFINITY_CONF"] == "2"
+    monkeypatch.delenv("CPU_AFFINITY_CONF")
+    assert launch_env(cfg, "npu")["CPU_AFFINITY_CONF"] == "1"
+    cpu = launch_env(cfg, "cpu")
+    assert "TASK_QUEUE_ENABLE" not in cpu and "CPU_AFFINITY_CONF" not in cpu
+
+
+def test_task_queue_zero_forced_by_torch_npu_in_a_kernel_is_not_inherited(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """torch_npu sets TASK_QUEUE_ENABLE=0 when imported under IPython; the launched job gets 2 back."""
+    import builtins
+
+    from npu_standin import install
+
+    install(monkeypatch)  # torch_npu (the stand-in) is imported in this process
+    cfg = H.tiny_config(tiny_llama_dir, tmp_path / "data", tmp_path / "ws")
+    monkeypatch.setenv("TASK_QUEUE_ENABLE", "0")
+    assert launch_env(cfg, "npu")["TASK_QUEUE_ENABLE"] == "0"  # a script: the 0 is the user's
+    monkeypatch.setattr(builtins, "__IPYTHON__", True, raising=False)
+    assert launch_env(cfg, "npu")["TASK_QUEUE_ENABLE"] == "2"
