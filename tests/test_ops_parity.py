@@ -23,7 +23,7 @@ def _parse(*argv):
 def test_parity_report_on_npu_branch_calls_every_kernel(monkeypatch):
     install(monkeypatch)
     rows = parity_report(device="cpu", dtype=torch.float32, backend="npu")
-    assert len(rows) == 10 and all(r["backend"] == "npu" for r in rows)
+    assert len(rows) == 14 and all(r["backend"] == "npu" for r in rows)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     called = {name for name, _ in ops.CALLS}
     assert called == {
@@ -34,6 +34,14 @@ def test_parity_report_on_npu_branch_calls_every_kernel(monkeypatch):
         "npu_fast_gelu",
         "npu_scaled_masked_softmax",
     }
+    attention = [args for name, args in ops.CALLS if name == "npu_fusion_attention"]
+    assert any(
+        a["sparse_mode"] == 4 and a["next_tockens"] == -2 and a["inner_precise"] == 2 for a in attention
+    )
+    # explicit masks (2 cases) always get 2: whether a row is fully masked is not known without a host sync
+    assert sum(a["inner_precise"] == 2 for a in attention) == 3
+    rotary = {args["rotary_mode"] for name, args in ops.CALLS if name == "npu_rotary_mul"}
+    assert rotary == {"half", "interleave"}
 
 
 def test_parity_report_bf16_portable():
@@ -45,7 +53,7 @@ def test_cli_parity_writes_json(tmp_path, capsys):
     args = _parse("parity", "--json", str(tmp_path / "parity.json"))
     assert args.func(args) == 0
     rows = json.loads((tmp_path / "parity.json").read_text())
-    assert len(rows) == 10 and "attention TND varlen causal" in capsys.readouterr().out
+    assert len(rows) == 14 and "attention TND varlen causal" in capsys.readouterr().out
 
 
 def test_cli_fix_remote_code(tmp_path, capsys):

@@ -26,6 +26,13 @@ def _cases(gen: torch.Generator) -> list:
     mask = torch.rand(2, 1, 64, 64, generator=gen) > 0.8
     mask[..., 0] = False
     fa = _attention.fusion_attention
+    left_pad = torch.zeros(2, 1, 64, 64, dtype=torch.bool)
+    left_pad[0, :, :, :5] = True
+    left_pad[0, :, :5, :] = True  # padding queries see no key: inner_precise=2 on NPU, rows are 0
+    interleave_cos, interleave_sin = (
+        angles.repeat_interleave(2, -1).cos(),
+        angles.repeat_interleave(2, -1).sin(),
+    )
     return [
         (
             "attention BSND causal GQA",
@@ -47,10 +54,30 @@ def _cases(gen: torch.Generator) -> list:
             lambda q, k, v: fa(q, k, v, 4, "TND", causal=True, actual_seq_qlen=cum, actual_seq_kvlen=cum),
             (r(64, 4, 64), r(64, 2, 64), r(64, 2, 64)),
         ),
+        (
+            "attention causal next_tokens=-2",
+            lambda q, k, v: fa(q, k, v, 4, "BSND", causal=True, next_tokens=-2),
+            (r(2, 64, 4, 64), r(2, 64, 4, 64), r(2, 64, 4, 64)),
+        ),
+        (
+            "attention rows without keys",
+            lambda q, k, v: fa(q, k, v, 4, "BNSD", atten_mask=left_pad.to(q.device)),
+            (r(2, 4, 64, 64), r(2, 4, 64, 64), r(2, 4, 64, 64)),
+        ),
         ("rms_norm", lambda x, w: fused.rms_norm(x, w, 1e-6), (r(4, 64, 256), r(256))),
         ("rotary_mul half", lambda x, c, s: fused.rotary_mul(x, c, s), (r(2, 8, 64, 64), cos, sin)),
+        (
+            "rotary_mul interleave",
+            lambda x, c, s: fused.rotary_mul(x, c, s, "interleave"),
+            (r(2, 8, 64, 64), interleave_cos, interleave_sin),
+        ),
         ("swiglu", lambda x: fused.swiglu(x), (r(4, 64, 512),)),
         ("fast_gelu", lambda x: fused.fast_gelu(x), (r(4, 64, 512),)),
+        (
+            "scaled_masked_softmax masked rows",
+            lambda x: fused.scaled_masked_softmax(x, left_pad.to(x.device), scale=0.125),
+            (r(2, 4, 64, 64),),
+        ),
         (
             "scaled_masked_softmax causal",
             lambda x: fused.scaled_masked_softmax(x, scale=0.125, causal=True),
