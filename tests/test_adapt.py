@@ -361,3 +361,30 @@ def test_adapted_attention_reaches_the_kernel_as_bsnd_without_copies(llama_pair,
     assert attention and all(a["input_layout"] == "BSND" for a in attention)
     # the rotated q that reaches attention is the tensor npu_rotary_mul produced from q_proj's memory, as is
     assert all(r["contiguous"] and r["cos_shape"][2] == 1 for r in rotary)  # BSND with BS1D cos/sin
+
+
+def test_more_packed_dialogs_than_one_varlen_call_holds(llama_pair, monkeypatch):
+    """Above torch_npu's 1024 sequences per TND call the batch is split into several calls, same numbers."""
+    from kit.adapt import attention, varlen
+
+    base = llama_pair[0]
+    adapted = copy.deepcopy(base)
+    adapt_model(adapted)
+    ids = _batch(11, b=2, s=12)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2]])
+    whole = adapted(input_ids=ids, position_ids=pos).logits
+    varlen.clear_cache()
+    monkeypatch.setattr(attention, "MAX_VARLEN_SEQUENCES", 2)  # 8 dialogs -> 4 calls per layer
+    calls = []
+    original = attention.fusion_attention
+    monkeypatch.setattr(
+        attention,
+        "fusion_attention",
+        lambda *a, **k: calls.append(len(k["actual_seq_qlen"])) or original(*a, **k),
+    )
+    split = adapted(input_ids=ids, position_ids=pos).logits
+    assert calls == [2, 2, 2, 2] * 2  # 2 layers
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    for row, start, end in [(0, 3, 5), (1, 2, 7)]:
+        alone = base(input_ids=ids[row : row + 1, start:end]).logits[0]
+        torch.testing.assert_close(split[row, start:end], alone, rtol=1e-5, atol=1e-5)
