@@ -240,6 +240,17 @@ def test_leftover_partial_folders_are_reported_and_cleaned_on_request(src, tmp_p
     res = _cli("--source", str(src), "--target", str(tmp_path / "out"), "--overwrite", "--clean-partial")
     assert res.returncode == 0 and f"removed leftover partial output {left} (3.0 MiB)" in res.stderr
     assert not left.exists() and (tmp_path / "out" / "latest_checkpointed_iteration.txt").is_file()
+    (left / "x").mkdir(parents=True)  # the same through the API (the notebook's path)
+    from kit.convert import convert
+
+    summary = convert(ConvertConfig(str(src), str(tmp_path / "out"), overwrite=True), progress=False)
+    assert (
+        summary["leftover_partials"] == [{"path": str(left), "mib": 0.0, "removed": False}] and left.is_dir()
+    )
+    summary = convert(
+        ConvertConfig(str(src), str(tmp_path / "out"), overwrite=True, clean_partial=True), progress=False
+    )
+    assert summary["leftover_partials"][0]["removed"] and not left.exists()
 
 
 def test_sigterm_removes_the_partial_output_like_ctrl_c(tmp_path):

@@ -1,34 +1,23 @@
 """Weight conversion HF <-> Megatron (TP x PP, mcore local / legacy / TE key names), streaming and verified.
 
-The names below are imported on first use (module `__getattr__`), so `python -m kit convert --help` and
-`import kit.convert` stay light; torch itself is imported only by the code that computes on tensors.
+Importing the package is light: the conversion moves bytes in plain Python, and torch is imported only inside the
+functions that compute on tensors (a dtype cast, Baichuan2's NormHead, re-sharding, the verification). The report
+and verification helpers (pandas, matplotlib, transformers) stay in their own modules, imported on use.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kit.convert.checks import ConversionError
+from kit.convert.config import ConvertConfig
+from kit.convert.convert import convert, hf_to_megatron, megatron_to_hf, megatron_to_megatron
+from kit.convert.families import FAMILIES
 
-_EXPORTS = {
-    "FAMILIES": "kit.convert.families",
-    "ConversionError": "kit.convert.checks",
-    "ConvertConfig": "kit.convert.config",
-    "convert": "kit.convert.convert",
-    "hf_to_megatron": "kit.convert.convert",
-    "megatron_to_hf": "kit.convert.convert",
-    "megatron_to_megatron": "kit.convert.convert",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kit.convert' has no attribute {name!r}")
-
-
-def __dir__() -> list:
-    return sorted(list(globals()) + list(_EXPORTS))
+__all__ = [
+    "FAMILIES",
+    "ConversionError",
+    "ConvertConfig",
+    "convert",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "megatron_to_megatron",
+]

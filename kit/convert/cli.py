@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         hf_config_dir=args.hf_config_dir,
         max_shard_mb=args.max_shard_mb,
         overwrite=args.overwrite,
+        clean_partial=args.clean_partial,
     )
     _partials(cfg.target, args.clean_partial)
     if threading.current_thread() is threading.main_thread():

@@ -29,6 +29,9 @@ class ConvertConfig:
     hf_config_dir: Optional[str] = None  # megatron_to_hf: HF folder with config/tokenizer (default: hf_meta/)
     max_shard_mb: int = 2048  # megatron_to_hf: largest safetensors shard
     overwrite: bool = False  # replace an existing target folder
+    clean_partial: bool = (
+        False  # delete .TARGET.partial-* folders that interrupted runs left (else only reported)
+    )
 
     def problems(self) -> List[str]:
         out = []

@@ -515,4 +515,11 @@ def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
         "megatron_to_hf": megatron_to_hf,
         "megatron_to_megatron": megatron_to_megatron,
     }[cfg.direction]
-    return fn(cfg, progress=progress)
+    from kit.atomic import leftover_partials, remove_partials
+
+    left = remove_partials(cfg.target) if cfg.clean_partial else leftover_partials(cfg.target)
+    summary = fn(cfg, progress=progress)
+    summary["leftover_partials"] = [
+        {"path": str(p), "mib": round(n / 1024**2, 1), "removed": bool(cfg.clean_partial)} for p, n in left
+    ]
+    return summary
