@@ -114,6 +114,7 @@ def test_mixed_sharegpt_and_openai_records_are_all_used(tmp_path):
     rep = res.report
     assert rep.records_written == 4 and rep.records_dropped == 0
     assert rep.formats == {"openai": 2, "sharegpt": 2}
+    assert rep.table().loc["format: sharegpt", "value"] == 2
     rows = load_prepared(res.hf_dir)["input_ids"]
     assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
 
@@ -140,6 +141,7 @@ def test_special_token_strings_in_raw_text_are_text_by_default(tmp_path, tok):
     assert doc == plain + [eos]
     counts = {"<|im_end|>": 1, "</s>": 2}
     assert res.report.special_strings == counts
+    assert res.report.table().loc["special-token string in text: </s>", "value"] == 2  # notebook 02 shows it
     assert any("tokenized as plain text" in w and "'</s>' x2" in w for w in res.report.warnings)
     kept = _pretrain(tmp_path / "k", [path], keep_special_tokens=True)
     doc = IndexedReader(kept.megatron_prefix)[0].tolist()

@@ -141,6 +141,8 @@ class PrepReport:
         ]
         rows += [(f"dropped: {k}", v) for k, v in d["dropped"].items()]
         rows += [(f"files skipped: {k}", v) for k, v in d["files_skipped"].items()]
+        rows += [(f"format: {k}", v) for k, v in d["formats"].items()]
+        rows += [(f"special-token string in text: {k}", v) for k, v in d["special_token_strings"].items()]
         # object dtype keeps counts as integers next to the ratios
         return pd.DataFrame(
             {"value": pd.Series([v for _, v in rows], index=[k for k, _ in rows], dtype=object)}
