@@ -49,18 +49,29 @@ class ArrowSink:
         # caller's batching (no list of pieces to concatenate)
         self._buf = {c: np.empty((self.rows_per_batch, max_length), dtype=np.int32) for c in FIXED_COLUMNS}
         self._fill = 0
+        if kind == "pretrain":  # every pretraining row: labels = input_ids, mask all ones, positions 0..L-1
+            self._buf["attention_mask"][:] = 1
+            self._buf["position_ids"][:] = np.arange(max_length, dtype=np.int32)
+            self._buf["labels"] = self._buf["input_ids"]
         self._pending_lens: List[List[int]] = []
         self._writer = ArrowWriter(features=_features(kind), path=str(self.folder / DATA_FILE))
 
+    def write_tokens(self, ids: np.ndarray) -> None:
+        """Add pretraining rows, (n, max_length) token ids; the other columns follow from them."""
+        self._add({"input_ids": ids}, ["input_ids"])
+
     def write(self, columns: Dict[str, np.ndarray], seq_lens: Union[None, List[List[int]]] = None) -> None:
         """Add rows: each fixed column an (n, max_length) array; `seq_lens` one list per row (sft)."""
-        n = columns["input_ids"].shape[0]
         if self.kind == "sft":
             self._pending_lens.extend(seq_lens)
+        self._add(columns, FIXED_COLUMNS)
+
+    def _add(self, columns: Dict[str, np.ndarray], names) -> None:
+        n = columns["input_ids"].shape[0]
         start = 0
         while start < n:
             take = min(n - start, self.rows_per_batch - self._fill)
-            for c in FIXED_COLUMNS:  # broadcast views (position_ids) are fine here
+            for c in names:  # broadcast views (position_ids) are fine here
                 self._buf[c][self._fill : self._fill + take] = columns[c][start : start + take]
             self._fill += take
             start += take

@@ -45,7 +45,6 @@ class PretrainAssembler:
         self.keep_special_tokens = keep_special_tokens
         self.max_length = report.max_length
         self.carry = np.zeros(0, dtype=np.int32)
-        self._positions = np.arange(self.max_length, dtype=np.int32)
 
     def add(self, result: Tuple[np.ndarray, np.ndarray, Dict[str, int]]) -> None:
         flat, lengths, specials = result
@@ -57,19 +56,18 @@ class PretrainAssembler:
         self.report.add_lengths(lengths)
         if self.writer is not None:
             self.writer.add_documents(flat, lengths)
-        buf = np.concatenate([self.carry, flat]) if self.carry.size else flat
-        rows = buf.size // self.max_length
+        length = self.max_length
+        if self.carry.size:  # complete the row begun by the previous batch; the rest is cut without a copy
+            need = length - self.carry.size
+            if flat.size < need:
+                self.carry = np.concatenate([self.carry, flat])
+                return
+            self.sink.write_tokens(np.concatenate([self.carry, flat[:need]]).reshape(1, length))
+            flat = flat[need:]
+        rows = flat.size // length
         if rows:
-            ids = buf[: rows * self.max_length].reshape(rows, self.max_length)
-            self.sink.write(
-                {
-                    "input_ids": ids,
-                    "labels": ids,
-                    "attention_mask": np.ones_like(ids),
-                    "position_ids": np.broadcast_to(self._positions, ids.shape),
-                }
-            )
-        self.carry = buf[rows * self.max_length :].copy()
+            self.sink.write_tokens(flat[: rows * length].reshape(rows, length))
+        self.carry = flat[rows * length :].copy()
 
     def finish(self) -> None:
         r = self.report
