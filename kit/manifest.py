@@ -34,18 +34,37 @@ KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     PREPARED_DATA: (
         "notebook 02 / `python -m kit data pretrain|sft`",
         (
-            "data_kind",
+            "data_kind",  # pretrain | sft
             "max_length",
-            "tokenizer",
-            "tokenizer_sha256",
+            "tokenizer",  # folder path
+            "tokenizer_sha256",  # tokenizer_sha256(folder)
+            "template",  # chat template name (sft) or None
+            "pack",  # packed samples (sft) or one dialog per sample
             "eos_token_id",
             "pad_token_id",
-            "counts",
+            "vocab_size",
+            "hf_path",  # the HF datasets folder (the manifest's own folder)
+            "megatron_prefix",  # exactly what Megatron/MindSpeed's --data-path takes, or None
+            "megatron_flags",  # flags the Megatron files need, e.g. ["--reset-attention-mask", "--neat-pack"]
+            "heldout",  # {"path": <HF folder>, "records": N, "rule": "..."} held out from training, or None
+            "counts",  # records read / written / dropped / truncated, tokens
         ),
     ),
     CONVERTED_CHECKPOINT: (
         "notebook 03 / `python -m kit convert`",
-        ("direction", "family", "tp", "pp", "num_layer_list", "padded_vocab_size", "dtype", "source"),
+        (
+            "direction",
+            "family",
+            "flavor",
+            "tp",
+            "pp",
+            "num_layer_list",
+            "padded_vocab_size",
+            "dtype",
+            "model",  # model facts from the family map: layers, hidden, heads, kv groups, ffn, vocab
+            "source",  # the folder converted
+            "tokenizer",  # the tokenizer folder kept beside the shards (hf_meta/)
+        ),
     ),
     HF_MODEL: (
         "notebook 03 (Megatron -> HF) or notebook 04 (the exported model) / `python -m kit convert|train`",
@@ -53,9 +72,22 @@ KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     ),
     TRAINING_RUN: (
         "notebook 04 / `python -m kit train run`",
-        ("config", "data", "model", "checkpoints", "metrics"),
+        (
+            "run_type",
+            "config",  # the resolved TrainConfig as JSON
+            "sources",  # field -> where its value came from (explicit / environment KEY / manifest PATH / default)
+            "data",  # prepared-data folder trained on
+            "model",  # model folder started from
+            "checkpoints",  # checkpoint folders written
+            "hf",  # exported plain HF folder (hf-model manifest inside) or None
+            "metrics",  # metrics.jsonl
+            "log",  # the Megatron-style log file
+        ),
     ),
-    PROFILE_CAPTURE: ("notebook 05 / `python -m kit profile`", ("device", "options")),
+    PROFILE_CAPTURE: (
+        "notebook 05 / `python -m kit profile`",
+        ("device", "options", "training_run"),  # training_run: the training-run folder profiled, or None
+    ),
 }
 
 

@@ -25,6 +25,13 @@ DATA_FIELDS = dict(
     eos_token_id=2,
     pad_token_id=0,
     counts={"records_read": 3},
+    template="telechat",
+    pack=True,
+    vocab_size=100,
+    hf_path="/d",
+    megatron_prefix=None,
+    megatron_flags=[],
+    heldout=None,
 )
 
 
@@ -36,7 +43,17 @@ def test_round_trip_records_inputs_and_hash(tmp_path):
     run = write_manifest(
         tmp_path / "run",
         TRAINING_RUN,
-        dict(config={"seq_len": 256}, data=str(data.folder), model="/m", checkpoints=[], metrics="m.jsonl"),
+        dict(
+            run_type="sft",
+            config={"seq_len": 256},
+            sources={"seq_len": "manifest"},
+            data=str(data.folder),
+            model="/m",
+            checkpoints=[],
+            hf=None,
+            metrics="m.jsonl",
+            log="x.log",
+        ),
         inputs=[data.as_input()],
     )
     again = read_manifest(tmp_path / "run", expect=TRAINING_RUN)
