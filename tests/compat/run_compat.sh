@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The unit and notebook tests on the older stacks ModelArts images bring (make test-compat STACK=...).
-#   tests/compat/run_compat.sh py39-torch21|py310-torch25|all [pytest args...]
+#   tests/compat/run_compat.sh py39-torch21|py310-torch25|all [pytest args or test paths...]
 # Each stack gets its own venv, .venv-<STACK>, built from envs/compat/<STACK>.txt (pip constraints) and rebuilt
-# only when that file or pyproject.toml changes (a stamp holds their hash). torch 2.1/2.5 from PyPI bring CUDA
-# wheels (~2.5 GB per stack): pip keeps them in its cache (~/.cache/pip, or PIP_CACHE_DIR), so a rebuild or a
-# second clone on the same machine downloads nothing. Browser (e2e) tests and nbval are not run here.
+# only when that file or pyproject.toml changes (a stamp holds their hash). In a checkout without one,
+# .venv-<STACK> is a link to $KIT_COMPAT_VENVS/<STACK> (default ~/.cache/ascend-kit/compat), so every clone on
+# a machine (CI's fresh clones too) shares one built venv; the tests always import `kit` from this checkout
+# (PYTHONPATH). torch 2.1/2.5 from PyPI bring CUDA wheels (~2.5 GB per stack): pip keeps them in its cache
+# (~/.cache/pip, or PIP_CACHE_DIR), so a rebuild downloads nothing. Browser (e2e) tests and nbval are not run here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -29,6 +31,11 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
         py310-*) py=$(python_for 3.10) ;;
         *) echo "error: cannot tell the Python version of stack $stack" >&2; return 2 ;;
     esac
+    if [ ! -e "$venv" ] && [ ! -L "$venv" ]; then
+        local shared="${KIT_COMPAT_VENVS:-$HOME/.cache/ascend-kit/compat}/$stack"
+        mkdir -p "$(dirname "$shared")"
+        ln -s "$shared" "$venv"
+    fi
     stamp="$venv/.compat-installed"
     want=$(cat "$constraints" pyproject.toml | sha256sum | cut -d' ' -f1)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
@@ -37,7 +44,7 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
     echo "== $stack: installing into $venv (constraints $constraints; pip cache: $("$py" -m pip cache dir 2>/dev/null || echo off))"
     local t0=$SECONDS pip
     rm -f "$stamp" "$venv/.ready"
-    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$(readlink -f "$venv")"
     pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints")
     "${pip[@]}" --upgrade pip setuptools wheel
     # torch first: DeepSpeed's setup.py (an sdist) looks for an installed torch
@@ -57,8 +64,11 @@ run_stack() { # $1 = stack; then pytest args
     t0=$SECONDS
     echo "== $stack: Python $("$venv/bin/python" -c 'import sys; from importlib.metadata import version as v
 print(sys.version.split()[0], *(f"{p} {v(p)}" for p in ("torch", "transformers", "datasets", "deepspeed", "peft")))')"
-    local rc=0
-    KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest tests -m "not e2e" --ignore=tests/e2e -p no:cacheprovider \
+    local rc=0 targets=(tests) a
+    for a in "$@"; do # test paths given: run those instead of the whole tests/ folder
+        if [[ $a != -* && -e ${a%%::*} ]]; then targets=(); break; fi
+    done
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest "${targets[@]}" -m "not e2e" --ignore=tests/e2e -p no:cacheprovider \
         -q "$@" || rc=$?
     echo "== $stack: tests took $((SECONDS - t0)) s (exit $rc)"
     return $rc
