@@ -1,11 +1,14 @@
 """Benchmark kit.ops on this machine: overhead vs the torch expression each op wraps, attention vs eager, masks.
 
-Run: .venv/bin/python benchmarks/bench_ops.py   (a few minutes on 2 CPU cores; every figure is a ratio against a
-baseline measured in the same run). On an NPU the same script times the torch_npu kernels (tensors on npu).
+Run: .venv/bin/python benchmarks/bench_ops.py [--quick]   (a few minutes on 2 CPU cores, --quick about one; every
+figure is a ratio against a baseline measured in the same run, best of alternated repeats). On an NPU the same
+script times the torch_npu kernels (tensors on npu). Each figure also prints one line
+`ops | <figure> | <ratio>x | goal <goal> | MET/MISSED/-` and the baseline's code under it.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from functools import partial
@@ -26,8 +29,12 @@ def _once(fn, inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
+REPEAT_SCALE = 1.0  # --quick: fewer alternated samples (never fewer than 3)
+
+
 def compare(kit_fn, base_fn, repeat: int = 60, inner: int = 1) -> tuple[float, float]:
     """Best (minimum) seconds per call of both, sampled alternately: the least load-disturbed estimate."""
+    repeat = max(3, round(repeat * REPEAT_SCALE))
     for _ in range(2):
         kit_fn()
         base_fn()
@@ -41,6 +48,7 @@ def compare(kit_fn, base_fn, repeat: int = 60, inner: int = 1) -> tuple[float, f
 
 def timeit(fn, repeat: int = 15, inner: int = 5) -> float:
     """Best (minimum) seconds per call."""
+    repeat = max(3, round(repeat * REPEAT_SCALE))
     fn()
     synchronize(DEVICE)
     return min(_once(fn, inner) for _ in range(repeat))
@@ -66,41 +74,61 @@ def eager_attention(q, k, v, causal_mask, scale):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def row(name: str, kit_fn, base_fn, baseline: str, **kw) -> None:
+def figure_line(name: str, ratio: float, goal, baseline: str) -> None:
+    """The one-line form `make bench` collects (benchmarks/run_all.py), with the baseline's code under it."""
+    verdict = "-" if goal is None else ("MET" if ratio >= goal else "MISSED")
+    print(f"ops | {name.strip()} | {ratio:.2f}x | goal {'-' if goal is None else f'>= {goal}x'} | {verdict}")
+    print(f"    baseline: {baseline}")
+
+
+EAGER = (
+    "torch.softmax((q @ repeat_kv(k).transpose(-1, -2) * scale).masked_fill(mask, min), -1) @ repeat_kv(v)"
+)
+
+
+def row(name: str, kit_fn, base_fn, baseline: str, goal=None, code: str = "", **kw) -> None:
     kit_s, base_s = compare(kit_fn, base_fn, **kw)
     print(
         f"{name:<34} kit {kit_s * 1e3:8.3f} ms   {baseline:<28} {base_s * 1e3:8.3f} ms   speed x{base_s / kit_s:5.2f}"
     )
+    figure_line(f"{name.strip()} vs {baseline}, time per call", base_s / kit_s, goal, code or baseline)
 
 
 def bench_overhead() -> None:
     print("\n== kit op vs the torch expression it wraps (goal: speed >= x0.95) ==")
     g = torch.Generator().manual_seed(0)
+    orow = partial(row, goal=0.95)  # a wrapper may cost at most 5% over the expression it replaces
     mk = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
     x, w = mk(8, 256, 512), mk(512)
-    row("rms_norm (8x256x512)", lambda: ops.rms_norm(x, w), lambda: hf_rms(x, w), "HF RMSNorm expr")
+    orow(
+        "rms_norm (8x256x512)",
+        lambda: ops.rms_norm(x, w),
+        lambda: hf_rms(x, w),
+        "HF RMSNorm expr",
+        code="w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # h = x.float()",
+    )
     q, cos, sin = mk(4, 8, 256, 64), mk(1, 1, 256, 64), mk(1, 1, 256, 64)
-    row(
+    orow(
         "rotary_mul half (4x8x256x64)",
         lambda: ops.rotary_mul(q, cos, sin),
         lambda: q * cos + rotate_half(q) * sin,
         "x*cos + rotate_half(x)*sin",
     )
     gate, up = mk(8, 256, 1024), mk(8, 256, 1024)
-    row(
+    orow(
         "silu_mul (8x256x1024)",
         lambda: ops.silu_mul(gate, up),
         lambda: F.silu(gate) * up,
         "F.silu(gate) * up",
     )
     gu = torch.cat((gate, up), -1)
-    row(
+    orow(
         "swiglu (8x256x2048)",
         lambda: ops.swiglu(gu),
         lambda: F.silu(gu[..., :1024]) * gu[..., 1024:],
         "silu(a) * b on halves",
     )
-    row(
+    orow(
         "fast_gelu (8x256x1024)",
         lambda: ops.fast_gelu(gate),
         lambda: gate * torch.sigmoid(1.702 * gate),
@@ -108,14 +136,15 @@ def bench_overhead() -> None:
     )
     s = mk(4, 8, 256, 256)
     m = torch.ones(256, 256, dtype=torch.bool, device=DEVICE).triu(1)
-    row(
+    orow(
         "scaled_masked_softmax (4x8x256²)",
         lambda: ops.scaled_masked_softmax(s, m, 0.125),
         lambda: torch.softmax((s.float() * 0.125).masked_fill(m, -1e9), -1),
         "masked_fill + softmax",
+        code="torch.softmax((s.float() * 0.125).masked_fill(m, -1e9), -1)",
     )
     a, b, empty = mk(32, 256, 64), mk(32, 64, 256), torch.empty(32, 256, 256, device=DEVICE)
-    row(
+    orow(
         "baddbmm beta=0 (32x256²)",
         lambda: ops.baddbmm(empty, a, b, beta=0.0, alpha=0.125),
         lambda: torch.baddbmm(empty, a, b, beta=0.0, alpha=0.125),
@@ -128,7 +157,7 @@ def bench_overhead() -> None:
         "torch.baddbmm(beta=0)",
     )
     q, k = mk(2, 8, 512, 64), mk(2, 2, 512, 64)
-    row(
+    orow(
         "fusion_attention BNSD causal GQA",
         lambda: ops.fusion_attention(q, k, k, 8, "BNSD", causal=True),
         lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True),
@@ -149,6 +178,7 @@ def bench_attention() -> None:
             partial(ops.fusion_attention, q, k, v, n, "BNSD", causal=True),
             partial(eager_attention, q, k, v, mask, scale),
             "eager attention",
+            code=EAGER,
             repeat=9,
         )
     # packed: 4 dialogs in one row of 1024 tokens; eager needs a block-diagonal S x S mask
@@ -166,6 +196,7 @@ def bench_attention() -> None:
         ),
         lambda: eager_attention(q4, k4, v4, block, 1 / math.sqrt(d)),
         "eager + block-diag mask",
+        code=EAGER + "  # mask: block-diagonal per dialog | causal",
         repeat=9,
     )
 
@@ -196,9 +227,20 @@ def bench_masks(size: int = 2048) -> None:
         print(
             f"{name:<34} {t * 1e3:9.3f} ms/call  x{base / t:10.1f} vs numpy   {nbytes / 2**20:7.1f} MiB/call"
         )
+        if fn is not numpy_way:
+            figure_line(
+                f"causal mask {size}x{size}: {name} vs numpy triu + from_numpy, time per call",
+                base / t,
+                None,
+                "torch.from_numpy(np.triu(np.ones([S, S]), k=1)).bool().to(device)",
+            )
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="half the samples (well under a minute on 2 cores)")
+    if ap.parse_args().quick:
+        REPEAT_SCALE = 0.5
     DEVICE = get_device()
     if DEVICE.type == "cpu":
         torch.set_num_threads(
