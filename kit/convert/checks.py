@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kit.convert.families import ROLE_KIND, Family
-from kit.convert.layout import layout_problems
 from kit.convert.spec import ModelSpec
 from kit.convert.tensor_ops import part_offsets
 from kit.errors import KitError
+from kit.parallel import parallel_problems
 
 
 class ConversionError(KitError, ValueError):
@@ -73,44 +73,8 @@ def layout_plan_problems(
     padded_vocab: int,
     flavor: str = "local",
 ) -> List[str]:
-    """Why a TP x PP layout does not fit this model, if it does not."""
-    problems = []
-    if tp < 1:
-        problems.append(f"tensor parallel size {tp} must be >= 1.")
-        return problems
-    for what, n in (("attention heads", spec.num_heads), ("FFN hidden size", spec.ffn_hidden_size)):
-        if n % tp:
-            problems.append(f"tensor parallel size {tp} does not divide the {n} {what}.")
-    ng = spec.num_groups
-    if not _groups_fit(ng, tp, flavor):
-        # megatron-core >= 0.16 accepts TP a multiple of the KV groups (each group's rows split across ranks);
-        # legacy Megatron and older mcore need the groups divisible by TP.
-        problems.append(
-            f"tensor parallel size {tp} does not fit the {ng} KV groups (num_key_value_heads) for flavor {flavor!r}."
-        )
-    if problems:  # the sizes that pass every rule at once, not one rule at a time
-        problems.append(f"TP sizes that fit this model (every rule at once): {tp_candidates(spec, flavor)}.")
-    if padded_vocab < spec.vocab_size:
-        problems.append(f"padded vocabulary {padded_vocab} is smaller than the vocabulary {spec.vocab_size}.")
-    elif padded_vocab % tp:
-        problems.append(f"padded vocabulary {padded_vocab} is not divisible by tensor parallel size {tp}.")
-    problems += layout_problems(spec.num_layers, pp, layer_list)
-    return problems
-
-
-def _groups_fit(groups: int, tp: int, flavor: str) -> bool:
-    return groups % tp == 0 or (flavor != "legacy" and tp % groups == 0)
-
-
-def tp_candidates(spec: ModelSpec, flavor: str = "local") -> List[int]:
-    """Every TP size that divides the heads and the FFN and fits the KV groups."""
-    return [
-        d
-        for d in range(1, spec.num_heads + 1)
-        if spec.num_heads % d == 0
-        and spec.ffn_hidden_size % d == 0
-        and _groups_fit(spec.num_groups, d, flavor)
-    ]
+    """Why a TP x PP layout does not fit this model, if it does not (the rules of kit/parallel.py)."""
+    return parallel_problems(spec.facts(), tp, pp, layer_list, padded_vocab=padded_vocab, flavor=flavor)
 
 
 def check_disk(target: Path, need_bytes: int) -> None:

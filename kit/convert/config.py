@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from kit.convert.layout import FLAVORS
+from kit.convert.megatron_layout import FLAVORS
 
 DIRECTIONS = ("hf_to_megatron", "megatron_to_hf", "megatron_to_megatron")
 DTYPES = (None, "float32", "bfloat16", "float16")

@@ -10,16 +10,19 @@ from typing import Callable, Dict, List, Optional, Union
 
 from kit.atomic import atomic_dir, atomic_write_text
 from kit.configs import check, save_config
-from kit.convert import layout
+from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_plan_problems, role_kind
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
 from kit.convert.file_slices import FileSlice, Rows, Scratch, as_tensor, itemsize, piece_info, torch_dtype
 from kit.convert.hf_io import HFReader, HFWriter, copy_side_files, read_json
+from kit.convert.manifests import write_converted_manifest, write_hf_manifest
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
-from kit.convert.spec import ModelSpec, megatron_args, padded_vocab_size
+from kit.convert.sources import source_identity, source_manifest
+from kit.convert.spec import ModelSpec, megatron_args
 from kit.convert.tensor_ops import full_to_parts, hf_parts, merge_tp, read_rank, split_tp
 from kit.convert.torch_zip import StreamingTorchFile, TensorRef
+from kit.parallel import padded_vocab_size, pipeline_problems, stage_layers
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
@@ -99,13 +102,18 @@ def _write_megatron(
     return written
 
 
-def _finish(tmp: Path, meta: dict, cfg: ConvertConfig, side_from: Optional[Path]) -> None:
-    """Side files, metadata, config; the tracker file goes last so a partial folder never looks complete."""
+def _finish(
+    tmp: Path, meta: dict, cfg: ConvertConfig, side_from: Optional[Path], spec: ModelSpec, source
+) -> None:
+    """Side files, metadata, config, the tracker file, and last the manifest: a partial folder never looks complete.
+
+    `source` is (source manifest or None, (hash, rule)) from kit.convert.sources."""
     if side_from is not None and side_from.is_dir():
         copy_side_files(side_from, tmp / HF_META_DIR)
     atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
     save_config(cfg, tmp, "convert_config.json")
     atomic_write_text(tmp / layout.TRACKER, str(layout.ITERATION))
+    write_converted_manifest(tmp, cfg.target, meta, spec, *source)
 
 
 def _plan(spec: ModelSpec, cfg: ConvertConfig) -> tuple:
@@ -115,7 +123,7 @@ def _plan(spec: ModelSpec, cfg: ConvertConfig) -> tuple:
     problems = layout_plan_problems(spec, tp, pp, cfg.num_layer_list, padded, cfg.flavor)
     if problems:
         raise ConversionError(problems, f"target layout TP{tp} PP{pp} for this {spec.family} model")
-    return padded, layout.stage_layers(spec.num_layers, pp, cfg.num_layer_list)
+    return padded, stage_layers(spec.num_layers, pp, cfg.num_layer_list)
 
 
 def _meta(
@@ -156,6 +164,7 @@ def _save_megatron(
     progress: bool,
     side_from,
     what: str,
+    source: tuple,
 ) -> tuple:
     """Write a whole Megatron folder atomically (rank files, metadata, tracker last); returns (meta, bytes written)."""
     num_layer_list = [len(s) for s in stages]
@@ -175,7 +184,7 @@ def _save_megatron(
             cfg.make_vocab_size_divisible_by,
             str(dtype).replace("torch.", ""),
         )
-        _finish(tmp, meta, cfg, side_from)
+        _finish(tmp, meta, cfg, side_from, spec, source)
     return meta, written
 
 
@@ -183,6 +192,8 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     """Convert an HF folder into Megatron rank files for cfg.tp x cfg.pp; returns a summary dict."""
     t0 = time.perf_counter()
     check(cfg)
+    src_man = source_manifest(cfg.source, "hf_to_megatron")
+    src_hash = source_identity(cfg.source, src_man)
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config)
@@ -232,6 +243,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             progress,
             Path(cfg.source),
             "converted weights folder",
+            (src_man, src_hash),
         )
     finally:
         reader.close()
@@ -242,6 +254,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         bytes_written=written,
         rank_files=cfg.tp * cfg.pp,
         seconds=round(time.perf_counter() - t0, 3),
+        **_provenance(src_man, src_hash),
     )
 
 
@@ -348,8 +361,8 @@ def _check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stage
 
 
 def _stages_of(mr: MegatronReader, spec: ModelSpec) -> List[List[int]]:
-    stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
-    problems = layout.layout_problems(spec.num_layers, mr.pp, [len(x) for x in stages] or None)
+    stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
+    problems = pipeline_problems(spec.num_layers, mr.pp, [len(x) for x in stages] or None)
     if problems:
         raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
     return stages
@@ -388,6 +401,8 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     shard is written, so memory stays a few MB whatever the model size (and torch is not needed)."""
     t0 = time.perf_counter()
     check(cfg)
+    src_man = source_manifest(cfg.source, "megatron_to_hf")
+    src_hash = source_identity(cfg.source, src_man)
     mr = MegatronReader(cfg.source)
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
     stages = _stages_of(mr, spec)
@@ -448,6 +463,8 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         writer.close()
         copy_side_files(cfg_dir, tmp)
         save_config(cfg, tmp, "convert_config.json")
+        source_layout = {"tp": mr.tp, "pp": mr.pp, "flavor": mr.flavor}
+        write_hf_manifest(tmp, cfg.target, cfg.source, spec, source_layout, src_man, src_hash)
     unverified = mr.unchecked_files()
     mr.close()
     return {
@@ -461,6 +478,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         "bytes_written": writer.total_bytes,
         "crc_unverified": unverified,
         "seconds": round(time.perf_counter() - t0, 3),
+        **_provenance(src_man, src_hash),
     }
 
 
@@ -468,6 +486,8 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     """Re-shard a Megatron checkpoint to cfg.tp x cfg.pp (and cfg.flavor) without an HF round trip."""
     t0 = time.perf_counter()
     check(cfg)
+    src_man = source_manifest(cfg.source, "megatron_to_megatron")
+    src_hash = source_identity(cfg.source, src_man)
     mr = MegatronReader(cfg.source)
     fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
     padded, stages = _plan(spec, cfg)
@@ -496,6 +516,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         progress,
         cfg_dir,
         "re-sharded weights folder",
+        (src_man, src_hash),
     )
     mr.close()
     return dict(
@@ -504,7 +525,20 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         bytes_written=written,
         rank_files=cfg.tp * cfg.pp,
         seconds=round(time.perf_counter() - t0, 3),
+        **_provenance(src_man, src_hash),
     )
+
+
+def _provenance(src_man, src_hash: tuple) -> dict:
+    """Summary keys saying what the source was: its manifest (kind, hash) or that it had none."""
+    return {
+        "source_kind": src_man.kind if src_man is not None else None,
+        "source_sha256": src_hash[0],
+        "source_note": None
+        if src_man is not None
+        else "the source has no kit manifest (made by another tool); accepted, checked against its own "
+        "config/args, and identified by a hash of its config and shard headers",
+    }
 
 
 def convert(cfg: ConvertConfig, progress: bool = True) -> dict:

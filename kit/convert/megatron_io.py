@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from kit.convert import layout
+from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError
 from kit.convert.file_slices import FileSlice, Scratch, torch_dtype
 from kit.convert.hf_io import read_json

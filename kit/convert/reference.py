@@ -10,9 +10,10 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from kit.convert import layout
+from kit.convert import megatron_layout as layout
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.spec import ModelSpec
+from kit.parallel import stage_layers
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,7 +118,7 @@ def hf_forward(sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) 
 def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
     tp, fl = mr.tp, mr.flavor
-    stages = layout.stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
+    stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
     f32 = [t.float() for t in mr.parts(layout.key_path(fl, "embedding"), 0)]
     per = f32[0].shape[0]
     x = 0

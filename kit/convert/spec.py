@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,20 @@ class ModelSpec:
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
+    def facts(self) -> Dict[str, Any]:
+        """The model facts the next stages need (a converted-checkpoint manifest's `model` field, the input of
+        kit.parallel's rules and of Megatron's architecture flags): every field, plus `num_kv_groups` and
+        `num_attention_heads` under Megatron's names."""
+        out = self.to_dict()
+        out["num_kv_groups"] = self.num_groups
+        out["num_attention_heads"] = self.num_heads
+        return out
 
-def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128, explicit: Optional[int] = None) -> int:
-    """Megatron's `_vocab_size_with_padding`: round up to a multiple of divisible_by * TP (or take `explicit`)."""
-    if explicit:
-        return int(explicit)
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
+    @classmethod
+    def from_facts(cls, facts: Dict[str, Any]) -> ModelSpec:
+        """The spec back from `facts()` (extra keys ignored)."""
+        names = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in facts.items() if k in names})
 
 
 def megatron_args(

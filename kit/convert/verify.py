@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from kit.convert import layout
+from kit.convert import megatron_layout as layout
 from kit.convert.config import ConvertConfig
 from kit.convert.convert import _source_spec, hf_to_megatron, megatron_to_hf
 from kit.convert.families import family_for_config

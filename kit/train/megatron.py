@@ -110,7 +110,7 @@ def checkpoint_problems(load: Optional[str], tp: int, pp: int) -> list:
     """A converted checkpoint must have the tracker file and exactly the TP x PP rank folders of this run."""
     if not load:
         return []
-    from kit.convert.layout import TRACKER, rank_dir
+    from kit.convert.megatron_layout import TRACKER, rank_dir
 
     tracker = Path(load) / TRACKER
     if not tracker.is_file():

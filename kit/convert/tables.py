@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from kit.convert import layout
+from kit.convert import megatron_layout as layout
 from kit.convert.config import ConvertConfig
 from kit.convert.families import family_for_config
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
-from kit.convert.spec import padded_vocab_size
+from kit.parallel import padded_vocab_size, stage_layers
 
 PathLike = Union[str, Path]
 
@@ -25,7 +25,7 @@ def describe(cfg: ConvertConfig):
     padded = padded_vocab_size(
         spec.vocab_size, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size
     )
-    stages = layout.stage_layers(spec.num_layers, cfg.pp, cfg.num_layer_list)
+    stages = stage_layers(spec.num_layers, cfg.pp, cfg.num_layer_list)
     rows = [
         ("family", f"{fam.name} ({fam.notes})"),
         ("layers", spec.num_layers),

@@ -1,8 +1,11 @@
-"""Megatron's on-disk layout: key names per flavor, rank folder names, pipeline stages, the tracker file."""
+"""Megatron's on-disk layout: key names per flavor, rank folder names, the tracker file.
+
+Which TP / PP layouts fit a model is kit/parallel.py's business; this module only names things on disk.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 FLAVORS = ("local", "legacy", "te")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -98,46 +101,3 @@ def flatten(tree: dict, prefix: str = "") -> Dict[str, object]:
 def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
     """`mp_rank_XX` when PP == 1, else `mp_rank_XX_YYY` (Megatron get_checkpoint_name)."""
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def stage_layers(num_layers: int, pp: int, layer_list: Optional[Sequence[int]] = None) -> List[List[int]]:
-    """Global layer indices of each pipeline stage (uniform, or an explicit per-stage count list)."""
-    if layer_list:
-        counts = [int(c) for c in layer_list]
-    else:
-        counts = [num_layers // pp] * pp if pp and num_layers % pp == 0 else []
-    start, stages = 0, []
-    for c in counts:
-        stages.append(list(range(start, start + c)))
-        start += c
-    return stages
-
-
-def layout_problems(num_layers: int, pp: int, layer_list: Optional[Sequence[int]]) -> List[str]:
-    """Why a pipeline split is impossible, if it is."""
-    if pp < 1:
-        return [f"pipeline parallel size {pp} must be >= 1."]
-    if pp > num_layers:
-        return [
-            f"pipeline parallel size {pp} is larger than the {num_layers} layers; every stage needs a layer."
-        ]
-    if layer_list:
-        lst = [int(c) for c in layer_list]
-        if len(lst) != pp or sum(lst) != num_layers or min(lst) < 1:
-            return [
-                f"layer list {lst} must have {pp} positive counts (one per stage) summing to {num_layers}."
-            ]
-        return []
-    if num_layers % pp:
-        return [
-            f"{num_layers} layers do not split evenly into {pp} pipeline stages; pass an explicit layer list "
-            f"(num_layer_list, e.g. {uneven_example(num_layers, pp)})."
-        ]
-    return []
-
-
-def uneven_example(num_layers: int, pp: int) -> List[int]:
-    base = [num_layers // pp] * pp
-    for i in range(num_layers % pp):
-        base[i] += 1
-    return base

@@ -1,0 +1,126 @@
+"""The manifests conversion writes: `converted-checkpoint` (HF -> Megatron, re-shard) and `hf-model` (Megatron -> HF).
+
+Each records the source folder, its hash and, when the source carried a manifest (the `hf/` model training exported,
+another converted checkpoint), that manifest as a consumed input, so a model can be followed back through the chain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from kit.convert.megatron_io import HF_META_DIR
+from kit.convert.spec import ModelSpec
+from kit.errors import MissingInputError
+from kit.manifest import CONVERTED_CHECKPOINT, HF_MODEL, Manifest, tokenizer_sha256, write_manifest
+from kit.parallel import layer_list_flag
+
+
+def _tokenizer_hash(folder: Path) -> Optional[str]:
+    try:
+        return tokenizer_sha256(folder)
+    except MissingInputError:  # a model folder without tokenizer files (tiny test models)
+        return None
+
+
+def _source_fields(source: str, source_man: Optional[Manifest], source_hash: tuple) -> Dict[str, Any]:
+    return {
+        "source": str(Path(source).resolve()),
+        "source_kind": source_man.kind if source_man is not None else None,
+        "source_sha256": source_hash[0],
+        "source_hash_rule": source_hash[1],
+    }
+
+
+def architecture_flags(model: Dict[str, Any], padded_vocab: Optional[int] = None) -> List[str]:
+    """Megatron/MindSpeed `pretrain_gpt.py` model flags for these model facts (names as in Megatron-LM
+    `megatron/training/arguments.py`, core_r0.8; `--padded-vocab-size` as in ModelLink / MindSpeed-LLM)."""
+    heads, groups = int(model["num_heads"]), int(model["num_kv_groups"])
+    flags = [
+        "--num-layers", model["num_layers"],
+        "--hidden-size", model["hidden_size"],
+        "--ffn-hidden-size", model["ffn_hidden_size"],
+        "--num-attention-heads", heads,
+        "--kv-channels", model["head_dim"],
+        "--max-position-embeddings", model["max_position_embeddings"],
+        "--position-embedding-type", model["position"],
+        "--normalization", "RMSNorm",
+        "--norm-epsilon", model["norm_eps"],
+        "--swiglu",
+        "--disable-bias-linear",
+        "--padded-vocab-size", padded_vocab or model["vocab_size"],
+    ]  # fmt: skip
+    if model["position"] == "rope":
+        flags += ["--rotary-base", model["rotary_base"]]
+        if model["rotary_percent"] != 1.0:
+            flags += ["--rotary-percent", model["rotary_percent"]]
+        if model["rotary_interleaved"]:
+            flags.append("--rotary-interleaved")
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", groups]
+    if model["qkv_bias"]:
+        flags.append("--add-qkv-bias")
+    if not model["tied"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    return [str(f) for f in flags]
+
+
+def write_converted_manifest(
+    tmp: Path,
+    target: str,
+    meta: Dict[str, Any],
+    spec: ModelSpec,
+    source_man: Optional[Manifest],
+    source_hash: tuple,
+) -> Manifest:
+    """The converted-checkpoint manifest of a Megatron output (written last in its temporary folder)."""
+    tok = tmp / HF_META_DIR
+    model = spec.facts()
+    fields = {
+        "direction": meta["direction"],
+        "family": spec.family,
+        "flavor": meta["flavor"],
+        "tp": meta["tp"],
+        "pp": meta["pp"],
+        "num_layer_list": meta["num_layer_list"],
+        "padded_vocab_size": meta["padded_vocab_size"],
+        "make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
+        "dtype": meta["dtype"],
+        "model": model,
+        "tokenizer": str(Path(target).resolve() / HF_META_DIR) if tok.is_dir() else None,
+        "tokenizer_sha256": _tokenizer_hash(tok) if tok.is_dir() else None,
+        # what a Megatron/MindSpeed run loading this folder must be told (besides --load and TP/PP)
+        "megatron_flags": architecture_flags(model, meta["padded_vocab_size"])
+        + (
+            ["--num-layer-list", layer_list_flag(meta["num_layer_list"])]
+            if layer_list_flag(meta["num_layer_list"])
+            else []
+        )
+        + (["--use-mcore-models"] if meta["flavor"] != "legacy" else []),
+        **_source_fields(meta["source"], source_man, source_hash),
+    }
+    inputs = [source_man.as_input()] if source_man is not None else []
+    return write_manifest(tmp, CONVERTED_CHECKPOINT, fields, inputs=inputs)
+
+
+def write_hf_manifest(
+    tmp: Path,
+    target: str,
+    source: str,
+    spec: ModelSpec,
+    layout: Dict[str, Any],
+    source_man: Optional[Manifest],
+    source_hash: tuple,
+) -> Manifest:
+    """The hf-model manifest of a Megatron -> HF output (written last in its temporary folder)."""
+    fields = {
+        "family": spec.family,
+        "direction": "megatron_to_hf",
+        "model": spec.facts(),
+        "source_layout": layout,  # tp, pp, flavor of the Megatron checkpoint merged
+        "tokenizer": str(Path(target).resolve()),
+        "tokenizer_sha256": _tokenizer_hash(tmp),
+        **_source_fields(source, source_man, source_hash),
+    }
+    inputs = [source_man.as_input()] if source_man is not None else []
+    return write_manifest(tmp, HF_MODEL, fields, inputs=inputs)
