@@ -65,18 +65,33 @@ class Run:
 
 
 def parse(text: str, bench: str) -> List[Row]:
-    """The figure lines of a benchmark's output, each with the `baseline:` lines printed under it."""
+    """The figure lines of a benchmark's output with their baselines.
+
+    A baseline is either `    baseline: <code>` printed under a figure, or a block printed before it: a line
+    starting with `baseline` followed by indented lines (e.g. the source of the recipe it runs).
+    """
     rows: List[Row] = []
+    block: List[str] = []  # a `baseline ...` block waiting for the figure it introduces
+    in_block = False
     for line in text.splitlines():
         m = FIGURE.match(line)
         if m:
             rows.append(Row(m["stage"], m["figure"], m["ratio"], m["goal"] or "-", m["status"], bench))
+            if block:
+                rows[-1].baselines.append("\n".join(block))
             if m["extra"]:
                 rows[-1].baselines.append(re.sub(r"^baseline:\s*", "", m["extra"].strip()))
+            block, in_block = [], False
             continue
         b = BASELINE.match(line)
-        if b and rows:
+        if b and rows and not in_block:
             rows[-1].baselines.append(b["code"])
+        elif re.match(r"^baseline\b", line, re.IGNORECASE):
+            block, in_block = [line.strip()], True
+        elif in_block and line.startswith((" ", "\t")) and line.strip():
+            block.append(line.rstrip())
+        else:
+            in_block = False
     return rows
 
 
@@ -191,9 +206,10 @@ def markdown(info: dict, runs: List[Run], load_before: str, load_after: str, tot
         "# Benchmark results (`make bench`)",
         "",
         "Written by `benchmarks/run_all.py`: every benchmark with `--quick`, each in its own process, one after the",
-        "other. A ratio is kit / baseline, higher is better, both measured in the same run (best of alternated",
-        "repeats). Quick configurations are small: they show where the kit stands, not its limits; run a",
-        "benchmark without `--quick` for the full figure.",
+        "other. Every ratio compares the kit with the baseline listed below, both measured in the same run (best",
+        "of alternated repeats); the goal column says which way is good (`>=`: the kit should be at least that",
+        "fast, `<=`/`<`: at most that slow or that large). Quick configurations are small: they show where the kit",
+        "stands on this machine, not its limits; run a benchmark without `--quick` for its full figure.",
         "",
         f"- machine: {info['cpu']}, {info['cores']} cores, {info['ram']} RAM; Python {info['python']}",
         f"- date: {info['date']}; commit {info['commit']}",
@@ -209,7 +225,11 @@ def markdown(info: dict, runs: List[Run], load_before: str, load_after: str, tot
     for r in rows:
         if r.baselines:
             lines.append(f"- **{cell(r.stage)} — {cell(r.figure)}**")
-            lines.extend(f"  - `{b.replace('`', chr(39))}`" for b in r.baselines)
+            for b in r.baselines:
+                if "\n" in b:  # a block of code: fenced, as printed
+                    lines += ["", "  ```", *(f"  {ln}" for ln in b.splitlines()), "  ```", ""]
+                else:
+                    lines.append(f"  - `{b.replace('`', chr(39))}`")
     lines += ["", "## Runs", "", "| benchmark | wall s | exit | figures |", "|---|---|---|---|"]
     for r in runs:
         code = "timeout" if r.returncode is None and r.error.startswith("timed out") else r.returncode
