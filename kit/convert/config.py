@@ -16,12 +16,16 @@ class ConvertConfig:
     """What to convert, into which layout, and where to put it."""
 
     source: str  # HF folder (config.json + shards) or Megatron folder (latest_checkpointed_iteration.txt)
-    target: str  # output folder; refused if it exists unless overwrite
+    target: Optional[str] = (
+        None  # output folder, refused if it exists unless overwrite; None: the workspace's converted_weights/<layout>
+    )
     direction: str = "hf_to_megatron"  # hf_to_megatron | megatron_to_hf | megatron_to_megatron
     tp: int = 1  # target tensor parallel size
     pp: int = 1  # target pipeline parallel size
     num_layer_list: Optional[List[int]] = None  # uneven PP: layers per stage, e.g. [3, 5]
-    family: Optional[str] = None  # llama | chatglm | baichuan (or a seed loader name); None: from config.json
+    family: Optional[str] = (
+        None  # llama | chatglm | baichuan (or a util.py loader name: llama2_hf, chatglm3_hf, baichuan2_hf); None: config.json model_type
+    )
     flavor: str = "local"  # Megatron key names: local (mcore local spec, MindSpeed) | legacy | te
     make_vocab_size_divisible_by: int = 128  # Megatron's --make-vocab-size-divisible-by (padding rule)
     padded_vocab_size: Optional[int] = None  # explicit padded vocabulary (ModelLink --padded-vocab-size)
@@ -38,7 +42,7 @@ class ConvertConfig:
         if not self.source:
             out.append("source is empty; give the folder to convert.")
         if not self.target:
-            out.append("target is empty; give the output folder (e.g. ws.converted_weights / 'tp2pp1').")
+            out.append("target is not set; give the output folder, or run(cfg, ws) to use the workspace's.")
         if self.direction not in DIRECTIONS:
             out.append(f"direction {self.direction!r} is not one of {DIRECTIONS}.")
         for name in ("tp", "pp", "make_vocab_size_divisible_by", "max_shard_mb"):

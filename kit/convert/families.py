@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Tuple
 from kit.convert.spec import ModelSpec
 from kit.errors import InputError
 
-# How each role is split over tensor-parallel ranks (facts: ckpt_data_formats.md 1.5-1.8, Megatron saver code).
+# How each role is split over tensor-parallel ranks (Megatron-LM core_v0.16 attention.py / mlp.py, and ModelLink's saver).
 ROLE_KIND = {
     "embedding": "vocab",
     "output": "vocab",
@@ -207,7 +207,7 @@ BAICHUAN = Family(
 )
 
 FAMILIES = {f.name: f for f in (LLAMA, CHATGLM, BAICHUAN)}
-# The seed's `util.py --loader` names (ModelLink 1.0) and their families.
+# ModelLink 1.0 `util.py --loader` names (the ModelArts user manual's conversion command) and their families.
 LOADER_ALIASES = {
     "llama2_hf": "llama",
     "llama_hf": "llama",
@@ -220,7 +220,7 @@ LOADER_ALIASES = {
 
 
 def family_for_config(cfg: dict, name: str = None) -> Family:
-    """The family named (`llama`, `chatglm`, `baichuan` or a seed loader alias) or else the one of cfg's model_type."""
+    """The family named (`llama`, `chatglm`, `baichuan` or a util.py loader name) or else the one of cfg's model_type."""
     if name:
         name = LOADER_ALIASES.get(name, name)
     if name:

@@ -124,3 +124,14 @@ def write_hf_manifest(
     }
     inputs = [source_man.as_input()] if source_man is not None else []
     return write_manifest(tmp, HF_MODEL, fields, inputs=inputs)
+
+
+def refresh_tokenizer_hash(folder) -> Manifest:
+    """Re-write a converted-checkpoint manifest after a tokenizer file was added to its hf_meta/ (util.py's
+    --tokenizer-model), keeping its fields and inputs."""
+    from kit.manifest import read_manifest
+
+    m = read_manifest(folder, expect=CONVERTED_CHECKPOINT)
+    fields = dict(m.fields, tokenizer=str(Path(folder).resolve() / HF_META_DIR))
+    fields["tokenizer_sha256"] = _tokenizer_hash(Path(folder) / HF_META_DIR)
+    return write_manifest(folder, CONVERTED_CHECKPOINT, fields, inputs=m.inputs)

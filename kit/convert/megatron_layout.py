@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 FLAVORS = ("local", "legacy", "te")
 TRACKER = "latest_checkpointed_iteration.txt"
-ITERATION = 1  # '0' and 'release' break Megatron or MindSpeed readers (ckpt_data_formats.md 1.1)
+ITERATION = 1  # '0' fails read_metadata's `iteration > 0` (Megatron-LM core_v0.6.0 megatron/training/checkpointing.py)
 ITER_DIR = f"iter_{ITERATION:07d}"
 CHECKPOINT_VERSION = 3.0
 

@@ -1,6 +1,6 @@
 """Small pure functions that split, merge and regroup tensors between HF and Megatron tensor-parallel layouts.
 
-Facts (ckpt_data_formats.md 1.5-1.8): QKV rows are grouped per query group `[q heads of g; k_g; v_g]` and a TP rank
+Facts (Megatron-LM core_v0.16 megatron/core/transformer/attention.py and mlp.py, megatron/training/tokenizer/tokenizer.py): QKV rows are grouped per query group `[q heads of g; k_g; v_g]` and a TP rank
 holds a contiguous run of groups; SwiGLU fc1 on rank r is `[gate_r; up_r]`; row-parallel tensors split dim 1;
 embedding/output split dim 0 after padding the vocabulary; norms are replicated.
 """
