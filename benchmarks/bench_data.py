@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-GOALS = {"recipe": 1.6, "floor": 0.92, "rss_growth": 0.05}
+GOALS = {"recipe": 1.6, "floor": 0.92, "rss_growth": 0.05, "help_s": 1.5, "help_mb": 150}
 
 
 def make_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -202,6 +202,24 @@ def run_child(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cli_help_cost(repeat: int = 3) -> tuple:
+    """Best wall seconds and max RSS (MB) of `python -m kit data sft --help` (what /usr/bin/time -v reports)."""
+    best_s, best_mb = float("inf"), float("inf")
+    root = str(Path(__file__).resolve().parent.parent)
+    for _ in range(repeat):
+        t = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kit", "data", "sft", "--help"], cwd=root, stdout=subprocess.DEVNULL
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise RuntimeError(f"python -m kit data sft --help exited {proc.returncode}")
+        best_s = min(best_s, time.perf_counter() - t)
+        best_mb = min(best_mb, usage.ru_maxrss / 1024)
+    return best_s, best_mb
+
+
 def _figure(name: str, ratio: float, goal: str, met: bool) -> str:
     return f"data | {name} | {ratio:.2f}x | goal {goal} | {'MET' if met else 'MISSED'}"
 
@@ -301,6 +319,13 @@ def main() -> int:
             growth[worst] - 1 < GOALS["rss_growth"],
         )
     )
+    help_s, help_mb = cli_help_cost()
+    print(
+        f"\n`python -m kit data sft --help`: {help_s:.2f} s wall, {help_mb:.0f} MB max RSS "
+        f"(budget {GOALS['help_s']} s and {GOALS['help_mb']} MB; the ratio is the larger share of a budget)"
+    )
+    share = max(help_s / GOALS["help_s"], help_mb / GOALS["help_mb"])
+    print(_figure("CLI --help start-up, share of its budget", share, "<= 1.00x", share <= 1.0))
     return 0
 
 
