@@ -1,0 +1,214 @@
+"""Conversion outputs describe themselves (kit_manifest.json) and name what they were made from; model facts come
+from the family maps for every family."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.convert import models as convert_models
+
+from kit.convert import ConvertConfig, model_facts, run
+from kit.convert.sources import fingerprint
+from kit.errors import InputError
+from kit.manifest import (
+    CONVERTED_CHECKPOINT,
+    HF_MODEL,
+    PREPARED_DATA,
+    Consumed,
+    read_manifest,
+    tokenizer_sha256,
+    write_manifest,
+)
+from kit.parallel import parallel_problems
+
+tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
+tiny_baichuan_dir = convert_models.tiny_baichuan_dir
+tiny_llama4_dir = convert_models.tiny_llama4_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _convert(source, target, **kw):
+    return run(ConvertConfig(str(source), str(target), **kw), progress=False)
+
+
+def test_converted_manifest_holds_layout_vocab_and_family_facts(tiny_llama4_dir, tmp_path):
+    out = tmp_path / "tp2pp3"
+    result = _convert(tiny_llama4_dir, out, tp=2, pp=3, num_layer_list=[1, 2, 1])
+    m = read_manifest(out, expect=CONVERTED_CHECKPOINT)
+    assert (m["direction"], m["family"], m["flavor"], m["tp"], m["pp"]) == (
+        "hf_to_megatron",
+        "llama",
+        "local",
+        2,
+        3,
+    )
+    assert m["num_layer_list"] == [1, 2, 1]
+    assert m["padded_vocab_size"] == 2560  # 2522 rounded up to a multiple of 128 x TP2
+    assert m["dtype"] == "float32"
+    model = m["model"]
+    assert (model["num_layers"], model["hidden_size"], model["num_heads"], model["num_kv_groups"]) == (
+        4,
+        64,
+        4,
+        2,
+    )
+    assert (model["ffn_hidden_size"], model["vocab_size"], model["qkv_bias"]) == (128, 2522, True)
+    assert m["source"] == str(Path(tiny_llama4_dir).resolve())
+    assert m.inputs == [] and m["source_kind"] is None
+    assert m["source_sha256"] == fingerprint(
+        tiny_llama4_dir
+    )  # a downloaded HF model: hash of config + headers
+    assert m["tokenizer"] == str(out.resolve() / "hf_meta")
+    assert m["tokenizer_sha256"] == tokenizer_sha256(tiny_llama4_dir)
+    flags = m["megatron_flags"]
+    assert flags[flags.index("--num-layer-list") + 1] == "1,2,1"
+    assert flags[flags.index("--num-query-groups") + 1] == "2" and "--add-qkv-bias" in flags
+    assert flags[flags.index("--padded-vocab-size") + 1] == "2560"
+    # the facts read back from the converted folder are the HF folder's, and fit kit.parallel's rules
+    assert model_facts(out) == model_facts(tiny_llama4_dir) == model
+    assert parallel_problems(model, m["tp"], m["pp"], m["num_layer_list"]) == []
+    s = result.summary()
+    assert (s["tp"], s["pp"], s["num_layer_list"], s["padded_vocab_size"]) == (2, 3, [1, 2, 1], 2560)
+    assert s["manifest_sha256"] == m.sha256 and s["inputs"] == [] and "no kit manifest" in s["source_note"]
+
+
+def test_provenance_chains_through_hf_megatron_hf_megatron(tiny_llama_dir, tmp_path):
+    # the hf/ folder training exports: an HF model whose hf-model manifest names the training run it came from
+    trained = tmp_path / "run" / "hf"
+    shutil.copytree(tiny_llama_dir, trained)
+    run_input = Consumed("training-run", str(tmp_path / "run"), "ab" * 32)
+    hf_man = write_manifest(
+        trained, HF_MODEL, {"family": "llama", "source": str(tmp_path / "run")}, [run_input]
+    )
+
+    first = _convert(trained, tmp_path / "mg", tp=2, pp=2)
+    m1 = first.manifest
+    assert m1.inputs == [hf_man.as_input()]
+    assert (m1["source_kind"], m1["source_sha256"]) == (HF_MODEL, hf_man.sha256)
+    assert first.summary()["inputs"] == [
+        {"kind": HF_MODEL, "path": str(trained.resolve()), "manifest_sha256": hf_man.sha256}
+    ]
+
+    reshard = _convert(tmp_path / "mg", tmp_path / "mg_tp1pp1", direction="megatron_to_megatron")
+    assert reshard.manifest.inputs == [m1.as_input()] and reshard.manifest["tp"] == 1
+
+    back = _convert(tmp_path / "mg_tp1pp1", tmp_path / "hf_back", direction="megatron_to_hf")
+    m3 = read_manifest(tmp_path / "hf_back", expect=HF_MODEL)
+    assert m3.inputs == [reshard.manifest.as_input()] and m3["family"] == "llama"
+    assert m3["source_layout"] == {"tp": 1, "pp": 1, "flavor": "local"}
+    assert m3["model"] == m1["model"]
+    assert back.summary()["manifest_kind"] == HF_MODEL
+
+    again = _convert(tmp_path / "hf_back", tmp_path / "mg2", tp=2)
+    # followed back: mg2 <- hf_back <- mg_tp1pp1 <- mg <- run/hf <- the training run
+    chain, m = [], again.manifest
+    while m.inputs:
+        chain.append(m.inputs[0].kind)
+        if m.inputs[0].kind == "training-run":
+            break
+        m = read_manifest(m.inputs[0].path)
+    assert chain == [HF_MODEL, CONVERTED_CHECKPOINT, CONVERTED_CHECKPOINT, HF_MODEL, "training-run"]
+
+
+def _prepared_data_manifest(folder: Path) -> None:
+    fields = dict.fromkeys(
+        (
+            "data_kind max_length tokenizer tokenizer_sha256 template pack eos_token_id pad_token_id vocab_size "
+            "hf_path megatron_prefix megatron_flags heldout counts"
+        ).split()
+    )
+    write_manifest(folder, PREPARED_DATA, fields)
+
+
+def test_wrong_kind_source_is_one_line_error_naming_the_stage(tiny_llama_dir, tmp_path):
+    data = tmp_path / "data_hf"
+    shutil.copytree(tiny_llama_dir, data)  # even with weights inside, a prepared-data folder is not a model
+    _prepared_data_manifest(data)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kit",
+            "convert",
+            "--source",
+            str(data),
+            "--target",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+    )
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert (
+        "is a prepared-data folder (made by notebook 02" in lines[0]
+        and "expected a hf-model folder" in lines[0]
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_megatron_folder_given_to_hf_direction_points_at_the_right_direction(tiny_llama_dir, tmp_path):
+    _convert(tiny_llama_dir, tmp_path / "mg")
+    with pytest.raises(InputError, match="is a converted-checkpoint folder .*use direction 'megatron_to_hf'"):
+        _convert(tmp_path / "mg", tmp_path / "o")
+    with pytest.raises(InputError, match="holds no model"):
+        _prepared = tmp_path / "data"
+        _prepared.mkdir()
+        _prepared_data_manifest(_prepared)
+        model_facts(_prepared)
+
+
+def test_megatron_source_without_manifest_is_accepted_and_said_so(tiny_llama_dir, tmp_path):
+    mg = tmp_path / "mg"
+    _convert(tiny_llama_dir, mg, tp=2)
+    (mg / "kit_manifest.json").unlink()  # as if another tool wrote it (it keeps its own args and hf_meta/)
+    result = _convert(mg, tmp_path / "hf", direction="megatron_to_hf")
+    m = read_manifest(tmp_path / "hf", expect=HF_MODEL)
+    assert m.inputs == [] and m["source_kind"] is None
+    assert m["source_sha256"] == fingerprint(mg) and "no manifest" in m["source_hash_rule"]
+    assert "no kit manifest" in result.summary()["source_note"]
+    before = fingerprint(mg)
+    (mg / "hf_meta" / "config.json").write_text(
+        (mg / "hf_meta" / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps" ', 1)
+    )
+    assert fingerprint(mg) != before  # a changed config is a different source
+
+
+def test_chatglm3_and_baichuan2_facts_come_from_the_family_maps(tiny_glm_dir, tiny_baichuan_dir, tmp_path):
+    glm_config = json.loads((Path(tiny_glm_dir) / "config.json").read_text())
+    assert "num_hidden_layers" not in glm_config  # ChatGLM3 says num_layers / multi_query_group_num
+    glm = model_facts(tiny_glm_dir)
+    assert (glm["family"], glm["num_layers"], glm["num_heads"], glm["num_kv_groups"]) == (
+        "chatglm",
+        glm_config["num_layers"],
+        glm_config["num_attention_heads"],
+        glm_config["multi_query_group_num"],
+    )
+    assert (glm["ffn_hidden_size"], glm["vocab_size"]) == (
+        glm_config["ffn_hidden_size"],
+        glm_config["padded_vocab_size"],
+    )
+    assert glm["rotary_percent"] == 0.5 and glm["rotary_interleaved"] and glm["qkv_bias"]
+
+    bc_config = json.loads((Path(tiny_baichuan_dir) / "config.json").read_text())
+    bc = model_facts(tiny_baichuan_dir)
+    assert (bc["family"], bc["num_layers"], bc["num_kv_groups"]) == (
+        "baichuan",
+        bc_config["num_hidden_layers"],
+        bc_config["num_attention_heads"],
+    )
+    assert bc["norm_head"] and bc["position"] == "alibi"
+
+    out = tmp_path / "glm_tp2pp2"
+    _convert(tiny_glm_dir, out, tp=2, pp=2)
+    m = read_manifest(out)
+    assert m["model"] == glm and model_facts(out) == glm
+    assert m["megatron_flags"].count("--rotary-interleaved") == 1
