@@ -5,7 +5,7 @@ its figures as lines `<stage> | <figure> | <ratio>x | goal <goal> | MET/MISSED/-
 `    baseline: <code or command>`. A benchmark that fails, times out or does not know --quick becomes a row with its
 error; the others still run. Full logs go to runs/bench/<name>.log.
 
-Run: .venv/bin/python benchmarks/run_all.py [--only train ops] [--timeout 420] [--out benchmarks/results.md]
+Run: .venv/bin/python benchmarks/run_all.py [--only train ops] [--timeout 600] [--out benchmarks/results.md]
 """
 
 from __future__ import annotations
@@ -250,7 +250,9 @@ def print_table(rows: List[Row]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", help="stages to run (data convert envs train ops profiling)")
-    ap.add_argument("--timeout", type=float, default=420.0, help="seconds one benchmark may take")
+    ap.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one benchmark may take (a hang guard)"
+    )
     ap.add_argument("--out", default=str(HERE / "results.md"), help="the Markdown file to write")
     ap.add_argument("--logs", default=str(ROOT / "runs" / "bench"), help="folder for each benchmark's log")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a benchmark errors")
