@@ -212,3 +212,60 @@ def test_chatglm3_and_baichuan2_facts_come_from_the_family_maps(tiny_glm_dir, ti
     m = read_manifest(out)
     assert m["model"] == glm and model_facts(out) == glm
     assert m["megatron_flags"].count("--rotary-interleaved") == 1
+
+
+def test_uneven_tp4_pp4_layer_list_7887_converts_and_is_recorded(tmp_path):
+    from kit.convert.megatron_io import MegatronReader
+    from kit.convert.synthetic import synthetic_checkpoint
+
+    src = synthetic_checkpoint(
+        tmp_path / "thirty", "llama", hidden_size=32, num_layers=30, num_heads=4, num_groups=4,
+        ffn_hidden_size=64, vocab_size=500, with_tokenizer=False,
+    )  # fmt: skip
+    out = tmp_path / "tp4pp4"
+    _convert(src, out, tp=4, pp=4, num_layer_list=[7, 8, 8, 7])
+    m = read_manifest(out)
+    assert (m["tp"], m["pp"], m["num_layer_list"], m["padded_vocab_size"]) == (4, 4, [7, 8, 8, 7], 512)
+    mr = MegatronReader(out)
+    assert (mr.tp, mr.pp, mr.layer_list(30)) == (4, 4, [7, 8, 8, 7])
+
+
+def test_checkpoint_inside_a_training_run_consumes_the_run(tiny_llama_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    _convert(tiny_llama_dir, ckpt)
+    (
+        ckpt / "kit_manifest.json"
+    ).unlink()  # what a Megatron training run saves: rank files, no manifest of its own
+    fields = dict.fromkeys("run_type config sources data model hf metrics log".split())
+    run_man = write_manifest(run_dir, "training-run", dict(fields, checkpoints=[str(ckpt)]))
+    back = _convert(ckpt, tmp_path / "hf", direction="megatron_to_hf")
+    assert back.manifest.inputs == [run_man.as_input()]
+    (run_dir / "kit_manifest.json").write_text(
+        "{damaged"
+    )  # an unreadable parent manifest is not the source's
+    assert _convert(ckpt, tmp_path / "hf2", direction="megatron_to_hf").manifest.inputs == []
+
+
+def test_cli_options_come_from_the_config_and_util_flags_are_aliases(tiny_llama_dir, tmp_path, capsys):
+    from kit.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--make-vocab-size-divisible-by" in help_text
+        and "Megatron's --make-vocab-size-divisible-by" in help_text
+    )
+    assert "--num-layer-list" in help_text and "--target-tensor-parallel-size" in help_text
+    rc = main(
+        ["convert", "--load-dir", str(tiny_llama_dir), "--save-dir", str(tmp_path / "o"), "--tp", "2",
+         "--target-pipeline-parallel-size", "2", "--num-layer-list", "1,1", "--params-dtype", "bf16", "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["tp"], s["pp"], s["num_layer_list"], s["dtype"]) == (2, 2, [1, 1], "bfloat16")
+    saved = json.loads((tmp_path / "o" / "convert_config.json").read_text())
+    assert (saved["tp"], saved["pp"], saved["dtype"], saved["overwrite"]) == (2, 2, "bfloat16", False)
+    assert main(["convert", "--target", str(tmp_path / "p"), "--no-progress"]) == 2
+    assert "--source (--load-dir)" in capsys.readouterr().err

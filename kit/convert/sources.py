@@ -16,7 +16,7 @@ from kit.convert.families import family_for_config
 from kit.convert.hf_io import INDEX_NAMES, read_json
 from kit.convert.megatron_io import HF_META_DIR, META_FILE
 from kit.convert.megatron_layout import TRACKER
-from kit.errors import InputError, MissingInputError
+from kit.errors import InputError, IntegrityError, MissingInputError
 from kit.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
@@ -95,7 +95,7 @@ def _owner_manifest(folder: Path) -> Optional[Path]:
     if find_manifest(parent) is not None:
         try:
             man = read_manifest(parent)
-        except InputError:
+        except (InputError, IntegrityError):  # the parent's manifest is not this folder's business
             return None
         if man.kind == TRAINING_RUN and str(folder.resolve()) in {
             str(Path(c).resolve()) for c in (man.get("checkpoints") or [])
