@@ -1,6 +1,6 @@
 """Kit attention for transformers models, in BSND: through the attention registry, or the flash-attention-2 path.
 
-transformers >= 4.48 (AttentionInterface): `kit_attention_forward` is registered as "kit". Older transformers (4.44
+transformers >= 4.55 (AttentionInterface): `kit_attention_forward` is registered as "kit". Older transformers (4.44
 and 4.46 on ModelArts images) have no registry: the model is switched to its FlashAttention2 attention classes
 (same weights) and the modeling module's `_flash_attention_forward` is replaced by `kit_flash_attention_forward`, so
 the model hands the 2-D padding mask and position_ids down as it does for flash-attn; no flash-attn is needed.
@@ -13,10 +13,17 @@ from __future__ import annotations
 import torch
 
 from kit.adapt.varlen import plan_varlen
+from kit.errors import KitError
 from kit.ops import MAX_TOKENS, fusion_attention
 from kit.ops.attention import MAX_VARLEN_SEQUENCES
 
 ATTENTION_NAME = "kit"
+
+
+class AdaptError(KitError, RuntimeError):
+    """This transformers version / model offers no way to plug kit attention in."""
+
+
 # modeling module -> FlashAttention2 class name, for transformers without the attention registry
 FA2_CLASSES = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaFlashAttention2"),
@@ -151,7 +158,7 @@ def kit_attention_mask(
 
 
 def has_registry() -> bool:
-    """True when transformers has AttentionInterface and models have set_attn_implementation (>= 4.55 or so)."""
+    """True when transformers exports AttentionInterface (4.55 does, 4.53 does not)."""
     import transformers
 
     return getattr(transformers, "AttentionInterface", None) is not None
@@ -163,9 +170,9 @@ def register() -> str:
 
     interface = getattr(transformers, "AttentionInterface", None)
     if interface is None:
-        raise RuntimeError(
-            f"transformers {transformers.__version__} has no AttentionInterface; adapt_model uses the "
-            "flash-attention-2 path there instead (kit.adapt.attention.use_fa2_path)."
+        raise AdaptError(
+            f"transformers {transformers.__version__} has no AttentionInterface (it came with 4.55); "
+            "adapt_model uses the flash-attention-2 path there instead (transformers 4.44-4.47)."
         )
     interface.register(ATTENTION_NAME, kit_attention_forward)
     try:
@@ -235,7 +242,7 @@ def use_fa2_path(model, model_type: str) -> int:
     import importlib
 
     if model_type not in FA2_CLASSES:
-        raise ValueError(
+        raise AdaptError(
             f"model_type {model_type!r} has no flash-attention-2 mapping in kit ({sorted(FA2_CLASSES)}); "
             "upgrade transformers (>= 4.55 has the attention registry) to adapt it."
         )
@@ -243,7 +250,12 @@ def use_fa2_path(model, model_type: str) -> int:
     modeling = importlib.import_module(module_name)
     fa2 = getattr(modeling, class_name, None)
     if fa2 is None:
-        raise RuntimeError(f"{module_name} has no {class_name}; adapt_model cannot switch its attention.")
+        import transformers
+
+        raise AdaptError(
+            f"transformers {transformers.__version__} has neither AttentionInterface (>= 4.55) nor {class_name} "
+            "(<= 4.47), the two ways adapt_model plugs kit attention in: use one of those versions, or ADAPT=False."
+        )
     # the FA2 classes look the function up in their module's globals at call time
     modeling._flash_attention_forward = kit_flash_attention_forward
     base = fa2.__mro__[1]
