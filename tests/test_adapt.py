@@ -194,8 +194,8 @@ def test_sliding_window_families_match_eager(family, extra):
 
     if family == "qwen2" and not has_registry():
         pytest.skip(
-            "transformers < 4.48: Qwen2's eager attention ignores sliding_window (it warns so), only its "
-            "flash-attention-2 path applies it: eager is no reference for the window there"
+            "transformers <= 4.47 (no attention registry): Qwen2's eager attention ignores sliding_window (it "
+            "warns so), only its flash-attention-2 path applies it: eager is no reference for the window there"
         )
     base, adapted, report = _tiny(family, **extra)
     assert report.model_type == family and report.rms_norms == (9 if family == "qwen3" else 5)
@@ -388,3 +388,17 @@ def test_more_packed_dialogs_than_one_varlen_call_holds(llama_pair, monkeypatch)
     for row, start, end in [(0, 3, 5), (1, 2, 7)]:
         alone = base(input_ids=ids[row : row + 1, start:end]).logits[0]
         torch.testing.assert_close(split[row, start:end], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_without_registry_or_fa2_classes_the_error_names_the_versions(monkeypatch):
+    """A transformers with neither AttentionInterface nor FlashAttention2 classes (4.48-4.54) gets one clear line."""
+    import transformers
+
+    from kit.adapt import attention
+
+    if attention.has_registry():
+        monkeypatch.setattr(transformers, "AttentionInterface", None)  # as if absent (lazy module)
+        with pytest.raises(attention.AdaptError, match="neither AttentionInterface"):
+            _tiny("llama")
+    else:  # 4.44-4.47: the flash-attention-2 path is taken instead
+        assert _tiny("llama")[2].attention_path == "flash_attention_2"
