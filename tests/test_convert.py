@@ -181,7 +181,7 @@ def test_vocab_padding_rules(tiny_llama_dir, tmp_path):
     assert not m["embedding.word_embeddings.weight"][1022:].any()  # rows past the vocabulary are zero
 
 
-def test_cli_accepts_the_seed_flags(tiny_llama_dir, tmp_path, capsys):
+def test_cli_accepts_the_modelarts_manual_util_py_flags(tiny_llama_dir, tmp_path, capsys):
     from kit.__main__ import main
 
     out = tmp_path / "converted_weights"
