@@ -87,6 +87,12 @@ def test_provenance_chains_through_hf_megatron_hf_megatron(tiny_llama_dir, tmp_p
         trained, HF_MODEL, {"family": "llama", "source": str(tmp_path / "run")}, [run_input]
     )
 
+    from kit.convert.tables import describe
+
+    shown = describe(ConvertConfig(str(trained), str(tmp_path / "mg"), tp=2, pp=2)).loc[
+        "source manifest", "value"
+    ]
+    assert shown.startswith(f"hf-model (sha256 {hf_man.sha256[:12]})") and str(tmp_path / "run") in shown
     first = _convert(trained, tmp_path / "mg", tp=2, pp=2)
     m1 = first.manifest
     assert m1.inputs == [hf_man.as_input()]

@@ -10,15 +10,17 @@ from kit.convert.config import ConvertConfig
 from kit.convert.families import family_for_config
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
+from kit.convert.sources import source_manifest
 from kit.parallel import padded_vocab_size, stage_layers
 
 PathLike = Union[str, Path]
 
 
 def describe(cfg: ConvertConfig):
-    """The source model's architecture facts and the planned Megatron layout (a pandas DataFrame)."""
+    """The source model's architecture facts, its manifest, and the planned Megatron layout (a pandas DataFrame)."""
     import pandas as pd
 
+    src_man = source_manifest(cfg.source, cfg.direction)
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config)
@@ -47,6 +49,13 @@ def describe(cfg: ConvertConfig):
         (
             "source weights",
             f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",
+        ),
+        (
+            "source manifest",
+            f"{src_man.kind} (sha256 {src_man.sha256[:12]}), made from "
+            f"{[f'{c.kind} {c.path}' for c in src_man.inputs] or 'nothing recorded'}"
+            if src_man is not None
+            else "none (a folder from outside the kit: identified by a hash of its config and shard headers)",
         ),
         ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
         ("layers per stage", [len(s) for s in stages] if stages else "invalid"),
