@@ -124,6 +124,62 @@ class _Passthrough:
         self._f.flush()
 
 
+class EarlyWriteback:
+    """File wrapper that has the kernel write data to disk while packing goes on (fdatasync on a helper thread
+    every `step` bytes), so the fsync that makes the finished archive durable before its rename (kit/atomic.py)
+    has only the last piece left to write instead of the whole archive."""
+
+    def __init__(self, fh, step: int = 32 << 20):
+        import threading
+
+        self._fh, self._step, self._since = fh, step, 0
+        self._wake = threading.Event()
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kit-writeback")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._done:
+                return
+            try:
+                os.fdatasync(self._fh.fileno())
+            except OSError as exc:  # reported by close(); the final fsync would hit the same error
+                self._error = exc
+                return
+
+    def write(self, data) -> int:
+        n = self._fh.write(data)
+        self._since += len(data)
+        if self._since >= self._step:
+            self._since = 0
+            self._fh.flush()
+            self._wake.set()
+        return n
+
+    def tell(self) -> int:
+        return self._fh.tell()
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._done = True
+        self._wake.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def manifest_bytes(manifest: dict) -> bytes:
     return json_bytes(manifest)
 

@@ -16,7 +16,7 @@ from typing import IO, Optional
 
 from kit.envs.archive import compressed_writer
 from kit.envs.prefix import EnvError
-from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, json_bytes
+from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, ThreadedSink, json_bytes
 
 
 def _load(prefix: str, ignore_editable: bool):
@@ -85,8 +85,9 @@ def pack_conda(
     env = _load(prefix, ignore_editable)
     _set_total(bar, len(env.files))
     comp = compressed_writer(raw, fmt, level, threads)
+    sink = ThreadedSink(comp)
     try:
-        writer = TarWriter(comp, mtime=_mtime(prefix))
+        writer = TarWriter(sink, mtime=_mtime(prefix))
         head = dict(
             manifest or {}, kind="conda", prefix=prefix, kit_archive=ARCHIVE_VERSION, hash=writer.hash_name
         )
@@ -99,7 +100,10 @@ def pack_conda(
         packer.finish()
         writer.finish({})
     finally:
-        comp.close()
+        try:
+            sink.close()
+        finally:
+            comp.close()
     return {"files": len(env.files), "prefix_records": len(packer.prefixes)}
 
 

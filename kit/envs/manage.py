@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EnvArchiveError, check_level, extract, suffix_format
+from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, extract, suffix_format
 from kit.envs.conda_cli import conda_clone, conda_envs
 from kit.envs.layout import get_layout
 from kit.envs.prefix import (
@@ -235,7 +235,11 @@ def pack(
     check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     start = time.perf_counter()
-    with atomic_file(output, "wb", overwrite=overwrite) as fh, _bar(n_files, f"pack {fmt}") as bar:
+    with (
+        atomic_file(output, "wb", overwrite=overwrite) as final,
+        EarlyWriteback(final) as fh,
+        _bar(n_files, f"pack {fmt}") as bar,
+    ):
         if src.kind == "conda":
             counts = conda_backend.pack_conda(
                 src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar

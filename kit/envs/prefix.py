@@ -171,9 +171,9 @@ def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o02
         fd = os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
         try:
             if st.st_size <= SCAN_LIMIT:
-                data = os.read(src, st.st_size + 1)
-                while len(data) <= st.st_size:  # short reads are allowed; read to the end of the file
-                    more = os.read(src, SCAN_LIMIT)
+                data = os.read(src, st.st_size)  # one read of the size stat() gave, as cp does
+                while len(data) < st.st_size:  # short reads are allowed
+                    more = os.read(src, st.st_size - len(data))
                     if not more:
                         break
                     data += more

@@ -254,9 +254,10 @@ class TarWriter:
         if st.st_size <= SMALL:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                data = os.read(fd, st.st_size + 1)
-                while len(data) <= st.st_size:  # short reads are allowed; read until the end of the file
-                    more = os.read(fd, st.st_size + 1 - len(data))
+                # the size stat() gave, in one read (as tar does); short reads are allowed, so loop
+                data = os.read(fd, st.st_size)
+                while len(data) < st.st_size:
+                    more = os.read(fd, st.st_size - len(data))
                     if not more:
                         break
                     data += more
@@ -281,16 +282,14 @@ class TarWriter:
         self._emit(self._header(name, tarfile.REGTYPE, st, st.st_size))
         self.flush()
         size = 0
-        buf = bytearray(_FLUSH)
-        view = memoryview(buf)
         with open(path, "rb", buffering=0) as fh:
             while size < st.st_size:
-                n = fh.readinto(view[: min(_FLUSH, st.st_size - size)])
-                if not n:
+                chunk = fh.read(min(_FLUSH, st.st_size - size))  # a new buffer each time: `out` may keep it
+                if not chunk:
                     break
-                h.update(view[:n])
-                self.out.write(view[:n])
-                size += n
+                h.update(chunk)
+                self.out.write(chunk)
+                size += len(chunk)
         if size != st.st_size:
             raise self._changed(path, st.st_size, size)
         self._pad(size)
@@ -310,6 +309,43 @@ class TarWriter:
         self.add_bytes(TRAILER, json_bytes(trailer), record=False)
         self._emit(_ZERO * 2)
         self.flush()
+
+
+class ThreadedSink:
+    """Feed `out` (a compressor) from a helper thread, so that reading files and building the tar (the calling
+    thread) overlaps with handing data to zstd's workers, as `tar | zstd` overlap as two processes. Buffers
+    passed to write() must not be changed afterwards (TarWriter passes fresh ones)."""
+
+    def __init__(self, out, depth: int = 4):
+        self._out = out
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kit-pack-compress")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self._out.write(item)
+                except BaseException as exc:  # raised again in the writing thread
+                    self._error = exc
+
+    def write(self, data) -> int:
+        if self._error is not None:
+            raise self._error
+        self._q.put(data)
+        return len(data)
+
+    def close(self) -> None:
+        """Wait until everything was handed over; raise what the helper thread met."""
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 # ---------------------------------------------------------------- reading

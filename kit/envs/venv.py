@@ -15,7 +15,7 @@ from kit.envs.archive import compressed_writer
 from kit.envs.errors import EnvArchiveError
 from kit.envs.layout import get_layout
 from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix, scan_tree
-from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, json_bytes
+from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, ThreadedSink, json_bytes
 
 INHERIT_PTH = "_kit_inherit.pth"
 
@@ -99,8 +99,9 @@ def pack_tree(
             f"unpacked env could not have them. Replace them with copies or relative links, then pack again."
         )
     comp = compressed_writer(raw, fmt, level, threads)
+    sink = ThreadedSink(comp)
     try:
-        writer = TarWriter(comp, scan=prefix.encode())
+        writer = TarWriter(sink, scan=prefix.encode())
         head = dict(manifest, kit_archive=ARCHIVE_VERSION, prefix=prefix, hash=writer.hash_name)
         writer.add_bytes(HEAD, json_bytes(head), record=False)
         for rel, path, st in entries:
@@ -110,7 +111,10 @@ def pack_tree(
                 progress(1)  # one tick per file or link, what walk_tree() counts
         writer.finish({"abs_links": abs_links})
     finally:
-        comp.close()
+        try:
+            sink.close()
+        finally:
+            comp.close()
     files = sum(1 for m in writer.members if m[1] == "f")
     return {"files": files, "bytes": writer.bytes, "prefix_files": len(writer.prefix_files)}
 
