@@ -15,14 +15,23 @@ from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
 from kit.convert.file_slices import FileSlice, Rows, Scratch, as_tensor, itemsize, piece_info, torch_dtype
-from kit.convert.hf_io import HFReader, HFWriter, copy_side_files, read_json
+from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
 from kit.convert.manifests import write_converted_manifest, write_hf_manifest
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
+from kit.convert.megatron_source import (
+    check_megatron_keys,
+    locate,
+    merged_tensor_fn,
+    rank_entries,
+    same_bytes,
+    source_spec,
+    stages_of,
+)
 from kit.convert.sources import source_identity, source_manifest
 from kit.convert.spec import ModelSpec, megatron_args
 from kit.convert.tensor_ops import full_to_parts, hf_parts, merge_tp, read_rank, split_tp
-from kit.convert.torch_zip import StreamingTorchFile, TensorRef
-from kit.parallel import padded_vocab_size, pipeline_problems, stage_layers
+from kit.convert.torch_zip import StreamingTorchFile
+from kit.parallel import padded_vocab_size, stage_layers
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
@@ -44,22 +53,6 @@ class _NoBar:
 
     def close(self) -> None:
         pass
-
-
-def _rank_entries(layer_roles: List[str], spec: ModelSpec, flavor: str, stages: List[List[int]], s: int):
-    """(key path, source role, global layer) of every tensor in a stage-s rank file, in writing order."""
-    pp = len(stages)
-    if s == 0:
-        yield layout.key_path(flavor, "embedding"), "embedding", None
-    for local, g in enumerate(stages[s]):
-        for role in layer_roles:
-            yield layout.key_path(flavor, role, local), role, g
-    if s == pp - 1:
-        yield layout.key_path(flavor, "final_norm"), "final_norm", None
-        if not spec.tied:
-            yield layout.key_path(flavor, "output"), "output", None
-        elif pp > 1:  # the last stage holds its own copy of a tied embedding
-            yield layout.key_path(flavor, "tied_head"), "embedding", None
 
 
 def _write_megatron(
@@ -84,7 +77,7 @@ def _write_megatron(
             path.parent.mkdir(parents=True, exist_ok=True)
             part = path.with_name(f".{path.name}.partial")
             out, model = StreamingTorchFile(part, scratch), {}
-            for key_path, role, layer in _rank_entries(layer_roles, spec, flavor, stages, s):
+            for key_path, role, layer in rank_entries(layer_roles, spec, flavor, stages, s):
                 layout.put(model, key_path, out.store(rank_fn(role, layer, r)))
                 if layer is not None and role == layer_roles[-1]:
                     bar.update(1)
@@ -258,142 +251,6 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     )
 
 
-def _source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: Optional[str]) -> tuple:
-    """Family and spec of a Megatron checkpoint: from its hf_meta/ (kit-made) or an HF config folder, checked
-    against every dimension the checkpoint's own args state."""
-    cfg_dir = Path(hf_config_dir) if hf_config_dir else mr.folder / HF_META_DIR
-    if not (cfg_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no HF config.json at {cfg_dir}; this checkpoint was not made by the kit. Pass "
-            f"hf_config_dir (--hf-config-dir) = the original HF model folder of this model."
-        )
-    hf_cfg = read_json(cfg_dir / "config.json")
-    fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
-    spec = fam.read_config(hf_cfg)
-    a = mr.args
-    groups = getattr(a, "num_query_groups", None) if getattr(a, "group_query_attention", True) else None
-    if groups is None and getattr(a, "group_query_attention", None) is False:
-        groups = getattr(a, "num_attention_heads", None)  # Megatron ignores num_query_groups without GQA
-    wanted = (
-        ("num_layers", getattr(a, "num_layers", None), spec.num_layers),
-        ("hidden_size", getattr(a, "hidden_size", None), spec.hidden_size),
-        ("ffn_hidden_size", getattr(a, "ffn_hidden_size", None), spec.ffn_hidden_size),
-        ("num_attention_heads", getattr(a, "num_attention_heads", None), spec.num_heads),
-        ("num_query_groups (KV heads)", groups, spec.num_groups),
-        ("kv_channels (head_dim)", getattr(a, "kv_channels", None), spec.head_dim),
-        ("add_qkv_bias", getattr(a, "add_qkv_bias", None), spec.qkv_bias),
-        (
-            "untie_embeddings_and_output_weights",
-            getattr(a, "untie_embeddings_and_output_weights", None),
-            not spec.tied,
-        ),
-    )
-    wrong = [
-        f"{name}: checkpoint args say {have}, {cfg_dir}/config.json implies {want}"
-        for name, have, want in wanted
-        if have is not None and have != want
-    ]
-    padded = getattr(a, "padded_vocab_size", None)
-    if padded is not None and padded < spec.vocab_size:
-        wrong.append(
-            f"padded_vocab_size: checkpoint args say {padded}, fewer than the vocabulary {spec.vocab_size} "
-            f"of {cfg_dir}/config.json"
-        )
-    if wrong:
-        raise ConversionError(wrong, f"Megatron checkpoint {mr.folder} vs its HF config")
-    return fam, spec, cfg_dir
-
-
-def _rank_shape(spec: ModelSpec, role: str, tp: int) -> Optional[tuple]:
-    """The shape one TP rank holds of a role (None: the vocabulary rows, checked in total)."""
-    full, kind = spec.full_shape(role if role != "tied_head" else "embedding"), role_kind(role)
-    if kind == "replicated":
-        return full
-    if kind == "row":
-        return (full[0], full[1] // tp)
-    if kind == "vocab":
-        return None
-    return (full[0] // tp, *full[1:])
-
-
-def _check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stages: List[List[int]]) -> None:
-    """Every tensor in every rank file must be one the map knows, with the shape the config implies for this TP:
-    nothing is dropped silently and a config that does not match the weights is an error, not a wrong model."""
-    _, layer_roles = fam.roles(spec)
-    problems = []
-    for s in range(mr.pp):
-        entries = list(_rank_entries(layer_roles, spec, mr.flavor, stages, s))
-        known = {".".join(kp) for kp, _, _ in entries}
-        for r in range(mr.tp):
-            flat = layout.flatten(mr.refs(r, s))
-            where = layout.rank_dir(r, s, mr.pp)
-            for key in sorted(set(flat) - known):
-                if key.endswith("_extra_state") or not isinstance(flat[key], TensorRef):
-                    continue  # TE/fp8 metadata, no weights
-                problems.append(
-                    f"{where}: tensor {key!r} is not in the {fam.name} map "
-                    f"({mr.flavor} key names); it would be dropped. Is the family or the config right?"
-                )
-            missing = sorted(known - set(flat))
-            if missing:
-                problems.append(
-                    f"{where}: missing {missing[:5]}"
-                    f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})"
-                )
-            for kp, role, _ in entries:
-                ref, want = flat.get(".".join(kp)), _rank_shape(spec, role, mr.tp)
-                if not isinstance(ref, TensorRef):
-                    continue
-                if want is None:
-                    want_rest = (spec.hidden_size,)
-                    if ref.shape[1:] != want_rest:
-                        problems.append(
-                            f"{where}: {'.'.join(kp)} has rows of {list(ref.shape[1:])}, the config "
-                            f"implies {list(want_rest)} (hidden_size)"
-                        )
-                elif ref.shape != want:
-                    problems.append(
-                        f"{where}: {'.'.join(kp)} has shape {list(ref.shape)}, the HF config implies {list(want)} "
-                        f"at TP{mr.tp}; config and checkpoint do not belong together"
-                    )
-    if problems:
-        raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
-
-
-def _stages_of(mr: MegatronReader, spec: ModelSpec) -> List[List[int]]:
-    stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
-    problems = pipeline_problems(spec.num_layers, mr.pp, [len(x) for x in stages] or None)
-    if problems:
-        raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
-    return stages
-
-
-def _locate(mr: MegatronReader, stages: List[List[int]], role: str, layer: Optional[int]) -> tuple:
-    """(stage, key path) of a role's tensor."""
-    if layer is None or layer < 0:
-        return (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role)
-    where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
-    s, local = where[layer]
-    return s, layout.key_path(mr.flavor, role, local)
-
-
-def _full_fn(mr: MegatronReader, spec: ModelSpec, fam: Family) -> Callable[[str, Optional[int]], object]:
-    """(role, global layer) -> the whole tensor merged over the source's TP ranks (vocab still padded)."""
-    stages = _stages_of(mr, spec)
-    _check_megatron_keys(mr, fam, spec, stages)
-
-    def full(role: str, layer: Optional[int]):
-        s, path = _locate(mr, stages, role, layer)
-        return merge_tp(role_kind(role), mr.parts(path, s), what=".".join(path))
-
-    return full
-
-
-def _same_bytes(parts: List[FileSlice]) -> bool:
-    first = os.pread(parts[0].fd, parts[0].nbytes, parts[0].offset)
-    return all(os.pread(p.fd, p.nbytes, p.offset) == first for p in parts[1:])
-
-
 def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     """Merge a Megatron checkpoint (any TP x PP) into one HF folder that loads with from_pretrained.
 
@@ -404,15 +261,15 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     src_man = source_manifest(cfg.source, "megatron_to_hf")
     src_hash = source_identity(cfg.source, src_man)
     mr = MegatronReader(cfg.source)
-    fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
-    stages = _stages_of(mr, spec)
-    _check_megatron_keys(mr, fam, spec, stages)
+    fam, spec, cfg_dir = source_spec(mr, cfg.hf_config_dir, cfg.family)
+    stages = stages_of(mr, spec)
+    check_megatron_keys(mr, fam, spec, stages)
     glob, layer_roles = fam.roles(spec)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
 
     def emit(writer: HFWriter, role: str, layer: int) -> None:
         kind = role_kind(role)
-        s, path = _locate(mr, stages, role, layer)
+        s, path = locate(mr, stages, role, layer)
         what = f"{layout.rank_dir(0, s, mr.pp)}: {'.'.join(path)}"
         parts = mr.pieces(path, s)
         if not all(
@@ -424,7 +281,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
             )
             hparts = [p.clone() for p in hparts]
         else:
-            if kind == "replicated" and not _same_bytes(parts):
+            if kind == "replicated" and not same_bytes(parts):
                 raise ConversionError(
                     [
                         f"{what}: replicated tensor differs between TP ranks; the checkpoint is inconsistent "
@@ -489,9 +346,9 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     src_man = source_manifest(cfg.source, "megatron_to_megatron")
     src_hash = source_identity(cfg.source, src_man)
     mr = MegatronReader(cfg.source)
-    fam, spec, cfg_dir = _source_spec(mr, cfg.hf_config_dir, cfg.family)
+    fam, spec, cfg_dir = source_spec(mr, cfg.hf_config_dir, cfg.family)
     padded, stages = _plan(spec, cfg)
-    full = _full_fn(mr, spec, fam)
+    full = merged_tensor_fn(mr, spec, fam)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
     cast = cfg.dtype
 

@@ -13,10 +13,11 @@ import torch
 
 from kit.convert import megatron_layout as layout
 from kit.convert.config import ConvertConfig
-from kit.convert.convert import _source_spec, hf_to_megatron, megatron_to_hf
+from kit.convert.convert import hf_to_megatron, megatron_to_hf
 from kit.convert.families import family_for_config
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
+from kit.convert.megatron_source import source_spec
 from kit.convert.reference import hf_forward, megatron_forward
 
 PathLike = Union[str, Path]
@@ -175,7 +176,7 @@ def logits_check(
 ) -> dict:
     """Run the Megatron shards (TP simulated) and the HF model on the same tokens; report max |diff| of logits."""
     mr = MegatronReader(megatron_dir)
-    _, spec, _ = _source_spec(mr, hf_config_dir, None)
+    _, spec, _ = source_spec(mr, hf_config_dir, None)
     ids = sample_tokens(spec.vocab_size, seq_len, seed)
     with torch.no_grad():
         meg = megatron_forward(mr, spec, ids)
