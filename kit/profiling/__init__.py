@@ -1,5 +1,7 @@
 """Profiling: one capture API (torch_npu.profiler on NPU, torch.profiler elsewhere), one analyzer, slow-op advice.
 
+The stage (notebook 05): `run(cfg, ws, training_run=...)` profiles a few steps of notebook 04's training run.
+
 Names are imported on first use (module `__getattr__`, PEP 562): `python -m kit profile --help` and
 `import kit.profiling` load no pandas, torch or matplotlib until a function that needs them is called.
 """
@@ -12,25 +14,28 @@ from typing import Any
 # public name -> module that defines it. No public name may equal a submodule's name: importing that submodule
 # would rebind the package attribute to the module (hence comparison.py, not compare.py).
 _EXPORTS = {
-    "Advice": "kit.profiling.report",
+    "Advice": "kit.profiling.advice",
     "Capture": "kit.profiling.capture",
-    "CaptureError": "kit.profiling.data",
+    "CaptureError": "kit.profiling.profile_data",
     "Comparison": "kit.profiling.comparison",
     "Finding": "kit.profiling.advisor",
     "ProfileConfig": "kit.profiling.config",
-    "ProfileData": "kit.profiling.data",
-    "ProfileError": "kit.profiling.data",
+    "ProfileData": "kit.profiling.profile_data",
+    "ProfileError": "kit.profiling.profile_data",
+    "ProfileResult": "kit.profiling.training_run",
     "Thresholds": "kit.profiling.advisor",
     "advise": "kit.profiling.advisor",
     "compare": "kit.profiling.comparison",
     "ensure_sample_profile": "kit.profiling.sample",
     "find_profiles": "kit.profiling.loader",
+    "find_training_runs": "kit.profiling.training_run",
     "load": "kit.profiling.loader",
     "mean_step_us": "kit.profiling.tables",
     "operator_table": "kit.profiling.tables",
     "plot_step_breakdown": "kit.profiling.plots",
     "plot_top_operators": "kit.profiling.plots",
     "profile": "kit.profiling.capture",
+    "run": "kit.profiling.training_run",
     "sample_profile_dir": "kit.profiling.sample",
     "step_breakdown": "kit.profiling.tables",
     "write_sample_ascend_profile": "kit.profiling.sample",

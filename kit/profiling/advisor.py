@@ -1,7 +1,7 @@
 """Slow-operator advice: the ModelArts guide's rules, each finding with its evidence and its fix.
 
-Rules and thresholds come from the ModelArts best practice "加速慢算子的执行速度" (seed texts; see
-shared/reference/profiling_env.md A4): Cast max > 30 us or share > 1% -> mixed precision; AI_CPU op > 1000 us or
+Rules and thresholds come from the ModelArts best practice "优化算子执行 / 加速慢算子的执行速度" (Huawei Cloud
+ModelArts best practices, modelarts_10_2510): Cast max > 30 us or share > 1% -> mixed precision; AI_CPU op > 1000 us or
 AI_CPU share > 10% -> replace the API / change input types; unit ratios < 0.8 or Block Dim < core count -> AOE;
 top operators by total / average / max time. Shares are of all computation time on the device (communication
 tasks excluded), which is what op_statistic.csv's Ratio(%) means.
@@ -14,7 +14,7 @@ from typing import Optional
 
 import pandas as pd
 
-from kit.profiling.data import ProfileData
+from kit.profiling.profile_data import ProfileData
 from kit.profiling.tables import compute_kernels, operator_table, step_breakdown
 
 AOE_FIX = (
@@ -337,7 +337,7 @@ def input_rule(data: ProfileData) -> list:
 def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
     """Run every rule on a loaded profile; returns an Advice (findings, tables, Markdown/HTML/JSON)."""
     from kit.configs import check
-    from kit.profiling.report import Advice
+    from kit.profiling.advice import Advice
 
     th = thresholds or Thresholds()
     check(th)

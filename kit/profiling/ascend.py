@@ -1,6 +1,6 @@
 """Read torch_npu's `*_ascend_pt/ASCEND_PROFILER_OUTPUT/` into normalised tables, tolerating header drift.
 
-Drift handled (shared/reference/profiling_env.md A3): `Block Dim` (older torch_npu) vs `Block Num` (2.13),
+Drift handled (torch_npu 2.13.0 wheel, `profiler/analysis/prof_view/_kernel_view_parser.py`): `Block Dim` (older torch_npu) vs `Block Num` (2.13),
 optional `Step Id` / `Device_id`, CANN op_summary names (`Op Name`, `OP Type`, `Task Type`, `Task Duration(us)`),
 `N/A` and empty cells, numbers with a trailing tab, ratio columns matched by pattern (`aic_mac_ratio` or
 `aic_cube_ratio`, legacy un-prefixed `vec_ratio`).
@@ -16,7 +16,7 @@ from typing import Optional
 
 import pandas as pd
 
-from kit.profiling.data import COMMUNICATION_CORES, KERNEL_COLUMNS, ProfileData, ProfileError
+from kit.profiling.profile_data import COMMUNICATION_CORES, KERNEL_COLUMNS, ProfileData, ProfileError
 
 OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
 # header (tabs/spaces stripped) -> normalised column; several spellings map to one name.

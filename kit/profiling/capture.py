@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from kit.profiling.config import ProfileConfig
-from kit.profiling.data import CaptureError
 from kit.profiling.loader import CAPTURE_FILE, find_profiles
+from kit.profiling.profile_data import CaptureError
 
 PathLike = Union[str, Path]
 
@@ -141,7 +141,7 @@ class Capture:
         from kit.atomic import refuse_existing
 
         refuse_existing(self.folder, False, "capture folder")
-        self._partial.mkdir(parents=True)
+        self._partial.mkdir(parents=True, exist_ok=True)  # a stage may have put its inputs there first
         cfg = self.config
         if self.kind == "npu":
             tp = _npu_profiler_module()
@@ -195,8 +195,12 @@ class Capture:
         """Trainer hook: `step_callbacks=[capture]` calls this after each optimizer step."""
         self.step()
 
-    def stop(self, failed: bool = False) -> Path:
-        """Stop the profiler, write capture.json and give the folder its final name (kept .partial on failure)."""
+    def stop(self, failed: bool = False, publish: bool = True) -> Path:
+        """Stop the profiler, write capture.json and give the folder its final name (kept .partial on failure).
+
+        publish=False keeps the temporary name, so a stage can add its own files (advice, manifest) before
+        `publish()` renames the folder: a capture folder under its final name is always complete.
+        """
         if self._prof is None:
             raise CaptureError("capture not started: call .start() (or use the `with` block) first")
         self._prof.stop()
@@ -217,8 +221,19 @@ class Capture:
             traces=[str(p.relative_to(self._partial)) for p in traces],
         )
         (self._partial / CAPTURE_FILE).write_text(json.dumps(self._record, indent=2) + "\n", encoding="utf-8")
-        if failed:
+        if failed or not publish:
             return self._partial
+        return self.publish()
+
+    @property
+    def work_folder(self) -> Path:
+        """Where the capture is written until it is published (the temporary folder)."""
+        return self._partial
+
+    def publish(self) -> Path:
+        """Give a stopped capture its final name (the temporary folder is renamed in one step)."""
+        if self._prof is not None:
+            raise CaptureError("capture still running: call .stop() before .publish()")
         os.replace(self._partial, self.folder)
         return self.folder
 

@@ -1,4 +1,4 @@
-"""`python -m kit profile ...`: analyze a capture, compare two, write the sample profile, profile demo steps."""
+"""`python -m kit profile ...`: analyze a capture, compare two, write the sample profile, profile a training run."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+from kit.configs import add_config_arguments
+from kit.profiling.config import ProfileConfig
+
 
 def _check_folder(path: str, option: str) -> None:
     """An output folder option must not name an existing file."""
     if Path(path).exists() and not Path(path).is_dir():
-        from kit.profiling.data import ProfileError
+        from kit.profiling.profile_data import ProfileError
 
         raise ProfileError(
             f"{option} {path} is a file; pass a folder (new or existing) for the advice files."
@@ -20,7 +23,7 @@ def _check_folder(path: str, option: str) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "profile", help="analyze Ascend / torch.profiler captures, compare them, capture demo steps"
+        "profile", help="analyze Ascend / torch.profiler captures, compare them, profile a training run"
     )
     s = p.add_subparsers(dest="what", required=True)
     a = s.add_parser(
@@ -58,18 +61,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--legacy-headers", action="store_true", help="Block Dim, no Device_id / Step Id")
     m.add_argument("--steps", type=int, default=5)
     m.add_argument("--overwrite", action="store_true")
-    d = s.add_parser("demo", help="profile a few training steps of an HF model (default: the demo model)")
-    d.add_argument("--model", default=None, help="HF folder (default: the demo model)")
-    d.add_argument("--out", default=None, help="captures folder (default: the workspace's profiles/)")
-    d.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
-    d.add_argument("--wait", type=int, default=1)
-    d.add_argument("--warmup", type=int, default=1)
-    d.add_argument("--active", type=int, default=3)
-    d.add_argument("--level", default="Level1")
-    d.add_argument("--aic-metrics", default="PipeUtilization")
-    d.add_argument("--batch-size", type=int, default=2)
-    d.add_argument("--seq-len", type=int, default=64)
-    d.add_argument("--tag", default="")
+    d = s.add_parser(
+        "demo",
+        aliases=["run"],
+        help="profile a few steps of notebook 04's training run (default: the workspace's newest)",
+    )
+    # one option per ProfileConfig field (help from its comment); the rest say which run and where
+    add_config_arguments(d, ProfileConfig)
+    d.add_argument("--workspace", default=None, help="workspace root (default: the kit's default workspace)")
+    d.add_argument("--model", default="demo", help="the model's folder name in the workspace (default: demo)")
+    d.add_argument(
+        "--training-run",
+        default=None,
+        help="training-run folder to profile (default: the workspace's newest)",
+    )
+    d.add_argument(
+        "--model-path",
+        default=None,
+        help="only when the workspace has no training run: HF folder to train and profile (default: demo model)",
+    )
+    d.add_argument(
+        "--sample-seq-len",
+        type=int,
+        default=128,
+        help="only when the workspace has no training run: tokens per sample of the sample data prepared",
+    )
+    d.add_argument("--top", type=int, default=10, help="operators in the table and the plot")
     p.set_defaults(func=run)
 
 
@@ -129,22 +146,22 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from kit.profiling.demo import profile_training
+    from kit.configs import explicit_values
+    from kit.profiling.training_run import run as profile_run
+    from kit.workspace import get_workspace
 
-    cap = profile_training(
-        args.model,
-        out_dir=args.out,
-        device=args.device,
-        wait=args.wait,
-        warmup=args.warmup,
-        active=args.active,
-        level=args.level,
-        aic_metrics=args.aic_metrics,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        tag=args.tag,
+    cfg = kp.ProfileConfig(**explicit_values(args, kp.ProfileConfig))
+    ws = get_workspace(args.workspace, model=args.model)
+    result = profile_run(
+        cfg,
+        ws,
+        training_run=args.training_run,
+        model_path=args.model_path,
+        seq_len=args.sample_seq_len,
+        top=args.top,
+        progress=False,
     )
-    print(cap.folder)
-    for n in cap.notes:
+    print(result.folder)
+    for n in result.notes:
         print(f"note: {n}", file=sys.stderr)
     return 0

@@ -7,8 +7,8 @@ from typing import Union
 
 import pandas as pd
 
-from kit.profiling.data import ProfileData
 from kit.profiling.loader import load
+from kit.profiling.profile_data import ProfileData
 from kit.profiling.tables import mean_step_us, operator_table
 
 

@@ -1,6 +1,6 @@
 """Read torch.profiler (Kineto) Chrome traces `*.pt.trace.json[.gz]` into the same kernel table as Ascend data.
 
-A trace is a dict with `traceEvents` (shared/reference/profiling_env.md A6). Device kernels (`cat` kernel, gpu_memcpy,
+A trace is a dict with `traceEvents` (torch 2.x `torch.profiler.tensorboard_trace_handler`'s Chrome trace). Device kernels (`cat` kernel, gpu_memcpy,
 gpu_memset) become rows with core "GPU" and type = the torch op that launched them (matched by `External id`);
 a CPU-only trace has none, so its rows are the `cpu_op` events with their *self* time (children subtracted),
 core "CPU". Steps come from the `ProfilerStep#N` annotations the profiler schedule adds.
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kit.profiling.data import KERNEL_COLUMNS, ProfileData, ProfileError
+from kit.profiling.profile_data import KERNEL_COLUMNS, ProfileData, ProfileError
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Union
 
 from kit.profiling.ascend import OUTPUT_DIR, load_ascend
-from kit.profiling.data import ProfileData, ProfileError
 from kit.profiling.kineto import load_kineto
+from kit.profiling.profile_data import ProfileData, ProfileError
 
 PathLike = Union[str, Path]
 CAPTURE_FILE = "capture.json"  # written by kit.profiling.profile beside the trace

@@ -1,6 +1,6 @@
 """Build a small Ascend PyTorch profile to the documented torch_npu 2.13 layout, with planted problems for tests.
 
-Layout and column names follow shared/reference/profiling_env.md part A (read from the torch_npu 2.13.0 wheel:
+Layout and column names follow the torch_npu 2.13.0 wheel (`profiler/analysis/`:
 `prof_view/_kernel_view_parser.py`, `_trace_step_time_parser.py`, `_operator_view_parser.py`). The numbers are
 invented; nothing here came from a real device.
 """
@@ -239,7 +239,7 @@ def write_sample_ascend_profile(
     steps: int = 5,
     level: str = "Level1",
     legacy_headers: bool = False,
-    seed: int = 0,
+    rng_seed: int = 0,
     overwrite: bool = False,
     name: Optional[str] = None,
 ) -> Path:
@@ -253,7 +253,7 @@ def write_sample_ascend_profile(
         from kit.configs import ConfigError
 
         raise ConfigError([f"level={level!r} is not one of Level0, Level1, Level2"], "sample profile")
-    rng = random.Random(seed)
+    rng = random.Random(rng_seed)
     ops = CLEAN_OPS[:-1] + ([CLEAN_OPS[-1]] if clean else PLANTED_OPS)
     out_dir = Path(out_dir)
     name = name or "localhost_4242_20260101120000000_ascend_pt"  # {worker}_{pid}_{ms timestamp}_ascend_pt
@@ -452,7 +452,7 @@ def ensure_sample_profile(path: Optional[PathLike] = None, workspace=None, clean
     """`path` if given; else the shipped sample (clean=False), or one generated into the workspace's profiles/."""
     if path:
         if not Path(path).exists():
-            from kit.profiling.data import ProfileError
+            from kit.profiling.profile_data import ProfileError
 
             raise ProfileError(
                 f"profile {path} does not exist; pass a *_ascend_pt folder or leave it empty "

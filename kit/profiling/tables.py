@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kit.profiling.data import COMMUNICATION_CORES, ProfileData
+from kit.profiling.profile_data import COMMUNICATION_CORES, ProfileData
 
 TABLE_COLUMNS = ["name", "type", "core", "calls", "total_us", "avg_us", "min_us", "max_us", "share_pct"]
 
