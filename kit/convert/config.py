@@ -16,26 +16,20 @@ class ConvertConfig:
     """What to convert, into which layout, and where to put it."""
 
     source: str  # HF folder (config.json + shards) or Megatron folder (latest_checkpointed_iteration.txt)
-    target: Optional[str] = (
-        None  # output folder, refused if it exists unless overwrite; None: the workspace's converted_weights/<layout>
-    )
+    target: Optional[str] = None  # output folder (refused if it exists); None: ws.converted_weights/<layout>
     direction: str = "hf_to_megatron"  # hf_to_megatron | megatron_to_hf | megatron_to_megatron
     tp: int = 1  # target tensor parallel size
     pp: int = 1  # target pipeline parallel size
-    num_layer_list: Optional[List[int]] = None  # uneven PP: layers per stage, e.g. [3, 5]
-    family: Optional[str] = (
-        None  # llama | chatglm | baichuan (or a util.py loader name: llama2_hf, chatglm3_hf, baichuan2_hf); None: config.json model_type
-    )
+    num_layer_list: Optional[List[int]] = None  # uneven PP: layers per stage, e.g. [7, 8, 8, 7] (CLI 7,8,8,7)
+    family: Optional[str] = None  # llama | chatglm | baichuan | util.py loader (llama2_hf); None: model_type
     flavor: str = "local"  # Megatron key names: local (mcore local spec, MindSpeed) | legacy | te
     make_vocab_size_divisible_by: int = 128  # Megatron's --make-vocab-size-divisible-by (padding rule)
     padded_vocab_size: Optional[int] = None  # explicit padded vocabulary (ModelLink --padded-vocab-size)
     dtype: Optional[str] = None  # cast weights: float32 | bfloat16 | float16; None keeps the source dtype
-    hf_config_dir: Optional[str] = None  # megatron_to_hf: HF folder with config/tokenizer (default: hf_meta/)
+    hf_config_dir: Optional[str] = None  # Megatron source: its HF config/tokenizer folder; None: its hf_meta/
     max_shard_mb: int = 2048  # megatron_to_hf: largest safetensors shard
     overwrite: bool = False  # replace an existing target folder
-    clean_partial: bool = (
-        False  # delete .TARGET.partial-* folders that interrupted runs left (else only reported)
-    )
+    clean_partial: bool = False  # delete .TARGET.partial-* folders of interrupted runs (else only reported)
 
     def problems(self) -> List[str]:
         out = []
