@@ -143,41 +143,60 @@ def child_recipe(corpus: str, cache: str, tokenizer: str, workers: int) -> dict:
 
 
 _TEXTS: list = []
+_CUTS: list = []
 _BACKEND = None
 
 
 def _encode_share(bounds: tuple) -> int:
-    """Encode texts[start:stop] in batches of 1000 and take the ids, as any consumer of token ids must."""
+    """Encode texts[start:stop] batch by batch and take the ids, as any consumer of token ids must."""
     start, stop = bounds
     tokens = 0
-    for i in range(start, stop, 1000):
-        batch = _TEXTS[i : min(i + 1000, stop)]
-        tokens += sum(len(e.ids) for e in _BACKEND.encode_batch_fast(batch, add_special_tokens=False))
+    for i, j in zip(_CUTS[:-1], _CUTS[1:]):
+        if start <= i < stop:
+            batch = _TEXTS[i:j]
+            tokens += sum(len(e.ids) for e in _BACKEND.encode_batch_fast(batch, add_special_tokens=False))
     return tokens
+
+
+def _batch_cuts(texts: list, max_docs: int, max_chars: float) -> list:
+    """Batch boundaries: at most `max_docs` texts and about `max_chars` characters each."""
+    cuts, chars = [0], 0
+    for i, text in enumerate(texts, 1):
+        chars += len(text)
+        if i - cuts[-1] >= max_docs or chars >= max_chars:
+            cuts.append(i)
+            chars = 0
+    if cuts[-1] != len(texts):
+        cuts.append(len(texts))
+    return cuts
 
 
 def _single_thread() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (as in kit's workers)
 
 
-def child_floor(corpus: str, tokenizer: str, workers: int) -> dict:
-    """The fast tokenizer alone over texts in memory, split into `workers` shares of equal size."""
+def child_floor(corpus: str, tokenizer: str, workers: int, batching: str) -> dict:
+    """The fast tokenizer alone over texts in memory, split into `workers` shares of equal size; batches of 1000
+    texts ("docs") or of ~256K characters ("chars", the kit's chunks); the faster of the two is the floor."""
     import multiprocessing as mp
 
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    global _TEXTS, _BACKEND
+    from kit.data.pipeline import CHUNK_CHARS
+
+    global _TEXTS, _BACKEND, _CUTS
     _BACKEND = AutoTokenizer.from_pretrained(tokenizer)._tokenizer
     _TEXTS = pq.read_table(corpus, columns=["text"]).column("text").to_pylist()
-    # equal shares of characters (not of documents): the static split that balances best
-    total, acc, cuts = sum(map(len, _TEXTS)), 0, [0]
-    for i, text in enumerate(_TEXTS):
-        acc += len(text)
-        if len(cuts) < workers and acc >= total * len(cuts) / workers:
-            cuts.append(i + 1)
-    cuts.append(len(_TEXTS))
-    shares = list(zip(cuts[:-1], cuts[1:]))
+    _CUTS = _batch_cuts(_TEXTS, 1000, float("inf") if batching == "docs" else CHUNK_CHARS)
+    # equal shares of characters (not of documents), cut at batch boundaries: the static split that balances best
+    total, acc, bounds = sum(map(len, _TEXTS)), 0, [0]
+    for i, j in zip(_CUTS[:-1], _CUTS[1:]):
+        acc += sum(map(len, _TEXTS[i:j]))
+        if len(bounds) < workers and acc >= total * len(bounds) / workers:
+            bounds.append(j)
+    bounds.append(len(_TEXTS))
+    shares = list(zip(bounds[:-1], bounds[1:]))
     t, c = time.perf_counter(), _cpu()
     if workers == 1:
         tokens = _encode_share(shares[0])  # in this process, with the tokenizer's own threads
@@ -203,20 +222,23 @@ def run_child(*args: str) -> dict:
 
 
 def cli_help_cost(repeat: int = 3) -> tuple:
-    """Best wall seconds and max RSS (MB) of `python -m kit data sft --help` (what /usr/bin/time -v reports)."""
-    best_s, best_mb = float("inf"), float("inf")
+    """Best wall seconds and max RSS (MB) of `python -m kit data sft --help`, as `/usr/bin/time -v` reports them
+    (a child forked from this big process would inherit its peak RSS in the kernel's accounting)."""
     root = str(Path(__file__).resolve().parent.parent)
+    cmd = [sys.executable, "-m", "kit", "data", "sft", "--help"]
+    timer = "/usr/bin/time"
+    best_s, best_mb = float("inf"), float("inf")
     for _ in range(repeat):
-        t = time.perf_counter()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kit", "data", "sft", "--help"], cwd=root, stdout=subprocess.DEVNULL
-        )
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise RuntimeError(f"python -m kit data sft --help exited {proc.returncode}")
-        best_s = min(best_s, time.perf_counter() - t)
-        best_mb = min(best_mb, usage.ru_maxrss / 1024)
+        if os.path.exists(timer):
+            out = subprocess.run(
+                [timer, "-f", "%e %M", *cmd], cwd=root, capture_output=True, text=True, check=True
+            )
+            seconds, kb = out.stderr.strip().splitlines()[-1].split()
+            best_s, best_mb = min(best_s, float(seconds)), min(best_mb, int(kb) / 1024)
+        else:  # wall time only
+            t = time.perf_counter()
+            subprocess.run(cmd, cwd=root, capture_output=True, check=True)
+            best_s, best_mb = min(best_s, time.perf_counter() - t), float("nan")
     return best_s, best_mb
 
 
@@ -259,7 +281,8 @@ def main() -> int:
         )
         runs: dict = {"floor": [], "recipe": [], "kit": []}
         for i in range(repeat):  # alternated, so a burst of load on a shared machine hits every contender
-            runs["floor"].append(run_child("floor", str(corpus), tokenizer, w))
+            for batching in ("docs", "chars")[:: 1 if i % 2 == 0 else -1]:
+                runs["floor"].append(run_child("floor", str(corpus), tokenizer, w, batching))
             runs["recipe"].append(run_child("recipe", str(corpus), str(tmp / f"hf{i}"), tokenizer, w))
             runs["kit"].append(run_child("kit", str(corpus), str(tmp / "out"), tokenizer, w))
         best = {k: min(v, key=lambda r: r["seconds"]) for k, v in runs.items()}
