@@ -165,6 +165,20 @@ def test_megatron_folder_given_to_hf_direction_points_at_the_right_direction(tin
     _convert(tiny_llama_dir, tmp_path / "mg")
     with pytest.raises(InputError, match="is a converted-checkpoint folder .*use direction 'megatron_to_hf'"):
         _convert(tmp_path / "mg", tmp_path / "o")
+    hf = tmp_path / "hf_with_manifest"
+    shutil.copytree(tiny_llama_dir, hf)
+    write_manifest(hf, HF_MODEL, {"family": "llama", "source": "x"})
+    with pytest.raises(InputError, match="is a hf-model folder .*use direction 'hf_to_megatron'"):
+        _convert(hf, tmp_path / "o", direction="megatron_to_hf")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_manifest(
+        run_dir,
+        "training-run",
+        dict.fromkeys("run_type config sources data model checkpoints hf metrics log".split()),
+    )
+    with pytest.raises(InputError, match="is a training-run folder .*exported hf/ folder"):
+        _convert(run_dir, tmp_path / "o")
     with pytest.raises(InputError, match="holds no model"):
         _prepared = tmp_path / "data"
         _prepared.mkdir()

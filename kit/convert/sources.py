@@ -112,12 +112,19 @@ def source_manifest(folder: PathLike, direction: str) -> Optional[Manifest]:
     try:
         return read_manifest(owner, expect=SOURCE_KINDS[direction])
     except InputError as exc:
-        hint = (
-            " (a Megatron checkpoint: use direction 'megatron_to_hf' or 'megatron_to_megatron')"
-            if direction == "hf_to_megatron"
-            else " (an HF model: use direction 'hf_to_megatron')"
-        )
-        raise InputError(f"{exc}{hint}") from None
+        kind = read_manifest(owner).kind
+        raise InputError(f"{exc}{_WRONG_KIND_HINTS.get((kind, direction == 'hf_to_megatron'), '')}") from None
+
+
+# (kind found, wanted an HF source) -> what the user most likely meant
+_WRONG_KIND_HINTS = {
+    (
+        CONVERTED_CHECKPOINT,
+        True,
+    ): " It is a Megatron checkpoint: use direction 'megatron_to_hf' or 'megatron_to_megatron'.",
+    (TRAINING_RUN, True): " Give its exported hf/ folder (the run manifest's `hf` field) instead.",
+    (HF_MODEL, False): " It is an HF model: use direction 'hf_to_megatron'.",
+}
 
 
 def _safetensors_header(path: Path) -> bytes:
