@@ -288,3 +288,35 @@ def test_format_and_extension_must_agree_and_levels_are_checked(small_env, tmp_p
     assert [p.name for p in tmp_path.iterdir()] == []
     gz = envs.pack(small_env, tmp_path / "env.tgz", fmt="tar.gz")
     assert Path(gz["archive"]).read_bytes()[:2] == b"\x1f\x8b"
+
+
+def test_disk_full_while_packing_is_an_os_error_the_cli_prints_in_one_line(small_env, tmp_path, monkeypatch):
+    import errno
+
+    from kit.envs import venv as venv_backend
+    from kit.errors import user_message
+
+    class Full:
+        """A compressor whose output volume fills up after the first write."""
+
+        def __init__(self, *args, **kwargs):
+            self.calls = 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls > 1:
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "env.tar.zst"))
+            return len(data)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(venv_backend, "compressed_writer", Full)
+    monkeypatch.setattr("kit.envs.tarstream._FLUSH", 1024)  # many writes, so the second one happens
+    with pytest.raises(OSError) as info:
+        envs.pack(small_env, tmp_path / "env.tar.zst")
+    assert info.value.errno == errno.ENOSPC  # not swallowed or re-wrapped on its way through the threads
+    assert user_message(info.value).startswith(
+        f"cannot write {str(tmp_path / 'env.tar.zst')!r}: the disk is full"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no archive, no temporary file left
