@@ -111,7 +111,7 @@ def kit_config(spec: dict, name: str):
 
     base = TrainConfig(
         run_type="pretrain",
-        model_type="bench",
+        model_name="bench",
         model_path=spec["model"],
         dataset_path=spec["pretrain"],
         work_dir=spec["work_dir"],
@@ -165,7 +165,7 @@ def plain_run(cfg) -> dict:
 
     from kit.device import detect
     from kit.train import engine as eng
-    from kit.train.data import load_dataset, micro_batches, tokens_in
+    from kit.train.batches import load_dataset, micro_batches, tokens_in
 
     eng.init_distributed(detect())
     ds, _ = load_dataset(cfg.dataset_path)
@@ -199,7 +199,7 @@ def kit_worker(spec: dict):
 # ---- the HF Trainer worker -------------------------------------------------------------------------------------
 def kit_order(n: int, steps: int, per_step: int, seed: int) -> list:
     """Sample indices in the kit's order (seeded permutation per epoch), `per_step` samples per optimizer step."""
-    from kit.train.data import global_batch_indices
+    from kit.train.batches import global_batch_indices
 
     return [i for it in range(steps) for i in global_batch_indices(it, per_step, n, seed)]
 

@@ -1,4 +1,4 @@
-"""The ModelArts `${workdir}` layout every stage reads from and writes to (seed manual, 工作目录结构)."""
+"""The ModelArts `${workdir}` layout every stage reads from and writes to (ModelArts user manual, section "工作目录结构")."""
 
 from __future__ import annotations
 

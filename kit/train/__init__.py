@@ -1,8 +1,9 @@
-"""Training stage (notebook 04): config, the DeepSpeed trainer, launch, logs, and the Megatron/MindSpeed path."""
+"""Training stage (notebook 04): config (resolved from the inputs' manifests), the DeepSpeed trainer, launch, logs,
+and the Megatron/MindSpeed path."""
 
-from kit.train.config import TrainConfig, from_env, load_config
+from kit.train.config import TrainConfig, from_manifest, load_config
 
-__all__ = ["TrainConfig", "from_env", "load_config", "train", "Trainer", "TrainResult"]
+__all__ = ["TrainConfig", "from_manifest", "load_config", "resolve", "train", "Trainer", "TrainResult"]
 
 
 def __getattr__(name):
@@ -11,4 +12,8 @@ def __getattr__(name):
         from kit.train import trainer
 
         return getattr(trainer, name)
+    if name == "resolve":
+        from kit.train.resolve import resolve
+
+        return resolve
     raise AttributeError(name)

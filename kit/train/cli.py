@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-
-from kit.errors import InputError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="a config.json written by the kit (TrainConfig fields)")
+    from kit.configs import add_config_arguments
+    from kit.train.config import TrainConfig
+
     p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, seed spelling (e.g. --set TRAIN_ITERS=200 --set MBS=1); repeatable",
+        "--config",
+        default=None,
+        help="a config.json written by the kit (TrainConfig fields); options given here override it",
     )
-    p.add_argument(
-        "--no-env",
-        action="store_true",
-        help="ignore MODEL_TYPE/RUN_TYPE/... environment variables (by default they override, "
-        "as with the seed's `MODEL_TYPE=... sh script.sh`)",
-    )
+    # one option per TrainConfig field, help from its comment; unset options are absent, so the environment
+    # (MODEL_TYPE, TRAIN_ITERS, ... as the ModelArts manual's scripts read them) and the manifests fill them
+    add_config_arguments(p, TrainConfig, skip=("sources",))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,9 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="llm_train/AscendSpeed of the AscendCloud package (default: <WORK_DIR>/llm_train/AscendSpeed)",
     )
     m.add_argument(
-        "--script", default=None, help="scripts/<model>/<name>.sh to drive with the seed's variables"
+        "--script",
+        default=None,
+        help="scripts/<model>/<name>.sh to drive with the manual's variables (MODEL_TYPE, RUN_TYPE, ...)",
     )
-    m.add_argument("--load", default=None, help="converted Megatron checkpoint folder (notebook 03)")
     m.add_argument("--execute", action="store_true", help="run it (needs the code package and NPUs)")
     lg = s.add_parser("log", help="parse a kit or Megatron/MindSpeed training log and print its summary")
     lg.add_argument("logs", nargs="+")
@@ -65,18 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace):
-    """Config file < the seed's environment variables < --set KEY=VALUE (parsed like environment values)."""
-    from kit.configs import to_jsonable
-    from kit.train.config import from_env, load_config
+    """The config file's values, then the options typed (both explicit); the rest is resolved later."""
+    from kit.configs import explicit_values, to_jsonable
+    from kit.train.config import TrainConfig, from_dict, load_config
 
     values = to_jsonable(load_config(args.config)) if args.config else {}
-    environ = {} if args.no_env else dict(os.environ)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InputError(f"--set {item!r}: expected KEY=VALUE, e.g. --set TRAIN_ITERS=20")
-        environ[key.upper()] = value
-    return from_env(environ, extra=[i.partition("=")[0].upper() for i in args.set], **values)
+    values.update(explicit_values(args, TrainConfig))
+    return from_dict(values, args.config or "command line")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return res.returncode
     from kit.train.megatron import build, execute
 
-    plan = build(cfg, code_dir=args.code_dir, script=args.script, load=args.load)
+    plan = build(cfg, code_dir=args.code_dir, script=args.script)
     print(plan.describe())
     if plan.problems:
         return 2

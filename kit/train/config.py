@@ -1,22 +1,30 @@
-"""Training config: the seed's hyper-parameter table (MODEL_TYPE ... WORK_DIR) plus the kit trainer's own knobs."""
+"""Training config: the ModelArts user manual's hyper-parameter table plus the kit trainer's own settings.
+
+Fields that another stage already decided are `None` here (unset) and are inherited when the config is resolved
+(`kit.train.resolve.resolve`): sequence length, tokenizer, chat template and pack mode from notebook 02's
+prepared-data manifest; TP, PP, layer list and padded vocabulary from notebook 03's converted-checkpoint manifest.
+Precedence: a value given explicitly (notebook parameter, constructor keyword, command-line option) > an
+environment variable of the manual's table (section "Step1 配置预训练超参") > the manifest > the default.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from kit.errors import InputError, ParameterError
+from kit.workspace import RUN_TYPES
 
-RUN_TYPES = ("pretrain", "retrain", "sft", "lora")
 ENGINES = ("deepspeed", "megatron")
 
-# The seed's table (Step1 预训练超参配置): these names are read from the environment exactly as the AscendCloud
-# shell scripts read them (`MODEL_TYPE=6B RUN_TYPE=pretrain ... sh scripts/glm3/glm3_base.sh`).
-SEED_ENV = {
-    "MODEL_TYPE": "model_type",
+# The manual's table (ModelArts user manual, section "Step1 配置预训练超参"): these names are read from the
+# environment exactly as the AscendCloud shell scripts read them (`MODEL_TYPE=GLM3-6B RUN_TYPE=pretrain ... sh
+# scripts/glm3/glm3_base.sh`). MODEL_TYPE is the manual's name for the workspace model folder (model_name here).
+MANUAL_ENV = {
+    "MODEL_TYPE": "model_name",
     "RUN_TYPE": "run_type",
     "DATASET_PATH": "dataset_path",
     "TOKENIZER_PATH": "tokenizer_path",
@@ -31,50 +39,57 @@ SEED_ENV = {
     "NODE_RANK": "node_rank",
     "WORK_DIR": "work_dir",
 }
-# The kit's extra knobs have the same upper-case spelling in notebooks and on the command line (--set LR=1e-4).
-_INT_FIELDS = {
-    "train_iters",
-    "mbs",
-    "gbs",
-    "tp",
-    "pp",
-    "seq_len",
-    "nnodes",
-    "node_rank",
-    "nproc_per_node",
-    "master_port",
-    "zero_stage",
-    "warmup_iters",
-    "save_interval",
-    "log_interval",
-    "seed",
-    "lora_r",
-    "lora_alpha",
+# inherited from the prepared-data manifest (field -> manifest field) and the converted-checkpoint manifest
+FROM_DATA = {"seq_len": "max_length", "tokenizer_path": "tokenizer", "template": "template", "pack": "pack"}
+FROM_CHECKPOINT = {
+    "tp": "tp",
+    "pp": "pp",
+    "num_layer_list": "num_layer_list",
+    "padded_vocab_size": "padded_vocab_size",
 }
-_FLOAT_FIELDS = {"lr", "min_lr", "weight_decay", "clip_grad", "lora_dropout"}
-_BOOL_FIELDS = {"adapt", "overwrite", "save_hf"}
+# what an inheritable field becomes when nothing sets it
+INHERITED_DEFAULTS = {
+    "dataset_path": None,
+    "model_path": None,
+    "tokenizer_path": None,
+    "seq_len": None,
+    "template": None,
+    "pack": None,
+    "tp": 1,
+    "pp": 1,
+    "num_layer_list": None,
+    "padded_vocab_size": None,
+}
 
 
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
-    """One training run: the seed's names (lower-case here, upper-case in env/notebooks) and the trainer's knobs."""
+    """One training run: the manual's names (lower-case here, upper-case in env/notebooks) and the trainer's knobs."""
 
     run_type: str = "sft"  # pretrain | retrain (resume the latest checkpoint) | sft | lora
     resume_from: str = "pretrain"  # retrain only: the run folder to resume (pretrain | sft | lora)
-    model_type: str = (
-        "demo"  # model name: the workspace folder under saved_dir_for_ma_output/ (seed: 6B, GLM3-6B)
+    model_name: str = "demo"  # the workspace model folder (saved_dir_for_ma_output/<name>); env MODEL_TYPE
+    dataset_path: Optional[str] = (
+        None  # notebook 02's prepared-data folder; None: the workspace's, or the sample
     )
-    dataset_path: str = (
-        ""  # a prepared `<name>_hf` folder from notebook 02 (Megatron engine: the bin/idx prefix)
+    model_path: Optional[str] = (
+        None  # HF folder (or, ENGINE megatron, notebook 03's converted checkpoint); None: demo
     )
-    tokenizer_path: str = ""  # tokenizer folder; empty = the model folder's own tokenizer
-    model_path: str = ""  # HF folder to start from (demo model, converted checkpoint, any local HF model)
+    tokenizer_path: Optional[str] = None  # tokenizer folder; None: the one the data was prepared with
+    seq_len: Optional[int] = None  # tokens per sample; None: the length the data was prepared (packed) for
+    template: Optional[str] = (
+        None  # chat template of SFT data; None: the data's (a different one is an error)
+    )
+    pack: Optional[bool] = None  # packed SFT rows; None: the data's (a different one is an error)
     train_iters: int = 200  # optimizer steps in total (retrain: the new total, counted from iteration 0)
     mbs: int = 1  # micro batch size per card
     gbs: int = 64  # global batch size: samples per optimizer step over all cards
-    tp: int = 1  # tensor parallel size (kit DeepSpeed engine: must be 1; Megatron engine: seed default 2)
-    pp: int = 1  # pipeline parallel size (kit DeepSpeed engine: must be 1; Megatron engine: seed default 4)
-    seq_len: int = 0  # sequence length; 0 = the dataset's max_length (the seed's default is 8192)
+    tp: Optional[int] = None  # tensor parallel size; None: the converted checkpoint's, else 1
+    pp: Optional[int] = None  # pipeline parallel size; None: the converted checkpoint's, else 1
+    num_layer_list: Optional[List[int]] = (
+        None  # layers per pipeline stage, e.g. [7,8,8,7]; None: the checkpoint's
+    )
+    padded_vocab_size: Optional[int] = None  # Megatron's padded vocabulary; None: the converted checkpoint's
     master_addr: str = "localhost"  # address of node 0 (multi-node)
     nnodes: int = 1  # number of nodes
     node_rank: int = 0  # this node's index, 0-based
@@ -84,14 +99,14 @@ class TrainConfig:
     engine: str = "deepspeed"  # deepspeed (kit trainer) | megatron (AscendCloud / MindSpeed-LLM scripts)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     dtype: str = (
-        "auto"  # auto (bf16 on NPU/GPU with bf16, fp16 otherwise, fp32 on CPU) | bfloat16 | float16 | float32
+        "auto"  # auto (bf16 where the card has it, fp16 other accelerators, fp32 on CPU) | bfloat16 | ...
     )
     lr: float = 1e-5  # peak learning rate
     min_lr: float = 0.0  # learning rate at the end of the cosine decay
     warmup_iters: int = 0  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay
     clip_grad: float = 1.0  # gradient clipping by global norm (0 = off)
-    seed: int = 1234  # data order and RNG seed
+    seed: int = 1234  # random number generator seed (data order, initialisation of LoRA)
     save_interval: int = 0  # checkpoint every N steps (0 = only at the end, on SIGTERM)
     log_interval: int = 1  # print a Megatron-style line every N steps
     adapt: bool = (
@@ -100,11 +115,44 @@ class TrainConfig:
     lora_r: int = 8  # LoRA rank (RUN_TYPE lora)
     lora_alpha: int = 16  # LoRA alpha
     lora_dropout: float = 0.0  # LoRA dropout
-    lora_targets: list = field(
+    lora_targets: List[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )  # LoRA modules
     save_hf: bool = True  # at the end, save a plain HF folder (LoRA: merged weights) beside the checkpoints
     overwrite: bool = False  # allow starting over into an output folder that already holds checkpoints
+    sources: Dict[str, str] = field(
+        default_factory=dict
+    )  # set by resolve(): field -> where its value came from
+
+    def __init__(self, **values: Any):
+        # Keyword-only, so the config knows which fields were given (explicit) and which are defaults: the
+        # environment and the manifests may fill only the latter. `model_type=` (the manual's MODEL_TYPE) is
+        # accepted as model_name.
+        if "model_type" in values:
+            if "model_name" in values and values["model_name"] != values["model_type"]:
+                raise ParameterError("give model_name or model_type (the same setting), not both.")
+            values["model_name"] = values.pop("model_type")
+        known = {f.name: f for f in fields(TrainConfig)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ParameterError(
+                f"unknown training parameter(s) {[u.upper() for u in unknown]}; allowed: "
+                f"{sorted(n.upper() for n in known if n != 'sources')}"
+            )
+        for name, f in known.items():
+            if name in values:
+                value = values[name]
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                value = f.default_factory()  # type: ignore[misc]
+            else:
+                value = f.default
+            setattr(self, name, value)
+        self.__dict__["_given"] = frozenset(n for n in values if n != "sources")
+
+    @property
+    def given(self) -> frozenset:
+        """The fields set explicitly when this config was made (the rest are defaults or inheritable)."""
+        return self.__dict__.get("_given", frozenset())
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
@@ -113,20 +161,20 @@ class TrainConfig:
 
     @property
     def dp(self) -> int:
-        return max(1, self.world_size // max(1, self.tp * self.pp))
+        return max(1, self.world_size // max(1, (self.tp or 1) * (self.pp or 1)))
 
     @property
     def grad_accum(self) -> int:
         return max(1, self.gbs // max(1, self.mbs * self.dp))
 
     def workspace(self):
-        """The workspace this run reads from and writes to (WORK_DIR, MODEL_TYPE)."""
+        """The workspace this run reads from and writes to (WORK_DIR, MODEL_NAME)."""
         from kit.workspace import get_workspace
 
-        return get_workspace(self.work_dir or None, model=self.model_type)
+        return get_workspace(self.work_dir or None, model=self.model_name)
 
     def output_dir(self) -> Path:
-        """saved_dir_for_ma_output/<MODEL_TYPE>/<pretrain|sft|lora> (retrain: RESUME_FROM's folder)."""
+        """saved_dir_for_ma_output/<MODEL_NAME>/<pretrain|sft|lora> (retrain: RESUME_FROM's folder)."""
         return self.workspace().output(self.resume_from if self.run_type == "retrain" else self.run_type)
 
     def log_dir(self) -> Path:
@@ -136,16 +184,21 @@ class TrainConfig:
     def problems(self) -> list:
         """Every problem with this config, each naming the value, what is allowed and what to do."""
         p = []
+        tp, pp = self.tp or 1, self.pp or 1
         if self.run_type not in RUN_TYPES:
             p.append(f"RUN_TYPE={self.run_type!r} is not one of {', '.join(RUN_TYPES)}.")
         if self.run_type == "retrain" and self.resume_from not in ("pretrain", "sft", "lora"):
             p.append(f"RESUME_FROM={self.resume_from!r} is not one of pretrain, sft, lora.")
         if self.engine not in ENGINES:
             p.append(f"ENGINE={self.engine!r} is not one of {', '.join(ENGINES)}.")
-        for name in ("train_iters", "mbs", "gbs", "tp", "pp", "nnodes", "nproc_per_node", "log_interval"):
+        for name in ("train_iters", "mbs", "gbs", "nnodes", "nproc_per_node", "log_interval"):
             if int(getattr(self, name)) < 1:
                 p.append(f"{name.upper()}={getattr(self, name)} must be >= 1.")
-        for name in ("seq_len", "save_interval", "warmup_iters", "master_port", "node_rank"):
+        for name in ("tp", "pp", "seq_len"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                p.append(f"{name.upper()}={value} must be >= 1 (or None to inherit it).")
+        for name in ("save_interval", "warmup_iters", "master_port", "node_rank"):
             if int(getattr(self, name)) < 0:
                 p.append(f"{name.upper()}={getattr(self, name)} must be >= 0.")
         if self.nnodes >= 1 and not 0 <= self.node_rank < self.nnodes:
@@ -154,19 +207,19 @@ class TrainConfig:
             p.append(
                 f"NNODES={self.nnodes} needs MASTER_ADDR set to node 0's IP address (got {self.master_addr!r})."
             )
-        if self.tp >= 1 and self.pp >= 1 and self.world_size % (self.tp * self.pp):
+        if tp >= 1 and pp >= 1 and self.world_size % (tp * pp):
             p.append(
                 f"world size {self.world_size} (NNODES={self.nnodes} x NPROC_PER_NODE={self.nproc_per_node}) is "
-                f"not divisible by TP x PP = {self.tp} x {self.pp}; change TP/PP or the number of cards."
+                f"not divisible by TP x PP = {tp} x {pp}; change TP/PP or the number of cards."
             )
         if self.mbs >= 1 and self.gbs >= 1 and self.gbs % (self.mbs * self.dp):
             p.append(
                 f"GBS={self.gbs} is not divisible by MBS x DP = {self.mbs} x {self.dp}; "
                 f"use GBS = a multiple of {self.mbs * self.dp}."
             )
-        if self.engine == "deepspeed" and (self.tp != 1 or self.pp != 1):
+        if self.engine == "deepspeed" and (tp != 1 or pp != 1):
             p.append(
-                f"TP={self.tp}, PP={self.pp}: the kit's DeepSpeed engine is data-parallel only (TP=PP=1); "
+                f"TP={tp}, PP={pp}: the kit's DeepSpeed engine is data-parallel only (TP=PP=1); "
                 f"use ENGINE='megatron' for tensor/pipeline parallelism, or ZERO_STAGE=3 to shard a big model."
             )
         if self.zero_stage not in (0, 1, 2, 3):
@@ -186,25 +239,34 @@ class TrainConfig:
                 f"LoRA needs LORA_R >= 1, LORA_ALPHA >= 1, 0 <= LORA_DROPOUT < 1 and LORA_TARGETS non-empty "
                 f"(got {self.lora_r}, {self.lora_alpha}, {self.lora_dropout}, {self.lora_targets})."
             )
-        if not self.model_type:
-            p.append(
-                "MODEL_TYPE is required (the model's folder name in the workspace, e.g. 'demo' or 'GLM3-6B')."
-            )
+        if not self.model_name:
+            p.append("MODEL_NAME (the manual's MODEL_TYPE) is required: the model's folder in the workspace.")
         if self.engine == "deepspeed":
             p.extend(_path_problems(self))
         return p
 
     def to_env(self) -> dict:
-        """The seed's variables (and the kit's) as strings, for a launched subprocess or a shell script."""
+        """The manual's variables (and the kit's) as strings, for a launched subprocess or a shell script."""
         env = {}
         for f in fields(self):
+            if f.name == "sources":
+                continue
             value = getattr(self, f.name)
-            env[f.name.upper()] = json.dumps(value) if isinstance(value, list) else str(value)
+            if value is None:
+                continue
+            env[f.name.upper()] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+        env["MODEL_TYPE"] = self.model_name
         return env
+
+    def to_dict(self) -> dict:
+        """Every field as plain JSON values (what config.json and the training-run manifest hold)."""
+        from kit.configs import to_jsonable
+
+        return to_jsonable(self)
 
 
 def _path_problems(cfg: TrainConfig) -> list:
-    """Paths that must exist and vocabularies that must fit, for the kit (DeepSpeed) engine."""
+    """Paths that must exist, for the kit (DeepSpeed) engine (the resolved config has both paths)."""
     p = []
     if cfg.run_type == "retrain":
         from kit.train.checkpoint import latest_iteration
@@ -213,79 +275,73 @@ def _path_problems(cfg: TrainConfig) -> list:
         if latest_iteration(out / "checkpoints") is None:
             p.append(
                 f"RUN_TYPE=retrain but {out / 'checkpoints'} holds no checkpoint; run RUN_TYPE=pretrain (or "
-                f"sft/lora into that folder) first, or check MODEL_TYPE={cfg.model_type!r} and WORK_DIR."
+                f"sft/lora into that folder) first, or check MODEL_NAME={cfg.model_name!r} and WORK_DIR."
             )
         return p
-    if not cfg.model_path:
-        p.append(
-            "MODEL_PATH is required: an HF model folder (notebook 03's output, the demo model, or any local "
-            "HF checkpoint)."
-        )
-    elif not (Path(cfg.model_path) / "config.json").is_file():
+    if cfg.model_path and not (Path(cfg.model_path) / "config.json").is_file():
         p.append(f"MODEL_PATH={cfg.model_path!r} has no config.json; point it at an HF model folder.")
-    if not cfg.dataset_path:
-        p.append("DATASET_PATH is required: a prepared `<name>_hf` folder written by notebook 02 (kit.data).")
-    else:
-        from kit.data import read_meta
+    if cfg.dataset_path:
+        from kit.train.inputs import data_facts
 
         try:
-            read_meta(cfg.dataset_path)
-        except FileNotFoundError:
-            p.append(
-                f"DATASET_PATH={cfg.dataset_path!r} has no meta.json (not a prepared `<name>_hf` folder); "
-                f"prepare it with notebook 02 / `python -m kit data ...`."
-            )
+            data_facts(cfg.dataset_path)
+        except InputError as exc:
+            p.append(f"DATASET_PATH: {exc}")
     if cfg.tokenizer_path and not Path(cfg.tokenizer_path).is_dir():
         p.append(f"TOKENIZER_PATH={cfg.tokenizer_path!r} is not a folder.")
-    if p:
-        return p
-    from kit.train.data import dataset_problems
+    if p or not (cfg.model_path and cfg.dataset_path):
+        return p  # unresolved paths are filled by resolve(); the dataset checks need both
+    from kit.train.batches import dataset_problems
 
     return dataset_problems(cfg)
 
 
-def _coerce(name: str, raw: str):
-    if name in _INT_FIELDS:
-        return int(raw)
-    if name in _FLOAT_FIELDS:
-        return float(raw)
-    if name in _BOOL_FIELDS:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    if name == "lora_targets":
-        return json.loads(raw) if raw.strip().startswith("[") else [s for s in raw.split(",") if s]
-    return raw
-
-
-def from_env(environ: Optional[Mapping] = None, extra: Sequence = (), **overrides) -> TrainConfig:
-    """A config from explicit values, overridden by the seed's environment variables where they are set.
-
-    Precedence follows the seed's shell usage: `TRAIN_ITERS=200 MBS=1 ... sh script.sh` wins over defaults.
-    Only the seed's names (SEED_ENV) are read from the environment, plus the upper-case names in `extra`.
-    """
-    environ = os.environ if environ is None else environ
-    names = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(k for k in list(overrides) + [e.lower() for e in extra] if k.lower() not in names)
-    if unknown:
-        raise ParameterError(
-            f"unknown training parameter(s) {unknown}; allowed: {sorted(n.upper() for n in names)}"
-        )
-    values = {k.lower(): v for k, v in overrides.items()}
-    readable = set(SEED_ENV) | {e.upper() for e in extra}
-    for f in fields(TrainConfig):
-        key = f.name.upper()
-        if key in readable and key in environ and environ[key] != "":
-            try:
-                values[f.name] = _coerce(f.name, str(environ[key]))
-            except ValueError as exc:
-                raise InputError(f"environment variable {key}={environ[key]!r} is not valid: {exc}") from exc
+def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    """A copy with `changes`, keeping which fields were given (dataclasses.replace would mark every field given,
+    so the environment and the manifests could no longer fill the unset ones)."""
+    values = {n: getattr(cfg, n) for n in cfg.given}
+    values.update(changes)
+    if cfg.sources:
+        values["sources"] = {k: v for k, v in cfg.sources.items() if k not in changes}
     return TrainConfig(**values)
 
 
-def load_config(path) -> TrainConfig:
-    """Read a config.json written by `save_config` (unknown keys are an error, so typos are caught)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+def coerce(name: str, raw: str) -> Any:
+    """A field's value from its text (environment variable or `--set KEY=VALUE`), typed as the field."""
+    import typing
+
+    from kit.configs import _field_kind, _parse_value
+
+    hint = typing.get_type_hints(TrainConfig)[name]
+    kind = _field_kind(hint)
+    if kind[0] is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if raw.strip().lower() in ("none", "null") and name in INHERITED_DEFAULTS:
+        return None
+    return _parse_value(raw, kind)
+
+
+def from_dict(values: Mapping[str, Any], where: str = "config") -> TrainConfig:
+    """A TrainConfig from saved values (config.json / a manifest's `config`); unknown keys are an error."""
     names = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(values) - names - {"model_type"})
     if unknown:
-        raise InputError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(names)}")
-    return TrainConfig(**data)
+        raise InputError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    return TrainConfig(**dict(values))
+
+
+def load_config(path: Union[str, Path]) -> TrainConfig:
+    """Read a config.json written by the trainer (unknown keys are an error, so typos are caught)."""
+    return from_dict(json.loads(Path(path).read_text(encoding="utf-8")), str(path))
+
+
+def from_manifest(run: Any) -> TrainConfig:
+    """The resolved TrainConfig of a training run: give its folder, or its Manifest (`read_manifest(...)`)."""
+    from kit.manifest import TRAINING_RUN, Manifest, read_manifest
+
+    man = run if isinstance(run, Manifest) else read_manifest(run, expect=TRAINING_RUN)
+    if man.kind != TRAINING_RUN:
+        raise InputError(
+            f"{man.folder} is a {man.kind} folder; expected a training-run folder (notebook 04)."
+        )
+    return from_dict(man["config"] or {}, f"{man.folder} manifest config")

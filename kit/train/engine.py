@@ -28,7 +28,7 @@ def init_distributed(info) -> tuple:
     import torch.distributed as dist
 
     if info.kind == "npu" and not os.environ.get("ASCEND_HOME_PATH"):
-        # DeepSpeed's NPU op builders read os.environ["ASCEND_HOME_PATH"] unguarded (npu_anchors.md section 5).
+        # DeepSpeed's NPU op builders read os.environ["ASCEND_HOME_PATH"] unguarded (DeepSpeed `op_builder/npu/builder.py`).
         raise RuntimeError(
             "ASCEND_HOME_PATH is not set: source CANN's set_env.sh (/usr/local/Ascend/cann/set_env.sh "
             "or /usr/local/Ascend/ascend-toolkit/set_env.sh) before training; notebook 00 shows how."

@@ -1,74 +1,146 @@
-"""Find notebook 04's inputs (a model folder, prepared SFT/pretraining data) or make them from the samples."""
+"""Notebook 04's inputs: the prepared data (notebook 02's folder, read through its manifest) and the model folder.
+
+With no DATASET_PATH the run trains on what notebook 02 wrote into the workspace (the newest prepared-data folder
+of the run's kind made with the model's tokenizer, whatever its length: the length is inherited from it). Only
+when there is none is the shipped sample prepared now, and one line says so.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from kit.errors import MissingInputError
+from kit.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, find_manifest, read_manifest
 
 PathLike = Union[str, Path]
+DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "retrain": None}
+SAMPLE_MAX_LENGTH = 256  # notebook 02's MAX_LENGTH default, so 04 alone prepares what 02 would have
 
 
-def _matches(folder: Path, kind: str, seq_len: int, tokenizer: Path) -> bool:
+def data_facts(folder: PathLike) -> Tuple[Dict[str, Any], Optional[Manifest]]:
+    """(prepared-data manifest fields, the Manifest) of notebook 02's folder.
+
+    A folder without kit_manifest.json but with kit.data's meta.json is read from that (data prepared before
+    kit.data wrote manifests); the Manifest is then None. A wrong-kind folder, or one with neither file, is a
+    one-line error naming notebook 02.
+    """
+    folder = Path(folder)
     meta_path = folder / "meta.json"
-    if not meta_path.is_file():
-        return False
+    if find_manifest(folder) is not None or not meta_path.is_file():
+        man = read_manifest(folder, expect=PREPARED_DATA)
+        return dict(man.fields), man
+    # fallback until kit.data writes its manifest: the same facts from meta.json
+    import json
+
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    same_tok = Path(str(meta.get("tokenizer", ""))).resolve() == Path(tokenizer).resolve()
-    return meta.get("kind") == kind and int(meta.get("max_length", -1)) == seq_len and same_tok
+    facts = {
+        "data_kind": meta.get("kind"),
+        "max_length": meta.get("max_length"),
+        "tokenizer": meta.get("tokenizer"),
+        "tokenizer_sha256": None,
+        "template": meta.get("template"),
+        "pack": meta.get("packed"),
+        "eos_token_id": meta.get("eos_token_id"),
+        "pad_token_id": meta.get("pad_token_id"),
+        "vocab_size": meta.get("vocab_size"),
+        "hf_path": str(folder.resolve()),
+        "megatron_prefix": meta.get("megatron_prefix"),
+        "megatron_flags": ["--reset-attention-mask", "--neat-pack"]
+        if meta.get("kind") == "sft" and meta.get("packed")
+        else [],
+        "heldout": None,
+        "counts": {"samples": meta.get("num_samples"), "tokens": meta.get("num_tokens")},
+    }
+    return facts, None
 
 
-def find_prepared(ws, kind: str, seq_len: int, tokenizer: PathLike) -> Optional[Path]:
-    """A `<name>_hf` folder of the workspace made for this kind, length and tokenizer (newest first), or None."""
-    root = ws.data_finetune if kind == "sft" else ws.data_pretrain
-    found = [p for p in root.glob("*_hf") if _matches(p, kind, seq_len, Path(tokenizer))]
+def _tokenizer_id(folder: PathLike) -> str:
+    """The tokenizer's hash (kit.manifest.tokenizer_sha256), or its resolved path for folders without files."""
+    from kit.manifest import tokenizer_sha256
+
+    try:
+        return tokenizer_sha256(folder)
+    except MissingInputError:
+        return str(Path(folder).resolve())
+
+
+def _same_tokenizer(facts: Dict[str, Any], tokenizer: PathLike) -> bool:
+    want = _tokenizer_id(tokenizer)
+    if facts.get("tokenizer_sha256"):
+        return facts["tokenizer_sha256"] == want
+    return bool(facts.get("tokenizer")) and _tokenizer_id(facts["tokenizer"]) == want
+
+
+def find_prepared(ws: Any, kind: str, tokenizer: PathLike) -> Optional[Path]:
+    """The newest prepared-data folder of the workspace of this kind made with this tokenizer, or None."""
+    root = Path(ws.data_finetune if kind == "sft" else ws.data_pretrain)
+    found = []
+    for folder in root.glob("*_hf"):
+        if folder.name.startswith(".") or not (
+            (folder / MANIFEST_NAME).is_file() or (folder / "meta.json").is_file()
+        ):
+            continue
+        try:
+            facts, _ = data_facts(folder)
+        except (
+            Exception
+        ):  # a damaged or foreign folder is not a candidate; naming it is the explicit path's job
+            continue
+        if facts.get("data_kind") == kind and _same_tokenizer(facts, tokenizer):
+            found.append(folder)
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def prepare_inputs(
-    ws,
-    model_path: Optional[PathLike] = None,
-    dataset_path: Optional[PathLike] = None,
-    seq_len: int = 256,
-    kind: str = "sft",
-    max_records: Optional[int] = None,
-) -> Tuple[Path, Path]:
-    """(model folder, prepared data folder): given ones are checked; missing ones come from the samples.
-
-    The model defaults to the demo model (SmolLM2-135M-Instruct). Data: notebook 02's output for this model's
-    tokenizer and SEQ_LEN if present, else the shipped sample (Alpaca SFT or the pretraining corpus) is prepared
-    now with the model's own chat template, and the message says so.
-    """
+def default_model() -> Path:
+    """The demo model (SmolLM2-135M-Instruct), the model every notebook uses by default."""
     from kit.samples import demo_model_dir
 
-    model = Path(model_path) if model_path else demo_model_dir()
-    if not (model / "config.json").is_file():
-        raise MissingInputError(
-            f"MODEL_PATH={str(model)!r} has no config.json; give an HF model folder (notebook "
-            f"03's output) or None for the demo model."
-        )
-    if dataset_path:
-        return model, Path(dataset_path)
-    found = find_prepared(ws, kind, seq_len, model)
+    return Path(demo_model_dir())
+
+
+def default_data(
+    ws: Any, kind: str, tokenizer: PathLike, seq_len: Optional[int] = None, max_records: Optional[int] = None
+) -> Tuple[Path, str]:
+    """(data folder, where it came from): notebook 02's output in the workspace, else the sample prepared now."""
+    found = find_prepared(ws, kind, tokenizer)
     if found is not None:
-        print(f"using prepared data {found}")
-        return model, found
+        return found, f"workspace {found}"
     from kit.data import DataConfig, prepare
 
-    name = f"{kind}_sample_{model.name}_{seq_len}".replace(".", "_")
+    length = int(seq_len or SAMPLE_MAX_LENGTH)
+    name = f"{kind}_sample_{Path(tokenizer).name}_{length}".replace(".", "_")
     print(
-        f"no prepared {kind} data for {model.name} at SEQ_LEN={seq_len} in the workspace (notebook 02 makes it); "
-        f"preparing the shipped sample now as {name}_hf"
+        f"no prepared {kind} data for this tokenizer in {ws.model_input} (notebook 02 makes it): preparing the "
+        f"shipped sample now as {name}_hf, max_length {length}"
     )
     cfg = DataConfig(
         kind=kind,
         name=name,
-        tokenizer=str(model),
-        max_length=seq_len,
+        tokenizer=str(tokenizer),
+        max_length=length,
         template="tokenizer",
         max_records=max_records,
         overwrite=True,
     )
-    return model, prepare(cfg, ws, progress=False).hf_dir
+    return Path(prepare(cfg, ws, progress=False).hf_dir), f"prepared now from the shipped {kind} sample"
+
+
+def prepare_inputs(
+    ws: Any,
+    model_path: Optional[PathLike] = None,
+    dataset_path: Optional[PathLike] = None,
+    seq_len: Optional[int] = None,
+    kind: str = "sft",
+    max_records: Optional[int] = None,
+) -> Tuple[Path, Path]:
+    """(model folder, prepared data folder): given ones are kept; missing ones as `resolve` finds them."""
+    model = Path(model_path) if model_path else default_model()
+    if not (model / "config.json").is_file():
+        raise MissingInputError(
+            f"MODEL_PATH={str(model)!r} has no config.json; give an HF model folder (notebook 03's output) or "
+            f"None for the demo model."
+        )
+    if dataset_path:
+        return model, Path(dataset_path)
+    return model, default_data(ws, kind, model, seq_len, max_records)[0]

@@ -1,7 +1,7 @@
 """Run training as a subprocess (torchrun or the DeepSpeed launcher), streaming progress back to the notebook.
 
 Why a subprocess: importing torch_npu inside IPython forces TASK_QUEUE_ENABLE=0 (slower), and a launched job can
-use every card and every node (npu_anchors.md sections 1.6 and 4.2).
+use every card and every node (the MindSpeed-LLM example scripts launch with torchrun the same way).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from kit.configs import check, save_config
 from kit.train.config import TrainConfig
@@ -171,6 +171,7 @@ def launch(
     tail_lines: int = 8,
     visible_devices: Optional[str] = None,
     echo: bool = False,
+    ws: Any = None,
 ) -> LaunchResult:
     """Validate, write the job config, start the job and stream it: a progress bar, the log tail, a clean stop.
 
@@ -180,9 +181,9 @@ def launch(
 
     from kit.device import detect
     from kit.train.logs import parse_line
+    from kit.train.resolve import resolve
 
-    check(cfg, "training config")
-    cfg = job_config(cfg)
+    cfg = job_config(check(resolve(cfg, ws), "training config"))
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     config_path = save_config(cfg, out, "launch_config.json")

@@ -53,7 +53,7 @@ def _text(source: Union[str, Path]) -> str:
 def parse_log(source: Union[str, Path], seq_len: Optional[int] = None, cards: Optional[int] = None):
     """A DataFrame with one row per iteration (a restarted run's later line for an iteration wins).
 
-    For Megatron logs, which print no tokens/s/p, give SEQ_LEN and the number of cards to get the seed's
+    For Megatron logs, which print no tokens/s/p, give SEQ_LEN and the number of cards to get the manual's
     tokens/s/p = GBS * SEQ_LEN / (cards * elapsed ms) * 1000.
     """
     import pandas as pd
@@ -81,7 +81,7 @@ def parse_log(source: Union[str, Path], seq_len: Optional[int] = None, cards: Op
 
 
 def parse_train_metrics(source: Union[str, Path]) -> dict:
-    """The HF Trainer `***** train metrics *****` block (as in the seed's before/after table); times in seconds."""
+    """The HF Trainer `***** train metrics *****` block (as in the manual's before/after table, section "查看性能"); times in seconds."""
     text = _text(source)
     start = text.rfind("train metrics")
     out = {}
@@ -116,7 +116,7 @@ def summarize(df, skip_first: int = 1) -> dict:
 
 
 def compare_runs(runs: Mapping[str, object], skip_first: int = 1):
-    """Side-by-side table of runs (like the seed's 性能基线 vs 算子调优后): samples/s, runtime, loss, tokens/s/p."""
+    """Side-by-side table of runs (like the ModelArts manual's 性能基线 vs 算子调优后 table): samples/s, runtime, loss, tokens/s/p."""
     import pandas as pd
 
     table = pd.DataFrame({name: summarize(df, skip_first) for name, df in runs.items()}).T

@@ -1,33 +1,36 @@
-"""The Megatron / MindSpeed-LLM path: the AscendCloud script (seed's variables) or a `pretrain_gpt.py` command.
+"""The Megatron / MindSpeed-LLM path: the AscendCloud script (the manual's variables) or a `pretrain_gpt.py` command.
 
-Built and validated here from the same TrainConfig; it cannot run on a machine without the AscendCloud code
-package and NPUs, so `execute` refuses with the reason. Facts: seed 002 (Step1/Step2 table and commands),
-npu_anchors.md 1.3-1.6 (data prefixes, script skeleton, flags) and 7.18-7.19 (data naming, checkpoint layout).
+Built from the resolved TrainConfig and the inputs' manifests, never from hand-built names: the data prefix and the
+flags the data needs (`--reset-attention-mask --neat-pack` for packed SFT) come from notebook 02's prepared-data
+manifest; TP, PP, the layer list, the padded vocabulary and the architecture flags from notebook 03's
+converted-checkpoint manifest (or, for an HF folder, its model facts through `kit.convert.model_facts`); the TP/PP
+rules from `kit.parallel`, the same ones conversion applies. It cannot run on a machine without the AscendCloud code
+package and NPUs, so `execute` refuses with the reason. Facts: the ModelArts user manual, sections "Step1
+配置预训练超参" / "Step2 启动训练脚本" (variables, commands); MindSpeed-LLM example scripts (flags, environment).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, List, Optional
 
-from kit.train.config import SEED_ENV, TrainConfig
+from kit.errors import KitError
+from kit.train.config import MANUAL_ENV, TrainConfig, replace
 
-# MindSpeed-LLM scripts export these for every NPU job (npu_anchors.md 1.6).
+# MindSpeed-LLM example scripts export these for every NPU job.
 SCRIPT_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
     "HCCL_CONNECT_TIMEOUT": "3600",
     "HCCL_EXEC_TIMEOUT": "3600",
 }
-# The Llama-style flag set the MindSpeed-LLM example scripts pass (npu_anchors.md 1.6).
-LLAMA_FLAGS = [
-    "--use-mcore-models",
+# The fused-kernel and runtime flags of the MindSpeed-LLM example scripts (the architecture flags come from the
+# model facts: kit.convert.manifests.architecture_flags).
+NPU_FLAGS = [
     "--use-flash-attn",
     "--use-fused-rmsnorm",
     "--use-fused-swiglu",
@@ -35,14 +38,6 @@ LLAMA_FLAGS = [
     "--no-masked-softmax-fusion",
     "--attention-softmax-in-fp32",
     "--no-gradient-accumulation-fusion",
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--position-embedding-type",
-    "rope",
-    "--disable-bias-linear",
-    "--make-vocab-size-divisible-by",
-    "1",
     "--ckpt-format",
     "torch",
     "--transformer-impl",
@@ -61,7 +56,7 @@ class MegatronPlan:
     problems: list = field(default_factory=list)
 
     def describe(self) -> str:
-        """The shell line a user could paste on the node (variables first, like the seed's Step2)."""
+        """The shell line a user could paste on the node (variables first, as in the manual's "Step2 启动训练脚本")."""
         env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in self.env.items())
         text = f"cd {shlex.quote(str(self.cwd))} && {env} {' '.join(shlex.quote(a) for a in self.argv)}"
         if self.problems:
@@ -69,41 +64,20 @@ class MegatronPlan:
         return text
 
 
-def megatron_prefix(dataset_path: str) -> str:
-    """The Megatron data prefix beside a kit `<name>_hf` folder (pretrain: `<name>_text_document`, SFT: `<name>`)."""
-    folder = Path(dataset_path)
-    meta = folder / "meta.json"
-    if not (folder.name.endswith("_hf") and meta.is_file()):
-        return dataset_path  # already a prefix
-    name = str(folder)[: -len("_hf")]
-    kind = json.loads(meta.read_text(encoding="utf-8")).get("kind")
-    return name + "_text_document" if kind == "pretrain" else name
-
-
-def data_problems(cfg: TrainConfig) -> list:
-    """Megatron data naming: pretrain `<name>_text_document(.bin/.idx)`, SFT the bare prefix with `_packed_*`."""
-    prefix = cfg.dataset_path
+def data_problems(facts: dict, where: str) -> List[str]:
+    """The Megatron files the data manifest names must exist (prefix.bin/.idx, or the `_packed_*` files of SFT)."""
+    prefix = facts.get("megatron_prefix")
     if not prefix:
         return [
-            "DATASET_PATH is required: the Megatron data prefix from notebook 02 (e.g. .../alpaca_text_document)."
+            f"{where} has no Megatron files (megatron_prefix is empty); prepare the data in notebook 02 with "
+            f"MEGATRON=True."
         ]
-    if cfg.run_type == "pretrain" or (cfg.run_type == "retrain" and prefix.endswith("_text_document")):
-        if not prefix.endswith("_text_document"):
-            return [f"DATASET_PATH={prefix!r}: pretraining takes the full `<name>_text_document` prefix."]
-        files = [prefix + ".bin", prefix + ".idx"]
-    else:
-        if prefix.endswith(("_document", ".bin", ".idx")):
-            return [
-                f"DATASET_PATH={prefix!r}: fine-tuning takes the bare prefix (MindSpeed globs "
-                f"`<prefix>_packed_*_document*`), e.g. {prefix.split('_packed_')[0]!r}."
-            ]
-        files = [
-            f"{prefix}_packed_{k}_document.{ext}"
-            for k in ("input_ids", "attention_mask", "labels")
-            for ext in ("bin", "idx")
+    folder, name = Path(prefix).parent, Path(prefix).name
+    if not any(folder.glob(name + "*.bin")) or not any(folder.glob(name + "*.idx")):
+        return [
+            f"the Megatron data files {prefix}*.bin/.idx named by {where} are missing; prepare the data again."
         ]
-    missing = [f for f in files if not Path(f).is_file()]
-    return [f"data file {m} is missing; prepare the data in notebook 02 (megatron=True)." for m in missing]
+    return []
 
 
 def checkpoint_problems(load: Optional[str], tp: int, pp: int) -> list:
@@ -127,100 +101,82 @@ def checkpoint_problems(load: Optional[str], tp: int, pp: int) -> list:
     return []
 
 
-def model_args(model_dir: str) -> tuple:
-    """Architecture flags from an HF config.json, and the problems TP/PP would cause with them."""
-    conf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    heads = int(conf["num_attention_heads"])
-    kv = int(conf.get("num_key_value_heads", heads))
-    args = [
-        "--num-layers",
-        conf["num_hidden_layers"],
-        "--hidden-size",
-        conf["hidden_size"],
-        "--ffn-hidden-size",
-        conf["intermediate_size"],
-        "--num-attention-heads",
-        heads,
-        "--max-position-embeddings",
-        conf.get("max_position_embeddings", 4096),
-        "--norm-epsilon",
-        conf.get("rms_norm_eps", 1e-6),
-        "--rotary-base",
-        conf.get("rope_theta", 10000),
-        "--padded-vocab-size",
-        conf["vocab_size"],
-    ]
-    if kv != heads:
-        args += ["--group-query-attention", "--num-query-groups", kv]
-    if not conf.get("tie_word_embeddings", False):
-        args.append("--untie-embeddings-and-output-weights")
-    return [str(a) for a in args], conf
+def _model(cfg: TrainConfig) -> tuple:
+    """(model facts, converted-checkpoint manifest or None, flavor) of MODEL_PATH."""
+    from kit.convert import model_facts
+    from kit.train.resolve import _converted
 
-
-def _parallel_problems(cfg: TrainConfig, conf: dict) -> list:
-    p = []
-    heads = int(conf["num_attention_heads"])
-    kv = int(conf.get("num_key_value_heads", heads))
-    if heads % cfg.tp or kv % cfg.tp:
-        p.append(f"TP={cfg.tp} must divide the attention heads ({heads}) and KV heads ({kv}).")
-    if int(conf["num_hidden_layers"]) % cfg.pp:
-        p.append(f"PP={cfg.pp} must divide num_hidden_layers ({conf['num_hidden_layers']}).")
-    return p
+    ckpt = _converted(cfg.model_path)
+    facts = dict(ckpt["model"]) if ckpt is not None else model_facts(cfg.model_path)
+    return facts, ckpt, (ckpt.get("flavor") if ckpt is not None else "local") or "local"
 
 
 def build(
     cfg: TrainConfig,
     code_dir: Optional[str] = None,
     script: Optional[str] = None,
-    load: Optional[str] = None,
     nproc_per_node: Optional[int] = None,
+    ws: Any = None,
 ) -> MegatronPlan:
-    """The AscendCloud script command (if `script` is given) or a torchrun `pretrain_gpt.py` command, validated."""
-    cfg = dataclasses.replace(cfg, engine="megatron", dataset_path=megatron_prefix(cfg.dataset_path))
+    """The AscendCloud script command (if `script` is given) or a torchrun `pretrain_gpt.py` command, validated.
+
+    MODEL_PATH: notebook 03's converted checkpoint (loaded with --load; TP/PP/layer list/padded vocabulary inherited
+    from it), or an HF folder (architecture only: pretraining from scratch). DATASET_PATH: notebook 02's folder.
+    """
+    from kit.convert.manifests import architecture_flags
+    from kit.parallel import layer_list_flag, parallel_problems
+    from kit.train.inputs import data_facts
+    from kit.train.resolve import resolve
+
+    try:
+        cfg = resolve(replace(cfg, engine="megatron"), ws)
+    except KitError as exc:  # the inputs do not fit: nothing else can be checked
+        return MegatronPlan([], {}, Path("."), "none", [str(exc)])
     problems = cfg.problems()
-    ws = cfg.workspace()
+    ws = ws or cfg.workspace()
     code = Path(code_dir) if code_dir else ws.llm_train / "AscendSpeed"
     nproc = nproc_per_node or cfg.nproc_per_node
     if not code.is_dir():
         problems.append(
-            f"code folder {code} does not exist: unzip the AscendCloud-3rdLLM package into WORK_DIR "
-            f"(seed: 上传代码到工作环境); this path cannot run without it and NPUs."
+            f"code folder {code} does not exist: unzip the AscendCloud-3rdLLM package into WORK_DIR (ModelArts user "
+            f'manual, section "上传代码到工作环境"); this path cannot run without it and NPUs.'
         )
+    facts_data, data_man = data_facts(cfg.dataset_path)
+    data_where = str(data_man.folder) if data_man else str(cfg.dataset_path)
+    problems += data_problems(facts_data, data_where)
+    prefix = facts_data.get("megatron_prefix") or ""
     if script:
-        env = {name: str(getattr(cfg, attr)) for name, attr in SEED_ENV.items()}
-        env["WORK_DIR"] = str(ws.root)
-        env["TOKENIZER_PATH"] = cfg.tokenizer_path or cfg.model_path
+        env = {name: str(getattr(cfg, attr)) for name, attr in MANUAL_ENV.items()}
+        env.update(WORK_DIR=str(ws.root), DATASET_PATH=prefix, TOKENIZER_PATH=str(cfg.tokenizer_path or ""))
         if not env["TOKENIZER_PATH"]:
             problems.append(
-                "TOKENIZER_PATH is required by the scripts (seed: 必填): the tokenizer folder, e.g. "
-                "<WORK_DIR>/tokenizers/<MODEL_TYPE>."
+                "TOKENIZER_PATH is required by the scripts: the tokenizer folder the data was made with."
             )
-        if cfg.nnodes == 1:  # the seed: MASTER_ADDR / NNODES / NODE_RANK are for multi-node runs only
+        if cfg.nnodes == 1:  # the manual: MASTER_ADDR / NNODES / NODE_RANK are for multi-node runs only
             for key in ("MASTER_ADDR", "NNODES", "NODE_RANK"):
                 env.pop(key)
-        if cfg.seq_len == 0:
-            env.pop("SEQ_LEN")  # the script's own default (8192) applies
         if not (code / script).is_file():
             problems.append(f"script {code / script} does not exist (e.g. scripts/glm3/glm3_base.sh).")
-        problems += data_problems(cfg)
         return MegatronPlan(["sh", script], env, code, "script", problems)
 
-    arch, conf = (
-        model_args(cfg.model_path)
-        if cfg.model_path and (Path(cfg.model_path) / "config.json").is_file()
-        else ([], None)
+    facts, ckpt, flavor = _model(cfg)
+    problems += parallel_problems(
+        facts, int(cfg.tp), int(cfg.pp), cfg.num_layer_list, cfg.padded_vocab_size, flavor=flavor
     )
-    if conf is None:
-        problems.append(
-            "MODEL_PATH must be the HF folder the checkpoint was converted from (its config.json gives "
-            "the architecture flags)."
-        )
-    else:
-        problems += _parallel_problems(cfg, conf)
-    problems += data_problems(cfg) + checkpoint_problems(load, cfg.tp, cfg.pp)
-    if not cfg.seq_len:
-        problems.append("SEQ_LEN is required for Megatron (the data prefixes carry no length).")
+    load = str(ckpt.folder) if ckpt is not None else None
+    problems += checkpoint_problems(load, int(cfg.tp), int(cfg.pp))
     finetune = cfg.run_type in ("sft", "lora")
+    if finetune and ckpt is None:
+        problems.append(
+            f"MODEL_PATH={cfg.model_path!r} is an HF folder; fine-tuning with Megatron loads converted weights: "
+            f"convert it in notebook 03 (TP={cfg.tp}, PP={cfg.pp}) and give that folder."
+        )
+    if ckpt is not None:
+        model_flags = list(ckpt.get("megatron_flags") or architecture_flags(facts, cfg.padded_vocab_size))
+    else:
+        model_flags = architecture_flags(facts, cfg.padded_vocab_size) + ["--use-mcore-models"]
+        listed = layer_list_flag(cfg.num_layer_list)
+        model_flags += ["--num-layer-list", listed] if listed else []
     entry = "posttrain_gpt.py" if finetune else "pretrain_gpt.py"
     if code.is_dir() and not (code / "ModelLink" / entry).is_file() and not (code / entry).is_file():
         problems.append(f"{entry} is in neither {code} nor {code / 'ModelLink'}.")
@@ -233,57 +189,34 @@ def build(
         f"--master_addr={cfg.master_addr}",
         f"--master_port={cfg.master_port or 6000}",
         entry,
-        "--tensor-model-parallel-size",
-        str(cfg.tp),
-        "--pipeline-model-parallel-size",
-        str(cfg.pp),
-        "--micro-batch-size",
-        str(cfg.mbs),
-        "--global-batch-size",
-        str(cfg.gbs),
-        "--seq-length",
-        str(cfg.seq_len),
-        "--train-iters",
-        str(cfg.train_iters),
-        "--lr",
-        str(cfg.lr),
-        "--min-lr",
-        str(cfg.min_lr),
-        "--lr-decay-style",
-        "cosine",
-        "--lr-warmup-iters",
-        str(cfg.warmup_iters),
-        "--weight-decay",
-        str(cfg.weight_decay),
-        "--clip-grad",
-        str(cfg.clip_grad),
-        "--adam-beta1",
-        "0.9",
-        "--adam-beta2",
-        "0.95",
-        "--seed",
-        str(cfg.seed),
-        *arch,
-        *LLAMA_FLAGS,
-        "--tokenizer-type",
-        "PretrainedFromHF",
-        "--tokenizer-name-or-path",
-        cfg.tokenizer_path or cfg.model_path,
-        "--data-path",
-        cfg.dataset_path,
-        "--split",
-        "100,0,0",
-        "--save",
-        str(save),
-        "--save-interval",
-        str(cfg.save_interval or cfg.train_iters),
-        "--log-interval",
-        str(cfg.log_interval),
-        "--eval-iters",
-        "0",
-        "--distributed-backend",
-        "nccl",
-    ]
+        "--tensor-model-parallel-size", str(cfg.tp),
+        "--pipeline-model-parallel-size", str(cfg.pp),
+        "--micro-batch-size", str(cfg.mbs),
+        "--global-batch-size", str(cfg.gbs),
+        "--seq-length", str(cfg.seq_len),
+        "--train-iters", str(cfg.train_iters),
+        "--lr", str(cfg.lr),
+        "--min-lr", str(cfg.min_lr),
+        "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(cfg.warmup_iters),
+        "--weight-decay", str(cfg.weight_decay),
+        "--clip-grad", str(cfg.clip_grad),
+        "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95",
+        "--seed", str(cfg.seed),
+        *model_flags,
+        *NPU_FLAGS,
+        "--tokenizer-type", "PretrainedFromHF",
+        "--tokenizer-name-or-path", str(cfg.tokenizer_path or ""),
+        "--data-path", prefix,
+        *list(facts_data.get("megatron_flags") or []),
+        "--split", "100,0,0",
+        "--save", str(save),
+        "--save-interval", str(cfg.save_interval or cfg.train_iters),
+        "--log-interval", str(cfg.log_interval),
+        "--eval-iters", "0",
+        "--distributed-backend", "nccl",
+    ]  # fmt: skip
     dtype = cfg.dtype
     if dtype == "auto":
         # the device's choice: Ascend 910A has no bf16 (kit.device asks torch.npu.is_bf16_supported()); on a
@@ -301,21 +234,15 @@ def build(
         if cfg.run_type != "retrain":
             argv += ["--no-load-optim", "--no-load-rng"]  # converted weights carry no optimizer state
     if finetune:
-        argv += ["--finetune", "--stage", "sft", "--is-instruction-dataset", "--reset-attention-mask"]
+        argv += ["--finetune", "--stage", "sft", "--is-instruction-dataset"]
     if cfg.run_type == "lora":
         argv += [
-            "--lora-r",
-            str(cfg.lora_r),
-            "--lora-alpha",
-            str(cfg.lora_alpha),
-            "--lora-target-modules",
-            "linear_qkv",
-            "linear_proj",
-            "linear_fc1",
-            "linear_fc2",
-        ]
+            "--lora-r", str(cfg.lora_r),
+            "--lora-alpha", str(cfg.lora_alpha),
+            "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+        ]  # fmt: skip
     cwd = code / "ModelLink" if (code / "ModelLink").is_dir() else code
-    return MegatronPlan(argv, dict(SCRIPT_ENV), cwd, "pretrain_gpt", problems)
+    return MegatronPlan([str(a) for a in argv], dict(SCRIPT_ENV), cwd, "pretrain_gpt", problems)
 
 
 def execute(plan: MegatronPlan, log_file: Optional[Path] = None) -> int:

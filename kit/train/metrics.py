@@ -1,4 +1,4 @@
-"""Per-iteration metrics: the seed's tokens/s/p, Megatron-style log lines, metrics.jsonl and TensorBoard scalars."""
+"""Per-iteration metrics: the ModelArts manual's tokens/s/p, Megatron-style log lines, metrics.jsonl and TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 
 def tokens_per_second_per_card(gbs: int, seq_len: int, cards: int, elapsed_ms: float) -> float:
-    """The seed's throughput (查看性能): global batch size * seq_length / (cards * elapsed ms per iteration) * 1000."""
+    """The ModelArts manual's throughput (section "查看性能"): global batch size * seq_length / (cards * elapsed ms per iteration) * 1000."""
     if elapsed_ms <= 0 or cards <= 0:
         return 0.0
     return gbs * seq_len / (cards * elapsed_ms) * 1000.0

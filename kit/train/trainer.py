@@ -10,9 +10,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kit.configs import check, save_config
+from kit.manifest import MANIFEST_NAME
 from kit.train import checkpoint
 from kit.train.config import TrainConfig, load_config
 
@@ -34,6 +35,38 @@ class TrainResult:
     losses: list = field(default_factory=list)
     message: str = ""
     seconds: float = 0.0
+    config: Optional[TrainConfig] = None  # the resolved config the run trained with (sources included)
+    manifest: Any = None  # the run folder's training-run manifest (completed runs)
+    hf_manifest: Any = None  # the exported hf/ folder's hf-model manifest
+
+    def summary(self, **extra) -> dict:
+        """Scalars and paths of the run for the notebook's summary: outputs, consumed inputs and their hashes
+        (`extra`: further scalars a notebook adds, e.g. the before/after generations)."""
+        cfg, man = self.config, self.manifest
+        return {
+            "run_type": cfg.run_type if cfg else None,
+            "status": self.status,
+            "iterations": self.iteration,
+            "first_loss": self.losses[0] if self.losses else None,
+            "last_loss": self.losses[-1] if self.losses else None,
+            "losses": list(self.losses),
+            "output_dir": self.output_dir,
+            "checkpoint": self.checkpoint,
+            "hf_dir": self.hf_dir,
+            "adapter_dir": self.adapter_dir,
+            "log": self.log_path,
+            "metrics": self.metrics_path,
+            "dataset_path": cfg.dataset_path if cfg else None,
+            "model_path": cfg.model_path if cfg else None,
+            "seq_len": cfg.seq_len if cfg else None,
+            "sources": dict(cfg.sources) if cfg else {},
+            "manifest": (man.folder / "kit_manifest.json") if man else None,
+            "manifest_sha256": man.sha256 if man else None,
+            "hf_manifest_sha256": self.hf_manifest.sha256 if self.hf_manifest else None,
+            "inputs": [dataclasses.asdict(c) for c in man.inputs] if man else [],
+            "seconds": self.seconds,
+            **extra,
+        }
 
 
 def effective_config(cfg: TrainConfig) -> TrainConfig:
@@ -66,8 +99,11 @@ class Trainer:
         step_callbacks: Sequence[StepCallback] = (),
         progress: bool = True,
         echo: bool = True,
+        ws: Any = None,
     ):
-        check(cfg, "training config")
+        from kit.train.resolve import resolve
+
+        cfg = check(resolve(cfg, ws), "training config")
         self.requested = cfg
         self.cfg = effective_config(cfg)
         if self.cfg is not cfg:
@@ -83,7 +119,7 @@ class Trainer:
 
         from kit.device import detect
         from kit.train import engine as eng
-        from kit.train.data import load_dataset
+        from kit.train.batches import load_dataset
         from kit.train.metrics import MetricsWriter
 
         cfg = self.cfg
@@ -108,6 +144,8 @@ class Trainer:
                 )
             if self.rank == 0:
                 shutil.rmtree(self.ckpt_root)
+        if self.rank == 0:  # the run folder is complete again only when this run writes its manifest
+            (self.out / MANIFEST_NAME).unlink(missing_ok=True)
         self.ds, self.meta = load_dataset(cfg.dataset_path)
         self.seq_len = cfg.seq_len or int(self.meta["max_length"])
         if self.rank == 0:
@@ -181,7 +219,7 @@ class Trainer:
         import torch
 
         from kit.device import synchronize
-        from kit.train.data import micro_batches, tokens_in
+        from kit.train.batches import micro_batches, tokens_in
 
         cfg, engine = self.cfg, self.engine
         lr = engine.lr_scheduler.get_last_lr()[0]
@@ -340,6 +378,11 @@ class Trainer:
             self.writer.text(result.message)
         self.writer.close()
         result.seconds = time.time() - t_start
+        result.config = cfg
+        if status == "completed" and self.rank == 0:
+            from kit.train.run_manifest import write_run_manifests
+
+            result.manifest, result.hf_manifest = write_run_manifests(result, self.ckpt_root)
         return result
 
     def _export(self, result: TrainResult) -> None:
@@ -457,7 +500,8 @@ def use_fused_adamw(optimizer, device) -> bool:
 
 
 def train(
-    cfg: TrainConfig, step_callbacks: Sequence[StepCallback] = (), progress: bool = True
+    cfg: TrainConfig, ws: Any = None, step_callbacks: Sequence[StepCallback] = (), progress: bool = True
 ) -> TrainResult:
-    """Train `cfg` in this process (a notebook cell for tiny runs; `kit.train.launch` for real ones)."""
-    return Trainer(cfg, step_callbacks=step_callbacks, progress=progress).train()
+    """Train `cfg` in this process, in workspace `ws` (a notebook cell for tiny runs; `kit.train.launch` for real
+    ones). The config is resolved first (kit.train.resolve); the run folder gets a training-run manifest."""
+    return Trainer(cfg, step_callbacks=step_callbacks, progress=progress, ws=ws).train()

@@ -1,4 +1,4 @@
-"""Read the data stage's prepared folders and cut them into deterministic global batches (resumable by position)."""
+"""Training batches: load notebook 02's prepared rows and cut them into deterministic global batches (resumable)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import functools
 from pathlib import Path
 from typing import Iterator, Union
 
+from kit.data.output import FIXED_COLUMNS as MODEL_INPUTS  # the model-input columns kit.data writes
 from kit.errors import InputError
+from kit.train.inputs import DATA_KIND_FOR_RUN
 
 PathLike = Union[str, Path]
-MODEL_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")
-KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft"}
 
 
 def load_dataset(path: PathLike):
@@ -41,7 +41,7 @@ def dataset_problems(cfg) -> list:
         ds, meta = load_dataset(cfg.dataset_path)
     except (OSError, ValueError) as exc:
         return [f"DATASET_PATH={cfg.dataset_path!r} cannot be loaded: {exc}"]
-    want = KIND_FOR_RUN.get(cfg.run_type)
+    want = DATA_KIND_FOR_RUN.get(cfg.run_type)
     if want and meta.get("kind") != want:
         p.append(
             f"DATASET_PATH holds {meta.get('kind')!r} data but RUN_TYPE={cfg.run_type} needs {want!r} data "
@@ -50,8 +50,8 @@ def dataset_problems(cfg) -> list:
     length = int(meta.get("max_length", 0))
     if cfg.seq_len and cfg.seq_len != length:
         p.append(
-            f"SEQ_LEN={cfg.seq_len} but the dataset was prepared with max_length={length}; set SEQ_LEN=0 "
-            f"(use the dataset's) or re-prepare the data with max_length={cfg.seq_len}."
+            f"SEQ_LEN={cfg.seq_len} but the dataset was prepared with max_length={length}; set SEQ_LEN=None "
+            f"(inherit the dataset's) or re-prepare the data with max_length={cfg.seq_len}."
         )
     if len(ds) == 0:
         p.append(f"DATASET_PATH={cfg.dataset_path!r} has no samples.")

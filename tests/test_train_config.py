@@ -1,0 +1,233 @@
+"""TrainConfig resolution: explicit > environment > manifest > default, the source of every value, contradictions
+(both values and sources shown), wrong-kind / manifest-less folders, and the training-run config loaded back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import test_train_helpers as H
+
+from kit.errors import InputError
+from kit.manifest import (
+    CONVERTED_CHECKPOINT,
+    PREPARED_DATA,
+    TRAINING_RUN,
+    read_manifest,
+    tokenizer_sha256,
+    write_manifest,
+)
+from kit.train.config import TrainConfig, from_dict, from_manifest, replace
+from kit.train.resolve import ConfigConflictError, resolve
+
+
+def prepared(folder: Path, tokenizer: Path, max_length: int = 48, kind: str = "sft", **fields) -> Path:
+    """A prepared-data folder as notebook 02 leaves it: rows + a prepared-data manifest."""
+    (H.make_sft if kind == "sft" else H.make_pretrain)(folder, num_samples=4, max_length=max_length)
+    base = {
+        "data_kind": kind,
+        "max_length": max_length,
+        "tokenizer": str(tokenizer),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "template": "chatml" if kind == "sft" else None,
+        "pack": True,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "vocab_size": 2522,
+        "hf_path": str(folder),
+        "megatron_prefix": None,
+        "megatron_flags": ["--reset-attention-mask", "--neat-pack"] if kind == "sft" else [],
+        "heldout": None,
+        "counts": {"samples": 4},
+    }
+    base.update(fields)
+    write_manifest(folder, PREPARED_DATA, base)
+    return folder
+
+
+@pytest.fixture()
+def data(tmp_path, tiny_llama_dir):
+    return prepared(tmp_path / "alpaca_hf", tiny_llama_dir)
+
+
+def cfg_for(tmp_path, tiny_llama_dir, data, **kw):
+    return TrainConfig(
+        model_path=str(tiny_llama_dir), dataset_path=str(data), work_dir=str(tmp_path / "ws"), **kw
+    )
+
+
+def test_unset_values_are_inherited_from_the_data_manifest_with_their_source(tmp_path, tiny_llama_dir, data):
+    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, lr=2e-4), environ={})
+    assert (cfg.seq_len, cfg.template, cfg.pack, cfg.tokenizer_path) == (
+        48,
+        "chatml",
+        True,
+        str(tiny_llama_dir),
+    )
+    where = f"manifest {data.resolve()}"
+    assert cfg.sources["seq_len"] == where and cfg.sources["template"] == where
+    assert cfg.sources["tokenizer_path"] == where and cfg.sources["pack"] == where
+    assert cfg.sources["lr"] == "explicit" and cfg.sources["gbs"] == "default"
+    assert (cfg.tp, cfg.pp, cfg.sources["tp"]) == (1, 1, "default")
+    assert set(cfg.sources) == {f for f in TrainConfig.__dataclass_fields__ if f != "sources"}
+
+
+def test_an_explicit_value_equal_to_the_manifest_is_kept_as_explicit(tmp_path, tiny_llama_dir, data):
+    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, seq_len=48), environ={})
+    assert cfg.seq_len == 48 and cfg.sources["seq_len"] == "explicit"
+
+
+def test_a_longer_seq_len_than_the_data_was_packed_for_shows_both_values_and_sources(
+    tmp_path, tiny_llama_dir, data
+):
+    with pytest.raises(ConfigConflictError) as err:
+        resolve(cfg_for(tmp_path, tiny_llama_dir, data, seq_len=512, template="llama3"), environ={})
+    text = str(err.value)
+    assert f"SEQ_LEN=512 (explicit) but max_length=48 (manifest {data.resolve()})" in text
+    assert f"TEMPLATE='llama3' (explicit) but template='chatml' (manifest {data.resolve()})" in text
+    assert isinstance(err.value, InputError)
+    with pytest.raises(ConfigConflictError, match=r"SEQ_LEN=16 \(environment SEQ_LEN\) but max_length=48"):
+        resolve(cfg_for(tmp_path, tiny_llama_dir, data), environ={"SEQ_LEN": "16"})
+
+
+def test_another_tokenizer_than_the_datas_is_a_contradiction(tmp_path, tiny_llama_dir, data):
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_text('{"model": "another"}')
+    with pytest.raises(ConfigConflictError) as err:
+        resolve(cfg_for(tmp_path, tiny_llama_dir, data, tokenizer_path=str(other)), environ={})
+    text = str(err.value)
+    assert f"TOKENIZER_PATH='{other}' (explicit)" in text and f"tokenizer='{tiny_llama_dir}'" in text
+    assert tokenizer_sha256(tiny_llama_dir)[:12] in text
+
+
+def test_environment_fills_only_what_was_not_given_and_beats_the_manifest(tmp_path, tiny_llama_dir, data):
+    env = {"TRAIN_ITERS": "77", "MBS": "2", "GBS": "8", "MODEL_TYPE": "GLM3-6B", "LR": "5", "SEQ_LEN": "48"}
+    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, train_iters=3), environ=env)
+    assert (cfg.train_iters, cfg.sources["train_iters"]) == (3, "explicit")  # env does not beat explicit
+    assert (cfg.mbs, cfg.gbs, cfg.sources["gbs"]) == (2, 8, "environment GBS")
+    assert (cfg.model_name, cfg.sources["model_name"]) == ("GLM3-6B", "environment MODEL_TYPE")
+    assert (cfg.seq_len, cfg.sources["seq_len"]) == (48, "environment SEQ_LEN")  # env beats the manifest
+    assert cfg.lr == 1e-5  # LR is not one of the manual's variables: the environment does not set it
+
+
+def test_bound_notebook_values_are_explicit_and_none_inherits(tmp_path, tiny_llama_dir, data):
+    from kit.configs import bind
+
+    params = {
+        "TRAIN_ITERS": 200,
+        "SEQ_LEN": None,
+        "MODEL_PATH": str(tiny_llama_dir),
+        "DATASET_PATH": str(data),
+    }
+    cfg = resolve(bind(TrainConfig, params, work_dir=str(tmp_path / "ws")), environ={"TRAIN_ITERS": "5"})
+    assert (cfg.train_iters, cfg.sources["train_iters"]) == (
+        200,
+        "explicit",
+    )  # typed 200 = default, still wins
+    assert cfg.seq_len == 48 and cfg.sources["seq_len"].startswith("manifest ")
+
+
+def test_wrong_kind_folder_as_dataset_path_names_notebook_02(tmp_path, tiny_llama_dir):
+    run = tmp_path / "a_run"
+    run.mkdir()
+    write_manifest(run, CONVERTED_CHECKPOINT, {k: None for k in ("direction", "family", "flavor", "tp", "pp",
+                   "num_layer_list", "padded_vocab_size", "dtype", "model", "source", "tokenizer")})  # fmt: skip
+    with pytest.raises(InputError) as err:
+        resolve(cfg_for(tmp_path, tiny_llama_dir, run), environ={})
+    assert "is a converted-checkpoint folder" in str(err.value) and "notebook 02" in str(err.value)
+
+
+def test_folder_without_manifest_as_dataset_path_names_notebook_02(tmp_path, tiny_llama_dir):
+    empty = tmp_path / "some_folder"
+    empty.mkdir()
+    with pytest.raises(InputError, match="has no kit_manifest.json.*notebook 02"):
+        resolve(cfg_for(tmp_path, tiny_llama_dir, empty), environ={})
+    problems = cfg_for(tmp_path, tiny_llama_dir, empty).problems()
+    assert any(p.startswith("DATASET_PATH: ") and "no kit_manifest.json" in p for p in problems), problems
+
+
+def converted(folder: Path, tp=4, pp=4, layer_list=(7, 8, 8, 7), padded=32000, layers=30) -> Path:
+    """A converted-checkpoint folder as notebook 03 leaves it (manifest + rank folders) for a 30-layer model."""
+    for t in range(tp):
+        for p in range(pp):
+            (folder / "iter_0000001" / f"mp_rank_{t:02d}_{p:03d}").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    model = {
+        "family": "llama", "hidden_size": 256, "ffn_hidden_size": 512, "num_layers": layers, "num_heads": 8,
+        "num_groups": 4, "num_kv_groups": 4, "num_attention_heads": 8, "head_dim": 32, "vocab_size": 32000,
+        "norm_eps": 1e-5, "tied": False, "qkv_bias": False, "position": "rope", "rotary_base": 10000.0,
+        "rotary_percent": 1.0, "rotary_interleaved": False, "max_position_embeddings": 4096, "norm_head": False,
+    }  # fmt: skip
+    write_manifest(
+        folder,
+        CONVERTED_CHECKPOINT,
+        {
+            "direction": "hf_to_megatron", "family": "llama", "flavor": "local", "tp": tp, "pp": pp,
+            "num_layer_list": list(layer_list), "padded_vocab_size": padded, "dtype": "bfloat16", "model": model,
+            "source": "/hf/model", "tokenizer": None,
+        },
+    )  # fmt: skip
+    return folder
+
+
+def test_tp_pp_layer_list_and_vocab_come_from_the_converted_checkpoint(tmp_path, tiny_llama_dir, data):
+    ckpt = converted(tmp_path / "converted")
+    base = TrainConfig(
+        engine="megatron", model_path=str(ckpt), dataset_path=str(data), tokenizer_path=str(tiny_llama_dir),
+        work_dir=str(tmp_path / "ws"), nproc_per_node=16, gbs=16,
+    )  # fmt: skip
+    cfg = resolve(base, environ={})
+    assert (cfg.tp, cfg.pp, cfg.num_layer_list, cfg.padded_vocab_size) == (4, 4, [7, 8, 8, 7], 32000)
+    assert (
+        cfg.sources["tp"] == f"manifest {ckpt.resolve()}"
+        and cfg.sources["num_layer_list"] == cfg.sources["tp"]
+    )
+    with pytest.raises(ConfigConflictError) as err:
+        resolve(replace(base, pp=2), environ={"TP": "2"})
+    text = str(err.value)
+    assert f"TP=2 (environment TP) but tp=4 (manifest {ckpt.resolve()})" in text
+    assert f"PP=2 (explicit) but pp=4 (manifest {ckpt.resolve()})" in text
+    with pytest.raises(InputError, match="ENGINE='megatron'"):
+        resolve(replace(base, engine="deepspeed"), environ={})
+
+
+def test_model_type_keyword_is_the_workspace_model_name():
+    assert TrainConfig(model_type="GLM3-6B").model_name == "GLM3-6B"
+    with pytest.raises(TypeError, match="GLOBAL_BATCH"):
+        TrainConfig(global_batch=3)
+
+
+def test_resolved_config_round_trips_through_json_and_the_manifest(tmp_path, tiny_llama_dir, data):
+    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, lr=3e-4), environ={"GBS": "4"})
+    again = from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.sources == cfg.sources
+    run = tmp_path / "run"
+    run.mkdir()
+    fields = dict.fromkeys(("data", "model", "checkpoints", "hf", "metrics", "log"))
+    write_manifest(
+        run, TRAINING_RUN, {**fields, "run_type": "sft", "config": cfg.to_dict(), "sources": cfg.sources}
+    )
+    assert from_manifest(run) == cfg and from_manifest(read_manifest(run)) == cfg
+    with pytest.raises(InputError, match="expected a training-run folder"):
+        from_manifest(data)
+    # resolving the loaded config again changes nothing (a profiled or resumed run trains the same settings)
+    assert resolve(from_manifest(run), environ={"GBS": "64", "SEQ_LEN": "48"}) == cfg
+
+
+def test_cli_options_are_generated_from_the_config_and_typed_values_are_explicit(tmp_path):
+    import argparse
+
+    from kit.train import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["train", "run", "--train-iters", "9", "--num-layer-list", "7,8,8,7", "--no-adapt"]
+    )
+    cfg = cli._config(args)
+    assert (cfg.train_iters, cfg.num_layer_list, cfg.adapt) == (9, [7, 8, 8, 7], False)
+    assert cfg.given == {"train_iters", "num_layer_list", "adapt"}
+    help_text = parser._subparsers._group_actions[0].choices["train"].format_help()
+    assert "train" in help_text
