@@ -8,7 +8,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 from kit.errors import InputError, KitError
 
@@ -245,6 +245,32 @@ class TextBlock:
     texts: List[str]
 
 
+def _parquet_batches(pf: Any, path: Path, columns: Optional[List[str]], batch_rows: int) -> Iterator[Any]:
+    """Record batches, streamed one row group at a time: a single `ParquetFile.iter_batches` over the whole file
+    keeps memory for every row group it has read until it ends (measured with pyarrow 26: +1.5 MB per row group),
+    so RSS would grow with the file; one iterator per row group releases it, and still streams inside a group."""
+    row = 0
+    for group in range(pf.num_row_groups):
+        # one thread: the tokenizer workers are the parallelism (pyarrow's pool only adds CPU here)
+        batches = pf.iter_batches(batch_rows, row_groups=[group], columns=columns, use_threads=False)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except Exception as exc:  # a damaged page or column chunk
+                raise DataInputError(
+                    str(path),
+                    row + 1,
+                    f"damaged parquet data after row {row} ({str(exc).splitlines()[0] if str(exc) else exc!r})",
+                    "re-export or re-download the file",
+                    "malformed",
+                ) from None
+            row += batch.num_rows
+            yield batch
+        del batches
+
+
 def _parquet(
     path: Path, columns: Optional[List[str]], text_column: Optional[str] = None, batch_rows: int = 2048
 ) -> Iterator[Record]:
@@ -265,21 +291,7 @@ def _parquet(
     wanted = [c for c in (columns or []) if c in names] or None
     bulk = text_column is not None and wanted == [text_column]
     row = 0
-    # one thread: the tokenizer workers are the parallelism (pyarrow's pool only adds CPU here)
-    batches = pf.iter_batches(batch_size=batch_rows, columns=wanted, use_threads=False)
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            break
-        except Exception as exc:  # a damaged page or column chunk
-            raise DataInputError(
-                str(path),
-                row + 1,
-                f"damaged parquet data after row {row} ({str(exc).splitlines()[0] if str(exc) else exc!r})",
-                "re-export or re-download the file",
-                "malformed",
-            ) from None
+    for batch in _parquet_batches(pf, path, wanted, batch_rows):
         col = batch.column(0) if bulk else None
         if (
             col is not None
