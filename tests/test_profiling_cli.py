@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,32 +87,44 @@ def test_msprof_analyze_agrees_on_ai_cpu(tmp_path, clean):
 
 @pytest.mark.slow
 def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
-    assert (
-        main(
-            [
-                "profile",
-                "demo",
-                "--model",
-                str(tiny_llama_dir),
-                "--device",
-                "cpu",
-                "--wait",
-                "0",
-                "--warmup",
-                "1",
-                "--active",
-                "1",
-                "--seq-len",
-                "16",
-                "--out",
-                str(tmp_path),
-                "--tag",
-                "cli",
-            ]
-        )
-        == 0
-    )
-    folder = capsys.readouterr().out.strip().splitlines()[-1]
-    assert folder.endswith("-cpu-cli")
-    meta = json.loads((tmp_path / folder.rsplit("/", 1)[1] / "capture.json").read_text())
+    """A workspace without a training run: the CLI configures one from notebook 04's defaults and says so."""
+    from kit.manifest import PROFILE_CAPTURE, read_manifest
+    from kit.workspace import get_workspace
+
+    ws = get_workspace(tmp_path / "ws", model="tiny")
+    argv = [
+        "profile",
+        "demo",
+        "--workspace",
+        str(ws.root),
+        "--model",
+        "tiny",
+        "--model-path",
+        str(tiny_llama_dir),
+    ]
+    argv += [
+        "--device",
+        "cpu",
+        "--wait",
+        "0",
+        "--warmup",
+        "1",
+        "--active",
+        "1",
+        "--seq-len",
+        "16",
+        "--tag",
+        "cli",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    folder = Path(out[-1])
+    assert folder.parent == ws.profiles and folder.name.endswith("-cpu-cli")
+    said = [line for line in out if line.startswith("no training run in")]
+    assert len(said) == 1 and str(ws.model_output) in said[0]
+    meta = json.loads((folder / "capture.json").read_text())
     assert meta["steps"] == 2 and meta["traces"] and meta["config"]["tag"] == "cli"
+    m = read_manifest(folder, expect=PROFILE_CAPTURE)
+    assert m["training_run"] is None and m["configured_here"] == said[0]
+    assert m["profiled_config"]["model_path"] == str(tiny_llama_dir) and m["profiled_config"]["seq_len"] == 16
+    assert m["options"]["active"] == 1 and m["steps"] == 2

@@ -81,10 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="only when the workspace has no training run: HF folder to train and profile (default: demo model)",
     )
     d.add_argument(
-        "--sample-seq-len",
+        "--seq-len",
         type=int,
         default=128,
-        help="only when the workspace has no training run: tokens per sample of the sample data prepared",
+        help="only when the workspace has no training run: tokens per sample of the sample data prepared here",
     )
     d.add_argument("--top", type=int, default=10, help="operators in the table and the plot")
     p.set_defaults(func=run)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         ws,
         training_run=args.training_run,
         model_path=args.model_path,
-        seq_len=args.sample_seq_len,
+        seq_len=args.seq_len,
         top=args.top,
         progress=False,
     )

@@ -67,14 +67,16 @@ TINY = {
         "LAUNCH_ITERS": 2,
         "MAX_NEW_TOKENS": 8,
     },
-    # tests/test_profiling_notebook.py
+    # tests/test_profiling_notebook.py: profiles 04's run in this workspace (MODEL "tiny"); alone, it trains
+    # notebook 04's defaults on MODEL_PATH with SEQ_LEN tokens
     "05": lambda root: {
         "MODEL": "tiny",
+        "MODEL_PATH": _tiny_llama(root),
+        "SEQ_LEN": 32,
         "DEVICE": "cpu",
         "WAIT": 0,
         "WARMUP": 1,
         "ACTIVE": 2,
-        "SEQ_LEN": 16,
         "TOP": 5,
     },
 }
@@ -104,14 +106,15 @@ EXPECT = {
         progress=2,
         texts=("('completed', 5", "lm loss", "before:", "after:", "speed_vs_sft", "MODEL_TYPE=tiny"),
     ),
-    # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice; the
-    # capture is checked by what it recorded (a torch profile of the two active steps), never by which operator
-    # ranked first: that depends on the machine's load
+    # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice, the
+    # profiled training's step bar; the capture is checked by what it recorded (a torch profile of the two active
+    # steps), never by which operator ranked first: that depends on the machine's load
     "05": Expect(
         tables=3,
         images=3,
         progress=1,
         texts=(
+            "profiled ",
             "torch profile",
             "kernel rows, 2 steps",
             "Profile advice",
