@@ -251,3 +251,13 @@ def test_parquet_text_nulls_wrong_types_and_damage(tmp_path):
     with pytest.raises(DataInputError, match=r"damaged.parquet"):
         _pretrain(tmp_path / "o", [damaged])
     assert not (tmp_path / "o").exists() or sorted(p.name for p in (tmp_path / "o").iterdir()) == []
+
+
+def test_parquet_dialogs_with_a_partial_column_mapping(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"instruction": ["hello", "name?"], "response": ["hi", "kit"]}), path)
+    res = _sft(tmp_path / "o", [path], columns={"output": "response"})
+    assert res.report.records_written == 2 and res.report.records_dropped == 0

@@ -96,8 +96,9 @@ def _records(cfg: DataConfig, report: PrepReport, text_column: Optional[str] = N
             report.records_read += 1  # a record was read, but it cannot be used
             report.drop(err.reason, str(err))
 
-    # parquet: read only the columns needed when they are known (pretrain: the text column)
-    parquet_cols = [text_column] if text_column else (list(cfg.columns.values()) or None)
+    # parquet: pretraining reads only the text column; dialogs read every column (a partial `columns` mapping
+    # names only the renamed ones)
+    parquet_cols = [text_column] if text_column else None
     skip = None if cfg.on_error == "raise" else on_bad
     for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column):
         if cfg.max_records is not None and report.records_read >= cfg.max_records:
