@@ -23,6 +23,7 @@ STAGES = {
     "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
     "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
+    "evaluate": ("kit.evaluate.cli", "base vs trained: held-out loss, multiple choice, answers, speed"),
     "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
 }
 

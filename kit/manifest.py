@@ -28,6 +28,7 @@ CONVERTED_CHECKPOINT = "converted-checkpoint"
 HF_MODEL = "hf-model"
 TRAINING_RUN = "training-run"
 PROFILE_CAPTURE = "profile-capture"
+EVALUATION = "evaluation"
 
 # kind -> (which stage makes it, the fields its manifest must hold)
 KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
@@ -87,6 +88,18 @@ KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     PROFILE_CAPTURE: (
         "notebook 05 / `python -m kit profile`",
         ("device", "options", "training_run"),  # training_run: the training-run folder profiled, or None
+    ),
+    EVALUATION: (
+        "notebook 06 / `python -m kit evaluate`",
+        (
+            "model",  # HF folder evaluated
+            "base_model",  # HF folder compared with, or None
+            "data",  # prepared-data folder whose held-out split was scored, or None
+            "heldout",  # the split scored ({"path", "records", "rule"}) or None
+            "tasks",  # [{"name", "yaml", "data", "data_sha256"}] multiple-choice tasks
+            "device",  # {"kind", "device", "name", "dtype"}
+            "results",  # results.json (beside it: results.csv, speed.png)
+        ),
     ),
 }
 

@@ -37,6 +37,13 @@ def _tiny_llama(root: Path) -> str:
     return str(folder if folder.is_dir() else tiny_llama(folder, seed=0))  # made once, shared by 03 and 04
 
 
+def _tiny_training_run(root: Path) -> str:
+    """tests/test_evaluate_notebook.py's run: tiny base (seed 0) -> 'trained' (seed 1), manifests as 04 writes."""
+    from kit.evaluate.fixtures import tiny_training_run
+
+    return str(tiny_training_run(root / "ws", _tiny_llama(root), root / "fixtures" / "tiny-llama-trained"))
+
+
 # From each notebook's own test (its run_notebook(...) call in tests/test_*.py): callables of the lab root, so
 # paths and fixtures are made there when the lab starts.
 TINY = {
@@ -78,6 +85,17 @@ TINY = {
         "WARMUP": 1,
         "ACTIVE": 2,
         "TOP": 5,
+    },
+    # tests/test_evaluate_notebook.py
+    "06": lambda root: {
+        "RUN": _tiny_training_run(root),
+        "MODEL": "tiny",
+        "TASK_LIMIT": 3,
+        "ENGINE": "kit",
+        "MAX_NEW_TOKENS": 4,
+        "BATCH_SIZES": [1, 2],
+        "PROMPT_LENGTHS": [8, 16],
+        "DECODE_TOKENS": 2,
     },
 }
 FAKE_SET_ENV = (
@@ -122,6 +140,12 @@ EXPECT = {
             "Cast operators are slow",
             "AI_CPU",
         ),
+    ),
+    # the results table (metric x base / trained / change), the answers side by side, the speed table and its plot
+    "06": Expect(
+        tables=3,
+        images=1,
+        texts=("heldout_perplexity", "kit_mc_zh_acc", "change", "decode_tokens_per_s", "ttft_ms"),
     ),
 }
 

@@ -1,0 +1,36 @@
+"""`python -m kit evaluate`: base vs trained model on held-out loss, multiple choice, answers and speed."""
+
+from __future__ import annotations
+
+import argparse
+
+from kit.configs import add_config_arguments, explicit_values
+from kit.evaluate.config import EvalConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="compare a trained model with its base: held-out loss/perplexity, multiple-choice accuracy (lm-eval), "
+        "answers side by side, time to first token and decode tokens/s",
+        description="Reads notebook 04's training-run manifest (default: the workspace's newest run) or a model "
+        "folder; writes results.csv / results.json / speed.png and an evaluation manifest.",
+    )
+    add_config_arguments(p, EvalConfig)  # one option per EvalConfig field, help from its comment
+    p.add_argument("--workspace", default=None, help="workspace root (default: the kit's default workspace)")
+    p.add_argument(
+        "--workspace-model", default="demo", help="the model's folder name in the workspace (default: demo)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Expected failures raise KitErrors: `python -m kit` prints `error: ...` and exits 2."""
+    from kit.evaluate.run import run as evaluate
+    from kit.workspace import get_workspace
+
+    cfg = EvalConfig(**explicit_values(args, EvalConfig))
+    result = evaluate(cfg, get_workspace(args.workspace, model=args.workspace_model), progress=False)
+    print(result.table.to_string())
+    print(f"results: {result.folder}")
+    return 0

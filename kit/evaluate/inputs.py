@@ -1,0 +1,185 @@
+"""What an evaluation reads: the trained model, its base model and the held-out split, from the run's manifests.
+
+Given a training-run folder (notebook 04) everything comes from its manifest: `hf` (the exported model), `model`
+(the base it started from) and `data` (the prepared data, whose own manifest names the `heldout` split). Given a
+model folder instead, an `hf-model` manifest inside it leads back to its run; a Megatron checkpoint is converted
+to HF first (kit.convert). Explicit BASE_MODEL / DATA win over what the manifests say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from kit.errors import InputError, MissingInputError
+from kit.manifest import (
+    CONVERTED_CHECKPOINT,
+    HF_MODEL,
+    PREPARED_DATA,
+    TRAINING_RUN,
+    Consumed,
+    find_manifest,
+    read_manifest,
+)
+
+
+@dataclass
+class EvalInputs:
+    """The resolved inputs, where each came from, and the stage outputs consumed (for the manifest)."""
+
+    model: Path
+    base: Optional[Path] = None
+    data: Optional[Path] = None
+    heldout: Optional[Dict[str, Any]] = None
+    template: Optional[str] = None
+    run: Optional[Path] = None
+    consumed: List[Consumed] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+
+def _is_megatron(folder: Path) -> bool:
+    return (folder / "latest_checkpointed_iteration.txt").is_file()
+
+
+def _to_hf(folder: Path, scratch: Path, inputs: EvalInputs) -> Path:
+    """An HF folder for `folder`: itself, or a Megatron checkpoint converted back to HF under `scratch`."""
+    if (folder / "config.json").is_file():
+        return folder
+    if _is_megatron(folder) or find_manifest(folder) is not None:
+        man = read_manifest(folder, expect=(CONVERTED_CHECKPOINT, HF_MODEL))
+        if man.kind == CONVERTED_CHECKPOINT:
+            from kit.convert import ConvertConfig
+            from kit.convert import run as convert
+
+            target = scratch / f"hf_from_{folder.name}"
+            print(f"{folder} is a Megatron checkpoint: converting it back to HF into {target} (kit.convert)")
+            convert(
+                ConvertConfig(
+                    source=str(folder), target=str(target), direction="megatron_to_hf", overwrite=True
+                ),
+                progress=False,
+            )
+            inputs.consumed.append(man.as_input())
+            return target
+    raise InputError(
+        f"{str(folder)!r} is neither an HF model folder (config.json) nor a Megatron checkpoint "
+        f"(latest_checkpointed_iteration.txt); give notebook 04's run folder, its hf/ folder or notebook 03's output."
+    )
+
+
+def _data_facts(data: Path, inputs: EvalInputs) -> None:
+    man = read_manifest(data, expect=PREPARED_DATA)
+    inputs.data = man.folder
+    inputs.heldout = man.get("heldout")
+    inputs.template = man.get("template")
+    inputs.consumed.append(man.as_input())
+
+
+def _from_run(run_folder: Path, inputs: EvalInputs, cfg) -> None:
+    run = read_manifest(run_folder, expect=TRAINING_RUN)
+    inputs.run = run.folder
+    inputs.consumed.append(run.as_input())
+    if cfg.base_model is None and run["model"]:
+        inputs.base = Path(run["model"])
+    if cfg.data is None and run["data"]:
+        _data_facts(Path(run["data"]), inputs)
+
+
+def newest_run(ws: Any) -> Optional[Path]:
+    """The workspace's newest training-run folder (the one notebook 05 profiles too), or None."""
+    from kit.profiling.training_run import find_training_runs
+
+    runs = find_training_runs(ws)
+    return runs[0].folder if runs else None
+
+
+def resolve(cfg, ws, scratch: Path) -> EvalInputs:
+    """The models and data an EvalConfig names, or the workspace's newest training run; see the module doc."""
+    scratch = Path(scratch)
+    run_folder = Path(cfg.run).expanduser() if cfg.run else None
+    if cfg.model_path:
+        folder = Path(cfg.model_path).expanduser()
+        if not folder.exists():
+            raise MissingInputError(
+                f"MODEL_PATH={str(folder)!r} does not exist; give an HF or Megatron model folder."
+            )
+        if find_manifest(folder) is not None and (folder / "config.json").is_file():
+            man = read_manifest(folder)
+            if man.kind == HF_MODEL:
+                inputs = EvalInputs(model=folder.resolve())
+                inputs.consumed.append(man.as_input())
+                runs = man.consumed(TRAINING_RUN)
+                if run_folder is None and runs and Path(runs[0].path).is_dir():
+                    run_folder = Path(runs[0].path)
+            else:
+                inputs = EvalInputs(model=folder.resolve())
+        else:
+            inputs = EvalInputs(model=Path("."))
+            inputs.model = _to_hf(folder, scratch, inputs).resolve()
+        if run_folder is not None:
+            _from_run(run_folder, inputs, cfg)
+    else:
+        if run_folder is None:
+            run_folder = newest_run(ws)
+        if run_folder is None:
+            return _alone(cfg, ws)
+        run = read_manifest(run_folder, expect=TRAINING_RUN)
+        if not run["hf"]:
+            raise InputError(
+                f"{run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (its checkpoint or a "
+                f"converted folder) or train with an HF export."
+            )
+        inputs = EvalInputs(model=Path(run["hf"]))
+        hf_dir = Path(run["hf"])
+        if find_manifest(hf_dir) is not None:
+            inputs.consumed.append(read_manifest(hf_dir).as_input())
+        _from_run(run.folder, inputs, cfg)
+    if cfg.base_model:
+        inputs.base = _to_hf(Path(cfg.base_model).expanduser(), scratch, inputs).resolve()
+    elif inputs.base is not None:
+        inputs.base = _to_hf(inputs.base, scratch, inputs).resolve()
+    if cfg.data:
+        _data_facts(Path(cfg.data).expanduser(), inputs)
+    if cfg.template:
+        inputs.template = cfg.template
+    return inputs
+
+
+def _alone(cfg, ws) -> EvalInputs:
+    """No run in the workspace: the demo model on its own, with the shipped SFT sample prepared for it."""
+    from kit.samples import demo_model_dir
+
+    model = Path(demo_model_dir())
+    inputs = EvalInputs(model=model)
+    note = (
+        f"no training run in {ws.model_output} (notebook 04 makes one): evaluating the demo model "
+        f"{model.name} on its own"
+    )
+    if cfg.data:
+        _data_facts(Path(cfg.data).expanduser(), inputs)
+    else:
+        data = _prepare_sample(ws, model)
+        note += f", held-out data from the shipped sample prepared now ({data.name})"
+        try:
+            _data_facts(data, inputs)
+        except InputError:  # data prepared by a kit.data that writes no manifest yet: no held-out split known
+            inputs.data = data
+    print(note)
+    inputs.notes.append(note)
+    if cfg.template:
+        inputs.template = cfg.template
+    return inputs
+
+
+def _prepare_sample(ws, model: Path) -> Path:
+    from kit.data import DataConfig, prepare
+
+    name = f"eval_sample_{model.name}".replace(".", "_")
+    folder = Path(ws.data_finetune) / f"{name}_hf"
+    if find_manifest(folder) is not None:
+        return folder
+    cfg = DataConfig(
+        kind="sft", name=name, tokenizer=str(model), max_length=256, template="tokenizer", overwrite=True
+    )
+    return Path(prepare(cfg, ws, progress=False).hf_dir)

@@ -1,0 +1,288 @@
+"""`run(cfg, ws) -> EvalResult`: base vs trained on held-out loss, multiple choice, answers and speed.
+
+Each model is loaded once, on the chosen device (kit.device; adapted with kit ops on NPU), scored on every part,
+then released before the next is loaded. The results folder is written under a temporary name and renamed when
+complete (kit.atomic); its `evaluation` manifest, written last, names the models, the data split, the tasks and
+the device.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List
+
+from kit.configs import check, save_config, to_jsonable
+from kit.errors import InputError
+from kit.evaluate.config import EvalConfig
+from kit.evaluate.inputs import EvalInputs, resolve
+from kit.manifest import EVALUATION, write_manifest
+
+RESULTS_JSON = "results.json"
+RESULTS_CSV = "results.csv"
+SPEED_PNG = "speed.png"
+
+
+@dataclass
+class EvalResult:
+    """What one evaluation found: the table (metric x model), the raw results and the files written."""
+
+    config: EvalConfig
+    folder: Path
+    results: Dict[str, Any]
+    inputs: EvalInputs
+    manifest_sha256: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def table(self):
+        """One row per metric, one column per model (and the change trained - base)."""
+        import pandas as pd
+
+        return pd.read_csv(self.folder / RESULTS_CSV, index_col=0)
+
+    @property
+    def speed(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.results.get("speed", []))
+
+    @property
+    def generations(self):
+        import pandas as pd
+
+        gens = self.results.get("generations") or {}
+        if not gens:
+            return pd.DataFrame()
+        return pd.DataFrame({"prompt": self.results["prompts"], **gens})
+
+    def summary(self) -> Dict[str, Any]:
+        """Scalars and paths for the notebook's summary.json (and `make demo`)."""
+        out: Dict[str, Any] = {
+            "folder": str(self.folder),
+            "results_json": str(self.folder / RESULTS_JSON),
+            "results_csv": str(self.folder / RESULTS_CSV),
+            "speed_plot": str(self.folder / SPEED_PNG) if (self.folder / SPEED_PNG).is_file() else None,
+            "manifest_sha256": self.manifest_sha256,
+            "model": str(self.inputs.model),
+            "base_model": str(self.inputs.base) if self.inputs.base else None,
+            "data": str(self.inputs.data) if self.inputs.data else None,
+            "heldout": self.inputs.heldout,
+            "device": self.results["device"]["device"],
+            "engine": self.results.get("engine"),
+            "consumed": [to_jsonable(c.__dict__) for c in self.inputs.consumed],
+            "notes": list(self.notes),
+        }
+        for label, scores in self.results["models"].items():
+            for key, value in scores.items():
+                if isinstance(value, (int, float)) or value is None:
+                    out[f"{label}_{key}"] = value
+        return out
+
+
+def _device(cfg: EvalConfig):
+    from kit.device import detect
+
+    return detect(cfg.device)
+
+
+def _load(path: Path, info, adapt: bool, notes: List[str]):
+    import torch
+    from transformers import AutoTokenizer
+
+    from kit.train.engine import load_causal_lm
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = load_causal_lm(path, info.torch_dtype).eval()
+    model.to(torch.device(info.device))
+    if info.kind == "npu" and adapt:
+        from kit.adapt import adapt_model
+
+        try:
+            adapt_model(model)
+        except ValueError as exc:  # a model type kit.adapt was not checked on: run it as transformers has it
+            notes.append(f"{path.name}: not adapted ({exc})")
+    return model, tok
+
+
+def _heldout_rows(inputs: EvalInputs, limit: int):
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(inputs.heldout["path"]))
+    for col in ("input_ids", "labels"):
+        if col not in ds.column_names:
+            raise InputError(
+                f"{inputs.heldout['path']}: the held-out split has no {col!r} column (has {ds.column_names}); "
+                f"prepare the data again with notebook 02."
+            )
+    if limit and len(ds) > limit:
+        ds = ds.select(range(limit))
+    return ds
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
+    """Evaluate the trained model (and its base) as `cfg` says; write the results folder; see the module doc."""
+    import pandas as pd
+
+    from kit.atomic import atomic_dir
+    from kit.evaluate import harness, speed
+    from kit.evaluate.generation import chat_prompt, generate_answers, read_prompts
+    from kit.evaluate.scoring import heldout_loss, score_task
+    from kit.evaluate.tasks import load_task
+
+    check(cfg)
+    parts = list(cfg.parts)
+    evaluations = Path(ws.model_output) / "evaluations"
+    # check everything the user handed in before any model is loaded
+    prompts = read_prompts(cfg.prompts, cfg.prompts_file) if "generation" in parts else []
+    tasks = [load_task(t, cfg.task_limit or None) for t in cfg.tasks] if "accuracy" in parts else []
+    engine = None
+    if tasks:
+        engine = cfg.engine if cfg.engine != "auto" else ("lm-eval" if harness.available() else "kit")
+        if engine == "lm-eval":
+            harness.require()
+    inputs = resolve(cfg, ws, evaluations)
+    notes = list(inputs.notes)
+    if "heldout" in parts and not inputs.heldout:
+        note = (
+            f"held-out loss skipped: the data {inputs.data} names no held-out split (notebook 02 holds one out)"
+            if inputs.data
+            else "held-out loss skipped: no prepared data given (DATA) or recorded by the run"
+        )
+        print(note)
+        notes.append(note)
+        parts.remove("heldout")
+    info = _device(cfg)
+    if cfg.out_dir:
+        folder = Path(cfg.out_dir).expanduser()
+    elif inputs.run is not None:
+        folder = inputs.run / "evaluation" / cfg.name
+    else:
+        folder = evaluations / cfg.name
+    models = [("base", inputs.base), ("trained", inputs.model)] if inputs.base else [("model", inputs.model)]
+    results: Dict[str, Any] = {
+        "device": {"kind": info.kind, "device": info.device, "name": info.name, "dtype": info.dtype},
+        "engine": engine,
+        "models": {},
+        "paths": {label: str(path) for label, path in models},
+        "tasks": {},
+        "prompts": prompts,
+        "generations": {},
+        "speed": [],
+    }
+    heldout = _heldout_rows(inputs, cfg.heldout_rows) if "heldout" in parts else None
+    with atomic_dir(folder, overwrite=cfg.overwrite, what="evaluation folder") as tmp:
+        for label, path in models:
+            print(f"{label}: {path}")
+            model, tok = _load(path, info, cfg.adapt, notes)
+            scores: Dict[str, Any] = {}
+            if heldout is not None:
+                h = heldout_loss(model, heldout)
+                scores.update(heldout_loss=h.loss, heldout_perplexity=h.perplexity, heldout_tokens=h.tokens)
+            if tasks:
+                if engine == "lm-eval":
+                    found = harness.run_lm_eval(model, tok, tasks, tmp / "tasks")
+                else:
+                    found = {t.name: score_task(model, tok, t, progress=progress) for t in tasks}
+                for t in tasks:
+                    r = found[t.name]
+                    scores[f"{t.name}_acc"] = r["acc"]
+                    scores[f"{t.name}_acc_norm"] = r["acc_norm"]
+                    results["tasks"].setdefault(
+                        t.name,
+                        {
+                            "yaml": str(t.yaml_path),
+                            "data": str(t.data_file),
+                            "questions": r["n"],
+                            "models": {},
+                        },
+                    )
+                    results["tasks"][t.name]["models"][label] = {
+                        k: v for k, v in r.items() if k in ("acc", "acc_norm", "n", "logliks", "details")
+                    }
+            if prompts:
+                ids = [chat_prompt(tok, p, inputs.template, str(path)) for p in prompts]
+                results["generations"][label] = generate_answers(model, tok, ids, cfg.max_new_tokens)
+            if "speed" in parts:
+                rows = speed.benchmark(
+                    model, cfg.batch_sizes, cfg.prompt_lengths, cfg.decode_tokens, len(tok), cfg.repeats
+                )
+                for row in rows:
+                    row["model"] = label
+                results["speed"].extend(rows)
+                first = rows[0]
+                scores["ttft_ms"] = first["ttft_ms"]
+                scores["decode_tokens_per_s"] = first["decode_tokens_per_s"]
+                scores["decode_tokens_per_s_max"] = max(r["decode_tokens_per_s"] for r in rows)
+            results["models"][label] = scores
+            del model
+            gc.collect()
+        table = _table(results, [label for label, _ in models])
+        table.to_csv(tmp / RESULTS_CSV)
+        if results["speed"]:
+            import matplotlib.pyplot as plt
+
+            fig = speed.plot(
+                pd.DataFrame(results["speed"]), tmp / SPEED_PNG, title=f"inference on {info.device}"
+            )
+            plt.close(fig)
+        results["notes"] = notes
+        (tmp / RESULTS_JSON).write_text(
+            json.dumps(to_jsonable(results), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+        save_config(cfg, tmp)
+        man = write_manifest(
+            tmp,
+            EVALUATION,
+            {
+                "model": str(inputs.model),
+                "base_model": str(inputs.base) if inputs.base else None,
+                "data": str(inputs.data) if inputs.data else None,
+                "heldout": inputs.heldout if heldout is not None else None,
+                "tasks": [
+                    {
+                        "name": t.name,
+                        "yaml": str(t.yaml_path),
+                        "data": str(t.data_file),
+                        "data_sha256": _sha256(t.data_file),
+                    }
+                    for t in tasks
+                ],
+                "engine": engine,
+                "device": results["device"],
+                "parts": parts,
+                "results": RESULTS_JSON,
+                "table": RESULTS_CSV,
+                "training_run": str(inputs.run) if inputs.run else None,
+            },
+            inputs=inputs.consumed,
+        )
+        sha = man.sha256
+    return EvalResult(
+        config=cfg, folder=folder.resolve(), results=results, inputs=inputs, manifest_sha256=sha, notes=notes
+    )
+
+
+def _table(results: Dict[str, Any], labels: List[str]):
+    """metric x model, plus `change` (trained - base) when there are two models."""
+    import pandas as pd
+
+    metrics: List[str] = []
+    for label in labels:
+        for key in results["models"][label]:
+            if key not in metrics:
+                metrics.append(key)
+    table = pd.DataFrame(
+        {label: [results["models"][label].get(m) for m in metrics] for label in labels}, index=metrics
+    )
+    table.index.name = "metric"
+    if len(labels) == 2:
+        table["change"] = table[labels[1]] - table[labels[0]]
+    return table

@@ -1,0 +1,140 @@
+"""Inference speed: time to first token and decode tokens/s per batch size and prompt length, with memory.
+
+One measurement is a prefill of `batch x prompt_len` tokens (time to first token: the forward pass that yields
+the first new token, greedy) and then `decode_tokens` single-token steps with the KV cache (decode tokens/s =
+batch x steps / their time). The device is synchronized around each timed region (an accelerator runs
+asynchronously). Memory: on NPU / CUDA the peak allocated by torch during the measurement; on CPU the process's
+resident set size after it (CPU tensors have no allocator statistics).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+
+def _sync(device) -> None:
+    import torch
+
+    kind = getattr(device, "type", str(device))
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "npu":
+        torch.npu.synchronize(device)
+
+
+def _reset_peak(device) -> None:
+    import torch
+
+    kind = getattr(device, "type", str(device))
+    if kind == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif kind == "npu":
+        torch.npu.reset_peak_memory_stats(device)
+
+
+def _memory_mb(device) -> tuple:
+    import torch
+
+    kind = getattr(device, "type", str(device))
+    if kind == "cuda":
+        return float(torch.cuda.max_memory_allocated(device)) / 2**20, "max allocated"
+    if kind == "npu":
+        return float(torch.npu.max_memory_allocated(device)) / 2**20, "max allocated"
+    import psutil
+
+    return float(psutil.Process().memory_info().rss) / 2**20, "process RSS"
+
+
+def _cache_names(model) -> tuple:
+    """(forward keyword, output attribute) of the KV cache: `cache` from transformers 5.x, `past_key_values` before."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return ("cache", "cache") if "cache" in params else ("past_key_values", "past_key_values")
+
+
+def measure(
+    model, batch: int, prompt_len: int, decode_tokens: int, vocab: int, seed: int = 0
+) -> Dict[str, Any]:
+    """One measurement of prefill + cached greedy decode on random prompt tokens (no early stop)."""
+    import torch
+
+    device = next(model.parameters()).device
+    kw, attr = _cache_names(model)
+    gen = torch.Generator().manual_seed(seed)
+    # ids from the lower vocabulary half: real tokens, never special ids such as EOS at the end of a vocabulary
+    ids = torch.randint(0, max(2, vocab // 2), (batch, prompt_len), generator=gen).to(device)
+    _reset_peak(device)
+    with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        ttft = time.perf_counter() - t0
+        past = getattr(out, attr)
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            out = model(input_ids=nxt, use_cache=True, **{kw: past})
+            past = getattr(out, attr)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        decode_s = time.perf_counter() - t1
+    mem, mem_kind = _memory_mb(device)
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "ttft_ms": ttft * 1000.0,
+        "decode_tokens_per_s": batch * decode_tokens / decode_s if decode_s > 0 else float("inf"),
+        "memory_mb": mem,
+        "memory_kind": mem_kind,
+    }
+
+
+def benchmark(
+    model,
+    batch_sizes: Sequence[int],
+    prompt_lengths: Sequence[int],
+    decode_tokens: int,
+    vocab: int,
+    repeats: int = 1,
+) -> List[Dict[str, Any]]:
+    """Every (prompt length, batch size); one warm-up first; the best of `repeats` timings kept per point."""
+    measure(model, 1, min(prompt_lengths), 2, vocab)  # warm-up: kernels, allocator, lazy init
+    rows = []
+    for length in prompt_lengths:
+        for b in batch_sizes:
+            runs = [measure(model, b, length, decode_tokens, vocab, seed=i) for i in range(max(1, repeats))]
+            best = min(runs, key=lambda r: r["ttft_ms"])
+            best["decode_tokens_per_s"] = max(r["decode_tokens_per_s"] for r in runs)
+            best["memory_mb"] = max(r["memory_mb"] for r in runs)
+            rows.append(best)
+    return rows
+
+
+def plot(table, path: Path, title: str = ""):
+    """TTFT, decode tokens/s and memory against batch size, one line per (model, prompt length); saved as PNG."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for (model, length), part in table.groupby(["model", "prompt_len"], sort=False):
+        label = f"{model}, prompt {length}"
+        part = part.sort_values("batch")
+        axes[0].plot(part["batch"], part["ttft_ms"], marker="o", label=label)
+        axes[1].plot(part["batch"], part["decode_tokens_per_s"], marker="o", label=label)
+        axes[2].plot(part["batch"], part["memory_mb"], marker="o", label=label)
+    kind = table["memory_kind"].iloc[0] if len(table) else ""
+    for ax, ylabel in zip(axes, ("time to first token (ms)", "decode tokens/s", f"memory MiB ({kind})")):
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return fig
