@@ -320,3 +320,20 @@ def test_disk_full_while_packing_is_an_os_error_the_cli_prints_in_one_line(small
         f"cannot write {str(tmp_path / 'env.tar.zst')!r}: the disk is full"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no archive, no temporary file left
+
+
+@pytest.mark.parametrize("program", ["1", "0"])  # the zstd program when installed, else python-zstandard
+def test_both_zstd_engines_write_checked_archives(small_env, tmp_path, monkeypatch, program):
+    import shutil
+
+    if program == "1" and shutil.which("zstd") is None:
+        pytest.skip("the zstd program is not installed here")
+    monkeypatch.setenv("KIT_ZSTD_PROGRAM", program)
+    archive = Path(envs.pack(small_env, tmp_path / "env.tar.zst", level=5, threads=2)["archive"])
+    data = archive.read_bytes()
+    assert data[:4] == b"\x28\xb5\x2f\xfd" and data[4] & 0x04  # a zstd frame whose header says: checksum
+    result = envs.unpack(archive, tmp_path / "out" / "env", verify_imports=None)
+    assert result["members_verified"] is True and result["files"] > 15
+    (tmp_path / "cut.tar.zst").write_bytes(data[:-3])  # the frame's checksum cut short
+    with pytest.raises(envs.EnvArchiveError, match="truncated|corrupt"):
+        envs.unpack(tmp_path / "cut.tar.zst", tmp_path / "out" / "cut", verify_imports=None)

@@ -566,6 +566,12 @@ class TarReader:
     def close(self) -> None:
         self._chunks.close()
 
+    def drain(self) -> None:
+        """Read the stream to its end (past tar's end-of-archive block), so that a compressed stream that is
+        cut short or fails its checksum there is reported too."""
+        while self.stream._fill():
+            pass
+
     def _data(self, size: int) -> bytes:
         data = self.stream.read(size)
         self.stream.skip(-size % BLOCK)
