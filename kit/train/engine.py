@@ -20,6 +20,9 @@ def resolve_dtype(cfg, info) -> str:
     return info.dtype if cfg.dtype == "auto" else cfg.dtype
 
 
+_IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"  # LOCAL_SIZE the kit set itself for a world of one
+
+
 def init_distributed(info) -> tuple:
     """Join (or create) the process group on the device's backend; return (rank, world_size, local_rank).
 
@@ -34,21 +37,30 @@ def init_distributed(info) -> tuple:
             "or /usr/local/Ascend/ascend-toolkit/set_env.sh) before training; notebook 00 shows how."
         )
     if not dist.is_initialized():
-        launched = (
-            "LOCAL_WORLD_SIZE" in os.environ or "LOCAL_SIZE" in os.environ
-        )  # torchrun / DeepSpeed launcher
+        env = os.environ
+        # torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE (not the one the kit set below)
+        launched = "LOCAL_WORLD_SIZE" in env or (
+            "LOCAL_SIZE" in env and env.get(_IN_PROCESS) != env["LOCAL_SIZE"]
+        )
         if not launched:
             # Always a fresh port: a kernel started from a process that trained in-process inherits its
             # MASTER_PORT, which that process still holds.
-            os.environ.update(
+            env.update(
                 {
                     "RANK": "0",
                     "WORLD_SIZE": "1",
                     "LOCAL_RANK": "0",
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(free_port()),
+                    "LOCAL_SIZE": "1",  # for DeepSpeed (see below)
+                    _IN_PROCESS: "1",  # so the next run in this process does not take it for a launcher's
                 }
             )
+        elif "LOCAL_WORLD_SIZE" in env:
+            # DeepSpeed's CPU accelerator counts local devices from LOCAL_SIZE (its launcher sets it) and else runs
+            # `numactl --hardware` (deepspeed/accelerator/cpu_accelerator.py device_count, 0.15), which ZeRO-3
+            # calls and most images lack.
+            env["LOCAL_SIZE"] = env["LOCAL_WORLD_SIZE"]
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
@@ -158,10 +170,33 @@ def build_model(cfg, torch_dtype=None):
     return model, report
 
 
+def _check_zero3_collectives() -> None:
+    """ZeRO-3 gathers parameters with all_gather_into_tensor; torch 2.1's gloo (CPU) lacks it (`_allgather_base`)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() != "gloo":
+        return
+    try:
+        dist.all_gather_into_tensor(torch.empty(dist.get_world_size()), torch.zeros(1))
+    except RuntimeError as exc:
+        if "_allgather_base" not in str(exc):
+            raise
+        from kit.errors import DeviceError
+
+        raise DeviceError(
+            f"ZERO_STAGE=3 on CPU needs the gloo all-gather that torch {torch.__version__} lacks; "
+            f"use ZERO_STAGE=2 (or 0/1) here, or torch >= 2.5 (README: tested stacks)."
+        ) from None
+
+
 def build_engine(cfg, model, dtype: str):
     """deepspeed.initialize with a torch AdamW over the trainable parameters and the warm-up/cosine schedule."""
     import deepspeed
     import torch
+
+    if cfg.zero_stage == 3:
+        _check_zero3_collectives()
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
