@@ -112,7 +112,7 @@ def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
         "--active",
         "1",
         "--seq-len",
-        "16",
+        "32",
         "--tag",
         "cli",
     ]
@@ -126,5 +126,5 @@ def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
     assert meta["steps"] == 2 and meta["traces"] and meta["config"]["tag"] == "cli"
     m = read_manifest(folder, expect=PROFILE_CAPTURE)
     assert m["training_run"] is None and m["configured_here"] == said[0]
-    assert m["profiled_config"]["model_path"] == str(tiny_llama_dir) and m["profiled_config"]["seq_len"] == 16
+    assert m["profiled_config"]["model_path"] == str(tiny_llama_dir) and m["profiled_config"]["seq_len"] == 32
     assert m["options"]["active"] == 1 and m["steps"] == 2
