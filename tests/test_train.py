@@ -10,7 +10,7 @@ import test_train_helpers as H
 import torch
 
 from kit.configs import ConfigError, check
-from kit.train import TrainConfig, Trainer, from_env, train
+from kit.train import TrainConfig, Trainer, train
 from kit.train.checkpoint import MEGATRON_LATEST, latest_iteration
 
 
@@ -52,44 +52,10 @@ def test_config_lists_every_problem(tmp_path):
         "ZERO_STAGE=4",
         "LR=-1.0",
         "has no config.json",
-        "has no meta.json",
+        "DATASET_PATH: ",
     ):
         assert needle in text, needle
     assert len(err.value.problems) == 10
-
-
-def test_seed_environment_overrides():
-    env = {
-        "MODEL_TYPE": "GLM3-6B",
-        "RUN_TYPE": "pretrain",
-        "TRAIN_ITERS": "200",
-        "MBS": "2",
-        "GBS": "128",
-        "TP": "2",
-        "PP": "8",
-        "SEQ_LEN": "8192",
-        "MASTER_ADDR": "10.0.0.1",
-        "NNODES": "2",
-        "NODE_RANK": "1",
-        "WORK_DIR": "/home/ma-user/ws",
-        "DATASET_PATH": "/d/alpaca_text_document",
-        "TOKENIZER_PATH": "/t",
-        "LR": "5",
-    }  # LR is not a seed variable: the environment must not change it
-    cfg = from_env(env, lr=2e-5, gbs=64)
-    assert (cfg.model_type, cfg.run_type, cfg.train_iters, cfg.mbs, cfg.gbs, cfg.tp, cfg.pp) == (
-        "GLM3-6B",
-        "pretrain",
-        200,
-        2,
-        128,
-        2,
-        8,
-    )
-    assert (cfg.seq_len, cfg.master_addr, cfg.nnodes, cfg.node_rank, cfg.lr) == (8192, "10.0.0.1", 2, 1, 2e-5)
-    assert from_env(env, extra=["LR"]).lr == 5.0
-    with pytest.raises(TypeError, match="GLOBAL_BATCH"):
-        from_env({}, GLOBAL_BATCH=3)
 
 
 def test_dataset_mismatches_are_listed(tmp_path, tiny_llama_dir, sft_data):
@@ -99,7 +65,7 @@ def test_dataset_mismatches_are_listed(tmp_path, tiny_llama_dir, sft_data):
 
     ds = datasets.load_from_disk(str(big)).map(lambda r: {"input_ids": [5000] + r["input_ids"][1:]})
     ds.save_to_disk(str(tmp_path / "oov_hf"))
-    (tmp_path / "oov_hf" / "meta.json").write_text((big / "meta.json").read_text())
+    (tmp_path / "oov_hf" / "kit_manifest.json").write_text((big / "kit_manifest.json").read_text())
     cfg = H.tiny_config(tiny_llama_dir, tmp_path / "oov_hf", tmp_path / "ws", seq_len=64, run_type="sft")
     problems = "\n".join(cfg.problems())
     assert "holds 'pretrain' data but RUN_TYPE=sft" in problems
@@ -161,7 +127,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, tiny_llama_dir
     assert stopped.status == "preempted" and stopped.iteration == 3
     assert stopped.losses == full.losses[:3]
     resumed = train(
-        TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "b"), train_iters=6),
+        TrainConfig(run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "b"), train_iters=6),
         progress=False,
     )
     assert resumed.status == "completed" and resumed.iteration == 6
@@ -173,7 +139,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, tiny_llama_dir
 
 
 def test_retrain_without_checkpoint_is_a_config_problem(tmp_path):
-    cfg = TrainConfig(run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "ws"))
+    cfg = TrainConfig(run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"))
     assert any("holds no checkpoint" in p for p in cfg.problems())
 
 
@@ -233,7 +199,18 @@ def test_lora_trains_and_merge_reproduces_adapted_logits(tmp_path, tiny_llama_di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    "stage",
+    [
+        2,
+        pytest.param(
+            3,
+            marks=pytest.mark.skipif(
+                torch.__version__ < "2.2", reason="torch 2.1's gloo lacks the all-gather ZeRO-3 needs on CPU"
+            ),
+        ),
+    ],
+)
 def test_zero_stages_train_and_export_the_same_model(tmp_path, tiny_llama_dir, pretrain_data, stage):
     from transformers import AutoModelForCausalLM
 

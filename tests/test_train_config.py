@@ -4,51 +4,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import test_train_helpers as H
 
 from kit.errors import InputError
-from kit.manifest import (
-    CONVERTED_CHECKPOINT,
-    PREPARED_DATA,
-    TRAINING_RUN,
-    read_manifest,
-    tokenizer_sha256,
-    write_manifest,
-)
+from kit.manifest import CONVERTED_CHECKPOINT, TRAINING_RUN, read_manifest, tokenizer_sha256, write_manifest
 from kit.train.config import TrainConfig, from_dict, from_manifest, replace
 from kit.train.resolve import ConfigConflictError, resolve
 
 
-def prepared(folder: Path, tokenizer: Path, max_length: int = 48, kind: str = "sft", **fields) -> Path:
-    """A prepared-data folder as notebook 02 leaves it: rows + a prepared-data manifest."""
-    (H.make_sft if kind == "sft" else H.make_pretrain)(folder, num_samples=4, max_length=max_length)
-    base = {
-        "data_kind": kind,
-        "max_length": max_length,
-        "tokenizer": str(tokenizer),
-        "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "template": "chatml" if kind == "sft" else None,
-        "pack": True,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "vocab_size": 2522,
-        "hf_path": str(folder),
-        "megatron_prefix": None,
-        "megatron_flags": ["--reset-attention-mask", "--neat-pack"] if kind == "sft" else [],
-        "heldout": None,
-        "counts": {"samples": 4},
-    }
-    base.update(fields)
-    write_manifest(folder, PREPARED_DATA, base)
-    return folder
-
-
 @pytest.fixture()
 def data(tmp_path, tiny_llama_dir):
-    return prepared(tmp_path / "alpaca_hf", tiny_llama_dir)
+    return H.prepared(tmp_path / "alpaca_hf", tiny_llama_dir)
 
 
 def cfg_for(tmp_path, tiny_llama_dir, data, **kw):
@@ -148,32 +116,8 @@ def test_folder_without_manifest_as_dataset_path_names_notebook_02(tmp_path, tin
     assert any(p.startswith("DATASET_PATH: ") and "no kit_manifest.json" in p for p in problems), problems
 
 
-def converted(folder: Path, tp=4, pp=4, layer_list=(7, 8, 8, 7), padded=32000, layers=30) -> Path:
-    """A converted-checkpoint folder as notebook 03 leaves it (manifest + rank folders) for a 30-layer model."""
-    for t in range(tp):
-        for p in range(pp):
-            (folder / "iter_0000001" / f"mp_rank_{t:02d}_{p:03d}").mkdir(parents=True)
-    (folder / "latest_checkpointed_iteration.txt").write_text("1")
-    model = {
-        "family": "llama", "hidden_size": 256, "ffn_hidden_size": 512, "num_layers": layers, "num_heads": 8,
-        "num_groups": 4, "num_kv_groups": 4, "num_attention_heads": 8, "head_dim": 32, "vocab_size": 32000,
-        "norm_eps": 1e-5, "tied": False, "qkv_bias": False, "position": "rope", "rotary_base": 10000.0,
-        "rotary_percent": 1.0, "rotary_interleaved": False, "max_position_embeddings": 4096, "norm_head": False,
-    }  # fmt: skip
-    write_manifest(
-        folder,
-        CONVERTED_CHECKPOINT,
-        {
-            "direction": "hf_to_megatron", "family": "llama", "flavor": "local", "tp": tp, "pp": pp,
-            "num_layer_list": list(layer_list), "padded_vocab_size": padded, "dtype": "bfloat16", "model": model,
-            "source": "/hf/model", "tokenizer": None,
-        },
-    )  # fmt: skip
-    return folder
-
-
 def test_tp_pp_layer_list_and_vocab_come_from_the_converted_checkpoint(tmp_path, tiny_llama_dir, data):
-    ckpt = converted(tmp_path / "converted")
+    ckpt = H.converted(tmp_path / "converted")
     base = TrainConfig(
         engine="megatron", model_path=str(ckpt), dataset_path=str(data), tokenizer_path=str(tiny_llama_dir),
         work_dir=str(tmp_path / "ws"), nproc_per_node=16, gbs=16,

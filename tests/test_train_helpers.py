@@ -1,4 +1,4 @@
-"""Synthetic prepared datasets in the data stage's exact output format (columns + meta.json), for trainer tests."""
+"""Synthetic prepared datasets in the data stage's output format (columns + prepared-data manifest), for trainer tests."""
 
 from __future__ import annotations
 
@@ -6,13 +6,33 @@ import json
 import random
 from pathlib import Path
 
+from kit.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA, tokenizer_sha256, write_manifest
+
 
 def _save(rows: dict, folder: Path, meta: dict) -> Path:
     import datasets
 
     datasets.Dataset.from_dict(rows).save_to_disk(str(folder))
-    (folder / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     (folder / "config.json").write_text(json.dumps({"synthetic": True}), encoding="utf-8")
+    kind = meta["kind"]
+    fields = {
+        "data_kind": kind,
+        "max_length": meta["max_length"],
+        "tokenizer": meta["tokenizer"],
+        "tokenizer_sha256": None,  # a synthetic set: no tokenizer folder
+        "template": None,
+        "pack": True,
+        "eos_token_id": meta["eos_token_id"],
+        "pad_token_id": meta["pad_token_id"],
+        "vocab_size": meta["vocab_size"],
+        "hf_path": str(Path(folder).resolve()),
+        "megatron_prefix": None,
+        "megatron_flags": ["--reset-attention-mask", "--neat-pack"] if kind == "sft" else [],
+        "heldout": None,
+        "counts": {"samples": meta["num_samples"]},
+        "num_samples": meta["num_samples"],
+    }
+    write_manifest(folder, PREPARED_DATA, fields)
     return folder
 
 
@@ -81,13 +101,64 @@ def make_sft(
     return _save(rows, Path(folder), meta)
 
 
+def prepared(folder: Path, tokenizer: Path, max_length: int = 48, kind: str = "sft", **fields) -> Path:
+    """A prepared-data folder as notebook 02 leaves it: rows + a prepared-data manifest."""
+    (make_sft if kind == "sft" else make_pretrain)(folder, num_samples=4, max_length=max_length)
+    base = {
+        "data_kind": kind,
+        "max_length": max_length,
+        "tokenizer": str(tokenizer),
+        "tokenizer_sha256": fields.pop("tokenizer_sha256")
+        if "tokenizer_sha256" in fields
+        else tokenizer_sha256(tokenizer),
+        "template": "chatml" if kind == "sft" else None,
+        "pack": True,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "vocab_size": 2522,
+        "hf_path": str(folder),
+        "megatron_prefix": None,
+        "megatron_flags": ["--reset-attention-mask", "--neat-pack"] if kind == "sft" else [],
+        "heldout": None,
+        "counts": {"samples": 4},
+        "num_samples": 4,
+    }
+    base.update(fields)
+    write_manifest(folder, PREPARED_DATA, base)
+    return folder
+
+
+def converted(folder: Path, tp=4, pp=4, layer_list=(7, 8, 8, 7), padded=32000, layers=30) -> Path:
+    """A converted-checkpoint folder as notebook 03 leaves it (manifest + rank folders) for a 30-layer model."""
+    for t in range(tp):
+        for p in range(pp):
+            (folder / "iter_0000001" / f"mp_rank_{t:02d}_{p:03d}").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    model = {
+        "family": "llama", "hidden_size": 256, "ffn_hidden_size": 512, "num_layers": layers, "num_heads": 8,
+        "num_groups": 4, "num_kv_groups": 4, "num_attention_heads": 8, "head_dim": 32, "vocab_size": 32000,
+        "norm_eps": 1e-5, "tied": False, "qkv_bias": False, "position": "rope", "rotary_base": 10000.0,
+        "rotary_percent": 1.0, "rotary_interleaved": False, "max_position_embeddings": 4096, "norm_head": False,
+    }  # fmt: skip
+    write_manifest(
+        folder,
+        CONVERTED_CHECKPOINT,
+        {
+            "direction": "hf_to_megatron", "family": "llama", "flavor": "local", "tp": tp, "pp": pp,
+            "num_layer_list": list(layer_list), "padded_vocab_size": padded, "dtype": "bfloat16", "model": model,
+            "source": "/hf/model", "tokenizer": None,
+        },
+    )  # fmt: skip
+    return folder
+
+
 def tiny_config(model_dir: Path, data_dir: Path, work_dir: Path, **kw):
     """A TrainConfig for a few fast CPU steps on the tiny model (override anything with keywords)."""
     from kit.train import TrainConfig
 
     base = dict(
         run_type="pretrain",
-        model_type="tiny",
+        model_name="tiny",
         model_path=str(model_dir),
         dataset_path=str(data_dir),
         work_dir=str(work_dir),

@@ -118,7 +118,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_llama_dir):
     # and the run continues from there
     resumed = train(
         TrainConfig(
-            run_type="retrain", model_type="tiny", work_dir=str(tmp_path / "ws"), train_iters=last + 2
+            run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"), train_iters=last + 2
         ),
         progress=False,
     )

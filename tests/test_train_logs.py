@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.train import TrainConfig
 from kit.train.logs import compare_runs, parse_line, parse_log, parse_train_metrics, plot_runs, summarize
-from kit.train.megatron import build
 from kit.train.metrics import format_line, tokens_per_second_per_card
 
 FIXTURES = Path(__file__).parent / "fixtures" / "train"
@@ -92,108 +90,6 @@ def test_kit_log_written_by_the_trainer_parses(tmp_path, tiny_llama_dir):
     assert df["loss"].iloc[0] == pytest.approx(jsonl[1]["loss"], rel=1e-6)
 
 
-def _megatron_tree(tmp_path: Path, tiny_llama_dir: Path, tp: int, pp: int) -> tuple:
-    code = tmp_path / "ws" / "llm_train" / "AscendSpeed"
-    (code / "ModelLink").mkdir(parents=True)
-    (code / "ModelLink" / "pretrain_gpt.py").write_text("# stand-in for the code package's entry point\n")
-    (code / "scripts" / "glm3").mkdir(parents=True)
-    (code / "scripts" / "glm3" / "glm3_base.sh").write_text("#!/bin/sh\n")
-    data = tmp_path / "data" / "alpaca_text_document"
-    data.parent.mkdir()
-    for ext in (".bin", ".idx"):
-        Path(str(data) + ext).write_bytes(b"\0")
-    ckpt = tmp_path / "converted"
-    for t in range(tp):
-        for p in range(pp):
-            (ckpt / "iter_0000001" / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}")).mkdir(
-                parents=True
-            )
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
-    return code, str(data), str(ckpt)
-
-
-def test_megatron_pretrain_command_is_built_and_validated(tmp_path, tiny_llama_dir):
-    code, data, ckpt = _megatron_tree(tmp_path, tiny_llama_dir, tp=2, pp=2)
-    cfg = TrainConfig(
-        engine="megatron",
-        run_type="pretrain",
-        model_type="tiny",
-        model_path=str(tiny_llama_dir),
-        dataset_path=data,
-        work_dir=str(tmp_path / "ws"),
-        tp=2,
-        pp=2,
-        nproc_per_node=4,
-        mbs=1,
-        gbs=8,
-        seq_len=4096,
-        train_iters=200,
-    )
-    plan = build(cfg, load=ckpt)
-    assert plan.problems == [], plan.problems
-    argv = plan.argv
-    assert argv[0] == "torchrun" and "pretrain_gpt.py" in argv and plan.cwd == code / "ModelLink"
-    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
-    assert flag["--tensor-model-parallel-size"] == "2" and flag["--pipeline-model-parallel-size"] == "2"
-    assert flag["--global-batch-size"] == "8" and flag["--seq-length"] == "4096"
-    assert flag["--num-query-groups"] == "2" and flag["--data-path"] == data and flag["--load"] == ckpt
-    assert "--untie-embeddings-and-output-weights" in argv and "--no-load-optim" in argv
-    assert plan.env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
-    # the wrong layout, data suffix and TP are all reported at once
-    bad = build(
-        TrainConfig(**{**cfg.__dict__, "tp": 4, "dataset_path": data + ".bin", "nproc_per_node": 8}),
-        load=ckpt,
-    )
-    text = "\n".join(bad.problems)
-    assert (
-        "TP=4 must divide" in text
-        and "`<name>_text_document` prefix" in text
-        and "needs ['mp_rank_00_000'" in text
-    )
-
-
-def test_megatron_script_plan_uses_the_seed_variables(tmp_path, tiny_llama_dir):
-    code, data, _ = _megatron_tree(tmp_path, tiny_llama_dir, tp=1, pp=1)
-    cfg = TrainConfig(
-        engine="megatron",
-        run_type="pretrain",
-        model_type="GLM3-6B",
-        dataset_path=data,
-        tokenizer_path=str(tiny_llama_dir),
-        work_dir=str(tmp_path / "ws"),
-        tp=2,
-        pp=4,
-        nproc_per_node=8,
-        mbs=1,
-        gbs=64,
-        seq_len=8192,
-        train_iters=200,
-    )
-    plan = build(cfg, script="scripts/glm3/glm3_base.sh")
-    assert plan.problems == [] and plan.argv == ["sh", "scripts/glm3/glm3_base.sh"] and plan.cwd == code
-    assert plan.env == {
-        "MODEL_TYPE": "GLM3-6B",
-        "RUN_TYPE": "pretrain",
-        "DATASET_PATH": data,
-        "TOKENIZER_PATH": str(tiny_llama_dir),
-        "TRAIN_ITERS": "200",
-        "MBS": "1",
-        "GBS": "64",
-        "TP": "2",
-        "PP": "4",
-        "SEQ_LEN": "8192",
-        "WORK_DIR": str((tmp_path / "ws").resolve()),
-    }
-    assert plan.describe().startswith(f"cd {code} && MODEL_TYPE=GLM3-6B RUN_TYPE=pretrain")
-    two = build(
-        TrainConfig(**{**cfg.__dict__, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "gbs": 128}),
-        script="scripts/glm3/glm3_base.sh",
-    )
-    assert (two.env["MASTER_ADDR"], two.env["NNODES"], two.env["NODE_RANK"]) == ("10.0.0.1", "2", "1")
-    missing = build(cfg, script="scripts/glm3/nope.sh", code_dir=str(tmp_path / "absent"))
-    assert any("AscendCloud-3rdLLM" in p for p in missing.problems)
-
-
 def test_cli_log_prints_summary(tmp_path, capsys):
     from kit.__main__ import main
 
@@ -215,29 +111,3 @@ def test_cli_log_prints_summary(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["iterations"] == 6 and summary["tokens_per_s_per_card"] > 0
     assert out_csv.read_text().splitlines()[0].startswith("iteration,")
-
-
-def test_megatron_plan_finds_the_prefix_beside_a_kit_dataset(tmp_path, tiny_llama_dir):
-    import test_train_helpers as H
-
-    hf = H.make_sft(tmp_path / "alpaca_hf", num_samples=2)
-    for key in ("input_ids", "attention_mask", "labels"):
-        for ext in ("bin", "idx"):
-            (tmp_path / f"alpaca_packed_{key}_document.{ext}").write_bytes(b"\0")
-    cfg = TrainConfig(
-        engine="megatron",
-        run_type="sft",
-        model_type="tiny",
-        model_path=str(tiny_llama_dir),
-        dataset_path=str(hf),
-        work_dir=str(tmp_path / "ws"),
-        seq_len=48,
-        gbs=2,
-    )
-    plan = build(cfg)
-    assert plan.argv[plan.argv.index("--data-path") + 1] == str(tmp_path / "alpaca")
-    assert "posttrain_gpt.py" in plan.argv and "--is-instruction-dataset" in plan.argv
-    assert not any("data file" in p for p in plan.problems), plan.problems
-    script = build(cfg, script="scripts/x.sh")
-    assert script.env["DATASET_PATH"] == str(tmp_path / "alpaca")
-    assert script.env["TOKENIZER_PATH"] == str(tiny_llama_dir)

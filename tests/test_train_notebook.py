@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ NOTEBOOK = repo_root() / "notebooks" / "04_adapted_training.ipynb"
 
 def test_notebook_is_committed_without_outputs():
     out = subprocess.run(
-        [str(Path(repo_root()) / ".venv" / "bin" / "nbstripout"), "--verify", str(NOTEBOOK)],
+        [sys.executable, "-m", "nbstripout", "--verify", str(NOTEBOOK)],  # this interpreter's, in any venv
         capture_output=True,
         text=True,
     )

@@ -142,9 +142,9 @@ def test_megatron_auto_dtype_follows_the_card(tmp_path, tiny_llama_dir, monkeypa
     cfg = TrainConfig(
         engine="megatron",
         run_type="pretrain",
-        model_type="tiny",
+        model_name="tiny",
         model_path=str(tiny_llama_dir),
-        dataset_path=str(tmp_path / "alpaca_text_document"),
+        dataset_path=str(H.prepared(tmp_path / "corpus_hf", tiny_llama_dir, kind="pretrain")),
         work_dir=str(tmp_path / "ws"),
     )
     argv = build(cfg).argv
@@ -158,9 +158,9 @@ def test_megatron_auto_dtype_on_cpu_adds_no_half_precision(tmp_path, tiny_llama_
     cfg = TrainConfig(
         engine="megatron",
         run_type="pretrain",
-        model_type="tiny",
+        model_name="tiny",
         model_path=str(tiny_llama_dir),
-        dataset_path=str(tmp_path / "alpaca_text_document"),
+        dataset_path=str(H.prepared(tmp_path / "corpus_hf", tiny_llama_dir, kind="pretrain")),
         work_dir=str(tmp_path / "ws"),
     )
     argv = build(cfg).argv

@@ -11,48 +11,21 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from kit.errors import MissingInputError
-from kit.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, find_manifest, read_manifest
+from kit.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, read_manifest
 
 PathLike = Union[str, Path]
 DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "retrain": None}
 SAMPLE_MAX_LENGTH = 256  # notebook 02's MAX_LENGTH default, so 04 alone prepares what 02 would have
 
 
-def data_facts(folder: PathLike) -> Tuple[Dict[str, Any], Optional[Manifest]]:
+def data_facts(folder: PathLike) -> Tuple[Dict[str, Any], Manifest]:
     """(prepared-data manifest fields, the Manifest) of notebook 02's folder.
 
-    A folder without kit_manifest.json but with kit.data's meta.json is read from that (data prepared before
-    kit.data wrote manifests); the Manifest is then None. A wrong-kind folder, or one with neither file, is a
-    one-line error naming notebook 02.
+    A folder without a manifest (including data prepared before kit.data wrote manifests), or with another
+    stage's manifest, is a one-line error naming notebook 02.
     """
-    folder = Path(folder)
-    meta_path = folder / "meta.json"
-    if find_manifest(folder) is not None or not meta_path.is_file():
-        man = read_manifest(folder, expect=PREPARED_DATA)
-        return dict(man.fields), man
-    # fallback until kit.data writes its manifest: the same facts from meta.json
-    import json
-
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    facts = {
-        "data_kind": meta.get("kind"),
-        "max_length": meta.get("max_length"),
-        "tokenizer": meta.get("tokenizer"),
-        "tokenizer_sha256": None,
-        "template": meta.get("template"),
-        "pack": meta.get("packed"),
-        "eos_token_id": meta.get("eos_token_id"),
-        "pad_token_id": meta.get("pad_token_id"),
-        "vocab_size": meta.get("vocab_size"),
-        "hf_path": str(folder.resolve()),
-        "megatron_prefix": meta.get("megatron_prefix"),
-        "megatron_flags": ["--reset-attention-mask", "--neat-pack"]
-        if meta.get("kind") == "sft" and meta.get("packed")
-        else [],
-        "heldout": None,
-        "counts": {"samples": meta.get("num_samples"), "tokens": meta.get("num_tokens")},
-    }
-    return facts, None
+    man = read_manifest(folder, expect=PREPARED_DATA)
+    return dict(man.fields), man
 
 
 def _tokenizer_id(folder: PathLike) -> str:
@@ -77,9 +50,7 @@ def find_prepared(ws: Any, kind: str, tokenizer: PathLike) -> Optional[Path]:
     root = Path(ws.data_finetune if kind == "sft" else ws.data_pretrain)
     found = []
     for folder in root.glob("*_hf"):
-        if folder.name.startswith(".") or not (
-            (folder / MANIFEST_NAME).is_file() or (folder / "meta.json").is_file()
-        ):
+        if folder.name.startswith(".") or not (folder / MANIFEST_NAME).is_file():
             continue
         try:
             facts, _ = data_facts(folder)

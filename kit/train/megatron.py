@@ -142,7 +142,7 @@ def build(
             f'manual, section "上传代码到工作环境"); this path cannot run without it and NPUs.'
         )
     facts_data, data_man = data_facts(cfg.dataset_path)
-    data_where = str(data_man.folder) if data_man else str(cfg.dataset_path)
+    data_where = str(data_man.folder)
     problems += data_problems(facts_data, data_where)
     prefix = facts_data.get("megatron_prefix") or ""
     if script:
@@ -171,12 +171,13 @@ def build(
             f"MODEL_PATH={cfg.model_path!r} is an HF folder; fine-tuning with Megatron loads converted weights: "
             f"convert it in notebook 03 (TP={cfg.tp}, PP={cfg.pp}) and give that folder."
         )
-    if ckpt is not None:
-        model_flags = list(ckpt.get("megatron_flags") or architecture_flags(facts, cfg.padded_vocab_size))
-    else:
-        model_flags = architecture_flags(facts, cfg.padded_vocab_size) + ["--use-mcore-models"]
+    # the converter's own statement of what a run loading it must be told; else the same from the model facts
+    model_flags = list((ckpt.get("megatron_flags") if ckpt is not None else None) or [])
+    if not model_flags:
+        model_flags = architecture_flags(facts, cfg.padded_vocab_size)
         listed = layer_list_flag(cfg.num_layer_list)
         model_flags += ["--num-layer-list", listed] if listed else []
+        model_flags += ["--use-mcore-models"] if flavor != "legacy" else []
     entry = "posttrain_gpt.py" if finetune else "pretrain_gpt.py"
     if code.is_dir() and not (code / "ModelLink" / entry).is_file() and not (code / entry).is_file():
         problems.append(f"{entry} is in neither {code} nor {code / 'ModelLink'}.")

@@ -123,9 +123,7 @@ def resolve(
         found, how = inputs.default_data(ws, kind, tokenizer, values["seq_len"], max_records)
         values["dataset_path"], sources["dataset_path"] = str(found), how
     facts, data_man = inputs.data_facts(values["dataset_path"])
-    data_where = (
-        f"manifest {data_man.folder}" if data_man else f"meta.json {Path(values['dataset_path']).resolve()}"
-    )
+    data_where = f"manifest {data_man.folder}"
     theirs_for = dict(facts)
     data_tok = facts.get("tokenizer")
     if data_tok and not Path(str(data_tok)).is_dir():

@@ -29,8 +29,7 @@ def consumed_inputs(cfg: Any) -> Tuple[List[Consumed], dict]:
 
     inputs = []
     facts, data_man = data_facts(cfg.dataset_path)
-    if data_man is not None:
-        inputs.append(data_man.as_input())
+    inputs.append(data_man.as_input())
     if cfg.model_path and find_manifest(cfg.model_path) is not None:
         try:
             inputs.append(read_manifest(cfg.model_path).as_input())

@@ -1,0 +1,159 @@
+"""The Megatron/MindSpeed plan takes 03's converted checkpoint and 02's data through their manifests: TP/PP/layer
+list/padded vocab inherited and checked with kit.parallel, data prefix and flags from the data manifest, model facts
+through the family maps (ChatGLM3, Baichuan2), the manual's variables for the AscendCloud scripts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import test_train_helpers as H
+from fixtures.convert import models as convert_models
+
+from kit.train.config import TrainConfig, replace
+from kit.train.megatron import build
+
+tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
+tiny_baichuan_dir = convert_models.tiny_baichuan_dir
+
+
+def code_package(root: Path) -> Path:
+    code = root / "llm_train" / "AscendSpeed"
+    (code / "ModelLink").mkdir(parents=True)
+    for entry in ("pretrain_gpt.py", "posttrain_gpt.py"):
+        (code / "ModelLink" / entry).write_text("# stand-in for the code package's entry point\n")
+    (code / "scripts" / "glm3").mkdir(parents=True)
+    (code / "scripts" / "glm3" / "glm3_base.sh").write_text("#!/bin/sh\n")
+    return code
+
+
+def megatron_data(folder: Path, tokenizer: Path, kind: str, **fields) -> Path:
+    """A prepared-data folder with its Megatron files, as notebook 02 writes them (megatron=True)."""
+    name = folder.name[: -len("_hf")]
+    if kind == "pretrain":
+        prefix = str(folder.parent / f"{name}_text_document")
+        files = [prefix + ".bin", prefix + ".idx"]
+        flags = []
+    else:
+        prefix = str(folder.parent / name)
+        files = [f"{prefix}_packed_{k}_document.{e}" for k in ("input_ids", "labels") for e in ("bin", "idx")]
+        flags = ["--reset-attention-mask", "--neat-pack"]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        Path(f).write_bytes(b"\0")
+    fields.setdefault("max_length", 64)
+    return H.prepared(folder, tokenizer, kind=kind, megatron_prefix=prefix, megatron_flags=flags, **fields)
+
+
+def flags_of(argv: list) -> dict:
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+
+
+def test_sft_plan_loads_the_converted_checkpoint_with_its_7887_layer_list(tmp_path, tiny_llama_dir):
+    ws = tmp_path / "ws"
+    code = code_package(ws)
+    ckpt = H.converted(tmp_path / "converted", tp=4, pp=4, layer_list=(7, 8, 8, 7))
+    data = megatron_data(tmp_path / "data" / "alpaca_hf", tiny_llama_dir, "sft")
+    cfg = TrainConfig(
+        engine="megatron", run_type="sft", model_name="tiny", model_path=str(ckpt), dataset_path=str(data),
+        work_dir=str(ws), nproc_per_node=16, gbs=16,
+    )  # fmt: skip
+    plan = build(cfg)
+    assert plan.problems == [], plan.problems
+    argv, flag = plan.argv, flags_of(plan.argv)
+    assert "posttrain_gpt.py" in argv and plan.cwd == code / "ModelLink"
+    assert flag["--tensor-model-parallel-size"] == "4" and flag["--pipeline-model-parallel-size"] == "4"
+    assert flag["--num-layer-list"] == "7,8,8,7" and flag["--num-layers"] == "30"
+    assert flag["--padded-vocab-size"] == "32000" and flag["--num-query-groups"] == "4"
+    assert flag["--seq-length"] == "64"  # inherited from the data manifest
+    assert flag["--data-path"] == str(tmp_path / "data" / "alpaca") and flag["--load"] == str(ckpt.resolve())
+    assert "--reset-attention-mask" in argv and "--neat-pack" in argv  # the data manifest's flags
+    assert "--no-load-optim" in argv and plan.env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_layout_problems_come_from_kit_parallel_and_the_checkpoint(tmp_path, tiny_llama_dir):
+    ws = tmp_path / "ws"
+    code_package(ws)
+    # a checkpoint whose manifest says TP2 PP2 but whose rank folders are TP1 PP1, for a model of 3 heads
+    ckpt = H.converted(tmp_path / "converted", tp=1, pp=1, layer_list=(30,))
+    man = json.loads((ckpt / "kit_manifest.json").read_text())
+    man["fields"].update(tp=2, pp=2, num_layer_list=[15, 15])
+    man["fields"]["model"].update(num_heads=3, num_attention_heads=3, num_groups=3, num_kv_groups=3)
+    (ckpt / "kit_manifest.json").write_text(json.dumps(man))
+    data = megatron_data(tmp_path / "data" / "corpus_hf", tiny_llama_dir, "pretrain")
+    cfg = TrainConfig(
+        engine="megatron", run_type="pretrain", model_path=str(ckpt), dataset_path=str(data), work_dir=str(ws),
+        nproc_per_node=4, gbs=4,
+    )  # fmt: skip
+    text = "\n".join(build(cfg).problems)
+    assert "tensor parallel size 2 does not divide the 3 attention heads" in text
+    assert "needs ['mp_rank_00_000'" in text
+    # a TP the checkpoint was not converted with: both values and where each came from, nothing else checked
+    bad = build(replace(cfg, tp=4))
+    assert len(bad.problems) == 1 and "TP=4 (explicit) but tp=2 (manifest" in bad.problems[0]
+
+
+def test_chatglm3_and_baichuan2_configs_through_the_builder(tmp_path, tiny_glm_dir, tiny_baichuan_dir):
+    ws = tmp_path / "ws"
+    code_package(ws)
+    for model, family in ((tiny_glm_dir, "chatglm"), (tiny_baichuan_dir, "baichuan")):
+        conf = json.loads((Path(model) / "config.json").read_text())
+        data = megatron_data(
+            tmp_path / family / "corpus_hf", model, "pretrain", tokenizer_sha256=None, max_length=32
+        )
+        cfg = TrainConfig(
+            engine="megatron", run_type="pretrain", model_path=str(model), dataset_path=str(data),
+            work_dir=str(ws), gbs=4,
+        )  # fmt: skip
+        plan = build(cfg)  # ChatGLM3's config has no num_hidden_layers: the family map reads num_layers
+        assert plan.problems == [], (family, plan.problems)
+        flag = flags_of(plan.argv)
+        layers = conf.get("num_layers", conf.get("num_hidden_layers"))
+        assert flag["--num-layers"] == str(layers) and flag["--hidden-size"] == str(conf["hidden_size"])
+        if family == "chatglm":
+            assert (
+                flag["--num-query-groups"] == str(conf["multi_query_group_num"])
+                and "--add-qkv-bias" in plan.argv
+            )
+
+
+def test_script_plan_passes_the_manuals_variables(tmp_path, tiny_llama_dir):
+    ws = tmp_path / "ws"
+    code = code_package(ws)
+    data = megatron_data(tmp_path / "data" / "corpus_hf", tiny_llama_dir, "pretrain", max_length=8192)
+    cfg = TrainConfig(
+        engine="megatron", run_type="pretrain", model_name="GLM3-6B", model_path=str(tiny_llama_dir),
+        dataset_path=str(data), work_dir=str(ws), tp=2, pp=4, nproc_per_node=8, gbs=64, train_iters=200,
+    )  # fmt: skip
+    plan = build(cfg, script="scripts/glm3/glm3_base.sh")
+    assert plan.problems == [] and plan.argv == ["sh", "scripts/glm3/glm3_base.sh"] and plan.cwd == code
+    assert plan.env == {
+        "MODEL_TYPE": "GLM3-6B",
+        "RUN_TYPE": "pretrain",
+        "DATASET_PATH": str(tmp_path / "data" / "corpus_text_document"),
+        "TOKENIZER_PATH": str(tiny_llama_dir),
+        "TRAIN_ITERS": "200",
+        "MBS": "1",
+        "GBS": "64",
+        "TP": "2",
+        "PP": "4",
+        "SEQ_LEN": "8192",
+        "WORK_DIR": str(ws.resolve()),
+    }
+    assert plan.describe().startswith(f"cd {code} && MODEL_TYPE=GLM3-6B RUN_TYPE=pretrain")
+    two = build(
+        replace(cfg, nnodes=2, node_rank=1, master_addr="10.0.0.1", gbs=128),
+        script="scripts/glm3/glm3_base.sh",
+    )
+    assert (two.env["MASTER_ADDR"], two.env["NNODES"], two.env["NODE_RANK"]) == ("10.0.0.1", "2", "1")
+    missing = build(cfg, script="scripts/glm3/nope.sh", code_dir=str(tmp_path / "absent"))
+    assert any("AscendCloud-3rdLLM" in p for p in missing.problems)
+
+
+def test_data_without_megatron_files_is_a_problem_naming_notebook_02(tmp_path, tiny_llama_dir):
+    data = H.prepared(tmp_path / "alpaca_hf", tiny_llama_dir)  # megatron_prefix None
+    cfg = TrainConfig(
+        engine="megatron", run_type="pretrain", model_path=str(tiny_llama_dir), dataset_path=str(data),
+        work_dir=str(tmp_path / "ws"), gbs=4,
+    )  # fmt: skip
+    assert any("MEGATRON=True" in p and "notebook 02" in p for p in build(cfg).problems)
