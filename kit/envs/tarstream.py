@@ -460,6 +460,11 @@ class _Stream:
         return False
 
     def read(self, n: int) -> bytes:
+        pos = self._pos
+        if pos + n <= len(self._view):  # the common case: within the current chunk
+            self._pos = pos + n
+            self.offset += n
+            return self._view[pos : pos + n].tobytes()
         out = b""
         while len(out) < n:
             if self._pos >= len(self._view) and not self._fill():
@@ -484,6 +489,10 @@ class _Stream:
             left -= take
 
     def skip(self, n: int) -> int:
+        if self._pos + n <= len(self._view):
+            self._pos += n
+            self.offset += n
+            return n
         return sum(len(s) for s in self.spans(n))
 
 
@@ -628,6 +637,12 @@ class TarReader:
 
     def copy(self, size: int, sink: Callable) -> None:
         """Pass the member's `size` data bytes to sink(view) and skip its padding."""
+        stream, pos, padded = self.stream, self.stream._pos, size + (-size % BLOCK)
+        if pos + padded <= len(stream._view):  # the common case: data and padding within the current chunk
+            sink(stream._view[pos : pos + size])
+            stream._pos = pos + padded
+            stream.offset += padded
+            return
         got = 0
         for view in self.stream.spans(size):
             sink(view)
