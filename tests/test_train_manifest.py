@@ -44,6 +44,10 @@ def test_training_run_and_hf_manifests_and_resume_keeps_them_consistent(tmp_path
     assert resumed.status == "completed" and resumed.iteration == 3
     again = read_manifest(result.output_dir, expect=TRAINING_RUN)
     assert again["checkpoints"][-1].endswith("iter_0000003") and again["iterations"] == 3
-    assert again["run_type"] == "sft" and again["config"]["train_iters"] == 3 and again["config"]["seq_len"] == 48
+    assert (
+        again["run_type"] == "sft"
+        and again["config"]["train_iters"] == 3
+        and again["config"]["seq_len"] == 48
+    )
     hf_again = read_manifest(resumed.hf_dir, expect=HF_MODEL)
     assert hf_again.inputs[0].manifest_sha256 == again.sha256

@@ -26,7 +26,7 @@ def test_notebook_is_committed_without_outputs():
 def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path):
     _, summary = run_notebook(
         "04",
-        MODEL="tiny",
+        MODEL_NAME="tiny",
         MODEL_PATH=str(tiny_llama_dir),
         TRAIN_ITERS=5,
         MBS=2,
@@ -37,6 +37,9 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
         MAX_NEW_TOKENS=8,
     )
     assert summary["status"] == "completed" and summary["iterations"] == 5
+    # run alone: the sample was prepared for this model at SEQ_LEN (typed, so explicit)
+    assert summary["sources"]["dataset_path"] == "prepared now from the shipped sft sample"
+    assert summary["sources"]["seq_len"] == "explicit" and summary["seq_len"] == 64
     assert summary["last_loss"] < summary["first_loss"] - 0.3, summary["losses"]
     for key in ("checkpoint", "hf_dir", "log", "metrics", "plot"):
         assert Path(summary[key]).exists(), key
@@ -47,3 +50,31 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
     assert (Path(summary["lora_merged"]) / "config.json").is_file()
     assert summary["megatron_command"].startswith("cd ") and "MODEL_TYPE=tiny" in summary["megatron_command"]
     assert any("AscendCloud" in p for p in summary["megatron_problems"])  # no code package on this machine
+
+
+@pytest.mark.slow
+def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_dir, tmp_path):
+    """02's output in the workspace (its defaults, this model's tokenizer): 04 on its defaults trains on exactly
+    that folder, inherits its length, and prepares nothing."""
+    from kit.data import DataConfig, prepare
+    from kit.manifest import read_manifest
+    from kit.workspace import get_workspace
+
+    ws = get_workspace(tmp_path / "ws", model="tiny")
+    data_cfg = DataConfig(
+        kind="sft", name="alpaca", tokenizer=str(tiny_llama_dir), max_length=96, template="tokenizer"
+    )
+    prepared = Path(prepare(data_cfg, ws, progress=False).hf_dir)
+    before = sorted(p.name for p in ws.data_finetune.iterdir())
+    _, summary = run_notebook(
+        "04", MODEL_NAME="tiny", MODEL_PATH=str(tiny_llama_dir), TRAIN_ITERS=2, MBS=2, GBS=4, LAUNCH_ITERS=0,
+        MAX_NEW_TOKENS=4,
+    )  # fmt: skip
+    assert summary["status"] == "completed" and summary["iterations"] == 2
+    assert summary["dataset_path"] == str(prepared)
+    assert summary["sources"]["dataset_path"] == f"workspace {prepared}"
+    assert summary["seq_len"] == 96 and summary["sources"]["seq_len"] == f"manifest {prepared.resolve()}"
+    assert summary["inputs"][0]["manifest_sha256"] == read_manifest(prepared).sha256
+    assert sorted(p.name for p in ws.data_finetune.iterdir()) == before  # nothing re-prepared
+    run = read_manifest(summary["output_dir"], expect="training-run")
+    assert run.sha256 == summary["manifest_sha256"] and run["hf"] == str(Path(summary["hf_dir"]).resolve())

@@ -3,7 +3,7 @@ and the Megatron/MindSpeed path."""
 
 from kit.train.config import TrainConfig, from_manifest, load_config
 
-__all__ = ["TrainConfig", "from_manifest", "load_config", "resolve", "train", "Trainer", "TrainResult"]
+__all__ = ["TrainConfig", "from_manifest", "load_config", "train", "Trainer", "TrainResult"]
 
 
 def __getattr__(name):
@@ -12,8 +12,4 @@ def __getattr__(name):
         from kit.train import trainer
 
         return getattr(trainer, name)
-    if name == "resolve":
-        from kit.train.resolve import resolve
-
-        return resolve
     raise AttributeError(name)
