@@ -36,11 +36,13 @@ def _prepared(ws, tokenizer: Path) -> Path:
 
 
 def _train_config(ws, model: Path, data: Path, **kw):
+    """The resolved config notebook 04 would record for this run (kit.train.resolve)."""
     from kit.train.config import TrainConfig
+    from kit.train.resolve import resolve
 
     base = dict(
         run_type="pretrain",
-        model_type=ws.model,
+        model_name=ws.model,
         model_path=str(model),
         dataset_path=str(data),
         work_dir=str(ws.root),
@@ -53,7 +55,7 @@ def _train_config(ws, model: Path, data: Path, **kw):
         save_interval=10,
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return resolve(TrainConfig(**base), ws)
 
 
 def _training_run(folder: Path, cfg, created: str = "") -> Path:
@@ -119,8 +121,9 @@ def test_capture_profiles_the_newest_training_run_and_links_it(workspace, tiny_l
 
     # THAT training: the run's settings, only the step count and where outputs go changed
     profiled = cap_m["profiled_config"]
-    changed = {k for k, v in to_jsonable(cfg).items() if profiled[k] != v}
+    changed = {k for k, v in to_jsonable(cfg).items() if profiled[k] != v and k != "sources"}
     assert changed == {"train_iters", "warmup_iters", "save_interval", "save_hf", "overwrite", "work_dir"}
+    assert profiled["seq_len"] == 32 and profiled["sources"]["seq_len"] == cfg.sources["seq_len"]  # inherited
     assert profiled["train_iters"] == 3 and profiled["warmup_iters"] == 3 and profiled["lr"] == 3e-3
     assert profiled["model_path"] == str(tiny_llama_dir) and profiled["dataset_path"] == str(data)
     folder = Path(summary["capture_folder"])
@@ -136,6 +139,13 @@ def test_capture_profiles_the_newest_training_run_and_links_it(workspace, tiny_l
     rows = [json.loads(x) for x in metrics[0].read_text(encoding="utf-8").splitlines() if x.strip()]
     assert [r["iteration"] for r in rows if "iteration" in r] == [1, 2, 3]
     assert not list((folder / "training").rglob("checkpoints"))  # measured, not kept
+    # the profiled steps' own training-run manifest lists what is left, under the published folder's paths
+    (nested,) = [p.parent for p in (folder / "training").rglob(MANIFEST_NAME)]
+    nested_m = read_manifest(nested, expect=TRAINING_RUN)
+    assert nested_m["checkpoints"] == [] and nested_m["profiled_by"] == str(folder)
+    assert nested_m["metrics"] == str(metrics[0]) and ".partial" not in json.dumps(nested_m.fields)
+    assert ".partial" not in json.dumps(cap_m.fields)
+    assert [m.folder for m in kp.find_training_runs(workspace)][0] == run_dir.resolve()  # profiles/ skipped
     assert summary["train_status"] == "completed" and len(summary["train_losses"]) == 3
 
     # what was recorded: the two active steps of the tiny Llama's training

@@ -83,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--seq-len",
         type=int,
-        default=128,
-        help="only when the workspace has no training run: tokens per sample of the sample data prepared here",
+        default=None,
+        help="only when the workspace has no training run: tokens per sample (default: the data's)",
     )
     d.add_argument("--top", type=int, default=10, help="operators in the table and the plot")
     p.set_defaults(func=run)

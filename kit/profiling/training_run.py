@@ -12,6 +12,7 @@ of that is written. With no training run in the workspace, a run is configured h
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,6 @@ from typing import Any, List, Optional, Tuple, Union
 
 from kit.manifest import (
     MANIFEST_NAME,
-    PREPARED_DATA,
     PROFILE_CAPTURE,
     TRAINING_RUN,
     Consumed,
@@ -34,7 +34,7 @@ from kit.profiling.profile_data import ProfileError
 PathLike = Union[str, Path]
 TRAINING_FOLDER = "training"  # inside the capture folder: the profiled steps' own workspace (logs, metrics)
 # What a run configured here uses when the workspace has no training run: notebook 04's parameter defaults.
-DEFAULT_RUN = {"run_type": "sft", "mbs": 1, "gbs": 2, "lr": 1e-4, "warmup_iters": 1}
+DEFAULT_RUN = {"run_type": "sft", "mbs": 1, "gbs": 2, "lr": 1e-4, "warmup_iters": 1, "save_interval": 0}
 
 
 def schedule_steps(cfg: ProfileConfig) -> int:
@@ -64,18 +64,10 @@ def find_training_runs(ws: Any, max_depth: int = 3) -> List[Manifest]:
 
 
 def train_config_from_run(run: Manifest) -> Any:
-    """The TrainConfig the run was made with (its manifest's `config`); unknown fields are a one-line error."""
-    from kit.train.config import TrainConfig
+    """The resolved TrainConfig the run was made with (its manifest's `config`, through kit.train's loader)."""
+    from kit.train.config import from_manifest
 
-    values = dict(run["config"] or {})
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ProfileError(
-            f"{run.folder}: the run's config has field(s) {unknown} this kit's TrainConfig does not know; "
-            f"profile it with the kit version that trained it ({run.kit_version or 'unknown'})."
-        )
-    return TrainConfig(**values)
+    return from_manifest(run)
 
 
 def profiled_config(train_cfg: Any, work_dir: PathLike, steps: int) -> Tuple[Any, List[str]]:
@@ -104,33 +96,33 @@ def profiled_config(train_cfg: Any, work_dir: PathLike, steps: int) -> Tuple[Any
             f"the run used {train_cfg.world_size} processes; profiled in one process with "
             f"GBS={changes['gbs']} (MBS={train_cfg.mbs} x grad accum {train_cfg.grad_accum}, the work of one card)"
         )
-    return dataclasses.replace(train_cfg, **changes), notes
+    from kit.train.config import replace
+
+    return replace(train_cfg, **changes), notes
 
 
 def configure_default_run(
-    ws: Any, model_path: Optional[PathLike] = None, seq_len: int = 128
+    ws: Any, model_path: Optional[PathLike] = None, seq_len: Optional[int] = None
 ) -> Tuple[Any, List[Consumed], str]:
-    """(TrainConfig, consumed inputs, one line) for a run like notebook 04's defaults, when there is none."""
-    from kit.train.config import TrainConfig
-    from kit.train.inputs import prepare_inputs
+    """(TrainConfig, consumed inputs, one line) for a run like notebook 04's defaults, when there is none.
 
-    model, data = prepare_inputs(ws, model_path, None, seq_len, kind=DEFAULT_RUN["run_type"])
-    cfg = TrainConfig(
-        model_type=ws.model,
-        model_path=str(model),
-        dataset_path=str(data),
-        work_dir=str(ws.root),
-        seq_len=seq_len,
-        **DEFAULT_RUN,
-    )
-    inputs = []
-    try:
-        inputs.append(read_manifest(data, expect=PREPARED_DATA).as_input())
-    except Exception:  # data prepared before manifests existed: the config still names the folder
-        pass
+    Resolved as notebook 04 resolves its config: the demo model unless `model_path`, notebook 02's data in the
+    workspace, else the shipped sample prepared now.
+    """
+    from kit.train.config import TrainConfig
+    from kit.train.resolve import resolve
+    from kit.train.run_manifest import consumed_inputs
+
+    given = dict(DEFAULT_RUN)
+    if model_path is not None:
+        given["model_path"] = str(model_path)
+    if seq_len is not None:
+        given["seq_len"] = int(seq_len)
+    cfg = resolve(TrainConfig(**given), ws)
+    inputs, _facts = consumed_inputs(cfg)
     line = (
-        f"no training run in {ws.model_output} (notebook 04 makes one): profiling {DEFAULT_RUN['run_type']} "
-        f"steps of {model.name} on {data} configured here from notebook 04's defaults"
+        f"no training run in {ws.model_output} (notebook 04 makes one): profiling {cfg.run_type} steps of "
+        f"{Path(cfg.model_path).name} on {cfg.dataset_path}, configured here from notebook 04's defaults"
     )
     return cfg, inputs, line
 
@@ -195,12 +187,33 @@ def _published(path: Path, cap: Capture) -> Path:
     return cap.folder / Path(path).relative_to(cap.work_folder)
 
 
+def _published_json(value: Any, cap: Capture) -> Any:
+    """JSON values with every path inside the capture's temporary folder as it reads once published."""
+    text = json.dumps(value)
+    for temp in {str(cap.work_folder.resolve()), str(cap.work_folder)}:
+        text = text.replace(json.dumps(temp)[1:-1], json.dumps(str(cap.folder))[1:-1])
+    return json.loads(text)
+
+
+def _keep_measurements(result: Any, cap: Capture) -> List[str]:
+    """Delete the profiled steps' checkpoint (trained to be measured, not kept: it would only fill the disk) and
+    rewrite their training-run manifest so it lists what is left, under the capture's final paths."""
+    shutil.rmtree(Path(result.output_dir) / "checkpoints", ignore_errors=True)
+    nested = getattr(result, "manifest", None)
+    if nested is None:
+        return []
+    fields = _published_json(dict(nested.fields), cap)
+    fields.update(checkpoints=[], hf=None, profiled_by=str(cap.folder))
+    write_manifest(nested.folder, TRAINING_RUN, fields, inputs=nested.inputs)
+    return [f"the profiled steps' checkpoint was deleted; their logs and metrics are in {TRAINING_FOLDER}/"]
+
+
 def run(
     cfg: ProfileConfig,
     ws: Any,
     training_run: Optional[PathLike] = None,
     model_path: Optional[PathLike] = None,
-    seq_len: int = 128,
+    seq_len: Optional[int] = None,
     top: int = 10,
     progress: bool = True,
 ) -> ProfileResult:
@@ -213,6 +226,7 @@ def run(
     from kit.profiling.plots import plot_top_operators
     from kit.profiling.tables import operator_table
     from kit.train import train
+    from kit.train.config import from_dict
 
     check(cfg, "profiling options")
     if training_run is not None:
@@ -245,11 +259,8 @@ def run(
         if with_failure:
             cap.stop(failed=True)
     work = cap.stop(publish=False)
-    # the steps were trained to be measured, not kept: their checkpoint would only fill the disk
-    shutil.rmtree(result.output_dir / "checkpoints", ignore_errors=True)
-    notes = notes + list(cap.notes)
-    # the config as it reads once the capture folder has its final name
-    pcfg = dataclasses.replace(pcfg, work_dir=str(_published(Path(pcfg.work_dir), cap)))
+    notes = notes + list(cap.notes) + _keep_measurements(result, cap)
+    ran_with = _published_json(result.config.to_dict() if result.config else to_jsonable(pcfg), cap)
     data = load(work)
     table = operator_table(data, top=top)
     advice = advise(data)
@@ -267,7 +278,7 @@ def run(
             "options": to_jsonable(cap.config),
             "training_run": str(run_m.folder) if run_m else None,
             "configured_here": line,
-            "profiled_config": to_jsonable(pcfg),
+            "profiled_config": ran_with,
             "steps": cap.steps,
             "traces": [str(p.relative_to(work)) for p in find_profiles(work)],
             "git_commit": data.meta.get("capture", {}).get("git_commit"),
@@ -282,7 +293,7 @@ def run(
         capture=cap,
         manifest=read_manifest(cap.folder, expect=PROFILE_CAPTURE),
         training_run=run_m,
-        train_config=pcfg,
+        train_config=from_dict(ran_with, f"{cap.folder} profiled config"),
         train_result=result,
         data=load(cap.folder),
         table=table,
