@@ -88,30 +88,3 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
     with atomic_file(path, "wb") as fh:
         fh.write(data)
     return Path(path)
-
-
-def leftover_partials(final: PathLike) -> list[tuple[Path, int]]:
-    """Temporary siblings (`.NAME.partial-*`) that interrupted runs left beside `final`, with their sizes in bytes."""
-    final = Path(final)
-    if not final.parent.is_dir():
-        return []
-    out = []
-    for p in sorted(final.parent.glob(f".{final.name}.partial-*")):
-        if p.is_dir() and not p.is_symlink():
-            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-        else:
-            size = p.lstat().st_size
-        out.append((p, size))
-    return out
-
-
-def remove_partials(final: PathLike) -> list[tuple[Path, int]]:
-    """Delete what `leftover_partials(final)` lists; returns what was removed."""
-    found = leftover_partials(final)
-    for p, _ in found:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-    return found

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import sys
-import threading
 from pathlib import Path
 
 _DTYPE_ALIASES = {
@@ -72,30 +70,12 @@ def _direction(args: argparse.Namespace) -> str:
     return "hf_to_megatron"
 
 
-def _on_sigterm(signum, frame):  # a kill cleans up like Ctrl-C: temporary folders are removed on the way out
-    raise KeyboardInterrupt(f"terminated by signal {signum}")
-
-
-def _partials(target: str, clean: bool) -> None:
-    from kit.atomic import leftover_partials, remove_partials
-
-    found = remove_partials(target) if clean else leftover_partials(target)
-    for path, size in found:
-        if clean:
-            print(f"removed leftover partial output {path} ({size / 1024**2:.1f} MiB)", file=sys.stderr)
-        else:
-            print(
-                f"note: {path} ({size / 1024**2:.1f} MiB) is left from an interrupted run; "
-                f"--clean-partial removes it",
-                file=sys.stderr,
-            )
-
-
 def run(args: argparse.Namespace) -> int:
     from kit.configs import explicit_values
     from kit.convert.config import ConvertConfig
     from kit.convert.result import run as run_conversion
     from kit.errors import InputError
+    from kit.partial import sigterm_as_interrupt
 
     if args.model_type != "GPT":
         raise InputError(f"--model-type {args.model_type!r}: only GPT (decoder-only) models are converted.")
@@ -113,13 +93,20 @@ def run(args: argparse.Namespace) -> int:
         values["dtype"] = _DTYPE_ALIASES.get(values["dtype"], values["dtype"])
     values["direction"] = _direction(args)
     cfg = ConvertConfig(**values)
-    _partials(cfg.target, cfg.clean_partial)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
     # Expected failures (ConversionError, ConfigError, an existing output, ...) propagate to `python -m kit`,
-    # which prints them as one `error: ...` line with exit code 2.
-    result = run_conversion(cfg, progress=not args.no_progress)
+    # which prints them as one `error: ...` line with exit code 2. A SIGTERM cleans up like Ctrl-C.
+    with sigterm_as_interrupt():
+        result = run_conversion(cfg, progress=not args.no_progress)
     summary = result.summary()
+    for item in summary.get("leftover_partials", []):
+        if item["removed"]:
+            print(f"removed leftover partial output {item['path']} ({item['mib']:.1f} MiB)", file=sys.stderr)
+        else:
+            print(
+                f"note: {item['path']} ({item['mib']:.1f} MiB) is left from an interrupted run; "
+                f"--clean-partial removes it",
+                file=sys.stderr,
+            )
     tok = Path(args.tokenizer_model) if args.tokenizer_model else None
     if tok is not None and tok.is_file() and cfg.direction != "megatron_to_hf":
         dst = Path(cfg.target) / "hf_meta" / tok.name

@@ -406,11 +406,13 @@ def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
         "megatron_to_hf": megatron_to_hf,
         "megatron_to_megatron": megatron_to_megatron,
     }[cfg.direction]
-    from kit.atomic import leftover_partials, remove_partials
+    from kit.partial import handle_partials
 
-    left = remove_partials(cfg.target) if cfg.clean_partial else leftover_partials(cfg.target)
+    target = Path(cfg.target)
+    left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)
     summary = fn(cfg, progress=progress)
     summary["leftover_partials"] = [
-        {"path": str(p), "mib": round(n / 1024**2, 1), "removed": bool(cfg.clean_partial)} for p, n in left
+        {"path": x["path"], "mib": round(x["bytes"] / 1024**2, 1), "removed": x["path"] in left["removed"]}
+        for x in left["found"]
     ]
     return summary
