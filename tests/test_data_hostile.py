@@ -168,10 +168,9 @@ def test_special_token_switch_on_the_command_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args,words",
     [
-        (["data", "pretrain", "--columns", "{text: 1}"], "--columns, '{text: 1}', is not JSON"),
         (["data", "sft", "/no/such/file.jsonl"], "input '/no/such/file.jsonl' does not exist"),
         (["data", "sft", "--template", "nope"], "template='nope'"),
-        (["data", "check", "/no/such/folder"], "is not a folder prepared by kit.data"),
+        (["data", "check", "/no/such/folder"], "expected a prepared-data folder (made by notebook 02"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, args, words):
@@ -180,15 +179,29 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, args, words):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
 
 
+def test_cli_columns_that_are_not_json(tmp_path, capsys):
+    """A malformed JSON mapping is refused by the option's parser (argparse: usage, then the error; exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["data", "pretrain", "--columns", "{text: 1}", "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        exc.value.code == 2
+        and "argument --columns: --columns '{text: 1}': Expecting property name" in err[-1]
+    )
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_damaged_prepared_folder_and_long_names(tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["data", "sft", "--max-records", "4", "--max-length", "64", "--out-dir", str(out)]) == 0
     capsys.readouterr()
-    meta = out / "alpaca_hf" / "meta.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "num_samples": 999}))
+    manifest = out / "alpaca_hf" / "kit_manifest.json"
+    record = json.loads(manifest.read_text())
+    record["fields"]["num_samples"] = 999
+    manifest.write_text(json.dumps(record))
     assert main(["data", "check", str(out / "alpaca_hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rows but meta.json says 999" in err[0]
+    assert len(err) == 1 and "rows but the manifest says 999" in err[0]
     # a folder name longer than the filesystem allows: one line from kit.errors, nothing written
     long_out = tmp_path / ("x" * 300)
     assert main(["data", "sft", "--max-records", "4", "--out-dir", str(long_out)]) == 2

@@ -149,8 +149,13 @@ def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpu
     da = _digests(tmp_path)
     b = _run(tmp_path, path, num_workers=2, batch_size=13, overwrite=True)
     db = _digests(tmp_path)
-    # config.json records num_workers, batch_size and overwrite themselves; every other file matches byte for byte
-    assert set(da) == set(db) and {k for k in da if da[k] != db[k]} == {"c_hf/config.json"}
+    # config.json records num_workers, batch_size and overwrite themselves, the manifest its creation time; every
+    # other file matches byte for byte, and so do the manifest's fields
+    changed = {k for k in da if da[k] != db[k]} - {
+        "c_hf/kit_manifest.json"
+    }  # its time may be the same second
+    assert set(da) == set(db) and changed == {"c_hf/config.json"}
+    assert a.manifest.fields == b.manifest.fields
     assert a.report.as_dict() == b.report.as_dict()
     out = tmp_path / "sft"
     x = prepare(
@@ -162,7 +167,9 @@ def test_byte_identical_whatever_the_worker_count_and_batch_size(tmp_path, corpu
         progress=False,
     )
     dy = _digests(out)
-    assert set(dx) == set(dy) and {k for k in dx if dx[k] != dy[k]} == {"alpaca_hf/config.json"}
+    changed = {k for k in dx if dx[k] != dy[k]} - {"alpaca_hf/kit_manifest.json"}
+    assert set(dx) == set(dy) and changed == {"alpaca_hf/config.json"}
+    assert x.manifest.fields == y.manifest.fields
     assert x.report.samples == y.report.samples
 
 
@@ -194,23 +201,29 @@ def test_text_files_and_column_mapping(tmp_path, tok):
 def test_load_prepared_rejects_damaged_folders(tmp_path, corpus):
     path, _ = corpus
     res = _run(tmp_path, path, max_records=20)
-    assert read_meta(res.hf_dir)["kind"] == "pretrain"
+    assert read_meta(res.hf_dir)["data_kind"] == "pretrain"
     assert len(load_prepared(str(tmp_path / "c"))) == res.report.samples  # the bare prefix works too
-    ds, meta = load_prepared(res.hf_dir, return_meta=True)
-    assert meta["max_length"] == 48 and len(ds) == meta["num_samples"]
-    meta_path = res.hf_dir / "meta.json"
-    meta["num_samples"] += 1
-    meta_path.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="rows but meta.json says"):
+    ds, prepared = load_prepared(res.hf_dir, return_meta=True)
+    assert prepared.max_length == 48 and len(ds) == prepared.num_samples
+    manifest = res.hf_dir / "kit_manifest.json"
+    record = json.loads(manifest.read_text())
+    record["fields"]["num_samples"] += 1
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="rows but the manifest says"):
         load_prepared(res.hf_dir)
-    with pytest.raises(FileNotFoundError, match="no meta.json"):
+    record["fields"]["num_samples"] -= 1
+    record["fields"]["vocab_size"] = 10  # the rows hold ids this vocabulary does not have
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"token ids outside 0..9"):
+        load_prepared(res.hf_dir)
+    with pytest.raises(FileNotFoundError, match="does not exist; expected a prepared-data folder"):
         load_prepared(tmp_path / "nothing_here")
 
 
 def test_arrow_sink_bytes_independent_of_write_sizes(tmp_path):
     from datasets import load_from_disk
 
-    from kit.data.output import ArrowSink
+    from kit.data.hf_rows import ArrowSink
 
     rng = np.random.default_rng(0)
     rows = {

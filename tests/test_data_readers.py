@@ -94,10 +94,10 @@ def test_non_utf8_line_in_the_middle_is_skipped_alone(tmp_path):
 def test_existing_output_not_overwritten(tmp_path):
     src = FIX / "empty_answer.jsonl"
     first = _sft(tmp_path, [src])
-    before = (first.hf_dir / "meta.json").read_bytes()
+    before = (first.hf_dir / "kit_manifest.json").read_bytes()
     with pytest.raises(OutputExistsError, match="overwrite"):
         _sft(tmp_path, [src], max_records=1)
-    assert (first.hf_dir / "meta.json").read_bytes() == before
+    assert (first.hf_dir / "kit_manifest.json").read_bytes() == before
     again = _sft(tmp_path, [src], overwrite=True, system="S")
     assert json.loads((again.hf_dir / "config.json").read_text())["system"] == "S"
 

@@ -178,9 +178,10 @@ def test_mindspeed_files_agree(packed):
     assert len(lab) == len(ds) and lab[0].tolist() == ds[0]["labels"]
 
 
-def test_meta_and_report_files(packed):
-    meta = json.loads((packed.hf_dir / "meta.json").read_text())
-    assert meta["kind"] == "sft" and meta["max_length"] == 64 and meta["vocab_size"] == 2522
+def test_manifest_and_report_files(packed):
+    meta = json.loads((packed.hf_dir / "kit_manifest.json").read_text())["fields"]
+    assert not (packed.hf_dir / "meta.json").exists()  # the manifest replaced it
+    assert meta["data_kind"] == "sft" and meta["max_length"] == 64 and meta["vocab_size"] == 2522
     assert (
         meta["pad_token_id"] == 3
         and meta["eos_token_id"] == 2

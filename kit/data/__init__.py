@@ -18,15 +18,20 @@ _EXPORTS = {
     "DataPathError": "kit.data.readers",
     "IndexedReader": "kit.data.indexed",
     "IndexedWriter": "kit.data.indexed",
-    "PrepReport": "kit.data.report",
+    "MODEL_INPUTS": "kit.data.prepared",
+    "PreparedData": "kit.data.prepared",
+    "read_prepared": "kit.data.prepared",
+    "summarize": "kit.data.pipeline",
+    "PrepReport": "kit.data.accounting",
     "PrepResult": "kit.data.pipeline",
     "explain_sample": "kit.data.explain",
-    "load_prepared": "kit.data.output",
+    "load_prepared": "kit.data.prepared",
     "prepare": "kit.data.pipeline",
-    "read_meta": "kit.data.output",
+    "read_meta": "kit.data.prepared",
 }
 
 __all__ = [
+    "MODEL_INPUTS",
     "TEMPLATES",
     "DataConfig",
     "DataInputError",
@@ -35,21 +40,24 @@ __all__ = [
     "IndexedWriter",
     "PrepReport",
     "PrepResult",
+    "PreparedData",
     "Template",
     "explain_sample",
     "load_prepared",
     "prepare",
     "read_meta",
+    "read_prepared",
+    "summarize",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
+    from kit.data.accounting import PrepReport
     from kit.data.config import DataConfig
     from kit.data.explain import explain_sample
     from kit.data.indexed import IndexedReader, IndexedWriter
-    from kit.data.output import load_prepared, read_meta
-    from kit.data.pipeline import PrepResult, prepare
+    from kit.data.pipeline import PrepResult, prepare, summarize
+    from kit.data.prepared import MODEL_INPUTS, PreparedData, load_prepared, read_meta, read_prepared
     from kit.data.readers import DataInputError, DataPathError
-    from kit.data.report import PrepReport
     from kit.data.templates import TEMPLATES, Template
 
 

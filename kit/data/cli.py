@@ -1,4 +1,8 @@
-"""`python -m kit data ...`: prepare pretraining / fine-tuning data, check a prepared folder, list templates."""
+"""`python -m kit data ...`: prepare pretraining / fine-tuning data, check a prepared folder, list templates.
+
+The options of `pretrain` and `sft` are generated from DataConfig (kit.configs.add_config_arguments): one option
+per field, its help the field's documentation, defaults not restated here.
+"""
 
 from __future__ import annotations
 
@@ -6,44 +10,24 @@ import argparse
 import json
 import sys
 
+# fields that mean nothing for one kind (left out of its --help)
+_ONLY_SFT = ("template", "system", "train_on_prompt", "mask_history", "overlong", "pack", "pack_window")
+_ONLY_PRETRAIN = ("add_bos", "keep_special_tokens")
+
 
 def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> None:
-    p = sub.add_parser(kind, help=help_text)
+    from kit.configs import add_config_arguments
+    from kit.data.config import DataConfig
+
+    p = sub.add_parser(kind, help=help_text, description=help_text)
+    skip = ("kind",) + (_ONLY_SFT if kind == "pretrain" else _ONLY_PRETRAIN)
+    add_config_arguments(p, DataConfig, skip=skip, positional=("inputs",))
     p.add_argument(
-        "inputs", nargs="*", help="files or folders (.jsonl .json .parquet .csv .txt); default: sample"
+        "--workspace",
+        default=None,
+        help="workspace root, when --out-dir is not given (default: KIT_WORKSPACE / runs/ws)",
     )
-    p.add_argument("--name", default="corpus" if kind == "pretrain" else "alpaca", help="output name")
-    p.add_argument(
-        "--tokenizer", default=None, help="local HF tokenizer/model folder (default: sample tokenizer)"
-    )
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer folder's own code")
-    p.add_argument("--max-length", type=int, default=2048, help="tokens per sample (SEQ_LEN)")
-    p.add_argument("--out-dir", default=None, help="output folder (default: the workspace's data folder)")
-    p.add_argument("--workspace", default=None, help="workspace root (default: KIT_WORKSPACE / runs/ws)")
-    p.add_argument("--model", default="demo", help="model name in the workspace")
-    p.add_argument("--input-format", default="auto", help="auto, text, alpaca, sharegpt or openai")
-    p.add_argument("--columns", default="{}", help='field mapping as JSON, e.g. \'{"text": "content"}\'')
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--max-records", type=int, default=None)
-    p.add_argument("--on-error", default="raise", choices=["raise", "skip"])
-    p.add_argument("--no-megatron", action="store_true", help="skip the Megatron .bin/.idx files")
-    p.add_argument("--overwrite", action="store_true")
-    if kind == "pretrain":
-        p.add_argument("--add-bos", action="store_true", help="BOS before each document")
-        p.add_argument(
-            "--keep-special-tokens",
-            action="store_true",
-            help="special-token strings in the text ('<|endoftext|>') become control tokens "
-            "(default: tokenized as plain text; counted in the report either way)",
-        )
-    else:
-        p.add_argument("--template", default="telechat", help="see `python -m kit data templates`")
-        p.add_argument("--system", default=None, help="system prompt for dialogs without one")
-        p.add_argument("--train-on-prompt", action="store_true")
-        p.add_argument("--mask-history", action="store_true")
-        p.add_argument("--overlong", default="truncate", choices=["truncate", "drop"])
-        p.add_argument("--no-pack", action="store_true", help="one dialog per sample")
+    p.add_argument("--model", default="demo", help="model folder name inside the workspace")
     p.set_defaults(func=run, kind=kind)
 
 
@@ -53,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="what", required=True)
     _add_prepare(s, "pretrain", "plain text -> max_length samples + <name>_text_document.bin/.idx")
     _add_prepare(s, "sft", "dialogs -> packed, answer-masked samples + <name>_packed_*_document.bin/.idx")
-    c = s.add_parser("check", help="load and validate a prepared <name>_hf folder, print its meta")
+    c = s.add_parser("check", help="load and validate a prepared <name>_hf folder, print its manifest")
     c.add_argument("path")
     c.set_defaults(func=run)
     t = s.add_parser("templates", help="list the chat templates")
@@ -61,48 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The DataConfig the command-line arguments describe."""
-    from kit.configs import ConfigError
+    """The DataConfig the command line describes: the options given, the rest DataConfig's defaults."""
+    from kit.configs import explicit_values
     from kit.data.config import DataConfig
 
-    try:
-        columns = json.loads(args.columns)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            [
-                f'the value of --columns, {args.columns!r}, is not JSON ({exc}); write e.g. \'{{"text": "content"}}\'.'
-            ],
-            "the command line",
-        ) from None
-    kw = dict(
-        kind=args.kind,
-        inputs=list(args.inputs),
-        name=args.name,
-        tokenizer=args.tokenizer,
-        trust_remote_code=args.trust_remote_code,
-        max_length=args.max_length,
-        out_dir=args.out_dir,
-        input_format=args.input_format,
-        columns=columns,
-        num_workers=args.num_workers,
-        batch_size=args.batch_size,
-        max_records=args.max_records,
-        on_error=args.on_error,
-        megatron=not args.no_megatron,
-        overwrite=args.overwrite,
-    )
-    if args.kind == "pretrain":
-        kw.update(add_bos=args.add_bos, keep_special_tokens=args.keep_special_tokens)
-    else:
-        kw.update(
-            template=args.template,
-            system=args.system,
-            train_on_prompt=args.train_on_prompt,
-            mask_history=args.mask_history,
-            overlong=args.overlong,
-            pack=not args.no_pack,
-        )
-    return DataConfig(**kw)
+    values = explicit_values(args, DataConfig)
+    values["kind"] = args.kind
+    return DataConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,11 +63,16 @@ def run(args: argparse.Namespace) -> int:
         print("tokenizer  the tokenizer's own chat_template")
         return 0
     if args.what == "check":
-        from kit.data.output import load_prepared
+        from kit.data.prepared import read_prepared
 
-        ds, meta = load_prepared(args.path, return_meta=True)
-        print(json.dumps(meta, indent=2, ensure_ascii=False))
-        print(f"ok: {len(ds)} samples, columns {ds.column_names}")
+        prepared = read_prepared(args.path)
+        ds = prepared.dataset()
+        held = prepared.heldout_dataset()
+        print(json.dumps(prepared.manifest.fields, indent=2, ensure_ascii=False))
+        print(
+            f"ok: {len(ds)} samples, columns {ds.column_names}"
+            + (f"; held out: {len(held)} rows in {prepared.heldout['path']}" if held is not None else "")
+        )
         return 0
     from kit.data.pipeline import prepare
     from kit.workspace import get_workspace

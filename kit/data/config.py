@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 KINDS = ("pretrain", "sft")
+DEFAULT_NAMES = {"pretrain": "corpus", "sft": "alpaca"}  # the output name when `name` is None
 INPUT_FORMATS = ("auto", "text", "alpaca", "sharegpt", "openai")
 OVERLONG = ("truncate", "drop")
 ON_ERROR = ("raise", "skip")
@@ -22,8 +23,8 @@ class DataConfig:
     """'pretrain' (plain text, packed to max_length, loss on all tokens) or 'sft' (dialogs, loss on answers)."""
     inputs: List[str] = field(default_factory=list)
     """Files or folders to read (.jsonl .json .parquet .csv .txt); default: the shipped sample for `kind`."""
-    name: str = "alpaca"
-    """Output name: `<name>_hf/` and `<name>_text_document` / `<name>_packed_*_document` in the output folder."""
+    name: Optional[str] = None
+    """Output name: `<name>_hf/`, `<name>_text_document` / `<name>_packed_*_document`; None: corpus / alpaca."""
     tokenizer: Optional[str] = None
     """A local HF tokenizer folder (or a model folder holding one); None: the sample tokenizer."""
     trust_remote_code: bool = False
@@ -64,8 +65,17 @@ class DataConfig:
     """Read at most this many records (None: all); for quick trials."""
     megatron: bool = True
     """Also write the Megatron / MindSpeed-LLM .bin/.idx files."""
+    heldout_records: int = 0
+    """Records held out of training for evaluation (notebook 06), written to `<name>_heldout_hf/`; 0: none."""
+    heldout_every: int = 10
+    """Hold out every k-th usable record, in input order, until heldout_records are held out."""
     overwrite: bool = False
     """Replace existing outputs of the same name."""
+
+    @property
+    def output_name(self) -> str:
+        """`name`, or the kind's default name."""
+        return self.name or DEFAULT_NAMES.get(self.kind, "data")
 
     def problems(self) -> List[str]:
         """Every problem with this config, each saying what to change."""
@@ -74,7 +84,7 @@ class DataConfig:
         out = []
         if self.kind not in KINDS:
             out.append(f"kind={self.kind!r}: use one of {KINDS}.")
-        if not _NAME.match(self.name or ""):
+        if self.name is not None and not _NAME.match(self.name):
             out.append(f"name={self.name!r}: use a plain file name of letters, digits, '.', '_' or '-'.")
         if not isinstance(self.max_length, int) or self.max_length < 8:
             out.append(f"max_length={self.max_length!r}: use an integer of at least 8 (e.g. 2048, 4096).")
@@ -92,9 +102,15 @@ class DataConfig:
             out.append(f"on_error={self.on_error!r}: use one of {ON_ERROR}.")
         if self.train_on_prompt and self.mask_history:
             out.append("train_on_prompt and mask_history exclude each other; set one of them to False.")
-        for attr, low in (("num_workers", 1), ("batch_size", 1), ("pack_window", 1)):
+        for attr, low in (
+            ("num_workers", 1),
+            ("batch_size", 1),
+            ("pack_window", 1),
+            ("heldout_records", 0),
+            ("heldout_every", 1),
+        ):
             v = getattr(self, attr)
-            if not isinstance(v, int) or v < low:
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 out.append(f"{attr}={v!r}: use an integer >= {low}.")
         if self.max_records is not None and (not isinstance(self.max_records, int) or self.max_records < 1):
             out.append(f"max_records={self.max_records!r}: use None or a positive integer.")

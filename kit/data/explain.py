@@ -12,7 +12,7 @@ def explain_sample(path: Union[str, Path], index: int = 0, tokenizer: Any = None
     """A table of sample `index` of a prepared folder: one row per packed dialog, prompt and learned text apart."""
     import pandas as pd
 
-    from kit.data.output import load_prepared
+    from kit.data.prepared import load_prepared
     from kit.data.tokenizing import load_tokenizer
 
     ds, meta = load_prepared(path, return_meta=True)

@@ -1,9 +1,11 @@
-"""`prepare(config)`: read, tokenize, pack and write one dataset, atomically, with its report."""
+"""`prepare(config, workspace)`: read, tokenize, pack and write one dataset atomically, with its report and its
+`prepared-data` manifest (kit.data.prepared)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -12,29 +14,66 @@ import numpy as np
 
 from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
 from kit.configs import check, save_config
+from kit.data.accounting import PrepReport, plot_lengths
 from kit.data.config import DataConfig
 from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
+from kit.data.heldout import HeldoutPicker, rule_text
+from kit.data.hf_rows import ArrowSink
 from kit.data.indexed import IndexedWriter, token_dtype
-from kit.data.output import COLUMNS, ArrowSink, megatron_names
+from kit.data.prepared import (
+    COLUMNS,
+    HELDOUT_COLUMNS,
+    IGNORE_INDEX,
+    PreparedData,
+    heldout_dir,
+    megatron_flags,
+    megatron_names,
+)
 from kit.data.readers import DataInputError, TextBlock, iter_records
-from kit.data.report import PrepReport, plot_lengths
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
-from kit.errors import InputError
+from kit.errors import InputError, MissingInputError
+from kit.manifest import (
+    MANIFEST_NAME,
+    PREPARED_DATA,
+    Manifest,
+    read_manifest,
+    tokenizer_sha256,
+    write_manifest,
+)
 
 CHUNK_CHARS = 1 << 18  # characters of text per worker task (~0.1 s of tokenizing): small tail, tiny IPC cost
 
 
 @dataclass
 class PrepResult:
-    """Where the outputs are and what the run counted."""
+    """What `prepare` made: the prepared folder (read back through its manifest), the Megatron files, the counts."""
 
-    hf_dir: Path
-    megatron_prefix: Optional[str]
-    megatron_files: List[Path]
+    prepared: PreparedData
     report: PrepReport
-    meta: Dict[str, Any]
     histogram_png: Optional[Path] = None
     config: Optional[DataConfig] = field(repr=False, default=None)
+
+    @property
+    def hf_dir(self) -> Path:
+        """The `<name>_hf` folder (as written, not symlink-resolved)."""
+        return Path(self.prepared.manifest["hf_path"])
+
+    @property
+    def megatron_prefix(self) -> Optional[str]:
+        return self.prepared.megatron_prefix
+
+    @property
+    def megatron_files(self) -> List[Path]:
+        return [Path(p) for p in self.prepared.megatron_files]
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.prepared.manifest
+
+    @property
+    def meta(self) -> Dict[str, Any]:
+        """The manifest's fields (max_length, tokenizer, pad/EOS ids, num_samples, ...)."""
+        return dict(self.prepared.manifest.fields)
 
     def plot_lengths(self) -> Path:
         """Plot the length histogram and save it as `<name>_hf/lengths.png`; return the path."""
@@ -42,7 +81,8 @@ class PrepResult:
         return self.histogram_png
 
     def summary(self) -> dict:
-        """Key numbers and paths (for notebook summaries)."""
+        """Key numbers and paths: what was written (folder, manifest hash, Megatron prefix and flags, held-out
+        split) and what was counted."""
         r = self.report.as_dict()
         keys = (
             "records_read",
@@ -51,6 +91,7 @@ class PrepResult:
             "dropped",
             "files_skipped",
             "truncated",
+            "heldout_records",
             "tokens_in",
             "tokens_out",
             "tokens_learned",
@@ -58,13 +99,33 @@ class PrepResult:
             "padding_ratio",
             "padding_ratio_unpacked",
         )
+        p = self.prepared
         return {
+            "data_kind": p.kind,
             "hf_dir": str(self.hf_dir),
+            "manifest": str(self.hf_dir / MANIFEST_NAME),
+            "manifest_sha256": p.manifest.sha256,
+            "max_length": p.max_length,
+            "tokenizer": p.tokenizer,
+            "tokenizer_sha256": p.tokenizer_sha256,
+            "template": p.template,
+            "pack": p.pack,
+            "inputs": list(self.config.inputs) if self.config else [],
             "megatron_prefix": self.megatron_prefix,
-            "megatron_files": [str(p) for p in self.megatron_files],
+            "megatron_flags": p.megatron_flags,
+            "megatron_files": [str(f) for f in self.megatron_files],
+            "heldout": p.heldout,
             "histogram_png": str(self.histogram_png) if self.histogram_png else None,
             **{k: r[k] for k in keys},
+            "warnings": list(self.report.warnings),
         }
+
+
+def summarize(*results: PrepResult) -> Dict[str, Any]:
+    """Notebook 02's summary: each result's `summary()` under its kind, and every warning in one list."""
+    out: Dict[str, Any] = {r.prepared.kind: r.summary() for r in results}
+    out["warnings"] = [w for r in results for w in r.report.warnings]
+    return out
 
 
 def default_inputs(kind: str) -> List[str]:
@@ -191,18 +252,21 @@ def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
 
 
 def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
-    """Prepare `cfg.kind` data: HF dataset folder + Megatron files + config/meta/report (plot with .plot_lengths())."""
+    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, and its `prepared-data`
+    manifest written last), the held-out split `<name>_heldout_hf` if asked for, and the Megatron files."""
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
-    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind))
+    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
+    name = cfg.output_name
     check(cfg, "DataConfig")
     tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     vocab_size = len(tok)
-    out = output_dir(cfg, workspace)
-    hf_dir = out / f"{cfg.name}_hf"
-    mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, cfg.name)
+    out = Path(os.path.abspath(output_dir(cfg, workspace)))
+    hf_dir = out / f"{name}_hf"
+    held_dir = heldout_dir(out, name)
+    mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, name)
     mg_files = [Path(p + ext) for p in mg_prefixes for ext in (".bin", ".idx")] if cfg.megatron else []
-    for p in [hf_dir, *mg_files]:
+    for p in [hf_dir, *mg_files, *([held_dir] if cfg.heldout_records else [])]:
         refuse_existing(p, cfg.overwrite, "prepared data")
     out.mkdir(parents=True, exist_ok=True)
 
@@ -220,6 +284,9 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
             f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
             f"{sorted(TEMPLATES)}."
         )
+    picker = (
+        HeldoutPicker(cfg.heldout_records, cfg.heldout_every, cfg.max_length) if cfg.heldout_records else None
+    )
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
     try:
@@ -228,53 +295,122 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
                 dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
             sink = ArrowSink(tmp, cfg.kind, cfg.max_length)
-            _stream(cfg, tok, sink, writers, report, progress)
+            _stream(cfg, tok, sink, writers, report, progress, picker)
             if report.records_written == 0:
                 raise _nothing_usable(cfg, report)
             for w in writers:
                 w.finalize()
-            meta = _meta(
+            heldout = _heldout_fields(cfg, picker, held_dir, report)
+            rep = report.as_dict()
+            fields = _manifest_fields(
                 cfg,
                 tok,
                 report,
-                mg_prefix if cfg.megatron else None,
-                str(writers[0].dtype) if writers else None,
+                hf_dir,
+                (mg_prefix, [str(f) for f in mg_files], str(writers[0].dtype)) if writers else None,
+                heldout,
             )
-            rep = report.as_dict()
-            sink.finalize({"meta": meta, "report": rep})
+            sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
-            atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
+            if heldout:
+                with atomic_dir(held_dir, overwrite=cfg.overwrite, what="held-out data") as held_tmp:
+                    picker.write(held_tmp, tok.pad_token_id)
+            write_manifest(tmp, PREPARED_DATA, fields)  # last: a folder with a manifest is complete
         for w in writers:
             w.commit()
     except BaseException:
         for w in writers:
             w.abort()
         raise
-    return PrepResult(hf_dir, mg_prefix if cfg.megatron else None, mg_files, report, meta, config=cfg)
+    if not heldout and cfg.overwrite and held_dir.is_dir():
+        # the split of an earlier run under this name; the new manifest names none, so nothing may use it
+        shutil.rmtree(held_dir)
+    prepared = PreparedData(read_manifest(hf_dir, expect=PREPARED_DATA))
+    return PrepResult(prepared, report, config=cfg)
 
 
-def _meta(
-    cfg: DataConfig, tok: Any, report: PrepReport, mg_prefix: Optional[str], mg_dtype: Optional[str]
-) -> Dict[str, Any]:
-    """meta.json: what a reader needs to use the data without the config (see the data-stage contract)."""
+def _heldout_fields(
+    cfg: DataConfig, picker: Optional[HeldoutPicker], folder: Path, report: PrepReport
+) -> Optional[Dict[str, Any]]:
+    """The manifest's `heldout` entry (None when nothing is held out); a short split is a warning."""
+    if picker is None:
+        return None
+    stats = picker.stats()
+    if stats["records"] < cfg.heldout_records:
+        report.warnings.append(
+            f"heldout_records={cfg.heldout_records} but only {stats['records']} of the usable records could be "
+            f"held out (every {cfg.heldout_every}th); lower heldout_every or add data"
+        )
+    if not stats["records"]:
+        return None
     return {
-        "kind": cfg.kind,
+        "path": str(folder),
+        "rule": rule_text(cfg.kind, cfg.heldout_records, cfg.heldout_every),
+        "layout": "one record per row, padded to max_length; seq_lens = [its length]; never packed with training rows",
+        "columns": list(HELDOUT_COLUMNS),
+        **stats,
+    }
+
+
+def _manifest_fields(
+    cfg: DataConfig,
+    tok: Any,
+    report: PrepReport,
+    hf_dir: Path,
+    megatron: Optional[tuple],
+    heldout: Optional[Dict[str, Any]],
+) -> Dict[str, Any]:
+    """The `prepared-data` manifest: what training and evaluation need without the config (kit.manifest.KINDS)."""
+    rep = report.as_dict()
+    tok_dir = os.path.abspath(tok.kit_path)
+    try:
+        tok_hash: Optional[str] = tokenizer_sha256(tok_dir)
+    except MissingInputError:  # a tokenizer made only by its own code: nothing to hash
+        tok_hash = None
+    prefix, files, dtype = megatron if megatron else (None, [], None)
+    count_keys = (
+        "records_read",
+        "records_written",
+        "records_dropped",
+        "dropped",
+        "files_skipped",
+        "truncated",
+        "heldout_records",
+        "tokens_in",
+        "tokens_out",
+        "tokens_learned",
+        "remainder_tokens",
+        "samples",
+        "padding_ratio",
+    )
+    return {
+        "data_kind": cfg.kind,
         "max_length": cfg.max_length,
-        "tokenizer": tok.kit_path,
-        "vocab_size": len(tok),
-        "pad_token_id": tok.pad_token_id,
+        "tokenizer": tok_dir,
+        "tokenizer_sha256": tok_hash,
+        "template": cfg.template if cfg.kind == "sft" else None,
+        # pretraining rows are always packed (documents back to back); fine-tuning rows as cfg.pack says
+        "pack": bool(cfg.pack) if cfg.kind == "sft" else True,
         "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
         "bos_token_id": tok.bos_token_id,
+        "vocab_size": len(tok),
+        "hf_path": str(hf_dir),
+        "columns": list(COLUMNS[cfg.kind]),
+        "ignore_index": IGNORE_INDEX,
+        "labels_shifted": False,  # labels = input_ids at the same position; the model shifts them
         "num_samples": report.samples,
         "num_tokens": report.tokens_out,
-        "template": cfg.template if cfg.kind == "sft" else None,
-        "packed": bool(cfg.pack) if cfg.kind == "sft" else True,
-        "columns": list(COLUMNS[cfg.kind]),
-        "ignore_index": -100,
-        "labels_shifted": False,
-        "megatron_prefix": mg_prefix,
-        "megatron_dtype": mg_dtype,
+        "megatron_prefix": prefix,
+        "megatron_files": files,
+        "megatron_flags": megatron_flags(cfg.kind, cfg.pack) if prefix else [],
+        "megatron_dtype": dtype,
+        "heldout": heldout,
+        "counts": {k: rep[k] for k in count_keys},
+        "inputs": [os.path.abspath(p) for p in cfg.inputs],
+        "config": "config.json",
+        "report": "report.json",
     }
 
 
@@ -285,6 +421,7 @@ def _stream(
     writers: List[IndexedWriter],
     report: PrepReport,
     progress: bool,
+    heldout: Optional[HeldoutPicker] = None,
 ) -> None:
     """Read, tokenize (in order, over cfg.num_workers) and hand every batch to the kind's assembler."""
     from tqdm.auto import tqdm
@@ -301,13 +438,15 @@ def _stream(
         "mask_history": cfg.mask_history,
     }
     initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
-    with tqdm(desc=f"{cfg.kind} {cfg.name}", unit=" records", disable=not progress) as bar:
+    with tqdm(desc=f"{cfg.kind} {cfg.output_name}", unit=" records", disable=not progress) as bar:
         if cfg.kind == "pretrain":
             # several workers: chunks of ~CHUNK_CHARS keep them evenly busy to the end (the last chunk is
             # the only one a worker can wait for); one process: batches of batch_size for the tokenizer's threads
             max_chars = CHUNK_CHARS if cfg.num_workers > 1 else float("inf")
             chunks = _text_chunks(_documents(cfg, report), cfg.batch_size, max_chars)
-            asm = PretrainAssembler(sink, writers[0] if writers else None, report, cfg.keep_special_tokens)
+            asm = PretrainAssembler(
+                sink, writers[0] if writers else None, report, cfg.keep_special_tokens, heldout
+            )
             for result in ordered_map(pretrain_job, chunks, cfg.num_workers, initargs, tok):
                 asm.add(result)
                 bar.update(int(result[1].size))
@@ -320,7 +459,14 @@ def _stream(
                     yield [item for item, _ in chunk]
 
             asm = SftAssembler(
-                sink, writers or None, report, tok.pad_token_id, cfg.overlong, cfg.pack, cfg.pack_window
+                sink,
+                writers or None,
+                report,
+                tok.pad_token_id,
+                cfg.overlong,
+                cfg.pack,
+                cfg.pack_window,
+                heldout,
             )
             for result in ordered_map(sft_job, payloads(), cfg.num_workers, initargs, tok):
                 asm.add(result, wheres.pop(0))

@@ -6,9 +6,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from kit.data.accounting import PrepReport
+from kit.data.heldout import DROP_REASON, HELDOUT, TRAIN, HeldoutPicker
+from kit.data.hf_rows import ArrowSink
 from kit.data.indexed import IndexedWriter
-from kit.data.output import ArrowSink
-from kit.data.report import PrepReport
 from kit.data.tokenizing import encode_texts, worker_state
 
 
@@ -40,8 +41,10 @@ class PretrainAssembler:
         writer: Optional[IndexedWriter],
         report: PrepReport,
         keep_special_tokens: bool = False,
+        heldout: Optional[HeldoutPicker] = None,
     ):
         self.sink, self.writer, self.report = sink, writer, report
+        self.heldout = heldout
         self.keep_special_tokens = keep_special_tokens
         self.max_length = report.max_length
         self.carry = np.zeros(0, dtype=np.int32)
@@ -51,6 +54,10 @@ class PretrainAssembler:
         self.report.count_special_strings(specials)
         if not lengths.size:
             return
+        if self.heldout is not None:
+            flat, lengths = self._split_heldout(flat, lengths)
+            if not lengths.size:
+                return
         self.report.tokens_in += int(flat.size)
         self.report.records_written += int(lengths.size)
         self.report.add_lengths(lengths)
@@ -68,6 +75,26 @@ class PretrainAssembler:
         if rows:
             self.sink.write_tokens(flat[: rows * length].reshape(rows, length))
         self.carry = flat[rows * length :].copy()
+
+    def _split_heldout(self, flat: np.ndarray, lengths: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The documents trained on; held-out ones go to the picker, copies of held-out ones are counted as dropped."""
+        ends = np.cumsum(lengths)
+        keep = np.ones(lengths.size, dtype=bool)
+        for i, (end, n) in enumerate(zip(ends.tolist(), lengths.tolist())):
+            verdict = self.heldout.take(flat[end - n : end])
+            if verdict == TRAIN:
+                continue
+            keep[i] = False
+            if verdict == HELDOUT:
+                self.report.heldout += 1
+            else:
+                self.report.drop(
+                    DROP_REASON, "a document with the same tokens as a held-out one (left out of training)"
+                )
+        if keep.all():
+            return flat, lengths
+        tokens = np.repeat(keep, lengths)
+        return flat[tokens], lengths[keep]
 
     def finish(self) -> None:
         r = self.report

@@ -6,11 +6,12 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from kit.data.accounting import PrepReport
 from kit.data.dialogs import Dialog
+from kit.data.heldout import DROP_REASON, HELDOUT, SAME_AS_HELDOUT, HeldoutPicker
+from kit.data.hf_rows import ArrowSink
 from kit.data.indexed import IndexedWriter
-from kit.data.output import ArrowSink
 from kit.data.packing import IGNORE, build_packs, pack_lengths
-from kit.data.report import PrepReport
 from kit.data.templates import TEMPLATES, chat_template_segments, learned_flags, template_segments
 from kit.data.tokenizing import encode_texts, worker_state
 
@@ -58,6 +59,7 @@ class SftAssembler:
         overlong: str,
         pack: bool,
         window: int,
+        heldout: Optional[HeldoutPicker] = None,
     ):
         self.sink, self.writers, self.report = sink, writers, report
         self.max_length, self.pad_id, self.overlong, self.pack, self.window = (
@@ -67,6 +69,7 @@ class SftAssembler:
             pack,
             window,
         )
+        self.heldout = heldout
         self.items: List[Item] = []
         self.useful_tokens = 0
         self.dialogs = 0
@@ -92,6 +95,14 @@ class SftAssembler:
             if not (labels != IGNORE).any():
                 r.drop("no_answer_tokens", f"{src}: no token is learned (check template and masking options)")
                 continue
+            if self.heldout is not None:
+                verdict = self.heldout.take(ids, labels)
+                if verdict == HELDOUT:
+                    r.heldout += 1
+                    continue
+                if verdict == SAME_AS_HELDOUT:
+                    r.drop(DROP_REASON, f"{src}: the same tokens as a held-out dialog (left out of training)")
+                    continue
             self.items.append((ids, labels))
             if len(self.items) >= self.window:
                 self._flush()

@@ -44,7 +44,7 @@ TEMPLATES: Dict[str, Template] = {
             assistant="{content}<end>",
             system="<_system>{content}",
             special_tokens=("<_user>", "<_bot>", "<end>", "<_system>"),
-            source="seed 000 (data format): <_user>question<_bot>answer<end>",
+            source="TeleChat NPU adaptation notes (data format): <_user>question<_bot>answer<end>",
         ),
         Template(
             "chatml",

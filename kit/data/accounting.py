@@ -25,6 +25,7 @@ class PrepReport:
     formats: Dict[str, int] = field(default_factory=dict)
     special_strings: Dict[str, int] = field(default_factory=dict)
     truncated: int = 0
+    heldout: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
     tokens_learned: int = 0
@@ -103,6 +104,7 @@ class PrepReport:
             "formats": dict(sorted(self.formats.items())),
             "special_token_strings": dict(sorted(self.special_strings.items())),
             "truncated": self.truncated,
+            "heldout_records": self.heldout,
             "tokens_in": self.tokens_in,
             "tokens_out": self.tokens_out,
             "tokens_learned": self.tokens_learned,
@@ -130,6 +132,7 @@ class PrepReport:
                 "records_written",
                 "records_dropped",
                 "truncated",
+                "heldout_records",
                 "tokens_in",
                 "tokens_out",
                 "tokens_learned",

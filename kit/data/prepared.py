@@ -1,0 +1,245 @@
+"""Notebook 02's output as later stages read it: the `prepared-data` manifest, the model-input columns, the Megatron
+data names and flags, and `read_prepared` / `load_prepared` (one typed loader, through the manifest).
+
+A prepared folder `<name>_hf/` holds the HF `datasets` rows, `config.json` (the DataConfig), `report.json` (the
+accounting) and, written last, `kit_manifest.json` of kind `prepared-data`. Training (notebook 04) and evaluation
+(notebook 06) read only the manifest and the rows; a folder without a manifest, or with another stage's manifest,
+is a one-line error naming notebook 02.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from kit.errors import InputError, IntegrityError
+from kit.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, find_manifest, read_manifest
+
+PathLike = Union[str, Path]
+
+# The columns a model's forward pass takes, in the order the data stage writes them. kit.train imports this
+# tuple; it is declared nowhere else.
+MODEL_INPUTS: Tuple[str, ...] = ("input_ids", "labels", "attention_mask", "position_ids")
+# The columns of each kind's rows: fine-tuning rows also list the lengths of the dialogs packed into them, so the
+# attention can stay inside each dialog (varlen / TND).
+COLUMNS: Dict[str, Tuple[str, ...]] = {"pretrain": MODEL_INPUTS, "sft": MODEL_INPUTS + ("seq_lens",)}
+# Held-out rows hold one record each, with its length, whatever the kind.
+HELDOUT_COLUMNS: Tuple[str, ...] = MODEL_INPUTS + ("seq_lens",)
+IGNORE_INDEX = -100  # the label of a token the loss does not count (the HF / PyTorch cross-entropy default)
+
+# MindSpeed-LLM reads a packed fine-tuning set as `<prefix>_packed_<key>_document.bin/.idx` for these keys
+# (its preprocess_data.py output names); the attention_mask file holds segment ids 1..k per dialog, 0 on padding.
+SFT_MEGATRON_KEYS = ("input_ids", "attention_mask", "labels")
+# What a packed fine-tuning set needs at training time: MindSpeed-LLM's `--neat-pack` turns the segment-id
+# attention_mask into per-dialog sequence lengths, and its argument check requires `--reset-attention-mask` with it
+# (MindSpeed-LLM, training arguments; docs "multi-sample pack finetune"). The kit's trainer adds
+# `--finetune --stage sft --is-instruction-dataset` itself for any fine-tuning run.
+PACKED_SFT_FLAGS = ("--reset-attention-mask", "--neat-pack")
+
+
+def megatron_names(kind: str, out_dir: PathLike, name: str) -> Tuple[str, List[str]]:
+    """(what Megatron / MindSpeed-LLM's `--data-path` takes, the file prefixes written for it).
+
+    Pretraining: the full `<name>_text_document` prefix (Megatron's preprocess_data.py output). Fine-tuning: the bare
+    `<name>` prefix; MindSpeed-LLM appends `_packed_<key>_document` itself.
+    """
+    out_dir = Path(out_dir)
+    if kind == "pretrain":
+        prefix = str(out_dir / f"{name}_text_document")
+        return prefix, [prefix]
+    prefix = str(out_dir / name)
+    return prefix, [f"{prefix}_packed_{key}_document" for key in SFT_MEGATRON_KEYS]
+
+
+def megatron_flags(kind: str, pack: bool) -> List[str]:
+    """The Megatron / MindSpeed-LLM flags the written files need (beyond `--data-path`)."""
+    return list(PACKED_SFT_FLAGS) if kind == "sft" and pack else []
+
+
+def heldout_dir(out_dir: PathLike, name: str) -> Path:
+    """The held-out split's folder: `<name>_heldout_hf/` beside `<name>_hf/`."""
+    return Path(out_dir) / f"{name}_heldout_hf"
+
+
+# manifest field -> the name meta.json used for it (callers written against meta.json keep working through .get)
+_META_NAMES = {"kind": "data_kind", "packed": "pack"}
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """A prepared-data folder as its manifest describes it (see the module doc); `.dataset()` loads the rows."""
+
+    manifest: Manifest
+
+    # -- the manifest's facts, typed -----------------------------------------------------------------------------
+    @property
+    def folder(self) -> Path:
+        return self.manifest.folder
+
+    @property
+    def kind(self) -> str:
+        """'pretrain' or 'sft'."""
+        return self.manifest["data_kind"]
+
+    @property
+    def max_length(self) -> int:
+        """Tokens per row: the SEQ_LEN the data was made for."""
+        return int(self.manifest["max_length"])
+
+    @property
+    def tokenizer(self) -> str:
+        return self.manifest["tokenizer"]
+
+    @property
+    def tokenizer_sha256(self) -> Optional[str]:
+        return self.manifest["tokenizer_sha256"]
+
+    @property
+    def template(self) -> Optional[str]:
+        return self.manifest["template"]
+
+    @property
+    def pack(self) -> bool:
+        return bool(self.manifest["pack"])
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.manifest["eos_token_id"]
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.manifest["pad_token_id"]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["vocab_size"])
+
+    @property
+    def megatron_prefix(self) -> Optional[str]:
+        return self.manifest["megatron_prefix"]
+
+    @property
+    def megatron_flags(self) -> List[str]:
+        return list(self.manifest["megatron_flags"] or [])
+
+    @property
+    def megatron_files(self) -> List[str]:
+        return list(self.manifest.get("megatron_files") or [])
+
+    @property
+    def heldout(self) -> Optional[Dict[str, Any]]:
+        """{"path", "records", "rule", ...} of the held-out split, or None."""
+        return self.manifest["heldout"]
+
+    @property
+    def counts(self) -> Dict[str, Any]:
+        return dict(self.manifest["counts"])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.manifest.get("num_samples", self.counts.get("samples", 0)))
+
+    @property
+    def columns(self) -> Tuple[str, ...]:
+        return COLUMNS[self.kind]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A manifest field by name (meta.json's `kind` and `packed` answer too)."""
+        return self.manifest.get(_META_NAMES.get(key, key), default)
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value
+
+    def as_input(self):
+        """How a later stage records that it consumed this folder (kit.manifest.Consumed)."""
+        return self.manifest.as_input()
+
+    # -- the rows ------------------------------------------------------------------------------------------------
+    def dataset(self) -> Any:
+        """The rows as a `datasets.Dataset`, checked against the manifest (columns, row count, length, ids)."""
+        return _load_checked(self.folder, self.kind, COLUMNS[self.kind], self.num_samples, self)
+
+    def heldout_dataset(self) -> Any:
+        """The held-out rows (one record per row, padded; same masks as training), or None without a split."""
+        if not self.heldout:
+            return None
+        return _load_checked(
+            Path(self.heldout["path"]), self.kind, HELDOUT_COLUMNS, int(self.heldout["rows"]), self
+        )
+
+
+_MISSING = object()
+
+
+def _folder(path: PathLike) -> Path:
+    """`<name>_hf` itself, or the folder a Megatron prefix (`<name>`, `<name>_text_document`) belongs to."""
+    p = Path(path).expanduser()
+    if find_manifest(p) is not None or p.is_dir():
+        return p
+    for cand in (Path(str(p) + "_hf"), p.with_name(p.name.replace("_text_document", "_hf"))):
+        if find_manifest(cand) is not None:
+            return cand
+    return p
+
+
+def read_prepared(path: PathLike) -> PreparedData:
+    """The prepared-data folder at `path` (or of the Megatron prefix `path`), read through its manifest."""
+    folder = _folder(path)
+    if find_manifest(folder) is None and (folder / "meta.json").is_file():
+        raise InputError(
+            f"{str(folder)!r} was prepared before the kit wrote manifests (meta.json, no {MANIFEST_NAME}); prepare "
+            f"it again with notebook 02 / `python -m kit data pretrain|sft`."
+        )
+    return PreparedData(read_manifest(folder, expect=PREPARED_DATA))
+
+
+def read_meta(path: PathLike) -> Dict[str, Any]:
+    """The prepared-data manifest's fields as a dict (what meta.json held, under the manifest's names)."""
+    return dict(read_prepared(path).manifest.fields)
+
+
+def load_prepared(path: PathLike, return_meta: bool = False) -> Any:
+    """Load and check a prepared `<name>_hf` folder: a `datasets.Dataset` (and its PreparedData if return_meta)."""
+    prepared = read_prepared(path)
+    ds = prepared.dataset()
+    return (ds, prepared) if return_meta else ds
+
+
+def _load_checked(folder: Path, kind: str, columns, rows: int, prepared: PreparedData) -> Any:
+    from datasets import load_from_disk
+
+    if kind not in COLUMNS:
+        raise IntegrityError(
+            f"{prepared.folder / MANIFEST_NAME}: data_kind {kind!r} is not pretrain or sft; prepare the data again "
+            f"with notebook 02."
+        )
+    try:
+        ds = load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as exc:
+        raise IntegrityError(
+            f"{folder}: the rows cannot be loaded ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+            f"prepare the data again with notebook 02."
+        ) from None
+    problems = []
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        problems.append(f"columns {missing} are missing (has {ds.column_names})")
+    if len(ds) != rows:
+        problems.append(f"{len(ds)} rows but the manifest says {rows}")
+    length = prepared.max_length
+    if len(ds) and not missing:
+        first = ds[0]
+        if any(len(first[c]) != length for c in MODEL_INPUTS):
+            problems.append(f"row 0 is not {length} tokens long in every column")
+        elif max(first["input_ids"]) >= prepared.vocab_size or min(first["input_ids"]) < 0:
+            problems.append(f"row 0 has token ids outside 0..{prepared.vocab_size - 1}")
+    if problems:
+        raise IntegrityError(
+            f"{folder}: " + "; ".join(problems) + ". The folder is damaged or was changed by hand; "
+            "prepare the data again."
+        )
+    return ds
