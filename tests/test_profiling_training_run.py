@@ -234,3 +234,41 @@ def test_schedule_steps():
     assert schedule_steps(kp.ProfileConfig(wait=1, warmup=1, active=3)) == 5
     assert schedule_steps(kp.ProfileConfig(wait=0, warmup=1, active=2, repeat=2, skip_first=1)) == 7
     assert schedule_steps(kp.ProfileConfig(repeat=0)) == kp.ProfileConfig().steps_needed
+
+
+@pytest.mark.slow
+def test_profiles_a_real_tiny_training_run(workspace, tiny_llama_dir):
+    """kit.train.train writes the training-run manifest; the stage profiles that run with the same settings."""
+    from kit.train import train
+
+    data = _prepared(workspace, tiny_llama_dir)
+    trained = train(
+        _train_config(workspace, tiny_llama_dir, data, train_iters=2, warmup_iters=1, save_interval=0),
+        workspace,
+    )
+    assert trained.status == "completed" and trained.manifest is not None
+    run_m = read_manifest(trained.output_dir, expect=TRAINING_RUN)
+    before = _files(trained.output_dir)
+
+    result = kp.run(kp.ProfileConfig(**OPTIONS), workspace)
+
+    assert result.training_run.folder == run_m.folder and result.training_run.sha256 == run_m.sha256
+    assert result.manifest.inputs == [run_m.as_input()] and result.manifest["training_run"] == str(
+        run_m.folder
+    )
+    ran, theirs = result.train_config, run_m["config"]
+    for name in (
+        "model_path",
+        "dataset_path",
+        "tokenizer_path",
+        "seq_len",
+        "mbs",
+        "gbs",
+        "lr",
+        "seed",
+        "dtype",
+    ):
+        assert getattr(ran, name) == theirs[name], name
+    assert ran.train_iters == 3 and Path(ran.work_dir) == result.folder / "training"
+    assert _files(trained.output_dir) == before  # the run's checkpoints, HF export and manifest untouched
+    assert result.train_result.status == "completed" and result.capture.steps == 3
