@@ -215,6 +215,14 @@ def markdown(info: dict, runs: List[Run], load_before: str, load_after: str, tot
         f"- date: {info['date']}; commit {info['commit']}",
         f"- load average (1/5/15 min): before {load_before}, after {load_after}",
         f"- total wall time: {total_s / 60:.1f} min",
+    ]
+    busiest = max(float(x.split(" / ")[0]) for x in (load_before, load_after))
+    if busiest > (info["cores"] or 1):
+        lines.append(
+            f"- **note:** 1-minute load average up to {busiest:.1f} on {info['cores']} cores: other processes shared "
+            "the machine, so wall-clock ratios are disturbed; rerun `make bench` on a quiet machine"
+        )
+    lines += [
         "",
         "| stage | figure | ratio | goal | status |",
         "|---|---|---|---|---|",
