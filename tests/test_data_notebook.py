@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kit.data import IndexedReader, load_prepared
+from kit.data import IndexedReader, load_prepared, read_prepared
+from kit.manifest import read_manifest
 from kit.samples import sample_tokenizer_dir
 
 NB = Path(__file__).resolve().parent.parent / "notebooks" / "02_data_prep.ipynb"
@@ -28,14 +29,25 @@ def test_notebook_02_tiny(run_notebook, tmp_path):
         TEMPLATE="telechat",
         WORKSPACE=str(tmp_path / "ws"),
     )
-    assert summary is not None and summary["max_length"] == 64 and summary["template"] == "telechat"
+    assert summary is not None
     pre, sft = summary["pretrain"], summary["sft"]
+    assert pre["max_length"] == sft["max_length"] == 64 and sft["template"] == "telechat"
     assert pre["records_read"] == 600 and pre["records_dropped"] == 0 and pre["samples"] > 0
-    assert sft["records_read"] == 158 and sft["records_written"] + sft["records_dropped"] == 158
+    # the default split: every 10th usable record, 12 of them, kept out of training
+    assert pre["heldout_records"] == sft["heldout_records"] == 12
+    assert sft["records_read"] == 158 and sft["records_written"] + sft["records_dropped"] + 12 == 158
     assert sft["padding_ratio"] < sft["padding_ratio_unpacked"]
+    for part in (pre, sft):  # what the summary names is what the manifest on disk says
+        man = read_manifest(part["hf_dir"], expect="prepared-data")
+        assert part["manifest_sha256"] == man.sha256 and part["heldout"] == man["heldout"]
+        assert len(read_prepared(part["hf_dir"]).heldout_dataset()) == 12
+    assert sft["megatron_flags"] == ["--reset-attention-mask", "--neat-pack"] and pre["megatron_flags"] == []
+    assert pre["megatron_prefix"].endswith("corpus_text_document") and sft["megatron_prefix"].endswith(
+        "/alpaca"
+    )
     ds = load_prepared(sft["hf_dir"])
     assert len(ds) == sft["samples"] and len(ds[0]["input_ids"]) == 64
-    assert len(IndexedReader(pre["megatron_prefix"])) == 600
+    assert len(IndexedReader(pre["megatron_prefix"])) == 600 - 12
     assert all(Path(p).is_file() for p in pre["megatron_files"] + sft["megatron_files"])
     assert Path(sft["histogram_png"]).stat().st_size > 1000
     assert (

@@ -154,6 +154,19 @@ class PreparedData:
             raise KeyError(key)
         return value
 
+    def handover(self) -> Dict[str, Any]:
+        """What the next notebooks take from this folder, in their own words (for display)."""
+        held = self.heldout
+        return {
+            "DATASET_PATH (notebook 04)": str(self.folder),
+            "SEQ_LEN (inherited by notebook 04)": self.max_length,
+            "template": self.template,
+            "Megatron --data-path": self.megatron_prefix,
+            "Megatron flags": " ".join(self.megatron_flags) or None,
+            "held out for notebook 06": f"{held['records']} records in {held['path']}" if held else None,
+            "held-out rule": held["rule"] if held else None,
+        }
+
     def as_input(self):
         """How a later stage records that it consumed this folder (kit.manifest.Consumed)."""
         return self.manifest.as_input()
