@@ -67,7 +67,7 @@ def test_template_text_and_mask(tok, template):
 
 
 def test_telechat_mask_positions_exact(tok):
-    """The seed's example: -100 on `<_user>question<_bot>`, the answer and `<end>` learned."""
+    """The TeleChat adaptation notes' example: -100 on `<_user>question<_bot>`, the answer and `<end>` learned."""
     d = Dialog(None, [("天翼云公司英文名。", "state cloud.")])
     ids, labels = encode_dialogs([d], template="telechat")[0]
     prompt = tok("<_user>天翼云公司英文名。<_bot>", add_special_tokens=False)["input_ids"]
