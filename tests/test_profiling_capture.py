@@ -12,8 +12,8 @@ from kit.device import torch_npu_import
 from kit.profiling.demo import profile_training
 
 
-def _loop(cap, steps: int, seed: int = 0) -> None:
-    torch.manual_seed(seed)
+def _loop(cap, steps: int, rng_seed: int = 0) -> None:
+    torch.manual_seed(rng_seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):

@@ -39,7 +39,7 @@ class ProfileConfig:
     with_stack: bool = False  # Python call stacks (slower, bigger traces)
     analyse: bool = True  # NPU: parse to ASCEND_PROFILER_OUTPUT right away (False: raw data, analyse() later)
     device: str = "auto"  # auto | npu | cuda | cpu: which profiler to use
-    tag: str = ""  # short label in the capture folder name, e.g. "baseline" or "bf16"
+    tag: str = ""  # short label in the capture folder name, e.g. "bf16" (profile stage: empty = the run type)
 
     def problems(self) -> list:
         """Every invalid value, each with what is allowed."""
