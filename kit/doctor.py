@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from kit import versions
+from kit.cann import ASCEND_ROOTS, cann_version_from_disk, find_set_env_scripts
 from kit.known_errors import SET_ENV_HINT, explain
 
-# Where CANN puts set_env.sh: the classic toolkit layout and the newer cann/ + nnal/atb/ layout, under the
-# root install prefix, a non-root install in $HOME, and the ModelArts image prefix.
-ASCEND_ROOTS = ("/usr/local/Ascend", str(Path.home() / "Ascend"), "/home/ma-user/Ascend")
-SET_ENV_RELATIVE = ("ascend-toolkit/set_env.sh", "cann/set_env.sh", "nnal/atb/set_env.sh")
 STATUSES = ("pass", "warn", "fail", "info")
 
 
@@ -115,24 +112,6 @@ def _dist_version(name: str) -> Optional[str]:
         return None
 
 
-def find_set_env(roots: Sequence[str] = ASCEND_ROOTS) -> list[Path]:
-    """Existing CANN set_env.sh scripts under the usual install prefixes."""
-    return [Path(r) / rel for r in roots for rel in SET_ENV_RELATIVE if (Path(r) / rel).is_file()]
-
-
-def cann_version_from_disk(env: Mapping[str, str], roots: Sequence[str] = ASCEND_ROOTS) -> Optional[str]:
-    """CANN version from `*install.info` / `version.cfg` under ASCEND_HOME_PATH or the toolkit's `latest`."""
-    candidates = [Path(env["ASCEND_HOME_PATH"])] if env.get("ASCEND_HOME_PATH") else []
-    candidates += [Path(r) / sub for r in roots for sub in ("ascend-toolkit/latest", "cann")]
-    for base in candidates:
-        for pattern in ("*install.info", "*/*install.info", "version.cfg"):
-            for f in sorted(base.glob(pattern)) if base.is_dir() else []:
-                m = re.search(r"^\s*(?:version|Version)\s*=\s*([\w.]+)", f.read_text(errors="replace"), re.M)
-                if m:
-                    return m.group(1)
-    return None
-
-
 def _check_python(r: Report, torch_version: Optional[str]) -> None:
     pyv = platform.python_version()
     ok = versions.python_supported(torch_version, pyv) if torch_version else None
@@ -186,7 +165,7 @@ def _check_torch_npu(
 
 
 def _check_cann(r: Report, env: Mapping[str, str], roots: Sequence[str], cann: Optional[str]) -> bool:
-    scripts = find_set_env(roots)
+    scripts = find_set_env_scripts(roots, env)
     home = env.get("ASCEND_HOME_PATH")
     if not scripts and not home:
         r.add("CANN", "info", "no CANN installation found (no set_env.sh under " + ", ".join(roots) + ")")
@@ -363,7 +342,7 @@ def diagnose(
     from kit.device import torch_npu_import
 
     _mod, npu_error = torch_npu_import()
-    on_ascend = bool(find_set_env(roots) or env.get("ASCEND_HOME_PATH"))
+    on_ascend = bool(find_set_env_scripts(roots, env) or env.get("ASCEND_HOME_PATH"))
     _check_torch_npu(r, torch.__version__, npu_error, on_ascend)
     cann = getattr(torch.version, "cann", None) or cann_version_from_disk(env, roots)
     _check_cann(r, env, roots, cann)

@@ -14,13 +14,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from kit.atomic import atomic_dir
+from kit.cann import find_set_env_scripts  # noqa: F401  (re-exported by kit.envs)
 from kit.envs.layout import get_layout
 from kit.envs.prefix import EnvError, check_name, kind_of
 
-ASCEND_ROOTS = ("/usr/local/Ascend", "~/Ascend", "/home/ma-user/Ascend")
 # kernel.json is a plain file on shared storage, so only CANN's own variables go into it (an allowlist): what
 # CANN's set_env.sh scripts export (ascend-toolkit / cann: ASCEND_*, TOOLCHAIN_HOME; nnal/atb: ATB_*, and in
 # older NNAL releases ASDOPS_* and LCCL_*) and the entries they add to the search paths below. Anything else a
@@ -35,29 +35,6 @@ _SECRET = re.compile(
 )
 _LOGIN_IN_VALUE = re.compile(r"[a-z][a-z0-9+.-]*://[^/@\s]+@", re.IGNORECASE)
 _NOISE = {"_", "SHLVL", "PWD", "OLDPWD", "KIT_ENV_BEFORE", "KIT_ENV_AFTER", "BASH_EXECUTION_STRING"}
-
-
-def find_set_env_scripts(roots: Optional[Iterable[Union[str, Path]]] = None) -> list[Path]:
-    """The CANN set_env.sh to source: toolkit (cann/ or ascend-toolkit/ or cann-X.Y.Z/) plus nnal/atb if present.
-
-    Looks under ASCEND_HOME_PATH's install root first, then /usr/local/Ascend, ~/Ascend, /home/ma-user/Ascend.
-    """
-    candidates = []
-    home = os.environ.get("ASCEND_HOME_PATH")
-    if home:  # .../ascend-toolkit/latest or .../cann-8.5.0: the install root is one of its parents
-        candidates += list(Path(home).parents)[:3]
-    candidates += [Path(r).expanduser() for r in (roots if roots is not None else ASCEND_ROOTS)]
-    for root in candidates:
-        toolkit = [
-            root / "cann" / "set_env.sh",
-            root / "ascend-toolkit" / "set_env.sh",
-            *sorted(root.glob("cann-*/set_env.sh"), reverse=True),
-        ]
-        found = next((p for p in toolkit if p.is_file()), None)
-        if found:
-            atb = root / "nnal" / "atb" / "set_env.sh"
-            return [found] + ([atb] if atb.is_file() else [])
-    return []
 
 
 def _read_env0(path: str) -> dict:
