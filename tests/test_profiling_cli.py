@@ -88,7 +88,7 @@ def test_msprof_analyze_agrees_on_ai_cpu(tmp_path, clean):
 @pytest.mark.slow
 def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
     """A workspace without a training run: the CLI configures one from notebook 04's defaults and says so."""
-    from kit.manifest import PROFILE_CAPTURE, read_manifest
+    from kit.manifest import PREPARED_DATA, PROFILE_CAPTURE, read_manifest
     from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
@@ -126,5 +126,7 @@ def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
     assert meta["steps"] == 2 and meta["traces"] and meta["config"]["tag"] == "cli"
     m = read_manifest(folder, expect=PROFILE_CAPTURE)
     assert m["training_run"] is None and m["configured_here"] == said[0]
+    data = m["profiled_config"]["dataset_path"]  # prepared here from the sample: its manifest is the input
+    assert [(c.kind, c.path) for c in m.inputs] == [(PREPARED_DATA, str(Path(data).resolve()))]
     assert m["profiled_config"]["model_path"] == str(tiny_llama_dir) and m["profiled_config"]["seq_len"] == 32
     assert m["options"]["active"] == 1 and m["steps"] == 2
