@@ -483,3 +483,23 @@ def test_tnd_refuses_negative_windows():
         fusion_attention(
             q, q, q, 2, "TND", causal=True, next_tokens=-1, actual_seq_qlen=[3, 6], actual_seq_kvlen=[3, 6]
         )
+
+
+@pytest.mark.parametrize(
+    "module", ["kit.ops.attention_npu", "kit.ops.attention_torch", "kit.ops.attention_args"]
+)
+def test_backend_imports_first_in_a_fresh_interpreter(module):
+    # the backends used to import kit.ops.attention, which imports them: importing one first broke on the cycle
+    import subprocess
+    import sys
+
+    code = f"import {module}, kit.ops.attention as a; print(a.fusion_attention.__name__, a.MAX_TOKENS)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["fusion_attention", "2147483647"]
+    # and no backend module imports the front end any more
+    import importlib.util
+    from pathlib import Path
+
+    source = Path(importlib.util.find_spec(module).origin).read_text()
+    assert "from kit.ops.attention import" not in source and "from kit.ops import attention\n" not in source

@@ -15,7 +15,7 @@ import torch
 from kit.adapt.varlen import plan_varlen
 from kit.errors import KitError
 from kit.ops import MAX_TOKENS, fusion_attention
-from kit.ops.attention import MAX_VARLEN_SEQUENCES
+from kit.ops.attention_args import MAX_VARLEN_SEQUENCES
 
 ATTENTION_NAME = "kit"
 

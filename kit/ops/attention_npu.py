@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kit.ops.attention import MAX_TOKENS, band_keep
+from kit.ops.attention_args import MAX_TOKENS, band_keep, sizes
 from kit.ops.backend import torch_npu_module
 
 COMPRESSED_MASK_SIZE = 2048
@@ -84,9 +84,7 @@ def dead_rows(kwargs: dict, query, key, layout: str, *, causal: bool, pre_tokens
     mask = kwargs["atten_mask"]
     if mask is None:
         return None
-    from kit.ops.attention import _sizes
-
-    _b, sq, skv = _sizes(query, key, layout)
+    _b, sq, skv = sizes(query, key, layout)
     if kwargs["sparse_mode"] == SPARSE_DEFAULT:  # a full mask: every row of it may be fully masked
         dead = mask.all(dim=-1)
         return dead.reshape((1, 1) + tuple(dead.shape)) if dead.dim() == 1 else dead

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kit.ops.attention import band_keep
+from kit.ops.attention_args import band_keep
 
 
 def _to_bnsd(x, layout: str, n: int):
