@@ -31,7 +31,11 @@ def test_notebook_02_tiny(run_notebook, tmp_path):
     )
     assert summary is not None
     pre, sft = summary["pretrain"], summary["sft"]
-    assert pre["max_length"] == sft["max_length"] == 64 and sft["template"] == "telechat"
+    assert (
+        pre["max_length"] == sft["max_length"] == summary["max_length"] == 64
+        and sft["template"] == "telechat"
+    )
+    assert summary["sft_hf"] == sft["hf_dir"] and summary["tokenizer"] == str(sample_tokenizer_dir())
     assert pre["records_read"] == 600 and pre["records_dropped"] == 0 and pre["samples"] > 0
     # the default split: every 10th usable record, 12 of them, kept out of training
     assert pre["heldout_records"] == sft["heldout_records"] == 12

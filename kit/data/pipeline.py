@@ -122,8 +122,15 @@ class PrepResult:
 
 
 def summarize(*results: PrepResult) -> Dict[str, Any]:
-    """Notebook 02's summary: each result's `summary()` under its kind, and every warning in one list."""
-    out: Dict[str, Any] = {r.prepared.kind: r.summary() for r in results}
+    """Notebook 02's summary: the settings the results share, each result's `summary()` under its kind, and every
+    warning in one list."""
+    out: Dict[str, Any] = {}
+    for key in ("max_length", "tokenizer"):
+        values = {getattr(r.prepared, key) for r in results}
+        if len(values) == 1:
+            out[key] = values.pop()
+    out.update({f"{r.prepared.kind}_hf": str(r.hf_dir) for r in results})
+    out.update({r.prepared.kind: r.summary() for r in results})
     out["warnings"] = [w for r in results for w in r.report.warnings]
     return out
 
