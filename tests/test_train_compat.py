@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,24 +34,27 @@ def test_zero3_on_gloo_is_checked_before_training():
             dist.destroy_process_group()
 
 
-def test_in_process_world_tells_deepspeed_its_local_size(monkeypatch):
+def test_in_process_world_tells_deepspeed_its_local_size():
     """DeepSpeed 0.15's CPU accelerator runs `numactl` unless LOCAL_SIZE is set (ZeRO-3 asks for it)."""
-    from kit.device import detect
-    from kit.train.engine import init_distributed
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "KIT_IN_PROCESS_LOCAL_SIZE", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    try:
-        assert init_distributed(detect())[:2] == (0, 1)
-        assert os.environ["LOCAL_SIZE"] == "1"
-    finally:
-        dist.destroy_process_group()
-    # a second in-process run is not mistaken for a launched one (it gets a fresh port again)
-    port = os.environ["MASTER_PORT"]
-    try:
-        init_distributed(detect())
-        assert os.environ["MASTER_PORT"] != port
-    finally:
-        dist.destroy_process_group()
+    code = (
+        "import os, json, torch.distributed as dist\n"
+        "from kit.device import detect\n"
+        "from kit.train.engine import init_distributed\n"
+        "out = []\n"
+        "for _ in range(2):\n"
+        "    rank_world = init_distributed(detect())[:2]\n"
+        "    out.append([list(rank_world), os.environ['LOCAL_SIZE'], os.environ['MASTER_PORT']])\n"
+        "    dist.destroy_process_group()\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "RANK", "WORLD_SIZE")
+    }
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first[:2] == [[0, 1], "1"] and second[:2] == [[0, 1], "1"]
+    assert first[2] != second[2]  # the second in-process run is not taken for a launched one: a fresh port

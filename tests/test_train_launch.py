@@ -133,15 +133,14 @@ def test_cli_run_reports_config_problems(tmp_path):
             "kit",
             "train",
             "run",
-            "--no-env",
-            "--set",
-            "RUN_TYPE=pretrain",
-            "--set",
-            "GBS=3",
-            "--set",
-            "MBS=2",
-            "--set",
-            f"WORK_DIR={tmp_path}",
+            "--run-type",
+            "pretrain",
+            "--gbs",
+            "3",
+            "--mbs",
+            "2",
+            "--work-dir",
+            str(tmp_path),
         ],
         capture_output=True,
         text=True,
@@ -149,9 +148,10 @@ def test_cli_run_reports_config_problems(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2
-    assert (
-        "GBS=3 is not divisible by MBS x DP = 2 x 1" in out.stderr and "MODEL_PATH is required" in out.stderr
-    )
+    assert out.stderr.startswith("error: ") and "GBS=3 is not divisible by MBS x DP = 2 x 1" in out.stderr
+    assert "preparing" not in out.stdout and not list(
+        tmp_path.rglob("*_hf")
+    )  # checked before any data is made
 
 
 def test_launch_command_and_environment_for_multi_node_npu(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from kit.train.metrics import format_line, tokens_per_second_per_card
 FIXTURES = Path(__file__).parent / "fixtures" / "train"
 
 
-def test_tokens_per_second_per_card_is_the_seed_formula():
+def test_tokens_per_second_per_card_is_the_manuals_formula():
     # GLM3-6B defaults: GBS 64, SEQ_LEN 8192, 8 cards, 4000 ms per iteration -> 16384 tokens/s/p
     assert tokens_per_second_per_card(64, 8192, 8, 4000.0) == pytest.approx(64 * 8192 / (8 * 4000.0) * 1000)
     assert tokens_per_second_per_card(64, 8192, 8, 4000.0) == pytest.approx(16384.0)

@@ -181,8 +181,9 @@ class TrainConfig:
         return self.workspace().logs
 
     # ---- validation -----------------------------------------------------------------------------------------
-    def problems(self) -> list:
-        """Every problem with this config, each naming the value, what is allowed and what to do."""
+    def problems(self, paths: bool = True) -> list:
+        """Every problem with this config, each naming the value, what is allowed and what to do (paths=False:
+        only those that need no file, as before the config is resolved)."""
         p = []
         tp, pp = self.tp or 1, self.pp or 1
         if self.run_type not in RUN_TYPES:
@@ -241,7 +242,7 @@ class TrainConfig:
             )
         if not self.model_name:
             p.append("MODEL_NAME (the manual's MODEL_TYPE) is required: the model's folder in the workspace.")
-        if self.engine == "deepspeed":
+        if self.engine == "deepspeed" and paths:
             p.extend(_path_problems(self))
         return p
 
@@ -294,6 +295,16 @@ def _path_problems(cfg: TrainConfig) -> list:
     from kit.train.batches import dataset_problems
 
     return dataset_problems(cfg)
+
+
+def check_settings(cfg: TrainConfig) -> TrainConfig:
+    """Raise ConfigError with the problems that need no input (before any data is searched or prepared)."""
+    from kit.configs import ConfigError
+
+    problems = cfg.problems(paths=False)
+    if problems:
+        raise ConfigError(problems, "training config")
+    return cfg
 
 
 def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:

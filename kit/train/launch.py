@@ -180,9 +180,11 @@ def launch(
     from tqdm.auto import tqdm
 
     from kit.device import detect
+    from kit.train.config import check_settings
     from kit.train.logs import parse_line
     from kit.train.resolve import resolve
 
+    check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
     cfg = job_config(check(resolve(cfg, ws), "training config"))
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)

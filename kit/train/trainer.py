@@ -101,8 +101,10 @@ class Trainer:
         echo: bool = True,
         ws: Any = None,
     ):
+        from kit.train.config import check_settings
         from kit.train.resolve import resolve
 
+        check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
         cfg = check(resolve(cfg, ws), "training config")
         self.requested = cfg
         self.cfg = effective_config(cfg)
