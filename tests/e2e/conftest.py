@@ -60,20 +60,31 @@ def lab(e2e_root, tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def browser(lab):
-    """Headless Debian Chromium driven by Playwright (its own browser download is not used)."""
+# Package scope, not session: sync Playwright runs its asyncio loop in a greenlet of the main thread, so while it
+# is started that loop counts as running there and any `asyncio.run()` in the process raises "cannot be called
+# from a running event loop". Stopping it when the e2e package is done closes the loop before any other test.
+@pytest.fixture(scope="package")
+def sync_playwright_started():
+    """Sync Playwright, started for the e2e tests only and stopped (its event loop closed) after them."""
     from playwright.sync_api import sync_playwright
 
     pw = sync_playwright().start()
     try:
-        chromium = pw.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+        yield pw
     finally:
         pw.stop()
+
+
+@pytest.fixture(scope="package")
+def browser(sync_playwright_started, lab):
+    """Headless Debian Chromium driven by Playwright (its own browser download is not used)."""
+    chromium = sync_playwright_started.chromium.launch(
+        executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS
+    )
+    try:
+        yield chromium
+    finally:
+        chromium.close()
 
 
 @pytest.fixture
