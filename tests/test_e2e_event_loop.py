@@ -10,7 +10,7 @@ import pytest
 
 E2E_CONFTEST = Path(__file__).parent / "e2e" / "conftest.py"
 
-# a package that uses the real fixture, then a test outside it that needs asyncio.run (collected after it)
+# a folder that uses the real fixture, then a test outside it that needs asyncio.run (collected after it)
 PACKAGE_CONFTEST = f"""
 import importlib.util
 
@@ -44,7 +44,7 @@ def test_asyncio_run_works_after_the_browser_fixtures(tmp_path):
     pytest.importorskip("playwright.sync_api")
     pkg = tmp_path / "e2e_like"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
+    # no __init__.py, like tests/e2e
     (pkg / "conftest.py").write_text(PACKAGE_CONFTEST)
     (pkg / "test_inside.py").write_text(INSIDE)
     (tmp_path / "test_zz_after.py").write_text(AFTER)

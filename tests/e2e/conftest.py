@@ -60,12 +60,13 @@ def lab(e2e_root, tmp_path_factory):
         server.stop()
 
 
-# Package scope, not session: sync Playwright runs its asyncio loop in a greenlet of the main thread, so while it
+# Module scope, not session: sync Playwright runs its asyncio loop in a greenlet of the main thread, so while it
 # is started that loop counts as running there and any `asyncio.run()` in the process raises "cannot be called
-# from a running event loop". Stopping it when the e2e package is done closes the loop before any other test.
-@pytest.fixture(scope="package")
+# from a running event loop". Stopping it after each e2e module closes the loop before any other test
+# (package scope would not do: tests/e2e has no __init__.py, and there it acts as session scope).
+@pytest.fixture(scope="module")
 def sync_playwright_started():
-    """Sync Playwright, started for the e2e tests only and stopped (its event loop closed) after them."""
+    """Sync Playwright, started per e2e test module and stopped (its event loop closed) after it."""
     from playwright.sync_api import sync_playwright
 
     pw = sync_playwright().start()
@@ -75,7 +76,7 @@ def sync_playwright_started():
         pw.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def browser(sync_playwright_started, lab):
     """Headless Debian Chromium driven by Playwright (its own browser download is not used)."""
     chromium = sync_playwright_started.chromium.launch(
