@@ -272,3 +272,17 @@ def test_profiles_a_real_tiny_training_run(workspace, tiny_llama_dir):
     assert ran.train_iters == 3 and Path(ran.work_dir) == result.folder / "training"
     assert _files(trained.output_dir) == before  # the run's checkpoints, HF export and manifest untouched
     assert result.train_result.status == "completed" and result.capture.steps == 3
+
+
+def test_newest_run_search_skips_damaged_and_other_kinds(workspace, tmp_path):
+    from kit.train.config import TrainConfig
+
+    cfg = TrainConfig(model_name=workspace.model, model_path="m", dataset_path="d")
+    good = _training_run(workspace.output("sft"), cfg)
+    damaged = workspace.output("pretrain")
+    damaged.mkdir(parents=True, exist_ok=True)
+    (damaged / MANIFEST_NAME).write_text('{"kind": "training-run", "fie', encoding="utf-8")
+    hf = workspace.model_output / "exported"
+    hf.mkdir()
+    write_manifest(hf, HF_MODEL, {"family": "llama", "source": str(good)})
+    assert [m.folder for m in kp.find_training_runs(workspace)] == [good.resolve()]

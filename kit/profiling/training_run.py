@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
+from kit.errors import KitError
 from kit.manifest import (
     MANIFEST_NAME,
     PROFILE_CAPTURE,
@@ -56,7 +57,7 @@ def find_training_runs(ws: Any, max_depth: int = 3) -> List[Manifest]:
                 continue  # the steps a capture trained are not runs of the workspace
             try:
                 m = read_manifest(folder)
-            except Exception:  # a damaged manifest of some other folder must not stop the search
+            except KitError:  # a damaged manifest of some other folder must not stop the search
                 continue
             if m.kind == TRAINING_RUN:
                 found.append(m)
