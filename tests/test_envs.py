@@ -590,3 +590,44 @@ def test_sigterm_cleans_up_like_ctrl_c_and_leftovers_are_reported(many_files_env
     cleaned = envs.clone(many_files_env, name="e", envs_root=root, verify_imports=None, clean_partial=True)
     assert cleaned["partial_removed"] == [str(left)] and not left.exists()
     assert sorted(p.name for p in (root / "venvs").iterdir()) == ["d", "e"]
+
+
+def test_cli_options_come_from_envs_config():
+    import argparse
+    import dataclasses
+
+    from kit.configs import field_docs
+    from kit.envs import cli as env_cli
+
+    parser = argparse.ArgumentParser(prog="python -m kit")
+    env_cli.register(parser.add_subparsers(dest="stage", required=True))
+
+    def values(*argv):
+        return env_cli._values(parser.parse_args(["env", *argv]))
+
+    # long forms from the dataclass and the README's short forms give the same values; defaults are the dataclass's
+    assert values("pack", "e", "--pack-format", "tar.gz", "--threads", "2") == values(
+        "pack", "e", "--format", "tar.gz", "-j", "2"
+    )
+    assert values("pack", "e") == {
+        "source": "e",
+        "pack_format": None,  # not given: from --output's suffix, else tar.zst
+        "level": envs.EnvsConfig.level,
+        "threads": envs.EnvsConfig.threads,
+        "overwrite": False,
+        "envs_root": None,
+    }
+    assert values("clone", "e", "--verify", "a,b")["verify_imports"] == ["a", "b"]
+    assert values("clone", "e", "--verify-imports", "a,b", "--no-overwrite")["verify_imports"] == ["a", "b"]
+    assert values("unpack", "x.tar", "t")["verify_imports"] == list(envs.EnvsConfig().verify_imports)
+    kernel = values("kernel", "/some/where/my-env", "--set-env", "none")
+    assert kernel["kernel_name"] == "my-env" and kernel["set_env_scripts"] == []
+    assert values("kernel", "p", "--kernel-name", "k", "--set-env-scripts", "[]")["set_env_scripts"] == []
+    # every field a sub-command takes has its dataclass docstring as --help
+    docs = field_docs(envs.EnvsConfig)
+    used = {f for fields in env_cli._FIELDS.values() for f in fields}
+    assert used <= {f.name for f in dataclasses.fields(envs.EnvsConfig)}
+    pack_help = (
+        parser._subparsers._group_actions[0].choices["env"]._subparsers._group_actions[0].choices["pack"]
+    )
+    assert " ".join(docs["level"].split()[:3]) in " ".join(pack_help.format_help().split())

@@ -10,6 +10,7 @@ from kit.envs.conda_cli import conda_executable
 from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
 from kit.envs.config import EnvsConfig, activation_commands
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
+from kit.envs.folders import default_envs_root, get_layout
 from kit.envs.kernels import (
     capture_env,
     check_kernel,
@@ -20,13 +21,14 @@ from kit.envs.kernels import (
     unregister_kernel,
     user_kernels_dir,
 )
-from kit.envs.layout import default_envs_root, get_layout
 from kit.envs.manage import CLONE_METHODS, clone, list_envs, pack, remove, resolve_env, unpack
 from kit.envs.prefix import DEFAULT_IMPORTS, EnvInfo, check_name, verify
-from kit.envs.report import plot_steps, steps_table
+from kit.envs.result import EnvStageResult
+from kit.envs.step_costs import plot_steps, steps_table
 from kit.envs.venv import create_venv, demo_source
 
 __all__ = [
+    "EnvStageResult",
     "ArchiveDamagedError",
     "CLONE_METHODS",
     "DEFAULT_IMPORTS",

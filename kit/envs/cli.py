@@ -5,14 +5,48 @@ from __future__ import annotations
 import argparse
 import json
 
+# Which EnvsConfig fields each sub-command takes; the options (`--name`, `--method`, `--level`, ...) and their help
+# come from the dataclass (kit.configs.add_config_arguments), so defaults and docs are declared once, there.
+_FIELDS = {
+    "list": ("envs_root",),
+    "clone": ("source", "name", "method", "verify_imports", "overwrite", "envs_root"),
+    "pack": ("source", "pack_format", "level", "threads", "overwrite", "envs_root"),
+    "unpack": ("verify_imports", "overwrite"),
+    "remove": ("envs_root",),
+    "kernel": ("kernel_name", "display_name", "set_env_scripts", "envs_root"),
+    "restore": ("envs_root",),
+    "condarc": ("envs_root",),
+}
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--envs-root",
-        default=None,
-        help="persistent envs folder (default: /home/ma-user/work/envs "
-        "on ModelArts, runs/envs here; env KIT_ENVS_ROOT)",
-    )
+
+def _config_options(p: argparse.ArgumentParser, action: str) -> None:
+    from kit.configs import add_config_arguments
+    from kit.envs.config import EnvsConfig
+
+    wanted = _FIELDS.get(action, ())
+    skip = [f for f in EnvsConfig.__dataclass_fields__ if f not in wanted]
+    add_config_arguments(p, EnvsConfig, skip=skip, positional=["source"] if "source" in wanted else [])
+    # the documented short forms (README): --verify, --format, -j, --name for the kernel, --set-env (repeatable)
+    if "verify_imports" in wanted:
+        p.add_argument(
+            "--verify",
+            dest="verify_imports",
+            type=_imports,
+            default=argparse.SUPPRESS,
+            help="= --verify-imports",
+        )
+    if action == "pack":
+        p.add_argument("--format", dest="pack_format", default=argparse.SUPPRESS, help="= --pack-format")
+        p.add_argument("-j", dest="threads", type=int, default=argparse.SUPPRESS, help="= --threads")
+    if action == "kernel":
+        p.add_argument("--name", dest="kernel_name", default=argparse.SUPPRESS, help="= --kernel-name")
+        p.add_argument(
+            "--set-env",
+            action="append",
+            dest="set_env",
+            default=argparse.SUPPRESS,
+            help="a set_env.sh to capture (repeatable; 'none' to skip); = --set-env-scripts",
+        )
 
 
 def _clean(p: argparse.ArgumentParser) -> None:
@@ -32,57 +66,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         "env", help="clone / pack / unpack envs on persistent storage, register Jupyter kernels"
     )
     s = p.add_subparsers(dest="action", required=True)
-    _common(s.add_parser("list", help="envs under the envs root and those conda knows"))
+    _config_options(s.add_parser("list", help="envs under the envs root and those conda knows"), "list")
     c = s.add_parser("create-venv", help="make a virtualenv (inheriting this python's packages)")
     c.add_argument("target")
     c.add_argument("--python", default=None)
     c.add_argument("--no-inherit", action="store_true", help="do not see the base interpreter's packages")
     c = s.add_parser("clone", help="clone an env to <envs-root>/{venvs,user_conda}/<name> or --target")
-    c.add_argument("source", help="env folder or name")
-    c.add_argument("--name", default=None)
-    c.add_argument("--target", default=None)
-    c.add_argument("--method", default="auto", help="auto, copy, conda-pack, conda-clone")
+    _config_options(c, "clone")
+    c.add_argument("--target", default=None, help="clone to this folder instead of <envs-root>/.../<name>")
     c.add_argument("--ignore-editable-packages", action="store_true")
-    c.add_argument("--verify", default="torch,torch_npu,deepspeed", help="comma-separated imports to check")
-    c.add_argument("--overwrite", action="store_true")
     _clean(c)
-    _common(c)
     c = s.add_parser("pack", help="pack an env to one archive (tar.zst multithreaded by default)")
-    c.add_argument("source")
-    c.add_argument("-o", "--output", default=None)
-    c.add_argument(
-        "--format", default=None, help="tar.zst, tar.gz, tar (default: from --output, else tar.zst)"
-    )
-    c.add_argument("--level", type=int, default=3)
-    c.add_argument("-j", "--threads", type=int, default=0, help="0: every core; 1 with tar.gz: plain gzip")
+    _config_options(c, "pack")
+    c.add_argument("-o", "--output", default=None, help="archive path (its suffix sets the format)")
     c.add_argument(
         "--ignore-editable-packages",
         action="store_true",
         help="pack although `pip install -e` packages are present (their sources are not shipped)",
     )
-    c.add_argument("--overwrite", action="store_true")
     _clean(c)
-    _common(c)
     c = s.add_parser("unpack", help="safely extract an archive into TARGET and fix its prefixes")
     c.add_argument("archive")
     c.add_argument("target")
-    c.add_argument("--verify", default="torch,torch_npu,deepspeed")
-    c.add_argument("--overwrite", action="store_true")
+    _config_options(c, "unpack")
     _clean(c)
     c = s.add_parser("remove", help="delete an env folder and its kernels")
     c.add_argument("target")
-    _common(c)
+    _config_options(c, "remove")
     c = s.add_parser("kernel", help="register an env as a Jupyter kernel with the CANN environment")
     c.add_argument("prefix")
-    c.add_argument("--name", required=True)
-    c.add_argument("--display-name", default=None)
-    c.add_argument(
-        "--set-env",
-        action="append",
-        default=None,
-        help="a set_env.sh to capture (repeatable; default: detect; 'none' to skip)",
-    )
-    _common(c)
+    _config_options(c, "kernel")
     c = s.add_parser(
         "check-kernel", help="start a kernel, run code in it, print its sys.prefix and variables"
     )
@@ -90,11 +103,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--code", default="")
     c = s.add_parser("restore", help="after a restart: reinstall stored kernels, re-register envs_dirs")
     c.add_argument("--condarc", default=None)
-    _common(c)
+    _config_options(c, "restore")
     c = s.add_parser("condarc", help="add <envs-root>/user_conda to envs_dirs in .condarc (idempotent)")
     c.add_argument("--condarc", default=None)
-    _common(c)
+    _config_options(c, "condarc")
     p.set_defaults(func=run)
+
+
+def _values(args: argparse.Namespace) -> dict:
+    """The EnvsConfig fields of this sub-command: what the user typed, the dataclass default otherwise."""
+    import dataclasses
+
+    from kit.configs import explicit_values
+    from kit.envs.config import EnvsConfig
+
+    given = explicit_values(args, EnvsConfig)
+    defaults = {f.name: getattr(EnvsConfig(), f.name) for f in dataclasses.fields(EnvsConfig)}
+    out = {k: given.get(k, defaults[k]) for k in _FIELDS.get(args.action, ())}
+    if args.action == "clone":
+        out["name"] = given.get("name")  # not given: the source's name
+    if args.action == "pack":
+        out["pack_format"] = given.get("pack_format")  # not given: from --output, else tar.zst
+    if args.action == "kernel":
+        if not given.get("kernel_name"):  # the field's documented default: the env's name
+            from pathlib import Path
+
+            out["kernel_name"] = Path(args.prefix).expanduser().absolute().name
+        scripts = given.get("set_env_scripts", "auto")
+        if isinstance(scripts, str) and scripts.strip().startswith("["):
+            scripts = json.loads(scripts)
+        elif isinstance(scripts, str) and scripts != "auto":
+            scripts = [x for x in scripts.split(",") if x and x != "none"]
+        if getattr(args, "set_env", None) is not None:
+            scripts = [x for x in args.set_env if x != "none"]
+        out["set_env_scripts"] = scripts
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,51 +154,53 @@ def _run(args: argparse.Namespace) -> int:
     from kit.partial import describe
 
     a = args.action
+    v = _values(args)
     if a == "list":
         out = [
-            {"name": e.name, "kind": e.kind, "prefix": str(e.prefix)} for e in envs.list_envs(args.envs_root)
+            {"name": e.name, "kind": e.kind, "prefix": str(e.prefix)} for e in envs.list_envs(v["envs_root"])
         ]
     elif a == "create-venv":
         out = {"created": str(envs.create_venv(args.target, args.python, inherit=not args.no_inherit))}
     elif a == "clone":
         out = envs.clone(
-            args.source,
-            args.name,
+            v["source"],
+            v["name"],
             args.target,
-            args.envs_root,
-            args.method,
-            args.overwrite,
+            v["envs_root"],
+            v["method"],
+            v["overwrite"],
             args.ignore_editable_packages,
-            _imports(args.verify),
+            v["verify_imports"],
             clean_partial=args.clean_partial,
         )
     elif a == "pack":
         out = envs.pack(
-            args.source,
+            v["source"],
             args.output,
-            args.format,
-            args.level,
-            args.threads,
-            args.envs_root,
+            v["pack_format"],
+            v["level"],
+            v["threads"],
+            v["envs_root"],
             args.ignore_editable_packages,
-            args.overwrite,
+            v["overwrite"],
             clean_partial=args.clean_partial,
         )
     elif a == "unpack":
         out = envs.unpack(
-            args.archive, args.target, args.overwrite, _imports(args.verify), clean_partial=args.clean_partial
+            args.archive, args.target, v["overwrite"], v["verify_imports"], clean_partial=args.clean_partial
         )
     elif a == "remove":
-        out = envs.remove(args.target, args.envs_root)
+        out = envs.remove(args.target, v["envs_root"])
     elif a == "kernel":
-        scripts = "auto" if args.set_env is None else [x for x in args.set_env if x != "none"]
-        out = envs.register_kernel(args.prefix, args.name, args.display_name, scripts, args.envs_root)
+        out = envs.register_kernel(
+            args.prefix, v["kernel_name"], v["display_name"], v["set_env_scripts"], v["envs_root"]
+        )
     elif a == "check-kernel":
         out = envs.check_kernel(args.name, code=args.code)
     elif a == "restore":
-        out = envs.restore(args.envs_root, args.condarc)
+        out = envs.restore(v["envs_root"], args.condarc)
     else:
-        out = envs.register_envs_root(args.envs_root, args.condarc)
+        out = envs.register_envs_root(v["envs_root"], args.condarc)
     print(json.dumps(out, indent=1, default=str))
     if isinstance(out, dict) and "partial_leftovers" in out:
         note = describe({"found": out["partial_leftovers"], "removed": out["partial_removed"]})

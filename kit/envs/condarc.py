@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from kit.atomic import atomic_write_text
-from kit.envs.layout import get_layout
+from kit.envs.folders import get_layout
 from kit.envs.prefix import EnvError
 
 

@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 
 from kit.atomic import atomic_dir
 from kit.cann import find_set_env_scripts  # noqa: F401  (re-exported by kit.envs)
-from kit.envs.layout import get_layout
+from kit.envs.folders import get_layout
 from kit.envs.prefix import EnvError, check_name, kind_of
 
 # kernel.json is a plain file on shared storage, so only CANN's own variables go into it (an allowlist): what

@@ -16,7 +16,7 @@ from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, extract, suffix_format
 from kit.envs.conda_cli import conda_clone, conda_envs
-from kit.envs.layout import get_layout
+from kit.envs.folders import get_layout
 from kit.envs.prefix import (
     DEFAULT_IMPORTS,
     EnvError,

@@ -13,7 +13,7 @@ from typing import IO, Optional, Union
 from kit.atomic import atomic_dir
 from kit.envs.archive import compressed_writer
 from kit.envs.errors import EnvArchiveError
-from kit.envs.layout import get_layout
+from kit.envs.folders import get_layout
 from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix, scan_tree
 from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, ThreadedSink, json_bytes
 
