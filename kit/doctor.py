@@ -25,6 +25,19 @@ STATUSES = ("pass", "warn", "fail", "info")
 
 
 @dataclass
+class DoctorConfig:
+    """What notebook 00 and `python -m kit doctor` do."""
+
+    check_deepspeed: bool = True
+    """Also import DeepSpeed and ask which accelerator it picked (takes a few seconds)."""
+    explain_error: Optional[str] = None
+    """An error message to explain (cause and fix); on the command line, explaining it replaces the checks."""
+
+    def problems(self) -> list:
+        return []
+
+
+@dataclass
 class Check:
     """One line of the report."""
 
@@ -40,6 +53,7 @@ class Report:
 
     checks: list = field(default_factory=list)
     device: dict = field(default_factory=dict)
+    json_path: Optional[str] = None  # where to_json() last wrote the report
 
     def add(self, name: str, status: str, detail: str, fix: str = "") -> None:
         assert status in STATUSES, status
@@ -70,7 +84,19 @@ class Report:
     def to_json(self, path) -> Path:
         from kit.atomic import atomic_write_text
 
-        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        out = atomic_write_text(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        self.json_path = str(out)
+        return out
+
+    def summary(self) -> dict:
+        """Scalars for the workspace summary: ok, counts, device kind and backend, the JSON report's path."""
+        return {
+            "ok": self.ok,
+            "counts": self.counts,
+            "device": self.device.get("kind"),
+            "backend": self.device.get("backend"),
+            "report": self.json_path,
+        }
 
     def table(self):
         """The checks as a pandas DataFrame (status, check, detail, fix)."""
@@ -363,18 +389,26 @@ def diagnose(
 
 
 def register(sub) -> None:
+    import argparse
+
+    from kit.configs import add_config_arguments
+
     p = sub.add_parser("doctor", help="check Python, torch, torch_npu, CANN, driver, devices, DeepSpeed")
+    add_config_arguments(p, DoctorConfig)
+    p.add_argument("--explain", dest="explain_error", default=argparse.SUPPRESS, help="= --explain-error")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
-    p.add_argument("--explain", default=None, help="explain an error message instead (cause and fix)")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
-    if args.explain:
-        why = explain(args.explain)
+    from kit.configs import explicit_values
+
+    cfg = DoctorConfig(**explicit_values(args, DoctorConfig))
+    if cfg.explain_error:
+        why = explain(cfg.explain_error)
         print(why if why else "not a known error; run `python -m kit doctor` and check each FAIL line")
         return 0 if why else 1
-    report = diagnose()
+    report = diagnose(deepspeed=cfg.check_deepspeed)
     print(report)
     if args.json:
         print(f"report written to {report.to_json(args.json)}")

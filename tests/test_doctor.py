@@ -121,3 +121,24 @@ def test_stage_needs_are_the_pyproject_floors_and_the_oldest_tested_stack():
         assert versions.below_needs(pkg, pins[pkg]) == (None, ())
     assert versions.below_needs("peft", "0.11.1") == ("0.12", ("04 training",))
     assert versions.below_needs("transformers", "4.44.2") == (None, ())
+
+
+def test_summary_and_cli_options_from_doctor_config(tmp_path, capsys):
+    import argparse
+
+    report = doctor.diagnose(roots=[str(tmp_path / "noascend")], npu_smi="npu-smi-absent", deepspeed=False)
+    assert report.summary()["report"] is None  # not written yet
+    path = report.to_json(tmp_path / "doctor.json")
+    summary = report.summary()
+    assert summary == {
+        "ok": report.ok,
+        "counts": report.counts,
+        "device": report.device["kind"],
+        "backend": report.device["backend"],
+        "report": str(path),
+    }
+    parser = argparse.ArgumentParser()
+    doctor.register(parser.add_subparsers(dest="stage"))
+    args = parser.parse_args(["doctor", "--no-check-deepspeed", "--explain", "x"])
+    assert args.check_deepspeed is False and args.explain_error == "x"
+    assert not hasattr(parser.parse_args(["doctor"]), "check_deepspeed")  # absent unless typed

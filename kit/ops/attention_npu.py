@@ -29,7 +29,7 @@ def compressed_causal_mask(device) -> torch.Tensor:
     key = str(device)
     mask = _MASK_CACHE.get(key)
     if mask is None:
-        # torch.triu on the device: no numpy round trip and no host-to-device copy (the seed's fix)
+        # torch.triu on the device: no numpy round trip and no host-to-device copy (the TeleChat NPU adaptation notes build it with np.triu + torch.from_numpy)
         ones = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
         mask = _MASK_CACHE[key] = torch.triu(ones, diagonal=1)
     return mask

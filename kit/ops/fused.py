@@ -225,7 +225,7 @@ def baddbmm(input, batch1, batch2, *, beta: float = 1.0, alpha: float = 1.0, bac
     """torch.baddbmm; with beta == 0 on NPU a plain bmm (x alpha) that never reads `input`.
 
     ChatGLM-style code calls baddbmm(empty, q, k^T, beta=0, alpha=1/sqrt(d)) only to get a scaled bmm; on NPU
-    the bmm is the faster kernel (the seed's ChatGLM change); on CPU/CUDA baddbmm itself is kept (measured faster
+    the bmm is the faster kernel (the ModelArts user manual's ChatGLM-6B adaptation, "算子优化"); on CPU/CUDA baddbmm itself is kept (measured faster
     on CPU, benchmarks/bench_ops.py). Same result on every device, NaN/garbage in `input` ignored when beta == 0.
     """
     if beta == 0 and resolve(batch1, backend) == "npu":

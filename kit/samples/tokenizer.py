@@ -24,7 +24,7 @@ SPECIAL_TOKENS = [
     "<_system>",
     "<_user>",
     "<_bot>",
-    "<end>",  # TeleChat-style (seed 000)
+    "<end>",  # TeleChat-style (the TeleChat NPU adaptation notes)
     "<|im_start|>",
     "<|im_end|>",  # ChatML / Qwen
     "[gMASK]",
