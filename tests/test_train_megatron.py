@@ -157,3 +157,20 @@ def test_data_without_megatron_files_is_a_problem_naming_notebook_02(tmp_path, t
         work_dir=str(tmp_path / "ws"), gbs=4,
     )  # fmt: skip
     assert any("MEGATRON=True" in p and "notebook 02" in p for p in build(cfg).problems)
+
+
+def test_megatron_plan_defaults_to_notebook_03s_checkpoint_in_the_workspace(tmp_path, tiny_llama_dir):
+    from kit.workspace import get_workspace
+
+    ws = get_workspace(tmp_path / "ws", model="tiny")
+    code_package(ws.root)
+    ckpt = H.converted(ws.converted_weights / "tp4pp4_local", tp=4, pp=4, layer_list=(7, 8, 8, 7))
+    data = megatron_data(ws.data_finetune / "alpaca_hf", tiny_llama_dir, "sft")
+    cfg = TrainConfig(
+        engine="megatron", run_type="sft", tokenizer_path=str(tiny_llama_dir), nproc_per_node=16, gbs=16
+    )
+    plan = build(cfg, ws=ws)  # no MODEL_PATH, no DATASET_PATH: 03's and 02's outputs in the workspace
+    assert plan.problems == [], plan.problems
+    flag = flags_of(plan.argv)
+    assert flag["--load"] == str(ckpt.resolve()) and flag["--data-path"] == str(ws.data_finetune / "alpaca")
+    assert flag["--num-layer-list"] == "7,8,8,7" and data.is_dir()

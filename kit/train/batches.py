@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Iterator, Union
 
-from kit.data.output import FIXED_COLUMNS as MODEL_INPUTS  # the model-input columns kit.data writes
+from kit.data.prepared import MODEL_INPUTS  # the model-input columns, declared once by the data stage
 from kit.errors import InputError
 from kit.train.inputs import DATA_KIND_FOR_RUN
 

@@ -246,19 +246,6 @@ class TrainConfig:
             p.extend(_path_problems(self))
         return p
 
-    def to_env(self) -> dict:
-        """The manual's variables (and the kit's) as strings, for a launched subprocess or a shell script."""
-        env = {}
-        for f in fields(self):
-            if f.name == "sources":
-                continue
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            env[f.name.upper()] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-        env["MODEL_TYPE"] = self.model_name
-        return env
-
     def to_dict(self) -> dict:
         """Every field as plain JSON values (what config.json and the training-run manifest hold)."""
         from kit.configs import to_jsonable

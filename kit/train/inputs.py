@@ -63,6 +63,21 @@ def find_prepared(ws: Any, kind: str, tokenizer: PathLike) -> Optional[Path]:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
+def find_converted(ws: Any) -> Optional[Path]:
+    """The newest converted-checkpoint folder (notebook 03's output) under the workspace's converted_weights/."""
+    from kit.manifest import CONVERTED_CHECKPOINT, is_kind
+
+    root = Path(ws.converted_weights)
+    found = [
+        p.parent
+        for depth in ("*", "*/*")
+        for p in root.glob(f"{depth}/{MANIFEST_NAME}")
+        if not any(part.startswith(".") for part in p.parent.relative_to(root).parts)
+        and is_kind(p.parent, CONVERTED_CHECKPOINT)
+    ]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
 def default_model() -> Path:
     """The demo model (SmolLM2-135M-Instruct), the model every notebook uses by default."""
     from kit.samples import demo_model_dir

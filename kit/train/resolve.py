@@ -108,6 +108,12 @@ def resolve(
 
     conflicts: List[str] = []
     # the model: HF folder, or (Megatron) notebook 03's converted checkpoint
+    if (
+        values["model_path"] is None and values["engine"] == "megatron"
+    ):  # notebook 03's output, if there is one
+        found = inputs.find_converted(ws)
+        if found is not None:
+            values["model_path"], sources["model_path"] = str(found), f"workspace {found}"
     if values["model_path"] is None:
         values["model_path"], sources["model_path"] = str(inputs.default_model()), "default (the demo model)"
     ckpt = _converted(values["model_path"])
