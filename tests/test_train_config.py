@@ -175,3 +175,12 @@ def test_cli_options_are_generated_from_the_config_and_typed_values_are_explicit
     assert cfg.given == {"train_iters", "num_layer_list", "adapt"}
     help_text = parser._subparsers._group_actions[0].choices["train"].format_help()
     assert "train" in help_text
+
+
+def test_the_manuals_megatron_prefix_as_dataset_path_reads_the_folder_beside_it(
+    tmp_path, tiny_llama_dir, data
+):
+    prefix = str(data.parent / "alpaca")  # DATASET_PATH as the manual's scripts take it
+    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, prefix), environ={})
+    assert cfg.seq_len == 48 and cfg.sources["seq_len"] == f"manifest {data.resolve()}"
+    assert cfg.dataset_path == str(data.resolve()) and cfg.sources["dataset_path"] == "explicit"

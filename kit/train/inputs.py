@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 from kit.errors import MissingInputError
-from kit.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, read_manifest
+from kit.manifest import MANIFEST_NAME, Manifest
 
 PathLike = Union[str, Path]
 DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "retrain": None}
@@ -21,10 +21,13 @@ SAMPLE_MAX_LENGTH = 256  # notebook 02's MAX_LENGTH default, so 04 alone prepare
 def data_facts(folder: PathLike) -> Tuple[Dict[str, Any], Manifest]:
     """(prepared-data manifest fields, the Manifest) of notebook 02's folder.
 
-    A folder without a manifest (including data prepared before kit.data wrote manifests), or with another
-    stage's manifest, is a one-line error naming notebook 02.
+    `folder` may also be the Megatron prefix beside it (`<name>_text_document`, `<name>`), as the manual's
+    DATASET_PATH names it. A folder without a manifest (including data prepared before kit.data wrote manifests),
+    or with another stage's manifest, is a one-line error naming notebook 02.
     """
-    man = read_manifest(folder, expect=PREPARED_DATA)
+    from kit.data.prepared import read_prepared  # the data stage's one loader (also takes a Megatron prefix)
+
+    man = read_prepared(folder).manifest
     return dict(man.fields), man
 
 

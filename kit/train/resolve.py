@@ -130,6 +130,10 @@ def resolve(
         values["dataset_path"], sources["dataset_path"] = str(found), how
     facts, data_man = inputs.data_facts(values["dataset_path"])
     data_where = f"manifest {data_man.folder}"
+    if (
+        Path(values["dataset_path"]).resolve() != data_man.folder
+    ):  # a Megatron prefix named it: use its folder
+        values["dataset_path"] = str(data_man.folder)
     theirs_for = dict(facts)
     data_tok = facts.get("tokenizer")
     if data_tok and not Path(str(data_tok)).is_dir():
