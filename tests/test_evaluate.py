@@ -58,7 +58,8 @@ def _independent_loss(model_dir: Path, heldout_path: str) -> tuple:
     total, count = 0.0, 0
     for row in load_from_disk(heldout_path):
         start = 0
-        for n in row["seq_lens"]:
+        lens = row["seq_lens"] if row.get("seq_lens") else [sum(row["attention_mask"])]
+        for n in lens:
             ids = torch.tensor([row["input_ids"][start : start + n]])
             labels = row["labels"][start : start + n]
             with torch.no_grad():
@@ -147,8 +148,28 @@ def test_kit_accuracy_equals_lm_eval_run_directly(chain, tmp_path):
     from kit.evaluate.tasks import resolved_yaml
     from kit.train.engine import load_causal_lm
 
-    for name in ("kit_mc_en", "kit_mc_zh"):
+    # a three-choice task whose choices are one token each after the prompt: the kit's one-forward path
+    (tmp_path / "abc.jsonl").write_text(
+        "".join(
+            json.dumps({"question": q, "A": "yes", "B": "no", "C": "maybe", "answer": a}) + "\n"
+            for q, a in (
+                ("Is water wet?", "A"),
+                ("Is fire cold?", "B"),
+                ("Will it rain?", "C"),
+                ("Is 2 even?", "A"),
+            )
+        )
+    )
+    abc = (
+        (SAMPLE_TASKS_DIR / "kit_mc_en.yaml").read_text().replace("mc_en.jsonl", str(tmp_path / "abc.jsonl"))
+    )
+    abc = abc.replace("task: kit_mc_en", "task: abc").replace('["A", "B", "C", "D"]', '["A", "B", "C"]')
+    abc = abc.replace("D. {{D}}\\n", "").replace("['A', 'B', 'C', 'D']", "['A', 'B', 'C']")
+    (tmp_path / "abc.yaml").write_text(abc)
+    sizes = {"kit_mc_en": 12, "kit_mc_zh": 12, str(tmp_path / "abc.yaml"): 4}
+    for name, size in sizes.items():
         task = load_task(name)
+        name = task.name
         resolved_yaml(task, tmp_path / "tasks")
         # lm-eval on its own: the model loaded by lm-eval from the folder, the task from the YAML file
         direct = lm_eval.simple_evaluate(
@@ -168,7 +189,7 @@ def test_kit_accuracy_equals_lm_eval_run_directly(chain, tmp_path):
         assert mine["acc"] == direct["results"][name]["acc,none"]
         assert mine["acc_norm"] == direct["results"][name]["acc_norm,none"]
         samples = sorted(direct["samples"][name], key=lambda s: s["doc_id"])
-        assert len(samples) == len(mine["details"]) == 12
+        assert len(samples) == len(mine["details"]) == size
         for s, d in zip(samples, mine["details"]):
             assert [r[0] for r in s["filtered_resps"]] == pytest.approx(d["logliks"], abs=1e-4)
             assert s["target"] == d["gold"]
@@ -314,3 +335,33 @@ def test_cli_errors_are_one_line(chain, tmp_path):
     assert out.returncode == 2 and out.stderr.strip() == (
         "error: PROMPTS is empty: give at least one prompt (or PROMPTS_FILE, one prompt a line)."
     )
+
+
+def test_megatron_checkpoint_is_converted_back_to_hf_first(chain, tmp_path):
+    from kit.convert import ConvertConfig
+    from kit.convert import run as convert
+    from kit.manifest import CONVERTED_CHECKPOINT
+
+    mg = tmp_path / "mg"
+    convert(
+        ConvertConfig(source=str(chain["trained"]), target=str(mg), direction="hf_to_megatron", tp=2),
+        progress=False,
+    )
+    common = dict(base_model=str(chain["base"]), data=str(chain["data"]), parts=["heldout"], heldout_rows=2)
+    via_mg = run(
+        EvalConfig(model_path=str(mg), out_dir=str(tmp_path / "a"), **common), chain["ws"], progress=False
+    )
+    direct = run(
+        EvalConfig(model_path=str(chain["trained"]), out_dir=str(tmp_path / "b"), **common),
+        chain["ws"],
+        progress=False,
+    )
+    # the round trip HF -> Megatron (TP 2) -> HF keeps the weights: the same held-out loss
+    assert via_mg.results["models"]["trained"]["heldout_loss"] == pytest.approx(
+        direct.results["models"]["trained"]["heldout_loss"], rel=1e-6
+    )
+    assert (
+        via_mg.inputs.model != chain["trained"].resolve() and (via_mg.inputs.model / "config.json").is_file()
+    )
+    kinds = {c.kind for c in read_manifest(tmp_path / "a", expect=EVALUATION).inputs}
+    assert CONVERTED_CHECKPOINT in kinds

@@ -39,10 +39,12 @@ class EvalConfig:
         None  # text file, one prompt a line (or .jsonl with "prompt"); replaces prompts
     )
     template: Optional[str] = None  # chat template for prompts; None: the data's (else the tokenizer's own)
-    max_new_tokens: int = 32  # tokens generated per prompt
+    max_new_tokens: int = 24  # tokens generated per prompt
     batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])  # batch sizes of the speed measurement
-    prompt_lengths: List[int] = field(default_factory=lambda: [32, 128])  # prompt lengths (tokens) measured
-    decode_tokens: int = 16  # tokens decoded per speed measurement
+    prompt_lengths: List[int] = field(
+        default_factory=lambda: [16, 64]
+    )  # prompt lengths (tokens); e.g. [128, 2048] on a card
+    decode_tokens: int = 8  # tokens decoded per speed measurement (e.g. 64 on a card)
     repeats: int = 1  # speed measurements per point (the best is kept)
     device: Optional[str] = None  # npu | cuda | cpu; None: what kit.device finds
     adapt: bool = True  # on NPU, run the models with kit attention and fused ops (kit.adapt)

@@ -9,6 +9,7 @@ is fetched from a hub.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 from typing import Any, Dict, List
@@ -42,15 +43,21 @@ def run_lm_eval(model, tokenizer, tasks: List[Any], folder: Path, batch_size: in
     folder = Path(folder)
     for task in tasks:
         resolved_yaml(task, folder)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=[t.name for t in tasks],
-        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
-        num_fewshot=0,
-        log_samples=True,
-        verbosity="ERROR",
-    )
+    # lm-eval warns that a model object (not a hub name) was passed and that num_fewshot is set: both intended
+    quiet = logging.getLogger("lm_eval")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[t.name for t in tasks],
+            task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+            num_fewshot=0,
+            log_samples=True,
+        )
+    finally:
+        quiet.setLevel(level)
     results = {}
     for task in tasks:
         res = out["results"][task.name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
@@ -176,6 +177,7 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
         "prompts": prompts,
         "generations": {},
         "speed": [],
+        "seconds": {},  # wall time of each part per model (not a benchmark: shows where the time went)
     }
     heldout = _heldout_rows(inputs, cfg.heldout_rows) if "heldout" in parts else None
     with atomic_dir(folder, overwrite=cfg.overwrite, what="evaluation folder") as tmp:
@@ -183,9 +185,12 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
             print(f"{label}: {path}")
             model, tok = _load(path, info, cfg.adapt, notes)
             scores: Dict[str, Any] = {}
+            clock = results["seconds"].setdefault(label, {})
+            t0 = time.perf_counter()
             if heldout is not None:
                 h = heldout_loss(model, heldout)
                 scores.update(heldout_loss=h.loss, heldout_perplexity=h.perplexity, heldout_tokens=h.tokens)
+                t0 = _lap(clock, "heldout", t0)
             if tasks:
                 if engine == "lm-eval":
                     found = harness.run_lm_eval(model, tok, tasks, tmp / "tasks")
@@ -207,9 +212,11 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                     results["tasks"][t.name]["models"][label] = {
                         k: v for k, v in r.items() if k in ("acc", "acc_norm", "n", "logliks", "details")
                     }
+                t0 = _lap(clock, "accuracy", t0)
             if prompts:
                 ids = [chat_prompt(tok, p, inputs.template, str(path)) for p in prompts]
                 results["generations"][label] = generate_answers(model, tok, ids, cfg.max_new_tokens)
+                t0 = _lap(clock, "generation", t0)
             if "speed" in parts:
                 rows = speed.benchmark(
                     model, cfg.batch_sizes, cfg.prompt_lengths, cfg.decode_tokens, len(tok), cfg.repeats
@@ -221,6 +228,7 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                 scores["ttft_ms"] = first["ttft_ms"]
                 scores["decode_tokens_per_s"] = first["decode_tokens_per_s"]
                 scores["decode_tokens_per_s_max"] = max(r["decode_tokens_per_s"] for r in rows)
+                _lap(clock, "speed", t0)
             results["models"][label] = scores
             del model
             gc.collect()
@@ -268,6 +276,12 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
     return EvalResult(
         config=cfg, folder=folder.resolve(), results=results, inputs=inputs, manifest_sha256=sha, notes=notes
     )
+
+
+def _lap(clock: Dict[str, float], part: str, start: float) -> float:
+    now = time.perf_counter()
+    clock[part] = round(now - start, 3)
+    return now
 
 
 def _table(results: Dict[str, Any], labels: List[str]):

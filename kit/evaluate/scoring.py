@@ -114,7 +114,12 @@ def encode_pair(tokenizer, context: str, continuation: str) -> Tuple[List[int], 
 def choice_logliks(
     model, tokenizer, context: str, choices: Sequence[str], delimiter: str = " "
 ) -> List[float]:
-    """Summed log-probability of each `delimiter + choice` after `context` (one padded forward pass)."""
+    """Summed log-probability of each `delimiter + choice` after `context`.
+
+    When every choice is one token after the same context tokens (" A" .. " D" in C-Eval / MMLU prompts), one
+    forward pass over the context gives all the scores, as lm-eval's one-token-continuation cache does; otherwise
+    the choices go through one padded forward pass together.
+    """
     import torch
 
     device = next(model.parameters()).device
@@ -127,6 +132,11 @@ def choice_logliks(
         full = (ctx + cont)[-(max_len + 1) :][:-1]
         seqs.append(full)
         conts.append(cont)
+    if all(len(c) == 1 for c in conts) and all(s == seqs[0] for s in seqs):
+        with torch.no_grad():
+            ids = torch.tensor([seqs[0]], device=device)
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)
+        return [float(logp[c[0]]) for c in conts]
     width = max(len(s) for s in seqs)
     ids = torch.zeros((len(seqs), width), dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
