@@ -44,10 +44,10 @@ def test_torch_capture_matches_key_averages(tmp_path):
 
     data = cap.load()
     assert data.kind == "torch" and data.meta["capture"]["steps"] == 5
-    assert sorted(data.kernels["step"].dropna().unique()) == [
-        2,
-        3,
-    ]  # the two active steps (ProfilerStep#N counts from 0)
+    # the two active steps, consecutive (ProfilerStep#N counts from 0 on torch >= 2.2, the numbering is shifted
+    # by one on torch 2.1: compare the pattern, not the numbers)
+    steps = sorted(data.kernels["step"].dropna().unique())
+    assert len(steps) == 2 and steps[1] == steps[0] + 1 and steps[1] in (2, 3), steps
     table = kp.operator_table(data).set_index("type")
     ref = {e.key: e for e in cap.profiler.key_averages()}
     for op in ("aten::addmm", "aten::gelu", "aten::mm", "aten::gelu_backward"):
