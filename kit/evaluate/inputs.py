@@ -160,11 +160,8 @@ def _alone(cfg, ws) -> EvalInputs:
         _data_facts(Path(cfg.data).expanduser(), inputs)
     else:
         data = _prepare_sample(ws, model)
-        note += f", held-out data from the shipped sample prepared now ({data.name})"
-        try:
-            _data_facts(data, inputs)
-        except InputError:  # data prepared by a kit.data that writes no manifest yet: no held-out split known
-            inputs.data = data
+        note += f", on the held-out split of {data.name}"
+        _data_facts(data, inputs)
     print(note)
     inputs.notes.append(note)
     if cfg.template:
@@ -173,6 +170,13 @@ def _alone(cfg, ws) -> EvalInputs:
 
 
 def _prepare_sample(ws, model: Path) -> Path:
+    """Notebook 02's SFT output for this tokenizer if the workspace has one with a held-out split, else the
+    shipped sample prepared now with a few records held out (as notebook 02's defaults do)."""
+    from kit.train.inputs import find_prepared
+
+    found = find_prepared(ws, "sft", model)
+    if found is not None and read_manifest(found, expect=PREPARED_DATA).get("heldout"):
+        return found
     from kit.data import DataConfig, prepare
 
     name = f"eval_sample_{model.name}".replace(".", "_")
@@ -180,6 +184,12 @@ def _prepare_sample(ws, model: Path) -> Path:
     if find_manifest(folder) is not None:
         return folder
     cfg = DataConfig(
-        kind="sft", name=name, tokenizer=str(model), max_length=256, template="tokenizer", overwrite=True
+        kind="sft",
+        name=name,
+        tokenizer=str(model),
+        max_length=256,
+        template="tokenizer",
+        heldout_records=8,
+        overwrite=True,
     )
     return Path(prepare(cfg, ws, progress=False).hf_dir)

@@ -41,7 +41,9 @@ def _tiny_training_run(root: Path) -> str:
     """tests/test_evaluate_notebook.py's run: tiny base (seed 0) -> 'trained' (seed 1), manifests as 04 writes."""
     from kit.evaluate.fixtures import tiny_training_run
 
-    return str(tiny_training_run(root / "ws", _tiny_llama(root), root / "fixtures" / "tiny-llama-trained"))
+    # a workspace model folder of its own: notebook 04 (MODEL "tiny") must not find this data or run as its own
+    trained = root / "fixtures" / "tiny-llama-trained"
+    return str(tiny_training_run(root / "ws", _tiny_llama(root), trained, model="tiny-eval"))
 
 
 # From each notebook's own test (its run_notebook(...) call in tests/test_*.py): callables of the lab root, so
@@ -89,7 +91,7 @@ TINY = {
     # tests/test_evaluate_notebook.py
     "06": lambda root: {
         "RUN": _tiny_training_run(root),
-        "MODEL": "tiny",
+        "MODEL": "tiny-eval",
         "TASK_LIMIT": 3,
         "ENGINE": "kit",
         "MAX_NEW_TOKENS": 4,
