@@ -16,7 +16,9 @@ from kit.convert.verify import hf_logits, sample_tokens
 
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixture
 
-mcore = pytest.importorskip("megatron.core")
+mcore = pytest.importorskip(
+    "megatron.core", reason="megatron-core needs Python >= 3.10 and torch >= 2.6 (not in the compat stacks)"
+)
 
 
 def _free_port() -> int:
