@@ -365,3 +365,18 @@ def test_megatron_checkpoint_is_converted_back_to_hf_first(chain, tmp_path):
     )
     kinds = {c.kind for c in read_manifest(tmp_path / "a", expect=EVALUATION).inputs}
     assert CONVERTED_CHECKPOINT in kinds
+
+
+def test_alone_in_an_empty_workspace_says_so_in_one_line(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """No training run: the demo model (here the tiny one) on its own, on a held-out split prepared now."""
+    import kit.samples
+    from kit.workspace import get_workspace
+
+    monkeypatch.setattr(kit.samples, "demo_model_dir", lambda: tiny_llama_dir)
+    ws = get_workspace(tmp_path / "ws", model="demo")
+    res = run(EvalConfig(parts=["heldout"], heldout_rows=2), ws, progress=False)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "no training run" in ln]
+    assert len(said) == 1 and "evaluating the demo model" in said[0] and "held-out split" in said[0]
+    assert list(res.results["models"]) == ["model"] and res.results["models"]["model"]["heldout_tokens"] > 0
+    assert res.folder == (ws.model_output / "evaluations" / "eval").resolve()
+    assert read_manifest(res.folder, expect=EVALUATION)["heldout"]["records"] == 8
