@@ -278,3 +278,34 @@ def is_kind(folder: PathLike, kind: str) -> bool:
         return read_manifest(folder).kind == kind
     except (InputError, IntegrityError):
         return False
+
+
+def find_manifests(root: PathLike) -> List[Manifest]:
+    """Every readable stage manifest under `root` (temporary `.partial` folders skipped), oldest first."""
+    found = []
+    for path in Path(root).rglob(MANIFEST_NAME):
+        if any(part.startswith(".") for part in path.relative_to(root).parts[:-1]):
+            continue  # a temporary or hidden folder: not a finished output
+        try:
+            found.append(read_manifest(path.parent))
+        except (InputError, IntegrityError):
+            continue
+    return sorted(found, key=lambda m: (m.created, str(m.folder)))
+
+
+def handover_lines(root: PathLike) -> List[str]:
+    """One line per stage output under `root`: its kind and folder, and the outputs it consumed."""
+    root = Path(root).resolve()
+
+    def short(path: Union[str, Path]) -> str:
+        p = Path(path)
+        try:
+            return str(p.resolve().relative_to(root))
+        except ValueError:
+            return str(p)
+
+    lines = []
+    for m in find_manifests(root):
+        used = ", ".join(f"{c.kind} {short(c.path)} ({c.manifest_sha256[:8]})" for c in m.inputs) or "-"
+        lines.append(f"{m.kind:<21} {short(m.folder)}  <- {used}")
+    return lines

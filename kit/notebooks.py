@@ -120,6 +120,11 @@ def main(argv: Optional[list] = None) -> int:
         print(
             f"  {summary.name.replace('.summary.json', '')}: {summary_line(json.loads(summary.read_text()))}"
         )
+    from kit.manifest import handover_lines
+
+    print("\nhandover (each output <- the stage outputs it consumed, with their manifest hashes):")
+    for line in handover_lines(ws):
+        print(f"  {line}")
     return 0
 
 

@@ -94,3 +94,24 @@ def test_tokenizer_hash_follows_the_defining_files(tmp_path):
     assert tokenizer_sha256(tmp_path) != first
     with pytest.raises(MissingInputError):
         tokenizer_sha256(tmp_path / "config.json")
+
+
+def test_handover_lines_follow_the_chain(tmp_path):
+    data_dir = tmp_path / "processed" / "alpaca_hf"
+    data_dir.mkdir(parents=True)
+    data = write_manifest(data_dir, PREPARED_DATA, DATA_FIELDS)
+    (tmp_path / ".x.partial-1").mkdir()
+    write_manifest(tmp_path / ".x.partial-1", PREPARED_DATA, DATA_FIELDS)  # unfinished: not listed
+    from kit.manifest import handover_lines
+
+    lines = handover_lines(tmp_path)
+    assert lines == ["prepared-data         processed/alpaca_hf  <- -"]
+    run_dir = tmp_path / "saved" / "sft"
+    run_dir.mkdir(parents=True)
+    fields = dict(
+        run_type="sft", config={}, sources={}, data=str(data_dir), model="/m", checkpoints=[], hf=None
+    )
+    write_manifest(run_dir, TRAINING_RUN, dict(fields, metrics="m", log="l"), inputs=[data.as_input()])
+    assert handover_lines(tmp_path)[-1] == (
+        f"training-run          saved/sft  <- prepared-data processed/alpaca_hf ({data.sha256[:8]})"
+    )
