@@ -158,6 +158,7 @@ BROKEN = {
         {"PRETRAIN_INPUTS": ["/nonexistent/corpus.jsonl"]},
         "'/nonexistent/corpus.jsonl' does not exist; check the path",
     ),
+    "06": ({"PROMPTS": []}, "PROMPTS is empty: give at least one prompt"),
 }
 
 # Problems seen in the browser that belong to another stage's code, tolerated here (reported as warnings) until
