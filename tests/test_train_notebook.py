@@ -26,7 +26,7 @@ def test_notebook_is_committed_without_outputs():
 def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path):
     _, summary = run_notebook(
         "04",
-        MODEL_NAME="tiny",
+        MODEL="tiny",
         MODEL_PATH=str(tiny_llama_dir),
         TRAIN_ITERS=5,
         MBS=2,
@@ -67,7 +67,7 @@ def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_d
     prepared = Path(prepare(data_cfg, ws, progress=False).hf_dir)
     before = sorted(p.name for p in ws.data_finetune.iterdir())
     _, summary = run_notebook(
-        "04", MODEL_NAME="tiny", MODEL_PATH=str(tiny_llama_dir), TRAIN_ITERS=2, MBS=2, GBS=4, LAUNCH_ITERS=0,
+        "04", MODEL="tiny", MODEL_PATH=str(tiny_llama_dir), TRAIN_ITERS=2, MBS=2, GBS=4, LAUNCH_ITERS=0,
         MAX_NEW_TOKENS=4,
     )  # fmt: skip
     assert summary["status"] == "completed" and summary["iterations"] == 2

@@ -66,7 +66,7 @@ TINY = {
     "03": lambda root: {"SOURCE": _tiny_llama(root), "TP": 2, "PP": 2, "LOGITS_TOKENS": 8},
     # tests/test_train_notebook.py
     "04": lambda root: {
-        "MODEL_NAME": "tiny",
+        "MODEL": "tiny",
         "MODEL_PATH": _tiny_llama(root),
         "TRAIN_ITERS": 5,
         "MBS": 2,
