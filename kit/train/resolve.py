@@ -82,7 +82,10 @@ def resolve(
         if f.name == "sources":
             continue
         value = getattr(cfg, f.name)
-        if f.name in cfg.given and value is not None:
+        # a value an earlier resolution took from the default is not the user's: resolve it again (a config
+        # loaded from a run's manifest and switched to the Megatron engine inherits the converted TP/PP)
+        was_default = cfg.sources.get(f.name, "").startswith(DEFAULT)
+        if f.name in cfg.given and value is not None and not was_default:
             values[f.name], sources[f.name] = value, cfg.sources.get(f.name, EXPLICIT)
         elif f.name in env:
             values[f.name], sources[f.name] = env[f.name]
