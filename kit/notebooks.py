@@ -64,6 +64,7 @@ def execute(nb_path: Path, out_path: Path, parameters: Optional[dict] = None, ti
         kernel_name="python3",
         progress_bar=False,
         execution_timeout=timeout,
+        start_timeout=600,  # a kernel starting on a busy 2-core machine can take more than papermill's 60 s
         log_output=False,
     )
     return out_path
