@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -92,7 +92,15 @@ def parse(text: str, bench: str) -> List[Row]:
             block.append(line.rstrip())
         else:
             in_block = False
-    return rows
+    # a benchmark may print a figure twice (as it goes and in a closing summary): one row, baselines merged
+    merged: Dict[tuple, Row] = {}
+    for row in rows:
+        key = (row.stage, row.figure, row.ratio, row.goal, row.status)
+        if key in merged:
+            merged[key].baselines.extend(b for b in row.baselines if b not in merged[key].baselines)
+        else:
+            merged[key] = row
+    return list(merged.values())
 
 
 def last_error_line(text: str) -> str:
