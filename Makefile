@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python 3.10-3.13 (no conda needed):
 #   make demo   - run every notebook headless on the embedded defaults (CPU, data_samples/), outputs under runs/
-#   make test   - lint, Python 3.9 compile check, unit + notebook tests, nbval on the notebooks, browser (e2e) tests
+#   make test   - lint, Python 3.9 compile check, unit + notebook tests, nbval on the notebooks, browser (e2e) tests,
+#                 and the unit + notebook tests on the two older stacks (test-compat: Python 3.9 + torch 2.1, 3.10 + 2.5)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -46,7 +47,7 @@ e2e: install
 	tests/e2e/setup_e2e.sh $(PY)
 	KIT_E2E_REQUIRED=1 $(PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 
-test: lint compat39 unit nbval e2e
+test: lint compat39 unit nbval e2e test-compat
 
 # every benchmark in a short configuration; one table of ratios -> benchmarks/results.md (not part of make test)
 bench: install
