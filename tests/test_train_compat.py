@@ -39,11 +39,12 @@ def test_in_process_world_tells_deepspeed_its_local_size():
     code = (
         "import os, json, torch.distributed as dist\n"
         "from kit.device import detect\n"
-        "from kit.train.engine import init_distributed\n"
+        "from kit.train.engine import init_distributed, shm_buffer_path\n"
         "out = []\n"
         "for _ in range(2):\n"
         "    rank_world = init_distributed(detect())[:2]\n"
-        "    out.append([list(rank_world), os.environ['LOCAL_SIZE'], os.environ['MASTER_PORT']])\n"
+        "    left = os.path.exists(shm_buffer_path(0))\n"
+        "    out.append([list(rank_world), os.environ['LOCAL_SIZE'], os.environ['MASTER_PORT'], left])\n"
         "    dist.destroy_process_group()\n"
         "print(json.dumps(out))\n"
     )
@@ -58,3 +59,26 @@ def test_in_process_world_tells_deepspeed_its_local_size():
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert first[:2] == [[0, 1], "1"] and second[:2] == [[0, 1], "1"]
     assert first[2] != second[2]  # the second in-process run is not taken for a launched one: a fresh port
+    assert first[3] is False and second[3] is False  # no DeepSpeed shm buffer left in /dev/shm
+
+
+def test_deepspeeds_cpu_shm_buffer_is_released_once_mapped():
+    """DeepSpeed's CPU allreduce creates /dev/shm/deepspeed_allreduce_buffer_* and never unlinks it (66 MB a run)."""
+    code = (
+        "import os, json, deepspeed\n"
+        "from kit.train.engine import free_port, release_shm_buffer, shm_buffer_path\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
+        "                  MASTER_PORT=str(free_port()))\n"
+        "deepspeed.init_distributed(dist_backend='gloo', verbose=False)\n"
+        "path = shm_buffer_path(0)\n"
+        "made = os.path.exists(path) and os.path.getsize(path)\n"
+        "print(json.dumps([made, release_shm_buffer(0, 1), os.path.exists(path)]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    made, released, left = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not made:
+        pytest.skip("this DeepSpeed build has no CPU shm allreduce (no buffer to release)")
+    assert made > 1 << 20 and released is True and left is False

@@ -64,7 +64,39 @@ def init_distributed(info) -> tuple:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
+        if info.kind == "cpu":  # every rank calls it (it may hold a barrier)
+            release_shm_buffer(dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def shm_buffer_path(rank: int) -> str:
+    """The /dev/shm file DeepSpeed's CPU allreduce maps for `rank` of the group at MASTER_ADDR:MASTER_PORT
+    (deepspeed/ops/csrc/cpu/comm/shm.cpp: deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>)."""
+    env = os.environ
+    return (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+        f"{env.get('MASTER_PORT', '')}_{rank}"
+    )
+
+
+def release_shm_buffer(rank: int, world: int) -> bool:
+    """Unlink this rank's DeepSpeed shm allreduce buffer once every rank has mapped it; True if there was one.
+
+    On the CPU accelerator with all ranks on one machine, DeepSpeed creates a ~66 MB /dev/shm file per rank and never
+    unlinks it, so every CPU run (each notebook training run, each test) left them behind until a reboot, RAM that
+    tmpfs never gives back. Each rank maps all the others' files inside init_distributed, so after a barrier the
+    names can go; the mappings stay valid until the process ends. NPU and GPU runs create none. Call it on every rank.
+    """
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    path = shm_buffer_path(rank)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def ds_config(cfg, dtype: str) -> dict:
