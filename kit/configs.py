@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -54,6 +55,11 @@ def save_config(config: Any, folder: str | Path, name: str = "config.json") -> P
 
 def field_docs(cls: type) -> dict:
     """Each field's documentation: the string literal under it, else the comment on its line(s)."""
+    return dict(_field_docs(cls))
+
+
+@functools.lru_cache(maxsize=None)  # noqa: UP033 (functools.cache: Python 3.9 has it, but one spelling for all)
+def _field_docs(cls: type) -> dict:
     import ast
     import inspect
     import io
@@ -125,8 +131,9 @@ def add_config_arguments(
     import typing
 
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
     skip, positional = set(skip), list(positional)
+    # The docs are read from the source (inspect + tokenize, ~10 ms) only when help is printed, not on every run.
+    parser.formatter_class = _with_field_docs(parser.formatter_class)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -134,25 +141,48 @@ def add_config_arguments(
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
-        text = docs.get(f.name, "")
-        shown = f"{text} (default: {default!r})" if text else f"default: {default!r}"
         if f.name in positional:
             nargs = "*" if kind[1] else None
-            parser.add_argument(f.name, nargs=nargs, default=argparse.SUPPRESS, help=text or f.name)
+            action = parser.add_argument(f.name, nargs=nargs, default=argparse.SUPPRESS, help=f.name)
+            action.field_doc = (cls, f.name, "{doc}")
             continue
         flag = "--" + f.name.replace("_", "-")
         if kind[0] is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=shown
+            action = parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f"default: {default!r}",
             )
         else:
-            parser.add_argument(
+            action = parser.add_argument(
                 flag,
                 type=lambda s, k=kind, n=flag: _typed(s, k, n),
                 default=argparse.SUPPRESS,
                 metavar=f.name.upper(),
-                help=shown,
+                help=f"default: {default!r}",
             )
+        action.field_doc = (
+            cls,
+            f.name,
+            "{doc} (default: " + repr(default).replace("{", "{{").replace("}", "}}") + ")",
+        )
+
+
+def _with_field_docs(base: type) -> type:
+    """`base` (an argparse formatter class) that shows each config option's field docs as its help."""
+    if getattr(base, "shows_field_docs", False):
+        return base
+
+    class FieldDocs(base):
+        shows_field_docs = True
+
+        def _get_help_string(self, action) -> str:
+            ref = getattr(action, "field_doc", None)
+            doc = _field_docs(ref[0]).get(ref[1], "") if ref else ""
+            return ref[2].format(doc=doc) if doc else super()._get_help_string(action)
+
+    return FieldDocs
 
 
 def _typed(text: str, kind: tuple, flag: str) -> Any:

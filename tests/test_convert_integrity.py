@@ -353,3 +353,83 @@ def test_megatron_to_hf_memory_stays_flat(tmp_path):
     growth_mb = float(res.stdout.strip().splitlines()[-1])
     assert model_mb > 100 and growth_mb < 0.25 * model_mb, (growth_mb, model_mb)
     assert compare_hf(src, tmp_path / "hf")["bit_exact"]
+
+
+# ---- parallel rank files, scatter reads ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> Path:
+    """Hidden 640: a TP2 row-parallel block has 640 rows, more than one scatter read takes (512)."""
+    return synthetic_checkpoint(
+        tmp_path_factory.mktemp("wide") / "llama", "llama", hidden_size=640, num_layers=2, num_heads=10,
+        num_groups=2, ffn_hidden_size=768, vocab_size=700, dtype="bfloat16", with_tokenizer=False,
+    )  # fmt: skip
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+
+
+def _tree_bytes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("model_optim_rng.pt"))}
+
+
+def test_rank_files_written_in_parallel_are_the_bytes_of_one_at_a_time(wide, tmp_path):
+    for workers in (1, 4):
+        hf_to_megatron(
+            ConvertConfig(str(wide), str(tmp_path / f"w{workers}"), tp=2, pp=2, workers=workers),
+            progress=False,
+        )
+    one, four = _tree_bytes(tmp_path / "w1"), _tree_bytes(tmp_path / "w4")
+    assert len(one) == 4 and one == four
+    # and the TP2 row-parallel block (640 rows, two scatter reads) is this rank's columns of the HF tensor
+    from safetensors.torch import load_file
+
+    hf = {}
+    for f in wide.glob("*.safetensors"):
+        hf.update(load_file(f))
+    path = tmp_path / "w4" / RANK.format("mp_rank_01_000")
+    sd = torch.load(str(path), map_location="cpu", weights_only=False)["model"]  # our own file (args pickled)
+    assert torch.equal(sd["decoder.layers.0.self_attention.linear_proj.weight"], hf[O_PROJ][:, 320:])
+
+
+def test_a_short_scatter_read_is_finished_row_by_row(wide, tmp_path, monkeypatch):
+    import kit.convert.file_slices as fs
+
+    real = os.preadv
+
+    def short(fd, buffers, offset):  # the kernel may return less than asked: only the first buffer here
+        return real(fd, buffers[:1], offset) if len(buffers) > 1 else real(fd, buffers, offset)
+
+    hf_to_megatron(ConvertConfig(str(wide), str(tmp_path / "ref"), tp=2, workers=1), progress=False)
+    monkeypatch.setattr(fs.os, "preadv", short)
+    hf_to_megatron(ConvertConfig(str(wide), str(tmp_path / "short"), tp=2, workers=1), progress=False)
+    assert _tree_bytes(tmp_path / "short") == _tree_bytes(tmp_path / "ref")
+
+
+def test_an_error_in_one_rank_file_stops_the_others_and_leaves_no_output(wide, tmp_path):
+    bad = _copy(wide, tmp_path / "bad")
+    shard = max(bad.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:  # cut the data short: the header still lists every tensor
+        f.truncate(shard.stat().st_size - 4096)
+    res = _cli(
+        "--source", str(bad), "--target", str(tmp_path / "out"), "--tp", "2", "--pp", "2", "--workers", "4"
+    )
+    line = _one_line_error(res)
+    assert str(shard) in line
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_reserve_allocates_ahead_without_growing_the_file(tmp_path):
+    from kit.convert.file_slices import reserve
+
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        ok = reserve(fd, 0, 4 << 20, str(tmp_path / "f"))
+        st = os.fstat(fd)
+        assert st.st_size == 0  # KEEP_SIZE: a reader never sees bytes that were not written
+        assert not ok or st.st_blocks * 512 >= 4 << 20
+        os.write(fd, b"x" * 1000)
+        assert os.fstat(fd).st_size == 1000
+    finally:
+        os.close(fd)

@@ -28,6 +28,9 @@ class ConvertConfig:
     dtype: Optional[str] = None  # cast weights: float32 | bfloat16 | float16; None keeps the source dtype
     hf_config_dir: Optional[str] = None  # Megatron source: its HF config/tokenizer folder; None: its hf_meta/
     max_shard_mb: int = 2048  # megatron_to_hf: largest safetensors shard
+    workers: int = (
+        0  # threads writing rank files at once; 0: one per CPU core (at most 8), 1: one file at a time
+    )
     overwrite: bool = False  # replace an existing target folder
     clean_partial: bool = False  # delete .TARGET.partial-* folders of interrupted runs (else only reported)
 
@@ -43,6 +46,8 @@ class ConvertConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"{name} = {v!r} must be a positive integer.")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
+            out.append(f"workers = {self.workers!r} must be 0 (one per CPU core) or a positive integer.")
         if self.flavor not in FLAVORS:
             out.append(f"flavor {self.flavor!r} is not one of {FLAVORS}.")
         if self.dtype not in DTYPES:

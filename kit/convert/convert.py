@@ -14,7 +14,16 @@ from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_plan_problems, role_kind
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
-from kit.convert.file_slices import FileSlice, Rows, Scratch, as_tensor, itemsize, piece_info, torch_dtype
+from kit.convert.file_slices import (
+    FileSlice,
+    Rows,
+    Scratch,
+    as_tensor,
+    itemsize,
+    piece_info,
+    reserve,
+    torch_dtype,
+)
 from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
 from kit.convert.manifests import write_converted_manifest, write_hf_manifest
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
@@ -55,6 +64,43 @@ class _NoBar:
         pass
 
 
+def _workers(cfg: ConvertConfig, files: int) -> int:
+    """Threads for the rank files: each file is pread -> CRC32 -> write, all of which release the GIL, so files
+    written side by side use as many cores as there are (one per core; more would only share them)."""
+    if cfg.workers:
+        return max(1, min(cfg.workers, files))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8, files))
+
+
+def _write_rank_file(tmp: Path, s: int, r: int, ctx: dict) -> int:
+    """One rank file, streamed tensor by tensor (memory holds about one tensor and its source slices); its size."""
+    pp, layer_roles, bar, stop = len(ctx["stages"]), ctx["layer_roles"], ctx["bar"], ctx["stop"]
+    path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.partial")
+    out, model = StreamingTorchFile(part, ctx["scratch"]()), {}
+    for key_path, role, layer in rank_entries(layer_roles, ctx["spec"], ctx["flavor"], ctx["stages"], s):
+        if stop.is_set():  # another file failed: stop early, the temporary folder is removed
+            return 0
+        layout.put(model, key_path, out.store(ctx["rank_fn"](role, layer, r)))
+        if layer is not None and role == layer_roles[-1]:
+            bar.update(1)
+    out.finish(
+        {
+            "args": ctx["args"],
+            "checkpoint_version": layout.CHECKPOINT_VERSION,
+            "iteration": layout.ITERATION,
+            "model": model,
+        }
+    )
+    os.replace(part, path)
+    return path.stat().st_size
+
+
 def _write_megatron(
     tmp: Path,
     fam: Family,
@@ -65,34 +111,79 @@ def _write_megatron(
     args,
     rank_fn: RankFn,
     progress: bool,
+    workers: int = 1,
 ) -> int:
-    """Write every rank file of the layout, streaming each tensor to disk as soon as it is made (so memory holds
-    about one tensor and its source slices, not a whole rank file). Returns bytes written."""
+    """Write every rank file of the layout, `workers` files at a time (rank_fn must then be thread-safe); returns
+    bytes written. The first error stops the other files and is raised."""
+    import threading
+
     _, layer_roles = fam.roles(spec)
-    pp, written, scratch = len(stages), 0, Scratch()
-    bar = _progress(tp * spec.num_layers, f"->Megatron TP{tp} PP{pp}", not progress)
-    for s in range(pp):
-        for r in range(tp):
-            path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_name(f".{path.name}.partial")
-            out, model = StreamingTorchFile(part, scratch), {}
-            for key_path, role, layer in rank_entries(layer_roles, spec, flavor, stages, s):
-                layout.put(model, key_path, out.store(rank_fn(role, layer, r)))
-                if layer is not None and role == layer_roles[-1]:
-                    bar.update(1)
-            out.finish(
-                {
-                    "args": args,
-                    "checkpoint_version": layout.CHECKPOINT_VERSION,
-                    "iteration": layout.ITERATION,
-                    "model": model,
-                }
-            )
-            os.replace(part, path)
-            written += path.stat().st_size
-    bar.close()
-    return written
+    pp = len(stages)
+    bar = _LockedBar(_progress(tp * spec.num_layers, f"->Megatron TP{tp} PP{pp}", not progress))
+    ctx = dict(stages=stages, layer_roles=layer_roles, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn)
+    local = threading.local()  # one set of copy buffers per thread, reused file after file
+
+    def scratch() -> Scratch:
+        if not hasattr(local, "scratch"):
+            local.scratch = Scratch()
+        return local.scratch
+
+    ctx.update(bar=bar, stop=threading.Event(), scratch=scratch)
+    reserve(-1, 0, 0)  # look fallocate up once, before the threads
+    # the first and last stages first: they hold the embedding and the output layer, the largest files
+    jobs = sorted(((s, r) for s in range(pp) for r in range(tp)), key=lambda j: j[0] not in (0, pp - 1))
+    try:
+        if workers <= 1:
+            return sum(_write_rank_file(tmp, s, r, ctx) for s, r in jobs)
+        todo, sizes, errors, lock = list(jobs), [], [], threading.Lock()
+
+        def worker() -> None:
+            while not ctx["stop"].is_set():
+                with lock:
+                    if not todo:
+                        return
+                    s, r = todo.pop(0)
+                try:
+                    sizes.append(_write_rank_file(tmp, s, r, ctx))
+                except BaseException as exc:  # the first error stops the other files; raised below
+                    errors.append(exc)
+                    ctx["stop"].set()
+                    return
+
+        threads = [
+            threading.Thread(target=worker, name=f"kit-convert-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)  # in slices: Ctrl-C (and SIGTERM, see kit.partial) reach this thread
+        finally:  # on an error or Ctrl-C: no new files, running ones stop at their next tensor
+            ctx["stop"].set()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return sum(sizes)
+    finally:
+        bar.close()
+
+
+class _LockedBar:
+    """A progress bar several writer threads update."""
+
+    def __init__(self, bar):
+        import threading
+
+        self.bar, self.lock = bar, threading.Lock()
+
+    def update(self, n: int = 1) -> None:
+        with self.lock:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _finish(
@@ -158,6 +249,7 @@ def _save_megatron(
     side_from,
     what: str,
     source: tuple,
+    workers: int = 1,
 ) -> tuple:
     """Write a whole Megatron folder atomically (rank files, metadata, tracker last); returns (meta, bytes written)."""
     num_layer_list = [len(s) for s in stages]
@@ -165,7 +257,9 @@ def _save_megatron(
         spec, cfg.tp, cfg.pp, num_layer_list, padded, cfg.make_vocab_size_divisible_by, dtype, cfg.flavor
     )
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what=what) as tmp:
-        written = _write_megatron(tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress)
+        written = _write_megatron(
+            tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress, workers
+        )
         meta = _meta(
             direction,
             cfg.source,
@@ -237,6 +331,9 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             Path(cfg.source),
             "converted weights folder",
             (src_man, src_hash),
+            _workers(
+                cfg, cfg.tp * cfg.pp
+            ),  # rank_fn only reads (pread, or slices of a mapped .bin): thread-safe
         )
     finally:
         reader.close()

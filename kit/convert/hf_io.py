@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -40,6 +41,7 @@ class HFReader:
             )
         self.config = read_json(self.folder / "config.json")
         self._handles: Dict[str, object] = {}
+        self._lock = threading.Lock()  # rank files are written by several threads
         self.weight_map = self._weight_map()
         missing = sorted({f for f in self.weight_map.values() if not (self.folder / f).is_file()})
         if missing:
@@ -65,6 +67,13 @@ class HFReader:
         )
 
     def _open(self, fname: str):
+        handle = self._handles.get(fname)
+        if handle is not None:
+            return handle
+        with self._lock:
+            return self._open_locked(fname)
+
+    def _open_locked(self, fname: str):
         handle = self._handles.get(fname)
         if handle is None:
             path = str(self.folder / fname)
