@@ -227,3 +227,37 @@ def test_zero_stages_train_and_export_the_same_model(tmp_path, tiny_llama_dir, p
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=2e-4, rtol=1e-3)
+
+
+def test_single_rank_zero0_skips_deepspeeds_allreduce_and_updates_the_same(
+    tmp_path, tiny_llama_dir, pretrain_data
+):
+    """In a world of one at ZeRO 0, DeepSpeed's flatten / all-reduce / copy-back is skipped; the update is the same."""
+    from kit.device import detect
+    from kit.train import engine as eng
+    from kit.train.trainer import skip_single_rank_allreduce
+
+    eng.init_distributed(detect())
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path, train_iters=2, gbs=2, mbs=1)
+    batch = {"input_ids": torch.arange(1, 17).view(1, 16)}
+    batch["labels"] = batch["input_ids"].clone()
+    after = []
+    for skip in (False, True):
+        torch.manual_seed(0)
+        engine = eng.build_engine(cfg, eng.build_model(cfg)[0], "float32")
+        calls = []
+        real = engine.buffered_allreduce_fallback
+        engine.buffered_allreduce_fallback = lambda *a, _c=calls, _r=real, **k: _c.append(1) or _r(*a, **k)
+        if skip:
+            assert skip_single_rank_allreduce(engine, 1, 0) is True
+        for _ in range(2):  # gradient accumulation 2: one boundary
+            engine.backward(engine(**batch).loss)
+            engine.step()
+        assert bool(calls) is not skip
+        after.append([p.detach().clone() for p in engine.module.parameters()])
+    for a, b in zip(*after):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (
+        skip_single_rank_allreduce(engine, 2, 0) is False
+        and skip_single_rank_allreduce(engine, 1, 1) is False
+    )

@@ -161,6 +161,7 @@ class Trainer:
         self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
         self.fused_optimizer = use_fused_adamw(self.engine.optimizer, self.device)
+        self.skips_allreduce = skip_single_rank_allreduce(self.engine, self.world, cfg.zero_stage)
         self.start_iter = 0
         if resume:
             state = checkpoint.load(self.engine, self.ckpt_root)
@@ -463,14 +464,16 @@ def _innermost_optimizer(optimizer):
 
 
 def has_fused_adamw(device_type: str) -> bool:
-    """True when torch has a fused AdamW kernel registered for this device type (CUDA, or NPU via torch_npu).
+    """True when torch has a fused AdamW kernel registered for this device type (NPU via torch_npu, CUDA, CPU).
 
     torch_npu 2.13.0 registers `_fused_adamw_` for PrivateUse1 (`csrc/aten/npu_native_functions_by_codegen.yaml`);
-    the dispatcher is asked rather than a version compared, so an older torch_npu without it keeps foreach.
+    torch registers a CPU kernel from 2.4 on (torch 2.1 has none). The dispatcher is asked rather than a version
+    compared, so a stack without the kernel keeps foreach. HF Trainer picks the same kernel (its default optim is
+    adamw_torch_fused on recent torch), so the CPU figures compare like with like.
     """
     import torch
 
-    key = {"cuda": "CUDA", "npu": "PrivateUse1"}.get(device_type)
+    key = {"cuda": "CUDA", "npu": "PrivateUse1", "cpu": "CPU"}.get(device_type)
     if key is None:
         return False
     try:
@@ -479,8 +482,22 @@ def has_fused_adamw(device_type: str) -> bool:
         return False
 
 
+def skip_single_rank_allreduce(engine, world: int, zero_stage: int) -> bool:
+    """At ZeRO 0 in a world of one, stop DeepSpeed's gradient all-reduce; True if stopped.
+
+    DeepSpeed reduces at every accumulation boundary by flattening all gradients into one buffer, all-reducing it
+    and copying it back (engine.buffered_allreduce_fallback), also when there is no other rank: on CPU that cost
+    ~5% of a step of a small model. Averaging over one rank is the identity, so the update is unchanged. ZeRO 1-3
+    keep it (their optimizers move gradients into their own partitions there), as does any world of two or more.
+    """
+    if world != 1 or zero_stage != 0 or not hasattr(engine, "enable_backward_allreduce"):
+        return False
+    engine.enable_backward_allreduce = False  # the switch DeepSpeed's own pipeline engine uses
+    return True
+
+
 def use_fused_adamw(optimizer, device) -> bool:
-    """Switch torch AdamW to its fused kernel on NPU/CUDA (foreach stays on CPU); True if switched.
+    """Switch torch AdamW to its fused kernel where the device has one (has_fused_adamw); True if switched.
 
     torch reads `fused`/`foreach` from each param group at every step (and creates the step counters on the
     device for fused), so setting them after DeepSpeed moved the parameters, before the first step, is the
