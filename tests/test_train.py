@@ -261,3 +261,55 @@ def test_single_rank_zero0_skips_deepspeeds_allreduce_and_updates_the_same(
         skip_single_rank_allreduce(engine, 2, 0) is False
         and skip_single_rank_allreduce(engine, 1, 1) is False
     )
+
+
+def test_the_kits_one_pass_clipping_updates_like_deepspeeds(tmp_path, tiny_llama_dir, pretrain_data):
+    """ZeRO 0 fp32: the trainer clips (foreach, one pass) instead of DeepSpeed (parameter by parameter)."""
+    from kit.device import detect
+    from kit.train import engine as eng
+    from kit.train.trainer import clip_gradients
+
+    eng.init_distributed(detect())
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path, gbs=1, mbs=1, clip_grad=0.05, lr=0.01)
+    assert eng.kit_clips(cfg, "float32") and not eng.kit_clips(cfg, "bfloat16")
+    batch = {"input_ids": torch.arange(1, 17).view(1, 16)}
+    batch["labels"] = batch["input_ids"].clone()
+    after, norms = [], []
+    for kit in (False, True):
+        torch.manual_seed(0)
+        engine = eng.build_engine(cfg, eng.build_model(cfg)[0], "float32", clip_in_kit=kit)
+        assert engine.gradient_clipping() == (0.0 if kit else 0.05)
+        engine.backward(engine(**batch).loss)
+        params = list(engine.module.parameters())
+        if kit:
+            norms.append(clip_gradients(params, cfg.clip_grad))
+            assert norms[0] > 1.0  # clipping really scaled the gradients
+        engine.step()
+        after.append([p.detach().clone() for p in params])
+    for a, b in zip(*after):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_padded_rows_train_padding_free_with_the_same_losses(tmp_path, tiny_llama_dir, sft_data, monkeypatch):
+    """Kit attention: a padded micro-batch goes as one row of its real tokens; the loss curve is the row layout's."""
+    import kit.train.trainer as trainer_mod
+
+    rows = {
+        "input_ids": torch.tensor([[5, 7, 8, 0, 0], [5, 9, 6, 4, 0]]),
+        "labels": torch.tensor([[-100, 7, 8, -100, -100], [9, 9, 6, 4, -100]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 0], [0, 1, 0, 1, 0]]),
+    }
+    flat = trainer_mod.flatten_padded_rows(rows)
+    assert flat["input_ids"].tolist() == [[5, 7, 8, 5, 9, 6, 4]]
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert flat["labels"].tolist() == [[-100, 7, 8, -100, 9, 6, 4]]  # row 2's first label: never a target
+    assert flat["attention_mask"].tolist() == [[1] * 7]
+    cfg = dict(run_type="sft", train_iters=4, gbs=8, mbs=4)
+    calls, real = [], trainer_mod.flatten_padded_rows
+    monkeypatch.setattr(trainer_mod, "flatten_padded_rows", lambda batch: calls.append(1) or real(batch))
+    flat_run = train(H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "flat", **cfg), progress=False)
+    assert len(calls) == 4 * 2  # every micro-batch of the run went flat
+    monkeypatch.setattr(trainer_mod, "flatten_padded_rows", lambda batch: batch)
+    rows_run = train(H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "rows", **cfg), progress=False)
+    assert flat_run.losses == pytest.approx(rows_run.losses, rel=1e-5)

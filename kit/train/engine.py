@@ -99,13 +99,13 @@ def release_shm_buffer(rank: int, world: int) -> bool:
     return True
 
 
-def ds_config(cfg, dtype: str) -> dict:
+def ds_config(cfg, dtype: str, clip: bool = True) -> dict:
     """DeepSpeed's config for this run: batch sizes from MBS/GBS/DP, ZeRO stage, precision, clipping."""
     conf = {
         "train_batch_size": cfg.gbs,
         "train_micro_batch_size_per_gpu": cfg.mbs,
         "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": float(cfg.clip_grad),
+        "gradient_clipping": float(cfg.clip_grad) if clip else 0.0,
         "zero_optimization": {"stage": cfg.zero_stage},
         "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no op build needed on any device
         "steps_per_print": 10**9,  # the kit prints its own Megatron-style lines
@@ -222,8 +222,17 @@ def _check_zero3_collectives() -> None:
         ) from None
 
 
-def build_engine(cfg, model, dtype: str):
-    """deepspeed.initialize with a torch AdamW over the trainable parameters and the warm-up/cosine schedule."""
+def kit_clips(cfg, dtype: str) -> bool:
+    """Whether the trainer clips gradients itself: ZeRO 0 in fp32, where DeepSpeed would clip parameter by parameter
+    (deepspeed.runtime.utils.clip_grad_norm_) after the trainer already took the norm it logs; torch's foreach
+    clip_grad_norm_ does both in one pass, with the same rule (scale by max_norm / (norm + 1e-6) when below 1).
+    Mixed precision and ZeRO >= 1 keep DeepSpeed's clipping: their optimizers hold the master gradients."""
+    return cfg.zero_stage == 0 and dtype == "float32"
+
+
+def build_engine(cfg, model, dtype: str, clip_in_kit: bool = False):
+    """deepspeed.initialize with a torch AdamW over the trainable parameters and the warm-up/cosine schedule
+    (clip_in_kit: DeepSpeed does not clip; the caller does, see kit_clips)."""
     import deepspeed
     import torch
 
@@ -236,7 +245,10 @@ def build_engine(cfg, model, dtype: str):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg, dtype)
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config(cfg, dtype, clip=not clip_in_kit),
     )
     return engine
 

@@ -158,7 +158,11 @@ class Trainer:
         )
         model, self.adapt_report = eng.build_model(cfg)
         check_packing(self.meta, self.adapt_report, cfg.dataset_path, self.ds)
-        self.engine = eng.build_engine(cfg, model, self.dtype)
+        # kit attention keeps sequences apart by position_ids: padded rows can then go as one padding-free row
+        self.flatten = getattr(self.adapt_report, "attention", None) == "kit"
+        self.kit_clips = eng.kit_clips(cfg, self.dtype)
+        self.engine = eng.build_engine(cfg, model, self.dtype, clip_in_kit=self.kit_clips)
+        self.params = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.device = self.engine.device
         self.fused_optimizer = use_fused_adamw(self.engine.optimizer, self.device)
         self.skips_allreduce = skip_single_rank_allreduce(self.engine, self.world, cfg.zero_stage)
@@ -230,6 +234,8 @@ class Trainer:
         losses, tokens, pre_clip_norm = [], 0, None
         batches = list(micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)))
         for i, batch in enumerate(batches):
+            if self.flatten:
+                batch = flatten_padded_rows(batch)
             batch = {
                 k: v.to(self.device, dtype=torch.long) for k, v in batch.items()
             }  # kit.data stores int32
@@ -242,7 +248,8 @@ class Trainer:
                 if bad:
                     return None
             if engine.is_gradient_accumulation_boundary() and cfg.zero_stage == 0:
-                pre_clip_norm = self._grad_norm()  # DeepSpeed reports it only for ZeRO >= 1 / mixed precision
+                # DeepSpeed reports the norm only for ZeRO >= 1 / mixed precision
+                pre_clip_norm = self._clip() if self.kit_clips else self._grad_norm()
             engine.step()
             tokens += tokens_in(batch)
         loss_sum = 0.0
@@ -275,6 +282,9 @@ class Trainer:
             "real_tokens": int(tokens),
             "time": time.time(),
         }
+
+    def _clip(self) -> float:
+        return clip_gradients(self.params, self.cfg.clip_grad)
 
     def _grad_norm(self) -> float:
         """Global L2 norm of the (already all-reduced) gradients before clipping, as Megatron logs it."""
@@ -415,6 +425,28 @@ def _restarts(ds, rows: int = 64) -> bool:
     return bool(((pos[:, 1:] == 0) & mask[:, 1:]).any())
 
 
+def flatten_padded_rows(batch: dict) -> dict:
+    """A micro-batch with padding -> one row of its real tokens (padding-free, like HF's DataCollatorWithFlattening).
+
+    Only for kit attention, which starts a new sequence wherever position_ids restart (every row and every packed
+    dialog does), so no token attends across rows; the projections and MLPs then skip the padding (a packed row is
+    rarely full: its last dialog does not fit). The loss is the same sum over the same targets: the first token of
+    each row, which the row layout never predicts (labels shift by one), gets label -100 so that the last token of
+    the previous row does not predict it. A batch without padding is returned as it is.
+    """
+    import torch
+
+    mask = batch["attention_mask"].bool()
+    if bool(mask.all()):
+        return batch
+    out = {k: batch[k][mask].unsqueeze(0) for k in ("input_ids", "labels", "position_ids")}
+    lengths = mask.sum(dim=1)
+    starts = (torch.cumsum(lengths, 0) - lengths)[1:]
+    out["labels"][0, starts[lengths[1:] > 0]] = -100
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    return out
+
+
 def check_packing(meta: dict, adapt_report, dataset_path, ds=None) -> None:
     """Refuse packed SFT rows when attention is not kit attention: plain HF attention would mix the dialogs.
 
@@ -480,6 +512,16 @@ def has_fused_adamw(device_type: str) -> bool:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", key))
     except (AttributeError, RuntimeError):  # pragma: no cover - very old torch
         return False
+
+
+def clip_gradients(params, clip_grad: float) -> float:
+    """Clip the (already all-reduced) gradients of `params` to norm `clip_grad` (0: no clipping) in one foreach
+    pass; returns their global L2 norm before clipping (what Megatron logs as grad norm)."""
+    import torch
+
+    grads = [p for p in params if p.grad is not None]
+    max_norm = clip_grad if clip_grad > 0 else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)) if grads else 0.0
 
 
 def skip_single_rank_allreduce(engine, world: int, zero_stage: int) -> bool:
