@@ -553,7 +553,7 @@ def main() -> int:
             BASELINES["kit_padded"].format(**fmt),
         )
         figure(
-            "kit SFT padded (to SEQ_LEN) vs HF Trainer padded SFT (pad to longest), real tokens per CPU-s",
+            "kit SFT padded (rows padded to SEQ_LEN, trained padding-free) vs HF Trainer padded SFT (pad to longest), real tokens per CPU-s",
             best["kit_padded"],
             best["hf_padded"],
             None,
