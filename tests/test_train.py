@@ -313,3 +313,19 @@ def test_padded_rows_train_padding_free_with_the_same_losses(tmp_path, tiny_llam
     monkeypatch.setattr(trainer_mod, "flatten_padded_rows", lambda batch: batch)
     rows_run = train(H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "rows", **cfg), progress=False)
     assert flat_run.losses == pytest.approx(rows_run.losses, rel=1e-5)
+
+
+def test_a_flattened_row_whose_attention_lost_position_ids_is_refused():
+    """Padding-free rows keep sequences apart only through position_ids: an attention call without them stops."""
+    from kit.adapt.attention import AdaptError, _bsnd_attention, flattened_rows
+
+    q = torch.randn(1, 6, 2, 8)
+    args = dict(causal=True, pre=1 << 20, scale=8**-0.5, keep_prob=1.0)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    plain = _bsnd_attention(q, q, q, None, position_ids=None, **args)  # outside: one causal sequence
+    with flattened_rows():
+        with pytest.raises(AdaptError, match="position_ids"):
+            _bsnd_attention(q, q, q, None, position_ids=None, **args)
+        split = _bsnd_attention(q, q, q, None, position_ids=position_ids, **args)
+    torch.testing.assert_close(split[:, :3], plain[:, :3])  # the first sequence sees the same keys
+    assert not torch.allclose(split[:, 3:], plain[:, 3:])  # the second no longer sees the first

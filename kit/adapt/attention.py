@@ -32,8 +32,32 @@ FA2_CLASSES = {
 }
 
 
+class _Flattened:
+    """Set (by the trainer) while a padding-free row of several sequences runs: the sequences are then known only
+    from position_ids, so an attention call without them would let every sequence see the ones before it."""
+
+    active = 0
+
+    def __enter__(self):
+        _Flattened.active += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _Flattened.active -= 1
+
+
+def flattened_rows() -> _Flattened:
+    """`with flattened_rows(): model(**batch)` makes kit attention refuse a call without position_ids."""
+    return _Flattened()
+
+
 def _bsnd_attention(query, key, value, attention_mask, *, causal, pre, scale, keep_prob, position_ids):
     """q (B, Sq, N, D), k/v (B, Skv, Nkv, D), 2-D padding mask or None -> (B, Sq, N, Dv)."""
+    if _Flattened.active and position_ids is None:
+        raise AdaptError(
+            "this model does not pass position_ids to its attention, which padding-free (flattened) micro-batches "
+            "need to keep sequences apart; train it with ADAPT=False (and PACK=False data)."
+        )
     batch, sq, nq, _ = query.shape
     skv = key.shape[1]
     common = dict(scale=scale, keep_prob=keep_prob)

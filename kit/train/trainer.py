@@ -234,12 +234,20 @@ class Trainer:
         losses, tokens, pre_clip_norm = [], 0, None
         batches = list(micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)))
         for i, batch in enumerate(batches):
+            flat = False
             if self.flatten:
-                batch = flatten_padded_rows(batch)
+                rows, batch = batch, flatten_padded_rows(batch)
+                flat = batch is not rows
             batch = {
                 k: v.to(self.device, dtype=torch.long) for k, v in batch.items()
             }  # kit.data stores int32
-            loss = engine(**batch).loss
+            if flat:
+                from kit.adapt.attention import flattened_rows
+
+                with flattened_rows():  # kit attention refuses a call that has lost position_ids
+                    loss = engine(**batch).loss
+            else:
+                loss = engine(**batch).loss
             losses.append(loss.detach())
             engine.backward(loss)
             if i == len(batches) - 1:
