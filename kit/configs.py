@@ -58,7 +58,7 @@ def field_docs(cls: type) -> dict:
     return dict(_field_docs(cls))
 
 
-@functools.lru_cache(maxsize=None)  # noqa: UP033 (functools.cache: Python 3.9 has it, but one spelling for all)
+@functools.cache
 def _field_docs(cls: type) -> dict:
     import ast
     import inspect

@@ -28,9 +28,7 @@ class ConvertConfig:
     dtype: Optional[str] = None  # cast weights: float32 | bfloat16 | float16; None keeps the source dtype
     hf_config_dir: Optional[str] = None  # Megatron source: its HF config/tokenizer folder; None: its hf_meta/
     max_shard_mb: int = 2048  # megatron_to_hf: largest safetensors shard
-    workers: int = (
-        0  # threads writing rank files at once; 0: one per CPU core (at most 8), 1: one file at a time
-    )
+    workers: int = 0  # threads writing rank files; 0: one per CPU core (at most 8), 1: one file at a time
     overwrite: bool = False  # replace an existing target folder
     clean_partial: bool = False  # delete .TARGET.partial-* folders of interrupted runs (else only reported)
 

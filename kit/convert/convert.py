@@ -331,9 +331,8 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             Path(cfg.source),
             "converted weights folder",
             (src_man, src_hash),
-            _workers(
-                cfg, cfg.tp * cfg.pp
-            ),  # rank_fn only reads (pread, or slices of a mapped .bin): thread-safe
+            # rank_fn only reads (pread, or slices of a mapped .bin), so it is thread-safe
+            _workers(cfg, cfg.tp * cfg.pp),
         )
     finally:
         reader.close()

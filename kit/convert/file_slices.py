@@ -220,10 +220,8 @@ class FileSlice(Piece):
             iov = scratch.scatter(name, out, (a - start) * rb, b - a, rb, gap)
             want = (b - a) * rb + (b - a - 1) * gap
             at = self.offset + a * self.row_pitch
-            got = os.preadv(self.fd, iov, at)
-            if (
-                got != want
-            ):  # short read: the file ended (an error), or the kernel stopped early (finish by rows)
+            # a short read: the file ended (an error below) or the kernel stopped early; finish row by row
+            if os.preadv(self.fd, iov, at) != want:
                 for i in range(a, b):
                     pread_into(
                         self.fd,

@@ -59,7 +59,9 @@ class ZipWriter:
     def __init__(self, path):
         self.path = str(path)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        self.reserve = True  # allocate each record's blocks before writing it (until the file system says no)
+        self._reserving = (
+            True  # allocate each record's blocks before writing it (until the file system says no)
+        )
         self.pos = 0
         self.entries = []  # (name bytes, crc, size, local header offset)
         self._open = None
@@ -82,8 +84,10 @@ class ZipWriter:
         start = self.pos + _LOCAL.size + len(raw) + len(zip64) + 4  # data start with an empty padding field
         pad = -start % ALIGN
         extra = zip64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB' padding field, as torch writes
-        if self.reserve and size >= 65536:  # a system call per tensor; not for the small ones
-            self.reserve = reserve(self.fd, self.pos, _LOCAL.size + len(raw) + len(extra) + size, self.path)
+        if self._reserving and size >= 65536:  # a system call per tensor; not for the small ones
+            self._reserving = reserve(
+                self.fd, self.pos, _LOCAL.size + len(raw) + len(extra) + size, self.path
+            )
         self._raw(
             _LOCAL.pack(
                 0x04034B50,

@@ -165,7 +165,7 @@ class Trainer:
         self.params = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.device = self.engine.device
         self.fused_optimizer = use_fused_adamw(self.engine.optimizer, self.device)
-        self.skips_allreduce = skip_single_rank_allreduce(self.engine, self.world, cfg.zero_stage)
+        skip_single_rank_allreduce(self.engine, self.world, cfg.zero_stage)
         self.start_iter = 0
         if resume:
             state = checkpoint.load(self.engine, self.ckpt_root)
@@ -257,7 +257,10 @@ class Trainer:
                     return None
             if engine.is_gradient_accumulation_boundary() and cfg.zero_stage == 0:
                 # DeepSpeed reports the norm only for ZeRO >= 1 / mixed precision
-                pre_clip_norm = self._clip() if self.kit_clips else self._grad_norm()
+                if self.kit_clips:
+                    pre_clip_norm = clip_gradients(self.params, cfg.clip_grad)
+                else:
+                    pre_clip_norm = self._grad_norm()
             engine.step()
             tokens += tokens_in(batch)
         loss_sum = 0.0
@@ -290,9 +293,6 @@ class Trainer:
             "real_tokens": int(tokens),
             "time": time.time(),
         }
-
-    def _clip(self) -> float:
-        return clip_gradients(self.params, self.cfg.clip_grad)
 
     def _grad_norm(self) -> float:
         """Global L2 norm of the (already all-reduced) gradients before clipping, as Megatron logs it."""
