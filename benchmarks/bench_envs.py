@@ -6,8 +6,7 @@ Baselines (measured in the same run, in the same folder, alternating with the ki
   clone   `cp -a ENV DIR`                               vs kit.envs.clone(ENV, target=DIR, verify_imports=None)
 The kit does more than each baseline (a member list with sizes and hashes, every member verified on unpack,
 prefixes rewritten in scripts, the archive fsync'ed and renamed when complete); the ratios include that work.
-The kit's pack compresses through the `zstd` program when it is installed (as the baseline does), else through
-python-zstandard; set KIT_ZSTD_PROGRAM=0 to measure the latter.
+The kit compresses in-process with python-zstandard (libzstd, worker threads at the same level).
 The env: a virtualenv holding copies of torch, transformers, deepspeed and pandas from this checkout's .venv
 (about 1 GB, 25 000 files); --quick uses transformers, deepspeed and pandas (about 0.25 GB) for `make bench`.
 Ratio = baseline seconds / kit seconds (above 1: the kit is faster). Each figure prints one line

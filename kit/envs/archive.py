@@ -6,11 +6,9 @@ an archive unless every listed member arrived intact, and refuses members or lin
 
 from __future__ import annotations
 
-import errno
 import gzip
 import json
 import os
-import shutil
 import stat
 import zlib
 from pathlib import Path
@@ -94,59 +92,11 @@ class _ZstdWriter:
         self._writer.close()
 
 
-class _ZstdProcess:
-    """Compress through the `zstd` program (what `tar -I 'zstd -T0'` runs): a process of its own, so its
-    threads never wait for this interpreter's lock, and the same engine and checksum as the baseline."""
-
-    def __init__(self, fileobj, level: int, threads: int, exe: str):
-        import subprocess
-
-        fileobj.flush()
-        self._name = getattr(fileobj, "name", "archive")
-        self._proc = subprocess.Popen(
-            [exe, f"-{level}", f"-T{threads}", "-q", "-c", "--check"],
-            stdin=subprocess.PIPE,
-            stdout=fileobj.fileno(),
-            stderr=subprocess.PIPE,
-        )
-        self._fd = self._proc.stdin.fileno()
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except BrokenPipeError:
-            self.close()  # raises zstd's own error
-            raise
-        return len(data)
-
-    def close(self) -> None:
-        if self._proc.stdin and not self._proc.stdin.closed:
-            self._proc.stdin.close()
-        err = self._proc.stderr.read().decode("utf-8", "replace").strip()
-        self._proc.stderr.close()
-        if self._proc.wait() != 0:
-            if "No space left" in err:
-                raise OSError(errno.ENOSPC, "No space left on device", self._name)
-            raise EnvArchiveError(
-                f"zstd failed while writing {self._name}: {err.splitlines()[-1] if err else ''}"
-            )
-
-
 def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int = 0):
     """Wrap `fileobj` in the compressor for `fmt`; the caller closes the wrapper, then the file."""
     if fmt in LEVELS:
         check_level(fmt, level)
     if fmt == "tar.zst":
-        exe = shutil.which("zstd") if os.environ.get("KIT_ZSTD_PROGRAM", "1") != "0" else None
-        if exe and hasattr(fileobj, "fileno"):
-            try:
-                fileobj.fileno()
-            except (OSError, ValueError, AttributeError):
-                exe = None
-        if exe:
-            return _ZstdProcess(fileobj, level, n_threads(threads), exe)
         return _ZstdWriter(fileobj, level=level, threads=n_threads(threads))
     if fmt == "tar.gz":
         if n_threads(threads) > 1:

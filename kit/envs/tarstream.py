@@ -30,6 +30,7 @@ _ZERO = bytes(BLOCK)
 _READ = 1 << 20  # compressed bytes read per step
 _FLUSH = 4 << 20  # small members are gathered up to this size before one write to the compressor
 SMALL = 2 << 20  # files up to this size are read whole (and scanned for the old prefix)
+_CAPACITY = _FLUSH + SMALL + 2 * BLOCK  # the output buffer: what is gathered, plus the largest small file
 
 
 class _Crc32:
@@ -134,7 +135,8 @@ class TarWriter:
         self.members: list = []
         self.prefix_files: list = []
         self.bytes = 0
-        self._buf = bytearray()
+        self._buf = bytearray(_CAPACITY)  # filled from _pos on; small files are read straight into it
+        self._pos = 0
         self._inodes: dict = {}
         self._names: dict = {}
         self._oneshot = None
@@ -152,14 +154,31 @@ class TarWriter:
         return h.hexdigest()
 
     def _emit(self, data) -> None:
-        self._buf += data
-        if len(self._buf) >= _FLUSH:
+        n = len(data)
+        if self._pos + n > len(self._buf):
+            self._room(n)
+        self._buf[self._pos : self._pos + n] = data
+        self._pos += n
+        if self._pos >= _FLUSH:
             self.flush()
 
+    def _room(self, n: int) -> None:
+        """Make room for n more bytes in the buffer (handing on what it holds first)."""
+        self.flush()
+        if n > len(self._buf):
+            self._buf = bytearray(n)
+
     def flush(self) -> None:
-        if self._buf:
-            self.out.write(self._buf)
-            self._buf = bytearray()
+        if self._pos:
+            # `out` may keep the buffer (ThreadedSink hands it to another thread): go on in another one, one
+            # that `out` says it is done with if it gives buffers back (a new one costs page faults)
+            self.out.write(memoryview(self._buf)[: self._pos])
+            spare = getattr(self.out, "spare", None)
+            try:
+                self._buf = spare.get_nowait() if spare is not None else bytearray(_CAPACITY)
+            except queue.Empty:
+                self._buf = bytearray(_CAPACITY)
+            self._pos = 0
 
     def _owner(self, uid: int, gid: int) -> tuple:
         key = (uid, gid)
@@ -252,31 +271,7 @@ class TarWriter:
 
     def _add_file(self, path: str, name: str, st) -> None:
         if st.st_size <= SMALL:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                # the size stat() gave, in one read (as tar does); short reads are allowed, so loop
-                data = os.read(fd, st.st_size)
-                while len(data) < st.st_size:
-                    more = os.read(fd, st.st_size - len(data))
-                    if not more:
-                        break
-                    data += more
-            finally:
-                os.close(fd)
-            if len(data) != st.st_size:
-                raise self._changed(path, st.st_size, len(data))
-            if self.scan and self.scan in data and data.find(b"\0", 0, 8192) < 0:
-                self.prefix_files.append(name)
-            size = len(data)
-            buf = self._buf
-            buf += self._header(name, tarfile.REGTYPE, st, size)
-            buf += data
-            if size % BLOCK:
-                buf += _ZERO[: BLOCK - size % BLOCK]
-            if len(buf) >= _FLUSH:
-                self.flush()
-            self.members.append([name, "f", size, self._digest(data)])
-            self.bytes += size
+            self._add_small(path, name, st.st_size, self._header(name, tarfile.REGTYPE, st, st.st_size))
             return
         h = new_hasher(self.hash_name)
         self._emit(self._header(name, tarfile.REGTYPE, st, st.st_size))
@@ -296,6 +291,110 @@ class TarWriter:
         self.members.append([name, "f", size, h.hexdigest()])
         self.bytes += size
 
+    def _add_small(self, path: str, name: str, size: int, header: bytes) -> None:
+        """A file read whole straight into its place in the output buffer, after its header (no copy)."""
+        padded = size + (-size % BLOCK)
+        start = self._pos + len(header)  # one block, or three with pax records (long or non-ASCII names)
+        if start + padded > len(self._buf):
+            self._room(len(header) + padded)
+            start = len(header)
+        buf = self._buf
+        buf[start - len(header) : start] = header
+        if size:
+            view = memoryview(buf)[start : start + size]
+            got = 0
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                # the size stat() gave, in one read (as tar does); short reads are allowed, so loop
+                while got < size:
+                    n = os.readv(fd, [view[got:]])
+                    if not n:
+                        break
+                    got += n
+            finally:
+                os.close(fd)
+            if got != size:
+                view.release()
+                raise self._changed(path, size, got)
+            if padded > size:
+                buf[start + size : start + padded] = _ZERO[: padded - size]
+            # text files (no NUL in their first 8 KiB) that hold the old prefix; binaries are not rewritten
+            if self.scan and buf.find(b"\0", start, start + min(size, 8192)) < 0:
+                if buf.find(self.scan, start, start + size) >= 0:
+                    self.prefix_files.append(name)
+            digest = self._digest(view)
+            view.release()
+        else:
+            digest = self._digest(b"")
+        self._pos = start + padded
+        if self._pos >= _FLUSH:
+            self.flush()
+        self.members.append([name, "f", size, digest])
+        self.bytes += size
+
+    def add_entries(self, entries, skip=(), progress: Optional[Callable] = None) -> None:
+        """add_path() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link.
+
+        Nearly every member of an env is a small file with a short ASCII name: those get their ustar header
+        from parts cached per owner, with its checksum from adler32 (for ASCII bytes, adler32's low half is
+        1 + their sum: 512 bytes below 128 sum to less than its modulus 65521)."""
+        owners: dict = {}
+        limit = 0o77777777777
+        for name, path, st in entries:
+            mode = st.st_mode
+            if progress and not stat.S_ISDIR(mode):
+                progress(1)
+            if name in skip:
+                continue
+            size = st.st_size
+            if not (
+                stat.S_ISREG(mode)
+                and st.st_nlink == 1
+                and size <= SMALL
+                and name.isascii()
+                and 0 <= st.st_mtime < limit
+            ):
+                self.add_path(path, name, st)
+                continue
+            prefix = b""
+            if len(name) > 100:  # ustar keeps up to 155 bytes of folders apart from the last 100 bytes
+                cut = name.rfind("/", 0, 156)
+                if cut <= 0 or len(name) - cut - 1 > 100:
+                    self.add_path(path, name, st)
+                    continue
+                prefix, name_field = name[:cut].encode("ascii"), name[cut + 1 :]
+            else:
+                name_field = name
+            key = (st.st_uid, st.st_gid)
+            parts = owners.get(key, ())
+            if parts == ():
+                parts = owners[key] = self._owner_parts(*key)
+            if parts is None:  # ids too large for ustar: pax records
+                self.add_path(path, name, st)
+                continue
+            ids, rest, ascii_ = parts
+            header = b"%s%07o\0%s%011o\0%011o\0%s" % (
+                name_field.encode("ascii").ljust(100, b"\0"),
+                stat.S_IMODE(mode),
+                ids,
+                size,
+                int(st.st_mtime),
+                rest,
+            )
+            if prefix:
+                header = b"%s%s%s" % (header[:345], prefix.ljust(155, b"\0"), header[500:])
+            chksum = (zlib.adler32(header) & 0xFFFF) - 1 if ascii_ else sum(header)
+            self._add_small(path, name, size, b"%s%06o\0%s" % (header[:148], chksum, header[155:]))
+
+    def _owner_parts(self, uid: int, gid: int) -> Optional[tuple]:
+        """(uid and gid fields, the header from the checksum field on with the checksum as spaces, ASCII?), or
+        None when the ids do not fit ustar's fields."""
+        if uid > 0o7777777 or gid > 0o7777777:
+            return None
+        tail, _ = _tail(tarfile.REGTYPE, *self._owner(uid, gid))
+        rest = b" " * 8 + tarfile.REGTYPE + bytes(100) + tail + bytes(155 + 12)
+        return b"%07o\0%07o\0" % (uid, gid), rest, rest.isascii()
+
     @staticmethod
     def _changed(path: str, before: int, now: int) -> EnvArchiveError:
         return EnvArchiveError(
@@ -314,10 +413,13 @@ class TarWriter:
 class ThreadedSink:
     """Feed `out` (a compressor) from a helper thread, so that reading files and building the tar (the calling
     thread) overlaps with handing data to zstd's workers, as `tar | zstd` overlap as two processes. Buffers
-    passed to write() must not be changed afterwards (TarWriter passes fresh ones)."""
+    passed to write() must not be changed afterwards. With recycle=True (for an `out` that is done with what
+    it was given when its write() returns, as zstd and files are; conda-pack's parallel gzip keeps buffers),
+    the bytearray under each memoryview written goes to `spare` once written, for the writer to fill again."""
 
-    def __init__(self, out, depth: int = 4):
+    def __init__(self, out, depth: int = 4, recycle: bool = False):
         self._out = out
+        self.spare: Optional[queue.SimpleQueue] = queue.SimpleQueue() if recycle else None
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="kit-pack-compress")
@@ -333,6 +435,17 @@ class ThreadedSink:
                     self._out.write(item)
                 except BaseException as exc:  # raised again in the writing thread
                     self._error = exc
+                if (
+                    self.spare is not None
+                    and isinstance(item, memoryview)
+                    and isinstance(item.obj, bytearray)
+                ):
+                    buf = item.obj
+                    try:
+                        item.release()  # refused (BufferError) while anything still holds the view
+                    except BufferError:
+                        continue
+                    self.spare.put(buf)
 
     def write(self, data) -> int:
         if self._error is not None:

@@ -99,16 +99,15 @@ def pack_tree(
             f"unpacked env could not have them. Replace them with copies or relative links, then pack again."
         )
     comp = compressed_writer(raw, fmt, level, threads)
-    sink = ThreadedSink(comp)
+    sink = ThreadedSink(
+        comp, recycle=fmt != "tar.gz"
+    )  # zstd and plain files are done with a buffer on return
     try:
         writer = TarWriter(sink, scan=prefix.encode())
         head = dict(manifest, kit_archive=ARCHIVE_VERSION, prefix=prefix, hash=writer.hash_name)
         writer.add_bytes(HEAD, json_bytes(head), record=False)
-        for rel, path, st in entries:
-            if rel not in abs_links:
-                writer.add_path(path, rel, st)
-            if progress and not stat.S_ISDIR(st.st_mode):
-                progress(1)  # one tick per file or link, what walk_tree() counts
+        # progress: a tick per file or link, what walk_tree() counts
+        writer.add_entries(entries, skip=abs_links, progress=progress)
         writer.finish({"abs_links": abs_links})
     finally:
         try:
