@@ -39,8 +39,20 @@ def _tar(path: Path, members: list) -> Path:
     return path
 
 
+@pytest.fixture(params=["tar", "kit"])
+def writer(request, monkeypatch):
+    """Who writes the unpacked files: GNU tar fed the checked members (the default where it is installed), or
+    the kit itself (KIT_TAR_PROGRAM=0, and wherever GNU tar is missing)."""
+    from kit.envs.archive import gnu_tar
+
+    monkeypatch.setenv("KIT_TAR_PROGRAM", "1" if request.param == "tar" else "0")
+    if request.param == "tar" and gnu_tar() is None:
+        pytest.skip("GNU tar is not installed here")
+    return request.param
+
+
 @pytest.fixture
-def box(tmp_path):
+def box(tmp_path, writer):
     """A target folder inside a parent whose other contents must never change."""
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "keep.txt").write_text("original")
@@ -68,6 +80,10 @@ BAD = {
     "through-link": [("sub", "dir", None), ("lnk", "sym", "sub"), ("lnk/file.txt", "file", "x")],
     "hard-outside": [("h", "hard", "../../outside/keep.txt")],
     "hard-unknown": [("h", "hard", "never-extracted")],
+    "file-then-folder": [("x", "file", "a"), ("x/y", "file", "b")],
+    "folder-then-file": [("x", "dir", None), ("x", "file", "a")],
+    "hard-link-as-folder": [("h", "hard", "ok.txt"), ("h/z", "file", "x")],
+    "folder-then-hard-link": [("x", "dir", None), ("x", "hard", "ok.txt")],
     "fifo": [("pipe", "fifo", None)],
     "device": [("dev", "chr", None)],
 }
@@ -176,8 +192,11 @@ def _refused(archive: Path, target: Path) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["tar", "tar.zst", "tar.gz"])
-def test_archives_cut_anywhere_never_unpack(small_env, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["tar", "tar.zst", "tar.gz", "tar.zst-in-process"])
+def test_archives_cut_anywhere_never_unpack(small_env, tmp_path, fmt, monkeypatch):
+    if fmt == "tar.zst-in-process":  # python-zstandard instead of the zstd program
+        monkeypatch.setenv("KIT_ZSTD_PROGRAM", "0")
+        fmt = "tar.zst"
     plain = tmp_path / "env.tar"
     envs.pack(small_env, plain)
     tar_bytes = plain.read_bytes()
@@ -322,7 +341,13 @@ def test_disk_full_while_packing_is_an_os_error_the_cli_prints_in_one_line(small
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no archive, no temporary file left
 
 
-def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path):
+@pytest.mark.parametrize("program", ["1", "0"])  # unpack through the zstd program, or python-zstandard
+def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, monkeypatch, program):
+    import shutil
+
+    if program == "1" and shutil.which("zstd") is None:
+        pytest.skip("the zstd program is not installed here")
+    monkeypatch.setenv("KIT_ZSTD_PROGRAM", program)
     archive = Path(envs.pack(small_env, tmp_path / "env.tar.zst", level=5, threads=2)["archive"])
     data = archive.read_bytes()
     assert data[:4] == b"\x28\xb5\x2f\xfd" and data[4] & 0x04  # a zstd frame whose header says: checksum
@@ -373,3 +398,81 @@ def test_fast_headers_are_byte_identical_to_the_general_writer(tmp_path):
     assert names[long_name].size == 6 and names["exact.bin"].mode == 0o751
     assert names["empty.txt"].mtime == 0 and names["naïve.py"].size == 6
     assert names["big.bin"].size == SMALL + 5 and names["link"].linkname == "empty.txt"
+
+
+def test_both_writers_unpack_the_same_tree(small_env, tmp_path, monkeypatch):
+    """GNU tar fed the checked members and the kit writing them itself leave identical trees: names, types,
+    modes, sizes, contents, link targets, hard links and file times."""
+    from kit.envs.archive import gnu_tar
+
+    if gnu_tar() is None:
+        pytest.skip("GNU tar is not installed here")
+    archive = envs.pack(small_env, tmp_path / "env.tar.zst")["archive"]
+
+    def tree(root: Path) -> dict:
+        out = {}
+        for path in sorted(root.rglob("*")):
+            st = path.lstat()
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = ("l", os.readlink(path))
+            elif path.is_dir():
+                out[rel] = ("d", st.st_mode & 0o7777)
+            else:
+                data = path.read_bytes().replace(str(root).encode(), b"<target>")  # prefixes are rewritten
+                out[rel] = ("f", st.st_mode & 0o7777, data, int(st.st_mtime), st.st_nlink)
+        return out
+
+    trees = {}
+    for program in ("1", "0"):
+        monkeypatch.setenv("KIT_TAR_PROGRAM", program)
+        result = envs.unpack(archive, tmp_path / f"out{program}" / "env", verify_imports=None)
+        assert result["members_verified"] is True
+        trees[program] = tree(tmp_path / f"out{program}" / "env")
+    assert trees["1"] == trees["0"] and len(trees["1"]) > 20
+    hard = [v for k, v in trees["1"].items() if k.endswith("site-packages/mod1_hard.py")]
+    assert len(hard) == 1 and hard[0][4] == 2  # still one file with two names
+
+
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ("tar: x: Cannot write: No space left on device", OSError),
+        ("tar: x: Cannot open: Permission denied", None),
+    ],
+)
+def test_a_failing_tar_is_one_clear_error_and_no_env(small_env, tmp_path, monkeypatch, message, error):
+    """What tar reports (a full disk, a refused write) reaches the user as one line; no env is left behind."""
+    import kit.envs.archive as archive_mod
+    from kit.errors import user_message
+
+    archive = envs.pack(small_env, tmp_path / "env.tar.zst")["archive"]
+    fake = tmp_path / "tar"
+    fake.write_text(f"#!/bin/sh\ncat > /dev/null\necho '{message}' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(archive_mod, "gnu_tar", lambda: str(fake))
+    with pytest.raises(error or envs.EnvArchiveError) as info:
+        envs.unpack(archive, tmp_path / "out" / "env", verify_imports=None)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []
+    line = user_message(info.value)
+    assert "\n" not in line
+    if error is OSError:
+        assert "disk is full" in line
+    else:
+        assert line.startswith(
+            "tar failed while writing the unpacked files: tar: x: Cannot open: Permission denied"
+        )
+
+
+def test_a_target_with_contents_is_written_by_the_kit(box, monkeypatch):
+    """tar writes only into an empty target; into one that holds anything (links planted there included) the
+    kit writes each file itself, with its own checks against what is already there."""
+    import kit.envs.archive as archive_mod
+
+    root, target = box
+    (target / "planted").symlink_to(root / "outside")
+    path = _tar(root / "bad.tar", [("ok.txt", "file", "fine"), ("planted/evil.txt", "file", "x")])
+    monkeypatch.setattr(archive_mod, "_TarFeed", None)  # any use of tar here would fail loudly
+    with pytest.raises(envs.EnvArchiveError, match="refusing"):
+        envs.safe_extract(path, target)
+    _outside_unchanged(root)

@@ -6,16 +6,28 @@ an archive unless every listed member arrived intact, and refuses members or lin
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
+import shutil
 import stat
+import tarfile
 import zlib
 from pathlib import Path
 from typing import IO, Callable, Optional
 
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
-from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TRAILER, TarReader, json_bytes, new_hasher
+from kit.envs.tarstream import (
+    ARCHIVE_VERSION,
+    BLOCK,
+    HEAD,
+    TRAILER,
+    TarReader,
+    _ustar,
+    json_bytes,
+    new_hasher,
+)
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 MANIFEST = HEAD  # first member of every archive the kit writes: kind, name, old prefix, hash algorithm
@@ -264,11 +276,150 @@ def _write_all(fd: int, view) -> None:
         view = view[os.write(fd, view) :]
 
 
+_GNU_TAR: dict = {}
+_ZEROS = memoryview(bytes(BLOCK))
+
+
+def gnu_tar() -> Optional[str]:
+    """The GNU tar program that extraction hands its writes to, or None (not installed, another tar, or
+    KIT_TAR_PROGRAM=0): then the kit writes every file itself."""
+    if os.environ.get("KIT_TAR_PROGRAM", "1") == "0":
+        return None
+    exe = shutil.which("tar")
+    if exe and exe not in _GNU_TAR:
+        import subprocess
+
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, timeout=30).stdout
+            _GNU_TAR[exe] = b"GNU tar" in out
+        except (OSError, subprocess.SubprocessError):
+            _GNU_TAR[exe] = False
+    return exe if exe and _GNU_TAR[exe] else None
+
+
+class _TarFeed:
+    """Files, folders and hard links that _Extractor has checked, written by GNU tar in a process of its own
+    (creating thousands of files is where unpacking spends its time; `tar -x` does it while this process
+    decompresses, checks and hashes the next members). tar never sees the archive's own headers: every member
+    it gets is re-written here from the checked fields (clean name, mode without setuid/setgid/sticky bits, no
+    owner), so what tar writes is exactly what the checks allowed. Symbolic links are not passed on: the
+    extractor makes them itself once everything else is written."""
+
+    RECORD = 256 * BLOCK  # tar reads in 128 KiB records (-b 256); the stream ends padded to a whole record
+
+    def __init__(self, exe: str, root: str):
+        import subprocess
+        import tempfile
+
+        self._err = (
+            tempfile.TemporaryFile()
+        )  # a file, not a pipe: many warnings could fill a pipe and stall tar
+        self._proc = subprocess.Popen(
+            # -p: modes as given (the checks already dropped special bits); --no-same-owner: files belong to
+            # whoever unpacks, also as root; -B: whole records from a pipe
+            [exe, "-x", "-f", "-", "-C", root, "-b", "256", "-B", "-p", "--no-same-owner"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=self._err,
+        )
+        self._fd = self._proc.stdin.fileno()
+        try:
+            import fcntl
+
+            fcntl.fcntl(self._fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+        except OSError:
+            pass  # a smaller pipe only means more switches between the two processes
+        self._parts: list = []  # headers, views of data and padding, written with one writev
+        self._size = 0
+        self.written = 0
+
+    def _header(self, name: str, kind: bytes, mode: int, size: int, mtime: int, linkname: str = "") -> bytes:
+        mtime = int(mtime)
+        fast = _ustar(name, mode, 0, 0, size, mtime if mtime >= 0 else 0, kind, linkname, "", "")
+        if fast is not None:
+            return fast
+        info = tarfile.TarInfo(name)
+        info.type, info.mode, info.size, info.mtime, info.linkname = kind, mode, size, mtime, linkname
+        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+    def folder(self, name: str, mode: int, mtime: int) -> None:
+        self._add(self._header(name + "/", tarfile.DIRTYPE, mode, 0, mtime))
+
+    def hardlink(self, name: str, other: str, mtime: int) -> None:
+        self._add(self._header(name, tarfile.LNKTYPE, 0o644, 0, mtime, other))
+
+    def file_header(self, name: str, mode: int, size: int, mtime: int) -> None:
+        self._add(self._header(name, tarfile.REGTYPE, mode, size, mtime))
+
+    def data(self, view) -> None:
+        self._add(view)  # a view into the decompressed chunk, written from there (no copy here)
+
+    def end_file(self, size: int) -> None:
+        if size % BLOCK:
+            self._add(_ZEROS[: BLOCK - size % BLOCK])
+
+    def _add(self, piece) -> None:
+        self._parts.append(piece)
+        self._size += len(piece)
+        if self._size >= 1 << 20 or len(self._parts) >= 512:  # IOV_MAX is 1024 on Linux
+            self.flush()
+
+    def flush(self) -> None:
+        parts, self._parts, self._size = self._parts, [], 0
+        try:
+            while parts:  # a pipe takes it all unless a signal interrupts; then go on from where it stopped
+                n = os.writev(self._fd, parts)
+                self.written += n
+                i = 0
+                while i < len(parts) and n >= len(parts[i]):
+                    n -= len(parts[i])
+                    i += 1
+                parts = parts[i:]
+                if parts and n:
+                    parts[0] = memoryview(parts[0])[n:]
+        except BrokenPipeError:
+            self.close()  # raises tar's own error
+            raise
+
+    def close(self) -> None:
+        """End the stream (tar's end-of-archive blocks, padded to a record), wait for tar, raise what it met."""
+        if self._proc.stdin and not self._proc.stdin.closed:
+            end = 2 * BLOCK + (-(self.written + self._size + 2 * BLOCK) % self.RECORD)
+            self._parts.append(bytes(end))
+            try:
+                self.flush()
+            except BrokenPipeError:
+                pass  # tar stopped early: its exit status and message say why
+            self._proc.stdin.close()
+        code = self._proc.wait()
+        self._err.seek(0)
+        err = self._err.read().decode("utf-8", "replace").strip()
+        self._err.close()
+        if code != 0:
+            last = err.splitlines()[-1] if err else f"exit status {code}"
+            if "No space left" in err:
+                raise OSError(errno.ENOSPC, "No space left on device", last)
+            raise EnvArchiveError(f"tar failed while writing the unpacked files: {last}")
+
+    def abort(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc.stdin and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+        self._proc.wait()
+        self._err.close()
+
+
 class _Extractor:
     """Writes members under `root`, refusing anything that would land outside it; records what it wrote."""
 
-    def __init__(self, root: str, reader: TarReader, progress):
+    def __init__(self, root: str, reader: TarReader, progress, feed: Optional[_TarFeed] = None):
         self.root, self.reader, self.progress = root, reader, progress
+        self.feed = feed  # when set, GNU tar writes files, folders and hard links (see _TarFeed)
+        self.hard: set = set()  # hard-link members (with feed: names known to be files without a filesystem)
         self.dirs = {""}  # folders (relative) known to be real folders under root, not links
         self.links: list = []
         self.link_names: set = set()
@@ -289,16 +440,24 @@ class _Extractor:
                 f"to extract through it."
             )
         self.folder(rel.rpartition("/")[0])
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                raise EnvArchiveError(
-                    f"archive member {rel!r} needs a folder where the target has a file or link; "
-                    f"refusing to extract it."
-                ) from None
+        if self.feed is not None:  # an empty target: only this archive's members can be in the way
+            if rel in self.regular or rel in self.hard:
+                raise self._not_a_folder(rel)
+            self.feed.folder(rel, 0o755, 0)  # a parent the archive does not list, as os.mkdir makes it
+        else:
+            try:
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    raise self._not_a_folder(rel) from None
         self.dirs.add(rel)
         return path
+
+    @staticmethod
+    def _not_a_folder(rel: str) -> EnvArchiveError:
+        return EnvArchiveError(
+            f"archive member {rel!r} needs a folder where the target has a file or link; refusing to extract it."
+        )
 
     def _through_link(self, name: str) -> None:
         # Links are made last, so until then a link's name used as a folder is a real folder made here
@@ -315,12 +474,38 @@ class _Extractor:
             return os.open(dest, flags, mode)
         except FileExistsError:
             if stat.S_ISDIR(os.lstat(dest).st_mode):
-                raise EnvArchiveError(
-                    f"archive has both a folder and a file at {os.path.relpath(dest, self.root)!r}; "
-                    f"refusing it."
-                ) from None
+                raise self._file_and_folder(os.path.relpath(dest, self.root)) from None
             os.unlink(dest)  # a later member of the same name replaces the earlier one, as tar does
             return os.open(dest, flags, mode)
+
+    @staticmethod
+    def _file_and_folder(rel: str) -> EnvArchiveError:
+        return EnvArchiveError(f"archive has both a folder and a file at {rel!r}; refusing it.")
+
+    def _feed_file(self, m, name: str, hash_name: Optional[str]) -> None:
+        """A checked file member passed on to tar (a later member of the same name replaces it, as tar does)."""
+        if name in self.dirs:
+            raise self._file_and_folder(name)
+        feed = self.feed
+        feed.file_header(name, m.mode & 0o777, m.size, m.mtime)  # setuid/setgid/sticky bits dropped
+        if hash_name:
+            h = new_hasher(hash_name)
+
+            def sink(view, h=h):
+                h.update(view)
+                feed.data(view)
+
+            self.reader.copy(m.size, sink)
+        else:
+            self.reader.copy(m.size, feed.data)
+        feed.end_file(m.size)
+        self.hard.discard(name)
+        self.regular.add(name)
+        self.counts["files"] += 1
+        self.counts["bytes"] += m.size
+        self.seen.append([name, "f", m.size, h.hexdigest() if hash_name else ""])
+        if self.progress:
+            self.progress(m.size)
 
     def member(self, m, hash_name: Optional[str]) -> None:
         name = _clean_name(m.raw_name)
@@ -330,12 +515,17 @@ class _Extractor:
         parent, _, _base = name.rpartition("/")
         if m.kind == "d":
             path = self.folder(name)
-            os.chmod(path, (m.mode & 0o777) | 0o700)
+            if self.feed is not None:
+                self.feed.folder(name, (m.mode & 0o777) | 0o700, m.mtime)
+            else:
+                os.chmod(path, (m.mode & 0o777) | 0o700)
             self.counts["dirs"] += 1
             self.seen.append([name, "d", 0, ""])
             return
         dest = f"{self.folder(parent)}/{_base}"
-        if m.kind == "f":
+        if m.kind == "f" and self.feed is not None:
+            self._feed_file(m, name, hash_name)
+        elif m.kind == "f":
             mode = m.mode & 0o777  # setuid/setgid/sticky bits dropped on purpose
             fd = self._open_new(dest, mode)
             try:
@@ -382,9 +572,18 @@ class _Extractor:
                     f"archive member {m.raw_name!r} is a hard link to {m.linkname!r}, which is not a file "
                     f"extracted before it; refusing to extract it."
                 )
-            if os.path.lexists(dest):
-                os.unlink(dest)
-            os.link(os.path.join(self.root, *other.split("/")), dest)
+            if self.feed is not None:
+                if name in self.dirs:
+                    raise self._file_and_folder(name)
+                self.feed.hardlink(name, other, m.mtime)
+                self.regular.discard(name)
+            else:
+                if os.path.lexists(dest):
+                    if os.path.isdir(dest) and not os.path.islink(dest):
+                        raise self._file_and_folder(name)
+                    os.unlink(dest)
+                os.link(os.path.join(self.root, *other.split("/")), dest)
+            self.hard.add(name)
             self.counts["hardlinks"] += 1
             self.seen.append([name, "h", 0, other])
         else:
@@ -392,6 +591,17 @@ class _Extractor:
                 f"archive member {m.raw_name!r} is a device, FIFO or other special file; environments never "
                 f"contain those, refusing to extract it."
             )
+
+    def finish_writes(self) -> None:
+        """Wait until tar has written everything passed on (raises what it met); nothing to do without it."""
+        if self.feed is not None:
+            feed, self.feed = self.feed, None
+            feed.close()
+
+    def abort(self) -> None:
+        if self.feed is not None:
+            feed, self.feed = self.feed, None
+            feed.abort()
 
     def make_links(self) -> None:
         for dest, linkname in self.links:
@@ -442,7 +652,14 @@ def extract(
     """
     root = os.path.realpath(target)
     reader = TarReader(archive)
-    ex = _Extractor(root, reader, progress)
+    exe = gnu_tar()
+    try:
+        # tar writes only into an empty target: there nothing but this archive's members can be in the way
+        feed = _TarFeed(exe, root) if exe and not any(os.scandir(root)) else None
+    except BaseException:
+        reader.close()
+        raise
+    ex = _Extractor(root, reader, progress, feed)
     head = trailer = legacy = None
     try:
         first = True
@@ -470,6 +687,7 @@ def extract(
                 continue
             ex.member(m, head.get("hash") if head is not None else None)
         reader.drain()
+        ex.finish_writes()
     except EnvArchiveError:
         raise
     except Exception as exc:
@@ -477,6 +695,7 @@ def extract(
             raise _corrupt(archive, exc) from exc
         raise
     finally:
+        ex.abort()  # tar stopped (no-op after finish_writes); what it wrote is the caller's to remove
         reader.close()
     if head is not None:
         if trailer is None:

@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import stat
+import struct
 import tarfile
 import threading
 import zlib
@@ -513,8 +514,63 @@ def _decompressed(path: str, fmt: str) -> Iterator[bytes]:
             )
 
 
+class _ProgramChunks:
+    """Decompressed chunks from the `zstd` program: a process of its own decompresses while this one checks
+    members. (python-zstandard's decompressobj holds the interpreter lock while it works, so a thread of ours
+    would not run beside the checks; measured here: decompressing plus a busy loop took their sum.)"""
+
+    def __init__(self, path: str, exe: str):
+        import subprocess
+        import tempfile
+
+        self.path = path
+        self._err = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(
+            [exe, "-d", "-q", "-c", "--", path], stdout=subprocess.PIPE, stderr=self._err
+        )
+        self._fd = self._proc.stdout.fileno()
+        try:
+            import fcntl
+
+            fcntl.fcntl(self._fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+        except OSError:
+            pass
+
+    def __iter__(self):
+        while True:
+            data = os.read(self._fd, _READ)
+            if not data:
+                break
+            yield data
+        if self._proc.wait() != 0:
+            self._err.seek(0)
+            err = self._err.read().decode("utf-8", "replace").strip().splitlines()
+            raise ArchiveDamagedError(
+                f"archive {self.path!r} is truncated or corrupt: its zstd stream does not decompress "
+                f"({err[-1] if err else 'zstd failed'}); copy it again (compare its size with the original) or "
+                f"re-create it with `python -m kit env pack`."
+            )
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.stdout.close()
+        self._proc.wait()
+        self._err.close()
+
+
+def _zstd_program() -> Optional[str]:
+    """The `zstd` program for unpacking, unless KIT_ZSTD_PROGRAM=0 (then python-zstandard on a thread)."""
+    if os.environ.get("KIT_ZSTD_PROGRAM", "1") == "0":
+        return None
+    import shutil
+
+    return shutil.which("zstd")
+
+
 class _Chunks:
-    """Decompress on a background thread (zstd and zlib release the GIL) while the caller writes files."""
+    """Decompress on a background thread while the caller writes files (zlib releases the interpreter lock
+    while it works; python-zstandard's decompressobj does not, see _ProgramChunks)."""
 
     def __init__(self, path: str, fmt: str, depth: int = 8):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
@@ -648,25 +704,36 @@ class _Info:
         return self.type == tarfile.DIRTYPE
 
 
+_FIELDS = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")  # POSIX ustar, up to the padding
+
+
+def _octal(field: bytes) -> int:
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
 def _parse_ustar(hdr: bytes) -> Optional[_Info]:
     """Parse a plain POSIX ustar header with octal fields; None for anything else (tarfile parses those)."""
-    if hdr[257:263] != b"ustar\x00" or any(hdr[i] & 0x80 for i in (100, 124, 136)):
+    if hdr[257:263] != b"ustar\x00" or (hdr[100] | hdr[124] | hdr[136]) & 0x80:
         return None
+    name, mode, _u, _g, size, mtime, chk, kind, link, _m, _v, _un, _gn, _dj, _dn, prefix = _FIELDS.unpack(
+        hdr[:500]
+    )
     try:
-        chksum = int(hdr[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
-        if chksum != sum(hdr) - sum(hdr[148:156]) + 256:
+        # the sum of the header's bytes with the checksum field as spaces; for ASCII bytes adler32's low half
+        # is 1 + that sum (512 bytes below 128 stay under its modulus), else count them one by one
+        total = (zlib.adler32(hdr) & 0xFFFF) - 1 if hdr.isascii() else sum(hdr)
+        if _octal(chk) != total - sum(chk) + 256:
             raise tarfile.InvalidHeaderError("bad checksum")
         info = _Info()
-        name = hdr[0:100].split(b"\0", 1)[0]
-        prefix = hdr[345:500].split(b"\0", 1)[0]
-        info.name = os.fsdecode(prefix + b"/" + name if prefix else name)
-        info.mode = int(hdr[100:108].split(b"\0", 1)[0].strip() or b"0", 8)
-        info.size = int(hdr[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        info.mtime = int(hdr[136:148].split(b"\0", 1)[0].strip() or b"0", 8)
-        info.type = hdr[156:157] or tarfile.REGTYPE
-        if info.type == b"\0":
-            info.type = tarfile.REGTYPE
-        info.linkname = os.fsdecode(hdr[157:257].split(b"\0", 1)[0])
+        name = name.split(b"\0", 1)[0]
+        if prefix[0]:
+            name = prefix.split(b"\0", 1)[0] + b"/" + name
+        info.name = name.decode("utf-8", "surrogateescape")
+        info.mode = _octal(mode)
+        info.size = _octal(size)
+        info.mtime = _octal(mtime)
+        info.type = tarfile.REGTYPE if kind == b"\0" else kind
+        info.linkname = link.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") if link[0] else ""
     except ValueError as exc:
         raise tarfile.InvalidHeaderError(f"bad number field ({exc})") from exc
     if info.type == tarfile.AREGTYPE and info.name.endswith("/"):
@@ -681,7 +748,8 @@ class TarReader:
         self.path = str(path)
         with open(self.path, "rb") as fh:
             self.fmt = detect(fh.read(4))
-        self._chunks = _Chunks(self.path, self.fmt)
+        exe = _zstd_program() if self.fmt == "tar.zst" else None
+        self._chunks = _ProgramChunks(self.path, exe) if exe else _Chunks(self.path, self.fmt)
         self.stream = _Stream(self._chunks)
         self.ended = False
 
