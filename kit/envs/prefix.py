@@ -125,12 +125,13 @@ def check_space(target: os.PathLike | str, needed: int, what: str) -> None:
 
 
 def looks_text(data: bytes) -> bool:
-    return b"\0" not in data[:8192]
+    return data.find(b"\0", 0, 8192) < 0
 
 
 def scan_prefix(data: bytes, old: bytes) -> bool:
-    """True when `data` is text that mentions the old prefix (and so must be rewritten on relocation)."""
-    return old in data and looks_text(data)
+    """True when `data` is text that mentions the old prefix (and so must be rewritten on relocation).
+    The cheap test first: binaries (most of an env's bytes) are never searched."""
+    return looks_text(data) and old in data
 
 
 def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str, new: str) -> int:
