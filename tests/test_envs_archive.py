@@ -476,3 +476,18 @@ def test_a_target_with_contents_is_written_by_the_kit(box, monkeypatch):
     with pytest.raises(envs.EnvArchiveError, match="refusing"):
         envs.safe_extract(path, target)
     _outside_unchanged(root)
+
+
+def test_plain_headers_for_tar_match_the_general_builder():
+    """The headers unpack hands to tar (no owner, no link name) are those of the general ustar builder, and None
+    where pax records are needed."""
+    from kit.envs.tarstream import _ustar, plain_header
+
+    for name in ("a.py", "x/" * 60 + "y.py", "d" * 100, "e" * 60 + "/" + "f" * 100, "dir/"):
+        for kind in (tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.LNKTYPE):
+            for mode, size, mtime in ((0o644, 0, 0), (0o755, 12345, 1_700_000_000)):
+                want = _ustar(name, mode, 0, 0, size, mtime, kind, "", "", "")
+                assert plain_header(name, kind, mode, size, mtime) == want is not None
+    assert plain_header("naïve.py", tarfile.REGTYPE, 0o644, 1, 1) is None
+    assert plain_header("g" * 101, tarfile.REGTYPE, 0o644, 1, 1) is None  # no folder to move to the prefix
+    assert plain_header("a.py", tarfile.REGTYPE, 0o644, 1, -5) is None

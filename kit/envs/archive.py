@@ -27,6 +27,7 @@ from kit.envs.tarstream import (
     _ustar,
     json_bytes,
     new_hasher,
+    plain_header,
 )
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
@@ -335,7 +336,11 @@ class _TarFeed:
 
     def _header(self, name: str, kind: bytes, mode: int, size: int, mtime: int, linkname: str = "") -> bytes:
         mtime = int(mtime)
-        fast = _ustar(name, mode, 0, 0, size, mtime if mtime >= 0 else 0, kind, linkname, "", "")
+        fast = (
+            plain_header(name, kind, mode, size, mtime)
+            if not linkname
+            else _ustar(name, mode, 0, 0, size, mtime, kind, linkname, "", "")
+        )
         if fast is not None:
             return fast
         info = tarfile.TarInfo(name)

@@ -125,6 +125,37 @@ def _ustar(name, mode, uid, gid, size, mtime, kind, linkname, uname, gname) -> O
     )
 
 
+_PLAIN: dict = {}  # kind -> the header from the checksum field on, for no owner and no link name
+
+
+def plain_header(name: str, kind: bytes, mode: int, size: int, mtime: int) -> Optional[bytes]:
+    """The ustar header of a member without owner (uid/gid 0, no user or group names) or link name, built from
+    cached parts with an adler32 checksum (see TarWriter.add_entries); None when it needs pax records."""
+    if not name.isascii() or not 0 <= mtime < 0o77777777777 or size >= 0o77777777777:
+        return None
+    prefix = b""
+    if len(name) > 100:
+        cut = name.rfind("/", 0, 156)
+        if cut <= 0 or len(name) - cut - 1 > 100:
+            return None
+        prefix, name = name[:cut].encode("ascii"), name[cut + 1 :]
+    rest = _PLAIN.get(kind)
+    if rest is None:
+        tail, _ = _tail(kind, "", "")
+        rest = _PLAIN[kind] = b" " * 8 + kind + bytes(100) + tail + bytes(155 + 12)
+    header = b"%s%07o\0%s%011o\0%011o\0%s" % (
+        name.encode("ascii").ljust(100, b"\0"),
+        mode,
+        b"0000000\0" * 2,
+        size,
+        mtime,
+        rest,
+    )
+    if prefix:
+        header = b"%s%s%s" % (header[:345], prefix.ljust(155, b"\0"), header[500:])
+    return b"%s%06o\0%s" % (header[:148], (zlib.adler32(header) & 0xFFFF) - 1, header[155:])
+
+
 class TarWriter:
     """Write tar members to `out` (anything with write()), recording [name, type, size, hash|link] for each."""
 
