@@ -274,3 +274,26 @@ def test_parquet_dialogs_with_a_partial_column_mapping(tmp_path):
     pq.write_table(pa.table({"instruction": ["hello", "name?"], "response": ["hi", "kit"]}), path)
     res = _sft(tmp_path / "o", [path], columns={"output": "response"})
     assert res.report.records_written == 2 and res.report.records_dropped == 0
+
+
+def test_special_string_counts_are_the_leftmost_longest_matches(tok):
+    """The counter skips special strings whose first character is absent; its counts must equal one regex pass
+    over all of them (leftmost-longest, no overlaps), on texts built from the strings and their pieces."""
+    import collections
+    import random
+    import re
+
+    from kit.data.tokenizing import special_string_counter, special_strings
+
+    strings = special_strings(tok)
+    assert len(strings) > 3
+    full = re.compile("|".join(re.escape(s) for s in strings))
+    count = special_string_counter(tok)
+    rng = random.Random(0)
+    pieces = strings + ["a", "<", "[", "|", " ", "x", strings[0][:3], strings[-1][1:]]
+    for _ in range(300):
+        texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 20))) for _ in range(3)]
+        want = dict(collections.Counter(full.findall("\x00".join(texts))))
+        assert count(texts) == want
+    assert count([f"{strings[0]} and {strings[0]}", "", strings[0]]) == {strings[0]: 3}
+    assert count(["1 2 3"]) == {}

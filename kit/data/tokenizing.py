@@ -101,11 +101,27 @@ def special_string_counter(tok: Any) -> Callable[[List[str]], Dict[str, int]]:
     strings = special_strings(tok)
     if not strings:
         return lambda texts: {}
-    pattern = re.compile("|".join(re.escape(s) for s in strings))
+    by_first: Dict[str, List[str]] = {}
+    for s in strings:  # longest first within each group too
+        by_first.setdefault(s[0], []).append(s)
+    patterns: Dict[tuple, Any] = {}
 
     def count(texts: List[str]) -> Dict[str, int]:
         # NUL joins the batch: no special-token string contains it, so no match spans two texts
-        return dict(collections.Counter(pattern.findall("\x00".join(texts))))
+        joined = "\x00".join(texts)
+        # Only the strings whose first character occurs at all can match: one C scan per first character
+        # (most text has no '<' or '['), then one regex pass over what is left; dropping alternatives that
+        # cannot match leaves the leftmost-longest matches of the others as they were.
+        present = tuple(s for c, group in by_first.items() if c in joined for s in group)
+        if not present:
+            return {}
+        if len(present) == 1:
+            n = joined.count(present[0])
+            return {present[0]: n} if n else {}
+        pattern = patterns.get(present)
+        if pattern is None:
+            pattern = patterns[present] = re.compile("|".join(re.escape(s) for s in present))
+        return dict(collections.Counter(pattern.findall(joined)))
 
     return count
 
