@@ -631,3 +631,36 @@ def test_cli_options_come_from_envs_config():
         parser._subparsers._group_actions[0].choices["env"]._subparsers._group_actions[0].choices["pack"]
     )
     assert " ".join(docs["level"].split()[:3]) in " ".join(pack_help.format_help().split())
+
+
+def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path):
+    """Text (no NUL in the first 8 KiB) has the prefix rewritten wherever it is, also past 8 KiB; a binary (a NUL
+    there) is copied byte for byte (its rest by the kernel), prefix included, at every size around 8 KiB."""
+    from kit.envs.prefix import SCAN_LIMIT, copy_tree
+
+    src = tmp_path / "src"
+    src.mkdir()
+    old = str(src).encode()
+    cases = {}
+    for size in (10, 8191, 8192, 8193, 100_000, SCAN_LIMIT):
+        text = (b"x" * (size - len(old)) + old)[:size] if size > len(old) else b"y" * size
+        binary = (
+            b"\0" + (b"z" * (size - 1 - len(old)) + old)[: size - 1] if size > len(old) + 1 else b"\0" * size
+        )
+        for kind, data in (("text", text), ("bin", binary)):
+            name = f"{kind}{size}"
+            (src / name).write_bytes(data)
+            cases[name] = data
+    out = tmp_path / "out"
+    out.mkdir()
+    counts = copy_tree(src, out, "/new/prefix")
+    for name, data in cases.items():
+        got = (out / name).read_bytes()
+        if name.startswith("text") and old in data:
+            assert got == data.replace(old, b"/new/prefix"), name
+        else:
+            assert got == data, name
+    assert counts["rewritten"] == sum(1 for n, d in cases.items() if n.startswith("text") and old in d) >= 5
+    assert counts["bytes"] == sum(map(len, cases.values())) - counts["rewritten"] * (
+        len(old) - len("/new/prefix")
+    )

@@ -19,6 +19,7 @@ from kit.envs.errors import EnvError
 DEFAULT_IMPORTS = ("torch", "torch_npu", "deepspeed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SCAN_LIMIT = 2 << 20  # text files with a prefix are scripts and configs; bigger ones are binaries
+_HEAD = 8192  # a file with a NUL byte in its first 8 KiB is binary (what looks_text() reads)
 
 
 def check_name(name: str, what: str = "environment name") -> str:
@@ -125,7 +126,7 @@ def check_space(target: os.PathLike | str, needed: int, what: str) -> None:
 
 
 def looks_text(data: bytes) -> bool:
-    return data.find(b"\0", 0, 8192) < 0
+    return data.find(b"\0", 0, _HEAD) < 0
 
 
 def scan_prefix(data: bytes, old: bytes) -> bool:
@@ -172,19 +173,24 @@ def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o02
         fd = os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
         try:
             if st.st_size <= SCAN_LIMIT:
-                data = os.read(src, st.st_size)  # one read of the size stat() gave, as cp does
-                while len(data) < st.st_size:  # short reads are allowed
+                # the first 8 KiB say text or binary; a binary's rest is copied by the kernel (one copy, as
+                # cp does), a text's is read to be scanned for the prefix
+                data = os.read(src, min(st.st_size, _HEAD))
+                binary = not looks_text(data)
+                if binary and len(data) < st.st_size:
+                    _write_all(fd, data)
+                    _kernel_copy(src, fd, st.st_size - len(data))
+                    data = b""
+                while len(data) < st.st_size and not binary:  # short reads are allowed
                     more = os.read(src, st.st_size - len(data))
                     if not more:
                         break
                     data += more
-                rewritten = scan_prefix(data, old_b)
+                rewritten = not binary and old_b in data
                 if rewritten:
                     data = data.replace(old_b, new_b)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                size = len(data)
+                _write_all(fd, data)
+                size = st.st_size if binary else len(data)
             else:
                 _kernel_copy(src, fd, st.st_size)
                 size = st.st_size
@@ -196,6 +202,12 @@ def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o02
     finally:
         os.close(src)
     return size, rewritten
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _kernel_copy(src: int, dst: int, size: int) -> None:
