@@ -491,26 +491,33 @@ class _Extractor:
         """A checked file member passed on to tar (a later member of the same name replaces it, as tar does)."""
         if name in self.dirs:
             raise self._file_and_folder(name)
-        feed = self.feed
-        feed.file_header(name, m.mode & 0o777, m.size, m.mtime)  # setuid/setgid/sticky bits dropped
-        if hash_name:
-            h = new_hasher(hash_name)
+        self.feed.file_header(name, m.mode & 0o777, m.size, m.mtime)  # setuid/setgid/sticky bits dropped
+        digest = self._copy_data(m.size, self.feed.data, hash_name)
+        self.feed.end_file(m.size)
+        self._file_done(name, m.size, digest)
 
-            def sink(view, h=h):
-                h.update(view)
-                feed.data(view)
+    def _copy_data(self, size: int, write: Callable, hash_name: Optional[str]) -> str:
+        """Pass a member's data to write(view), hashed when the archive names a hash; the hex digest or ''."""
+        if not hash_name:
+            self.reader.copy(size, write)
+            return ""
+        h = new_hasher(hash_name)
 
-            self.reader.copy(m.size, sink)
-        else:
-            self.reader.copy(m.size, feed.data)
-        feed.end_file(m.size)
+        def sink(view) -> None:
+            h.update(view)
+            write(view)
+
+        self.reader.copy(size, sink)
+        return h.hexdigest()
+
+    def _file_done(self, name: str, size: int, digest: str) -> None:
         self.hard.discard(name)
         self.regular.add(name)
         self.counts["files"] += 1
-        self.counts["bytes"] += m.size
-        self.seen.append([name, "f", m.size, h.hexdigest() if hash_name else ""])
+        self.counts["bytes"] += size
+        self.seen.append([name, "f", size, digest])
         if self.progress:
-            self.progress(m.size)
+            self.progress(size)
 
     def member(self, m, hash_name: Optional[str]) -> None:
         name = _clean_name(m.raw_name)
@@ -534,27 +541,13 @@ class _Extractor:
             mode = m.mode & 0o777  # setuid/setgid/sticky bits dropped on purpose
             fd = self._open_new(dest, mode)
             try:
-                if hash_name:
-                    h = new_hasher(hash_name)
-
-                    def sink(view, fd=fd, h=h):
-                        h.update(view)
-                        _write_all(fd, view)
-
-                    self.reader.copy(m.size, sink)
-                else:
-                    self.reader.copy(m.size, lambda view, fd=fd: _write_all(fd, view))
+                digest = self._copy_data(m.size, lambda view: _write_all(fd, view), hash_name)
                 if mode & self.umask:  # open() applied the umask; only then is a second call needed
                     os.fchmod(fd, mode)
                 os.utime(fd, (m.mtime, m.mtime))
             finally:
                 os.close(fd)
-            self.regular.add(name)
-            self.counts["files"] += 1
-            self.counts["bytes"] += m.size
-            self.seen.append([name, "f", m.size, h.hexdigest() if hash_name else ""])
-            if self.progress:
-                self.progress(m.size)
+            self._file_done(name, m.size, digest)
         elif m.kind == "l":
             if os.path.isabs(m.linkname):
                 raise EnvArchiveError(
