@@ -348,22 +348,20 @@ class _TarFeed:
         return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
     def folder(self, name: str, mode: int, mtime: int) -> None:
-        self._add(self._header(name + "/", tarfile.DIRTYPE, mode, 0, mtime))
+        self.data(self._header(name + "/", tarfile.DIRTYPE, mode, 0, mtime))
 
     def hardlink(self, name: str, other: str, mtime: int) -> None:
-        self._add(self._header(name, tarfile.LNKTYPE, 0o644, 0, mtime, other))
+        self.data(self._header(name, tarfile.LNKTYPE, 0o644, 0, mtime, other))
 
     def file_header(self, name: str, mode: int, size: int, mtime: int) -> None:
-        self._add(self._header(name, tarfile.REGTYPE, mode, size, mtime))
+        mtime = int(mtime)
+        self.data(
+            plain_header(name, tarfile.REGTYPE, mode, size, mtime)
+            or self._header(name, tarfile.REGTYPE, mode, size, mtime)
+        )
 
-    def data(self, view) -> None:
-        self._add(view)  # a view into the decompressed chunk, written from there (no copy here)
-
-    def end_file(self, size: int) -> None:
-        if size % BLOCK:
-            self._add(_ZEROS[: BLOCK - size % BLOCK])
-
-    def _add(self, piece) -> None:
+    def data(self, piece) -> None:
+        """A header, data (a view into the decompressed chunk, written from there: no copy here) or padding."""
         self._parts.append(piece)
         self._size += len(piece)
         if self._size >= 1 << 20 or len(self._parts) >= 512:  # IOV_MAX is 1024 on Linux
@@ -491,9 +489,11 @@ class _Extractor:
         """A checked file member passed on to tar (a later member of the same name replaces it, as tar does)."""
         if name in self.dirs:
             raise self._file_and_folder(name)
-        self.feed.file_header(name, m.mode & 0o777, m.size, m.mtime)  # setuid/setgid/sticky bits dropped
-        digest = self._copy_data(m.size, self.feed.data, hash_name)
-        self.feed.end_file(m.size)
+        feed = self.feed
+        feed.file_header(name, m.mode & 0o777, m.size, m.mtime)  # setuid/setgid/sticky bits dropped
+        digest = self._copy_data(m.size, feed.data, hash_name)
+        if m.size % BLOCK:
+            feed.data(_ZEROS[: BLOCK - m.size % BLOCK])
         self._file_done(name, m.size, digest)
 
     def _copy_data(self, size: int, write: Callable, hash_name: Optional[str]) -> str:
@@ -519,8 +519,9 @@ class _Extractor:
         if self.progress:
             self.progress(size)
 
-    def member(self, m, hash_name: Optional[str]) -> None:
-        name = _clean_name(m.raw_name)
+    def member(self, m, hash_name: Optional[str], name: Optional[str] = None) -> None:
+        """Check member `m` and write it (or pass it to tar); `name` is its cleaned name when known already."""
+        name = _clean_name(m.raw_name) if name is None else name
         if not name:
             return
         self._through_link(name)
@@ -658,7 +659,7 @@ def extract(
         reader.close()
         raise
     ex = _Extractor(root, reader, progress, feed)
-    head = trailer = legacy = None
+    head = trailer = legacy = hash_name = None
     try:
         first = True
         for m in reader.members():
@@ -674,6 +675,7 @@ def extract(
                         f"archive {str(archive)!r} was written by a newer kit (format {head['kit_archive']}); "
                         f"update the kit to unpack it."
                     )
+                hash_name = head.get("hash")
                 first = False
                 continue
             first = False
@@ -683,7 +685,7 @@ def extract(
             if head is None and name == MANIFEST and m.kind == "f":  # kit archives before the member list
                 legacy = _json(reader.read_data(m.size), MANIFEST, archive)
                 continue
-            ex.member(m, head.get("hash") if head is not None else None)
+            ex.member(m, hash_name, name)
         reader.drain()
         ex.finish_writes()
     except EnvArchiveError:
