@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -633,7 +634,18 @@ def test_cli_options_come_from_envs_config():
     assert " ".join(docs["level"].split()[:3]) in " ".join(pack_help.format_help().split())
 
 
-def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path):
+@pytest.fixture(params=["cp", "kit"])
+def copier(request, monkeypatch):
+    """Who copies on a local disk: GNU cp (the default where it is installed) or the kit (KIT_CP_PROGRAM=0)."""
+    from kit.envs.prefix import gnu_program
+
+    monkeypatch.setenv("KIT_CP_PROGRAM", "1" if request.param == "cp" else "0")
+    if request.param == "cp" and gnu_program("cp") is None:
+        pytest.skip("GNU cp is not installed here")
+    return request.param
+
+
+def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path, copier):
     """Text (no NUL in the first 8 KiB) has the prefix rewritten wherever it is, also past 8 KiB; a binary (a NUL
     there) is copied byte for byte (its rest by the kernel), prefix included, at every size around 8 KiB."""
     from kit.envs.prefix import SCAN_LIMIT, copy_tree
@@ -664,3 +676,65 @@ def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path):
     assert counts["bytes"] == sum(map(len, cases.values())) - counts["rewritten"] * (
         len(old) - len("/new/prefix")
     )
+
+
+def test_cp_and_the_kit_copy_leave_the_same_tree(source_env, tmp_path, monkeypatch):
+    """GNU cp plus the kit's fix-ups and the kit's own copy: same names, types, modes, contents, times, link
+    targets (absolute links into the source re-pointed) and counts; folders owner-writable in both."""
+    from kit.envs.prefix import copy_tree, gnu_program
+
+    if gnu_program("cp") is None:
+        pytest.skip("GNU cp is not installed here")
+    src = tmp_path / "src"
+    shutil.copytree(source_env, src, symlinks=True)
+    (src / "share").mkdir()
+    (src / "share" / "abs-inside").symlink_to(src / "bin" / "hello")  # absolute, into the source: re-pointed
+    (src / "share" / "rel").symlink_to("../bin/hello")
+    (src / "locked").mkdir()
+    (src / "locked" / "f.txt").write_text(f"prefix {src} here\n")
+    (src / "share" / "long.cfg").write_text("x = 1\n" * 3000 + f"home = {src}\n")  # the prefix past 8 KiB
+    os.chmod(src / "locked", 0o555)
+    os.utime(src / "share" / "rel", (1, 2), follow_symlinks=False)
+
+    def tree(root: Path) -> dict:
+        out = {}
+        for p in sorted(root.rglob("*")):
+            st, rel = p.lstat(), str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("l", os.readlink(p).replace(str(root), "<root>"))
+            elif p.is_dir():
+                out[rel] = ("d", st.st_mode & 0o7777)
+            else:
+                data = p.read_bytes().replace(str(root).encode(), b"<root>")
+                out[rel] = ("f", st.st_mode & 0o7777, data, st.st_mtime_ns)
+        return out
+
+    results, trees = {}, {}
+    for program in ("1", "0"):
+        monkeypatch.setenv("KIT_CP_PROGRAM", program)
+        out = tmp_path / f"out{program}"
+        out.mkdir()
+        results[program] = copy_tree(src, out, str(out), workers=1)
+        trees[program] = tree(out)
+    os.chmod(src / "locked", 0o755)
+    assert results["1"] == results["0"] and results["1"]["rewritten"] == 2
+    assert trees["1"] == trees["0"]
+    assert trees["1"]["share/abs-inside"] == ("l", "<root>/bin/hello") and trees["1"]["locked"] == (
+        "d",
+        0o755,
+    )
+    assert trees["1"]["locked/f.txt"][2] == b"prefix <root> here\n"
+
+
+def test_a_failing_cp_is_one_clear_error_and_no_env(source_env, tmp_path, monkeypatch):
+    import kit.envs.prefix as prefix_mod
+    from kit.errors import user_message
+
+    fake = tmp_path / "cp"
+    fake.write_text("#!/bin/sh\necho 'cp: cannot create regular file: No space left on device' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(prefix_mod, "gnu_program", lambda name: str(fake))
+    with pytest.raises(OSError) as info:
+        envs.clone(source_env, name="full", envs_root=tmp_path / "envs", verify_imports=None)
+    assert "disk is full" in user_message(info.value) and "\n" not in user_message(info.value)
+    assert list((tmp_path / "envs" / "venvs").iterdir()) == []

@@ -10,7 +10,6 @@ import errno
 import gzip
 import json
 import os
-import shutil
 import stat
 import tarfile
 import zlib
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import IO, Callable, Optional
 
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
+from kit.envs.prefix import dies_with_parent, gnu_program
 from kit.envs.tarstream import (
     ARCHIVE_VERSION,
     BLOCK,
@@ -277,25 +277,12 @@ def _write_all(fd: int, view) -> None:
         view = view[os.write(fd, view) :]
 
 
-_GNU_TAR: dict = {}
 _ZEROS = memoryview(bytes(BLOCK))
 
 
 def gnu_tar() -> Optional[str]:
-    """The GNU tar program that extraction hands its writes to, or None (not installed, another tar, or
-    KIT_TAR_PROGRAM=0): then the kit writes every file itself."""
-    if os.environ.get("KIT_TAR_PROGRAM", "1") == "0":
-        return None
-    exe = shutil.which("tar")
-    if exe and exe not in _GNU_TAR:
-        import subprocess
-
-        try:
-            out = subprocess.run([exe, "--version"], capture_output=True, timeout=30).stdout
-            _GNU_TAR[exe] = b"GNU tar" in out
-        except (OSError, subprocess.SubprocessError):
-            _GNU_TAR[exe] = False
-    return exe if exe and _GNU_TAR[exe] else None
+    """The GNU tar program that extraction hands its writes to (KIT_TAR_PROGRAM=0: the kit writes every file)."""
+    return gnu_program("tar")
 
 
 class _TarFeed:
@@ -322,6 +309,7 @@ class _TarFeed:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=self._err,
+            preexec_fn=dies_with_parent(),
         )
         self._fd = self._proc.stdin.fileno()
         try:

@@ -20,6 +20,43 @@ DEFAULT_IMPORTS = ("torch", "torch_npu", "deepspeed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SCAN_LIMIT = 2 << 20  # text files with a prefix are scripts and configs; bigger ones are binaries
 _HEAD = 8192  # a file with a NUL byte in its first 8 KiB is binary (what looks_text() reads)
+_GNU: dict = {}
+
+
+def dies_with_parent():
+    """A preexec_fn for helper programs (cp, tar, zstd): Linux kills the child when this process dies, so a
+    killed clone or unpack does not leave a program writing into its partial output; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(1, 9)  # PR_SET_PDEATHSIG (1), SIGKILL (9)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_death_signal
+
+
+def gnu_program(name: str) -> Optional[str]:
+    """The GNU `name` program (tar, cp) the kit hands bulk file work to, or None: not installed, another
+    implementation (their options differ), or KIT_<NAME>_PROGRAM=0; then the kit does that work itself."""
+    if os.environ.get(f"KIT_{name.upper()}_PROGRAM", "1") == "0":
+        return None
+    exe = shutil.which(name)
+    if exe and exe not in _GNU:
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, timeout=30).stdout
+            _GNU[exe] = out.startswith(f"{name} (GNU ".encode())
+        except (OSError, subprocess.SubprocessError):
+            _GNU[exe] = False
+    return exe if exe and _GNU[exe] else None
 
 
 def check_name(name: str, what: str = "environment name") -> str:
@@ -260,16 +297,22 @@ def copy_tree(
 
     Symbolic links are copied as links; absolute ones into the source are re-pointed into the copy. On a
     network filesystem (SFS/NFS: every small file costs a round trip) files are copied on 8 threads; on a local
-    disk one thread is as fast (the copies are system calls; measured in benchmarks/bench_envs.py).
+    disk GNU cp copies in a process of its own while this one finds the files to rewrite (threads of ours are
+    slower there: the interpreter lock changes hands around every short system call), else one thread of ours.
     `entries` is scan_tree(src) when the caller has it already.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     src, dst = os.path.abspath(src), os.path.abspath(dst)
+    entries = scan_tree(src) if entries is None else entries
+    workers = workers or (8 if is_network_fs(dst) else 1)
+    exe = gnu_program("cp") if workers == 1 else None
+    if exe:  # a local disk: GNU cp copies (network filesystems gain more from several threads of our own)
+        return _copy_with_cp(exe, src, dst, new_prefix, entries, progress)
     old_b, new_b = src.encode(), new_prefix.encode()
     counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
     jobs = []
-    for rel, s, st in scan_tree(src) if entries is None else entries:
+    for rel, s, st in entries:
         d = os.path.join(dst, rel)
         if stat.S_ISDIR(st.st_mode):
             os.mkdir(d, 0o700)
@@ -289,6 +332,11 @@ def copy_tree(
                 f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
             )
     workers = workers or (8 if is_network_fs(dst) else 1)
+    exe = gnu_program("cp") if workers == 1 else None
+    if exe:
+        return _copy_with_cp(
+            exe, src, dst, new_prefix, scan_tree(src) if entries is None else entries, progress
+        )
 
     umask = _umask()
 
@@ -311,6 +359,95 @@ def copy_tree(
         if workers != 1:
             pool.shutdown()
     return counts
+
+
+def _copy_with_cp(exe: str, src: str, dst: str, new_prefix: str, entries: list, progress) -> dict:
+    """copy_tree() with GNU cp doing the copying in a process of its own (modes and times kept, links copied as
+    links), while this process reads the source's text files to find those that hold the old prefix; then those
+    are rewritten in the copy, absolute links into the source re-pointed, and folders made owner-writable, as
+    copy_tree's own copy leaves them. Same result and counts (tested side by side)."""
+    import tempfile
+
+    old_b, new_b = src.encode(), new_prefix.encode()
+    for _rel, s, st in entries:
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            raise EnvError(
+                f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
+            )
+    err = tempfile.TemporaryFile()
+    # --preserve=mode,timestamps: no owners (the copy belongs to whoever clones, also as root) and every hard
+    # link a file of its own, as the kit's own copy makes them
+    proc = subprocess.Popen(
+        [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst],
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        preexec_fn=dies_with_parent(),
+    )
+    try:
+        counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
+        texts = []
+        for rel, s, st in entries:
+            if stat.S_ISLNK(st.st_mode):
+                counts["links"] += 1
+            elif stat.S_ISREG(st.st_mode):
+                counts["files"] += 1
+                counts["bytes"] += st.st_size
+                if 0 < st.st_size <= SCAN_LIMIT and _holds_prefix(s, st.st_size, old_b):
+                    texts.append((rel, st))
+            else:
+                continue
+            if progress:
+                progress(1)
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err.seek(0)
+    message = err.read().decode("utf-8", "replace").strip().splitlines()
+    err.close()
+    if code != 0:
+        last = message[-1] if message else f"exit status {code}"
+        if any("No space left" in line for line in message):
+            raise OSError(errno.ENOSPC, "No space left on device", last)
+        raise EnvError(f"copying {src} failed: {last}")
+    for rel, st in texts:
+        d = os.path.join(dst, rel)
+        with open(d, "rb") as fh:
+            data = fh.read()
+        new = data.replace(old_b, new_b)
+        with open(d, "wb") as fh:  # the file cp made: its mode stays
+            fh.write(new)
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
+        counts["rewritten"] += 1
+        counts["bytes"] += len(new) - len(data)
+    for rel, s, st in entries:
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(s)
+            if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
+                d = os.path.join(dst, rel)
+                os.unlink(d)
+                os.symlink(new_prefix + target[len(src) :], d)
+        elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
+            os.chmod(os.path.join(dst, rel), stat.S_IMODE(st.st_mode) | 0o700)
+    return counts
+
+
+def _holds_prefix(path: str, size: int, old: bytes) -> bool:
+    """True when the file is text (no NUL in its first 8 KiB) and mentions `old`; binaries are read no further."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, min(size, _HEAD))
+        if not looks_text(data):
+            return False
+        while len(data) < size:
+            more = os.read(fd, size - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    return old in data
 
 
 _VERIFY = r"""

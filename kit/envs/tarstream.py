@@ -556,8 +556,13 @@ class _ProgramChunks:
 
         self.path = path
         self._err = tempfile.TemporaryFile()
+        from kit.envs.prefix import dies_with_parent
+
         self._proc = subprocess.Popen(
-            [exe, "-d", "-q", "-c", "--", path], stdout=subprocess.PIPE, stderr=self._err
+            [exe, "-d", "-q", "-c", "--", path],
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            preexec_fn=dies_with_parent(),
         )
         self._fd = self._proc.stdout.fileno()
         try:
