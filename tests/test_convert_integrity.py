@@ -343,6 +343,9 @@ def test_megatron_to_hf_memory_stays_flat(tmp_path):
         "import re\n"
         "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 1024\n"
         "from kit.convert import ConvertConfig, megatron_to_hf\nimport kit.convert.convert\n"
+        # a first run imports what the converter loads lazily (torch, safetensors): fixed costs, not the model's
+        f"megatron_to_hf(ConvertConfig({str(tmp_path / 'm')!r}, {str(tmp_path / 'warm')!r}, "
+        "direction='megatron_to_hf'), progress=False)\n"
         "before = hwm()\n"
         f"megatron_to_hf(ConvertConfig({str(tmp_path / 'm')!r}, {str(tmp_path / 'hf')!r}, "
         "direction='megatron_to_hf'), progress=False)\n"
