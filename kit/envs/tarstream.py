@@ -125,35 +125,44 @@ def _ustar(name, mode, uid, gid, size, mtime, kind, linkname, uname, gname) -> O
     )
 
 
-_PLAIN: dict = {}  # kind -> the header from the checksum field on, for no owner and no link name
+_PARTS: dict = {}  # (kind, uid, gid, user, group) -> (id fields, the header from the checksum field on, ASCII?)
 
 
-def plain_header(name: str, kind: bytes, mode: int, size: int, mtime: int) -> Optional[bytes]:
-    """The ustar header of a member without owner (uid/gid 0, no user or group names) or link name, built from
-    cached parts with an adler32 checksum (see TarWriter.add_entries); None when it needs pax records."""
+def plain_header(
+    name: str, kind: bytes, mode: int, size: int, mtime: int, uid: int = 0, gid: int = 0, user="", group=""
+) -> Optional[bytes]:
+    """The ustar header of a member without link name, built from parts cached per kind and owner, with its
+    checksum from adler32 (for ASCII bytes adler32's low half is 1 + their sum: 512 bytes below 128 sum to less
+    than its modulus 65521); None when it needs pax records (non-ASCII or long names, big numbers)."""
     if not name.isascii() or not 0 <= mtime < 0o77777777777 or size >= 0o77777777777:
         return None
     prefix = b""
-    if len(name) > 100:
+    if len(name) > 100:  # ustar keeps up to 155 bytes of folders apart from the last 100 bytes
         cut = name.rfind("/", 0, 156)
         if cut <= 0 or len(name) - cut - 1 > 100:
             return None
         prefix, name = name[:cut].encode("ascii"), name[cut + 1 :]
-    rest = _PLAIN.get(kind)
-    if rest is None:
-        tail, _ = _tail(kind, "", "")
-        rest = _PLAIN[kind] = b" " * 8 + kind + bytes(100) + tail + bytes(155 + 12)
+    key = (kind, uid, gid, user, group)
+    parts = _PARTS.get(key)
+    if parts is None:
+        if uid > 0o7777777 or gid > 0o7777777:
+            return None
+        tail, _ = _tail(kind, user, group)
+        rest = b" " * 8 + kind + bytes(100) + tail + bytes(155 + 12)
+        parts = _PARTS[key] = (b"%07o\0%07o\0" % (uid, gid), rest, rest.isascii())
+    ids, rest, ascii_ = parts
     header = b"%s%07o\0%s%011o\0%011o\0%s" % (
         name.encode("ascii").ljust(100, b"\0"),
         mode,
-        b"0000000\0" * 2,
+        ids,
         size,
         mtime,
         rest,
     )
     if prefix:
         header = b"%s%s%s" % (header[:345], prefix.ljust(155, b"\0"), header[500:])
-    return b"%s%06o\0%s" % (header[:148], (zlib.adler32(header) & 0xFFFF) - 1, header[155:])
+    chksum = (zlib.adler32(header) & 0xFFFF) - 1 if ascii_ else sum(header)
+    return b"%s%06o\0%s" % (header[:148], chksum, header[155:])
 
 
 class TarWriter:
@@ -366,12 +375,7 @@ class TarWriter:
 
     def add_entries(self, entries, skip=(), progress: Optional[Callable] = None) -> None:
         """add_path() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link.
-
-        Nearly every member of an env is a small file with a short ASCII name: those get their ustar header
-        from parts cached per owner, with its checksum from adler32 (for ASCII bytes, adler32's low half is
-        1 + their sum: 512 bytes below 128 sum to less than its modulus 65521)."""
-        owners: dict = {}
-        limit = 0o77777777777
+        Nearly every member of an env is a small file with a plain name: its header comes from plain_header()."""
         for name, path, st in entries:
             mode = st.st_mode
             if progress and not stat.S_ISDIR(mode):
@@ -379,53 +383,23 @@ class TarWriter:
             if name in skip:
                 continue
             size = st.st_size
-            if not (
-                stat.S_ISREG(mode)
-                and st.st_nlink == 1
-                and size <= SMALL
-                and name.isascii()
-                and 0 <= st.st_mtime < limit
-            ):
+            header = None
+            if stat.S_ISREG(mode) and st.st_nlink == 1 and size <= SMALL:
+                uid, gid = st.st_uid, st.st_gid
+                header = plain_header(
+                    name,
+                    tarfile.REGTYPE,
+                    stat.S_IMODE(mode),
+                    size,
+                    int(st.st_mtime),
+                    uid,
+                    gid,
+                    *self._owner(uid, gid),
+                )
+            if header is None:
                 self.add_path(path, name, st)
-                continue
-            prefix = b""
-            if len(name) > 100:  # ustar keeps up to 155 bytes of folders apart from the last 100 bytes
-                cut = name.rfind("/", 0, 156)
-                if cut <= 0 or len(name) - cut - 1 > 100:
-                    self.add_path(path, name, st)
-                    continue
-                prefix, name_field = name[:cut].encode("ascii"), name[cut + 1 :]
             else:
-                name_field = name
-            key = (st.st_uid, st.st_gid)
-            parts = owners.get(key, ())
-            if parts == ():
-                parts = owners[key] = self._owner_parts(*key)
-            if parts is None:  # ids too large for ustar: pax records
-                self.add_path(path, name, st)
-                continue
-            ids, rest, ascii_ = parts
-            header = b"%s%07o\0%s%011o\0%011o\0%s" % (
-                name_field.encode("ascii").ljust(100, b"\0"),
-                stat.S_IMODE(mode),
-                ids,
-                size,
-                int(st.st_mtime),
-                rest,
-            )
-            if prefix:
-                header = b"%s%s%s" % (header[:345], prefix.ljust(155, b"\0"), header[500:])
-            chksum = (zlib.adler32(header) & 0xFFFF) - 1 if ascii_ else sum(header)
-            self._add_small(path, name, size, b"%s%06o\0%s" % (header[:148], chksum, header[155:]))
-
-    def _owner_parts(self, uid: int, gid: int) -> Optional[tuple]:
-        """(uid and gid fields, the header from the checksum field on with the checksum as spaces, ASCII?), or
-        None when the ids do not fit ustar's fields."""
-        if uid > 0o7777777 or gid > 0o7777777:
-            return None
-        tail, _ = _tail(tarfile.REGTYPE, *self._owner(uid, gid))
-        rest = b" " * 8 + tarfile.REGTYPE + bytes(100) + tail + bytes(155 + 12)
-        return b"%07o\0%07o\0" % (uid, gid), rest, rest.isascii()
+                self._add_small(path, name, size, header)
 
     @staticmethod
     def _changed(path: str, before: int, now: int) -> EnvArchiveError:
