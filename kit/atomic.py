@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
@@ -27,6 +25,18 @@ def refuse_existing(path: PathLike, overwrite: bool, what: str = "output") -> No
         )
 
 
+def _temp_name(final: Path) -> Path:
+    """A fresh hidden name beside `final` (what tempfile would pick; tempfile is not imported: it costs a CLI's
+    start-up a few ms, and its `random` more)."""
+    return final.with_name(f".{final.name}.partial-{os.urandom(6).hex()}")
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -39,19 +49,25 @@ def atomic_dir(final: PathLike, overwrite: bool = False, what: str = "output fol
     final = Path(final)
     refuse_existing(final, overwrite, what)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the finished folder gets normal permissions
+    while True:
+        tmp = _temp_name(final)
+        try:
+            os.mkdir(tmp, 0o700)  # private while it fills, as mkdtemp makes it
+            break
+        except FileExistsError:  # 48 random bits taken: pick again
+            continue
+    os.chmod(tmp, 0o777 & ~_umask())  # the finished folder gets normal permissions
     try:
         yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _rmtree(tmp)
         raise
     if final.exists():
         # Move the old one aside first so that a crash between the two renames loses nothing.
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _rmtree(old)
     else:
         os.replace(tmp, final)
 
@@ -62,7 +78,13 @@ def atomic_file(final: PathLike, mode: str = "wb", overwrite: bool = True) -> It
     final = Path(final)
     refuse_existing(final, overwrite, "output file")
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.partial-", dir=final.parent)
+    while True:
+        tmp = _temp_name(final)
+        try:  # O_EXCL: a new file, never one that appeared under the name (as mkstemp opens it)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            break
+        except FileExistsError:
+            continue
     os.chmod(tmp, 0o666 & ~_umask())
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:

@@ -9,10 +9,10 @@ that names the stage which makes the expected kind.
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -212,7 +212,7 @@ def write_manifest(
     record = {
         "schema": SCHEMA_VERSION,
         "kind": kind,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),  # ISO 8601, UTC
         "kit_version": __version__,
         "git_commit": _git_commit(),
         "inputs": [to_jsonable(c.__dict__) for c in inputs],

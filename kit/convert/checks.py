@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -82,7 +82,8 @@ def check_disk(target: Path, need_bytes: int) -> None:
     probe = Path(target).resolve()
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    st = os.statvfs(probe)  # what shutil.disk_usage reports as free: blocks available to this user
+    free = st.f_bavail * st.f_frsize
     if free < need_bytes * 1.02 + 64 * 1024**2:
         raise ConversionError(
             [

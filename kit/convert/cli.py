@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -111,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if tok is not None and tok.is_file() and cfg.direction != "megatron_to_hf":
         dst = Path(cfg.target) / "hf_meta" / tok.name
         if not dst.exists():
+            from kit.convert.hf_io import copy_small
             from kit.convert.manifests import refresh_tokenizer_hash
 
-            shutil.copy2(tok, dst)
+            copy_small(tok, dst)
             refresh_tokenizer_hash(cfg.target)  # the manifest describes the folder as it is now
     if args.verify and cfg.direction == "hf_to_megatron":
         from kit.convert.verify import logits_check

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
-from kit.atomic import atomic_dir, atomic_write_text
+from kit.atomic import atomic_dir
 from kit.configs import check, save_config
 from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_plan_problems, role_kind
@@ -194,9 +194,11 @@ def _finish(
     `source` is (source manifest or None, (hash, rule)) from kit.convert.sources."""
     if side_from is not None and side_from.is_dir():
         copy_side_files(side_from, tmp / HF_META_DIR)
-    atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2) + "\n")
+    # plain writes: `tmp` is the run's private folder, renamed into place only once the manifest is in it (a file
+    # of its own fsynced here would not make the unsynced rank files beside it any safer)
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     save_config(cfg, tmp, "convert_config.json")
-    atomic_write_text(tmp / layout.TRACKER, str(layout.ITERATION))
+    (tmp / layout.TRACKER).write_text(str(layout.ITERATION), encoding="utf-8")
     write_converted_manifest(tmp, cfg.target, meta, spec, *source)
 
 
