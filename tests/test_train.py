@@ -315,6 +315,46 @@ def test_padded_rows_train_padding_free_with_the_same_losses(tmp_path, tiny_llam
     assert flat_run.losses == pytest.approx(rows_run.losses, rel=1e-5)
 
 
+def test_the_lm_head_runs_only_where_a_target_follows_with_the_same_loss_and_gradients(tiny_llama_dir):
+    """A flattened SFT row: logits only at the positions before a target; loss and every gradient as HF computes."""
+    from transformers import AutoModelForCausalLM
+
+    import kit.train.trainer as trainer_mod
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).float()
+    if not trainer_mod.takes_logit_positions(model):  # older stacks: the trainer keeps the plain path
+        import transformers
+        from packaging.version import Version
+
+        assert Version(transformers.__version__) < Version("4.50")
+        pytest.skip(f"transformers {transformers.__version__} models take no logits_to_keep positions")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=gen)
+    labels = ids.clone()
+    labels[0, :9] = -100  # a prompt, a second dialog's prompt, and a row start: no targets there
+    labels[0, 20:26] = -100
+    batch = {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.cat([torch.arange(20), torch.arange(20)]).unsqueeze(0),
+    }
+    keep = trainer_mod.logit_positions(labels)
+    assert keep.tolist() == [i for i in range(39) if labels[0, i + 1] != -100]  # 8..18 and 25..38
+    grads = []
+    for positions in (None, keep):
+        model.zero_grad()
+        loss = trainer_mod.causal_lm_loss(model, batch, positions)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads[1][1], grads[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # rows where every position predicts a target (pretraining) and several rows keep the plain path
+    assert trainer_mod.logit_positions(ids) is None
+    assert trainer_mod.logit_positions(torch.cat([labels, labels])) is None
+
+
 def test_a_flattened_row_whose_attention_lost_position_ids_is_refused():
     """Padding-free rows keep sequences apart only through position_ids: an attention call without them stops."""
     from kit.adapt.attention import AdaptError, _bsnd_attention, flattened_rows

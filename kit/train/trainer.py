@@ -160,6 +160,8 @@ class Trainer:
         check_packing(self.meta, self.adapt_report, cfg.dataset_path, self.ds)
         # kit attention keeps sequences apart by position_ids: padded rows can then go as one padding-free row
         self.flatten = getattr(self.adapt_report, "attention", None) == "kit"
+        # a flattened row's logits only where a target follows: prompts and padding skip the LM head (see below)
+        self.select_logits = self.flatten and takes_logit_positions(model)
         self.kit_clips = eng.kit_clips(cfg, self.dtype)
         self.engine = eng.build_engine(cfg, model, self.dtype, clip_in_kit=self.kit_clips)
         self.params = [p for p in self.engine.module.parameters() if p.requires_grad]
@@ -234,10 +236,12 @@ class Trainer:
         losses, tokens, pre_clip_norm = [], 0, None
         batches = list(micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)))
         for i, batch in enumerate(batches):
-            flat = False
+            flat, keep = False, None
             if self.flatten:
                 rows, batch = batch, flatten_padded_rows(batch)
                 flat = batch is not rows
+                if flat and self.select_logits:
+                    keep = logit_positions(batch["labels"])  # on the host, before the move: no device sync
             batch = {
                 k: v.to(self.device, dtype=torch.long) for k, v in batch.items()
             }  # kit.data stores int32
@@ -245,7 +249,7 @@ class Trainer:
                 from kit.adapt.attention import flattened_rows
 
                 with flattened_rows():  # kit attention refuses a call that has lost position_ids
-                    loss = engine(**batch).loss
+                    loss = causal_lm_loss(engine, batch, keep)
             else:
                 loss = engine(**batch).loss
             losses.append(loss.detach())
@@ -453,6 +457,51 @@ def flatten_padded_rows(batch: dict) -> dict:
     out["labels"][0, starts[lengths[1:] > 0]] = -100
     out["attention_mask"] = torch.ones_like(out["input_ids"])
     return out
+
+
+def takes_logit_positions(model) -> bool:
+    """True when the model's forward takes `logits_to_keep` as a tensor of positions (transformers >= 4.50 models;
+    4.45-4.49 had an int `num_logits_to_keep`, remote-code models may have neither)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    try:
+        param = inspect.signature(base.forward).parameters.get("logits_to_keep")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and "Tensor" in str(param.annotation)
+
+
+def logit_positions(labels):
+    """For a one-row (flattened) micro-batch: the positions whose next token is a target (labels != -100), or
+    None when every position predicts one (pretraining rows: nothing to skip) or the batch has several rows."""
+    if labels.shape[0] != 1:
+        return None
+    keep = labels[0, 1:] != -100
+    if bool(keep.all()):
+        return None
+    return keep.nonzero().squeeze(1)
+
+
+def causal_lm_loss(engine, batch: dict, positions=None):
+    """The micro-batch's loss, as `engine(**batch).loss` computes it: the mean cross-entropy over the targets
+    (labels != -100, shifted by one), in float32.
+
+    With `positions` (logit_positions() of a one-row, flattened micro-batch) the LM head runs only where a
+    target follows (`logits_to_keep`): prompt and template tokens and the last token of every packed dialog
+    predict nothing that counts, and the head (hidden x vocabulary: a large share of a small model's work, and of
+    the activation memory with a big vocabulary) is skipped there, forward and backward. Same loss and
+    gradients (test); the positions come from the labels on the host, so no device sync is added.
+    """
+    if positions is None:
+        return engine(**batch).loss
+    import torch
+
+    labels = batch["labels"]
+    positions = positions.to(labels.device)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = engine(**inputs, logits_to_keep=positions).logits
+    return torch.nn.functional.cross_entropy(logits[0].float(), labels[0, 1:][positions])
 
 
 def check_packing(meta: dict, adapt_report, dataset_path, ds=None) -> None:
