@@ -66,6 +66,10 @@ def test_layout_on_disk_tp2_pp2(tiny_llama_dir, tmp_path):
     hf = HFReader(tiny_llama_dir).read("model.embed_tokens.weight")
     assert torch.equal(emb, hf[:1280])
     assert (out / "hf_meta" / "tokenizer.json").is_file() and (out / "hf_meta" / "config.json").is_file()
+    for name in ("tokenizer.json", "config.json"):  # side files copied byte for byte, with mode and mtime
+        a, b = tiny_llama_dir / name, out / "hf_meta" / name
+        assert a.read_bytes() == b.read_bytes()
+        assert (os.stat(a).st_mode, os.stat(a).st_mtime_ns) == (os.stat(b).st_mode, os.stat(b).st_mtime_ns)
     assert not list(out.parent.glob(".m.partial-*"))
 
 

@@ -137,11 +137,12 @@ class HFReader:
 
 
 def copy_small(src: Path, dst: Path) -> None:
-    """Copy a small file with its mode and times (shutil.copy2's result; shutil itself, with the bz2 and lzma it
-    imports, would add a few ms to the convert CLI's start-up)."""
+    """Copy a side file (config, tokenizer, remote code) with its mode and times: shutil.copy2's result, in 1 MiB
+    reads (shutil itself, with the bz2 and lzma it imports, would add a few ms to the convert CLI's start-up)."""
     st = os.stat(src)
     with open(src, "rb") as fin, open(dst, "wb") as fout:
-        fout.write(fin.read())
+        for block in iter(lambda: fin.read(1 << 20), b""):
+            fout.write(block)
     os.chmod(dst, st.st_mode & 0o7777)
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
