@@ -7,6 +7,7 @@ import json
 import os
 import tarfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -491,3 +492,140 @@ def test_plain_headers_for_tar_match_the_general_builder():
     assert plain_header("naïve.py", tarfile.REGTYPE, 0o644, 1, 1) is None
     assert plain_header("g" * 101, tarfile.REGTYPE, 0o644, 1, 1) is None  # no folder to move to the prefix
     assert plain_header("a.py", tarfile.REGTYPE, 0o644, 1, -5) is None
+
+
+def _header(
+    name: str = "a.txt",
+    size: int = 3,
+    mode: int = 0o644,
+    kind: bytes = tarfile.REGTYPE,
+    raw: Optional[dict] = None,
+) -> bytes:
+    """A ustar header as Python's tarfile writes it, with fields replaced by `raw` bytes ({"size": b"..."}: the
+    fields of POSIX ustar), and its checksum made valid again unless raw gives one."""
+    raw = raw or {}
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.type, info.mtime = size, mode, kind, 1_700_000_000
+    hdr = bytearray(info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape"))
+    fields = {"name": (0, 100), "mode": (100, 8), "size": (124, 12), "chksum": (148, 8), "magic": (257, 8)}
+    fields.update(typeflag=(156, 1), linkname=(157, 100), prefix=(345, 155))
+    for key, value in raw.items():
+        at, width = fields[key]
+        assert len(value) == width, key
+        hdr[at : at + width] = value
+    if "chksum" not in raw:
+        hdr[148:156] = b" " * 8
+        hdr[148:156] = b"%06o\0 " % sum(hdr)
+    return bytes(hdr)
+
+
+def _stream(path: Path, *blocks: bytes) -> Path:
+    path.write_bytes(b"".join(blocks) + bytes(1024))
+    return path
+
+
+def _data(text: bytes) -> bytes:
+    return text + bytes(-len(text) % 512)
+
+
+PLAIN_REFUSED = {
+    "size with a leading NUL (tar skips it)": dict(size=b"\0" + b"%010o" % 3 + b"\0"),
+    "mode with leading spaces": dict(mode=b"  00644\0"),
+    "size in base-256": dict(size=b"\x80" + bytes(10) + b"\x03"),
+    "GNU magic": dict(magic=b"ustar  \0"),
+    "a link name on a file": dict(linkname=b"other".ljust(100, b"\0")),
+    "bad checksum": dict(chksum=b"000001\0 "),
+    "an 8 in an octal field": dict(size=b"00000000008\0"),
+    "underscore (int() would take it)": dict(size=b"0000000_003\0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAIN_REFUSED))
+def test_headers_tar_could_read_differently_are_never_passed_on_as_they_are(tmp_path, case):
+    """plain_run() hands tar a header unchanged only when tar reads it as the kit does; every other form goes
+    through members(), which re-writes it. Positive control: the same member with tarfile's own header."""
+    from kit.envs.tarstream import TarReader
+
+    def taken(header: bytes) -> list:
+        reader = TarReader(_stream(tmp_path / "t.tar", header, _data(b"abc")))
+        got: list = []
+        try:
+            run = reader.plain_run(lambda *member: got.append(member[:5]) or True)
+            assert (run is None) == (not got)
+        finally:
+            reader.close()
+        return got
+
+    assert taken(_header()) == [("a.txt", "f", 0o644, 3, 1_700_000_000)]
+    assert taken(_header(raw=PLAIN_REFUSED[case])) == []
+
+
+@pytest.mark.parametrize(
+    "name, kind, mode, size",
+    [
+        ("setuid", tarfile.REGTYPE, 0o4755, 3),
+        ("no-owner-rwx", tarfile.DIRTYPE, 0o555, 0),
+        ("dir-with-size", tarfile.DIRTYPE, 0o755, 3),
+        ("file-with-slash/", tarfile.REGTYPE, 0o644, 3),
+        ("./dot", tarfile.REGTYPE, 0o644, 3),
+        (".hidden", tarfile.REGTYPE, 0o644, 3),
+        ("a//b", tarfile.REGTYPE, 0o644, 3),
+        ("back\\slash", tarfile.REGTYPE, 0o644, 3),
+        ("contiguous", tarfile.CONTTYPE, 0o644, 3),
+        ("naïve", tarfile.REGTYPE, 0o644, 3),
+    ],
+)
+def test_members_the_kit_changes_or_checks_further_are_not_plain(tmp_path, name, kind, mode, size):
+    from kit.envs.tarstream import TarReader
+
+    header = _header(name, size, mode, kind)
+    reader = TarReader(_stream(tmp_path / "t.tar", header, _data(b"abc")[: size and 512]))
+    try:
+        assert reader.plain_run(lambda *member: True) is None
+        assert next(reader.members()).size == (size if kind != tarfile.DIRTYPE else 0)  # members() reads it
+    finally:
+        reader.close()
+
+
+def test_a_header_tar_reads_with_another_size_cannot_smuggle_a_member_past_the_checks(box):
+    """A size field with a leading NUL: GNU tar skips the NUL and reads 512 bytes of data (list.c from_header),
+    the kit reads 0 and takes the next block as a header. Were the header passed on unchanged, tar would write
+    `a.txt` holding the header the kit checked and never write `seen.txt`; re-written, tar writes what the kit
+    saw, and both writers leave the same files."""
+    root, target = box
+    hidden = _header("seen.txt", 0)
+    smuggler = _header("a.txt", 0, raw={"size": b"\0" + b"%010o" % 512 + b"\0"})
+    bad = _stream(root / "bad.tar", _header("first.txt", 0), smuggler, hidden)  # the first member takes the
+    counts = envs.safe_extract(bad, target)  # general path (the kit's own head member is looked for there)
+    assert counts["files"] == 3
+    assert sorted(p.name for p in target.iterdir()) == ["a.txt", "first.txt", "seen.txt"]
+    assert (target / "a.txt").read_bytes() == b""
+    _outside_unchanged(root)
+
+
+def test_kit_archives_go_to_tar_in_plain_runs(small_env, tmp_path, monkeypatch):
+    """The fast path is the one a kit archive takes: nearly every member of a packed env is passed on in a
+    plain run, and the runs with the re-written members hold exactly the members the kit recorded."""
+    import kit.envs.archive as archive_mod
+    from kit.envs.archive import gnu_tar
+    from kit.envs.tarstream import TarReader
+
+    if gnu_tar() is None:
+        pytest.skip("GNU tar is not installed here")
+    archive = envs.pack(small_env, tmp_path / "env.tar.zst")["archive"]
+    plain: list = []
+    real = TarReader.plain_run
+
+    def counting(self, take):
+        return real(self, lambda *m: take(*m) and (plain.append(m[0]) or True))
+
+    monkeypatch.setattr(TarReader, "plain_run", counting)
+    target = tmp_path / "x"
+    target.mkdir()
+    counts, manifest = archive_mod.extract(archive, target)
+    members = json.loads(
+        json.dumps(manifest)
+    )  # the head and trailer merged; the member list is checked inside
+    assert members["kit_archive"] == 2
+    total = counts["files"] + counts["dirs"]
+    assert len(plain) >= 0.9 * total and len(set(plain)) == len(plain)

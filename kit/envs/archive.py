@@ -25,6 +25,7 @@ from kit.envs.tarstream import (
     TRAILER,
     TarReader,
     _ustar,
+    digest_of,
     json_bytes,
     new_hasher,
     plain_header,
@@ -419,6 +420,8 @@ class _Extractor:
         self.counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
         self.umask = os.umask(0o022)
         os.umask(self.umask)
+        # one-shot digest for plain(), set once the archive names its hash
+        self.digest: Optional[Callable] = None
 
     def folder(self, rel: str) -> str:
         """Make sure root/rel is a real folder (made here, or checked not to be a link); return its path."""
@@ -506,6 +509,24 @@ class _Extractor:
         self.seen.append([name, "f", size, digest])
         if self.progress:
             self.progress(size)
+
+    def plain(self, name: str, kind: str, mode: int, size: int, mtime: int, data) -> bool:
+        """Record a plain file or folder that TarReader.plain_run() passes on to tar unchanged; False (nothing
+        recorded) for anything member() would do more with: a missing parent, a name in use as another kind, a
+        link's name."""
+        if name in self.link_names or name.rpartition("/")[0] not in self.dirs:
+            return False
+        if kind == "d":
+            if name in self.regular or name in self.hard:
+                return False
+            self.dirs.add(name)
+            self.counts["dirs"] += 1
+            self.seen.append([name, "d", 0, ""])
+            return True
+        if name in self.dirs:
+            return False
+        self._file_done(name, size, self.digest(data) if self.digest else "")
+        return True
 
     def member(self, m, hash_name: Optional[str], name: Optional[str] = None) -> None:
         """Check member `m` and write it (or pass it to tar); `name` is its cleaned name when known already."""
@@ -650,7 +671,16 @@ def extract(
     head = trailer = legacy = hash_name = None
     try:
         first = True
-        for m in reader.members():
+        members = reader.members()
+        while True:
+            if feed is not None and not first and trailer is None:
+                # runs of plain members go to tar as they are in the stream, checked but not re-written
+                run = reader.plain_run(ex.plain)
+                if run is not None:
+                    feed.data(run)
+            m = next(members, None)
+            if m is None:
+                break
             name = _clean_name(m.raw_name)
             if trailer is not None:
                 raise ArchiveDamagedError(
@@ -664,6 +694,7 @@ def extract(
                         f"update the kit to unpack it."
                     )
                 hash_name = head.get("hash")
+                ex.digest = digest_of(hash_name) if hash_name else None
                 first = False
                 continue
             first = False

@@ -71,6 +71,17 @@ def new_hasher(name: str):
     raise EnvArchiveError(f"archive member hash {name!r} is not one the kit knows (xxh3_64, crc32).")
 
 
+def digest_of(name: str) -> Callable:
+    """hex digest of one whole buffer with the algorithm an archive names (one call, no hasher object)."""
+    if name == "crc32":
+        return lambda data: f"{zlib.crc32(data):08x}"
+    new_hasher(name)  # raises when the algorithm is unknown or its module is missing
+    import xxhash
+
+    one = getattr(xxhash, "xxh3_64_hexdigest", None)  # one-shot form (xxhash >= 2)
+    return one if one is not None else (lambda data: xxhash.xxh3_64(data).hexdigest())
+
+
 def json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=None, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
@@ -751,6 +762,13 @@ def _parse_ustar(hdr: bytes) -> Optional[_Info]:
     return info
 
 
+# The fields plain_run() reads: name, mode, (uid, gid skipped), size, mtime, checksum, typeflag, link name,
+# magic + version, (owner names, device numbers skipped), prefix.
+_PLAIN = struct.Struct("100s8s16x12s12s8sc100s8s80x155s")
+_USTAR = b"ustar\x0000"
+_SLASH, _DOT_PART, _BACKSLASH = b"/", b"/.", b"\\"
+
+
 class TarReader:
     """Parse a tar stream of any kit format; `ended` says whether the end-of-archive block was seen."""
 
@@ -825,6 +843,89 @@ class TarReader:
             if kind == "f" and info.isdir():
                 kind = "d"
             yield Member(name, kind, size if kind == "f" else 0, info.mode, mtime, linkname)
+
+    def plain_run(self, take: Callable) -> Optional[memoryview]:
+        """Consume the plain files and folders that lie whole in the current chunk for as long as
+        take(name, kind, mode, size, mtime, data) accepts them (kind 'f' or 'd', data a view of the file's bytes);
+        return the bytes they occupy in the stream (headers, data, padding) as one view, or None if none was taken.
+
+        A writer may pass that view on to GNU tar unchanged: a plain header is one that tar reads exactly as this
+        reader does. That means POSIX ustar magic and version "00"; typeflag '0' or '5' with no link name; mode,
+        size, mtime and checksum written as all-octal-digit fields ending in NUL (how GNU tar, Python's tarfile
+        and this kit write them); mode at most 0o777 (a folder's with the owner's rwx, as the kit gives folders);
+        a folder's size 0; ASCII bytes only; a clean relative name (no leading '/', no '.' or '..' parts, no '//',
+        no backslash), a file's without a trailing '/' (GNU tar extracts those as folders). Anything else is
+        left for members(), whose members are re-written before tar sees them: tar also accepts numeric fields
+        with a leading NUL or spaces, base-256 or base-64 numbers (GNU tar, list.c from_header), which a looser
+        reader could read differently, and one header read differently would shift every header after it.
+        Names starting with '.' (the kit's own two members among them) are left for members() too.
+        """
+        stream = self.stream
+        if stream._pos >= len(stream._view) and not stream._fill():
+            return None
+        view = stream._view
+        chunk, start = view.obj, stream._pos
+        if not isinstance(chunk, bytes) or len(chunk) != len(view):
+            return None  # offsets below index the chunk itself (every reader here yields whole bytes objects)
+        pos = start
+        end = len(view) - BLOCK
+        unpack = _PLAIN.unpack_from
+        while pos <= end:
+            hdr = chunk[pos : pos + BLOCK]
+            name, mode, size, mtime, chk, kind, link, magic, prefix = unpack(hdr)
+            if (
+                magic != _USTAR
+                or link[0]
+                or kind not in b"05"
+                or mode[7]
+                or size[11]
+                or mtime[11]
+                or chk[6:] != b"\0 "
+                or not (mode[:7] + size[:11] + mtime[:11] + chk[:6]).isdigit()
+                or not hdr.isascii()
+            ):
+                break
+            try:
+                mode, size, mtime = int(mode[:7], 8), int(size[:11], 8), int(mtime[:11], 8)
+                if int(chk[:6], 8) != (zlib.adler32(hdr) & 0xFFFF) - 1 - sum(chk) + 256:
+                    break  # members() reports the bad checksum
+            except ValueError:  # an 8 or 9
+                break
+            name = name.split(b"\0", 1)[0]
+            if prefix[0]:
+                name = prefix.split(b"\0", 1)[0] + _SLASH + name
+            folder = kind == b"5"
+            if folder:
+                if size or mode & 0o700 != 0o700:
+                    break
+                name = name.rstrip(_SLASH)
+            stop = pos + BLOCK + size + (-size % BLOCK)
+            if (
+                mode > 0o777
+                or stop > len(view)
+                or not name
+                or name.startswith(_SLASH)
+                or name.endswith(_SLASH)
+                or _DOT_PART in _SLASH + name
+                or b"//" in name
+                or _BACKSLASH in name
+            ):
+                break
+            if not take(
+                name.decode("ascii"),
+                "d" if folder else "f",
+                mode,
+                size,
+                mtime,
+                view[pos + BLOCK : pos + BLOCK + size],
+            ):
+                break
+            pos = stop
+        if pos == start:
+            return None
+        stream._pos = pos
+        stream.offset += pos - start
+        return view[start:pos]
 
     def copy(self, size: int, sink: Callable) -> None:
         """Pass the member's `size` data bytes to sink(view) and skip its padding."""
