@@ -193,10 +193,27 @@ def _refused(archive: Path, target: Path) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["tar", "tar.zst", "tar.gz", "tar.zst-in-process"])
+ZSTD_READERS = ["libzstd", "program", "python-zstandard"]
+
+
+def _zstd_reader(name: str, monkeypatch) -> None:
+    """Unpack zstd through libzstd (ctypes, the default), the zstd program, or python-zstandard."""
+    import shutil
+
+    from kit.envs.tarstream import _libzstd
+
+    monkeypatch.setenv("KIT_ZSTD_LIB", "1" if name == "libzstd" else "0")
+    monkeypatch.setenv("KIT_ZSTD_PROGRAM", "1" if name == "program" else "0")
+    if name == "libzstd" and _libzstd() is None:
+        pytest.skip("libzstd is not installed here")
+    if name == "program" and shutil.which("zstd") is None:
+        pytest.skip("the zstd program is not installed here")
+
+
+@pytest.mark.parametrize("fmt", ["tar", "tar.gz"] + [f"tar.zst-{reader}" for reader in ZSTD_READERS])
 def test_archives_cut_anywhere_never_unpack(small_env, tmp_path, fmt, monkeypatch):
-    if fmt == "tar.zst-in-process":  # python-zstandard instead of the zstd program
-        monkeypatch.setenv("KIT_ZSTD_PROGRAM", "0")
+    if fmt.startswith("tar.zst-"):
+        _zstd_reader(fmt[len("tar.zst-") :], monkeypatch)
         fmt = "tar.zst"
     plain = tmp_path / "env.tar"
     envs.pack(small_env, plain)
@@ -342,13 +359,9 @@ def test_disk_full_while_packing_is_an_os_error_the_cli_prints_in_one_line(small
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no archive, no temporary file left
 
 
-@pytest.mark.parametrize("program", ["1", "0"])  # unpack through the zstd program, or python-zstandard
-def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, monkeypatch, program):
-    import shutil
-
-    if program == "1" and shutil.which("zstd") is None:
-        pytest.skip("the zstd program is not installed here")
-    monkeypatch.setenv("KIT_ZSTD_PROGRAM", program)
+@pytest.mark.parametrize("reader", ZSTD_READERS)
+def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, monkeypatch, reader):
+    _zstd_reader(reader, monkeypatch)
     archive = Path(envs.pack(small_env, tmp_path / "env.tar.zst", level=5, threads=2)["archive"])
     data = archive.read_bytes()
     assert data[:4] == b"\x28\xb5\x2f\xfd" and data[4] & 0x04  # a zstd frame whose header says: checksum
@@ -629,3 +642,39 @@ def test_kit_archives_go_to_tar_in_plain_runs(small_env, tmp_path, monkeypatch):
     assert members["kit_archive"] == 2
     total = counts["files"] + counts["dirs"]
     assert len(plain) >= 0.9 * total and len(set(plain)) == len(plain)
+
+
+def test_libzstd_reads_what_was_compressed_and_refuses_damage(tmp_path, monkeypatch):
+    """The ctypes reader on streams python-zstandard wrote: empty, exactly 3 output chunks of zeros (every call
+    fills its output, the last one as the frame ends), incompressible bytes, and three frames one after
+    another; a stream cut anywhere inside a frame, or with a changed byte, is an error."""
+    import random
+
+    import zstandard
+
+    from kit.envs.tarstream import _READ, _libzstd, _libzstd_chunks
+
+    monkeypatch.setenv("KIT_ZSTD_LIB", "1")
+    found = _libzstd()
+    if found is None:
+        pytest.skip("libzstd is not installed here")
+    noise = random.Random(7).randbytes(_READ * 5 // 2)
+    pack = zstandard.ZstdCompressor(level=3, write_checksum=True).compress
+    frames = [b"a" * 1000, noise[:70_000], bytes(_READ + 1)]
+    cases = [([b""], pack(b"")), ([bytes(3 * _READ)], None), ([noise], None), (frames, None)]
+    path = tmp_path / "x.zst"
+    for parts, data in cases:
+        path.write_bytes(data if data is not None else b"".join(pack(p) for p in parts))
+        chunks = list(_libzstd_chunks(str(path), found))
+        assert b"".join(chunks) == b"".join(parts)
+        assert all(0 < len(c) <= _READ for c in chunks)
+    data = pack(noise)
+    for cut in (5, 100, len(data) // 2, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(envs.EnvArchiveError, match="truncated"):
+            list(_libzstd_chunks(str(path), found))
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(changed))
+    with pytest.raises(envs.EnvArchiveError, match="corrupt"):
+        list(_libzstd_chunks(str(path), found))

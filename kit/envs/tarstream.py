@@ -16,6 +16,7 @@ import os
 import queue
 import stat
 import struct
+import sys
 import tarfile
 import threading
 import zlib
@@ -530,6 +531,99 @@ def _decompressed(path: str, fmt: str) -> Iterator[bytes]:
             )
 
 
+_LIBZSTD = None  # (library, inBuffer, outBuffer) once looked up; False where there is none
+
+
+def _libzstd():
+    """libzstd through ctypes, for unpacking (None without it, or with KIT_ZSTD_LIB=0). A foreign call through
+    ctypes releases the interpreter lock, so a thread decompressing with it runs beside the member checks,
+    which python-zstandard's objects do not allow (they keep the lock) and the `zstd` program allows at the
+    cost of a pipe copy of every byte. Signatures: zstd.h, "Streaming decompression" (ZSTD_DStream, stable
+    since zstd 1.0)."""
+    global _LIBZSTD
+    if os.environ.get("KIT_ZSTD_LIB", "1") == "0":
+        return None
+    if _LIBZSTD is None:
+        _LIBZSTD = False
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL("libzstd.so.1" if sys.platform.startswith("linux") else "libzstd.1.dylib")
+
+            class Buffer(
+                ctypes.Structure
+            ):  # ZSTD_inBuffer and ZSTD_outBuffer: {void *, size_t size, size_t pos}
+                _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+
+            lib.ZSTD_createDStream.restype = ctypes.c_void_p
+            lib.ZSTD_freeDStream.argtypes = [ctypes.c_void_p]
+            lib.ZSTD_initDStream.argtypes = [ctypes.c_void_p]
+            lib.ZSTD_initDStream.restype = ctypes.c_size_t
+            lib.ZSTD_decompressStream.argtypes = [
+                ctypes.c_void_p,
+                ctypes.POINTER(Buffer),
+                ctypes.POINTER(Buffer),
+            ]
+            lib.ZSTD_decompressStream.restype = ctypes.c_size_t
+            lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
+            lib.ZSTD_isError.restype = ctypes.c_uint
+            lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
+            lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+            _LIBZSTD = (lib, Buffer)
+        except (OSError, AttributeError):
+            pass
+    return _LIBZSTD or None
+
+
+def _libzstd_chunks(path: str, found) -> Iterator[bytearray]:
+    """Decompressed chunks of a zstd file from libzstd (frames one after another, each frame's checksum checked
+    by libzstd); raises when the stream is damaged or stops inside a frame."""
+    import ctypes
+
+    lib, Buffer = found
+    stream = lib.ZSTD_createDStream()
+    if not stream:
+        raise MemoryError("libzstd could not allocate a decompression stream")
+    try:
+        lib.ZSTD_initDStream(stream)
+        raw = bytearray(_READ)
+        window = (ctypes.c_char * _READ).from_buffer(raw)
+        src = Buffer(ctypes.addressof(window), 0, 0)
+        left, full = 0, False  # left: the last call's return, 0 when a frame ended and was flushed
+        with open(path, "rb", buffering=0) as fh:
+            while True:
+                src.size, src.pos = fh.readinto(raw), 0
+                at_end = not src.size
+                # a full output may hold back more of the frame (unless the call said the frame ended: 0)
+                while src.pos < src.size or (full and left):
+                    out = bytearray(_READ)
+                    out_window = (ctypes.c_char * _READ).from_buffer(out)
+                    dst = Buffer(ctypes.addressof(out_window), _READ, 0)
+                    left = lib.ZSTD_decompressStream(stream, ctypes.byref(dst), ctypes.byref(src))
+                    del out_window  # releases `out`, so that it can be cut to what was written
+                    if lib.ZSTD_isError(left):
+                        raise ArchiveDamagedError(
+                            f"archive {path!r} is corrupt: its zstd stream does not decompress "
+                            f"({lib.ZSTD_getErrorName(left).decode('ascii', 'replace')}); copy it again or "
+                            f"re-create it with `python -m kit env pack`."
+                        )
+                    full = dst.pos == _READ
+                    if dst.pos:
+                        if not full:
+                            del out[dst.pos :]
+                        yield out
+                if at_end:
+                    break
+        del window
+        if left:
+            raise ArchiveDamagedError(
+                f"archive {path!r} is truncated: its zstd stream stops in the middle; copy it again (compare its "
+                f"size with the original) or re-create it with `python -m kit env pack`."
+            )
+    finally:
+        lib.ZSTD_freeDStream(stream)
+
+
 class _ProgramChunks:
     """Decompressed chunks from the `zstd` program: a process of its own decompresses while this one checks
     members. (python-zstandard's decompressobj holds the interpreter lock while it works, so a thread of ours
@@ -581,7 +675,8 @@ class _ProgramChunks:
 
 
 def _zstd_program() -> Optional[str]:
-    """The `zstd` program for unpacking, unless KIT_ZSTD_PROGRAM=0 (then python-zstandard on a thread)."""
+    """The `zstd` program for unpacking where libzstd is not found, unless KIT_ZSTD_PROGRAM=0 (then
+    python-zstandard on a thread)."""
     if os.environ.get("KIT_ZSTD_PROGRAM", "1") == "0":
         return None
     import shutil
@@ -590,8 +685,9 @@ def _zstd_program() -> Optional[str]:
 
 
 class _Chunks:
-    """Decompress on a background thread while the caller writes files (zlib releases the interpreter lock
-    while it works; python-zstandard's decompressobj does not, see _ProgramChunks)."""
+    """Decompress on a background thread while the caller checks members (zlib and libzstd through ctypes
+    release the interpreter lock while they work; python-zstandard's decompressobj does not, see
+    _ProgramChunks, which the kit uses for zstd where libzstd is not found)."""
 
     def __init__(self, path: str, fmt: str, depth: int = 8):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
@@ -612,7 +708,8 @@ class _Chunks:
 
     def _run(self, path: str, fmt: str) -> None:
         try:
-            for chunk in _decompressed(path, fmt):
+            lib = _libzstd() if fmt == "tar.zst" else None
+            for chunk in _libzstd_chunks(path, lib) if lib else _decompressed(path, fmt):
                 if not self._put(chunk):
                     return
             self._put(None)
@@ -630,6 +727,11 @@ class _Chunks:
 
     def close(self) -> None:
         self._stop.set()
+        try:  # a reader that stopped early: free the queue, so the thread's waiting put returns at once
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
         self._thread.join(timeout=10)
 
 
@@ -776,7 +878,7 @@ class TarReader:
         self.path = str(path)
         with open(self.path, "rb") as fh:
             self.fmt = detect(fh.read(4))
-        exe = _zstd_program() if self.fmt == "tar.zst" else None
+        exe = _zstd_program() if self.fmt == "tar.zst" and not _libzstd() else None
         self._chunks = _ProgramChunks(self.path, exe) if exe else _Chunks(self.path, self.fmt)
         self.stream = _Stream(self._chunks)
         self.ended = False
@@ -865,8 +967,8 @@ class TarReader:
             return None
         view = stream._view
         chunk, start = view.obj, stream._pos
-        if not isinstance(chunk, bytes) or len(chunk) != len(view):
-            return None  # offsets below index the chunk itself (every reader here yields whole bytes objects)
+        if not isinstance(chunk, (bytes, bytearray)) or len(chunk) != len(view):
+            return None  # offsets below index the chunk itself (every reader here yields whole chunks)
         pos = start
         end = len(view) - BLOCK
         unpack = _PLAIN.unpack_from
