@@ -6,7 +6,8 @@ Baselines (measured in the same run, in the same folder, alternating with the ki
   clone   `cp -a ENV DIR`                               vs kit.envs.clone(ENV, target=DIR, verify_imports=None)
 The kit does more than each baseline (a member list with sizes and hashes, every member verified on unpack,
 prefixes rewritten in scripts, the archive fsync'ed and renamed when complete); the ratios include that work.
-The kit compresses in-process with python-zstandard (libzstd, worker threads at the same level).
+The kit compresses in-process with python-zstandard (libzstd, worker threads at the same level) and decompresses
+with libzstd through ctypes on a thread beside its member checks (the `zstd` program where libzstd is missing).
 The env: a virtualenv holding copies of torch, transformers, deepspeed and pandas from this checkout's .venv
 (about 1 GB, 25 000 files); --quick uses transformers, deepspeed and pandas (about 0.25 GB) for `make bench`.
 Ratio = baseline seconds / kit seconds (above 1: the kit is faster). Each figure prints one line
