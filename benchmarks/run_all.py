@@ -32,6 +32,7 @@ BENCHMARKS = [
     "bench_train.py",
     "bench_ops.py",
     "bench_profiling.py",
+    "bench_evaluate.py",
 ]
 FIGURE = re.compile(  # the ratio cell is kept as printed (some figures are percentages, e.g. RSS growth)
     r"^\s*(?P<stage>\w[\w .+/-]*?)\s*\|\s*(?P<figure>[^|]+?)\s*\|\s*(?P<ratio>[^|]+?)\s*"
@@ -265,7 +266,9 @@ def print_table(rows: List[Row]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", help="stages to run (data convert envs train ops profiling)")
+    ap.add_argument(
+        "--only", nargs="+", help="stages to run (data convert envs train ops profiling evaluate)"
+    )
     ap.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one benchmark may take (a hang guard)"
     )
