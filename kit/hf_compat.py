@@ -20,3 +20,16 @@ def _transformers_at_least(version: str) -> bool:
 def dtype_kw(dtype) -> dict:
     """The keyword argument that sets the weights' dtype in `from_pretrained` on this transformers."""
     return {"dtype" if _transformers_at_least(DTYPE_KEYWORD_SINCE) else "torch_dtype": dtype}
+
+
+def takes_logit_positions(model) -> bool:
+    """True when the model's forward takes `logits_to_keep` as a tensor of positions (transformers >= 4.50 models;
+    4.45-4.49 had an int `num_logits_to_keep`, remote-code models may have neither)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
+    try:
+        param = inspect.signature(base.forward).parameters.get("logits_to_keep")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and "Tensor" in str(param.annotation)

@@ -224,6 +224,75 @@ def test_accuracy_by_hand_on_a_two_question_task(chain, tmp_path):
     assert score_task(model, tok, task)["acc"] == hits / 2
 
 
+@pytest.mark.parametrize("select", [True, False], ids=["head-at-target-positions", "every-logit"])
+def test_heldout_loss_equals_one_dialog_at_a_time_at_any_batch_size(chain, monkeypatch, select):
+    """heldout_loss batches dialogs of different lengths and (where the model takes positions) runs the LM head
+    only where a target follows in some row; the summed loss and the token count equal an independent
+    computation one dialog at a time, for one dialog per batch, a few, and all of them."""
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM
+
+    import kit.hf_compat
+    from kit.evaluate.scoring import heldout_loss
+
+    model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
+    if select and not kit.hf_compat.takes_logit_positions(model):
+        pytest.skip("this transformers' models take no logits_to_keep positions")
+    if not select:
+        monkeypatch.setattr(kit.hf_compat, "takes_logit_positions", lambda model: False)
+    total, count = _independent_loss(chain["base"], chain["heldout"]["path"])
+    rows = list(load_from_disk(chain["heldout"]["path"]))
+    assert len(rows) > 2
+    for batch_tokens in (1, 100, 1 << 20):
+        got = heldout_loss(model, rows, batch_tokens=batch_tokens)
+        assert got.tokens == count and got.loss_sum == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize("select", [True, False], ids=["head-at-scored-positions", "every-logit"])
+def test_batched_choice_scores_equal_one_forward_per_choice(chain, monkeypatch, select):
+    """task_logliks batches rows of different lengths (padded on the right), mixes one-row questions (one-token
+    choices after the same context) with one-row-per-choice ones and an empty context; every score equals the
+    summed log-probabilities from one unpadded forward pass per context + choice, at any batch size, with the
+    LM head at the scored positions only or everywhere."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import kit.hf_compat
+    from kit.evaluate.scoring import _rows_of, encode_pair, task_logliks
+
+    tok = AutoTokenizer.from_pretrained(str(chain["base"]))
+    model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
+    if select and not kit.hf_compat.takes_logit_positions(model):
+        pytest.skip("this transformers' models take no logits_to_keep positions")
+    if not select:
+        monkeypatch.setattr(kit.hf_compat, "takes_logit_positions", lambda model: False)
+    questions = [
+        ("Question: 1+1?\nA. 2\nB. 3\nAnswer:", ["A", "B", "the", "and"]),  # one token each here
+        ("Sky color?", ["red", "bright blue", "a green and grey haze"]),
+        ("", ["yes", "no way"]),
+        (
+            "A much longer question about nothing in particular, to make the rows differ in length:",
+            ["x", "yz"],
+        ),
+    ]
+    assert [len(_rows_of(tok, [q], " ", 2048)) for q in questions] == [1, 3, 2, 2]  # both kinds of row
+    by_hand = []
+    for context, choices in questions:
+        scores = []
+        for choice in choices:
+            ctx, cont = encode_pair(tok, context, " " + choice)
+            ctx = ctx or [tok.eos_token_id]
+            full = ctx + cont
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)
+            scores.append(sum(float(logp[len(ctx) + k - 1, t]) for k, t in enumerate(cont)))
+        by_hand.append(scores)
+    for batch_tokens in (1, 40, 4096):
+        got = task_logliks(model, tok, questions, " ", batch_tokens=batch_tokens)
+        for mine, want in zip(got, by_hand):
+            assert mine == pytest.approx(want, abs=1e-4)
+
+
 # ---- bad input: one line naming file and line ----
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from kit.configs import check, save_config
+from kit.hf_compat import takes_logit_positions
 from kit.manifest import MANIFEST_NAME
 from kit.train import checkpoint
 from kit.train.config import TrainConfig, load_config
@@ -457,19 +458,6 @@ def flatten_padded_rows(batch: dict) -> dict:
     out["labels"][0, starts[lengths[1:] > 0]] = -100
     out["attention_mask"] = torch.ones_like(out["input_ids"])
     return out
-
-
-def takes_logit_positions(model) -> bool:
-    """True when the model's forward takes `logits_to_keep` as a tensor of positions (transformers >= 4.50 models;
-    4.45-4.49 had an int `num_logits_to_keep`, remote-code models may have neither)."""
-    import inspect
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
-    try:
-        param = inspect.signature(base.forward).parameters.get("logits_to_keep")
-    except (TypeError, ValueError):
-        return False
-    return param is not None and "Tensor" in str(param.annotation)
 
 
 def logit_positions(labels):
