@@ -289,10 +289,11 @@ def gnu_tar() -> Optional[str]:
 class _TarFeed:
     """Files, folders and hard links that _Extractor has checked, written by GNU tar in a process of its own
     (creating thousands of files is where unpacking spends its time; `tar -x` does it while this process
-    decompresses, checks and hashes the next members). tar never sees the archive's own headers: every member
-    it gets is re-written here from the checked fields (clean name, mode without setuid/setgid/sticky bits, no
-    owner), so what tar writes is exactly what the checks allowed. Symbolic links are not passed on: the
-    extractor makes them itself once everything else is written."""
+    decompresses, checks and hashes the next members). tar gets the archive's own headers only for plain members
+    (TarReader.plain_run: headers tar reads exactly as the kit does); every other member it gets is re-written
+    here from the checked fields (clean name, mode without setuid/setgid/sticky bits, no owner), so what tar
+    writes is exactly what the checks allowed. Symbolic links are not passed on: the extractor makes them itself
+    once everything else is written."""
 
     RECORD = 256 * BLOCK  # tar reads in 128 KiB records (-b 256); the stream ends padded to a whole record
 
