@@ -57,19 +57,24 @@ def atomic_dir(final: PathLike, overwrite: bool = False, what: str = "output fol
         except FileExistsError:  # 48 random bits taken: pick again
             continue
     os.chmod(tmp, 0o777 & ~_umask())  # the finished folder gets normal permissions
+    old = None
     try:
         yield tmp
+        # the renames inside the try: a Ctrl-C (or SIGTERM, kit.partial) landing between the body's end and the
+        # rename must still remove the temporary folder
+        if final.exists():
+            # Move the old one aside first so that a crash between the two renames loses nothing.
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+        os.replace(tmp, final)
     except BaseException:
+        if old is not None and old.exists() and not final.exists():
+            os.replace(old, final)  # interrupted between the two renames: the previous output goes back
+            old = None
         _rmtree(tmp)
         raise
-    if final.exists():
-        # Move the old one aside first so that a crash between the two renames loses nothing.
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
+    if old is not None:
         _rmtree(old)
-    else:
-        os.replace(tmp, final)
 
 
 @contextlib.contextmanager

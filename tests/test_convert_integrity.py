@@ -286,6 +286,28 @@ def test_sigterm_removes_the_partial_output_like_ctrl_c(tmp_path):
 # ---- start-up --------------------------------------------------------------------------------------------------
 
 
+def test_ctrl_c_while_the_writer_threads_start_stops_and_joins_the_started_ones(src, tmp_path, monkeypatch):
+    """A Ctrl-C (or SIGTERM, which the CLI turns into one) that lands while the second writer thread is being
+    started: the first one is already writing into the temporary folder, so it must be stopped and joined before
+    that folder is removed (else it writes on while the folder is deleted and leaves part of it; seen in CI)."""
+    import threading
+
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("kit-convert-") and started:
+            raise KeyboardInterrupt
+        real_start(self)
+        started.append(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        hf_to_megatron(ConvertConfig(str(src), str(out), tp=2, pp=2, workers=2), progress=False)
+    assert len(started) == 1 and not started[0].is_alive()  # joined before the interrupt went on
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary folder
+
+
 def test_convert_help_and_plain_conversion_do_not_import_torch(src, tmp_path):
     code = (
         "import sys, kit.__main__ as m\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -74,6 +75,37 @@ def test_atomic_dir_commits_only_on_success(tmp_path):
         (tmp / "new.bin").write_bytes(b"new")
     assert sorted(p.name for p in target.iterdir()) == ["new.bin"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("fails_at", [1, 2])
+def test_atomic_dir_interrupted_at_its_renames_leaves_no_temporary_folder(tmp_path, monkeypatch, fails_at):
+    """A Ctrl-C landing after the body, at the first or second rename: the temporary folder is removed and the
+    previous output (when there is one) is where it was, whole."""
+    import kit.atomic
+
+    target = tmp_path / "out"
+    with atomic_dir(target) as tmp:
+        (tmp / "v1.bin").write_bytes(b"one")
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(1)
+        if len(calls) == fails_at:
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(kit.atomic.os, "replace", replace)
+    cases = [(True, target)] + (
+        [(False, tmp_path / "fresh")] if fails_at == 1 else []
+    )  # a new one: one rename
+    for overwrite, where in cases:
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            with atomic_dir(where, overwrite=overwrite) as tmp:
+                (tmp / "v2.bin").write_bytes(b"two")
+    monkeypatch.setattr(kit.atomic.os, "replace", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in target.iterdir()) == ["v1.bin"]
 
 
 def test_atomic_file_keeps_old_content_on_error(tmp_path):

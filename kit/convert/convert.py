@@ -153,16 +153,17 @@ def _write_megatron(
         threads = [
             threading.Thread(target=worker, name=f"kit-convert-{i}", daemon=True) for i in range(workers)
         ]
-        for t in threads:
-            t.start()
-        try:
+        try:  # started inside: a Ctrl-C while the second thread starts must still stop and join the first
+            for t in threads:
+                t.start()
             for t in threads:
                 while t.is_alive():
                     t.join(0.5)  # in slices: Ctrl-C (and SIGTERM, see kit.partial) reach this thread
         finally:  # on an error or Ctrl-C: no new files, running ones stop at their next tensor
             ctx["stop"].set()
             for t in threads:
-                t.join()
+                if t.ident is not None:  # started
+                    t.join()
         if errors:
             raise errors[0]
         return sum(sizes)
