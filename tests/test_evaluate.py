@@ -293,6 +293,42 @@ def test_batched_choice_scores_equal_one_forward_per_choice(chain, monkeypatch, 
             assert mine == pytest.approx(want, abs=1e-4)
 
 
+def test_speed_prefill_computes_the_last_logits_only_and_decodes_what_generate_does(chain):
+    """The timed prefill asks for the last position's logits only, as generate() does (not [batch, prompt, vocab]),
+    where the model takes that keyword; the cached greedy steps pick the tokens generate() picks."""
+    import functools
+    import inspect
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kit.evaluate import speed
+
+    model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
+    real, shapes, picked = model.forward, [], []
+
+    @functools.wraps(real)
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        shapes.append(tuple(out.logits.shape))
+        picked.append(out.logits[:, -1].argmax(-1))
+        return out
+
+    model.forward = forward
+    vocab = model.config.vocab_size
+    row = speed.measure(model, batch=2, prompt_len=12, decode_tokens=3, vocab=vocab)
+    assert row["ttft_ms"] > 0 and row["decode_tokens_per_s"] > 0
+    keyword = speed._last_logits_only(model)
+    assert shapes[0] == ((2, 1, vocab) if keyword else (2, 12, vocab)) and len(shapes) == 4
+    if "logits_to_keep" in inspect.signature(real).parameters:  # transformers >= 4.50
+        assert keyword == {"logits_to_keep": 1}
+    model.forward = real
+    ids = torch.randint(0, max(2, vocab // 2), (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)[:, 12:]
+    assert torch.equal(torch.stack(picked, 1), want)
+
+
 # ---- bad input: one line naming file and line ----
 
 
