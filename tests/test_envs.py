@@ -395,22 +395,23 @@ def test_progress_bars_end_complete(source_env, tmp_path, bars):
     assert all(b.n == b.total and b.total > 0 for b in bars), [(b.desc, b.n, b.total) for b in bars]
 
 
+# Values that cannot turn up in a kernel.json by chance (a short one like "t-12" did: inside "pytest-120/...").
 CREDENTIALS = {
-    "API_KEY": "k-1",
-    "OPENAI_API_KEY": "sk-2",
-    "DB_PASS": "p-3",
-    "GITHUB_PAT": "ghp-4",
-    "HUAWEI_AK_ID": "ak-5",
-    "MA_SK_VALUE": "sk-6",
-    "AUTH_HEADER": "Bearer-7",
-    "SESSION_COOKIE": "c-8",
-    "SIGNING_KEY": "s-9",
-    "PIP_INDEX_URL": "https://user:pass@mirror.example/simple",
-    "HUAWEICLOUD_SDK_AK": "ak-10",
-    "OBS_SECRET_ACCESS_KEY": "sk-11",
-    "MY_TOKEN": "t-12",
-    "ASCEND_API_KEY": "k-13",  # a CANN-looking name that is a credential all the same
-    "ASCEND_MIRROR": "https://u:pw@mirror.example/cann",  # a login in the value
+    "API_KEY": "kitsecret-k-1",
+    "OPENAI_API_KEY": "kitsecret-sk-2",
+    "DB_PASS": "kitsecret-p-3",
+    "GITHUB_PAT": "kitsecret-ghp-4",
+    "HUAWEI_AK_ID": "kitsecret-ak-5",
+    "MA_SK_VALUE": "kitsecret-sk-6",
+    "AUTH_HEADER": "Bearer kitsecret-7",
+    "SESSION_COOKIE": "kitsecret-c-8",
+    "SIGNING_KEY": "kitsecret-s-9",
+    "PIP_INDEX_URL": "https://user:kitsecret-pass@mirror.example/simple",
+    "HUAWEICLOUD_SDK_AK": "kitsecret-ak-10",
+    "OBS_SECRET_ACCESS_KEY": "kitsecret-sk-11",
+    "MY_TOKEN": "kitsecret-t-12",
+    "ASCEND_API_KEY": "kitsecret-k-13",  # a CANN-looking name that is a credential all the same
+    "ASCEND_MIRROR": "https://u:kitsecret-pw@mirror.example/cann",  # a login in the value
 }
 
 
