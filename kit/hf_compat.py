@@ -22,14 +22,29 @@ def dtype_kw(dtype) -> dict:
     return {"dtype" if _transformers_at_least(DTYPE_KEYWORD_SINCE) else "torch_dtype": dtype}
 
 
-def takes_logit_positions(model) -> bool:
-    """True when the model's forward takes `logits_to_keep` as a tensor of positions (transformers >= 4.50 models;
-    4.45-4.49 had an int `num_logits_to_keep`, remote-code models may have neither)."""
+def _forward_params(model) -> dict:
+    """The parameters of the model's forward (PEFT's wrapper looked through), or {} where none can be read."""
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the HF model
     try:
-        param = inspect.signature(base.forward).parameters.get("logits_to_keep")
+        return dict(inspect.signature(base.forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return {}
+
+
+def takes_logit_positions(model) -> bool:
+    """True when the model's forward takes `logits_to_keep` as a tensor of positions (transformers >= 4.50 models;
+    4.45-4.49 had an int `num_logits_to_keep`, remote-code models may have neither)."""
+    param = _forward_params(model).get("logits_to_keep")
     return param is not None and "Tensor" in str(param.annotation)
+
+
+def last_logits_only(model) -> dict:
+    """The keyword that makes the forward compute the LM head at the last position only, as `generate()` passes it
+    in the prefill: `logits_to_keep` (transformers >= 4.50), `num_logits_to_keep` (4.45-4.49), else none."""
+    params = _forward_params(model)
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: 1}
+    return {}

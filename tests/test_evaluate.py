@@ -303,6 +303,7 @@ def test_speed_prefill_computes_the_last_logits_only_and_decodes_what_generate_d
     from transformers import AutoModelForCausalLM
 
     from kit.evaluate import speed
+    from kit.hf_compat import last_logits_only
 
     model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
     real, shapes, picked = model.forward, [], []
@@ -318,7 +319,7 @@ def test_speed_prefill_computes_the_last_logits_only_and_decodes_what_generate_d
     vocab = model.config.vocab_size
     row = speed.measure(model, batch=2, prompt_len=12, decode_tokens=3, vocab=vocab)
     assert row["ttft_ms"] > 0 and row["decode_tokens_per_s"] > 0
-    keyword = speed._last_logits_only(model)
+    keyword = last_logits_only(model)
     assert shapes[0] == ((2, 1, vocab) if keyword else (2, 12, vocab)) and len(shapes) == 4
     if "logits_to_keep" in inspect.signature(real).parameters:  # transformers >= 4.50
         assert keyword == {"logits_to_keep": 1}

@@ -531,7 +531,7 @@ def _decompressed(path: str, fmt: str) -> Iterator[bytes]:
             )
 
 
-_LIBZSTD = None  # (library, inBuffer, outBuffer) once looked up; False where there is none
+_LIBZSTD = None  # (library, buffer struct) once looked up; False where there is none
 
 
 def _libzstd():
@@ -550,9 +550,8 @@ def _libzstd():
 
             lib = ctypes.CDLL("libzstd.so.1" if sys.platform.startswith("linux") else "libzstd.1.dylib")
 
-            class Buffer(
-                ctypes.Structure
-            ):  # ZSTD_inBuffer and ZSTD_outBuffer: {void *, size_t size, size_t pos}
+            # ZSTD_inBuffer and ZSTD_outBuffer share one layout: {void *, size_t size, size_t pos}
+            class Buffer(ctypes.Structure):
                 _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
 
             lib.ZSTD_createDStream.restype = ctypes.c_void_p

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 IGNORE = -100  # label of a token the loss skips (prompt, padding), as in training and HF's loss
 # Tokens per forward pass when the caller gives none. On CPU small batches stay in cache: the held-out loss of the
@@ -136,13 +136,6 @@ def encode_pair(tokenizer, context: str, continuation: str) -> Tuple[List[int], 
     whole = _encode(tokenizer, context + continuation)
     ctx = _encode(tokenizer, context)
     return ctx, whole[len(ctx) :]
-
-
-def choice_logliks(
-    model, tokenizer, context: str, choices: Sequence[str], delimiter: str = " "
-) -> List[float]:
-    """Summed log-probability of each `delimiter + choice` after `context` (one question; see task_logliks)."""
-    return task_logliks(model, tokenizer, [(context, choices)], delimiter)[0]
 
 
 def _rows_of(tokenizer, questions, delimiter: str, max_len: int) -> List[Tuple[List[int], list]]:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
+from kit.hf_compat import last_logits_only
+
 
 def _sync(device) -> None:
     import torch
@@ -55,20 +57,6 @@ def _cache_names(model) -> tuple:
     return ("cache", "cache") if "cache" in params else ("past_key_values", "past_key_values")
 
 
-def _last_logits_only(model) -> dict:
-    """The keyword that makes the forward compute the LM head at the last position only, as `generate()` passes it
-    in the prefill: `logits_to_keep` (transformers >= 4.50), `num_logits_to_keep` (4.45-4.49), else none. Without
-    it the prefill computes [batch, prompt, vocabulary] logits it throws away, which inflates the measured time to
-    first token and memory (1.6 GB of fp32 logits at batch 8, prompt 1024 and a 49k vocabulary)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            return {name: 1}
-    return {}
-
-
 def measure(
     model, batch: int, prompt_len: int, decode_tokens: int, vocab: int, seed: int = 0
 ) -> Dict[str, Any]:
@@ -77,7 +65,9 @@ def measure(
 
     device = next(model.parameters()).device
     kw, attr = _cache_names(model)
-    last = _last_logits_only(model)
+    # the LM head at the last position only, as generate() does: [batch, prompt, vocabulary] logits thrown away
+    # would inflate the time to first token and the memory (1.6 GB of fp32 at batch 8, prompt 1024, 49k vocab)
+    last = last_logits_only(model)
     gen = torch.Generator().manual_seed(seed)
     # ids from the lower vocabulary half: real tokens, never special ids such as EOS at the end of a vocabulary
     ids = torch.randint(0, max(2, vocab // 2), (batch, prompt_len), generator=gen).to(device)
