@@ -28,6 +28,7 @@ from kit.envs.prefix import (
     find_editable,
     kind_of,
     scan_tree,
+    space_checker,
     tree_totals,
     verify,
     walk_tree,
@@ -111,8 +112,10 @@ def clone(
 
     method: 'auto' (conda-pack for conda envs, copy for venvs), 'copy', 'conda-pack' (offline, relocates
     prefixes), 'conda-clone' (`conda create --clone`, needs conda and its package cache or the network).
-    Space is checked first; the env is built under a temporary name and renamed when complete; an existing
-    target is refused unless overwrite=True. The result is verified by running its python (verify_imports).
+    Space is checked against the source's size before anything is kept (method 'copy' with GNU cp: while cp
+    starts copying, so the scan costs no time of its own); a file that changes while it is copied stops the
+    clone. The env is built under a temporary name and renamed when complete; an existing target is refused
+    unless overwrite=True. The result is verified by running its python (verify_imports).
     Leftovers of interrupted runs beside the target are reported (`partial_leftovers`), removed with
     clean_partial=True.
     """
@@ -134,17 +137,29 @@ def clone(
     if method.startswith("conda") and src.kind != "conda":
         raise EnvError(f"method {method!r} needs a conda env, but {src.prefix} is a {src.kind}; use 'copy'.")
     partial = handle_partials(dest.parent, clean_partial)
-    entries = scan_tree(src.prefix)
-    n_files, size = tree_totals(entries)
-    check_space(dest.parent, size, f"a clone of {src.prefix}")
+    check = space_checker(dest.parent, f"a clone of {src.prefix}")
     start = time.perf_counter()
-    if method == "conda-clone":
-        counts = _conda_create_clone(src.prefix, dest, overwrite)
+    if method == "copy":
+        # the source is scanned (sizes summed, space checked) inside copy_tree: beside GNU cp where it copies
+        totals: list = []
+        with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(None, "clone") as bar:
+
+            def scanned(entries: list) -> None:
+                totals[:] = check(entries)
+                bar.total = totals[0]
+                bar.refresh()
+
+            counts = copy_tree(src.prefix, tmp, str(dest), bar.update, on_scanned=scanned)
+        n_files, size = totals
     else:
-        with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(n_files, "clone") as bar:
-            if method == "copy":
-                counts = copy_tree(src.prefix, tmp, str(dest), bar.update, entries=entries)
-            else:
+        n_files, size = check(scan_tree(src.prefix))
+        if method == "conda-clone":
+            counts = _conda_create_clone(src.prefix, dest, overwrite)
+        else:
+            with (
+                atomic_dir(dest, overwrite=overwrite, what="target env") as tmp,
+                _bar(n_files, "clone") as bar,
+            ):
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     seconds = time.perf_counter() - start
     report = _verify(dest, verify_imports, verify_env)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from kit.envs.errors import EnvError
 
@@ -150,16 +150,31 @@ def free_bytes(path: os.PathLike | str) -> int:
     return shutil.disk_usage(p).free
 
 
-def check_space(target: os.PathLike | str, needed: int, what: str) -> None:
-    """Raise EnvError before starting if the target filesystem cannot hold `needed` bytes (+5%, +64 MiB)."""
+def check_space(target: os.PathLike | str, needed: int, what: str, free: Optional[int] = None) -> None:
+    """Raise EnvError before starting if the target filesystem cannot hold `needed` bytes (+5%, +64 MiB);
+    `free`: the free bytes measured before a copy started (default: measured now)."""
     want = int(needed * 1.05) + (64 << 20)
-    free = free_bytes(target)
+    free = free_bytes(target) if free is None else free
     if free < want:
         raise EnvError(
             f"not enough space for {what} at {str(target)!r}: about {want / 2**30:.2f} GiB needed, "
             f"{free / 2**30:.2f} GiB free; free space there or choose another target "
             f"(on ModelArts, /home/ma-user/work is the persistent one; EVS can be expanded)."
         )
+
+
+def space_checker(target: os.PathLike | str, what: str) -> Callable[[list], tuple]:
+    """check(entries) -> tree_totals(entries), raising check_space's EnvError when the target filesystem cannot
+    hold them; free space is measured now, before anything is copied, so a copy that runs beside the scan (see
+    copy_tree's on_scanned) does not count against itself."""
+    free = free_bytes(target)
+
+    def check(entries: list) -> tuple:
+        totals = tree_totals(entries)
+        check_space(target, totals[1], what, free=free)
+        return totals
+
+    return check
 
 
 def looks_text(data: bytes) -> bool:
@@ -214,22 +229,25 @@ def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o02
                 # cp does), a text's is read to be scanned for the prefix
                 data = os.read(src, min(st.st_size, _HEAD))
                 binary = not looks_text(data)
-                if binary and len(data) < st.st_size:
+                got = len(data)
+                if binary and got < st.st_size:
                     _write_all(fd, data)
-                    _kernel_copy(src, fd, st.st_size - len(data))
+                    got += _kernel_copy(src, fd, st.st_size - got)
                     data = b""
                 while len(data) < st.st_size and not binary:  # short reads are allowed
                     more = os.read(src, st.st_size - len(data))
                     if not more:
                         break
                     data += more
+                    got = len(data)
+                _check_unchanged(s, st, got, src)
                 rewritten = not binary and old_b in data
                 if rewritten:
                     data = data.replace(old_b, new_b)
                 _write_all(fd, data)
                 size = st.st_size if binary else len(data)
             else:
-                _kernel_copy(src, fd, st.st_size)
+                _check_unchanged(s, st, _kernel_copy(src, fd, st.st_size), src)
                 size = st.st_size
             if mode & (umask | 0o7000):  # open() applied the umask (and never sets setuid/setgid/sticky)
                 os.fchmod(fd, mode)
@@ -247,7 +265,25 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _kernel_copy(src: int, dst: int, size: int) -> None:
+def _changed(path: str, size: int, now: int) -> EnvError:
+    return EnvError(
+        f"{path} changed while it was copied ({size} bytes when the env was scanned, {now} now); clone again "
+        f"when nothing writes to the source env (a running pip or conda install?)."
+    )
+
+
+def _check_unchanged(path: str, st, copied: int, fd: int) -> None:
+    """Raise when a file was not copied whole at the size the scan saw, or has grown since (its copy would be a
+    mix of two versions, or cut); a truncated file shows up as a short copy."""
+    if copied != st.st_size:
+        raise _changed(path, st.st_size, copied)
+    now = os.fstat(fd).st_size
+    if now != st.st_size:
+        raise _changed(path, st.st_size, now)
+
+
+def _kernel_copy(src: int, dst: int, size: int) -> int:
+    """Copy up to `size` bytes from the current offsets in the kernel; the number copied (less at end of file)."""
     done = 0
     copy = getattr(os, "copy_file_range", None)
     while done < size:
@@ -261,6 +297,7 @@ def _kernel_copy(src: int, dst: int, size: int) -> None:
         if n == 0:
             break
         done += n
+    return done
 
 
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "fuse", "fuse.sshfs", "lustre", "gpfs", "ceph", "9p", "efs")
@@ -292,23 +329,30 @@ def copy_tree(
     progress=None,
     workers: int = 0,
     entries: Optional[list] = None,
+    on_scanned: Optional[Callable[[list], object]] = None,
 ) -> dict:
     """Copy an env tree into the existing folder `dst`, rewriting `src` to `new_prefix` in text files.
 
     Symbolic links are copied as links; absolute ones into the source are re-pointed into the copy. On a
     network filesystem (SFS/NFS: every small file costs a round trip) files are copied on 8 threads; on a local
-    disk GNU cp copies in a process of its own while this one finds the files to rewrite (threads of ours are
-    slower there: the interpreter lock changes hands around every short system call), else one thread of ours.
-    `entries` is scan_tree(src) when the caller has it already.
+    disk GNU cp copies in a process of its own while this one scans the source and finds the files to rewrite
+    (threads of ours are slower there: the interpreter lock changes hands around every short system call), else
+    one thread of ours. `entries` is scan_tree(src) when the caller has it already; otherwise the tree is scanned
+    here and on_scanned(entries) is called before the copy's result counts (a space check that raises stops the
+    copy: with GNU cp it runs beside the first ~0.1 s of copying, whose output the caller removes). Every file
+    must still have the size the scan saw once copied, else EnvError names it.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     src, dst = os.path.abspath(src), os.path.abspath(dst)
-    entries = scan_tree(src) if entries is None else entries
     workers = workers or (8 if is_network_fs(dst) else 1)
     exe = gnu_program("cp") if workers == 1 else None
     if exe:  # a local disk: GNU cp copies (network filesystems gain more from several threads of our own)
-        return _copy_with_cp(exe, src, dst, new_prefix, entries, progress)
+        return _copy_with_cp(exe, src, dst, new_prefix, entries, progress, on_scanned)
+    if entries is None:
+        entries = scan_tree(src)
+        if on_scanned is not None:
+            on_scanned(entries)
     old_b, new_b = src.encode(), new_prefix.encode()
     counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
     jobs = []
@@ -331,13 +375,6 @@ def copy_tree(
             raise EnvError(
                 f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
             )
-    workers = workers or (8 if is_network_fs(dst) else 1)
-    exe = gnu_program("cp") if workers == 1 else None
-    if exe:
-        return _copy_with_cp(
-            exe, src, dst, new_prefix, scan_tree(src) if entries is None else entries, progress
-        )
-
     umask = _umask()
 
     def one(job):
@@ -361,19 +398,27 @@ def copy_tree(
     return counts
 
 
-def _copy_with_cp(exe: str, src: str, dst: str, new_prefix: str, entries: list, progress) -> dict:
-    """copy_tree() with GNU cp doing the copying in a process of its own (modes and times kept, links copied as
-    links), while this process reads the source's text files to find those that hold the old prefix; then those
-    are rewritten in the copy, absolute links into the source re-pointed, and folders made owner-writable, as
-    copy_tree's own copy leaves them. Same result and counts (tested side by side)."""
-    import tempfile
-
-    old_b, new_b = src.encode(), new_prefix.encode()
+def _special(entries: list) -> None:
     for _rel, s, st in entries:
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
             raise EnvError(
                 f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
             )
+
+
+def _copy_with_cp(
+    exe: str, src: str, dst: str, new_prefix: str, entries: Optional[list], progress, on_scanned=None
+) -> dict:
+    """copy_tree() with GNU cp doing the copying in a process of its own (modes and times kept, links copied as
+    links), while this process scans the source (unless `entries` has it) and reads its text files to find those
+    that hold the old prefix; then those are rewritten in the copy, absolute links into the source re-pointed,
+    and folders made owner-writable, as copy_tree's own copy leaves them. Same result and counts (tested side by
+    side)."""
+    import tempfile
+
+    old_b, new_b = src.encode(), new_prefix.encode()
+    if entries is not None:
+        _special(entries)
     err = tempfile.TemporaryFile()
     # --preserve=mode,timestamps: no owners (the copy belongs to whoever clones, also as root) and every hard
     # link a file of its own, as the kit's own copy makes them
@@ -384,6 +429,11 @@ def _copy_with_cp(exe: str, src: str, dst: str, new_prefix: str, entries: list, 
         preexec_fn=dies_with_parent(),
     )
     try:
+        if entries is None:  # the scan that would otherwise come first runs beside cp's copy
+            entries = scan_tree(src)
+            _special(entries)
+            if on_scanned is not None:
+                on_scanned(entries)
         counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
         texts = []
         for rel, s, st in entries:
@@ -411,6 +461,11 @@ def _copy_with_cp(exe: str, src: str, dst: str, new_prefix: str, entries: list, 
         if any("No space left" in line for line in message):
             raise OSError(errno.ENOSPC, "No space left on device", last)
         raise EnvError(f"copying {src} failed: {last}")
+    for rel, s, st in entries:  # cp copied what it found: a file that changed since the scan differs in size
+        if stat.S_ISREG(st.st_mode):
+            now = os.lstat(os.path.join(dst, rel)).st_size
+            if now != st.st_size:
+                raise _changed(s, st.st_size, now)
     for rel, st in texts:
         d = os.path.join(dst, rel)
         with open(d, "rb") as fh:
