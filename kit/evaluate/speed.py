@@ -57,6 +57,15 @@ def _cache_names(model) -> tuple:
     return ("cache", "cache") if "cache" in params else ("past_key_values", "past_key_values")
 
 
+def prompt_ids(batch: int, prompt_len: int, vocab: int, seed: int = 0):
+    """The random prompt measure() times: ids from the lower vocabulary half (real tokens, never special ids such as
+    EOS at the end of a vocabulary), on the CPU."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(2, vocab // 2), (batch, prompt_len), generator=gen)
+
+
 def measure(
     model, batch: int, prompt_len: int, decode_tokens: int, vocab: int, seed: int = 0
 ) -> Dict[str, Any]:
@@ -68,9 +77,7 @@ def measure(
     # the LM head at the last position only, as generate() does: [batch, prompt, vocabulary] logits thrown away
     # would inflate the time to first token and the memory (1.6 GB of fp32 at batch 8, prompt 1024, 49k vocab)
     last = last_logits_only(model)
-    gen = torch.Generator().manual_seed(seed)
-    # ids from the lower vocabulary half: real tokens, never special ids such as EOS at the end of a vocabulary
-    ids = torch.randint(0, max(2, vocab // 2), (batch, prompt_len), generator=gen).to(device)
+    ids = prompt_ids(batch, prompt_len, vocab, seed).to(device)
     _reset_peak(device)
     with torch.no_grad():
         _sync(device)
