@@ -682,7 +682,7 @@ def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path, copier):
 @pytest.mark.parametrize(
     "size", [100, 8192 + 100, 3 << 20]
 )  # text read whole, binary rest by the kernel, big
-@pytest.mark.parametrize("change", ["shrunk", "grown"])
+@pytest.mark.parametrize("change", ["shrunk", "grown", "removed"])
 def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, copier, size, change):
     """A file written while an env is cloned (a pip install in it) would be copied cut or as a mix of two
     versions; the copy compares every file with the size the scan saw and names the one that changed."""
@@ -697,19 +697,22 @@ def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, copier, siz
     victim = src / "lib" / "victim.bin"
     victim.write_bytes(body)
     entries = scan_tree(src)  # what clone() scans first (and checks free space for)
-    victim.write_bytes(body[: size // 2] if change == "shrunk" else body + b"more")
+    if change == "removed":
+        victim.unlink()
+    else:
+        victim.write_bytes(body[: size // 2] if change == "shrunk" else body + b"more")
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(EnvError) as err:
         copy_tree(src, out, str(out), workers=1, entries=entries)
-    now = size // 2 if change == "shrunk" else size + 4
-    assert f"{victim} changed while it was copied ({size} bytes when the env was scanned, {now} now)" in str(
+    now = {"shrunk": f"{size // 2} now", "grown": f"{size + 4} now", "removed": "gone now"}[change]
+    assert f"{victim} changed while it was copied ({size} bytes when the env was scanned, {now})" in str(
         err.value
     )
     # the same files unchanged since their scan copy cleanly
     out2 = tmp_path / "out2"
     out2.mkdir()
-    assert copy_tree(src, out2, str(out2), workers=1)["files"] == 4
+    assert copy_tree(src, out2, str(out2), workers=1)["files"] == 3 + (change != "removed")
 
 
 def test_cp_and_the_kit_copy_leave_the_same_tree(source_env, tmp_path, monkeypatch):

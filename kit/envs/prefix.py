@@ -220,7 +220,10 @@ def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o02
     """
     mode = stat.S_IMODE(st.st_mode)
     rewritten = False
-    src = os.open(s, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        src = os.open(s, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _changed(s, st.st_size, None) from None
     try:
         fd = os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
         try:
@@ -265,9 +268,10 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _changed(path: str, size: int, now: int) -> EnvError:
+def _changed(path: str, size: int, now: Optional[int]) -> EnvError:
+    got = "gone now" if now is None else f"{now} now"
     return EnvError(
-        f"{path} changed while it was copied ({size} bytes when the env was scanned, {now} now); clone again "
+        f"{path} changed while it was copied ({size} bytes when the env was scanned, {got}); clone again "
         f"when nothing writes to the source env (a running pip or conda install?)."
     )
 
@@ -463,7 +467,10 @@ def _copy_with_cp(
         raise EnvError(f"copying {src} failed: {last}")
     for rel, s, st in entries:  # cp copied what it found: a file that changed since the scan differs in size
         if stat.S_ISREG(st.st_mode):
-            now = os.lstat(os.path.join(dst, rel)).st_size
+            try:
+                now: Optional[int] = os.lstat(os.path.join(dst, rel)).st_size
+            except FileNotFoundError:  # removed before cp came to it
+                now = None
             if now != st.st_size:
                 raise _changed(s, st.st_size, now)
     for rel, st in texts:
@@ -490,7 +497,10 @@ def _copy_with_cp(
 
 def _holds_prefix(path: str, size: int, old: bytes) -> bool:
     """True when the file is text (no NUL in its first 8 KiB) and mentions `old`; binaries are read no further."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # removed since the scan saw it
+        raise _changed(path, size, None) from None
     try:
         data = os.read(fd, min(size, _HEAD))
         if not looks_text(data):
