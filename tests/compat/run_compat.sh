@@ -23,6 +23,15 @@ python_for() { # the interpreter a stack needs: pyenv's, else one on PATH
     return 2
 }
 
+scripts_ok() { # $1 = venv; the console scripts the tests run exist and their #! interpreter is there
+    local f interp
+    for f in "$1"/bin/pytest "$1"/bin/nbstripout "$1"/bin/msprof-analyze; do
+        [ -f "$f" ] || return 1
+        interp=$(head -n 1 "$f" | sed -e 's/^#! *//' -e 's/ .*//')
+        [ -x "$interp" ] || return 1
+    done
+}
+
 install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
     local stack=$1 constraints="envs/compat/$1.txt" venv=".venv-$1" py stamp want
     [ -f "$constraints" ] || { echo "error: no $constraints; stacks: $(cd envs/compat && ls *.txt | sed 's/\.txt$//' | tr '\n' ' ')" >&2; return 2; }
@@ -38,14 +47,22 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
     fi
     stamp="$venv/.compat-installed"
     want=$(cat "$constraints" pyproject.toml | sha256sum | cut -d' ' -f1)
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ] && scripts_ok "$venv"; then
         return 0
     fi
+    # pip writes the path of the python it runs with into every script's #! line: run the shared venv's python by
+    # its real path, not through this checkout's link (a venv built through another clone's link kept that
+    # clone's path there, and its scripts stopped running once that clone was deleted)
+    local real t0=$SECONDS pip
+    real=$(readlink -f "$venv")
+    if [ -x "$real/bin/python" ] && ! scripts_ok "$real"; then
+        echo "== $stack: scripts in $real are missing or name an interpreter that is gone; rebuilding it"
+        rm -rf "$real"
+    fi
     echo "== $stack: installing into $venv (constraints $constraints; pip cache: $("$py" -m pip cache dir 2>/dev/null || echo off))"
-    local t0=$SECONDS pip
     rm -f "$stamp" "$venv/.ready"
-    [ -x "$venv/bin/python" ] || "$py" -m venv "$(readlink -f "$venv")"
-    pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints")
+    [ -x "$real/bin/python" ] || "$py" -m venv "$real"
+    pip=("$real/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints")
     "${pip[@]}" --upgrade pip setuptools wheel
     # torch first: DeepSpeed's setup.py (an sdist) looks for an installed torch
     "${pip[@]}" torch numpy
