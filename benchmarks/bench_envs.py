@@ -134,7 +134,6 @@ def measure(prefix: Path, scratch: Path, repeats: int) -> dict:
                 sh("sync")  # dirty pages of the previous step are written back before the clock starts
                 times[name][which].append(_timed(fn))
             clear()
-    _clear(base_zst, kit_zst)
     return times
 
 
