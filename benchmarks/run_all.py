@@ -1,11 +1,15 @@
 """`make bench`: every benchmark with --quick, one table of ratios, written to benchmarks/results.md.
 
+benchmarks/README.md is rendered from results.md and the notes in benchmarks/README.template.md after every run;
+`--render-only` renders it again from the committed results.md without running anything.
+
 Each benchmark runs in its own process, one after the other (they would disturb each other's timings), and prints
 its figures as lines `<stage> | <figure> | <ratio>x | goal <goal> | MET/MISSED/-`, each followed by
 `    baseline: <code or command>`. A benchmark that fails, times out or does not know --quick becomes a row with its
 error; the others still run. Full logs go to runs/bench/<name>.log.
 
 Run: .venv/bin/python benchmarks/run_all.py [--only train ops] [--timeout 600] [--out benchmarks/results.md]
+     .venv/bin/python benchmarks/run_all.py --render-only
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+TEMPLATE = HERE / "README.template.md"
+RESULTS_MARK = "<!-- results: filled in by run_all.py -->"
 BENCHMARKS = [
     "bench_data.py",
     "bench_convert.py",
@@ -255,6 +261,62 @@ def markdown(info: dict, runs: List[Run], load_before: str, load_after: str, tot
     return "\n".join(lines)
 
 
+class RenderError(Exception):
+    """results.md or the template is missing or not in the shape run_all.py writes."""
+
+
+def results_section(results_md: str) -> str:
+    """The run facts (machine, date, load) and the table of ratios of a results.md, as Markdown lines."""
+    lines = results_md.splitlines()
+    facts = [
+        ln
+        for ln in lines
+        if ln.startswith(("- machine:", "- date:", "- load average", "- total wall", "- **note:**"))
+    ]
+    try:
+        start = lines.index("| stage | figure | ratio | goal | status |")
+    except ValueError:
+        raise RenderError("holds no table of ratios (`| stage | figure | ratio | goal | status |`)") from None
+    table = []
+    for ln in lines[start:]:
+        if not ln.startswith("|"):
+            break
+        table.append(ln)
+    return "\n".join(["From [`results.md`](results.md):", "", *facts, "", *table])
+
+
+def render_readme(results_md: str, template: str) -> str:
+    """benchmarks/README.md: the template's notes with the results table of `results_md` at the template's marker."""
+    if template.count(RESULTS_MARK) != 1:
+        raise RenderError(f"must hold the line {RESULTS_MARK!r} exactly once")
+    return template.replace(RESULTS_MARK, results_section(results_md)).rstrip("\n") + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def write_readme(results: Path, readme: Path, template: Path = TEMPLATE) -> None:
+    """Render `readme` from `results` and `template`; a missing or malformed input is a RenderError naming it."""
+    texts = []
+    for path in (results, template):
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise RenderError(
+                f"{path}: cannot be read ({e.strerror}); `make bench` writes results.md"
+            ) from None
+    if texts[1].count(RESULTS_MARK) != 1:
+        raise RenderError(f"{template}: must hold the line {RESULTS_MARK!r} exactly once")
+    try:
+        text = render_readme(*texts)
+    except RenderError as e:
+        raise RenderError(f"{results}: {e}") from None
+    write_atomic(readme, text)
+
+
 def print_table(rows: List[Row]) -> None:
     w_stage = max([5] + [len(r.stage) for r in rows])
     w_fig = min(100, max([6] + [len(r.figure) for r in rows]))
@@ -275,7 +337,19 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results.md"), help="the Markdown file to write")
     ap.add_argument("--logs", default=str(ROOT / "runs" / "bench"), help="folder for each benchmark's log")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a benchmark errors")
+    ap.add_argument("--readme", default=str(HERE / "README.md"), help="the README rendered from --out")
+    ap.add_argument(
+        "--render-only", action="store_true", help="only render --readme from the existing --out; run nothing"
+    )
     args = ap.parse_args()
+    if args.render_only:
+        try:
+            write_readme(Path(args.out), Path(args.readme))
+        except RenderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.readme}")
+        return 0
     benches = [b for b in BENCHMARKS if not args.only or b[len("bench_") : -3] in args.only]
     info = machine()
     load_before = load()
@@ -297,10 +371,10 @@ def main() -> int:
     print_table(table_rows(runs))
     print(f"\nload average before {load_before}, after {load_after}; total {total / 60:.1f} min")
     out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    tmp.write_text(markdown(info, runs, load_before, load_after, total), encoding="utf-8")
-    os.replace(tmp, out)  # a reader never sees half a table
+    write_atomic(out, markdown(info, runs, load_before, load_after, total))
     print(f"wrote {out}")
+    write_readme(out, Path(args.readme))
+    print(f"wrote {args.readme}")
     return 1 if args.strict and any(r.error for r in runs) else 0
 
 
