@@ -301,13 +301,11 @@ def write_atomic(path: Path, text: str) -> None:
 def write_readme(results: Path, readme: Path, template: Path = TEMPLATE) -> None:
     """Render `readme` from `results` and `template`; a missing or malformed input is a RenderError naming it."""
     texts = []
-    for path in (results, template):
+    for path, hint in ((results, "`make bench` writes it"), (template, "restore it from git")):
         try:
             texts.append(path.read_text(encoding="utf-8"))
         except OSError as e:
-            raise RenderError(
-                f"{path}: cannot be read ({e.strerror}); `make bench` writes results.md"
-            ) from None
+            raise RenderError(f"{path}: cannot be read ({e.strerror}); {hint}") from None
     if texts[1].count(RESULTS_MARK) != 1:
         raise RenderError(f"{template}: must hold the line {RESULTS_MARK!r} exactly once")
     try:
@@ -373,7 +371,11 @@ def main() -> int:
     out = Path(args.out)
     write_atomic(out, markdown(info, runs, load_before, load_after, total))
     print(f"wrote {out}")
-    write_readme(out, Path(args.readme))
+    try:
+        write_readme(out, Path(args.readme))
+    except RenderError as e:  # the figures are written; only the README could not be rendered
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.readme}")
     return 1 if args.strict and any(r.error for r in runs) else 0
 
