@@ -109,7 +109,9 @@ def test_notebook_parameters_show_the_config_defaults(nb_path):
                     f"or say '(default {default!r})' in its comment"
                 )
             elif ast.literal_eval(note.group(1)) != default:
-                problems.append(f"{name}: its comment says (default {note.group(1)}), the config says {default!r}")
+                problems.append(
+                    f"{name}: its comment says (default {note.group(1)}), the config says {default!r}"
+                )
     assert problems == []
 
 

@@ -60,7 +60,9 @@ RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?[×xX](?![\w])")
 
 
 def test_ratio_pattern():
-    found = [m.group(0) for m in RATIO.finditer("a 1.37× b 0.96x c 2 x d TP3 × PP2 e 0x1F f 3x3 g GBS × 1000")]
+    found = [
+        m.group(0) for m in RATIO.finditer("a 1.37× b 0.96x c 2 x d TP3 × PP2 e 0x1F f 3x3 g GBS × 1000")
+    ]
     assert found == ["1.37×", "0.96x", "2 x"]
 
 
@@ -68,4 +70,6 @@ def test_ratio_pattern():
 def test_notebook_copies_no_benchmark_figure(nb_path):
     nb = json.loads(nb_path.read_text(encoding="utf-8"))
     found = [m.group(0) for c in nb["cells"] for m in RATIO.finditer("".join(c["source"]))]
-    assert found == [], f"{nb_path.name} quotes ratio figures {found}: link to ../benchmarks/README.md instead"
+    assert found == [], (
+        f"{nb_path.name} quotes ratio figures {found}: link to ../benchmarks/README.md instead"
+    )
