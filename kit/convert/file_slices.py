@@ -397,6 +397,16 @@ class SafetensorsFile:
         os.close(self.fd)
 
 
+def write_all(fd: int, data, path: str = "?") -> None:
+    """Write every byte of `data` (os.write may write fewer); an OSError names `path`."""
+    mv = memoryview(data).cast("B")
+    try:
+        while len(mv):
+            mv = mv[os.write(fd, mv) :]
+    except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
+        raise OSError(exc.errno, exc.strerror, path) from None
+
+
 class _FileSink:
     """sink.write for a plain output file (safetensors shards)."""
 
@@ -404,13 +414,7 @@ class _FileSink:
         self.fd, self.path = fd, path
 
     def write(self, mv) -> None:
-        mv = memoryview(mv).cast("B")
-        try:
-            while len(mv):
-                n = os.write(self.fd, mv)
-                mv = mv[n:]
-        except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
-            raise OSError(exc.errno, exc.strerror, self.path) from None
+        write_all(self.fd, mv, self.path)
 
 
 def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None) -> int:
