@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from kit.errors import KitError
+from kit.errors import InputError
 
 
-class ConfigError(KitError, ValueError):
+class ConfigError(InputError):
     """Raised with every problem found in a config, one per line, each saying what to change."""
 
     def __init__(self, problems: Iterable[str], where: str = "config"):
