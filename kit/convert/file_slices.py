@@ -16,6 +16,8 @@ import struct
 import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from kit.atomic import write_all
+
 # name -> (safetensors code, bytes per element, torch legacy storage class). Facts: safetensors spec dtypes;
 # torch/storage.py typed storage names (what torch.save pickles as the storage type of each dtype).
 DTYPES: Dict[str, Tuple[str, int, str]] = {
@@ -395,16 +397,6 @@ class SafetensorsFile:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-def write_all(fd: int, data, path: str = "?") -> None:
-    """Write every byte of `data` (os.write may write fewer); an OSError names `path`."""
-    mv = memoryview(data).cast("B")
-    try:
-        while len(mv):
-            mv = mv[os.write(fd, mv) :]
-    except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
-        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 class _FileSink:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
+from kit.atomic import write_all
 from kit.convert.file_slices import (
     DTYPES,
     STORAGE_TO_NAME,
@@ -28,7 +29,6 @@ from kit.convert.file_slices import (
     itemsize,
     piece_info,
     reserve,
-    write_all,
     write_piece,
 )
 from kit.errors import IntegrityError
