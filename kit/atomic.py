@@ -37,10 +37,21 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def current_umask() -> int:
+    """The process's umask (os.umask can only be read by setting it: set the strictest mask for that instant)."""
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
+
+
+def write_all(fd: int, data, path: PathLike = "?") -> None:
+    """Write every byte of `data` to `fd` (os.write may write fewer); an OSError names `path`."""
+    mv = memoryview(data).cast("B")
+    try:
+        while len(mv):
+            mv = mv[os.write(fd, mv) :]
+    except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 @contextlib.contextmanager
@@ -56,7 +67,7 @@ def atomic_dir(final: PathLike, overwrite: bool = False, what: str = "output fol
             break
         except FileExistsError:  # 48 random bits taken: pick again
             continue
-    os.chmod(tmp, 0o777 & ~_umask())  # the finished folder gets normal permissions
+    os.chmod(tmp, 0o777 & ~current_umask())  # the finished folder gets normal permissions
     old = None
     try:
         yield tmp
@@ -90,7 +101,7 @@ def atomic_file(final: PathLike, mode: str = "wb", overwrite: bool = True) -> It
             break
         except FileExistsError:
             continue
-    os.chmod(tmp, 0o666 & ~_umask())
+    os.chmod(tmp, 0o666 & ~current_umask())
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from kit.errors import KitError
+from kit.errors import InputError
 
 
-class ConfigError(KitError, ValueError):
+class ConfigError(InputError):
     """Raised with every problem found in a config, one per line, each saying what to change."""
 
     def __init__(self, problems: Iterable[str], where: str = "config"):
@@ -54,7 +54,7 @@ def save_config(config: Any, folder: str | Path, name: str = "config.json") -> P
 
 
 def field_docs(cls: type) -> dict:
-    """Each field's documentation: the string literal under it, else the comment on its line(s)."""
+    """Each field's documentation: the string literal right under it (an attribute docstring)."""
     return dict(_field_docs(cls))
 
 
@@ -62,32 +62,19 @@ def field_docs(cls: type) -> dict:
 def _field_docs(cls: type) -> dict:
     import ast
     import inspect
-    import io
     import textwrap
-    import tokenize
 
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    comments = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
     body = ast.parse(source).body[0].body
     docs = {}
-    for i, node in enumerate(body):
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            continue
-        nxt = body[i + 1] if i + 1 < len(body) else None
-        if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-            if isinstance(nxt.value.value, str):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-                continue
-        lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
-        text = " ".join(comments[n] for n in lines if n in comments)
-        if text:
-            docs[node.target.id] = text
+    for node, nxt in zip(body, body[1:]):
+        value = getattr(nxt, "value", None) if isinstance(nxt, ast.Expr) else None
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs[node.target.id] = " ".join(value.value.split())
     return docs
 
 
@@ -132,7 +119,7 @@ def add_config_arguments(
 
     hints = typing.get_type_hints(cls)
     skip, positional = set(skip), list(positional)
-    # The docs are read from the source (inspect + tokenize, ~10 ms) only when help is printed, not on every run.
+    # The docs are read from the source (inspect + ast, a few ms) only when help is printed, not on every run.
     parser.formatter_class = _with_field_docs(parser.formatter_class)
     for f in dataclasses.fields(cls):
         if f.name in skip:

@@ -52,7 +52,7 @@ def test_sft_manifest_fields(sft_held):
     tok = sample_tokenizer_dir()
     assert man["data_kind"] == "sft" and man["max_length"] == 64
     assert man["tokenizer"] == str(tok) and man["tokenizer_sha256"] == tokenizer_sha256(tok)
-    assert man["template"] == "telechat" and man["pack"] is True
+    assert man["template"] == "tokenizer" and man["pack"] is True
     assert (man["eos_token_id"], man["pad_token_id"], man["vocab_size"]) == (2, 3, 2522)
     assert man["hf_path"] == str(res.hf_dir) == str(out / "alpaca_hf")
     # MindSpeed-LLM's --data-path for packed SFT is the bare prefix; it appends _packed_<key>_document itself
@@ -108,7 +108,7 @@ def test_heldout_is_every_10th_dialog_and_never_trained_on(sft_held):
     from kit.data.readers import iter_records
 
     dialogs = [alpaca_dialog(r, DEFAULT_COLUMNS["alpaca"]) for r in iter_records([str(sft_alpaca())])]
-    encoded = encode_dialogs(dialogs, str(sample_tokenizer_dir()), template="telechat")
+    encoded = encode_dialogs(dialogs, str(sample_tokenizer_dir()), template=prepared.template)
     expected = [encoded[i] for i in range(9, 120, 10)]
     for row, (ids, labels) in zip(held, expected):
         n = min(ids.size, 64)
@@ -259,7 +259,7 @@ def test_cli_options_come_from_the_config(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["heldout"]["records"] == 3 and summary["pack"] is False and summary["megatron_flags"] == []
     cfg = json.loads((out / "alpaca_hf" / "config.json").read_text())
-    assert (cfg["name"], cfg["template"], cfg["heldout_every"]) == ("alpaca", "telechat", 10)
+    assert (cfg["name"], cfg["template"], cfg["heldout_every"]) == ("alpaca", "tokenizer", 10)
     assert main(["data", "check", str(out / "alpaca_hf")]) == 0
     assert re.search(r"held out: 3 rows in .*alpaca_heldout_hf", capsys.readouterr().out)
 

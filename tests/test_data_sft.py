@@ -207,7 +207,8 @@ def test_overlong_policy_counted(tmp_path, policy):
     over = sum(n > L for n in lengths)
     assert over > 0
     res = prepare(
-        DataConfig(kind="sft", max_length=L, out_dir=str(tmp_path), overlong=policy), progress=False
+        DataConfig(kind="sft", max_length=L, out_dir=str(tmp_path), overlong=policy, template="telechat"),
+        progress=False,
     )
     rep = res.report
     if policy == "drop":

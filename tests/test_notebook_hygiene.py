@@ -1,4 +1,5 @@
-"""Every notebook: outputs stripped, exactly one literal parameters cell with commented UPPER_SNAKE names, no defs."""
+"""Every notebook: outputs stripped, exactly one literal parameters cell with commented UPPER_SNAKE names, no defs,
+no copied benchmark figures."""
 
 from __future__ import annotations
 
@@ -51,3 +52,24 @@ def test_nbstripout_verify():
         [sys.executable, "-m", "nbstripout", "--verify", *map(str, NOTEBOOKS)], capture_output=True, text=True
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# A speed ratio written as a figure: "1.37×", "0.96x", "2 x". Figures live in benchmarks/results.md, where `make bench`
+# rewrites them; a notebook links to benchmarks/README.md or renders results.md, so it never quotes a stale one.
+RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?[×xX](?![\w])")
+
+
+def test_ratio_pattern():
+    found = [
+        m.group(0) for m in RATIO.finditer("a 1.37× b 0.96x c 2 x d TP3 × PP2 e 0x1F f 3x3 g GBS × 1000")
+    ]
+    assert found == ["1.37×", "0.96x", "2 x"]
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_copies_no_benchmark_figure(nb_path):
+    nb = json.loads(nb_path.read_text(encoding="utf-8"))
+    found = [m.group(0) for c in nb["cells"] for m in RATIO.finditer("".join(c["source"]))]
+    assert found == [], (
+        f"{nb_path.name} quotes ratio figures {found}: link to ../benchmarks/README.md instead"
+    )

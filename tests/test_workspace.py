@@ -155,3 +155,37 @@ def test_atomic_outputs_get_normal_permissions(tmp_path):
     os.umask(mask)
     assert stat.S_IMODE((tmp_path / "d").stat().st_mode) == 0o777 & ~mask
     assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask
+
+
+def test_current_umask_reads_and_keeps_the_mask():
+    import os
+
+    from kit.atomic import current_umask
+
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027 and current_umask() == 0o027  # reading it does not change it
+    finally:
+        os.umask(old)
+
+
+def test_write_all_writes_every_byte_and_names_the_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import kit.atomic
+    from kit.atomic import write_all
+
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    real = os.write
+    monkeypatch.setattr(kit.atomic.os, "write", lambda f, b: real(f, bytes(b[:3])))  # short writes
+    write_all(fd, b"0123456789", path)
+    monkeypatch.setattr(
+        kit.atomic.os, "write", lambda f, b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+    )
+    with pytest.raises(OSError) as info:
+        write_all(fd, b"x", path)
+    os.close(fd)
+    assert path.read_bytes() == b"0123456789"
+    assert (info.value.errno, info.value.filename) == (errno.ENOSPC, str(path))

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--target-tensor-parallel-size 8 --target-pipeline-parallel-size 8 --load-dir HF --save-dir OUT "
         "--tokenizer-model TOK.",
     )
-    add_config_arguments(p, ConvertConfig)  # one option per ConvertConfig field, help from its comments
+    add_config_arguments(p, ConvertConfig)  # one option per field, help from its field docstring
     # ModelLink util.py spellings of the same fields (the README documents them): aliases, not new settings.
     for flag, dest in (
         ("--load-dir", "source"),

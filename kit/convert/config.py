@@ -15,22 +15,38 @@ DTYPES = (None, "float32", "bfloat16", "float16")
 class ConvertConfig:
     """What to convert, into which layout, and where to put it."""
 
-    source: str  # HF folder (config.json + shards) or Megatron folder (latest_checkpointed_iteration.txt)
-    target: Optional[str] = None  # output folder (refused if it exists); None: ws.converted_weights/<layout>
-    direction: str = "hf_to_megatron"  # hf_to_megatron | megatron_to_hf | megatron_to_megatron
-    tp: int = 1  # target tensor parallel size
-    pp: int = 1  # target pipeline parallel size
-    num_layer_list: Optional[List[int]] = None  # uneven PP: layers per stage, e.g. [7, 8, 8, 7] (CLI 7,8,8,7)
-    family: Optional[str] = None  # llama | chatglm | baichuan | util.py loader (llama2_hf); None: model_type
-    flavor: str = "local"  # Megatron key names: local (mcore local spec, MindSpeed) | legacy | te
-    make_vocab_size_divisible_by: int = 128  # Megatron's --make-vocab-size-divisible-by (padding rule)
-    padded_vocab_size: Optional[int] = None  # explicit padded vocabulary (ModelLink --padded-vocab-size)
-    dtype: Optional[str] = None  # cast weights: float32 | bfloat16 | float16; None keeps the source dtype
-    hf_config_dir: Optional[str] = None  # Megatron source: its HF config/tokenizer folder; None: its hf_meta/
-    max_shard_mb: int = 2048  # megatron_to_hf: largest safetensors shard
-    workers: int = 0  # threads writing rank files; 0: one per CPU core (at most 8), 1: one file at a time
-    overwrite: bool = False  # replace an existing target folder
-    clean_partial: bool = False  # delete .TARGET.partial-* folders of interrupted runs (else only reported)
+    source: str
+    """HF folder (config.json + shards) or Megatron folder (latest_checkpointed_iteration.txt)"""
+    target: Optional[str] = None
+    """Output folder (refused if it exists); None: ws.converted_weights/<layout>."""
+    direction: str = "hf_to_megatron"
+    """Which way: hf_to_megatron | megatron_to_hf | megatron_to_megatron."""
+    tp: int = 1
+    """Target tensor parallel size."""
+    pp: int = 1
+    """Target pipeline parallel size."""
+    num_layer_list: Optional[List[int]] = None
+    """Uneven PP: layers per stage, e.g. [7, 8, 8, 7] (CLI 7,8,8,7)"""
+    family: Optional[str] = None
+    """Model family: llama | chatglm | baichuan | util.py loader (llama2_hf); None: from model_type."""
+    flavor: str = "local"
+    """Megatron key names: local (mcore local spec, MindSpeed) | legacy | te."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's --make-vocab-size-divisible-by (padding rule)"""
+    padded_vocab_size: Optional[int] = None
+    """Explicit padded vocabulary (ModelLink --padded-vocab-size)"""
+    dtype: Optional[str] = None
+    """Cast weights: float32 | bfloat16 | float16; None keeps the source dtype."""
+    hf_config_dir: Optional[str] = None
+    """Megatron source: its HF config/tokenizer folder; None: its hf_meta/."""
+    max_shard_mb: int = 2048
+    """megatron_to_hf: largest safetensors shard, in MB."""
+    workers: int = 0
+    """Threads writing rank files; 0: one per CPU core (at most 8), 1: one file at a time."""
+    overwrite: bool = False
+    """Replace an existing target folder."""
+    clean_partial: bool = False
+    """Delete .TARGET.partial-* folders of interrupted runs (else only reported)"""
 
     def problems(self) -> List[str]:
         out = []

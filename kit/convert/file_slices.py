@@ -16,6 +16,8 @@ import struct
 import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from kit.atomic import write_all
+
 # name -> (safetensors code, bytes per element, torch legacy storage class). Facts: safetensors spec dtypes;
 # torch/storage.py typed storage names (what torch.save pickles as the storage type of each dtype).
 DTYPES: Dict[str, Tuple[str, int, str]] = {
@@ -404,13 +406,7 @@ class _FileSink:
         self.fd, self.path = fd, path
 
     def write(self, mv) -> None:
-        mv = memoryview(mv).cast("B")
-        try:
-            while len(mv):
-                n = os.write(self.fd, mv)
-                mv = mv[n:]
-        except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
-            raise OSError(exc.errno, exc.strerror, self.path) from None
+        write_all(self.fd, mv, self.path)
 
 
 def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None) -> int:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
+from kit.atomic import write_all
 from kit.convert.file_slices import (
     DTYPES,
     STORAGE_TO_NAME,
@@ -30,6 +31,7 @@ from kit.convert.file_slices import (
     reserve,
     write_piece,
 )
+from kit.errors import IntegrityError
 
 # ISA-L's CRC32 (the isal package, in the convert extra) is zlib's checksum, about 3x faster here (carry-less
 # multiply). Both release the GIL on large buffers, so rank files written on parallel threads checksum in parallel.
@@ -69,12 +71,7 @@ class ZipWriter:
     def _raw(self, data) -> None:
         mv = memoryview(data).cast("B")
         self.pos += len(mv)
-        try:
-            while len(mv):
-                n = os.write(self.fd, mv)
-                mv = mv[n:]
-        except OSError as exc:  # name the file, so disk full / read-only reads as one line about it
-            raise OSError(exc.errno, exc.strerror, self.path) from None
+        write_all(self.fd, mv, self.path)
 
     def begin(self, name: str, size: int) -> None:
         """Start a record of exactly `size` bytes; then write() them and end()."""
@@ -179,7 +176,9 @@ def torch_dtype_ref(dtype) -> TorchGlobal:
     return TorchGlobal("torch", dtype_name(dtype))
 
 
-class _StorageRef:
+class StorageRef:
+    """A storage of the file: record `data/<key>` holding `numel` elements of `dtype` (written and read alike)."""
+
     def __init__(self, key: str, dtype: str, numel: int):
         self.key, self.dtype, self.numel = key, dtype, numel
 
@@ -187,7 +186,7 @@ class _StorageRef:
 class _TensorStub:
     """Pickles exactly like a contiguous CPU tensor whose storage is record data/<key>."""
 
-    def __init__(self, ref: _StorageRef, shape: Tuple[int, ...]):
+    def __init__(self, ref: StorageRef, shape: Tuple[int, ...]):
         self.ref, self.shape = ref, tuple(shape)
 
     def __reduce_ex__(self, protocol):
@@ -209,7 +208,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets a type choose it
     dispatch[TorchGlobal] = _save_global_ref
 
     def persistent_id(self, obj):
-        if isinstance(obj, _StorageRef):
+        if isinstance(obj, StorageRef):
             return ("storage", TorchGlobal("torch", DTYPES[obj.dtype][2]), obj.key, "cpu", obj.numel)
         return None
 
@@ -236,7 +235,7 @@ class StreamingTorchFile:
         write_piece(x, self._zip, self._scratch)
         self._zip.end()
         self.bytes += n * itemsize(name)
-        return _TensorStub(_StorageRef(key, name, n), shape)
+        return _TensorStub(StorageRef(key, name, n), shape)
 
     def finish(self, obj) -> None:
         buf = io.BytesIO()
@@ -250,7 +249,7 @@ class StreamingTorchFile:
 # ---- reading ----------------------------------------------------------------------------------------------------
 
 
-class RankFileError(ValueError):
+class RankFileError(IntegrityError):
     """A rank file that is empty, truncated, garbled or fails its CRC check (converted to ConversionError)."""
 
 
@@ -387,13 +386,6 @@ def _zip64(extra: bytes, usize: int, csize: int, offset: int) -> Tuple[int, int,
                 offset = vals.pop(0)
         pos += 4 + n
     return usize, csize, offset
-
-
-class StorageRef:
-    """A storage of the file: record `data/<key>` holding `numel` elements of `dtype`."""
-
-    def __init__(self, key: str, dtype: str, numel: int):
-        self.key, self.dtype, self.numel = key, dtype, numel
 
 
 class TensorRef:

@@ -37,8 +37,9 @@ class DataConfig:
     """'text' (pretrain), 'alpaca', 'sharegpt', 'openai' (messages) or 'auto' (detected from the first record)."""
     columns: Dict[str, str] = field(default_factory=dict)
     """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
-    template: str = "telechat"
-    """Chat template for sft: telechat, chatml, qwen, chatglm3, llama2, llama3, baichuan2, alpaca, or "tokenizer"."""
+    template: str = "tokenizer"
+    """Chat template for sft: "tokenizer" (the tokenizer's own chat_template, what an instruct model was tuned
+    with), or telechat, chatml, qwen, chatglm3, llama2, llama3, baichuan2, alpaca."""
     system: Optional[str] = None
     """System prompt used when a dialog has none (None: the template's default, if any)."""
     train_on_prompt: bool = False

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Union
 
-from kit.errors import InputError, KitError
+from kit.errors import InputError, MissingInputError
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 _FIX_ENCODING = "convert it to UTF-8 first (e.g. `iconv -f GBK -t UTF-8 in.jsonl > out.jsonl`)"
@@ -24,7 +24,7 @@ def position(source: str, line: int, item: Optional[int] = None) -> str:
     return f"{where} (item {item})" if item else where
 
 
-class DataInputError(KitError, ValueError):
+class DataInputError(InputError):
     """A record (or a whole input file) that cannot be used; names the file, the line and the fix."""
 
     def __init__(
@@ -42,7 +42,7 @@ class DataInputError(KitError, ValueError):
         super().__init__(f"{position(source, line, item)}: {problem}. Fix: {fix}{tail}.")
 
 
-class DataPathError(KitError, FileNotFoundError):
+class DataPathError(MissingInputError):
     """An input, tokenizer or prepared folder that does not exist or holds nothing usable."""
 
 

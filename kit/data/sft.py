@@ -144,20 +144,22 @@ class SftAssembler:
 def encode_dialogs(
     dialogs: List[Dialog],
     tokenizer: Optional[str] = None,
-    template: str = "telechat",
+    template: Optional[str] = None,
     system: Optional[str] = None,
     train_on_prompt: bool = False,
     mask_history: bool = False,
     trust_remote_code: bool = False,
 ) -> List[Item]:
-    """(ids, labels) of each dialog exactly as `prepare` encodes it, before truncation and packing."""
+    """(ids, labels) of each dialog exactly as `prepare` encodes it, before truncation and packing (template None:
+    DataConfig's default)."""
+    from kit.data.config import DataConfig
     from kit.data.tokenizing import init_worker
 
     init_worker(
         tokenizer,
         trust_remote_code,
         {
-            "template": template,
+            "template": template or DataConfig.template,
             "system": system,
             "add_bos": False,
             "train_on_prompt": train_on_prompt,

@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Reads notebook 04's training-run manifest (default: the workspace's newest run) or a model "
         "folder; writes results.csv / results.json / speed.png and an evaluation manifest.",
     )
-    add_config_arguments(p, EvalConfig)  # one option per EvalConfig field, help from its comment
+    add_config_arguments(p, EvalConfig)  # one option per EvalConfig field, help from its field docstring
     p.add_argument("--workspace", default=None, help="workspace root (default: the kit's default workspace)")
     p.add_argument(
         "--workspace-model", default="demo", help="the model's folder name in the workspace (default: demo)"

@@ -17,42 +17,50 @@ DEFAULT_PROMPTS = [
 class EvalConfig:
     """What to evaluate against what, on which data and tasks, and where the results go."""
 
-    run: Optional[str] = None  # training-run folder (notebook 04); None: the workspace's newest run
-    model_path: Optional[str] = (
-        None  # HF folder or Megatron checkpoint to evaluate instead of a run's exported model
-    )
-    base_model: Optional[str] = None  # HF folder to compare with; None: the model the run started from
-    data: Optional[str] = None  # prepared-data folder whose held-out split is scored; None: the run's data
-    parts: List[str] = field(default_factory=lambda: list(PARTS))  # heldout, accuracy, generation, speed
-    heldout_rows: int = 64  # score at most this many held-out rows (0: all)
-    tasks: List[str] = field(
-        default_factory=lambda: ["kit_mc_en", "kit_mc_zh"]
-    )  # lm-eval task YAMLs or shipped names
-    task_limit: int = 0  # questions per task (0: all)
-    engine: str = (
-        "auto"  # multiple choice through lm-eval | kit (same recipe) | auto (lm-eval when installed)
-    )
-    prompts: List[str] = field(
-        default_factory=lambda: list(DEFAULT_PROMPTS)
-    )  # prompts for the side-by-side answers
-    prompts_file: Optional[str] = (
-        None  # text file, one prompt a line (or .jsonl with "prompt"); replaces prompts
-    )
-    template: Optional[str] = None  # chat template for prompts; None: the data's (else the tokenizer's own)
-    max_new_tokens: int = 24  # tokens generated per prompt
-    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])  # batch sizes of the speed measurement
-    prompt_lengths: List[int] = field(
-        default_factory=lambda: [16, 64]
-    )  # prompt lengths (tokens); e.g. [128, 2048] on a card
-    decode_tokens: int = 8  # tokens decoded per speed measurement (e.g. 64 on a card)
-    repeats: int = 1  # speed measurements per point (the best is kept)
-    device: Optional[str] = None  # npu | cuda | cpu; None: what kit.device finds
-    adapt: bool = True  # on NPU, run the models with kit attention and fused ops (kit.adapt)
-    out_dir: Optional[str] = (
-        None  # results folder; None: <run>/evaluation/<name>, else the workspace's evaluations/<name>
-    )
-    name: str = "eval"  # name of the results folder
-    overwrite: bool = False  # replace an existing results folder of the same name
+    run: Optional[str] = None
+    """Training-run folder (notebook 04); None: the workspace's newest run."""
+    model_path: Optional[str] = None
+    """HF folder or Megatron checkpoint to evaluate instead of a run's exported model."""
+    base_model: Optional[str] = None
+    """HF folder to compare with; None: the model the run started from."""
+    data: Optional[str] = None
+    """Prepared-data folder whose held-out split is scored; None: the run's data."""
+    parts: List[str] = field(default_factory=lambda: list(PARTS))
+    """What to measure: heldout, accuracy, generation, speed."""
+    heldout_rows: int = 64
+    """Score at most this many held-out rows (0: all)"""
+    tasks: List[str] = field(default_factory=lambda: ["kit_mc_en", "kit_mc_zh"])
+    """lm-eval task YAMLs or shipped task names."""
+    task_limit: int = 0
+    """Questions per task (0: all)"""
+    engine: str = "auto"
+    """Multiple choice through lm-eval | kit (same recipe) | auto (lm-eval when installed)."""
+    prompts: List[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    """Prompts for the side-by-side answers."""
+    prompts_file: Optional[str] = None
+    """Text file, one prompt a line (or .jsonl with "prompt"); replaces prompts."""
+    template: Optional[str] = None
+    """Chat template for prompts; None: the data's (else the tokenizer's own)"""
+    max_new_tokens: int = 24
+    """Tokens generated per prompt."""
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])
+    """Batch sizes of the speed measurement."""
+    prompt_lengths: List[int] = field(default_factory=lambda: [16, 64])
+    """Prompt lengths (tokens); e.g. [128, 2048] on a card."""
+    decode_tokens: int = 8
+    """Tokens decoded per speed measurement (e.g. 64 on a card)"""
+    repeats: int = 1
+    """Speed measurements per point (the best is kept)"""
+    device: Optional[str] = None
+    """npu | cuda | cpu; None: what kit.device finds."""
+    adapt: bool = True
+    """On NPU, run the models with kit attention and fused ops (kit.adapt)"""
+    out_dir: Optional[str] = None
+    """Results folder; None: <run>/evaluation/<name>, else the workspace's evaluations/<name>."""
+    name: str = "eval"
+    """Name of the results folder."""
+    overwrite: bool = False
+    """Replace an existing results folder of the same name."""
 
     def problems(self) -> List[str]:
         """Every problem with this config, each saying what to change."""

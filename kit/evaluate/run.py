@@ -9,7 +9,6 @@ the device.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from kit.configs import check, save_config, to_jsonable
 from kit.errors import InputError
 from kit.evaluate.config import EvalConfig
 from kit.evaluate.inputs import EvalInputs, resolve
-from kit.manifest import EVALUATION, write_manifest
+from kit.manifest import EVALUATION, sha256_file, write_manifest
 
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
@@ -122,10 +121,6 @@ def _heldout_rows(inputs: EvalInputs, limit: int):
     if limit and len(ds) > limit:
         ds = ds.select(range(limit))
     return ds
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
@@ -259,7 +254,7 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                         "name": t.name,
                         "yaml": str(t.yaml_path),
                         "data": str(t.data_file),
-                        "data_sha256": _sha256(t.data_file),
+                        "data_sha256": sha256_file(t.data_file),
                     }
                     for t in tasks
                 ],

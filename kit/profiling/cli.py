@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         aliases=["run"],
         help="profile a few steps of notebook 04's training run (default: the workspace's newest)",
     )
-    # one option per ProfileConfig field (help from its comment); the rest say which run and where
+    # one option per ProfileConfig field (help from its field docstring); the rest say which run and where
     add_config_arguments(d, ProfileConfig)
     d.add_argument("--workspace", default=None, help="workspace root (default: the kit's default workspace)")
     d.add_argument("--model", default="demo", help="the model's folder name in the workspace (default: demo)")

@@ -23,23 +23,36 @@ DEVICES = ("auto", "npu", "cuda", "cpu")
 class ProfileConfig:
     """Capture options; schedule fields follow torch.profiler.schedule, level/aic_metrics apply on NPU only."""
 
-    wait: int = 1  # steps ignored at the start of each cycle
-    warmup: int = 1  # steps traced but thrown away (the profiler's own start-up cost)
-    active: int = 3  # steps recorded
-    repeat: int = 1  # cycles; 0 = until the loop ends (one trace per cycle)
-    skip_first: int = 0  # steps skipped once before the first cycle (compilation, first batches)
-    level: str = (
-        "Level1"  # NPU: Level_none | Level0 | Level1 (unit ratios, op_statistic) | Level2 (+AI CPU data)
-    )
-    aic_metrics: str = "PipeUtilization"  # NPU: AI Core counters; forced to AiCoreNone at Level0/Level_none
-    l2_cache: bool = False  # NPU: L2 cache hit rates (l2_cache.csv)
-    record_op_args: bool = False  # NPU: dump operator arguments (for AOE / op analysis)
-    record_shapes: bool = True  # input shapes of every op
-    profile_memory: bool = False  # allocations (memory_record.csv on NPU)
-    with_stack: bool = False  # Python call stacks (slower, bigger traces)
-    analyse: bool = True  # NPU: parse to ASCEND_PROFILER_OUTPUT right away (False: raw data, analyse() later)
-    device: str = "auto"  # auto | npu | cuda | cpu: which profiler to use
-    tag: str = ""  # short label in the capture folder name, e.g. "bf16" (profile stage: empty = the run type)
+    wait: int = 1
+    """Steps ignored at the start of each cycle."""
+    warmup: int = 1
+    """Steps traced but thrown away (the profiler's own start-up cost)"""
+    active: int = 3
+    """Steps recorded."""
+    repeat: int = 1
+    """Cycles; 0 = until the loop ends (one trace per cycle)"""
+    skip_first: int = 0
+    """Steps skipped once before the first cycle (compilation, first batches)"""
+    level: str = "Level1"
+    """NPU: Level_none | Level0 | Level1 (unit ratios, op_statistic) | Level2 (+AI CPU data)"""
+    aic_metrics: str = "PipeUtilization"
+    """NPU: AI Core counters; forced to AiCoreNone at Level0/Level_none."""
+    l2_cache: bool = False
+    """NPU: L2 cache hit rates (l2_cache.csv)"""
+    record_op_args: bool = False
+    """NPU: dump operator arguments (for AOE / op analysis)"""
+    record_shapes: bool = True
+    """Input shapes of every op."""
+    profile_memory: bool = False
+    """Allocations (memory_record.csv on NPU)"""
+    with_stack: bool = False
+    """Python call stacks (slower, bigger traces)"""
+    analyse: bool = True
+    """NPU: parse to ASCEND_PROFILER_OUTPUT right away (False: raw data, analyse() later)"""
+    device: str = "auto"
+    """Which profiler to use: auto | npu | cuda | cpu."""
+    tag: str = ""
+    """Short label in the capture folder name, e.g. "bf16" (profile stage: empty = the run type)"""
 
     def problems(self) -> list:
         """Every invalid value, each with what is allowed."""

@@ -8,7 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
-from kit.errors import KitError
+from kit.errors import InputError, KitError
 
 # Columns of the normalised kernel table; ratio columns (aic_*_ratio / aiv_*_ratio) follow when present.
 KERNEL_COLUMNS = ["step", "device", "name", "type", "core", "start_us", "dur_us", "wait_us", "block_dim"]
@@ -16,7 +16,7 @@ KERNEL_COLUMNS = ["step", "device", "name", "type", "core", "start_us", "dur_us"
 COMMUNICATION_CORES = {"HCCL", "COMMUNICATION", "COMMUNICATION_TASK"}
 
 
-class ProfileError(KitError, ValueError):
+class ProfileError(InputError):
     """A profile folder or file that cannot be analysed; the message says what is missing and what to do."""
 
 

@@ -10,7 +10,6 @@ used only when its files still match it (and when the kit version that wrote it 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +18,7 @@ from typing import Optional, Union
 
 from kit.atomic import atomic_dir
 from kit.errors import IntegrityError, MissingInputError
+from kit.manifest import sha256_file
 
 PathLike = Union[str, Path]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,14 +65,6 @@ def smollm2_gguf() -> Path:
 def default_cache() -> Path:
     """KIT_CACHE, else ~/.cache/ascend-kit (on ModelArts put it under /home/ma-user/work to keep it)."""
     return Path(os.environ.get("KIT_CACHE", Path.home() / ".cache" / "ascend-kit")).expanduser()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def unpermute_rope(w, n_heads: int):
@@ -303,7 +295,7 @@ def _cache_ok(out: Path, gguf: Path) -> bool:
     return bool(files) and all(
         (out / name).is_file()
         and (out / name).stat().st_size == meta["size"]
-        and _sha256(out / name) == meta["sha256"]
+        and sha256_file(out / name) == meta["sha256"]
         for name, meta in files.items()
     )
 
@@ -341,7 +333,7 @@ def demo_model_dir(cache: Optional[PathLike] = None) -> Path:
             (tmp / name).write_bytes(_dump(obj))
         answer = self_test(tmp)
         files = {
-            n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names + list(extra)
+            n: {"size": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names + list(extra)
         }
         manifest = {
             "format": FORMAT,

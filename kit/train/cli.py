@@ -15,7 +15,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a config.json written by the kit (TrainConfig fields); options given here override it",
     )
-    # one option per TrainConfig field, help from its comment; unset options are absent, so the environment
+    # one option per TrainConfig field, help from its field docstring; unset options are absent, so the environment
     # (MODEL_TYPE, TRAIN_ITERS, ... as the ModelArts manual's scripts read them) and the manifests fill them
     add_config_arguments(p, TrainConfig, skip=("sources",))
 

@@ -66,63 +66,88 @@ INHERITED_DEFAULTS = {
 class TrainConfig:
     """One training run: the manual's names (lower-case here, upper-case in env/notebooks) and the trainer's knobs."""
 
-    run_type: str = "sft"  # pretrain | retrain (resume the latest checkpoint) | sft | lora
-    resume_from: str = "pretrain"  # retrain only: the run folder to resume (pretrain | sft | lora)
-    model_name: str = "demo"  # the workspace model folder (saved_dir_for_ma_output/<name>); env MODEL_TYPE
-    dataset_path: Optional[str] = (
-        None  # notebook 02's prepared-data folder; None: the workspace's, or the sample
-    )
-    model_path: Optional[str] = (
-        None  # HF folder (or, ENGINE megatron, notebook 03's converted checkpoint); None: demo
-    )
-    tokenizer_path: Optional[str] = None  # tokenizer folder; None: the one the data was prepared with
-    seq_len: Optional[int] = None  # tokens per sample; None: the length the data was prepared (packed) for
-    template: Optional[str] = (
-        None  # chat template of SFT data; None: the data's (a different one is an error)
-    )
-    pack: Optional[bool] = None  # packed SFT rows; None: the data's (a different one is an error)
-    train_iters: int = 200  # optimizer steps in total (retrain: the new total, counted from iteration 0)
-    mbs: int = 1  # micro batch size per card
-    gbs: int = 64  # global batch size: samples per optimizer step over all cards
-    tp: Optional[int] = None  # tensor parallel size; None: the converted checkpoint's, else 1
-    pp: Optional[int] = None  # pipeline parallel size; None: the converted checkpoint's, else 1
-    num_layer_list: Optional[List[int]] = (
-        None  # layers per pipeline stage, e.g. [7,8,8,7]; None: the checkpoint's
-    )
-    padded_vocab_size: Optional[int] = None  # Megatron's padded vocabulary; None: the converted checkpoint's
-    master_addr: str = "localhost"  # address of node 0 (multi-node)
-    nnodes: int = 1  # number of nodes
-    node_rank: int = 0  # this node's index, 0-based
-    work_dir: str = ""  # the `${workdir}` root; empty = the kit's default workspace
-    nproc_per_node: int = 1  # processes (cards) per node; world size = nnodes * nproc_per_node
-    master_port: int = 0  # rendezvous port; 0 = a free one (one node) or 6000 (several nodes: same on each)
-    engine: str = "deepspeed"  # deepspeed (kit trainer) | megatron (AscendCloud / MindSpeed-LLM scripts)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    dtype: str = (
-        "auto"  # auto (bf16 where the card has it, fp16 other accelerators, fp32 on CPU) | bfloat16 | ...
-    )
-    lr: float = 1e-5  # peak learning rate
-    min_lr: float = 0.0  # learning rate at the end of the cosine decay
-    warmup_iters: int = 0  # linear warm-up steps
-    weight_decay: float = 0.0  # AdamW weight decay
-    clip_grad: float = 1.0  # gradient clipping by global norm (0 = off)
-    seed: int = 1234  # random number generator seed (data order, initialisation of LoRA)
-    save_interval: int = 0  # checkpoint every N steps (0 = only at the end, on SIGTERM)
-    log_interval: int = 1  # print a Megatron-style line every N steps
-    adapt: bool = (
-        True  # patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU
-    )
-    lora_r: int = 8  # LoRA rank (RUN_TYPE lora)
-    lora_alpha: int = 16  # LoRA alpha
-    lora_dropout: float = 0.0  # LoRA dropout
-    lora_targets: List[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
-    )  # LoRA modules
-    save_hf: bool = True  # at the end, save a plain HF folder (LoRA: merged weights) beside the checkpoints
-    overwrite: bool = False  # allow starting over into an output folder that already holds checkpoints
-    sources: Dict[str, str] = field(
-        default_factory=dict
-    )  # set by resolve(): field -> where its value came from
+    run_type: str = "sft"
+    """pretrain | retrain (resume the latest checkpoint) | sft | lora."""
+    resume_from: str = "pretrain"
+    """Retrain only: the run folder to resume (pretrain | sft | lora)"""
+    model_name: str = "demo"
+    """The workspace model folder (saved_dir_for_ma_output/<name>); env MODEL_TYPE."""
+    dataset_path: Optional[str] = None
+    """Notebook 02's prepared-data folder; None: the workspace's, or the sample."""
+    model_path: Optional[str] = None
+    """HF folder (or, ENGINE megatron, notebook 03's converted checkpoint); None: demo."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer folder; None: the one the data was prepared with."""
+    seq_len: Optional[int] = None
+    """Tokens per sample; None: the length the data was prepared (packed) for."""
+    template: Optional[str] = None
+    """Chat template of SFT data; None: the data's (a different one is an error)"""
+    pack: Optional[bool] = None
+    """Packed SFT rows; None: the data's (a different one is an error)"""
+    train_iters: int = 200
+    """Optimizer steps in total (retrain: the new total, counted from iteration 0)"""
+    mbs: int = 1
+    """Micro batch size per card."""
+    gbs: int = 64
+    """Global batch size: samples per optimizer step over all cards."""
+    tp: Optional[int] = None
+    """Tensor parallel size; None: the converted checkpoint's, else 1."""
+    pp: Optional[int] = None
+    """Pipeline parallel size; None: the converted checkpoint's, else 1."""
+    num_layer_list: Optional[List[int]] = None
+    """Layers per pipeline stage, e.g. [7,8,8,7]; None: the checkpoint's."""
+    padded_vocab_size: Optional[int] = None
+    """Megatron's padded vocabulary; None: the converted checkpoint's."""
+    master_addr: str = "localhost"
+    """Address of node 0 (multi-node)"""
+    nnodes: int = 1
+    """Number of nodes."""
+    node_rank: int = 0
+    """This node's index, 0-based."""
+    work_dir: str = ""
+    """The `${workdir}` root; empty = the kit's default workspace."""
+    nproc_per_node: int = 1
+    """Processes (cards) per node; world size = nnodes * nproc_per_node."""
+    master_port: int = 0
+    """Rendezvous port; 0 = a free one (one node) or 6000 (several nodes: same on each)"""
+    engine: str = "deepspeed"
+    """deepspeed (kit trainer) | megatron (AscendCloud / MindSpeed-LLM scripts)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    dtype: str = "auto"
+    """auto (bf16 where the card has it, fp16 on other accelerators, fp32 on CPU) | bfloat16 | float16 | float32."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_iters: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm (0 = off)"""
+    seed: int = 1234
+    """Random number generator seed (data order, initialisation of LoRA)"""
+    save_interval: int = 0
+    """Checkpoint every N steps (0 = only at the end, on SIGTERM)"""
+    log_interval: int = 1
+    """Print a Megatron-style line every N steps."""
+    adapt: bool = True
+    """Patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU."""
+    lora_r: int = 8
+    """LoRA rank (RUN_TYPE lora)"""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    lora_dropout: float = 0.0
+    """LoRA dropout."""
+    lora_targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Modules that get LoRA adapters."""
+    save_hf: bool = True
+    """At the end, save a plain HF folder (LoRA: merged weights) beside the checkpoints."""
+    overwrite: bool = False
+    """Allow starting over into an output folder that already holds checkpoints."""
+    sources: Dict[str, str] = field(default_factory=dict)
+    """Set by resolve(): field -> where its value came from."""
 
     def __init__(self, **values: Any):
         # Keyword-only, so the config knows which fields were given (explicit) and which are defaults: the
