@@ -20,7 +20,10 @@ def resolve_dtype(cfg, info) -> str:
     return info.dtype if cfg.dtype == "auto" else cfg.dtype
 
 
-_IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"  # LOCAL_SIZE the kit set itself for a world of one
+# Marks the LOCAL_SIZE the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike. It is an
+# environment variable, not a module flag, because the kernels and workers such a process starts inherit
+# LOCAL_SIZE too and must not take it for a launcher's.
+_IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"
 
 
 def init_distributed(info) -> tuple:
