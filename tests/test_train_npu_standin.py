@@ -104,23 +104,41 @@ def test_set_device_before_the_process_group(monkeypatch, tmp_path, tiny_llama_d
     assert order == [("init_distributed", [3])]
 
 
-def test_fused_adamw_only_where_a_fused_kernel_is_registered(monkeypatch):
+@pytest.mark.parametrize(
+    "device_type, release, fused",
+    [
+        ("cuda", "2.1.0", True),
+        ("cpu", "2.1.0", False),  # torch 2.1 has no CPU kernel (its constructor refuses fused=True there)
+        ("cpu", "2.4.0", True),
+        ("cpu", "2.13.0+cpu", True),
+        ("npu", "2.1.0", False),
+        ("npu", "2.5.1", True),  # torch_npu's `_fused_adamw_`
+        ("mps", "2.5.1", False),
+    ],
+)
+def test_fused_adamw_by_device_and_torch_release(device_type, release, fused):
+    from kit.train.engine import fused_adamw
+
+    assert fused_adamw(device_type, release) is fused
+
+
+def test_the_trainers_adamw_is_fused_where_torch_runs_it_and_updates_like_foreach(monkeypatch):
+    from types import SimpleNamespace
+
+    from kit.train.engine import adamw, fused_adamw
+
+    cfg = SimpleNamespace(lr=0.1, weight_decay=0.01)
     lin = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
-    # a device without the kernel keeps torch's default (foreach) path
-    monkeypatch.setattr(trainer_mod, "has_fused_adamw", lambda device_type: False)
-    assert trainer_mod.use_fused_adamw(opt, torch.device("cpu")) is False
-    assert all(not g.get("fused") for g in opt.param_groups)
-    # a device whose dispatcher has `_fused_adamw_` (CUDA, or NPU through torch_npu): switched before step 1
-    monkeypatch.setattr(trainer_mod, "has_fused_adamw", lambda device_type: device_type == "cpu")
-    assert trainer_mod.use_fused_adamw(opt, torch.device("cpu")) is True
-    assert all(g["fused"] is True and g["foreach"] is False for g in opt.param_groups)
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", "CPU"):
-        return  # torch < 2.4 has no CPU fused kernel to run here; the switch itself is checked above
-    # the fused kernel gives the same update as the foreach one
     ref = torch.nn.Linear(4, 3)
     ref.load_state_dict(lin.state_dict())
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=True)
+    opt = adamw(lin.parameters(), cfg)
+    fused = fused_adamw("cpu")
+    assert [bool(g["fused"]) for g in opt.param_groups] == [fused]
+    if not fused:  # the table agrees with this torch's own constructor check
+        with pytest.raises(RuntimeError, match="fused"):
+            torch.optim.AdamW(ref.parameters(), fused=True)
+        return
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.01, foreach=True)
     called = []
     original = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: called.append(1) or original(*a, **k))
@@ -131,17 +149,6 @@ def test_fused_adamw_only_where_a_fused_kernel_is_registered(monkeypatch):
     assert called  # what ran was the fused kernel
     for a, b in zip(lin.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
-def test_has_fused_adamw_asks_the_dispatcher():
-    for device_type, key in (("cuda", "CUDA"), ("cpu", "CPU")):
-        want = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", key)
-        assert trainer_mod.has_fused_adamw(device_type) == want
-    from packaging.version import Version
-
-    newer = Version(torch.__version__.split("+")[0]) >= Version("2.4")
-    assert trainer_mod.has_fused_adamw("cpu") == newer  # torch 2.4 added the CPU kernel; 2.1 keeps foreach
-    assert trainer_mod.has_fused_adamw("mps") is False
 
 
 @pytest.mark.parametrize("bf16, flag, absent", [(True, "--bf16", "--fp16"), (False, "--fp16", "--bf16")])

@@ -20,7 +20,10 @@ def resolve_dtype(cfg, info) -> str:
     return info.dtype if cfg.dtype == "auto" else cfg.dtype
 
 
-_IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"  # LOCAL_SIZE the kit set itself for a world of one
+# Marks the LOCAL_SIZE the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike. It is an
+# environment variable, not a module flag, because the kernels and workers such a process starts inherit
+# LOCAL_SIZE too and must not take it for a launcher's.
+_IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"
 
 
 def init_distributed(info) -> tuple:
@@ -99,15 +102,15 @@ def release_shm_buffer(rank: int, world: int) -> bool:
     return True
 
 
-def ds_config(cfg, dtype: str, clip: bool = True) -> dict:
+def ds_config(cfg, dtype: str) -> dict:
     """DeepSpeed's config for this run: batch sizes from MBS/GBS/DP, ZeRO stage, precision, clipping."""
     conf = {
         "train_batch_size": cfg.gbs,
         "train_micro_batch_size_per_gpu": cfg.mbs,
         "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": float(cfg.clip_grad) if clip else 0.0,
+        "gradient_clipping": float(cfg.clip_grad),
         "zero_optimization": {"stage": cfg.zero_stage},
-        "zero_allow_untested_optimizer": True,  # a plain torch AdamW: no op build needed on any device
+        "zero_allow_untested_optimizer": True,  # torch's AdamW (see adamw): no op build needed on any device
         "steps_per_print": 10**9,  # the kit prints its own Megatron-style lines
         "wall_clock_breakdown": False,
     }
@@ -222,35 +225,70 @@ def _check_zero3_collectives() -> None:
         ) from None
 
 
-def kit_clips(cfg, dtype: str) -> bool:
-    """Whether the trainer clips gradients itself: ZeRO 0 in fp32, where DeepSpeed would clip parameter by parameter
-    (deepspeed.runtime.utils.clip_grad_norm_) after the trainer already took the norm it logs; torch's foreach
-    clip_grad_norm_ does both in one pass, with the same rule (scale by max_norm / (norm + 1e-6) when below 1).
-    Mixed precision and ZeRO >= 1 keep DeepSpeed's clipping: their optimizers hold the master gradients."""
-    return cfg.zero_stage == 0 and dtype == "float32"
+# torch release from which torch.optim.AdamW(fused=True) runs on each device type. CUDA: from the start (2.0).
+# CPU: torch 2.4 added the kernel (torch 2.1's constructor refuses fused=True for CPU tensors). NPU: torch_npu
+# registers `_fused_adamw_` for its device (read in torch_npu 2.13.0's npu_native_functions_by_codegen.yaml); the
+# torch_npu releases for torch < 2.4 were not checked, so there NPU keeps torch's default (foreach).
+FUSED_ADAMW_SINCE = {"cuda": (2, 0), "cpu": (2, 4), "npu": (2, 4)}
 
 
-def build_engine(cfg, model, dtype: str, clip_in_kit: bool = False):
-    """deepspeed.initialize with a torch AdamW over the trainable parameters and the warm-up/cosine schedule
-    (clip_in_kit: DeepSpeed does not clip; the caller does, see kit_clips)."""
+def fused_adamw(device_type: str, torch_version: Optional[str] = None) -> bool:
+    """Whether the trainer's AdamW runs fused on `device_type` with torch `torch_version` (default: this torch).
+
+    Fused is what HF Trainer uses by default on recent torch (adamw_torch_fused) and the same update rule as
+    torch's foreach AdamW, in fewer kernel launches.
+    """
+    import torch
+
+    since = FUSED_ADAMW_SINCE.get(device_type)
+    if since is None:
+        return False
+    release = (torch_version or torch.__version__).split("+")[0].split(".")
+    return tuple(int(x) for x in release[:2]) >= since
+
+
+def adamw(params, cfg):
+    """torch AdamW over `params` with the run's settings, fused where fused_adamw says so.
+
+    build_engine hands this to DeepSpeed, which calls it after moving the model to the training device, so torch's
+    own constructor checks fused=True against the device the parameters train on.
+    """
+    import torch
+
+    params = list(params)
+    device_type = params[0].device.type if params else "cpu"
+    fused = {"fused": True} if fused_adamw(device_type) else {}
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **fused
+    )
+
+
+def build_engine(cfg, model, dtype: str):
+    """deepspeed.initialize over the trainable parameters: DeepSpeed moves the model to the device, builds the AdamW
+    (adamw) and the warm-up/cosine schedule there, and clips by global norm (CLIP_GRAD) in every configuration."""
     import deepspeed
     import torch
 
     if cfg.zero_stage == 3:
         _check_zero3_collectives()
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config(cfg, dtype, clip=not clip_in_kit),
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=lambda params: adamw(params, cfg),
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+        config=ds_config(cfg, dtype),
     )
     return engine
+
+
+def reports_grad_norm(engine) -> bool:
+    """Whether DeepSpeed reports the step's global gradient norm before clipping (engine.get_global_grad_norm()).
+
+    Its ZeRO, bf16 and fp16 optimizers do. Plain fp32 at ZeRO 0 does not: DeepSpeed clips there and drops the norm
+    (DeepSpeedEngine.clip_fp32_gradients), so the trainer takes it itself before the step (Trainer._grad_norm).
+    """
+    return bool(engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
 
 
 def quiet_deepspeed() -> None:

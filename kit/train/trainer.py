@@ -163,12 +163,9 @@ class Trainer:
         self.flatten = getattr(self.adapt_report, "attention", None) == "kit"
         # a flattened row's logits only where a target follows: prompts and padding skip the LM head (see below)
         self.select_logits = self.flatten and takes_logit_positions(model)
-        self.kit_clips = eng.kit_clips(cfg, self.dtype)
-        self.engine = eng.build_engine(cfg, model, self.dtype, clip_in_kit=self.kit_clips)
-        self.params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
-        self.fused_optimizer = use_fused_adamw(self.engine.optimizer, self.device)
-        skip_single_rank_allreduce(self.engine, self.world, cfg.zero_stage)
+        self.norm_from_deepspeed = eng.reports_grad_norm(self.engine)
         self.start_iter = 0
         if resume:
             state = checkpoint.load(self.engine, self.ckpt_root)
@@ -199,7 +196,7 @@ class Trainer:
     # ---- collectives ----------------------------------------------------------------------------------------
     # HCCL (torch_npu's ProcessGroupHCCL, Ascend/pytorch `torch_npu/csrc/distributed/ProcessGroupHCCL.cpp`) reduces
     # int8/16/32/64, fp16, fp32 and bf16 only; float64 is refused on Atlas A2/A3. So floats go as fp32 and counts
-    # as int64, and a world of one reduces nothing (its numbers stay exactly what was computed).
+    # as int64. Every world size, one included, runs the same collectives.
     def _all_reduce(self, values: list, op: str = "sum") -> list:
         """Sum (or max) of float values over ranks, reduced as fp32."""
         return self._reduce(values, "float32", op)
@@ -209,12 +206,14 @@ class Trainer:
         return [int(v) for v in self._reduce(values, "int64", op)]
 
     def _reduce(self, values: list, dtype: str, op: str) -> list:
-        if self.world == 1:
-            return list(values)
         import torch
+
+        return self._reduce_tensor(torch.tensor(values, dtype=getattr(torch, dtype), device=self.device), op)
+
+    def _reduce_tensor(self, t, op: str = "sum") -> list:
+        """All-reduce `t` in place (sum or max) and return its values on the host (the one sync)."""
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=getattr(torch, dtype), device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.tolist()
 
@@ -222,9 +221,10 @@ class Trainer:
     def _one_step(self, iteration: int) -> Optional[dict]:
         """One optimizer step over this rank's micro-batches; None when a loss was not finite (nothing stepped).
 
-        The losses stay on the device until the last micro-batch: one host sync and one collective per
-        optimizer step decide NaN/inf (before the step), instead of a `.item()` and an all_reduce per micro-batch
-        that would drain the NPU's task queue each time.
+        The losses stay on the device until the last micro-batch; there one collective sums each micro-batch's loss
+        over the ranks and one host sync brings the sums back: they decide NaN/inf on every rank alike (before the
+        step) and make the logged loss, instead of a `.item()` and an all_reduce per micro-batch that would drain
+        the NPU's task queue each time.
         """
         import torch
 
@@ -256,26 +256,21 @@ class Trainer:
             losses.append(loss.detach())
             engine.backward(loss)
             if i == len(batches) - 1:
-                values = torch.stack(losses).float().tolist()  # the step's one host sync
-                bad = self._all_reduce_ints([0 if all(map(math.isfinite, values)) else 1], "max")[0]
-                if bad:
+                # a non-finite loss on any rank makes its sum non-finite on every rank
+                values = self._reduce_tensor(torch.stack(losses).float())
+                if not all(map(math.isfinite, values)):
                     return None
-            if engine.is_gradient_accumulation_boundary() and cfg.zero_stage == 0:
-                # DeepSpeed reports the norm only for ZeRO >= 1 / mixed precision
-                if self.kit_clips:
-                    pre_clip_norm = clip_gradients(self.params, cfg.clip_grad)
-                else:
-                    pre_clip_norm = self._grad_norm()
+            if engine.is_gradient_accumulation_boundary() and not self.norm_from_deepspeed:
+                # the all-reduced gradients, before DeepSpeed's step clips them
+                pre_clip_norm = self._grad_norm()
             engine.step()
             tokens += tokens_in(batch)
         loss_sum = 0.0
-        for v in values:  # summed on the host in float64, micro-batch order, as before
+        for v in values:  # summed on the host in float64, micro-batch order
             loss_sum += v
         synchronize(self.device)
-        elapsed_ms = (time.perf_counter() - t0) * 1000.0
-        loss_sum, elapsed_ms = self._all_reduce([loss_sum, elapsed_ms])
+        elapsed_ms = self._all_reduce([(time.perf_counter() - t0) * 1000.0])[0] / self.world
         tokens = self._all_reduce_ints([tokens])[0]
-        elapsed_ms /= self.world
         grad_norm = engine.get_global_grad_norm() if pre_clip_norm is None else pre_clip_norm
         from kit.train.metrics import tokens_per_second_per_card
 
@@ -528,81 +523,6 @@ def bind_device(info) -> None:
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     getattr(torch, info.kind).set_device(local_rank)
-
-
-def _innermost_optimizer(optimizer):
-    """The torch optimizer inside DeepSpeed's wrappers (BF16/FP16/ZeRO keep it as `.optimizer`)."""
-    import torch
-
-    seen = 0
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer") and seen < 4:
-        optimizer, seen = optimizer.optimizer, seen + 1
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-
-
-def has_fused_adamw(device_type: str) -> bool:
-    """True when torch has a fused AdamW kernel registered for this device type (NPU via torch_npu, CUDA, CPU).
-
-    torch_npu 2.13.0 registers `_fused_adamw_` for PrivateUse1 (`csrc/aten/npu_native_functions_by_codegen.yaml`);
-    torch registers a CPU kernel from 2.4 on (torch 2.1 has none). The dispatcher is asked rather than a version
-    compared, so a stack without the kernel keeps foreach. HF Trainer picks the same kernel (its default optim is
-    adamw_torch_fused on recent torch), so the CPU figures compare like with like.
-    """
-    import torch
-
-    key = {"cuda": "CUDA", "npu": "PrivateUse1", "cpu": "CPU"}.get(device_type)
-    if key is None:
-        return False
-    try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_adamw_", key))
-    except (AttributeError, RuntimeError):  # pragma: no cover - very old torch
-        return False
-
-
-def clip_gradients(params, clip_grad: float) -> float:
-    """Clip the (already all-reduced) gradients of `params` to norm `clip_grad` (0: no clipping) in one foreach
-    pass; returns their global L2 norm before clipping (what Megatron logs as grad norm)."""
-    import torch
-
-    grads = [p for p in params if p.grad is not None]
-    max_norm = clip_grad if clip_grad > 0 else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)) if grads else 0.0
-
-
-def skip_single_rank_allreduce(engine, world: int, zero_stage: int) -> bool:
-    """At ZeRO 0 in a world of one, stop DeepSpeed's gradient all-reduce; True if stopped.
-
-    DeepSpeed reduces at every accumulation boundary by flattening all gradients into one buffer, all-reducing it
-    and copying it back (engine.buffered_allreduce_fallback), also when there is no other rank: on CPU that cost
-    ~5% of a step of a small model. Averaging over one rank is the identity, so the update is unchanged. ZeRO 1-3
-    keep it (their optimizers move gradients into their own partitions there), as does any world of two or more.
-    """
-    if world != 1 or zero_stage != 0 or not hasattr(engine, "enable_backward_allreduce"):
-        return False
-    engine.enable_backward_allreduce = False  # the switch DeepSpeed's own pipeline engine uses
-    return True
-
-
-def use_fused_adamw(optimizer, device) -> bool:
-    """Switch torch AdamW to its fused kernel where the device has one (has_fused_adamw); True if switched.
-
-    torch reads `fused`/`foreach` from each param group at every step (and creates the step counters on the
-    device for fused), so setting them after DeepSpeed moved the parameters, before the first step, is the
-    same as constructing with fused=True on the device (which the CPU-side construction cannot do).
-    """
-    import torch
-
-    inner = _innermost_optimizer(optimizer)
-    device_type = getattr(device, "type", str(device).split(":")[0])
-    if not isinstance(inner, torch.optim.AdamW) or not has_fused_adamw(device_type):
-        return False
-    params = [p for g in inner.param_groups for p in g["params"]]
-    if not params or any(p.device.type != device_type or not p.is_floating_point() for p in params):
-        return False
-    for group in inner.param_groups:
-        group["foreach"] = False
-        group["fused"] = True
-    return True
 
 
 def train(
