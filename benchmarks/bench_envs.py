@@ -50,13 +50,16 @@ def sh(*cmd: str) -> None:
 
 def build_env(root: Path, packages: list) -> Path:
     """A venv whose site-packages holds copies of `packages` from this interpreter's site-packages."""
-    src_site = Path(next(p for p in sys.path if p.endswith("site-packages")))
+    sites = [
+        Path(p) for p in sys.path if p.endswith("site-packages")
+    ]  # a worktree's venv may sit on another's
     prefix = envs.create_venv(root / "src-env", inherit=False)
     site = next(prefix.glob("lib/python3*/site-packages"))
     for name in packages:
+        src_site = next((s for s in sites if (s / name).exists()), sites[0])
         found = sorted(src_site.glob(name)) + sorted(src_site.glob(f"{name}-*.dist-info"))
         if not found:
-            raise SystemExit(f"package {name!r} is not installed in {src_site}")
+            raise SystemExit(f"package {name!r} is not installed in {', '.join(map(str, sites))}")
         for path in found:
             sh("cp", "-a", str(path), str(site))
     return prefix
