@@ -1,5 +1,5 @@
-"""Env archives: tarfile (POSIX pax) compressed by python-zstandard (every core) or gzip, plus the one thing the kit
-adds to them, a manifest read first and a member list with sizes and hashes written last (what unpacking checks).
+"""Env archives: tarfile (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
+Hand-written here only what buys safety: a manifest read first and a member list with sizes and hashes last.
 
 Layout of an archive the kit writes (any tar reads it):
   1. `.kit-env.json`          what it is (kit_archive=2, kind, name, old prefix, hash algorithm): read first;
@@ -32,14 +32,7 @@ ARCHIVE_VERSION = 2
 LEVELS = {"tar.zst": (1, 19), "tar.gz": (1, 9)}  # zstd 20-22 need ~GBs of memory to unpack; gzip stops at 9
 SMALL = 2 << 20  # files up to this size are read whole (and scanned for the old prefix)
 CHUNK = 1 << 20
-BLOCK = 512
-_SUFFIXES = (
-    (".tar.zst", "tar.zst"),
-    (".tzst", "tar.zst"),
-    (".tar.gz", "tar.gz"),
-    (".tgz", "tar.gz"),
-    (".tar", "tar"),
-)
+_SUFFIXES = {".tar.zst": "tar.zst", ".tzst": "tar.zst", ".tar.gz": "tar.gz", ".tgz": "tar.gz", ".tar": "tar"}
 __all__ = ["ArchiveDamagedError", "EnvArchiveError", "FORMATS", "MANIFEST", "TRAILER"]
 
 
@@ -61,7 +54,7 @@ def check_level(fmt: str, level: int) -> int:
 
 def suffix_format(path: os.PathLike | str) -> Optional[str]:
     """The format a file name announces ('x.tar.zst' -> 'tar.zst'; .tgz/.tzst accepted), or None."""
-    return next((fmt for suffix, fmt in _SUFFIXES if str(path).endswith(suffix)), None)
+    return next((fmt for suffix, fmt in _SUFFIXES.items() if str(path).endswith(suffix)), None)
 
 
 def format_of(path: os.PathLike | str) -> str:
@@ -126,12 +119,7 @@ class _Zstd:
             level=level, threads=threads if threads > 1 else 0, write_checksum=True
         )
         self._writer = cctx.stream_writer(fileobj, closefd=False)
-
-    def write(self, data) -> int:
-        return self._writer.write(data)
-
-    def tell(self) -> int:
-        return self._writer.tell()
+        self.write, self.tell = self._writer.write, self._writer.tell
 
     def close(self) -> None:
         self._writer.close()  # ends the frame
@@ -224,7 +212,7 @@ class ArchiveWriter:
     """tarfile writing into `out` (a compressor), recording [name, type, size, hash|link] for every member."""
 
     def __init__(self, out, hash_name: Optional[str] = None, scan: Optional[bytes] = None, mtime=None):
-        self.tar = tarfile.open(fileobj=out, mode="w:", format=tarfile.PAX_FORMAT, copybufsize=CHUNK)
+        self.tar = tarfile.open(fileobj=out, mode="w:", format=tarfile.GNU_FORMAT, copybufsize=CHUNK)
         self.hash_name = hash_name or default_hash()
         self.scan = scan  # text files that hold these bytes (the old prefix) are listed in prefix_files
         self.mtime = mtime

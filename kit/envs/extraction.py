@@ -48,8 +48,9 @@ def _inside(root: str, path: str) -> bool:
 class _Extractor:
     """Writes members under `root`, refusing anything that would land outside it; records what it wrote."""
 
-    def __init__(self, root: str, tar: tarfile.TarFile, progress):
-        self.root, self.tar, self.progress = root, tar, progress
+    def __init__(self, root: str, stream: Stream, progress):
+        self.root, self.stream, self.progress = root, stream, progress
+        self.tar = tarfile.open(fileobj=stream, mode="r:")
         self.dirs = {""}  # folders (relative) known to be real folders under root, not links
         self.regular: set = set()
         self.hard: set = set()
@@ -100,8 +101,18 @@ class _Extractor:
         fd = self._open_new(dest, mode)
         h = new_hasher(hash_name) if hash_name else None
         try:
-            src = self.tar.extractfile(m)
-            for data in iter(lambda: src.read(CHUNK), b""):
+            # the data follows the header in the stream (or, sparse, comes through tarfile's own reader)
+            src = (
+                self.stream
+                if self.stream.tell() == m.offset_data and not m.issparse()
+                else self.tar.extractfile(m)
+            )
+            left = m.size
+            while left:
+                data = src.read(min(left, CHUNK))
+                if not data:
+                    raise tarfile.ReadError("unexpected end of data")
+                left -= len(data)
                 if h is not None:
                     h.update(data)
                 write_all(fd, data)
@@ -210,7 +221,7 @@ def _first_difference(path, seen: list, expected: list) -> ArchiveDamagedError:
     )
 
 
-def _read_members(archive, stream: Stream, ex: _Extractor) -> tuple:
+def _read_members(archive, ex: _Extractor) -> tuple:
     """Extract every member; return (manifest first, member list last, legacy manifest) as found."""
     tar, head, trailer, legacy, hash_name = ex.tar, None, None, None, None
     for i, m in enumerate(iter(tar.next, None)):
@@ -251,8 +262,8 @@ def extract(
     """
     stream = Stream(str(archive))
     try:
-        ex = _Extractor(os.path.realpath(target), tarfile.open(fileobj=stream, mode="r:"), progress)
-        head, trailer, legacy = _read_members(archive, stream, ex)
+        ex = _Extractor(os.path.realpath(target), stream, progress)
+        head, trailer, legacy = _read_members(archive, ex)
         ended = stream.last == _END
         stream.drain()
     except EnvArchiveError:
