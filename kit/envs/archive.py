@@ -23,7 +23,7 @@ import zlib
 from typing import IO, Iterator, Optional
 
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
-from kit.envs.prefix import changed_error, read_whole
+from kit.envs.prefix import changed_error, read_whole, scan_prefix
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 MANIFEST = ".kit-env.json"
@@ -38,7 +38,7 @@ __all__ = ["ArchiveDamagedError", "EnvArchiveError", "FORMATS", "MANIFEST", "TRA
 
 def n_threads(threads: int) -> int:
     """0 or -1 means every core; otherwise the number given (at least 1)."""
-    return os.cpu_count() or 1 if threads in (0, -1) else max(1, int(threads))
+    return (os.cpu_count() or 1) if threads in (0, -1) else max(1, int(threads))
 
 
 def check_level(fmt: str, level: int) -> int:
@@ -279,8 +279,7 @@ class ArchiveWriter:
         else:
             data = read_whole(path, st, "packed")
             h.update(data)
-            # text files (no NUL in their first 8 KiB) that hold the old prefix; binaries are not rewritten
-            if self.scan and data.find(b"\0", 0, 8192) < 0 and self.scan in data:
+            if self.scan and scan_prefix(data, self.scan):  # text that holds the old prefix
                 self.prefix_files.append(name)
             self.tar.addfile(info, io.BytesIO(data))
         self._file(name, st.st_size, h.hexdigest())
@@ -401,6 +400,9 @@ class Stream:
         for _ in self._chunks:
             pass
 
+    def close(self) -> None:
+        self._chunks.close()  # closes the file
+
 
 def corrupt(path, exc: BaseException) -> EnvArchiveError:
     return ArchiveDamagedError(
@@ -432,8 +434,9 @@ def json_member(data: bytes, what: str, path) -> dict:
 def read_manifest(path: os.PathLike | str) -> Optional[dict]:
     """What a kit archive is (its first member: kind, name, old prefix, ...), or None for other archives.
     Reads only the start of the archive."""
+    stream = Stream(str(path))
     try:
-        tar = tarfile.open(fileobj=Stream(str(path)), mode="r:")
+        tar = tarfile.open(fileobj=stream, mode="r:")
         first = tar.next()
         if first is None or first.name != MANIFEST or not first.isreg():
             return None
@@ -444,3 +447,5 @@ def read_manifest(path: os.PathLike | str) -> Optional[dict]:
         if is_stream_error(exc):
             raise corrupt(path, exc) from exc
         raise
+    finally:
+        stream.close()

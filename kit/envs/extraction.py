@@ -116,6 +116,8 @@ class _Extractor:
                 if h is not None:
                     h.update(data)
                 write_all(fd, data)
+            if src is self.stream:
+                src.read(-m.size % 512)  # the padding too: tarfile then finds the next header where it is
             if mode & self.umask:  # open() applied the umask; only then is a second call needed
                 os.fchmod(fd, mode)
             os.utime(fd, (m.mtime, m.mtime))
@@ -272,6 +274,8 @@ def extract(
         if is_stream_error(exc):
             raise corrupt(archive, exc) from exc
         raise
+    finally:
+        stream.close()
     if head is not None:
         if trailer is None:
             raise ArchiveDamagedError(

@@ -312,7 +312,7 @@ def copy_tree(
             elif stat.S_ISREG(st.st_mode):
                 counts["files"] += 1
                 counts["bytes"] += st.st_size
-                if 0 < st.st_size <= SCAN_LIMIT and _holds_prefix(s, st.st_size, old_b):
+                if 0 < st.st_size <= SCAN_LIMIT and holds_prefix(s, st.st_size, old_b):
                     texts.append((rel, st))
             else:
                 continue
@@ -365,7 +365,7 @@ def copy_tree(
     return counts
 
 
-def _holds_prefix(path: str, size: int, old: bytes) -> bool:
+def holds_prefix(path: str, size: int, old: bytes) -> bool:
     """True when the file is text (no NUL in its first 8 KiB) and mentions `old`; binaries are read no further."""
     fd = _open_source(path, size, "copied")
     try:

@@ -14,7 +14,7 @@ from kit.atomic import atomic_dir
 from kit.envs.archive import archive_writer
 from kit.envs.errors import EnvArchiveError
 from kit.envs.folders import get_layout
-from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix, scan_tree
+from kit.envs.prefix import SCAN_LIMIT, EnvError, holds_prefix, kind_of, rewrite_prefix_files, scan_tree
 
 INHERIT_PTH = "_kit_inherit.pth"
 
@@ -177,15 +177,13 @@ def site_packages(prefix: os.PathLike | str) -> Optional[Path]:
 
 def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
     """Relative paths of the text files under `root` that contain `needle`."""
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            if not os.path.islink(p) and os.path.getsize(p) <= SCAN_LIMIT:
-                with open(p, "rb") as fh:
-                    if scan_prefix(fh.read(), needle.encode()):
-                        out.append(os.path.relpath(p, root))
-    return out
+    return [
+        rel
+        for rel, path, st in scan_tree(root)
+        if stat.S_ISREG(st.st_mode)
+        and 0 < st.st_size <= SCAN_LIMIT
+        and holds_prefix(path, st.st_size, needle.encode())
+    ]
 
 
 def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
