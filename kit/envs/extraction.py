@@ -1,7 +1,7 @@
-"""Safe extraction of env archives. tarfile parses; the kit writes each member itself, so that it hashes the data as
-it lands and checks a kit archive's member list, and it refuses what tarfile's 'data' filter refuses and more:
-link chains that climb out once every link exists (links are made last), a member written through a link of the
-same archive, a file where a folder was, hard links to members not extracted, special files."""
+"""Safe extraction: tarfile parses, the kit writes each member itself, buying what tarfile's 'data' filter lacks:
+data hashed as it lands and checked against the member list; links made last, so a link chain that climbs out, a
+member written through a link of the archive, a file where a folder was, or a hard link to a member not extracted
+is refused; special files refused. (The filter itself is not run: it resolves every member's path on disk.)"""
 
 from __future__ import annotations
 

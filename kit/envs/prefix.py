@@ -1,4 +1,6 @@
-"""What an environment folder is (conda or venv), its size, its python, and fixing its embedded prefix."""
+"""What an env folder is, its size and python; clone = GNU cp (or shutil.copytree) plus what no copier does:
+the old prefix rewritten in text files, links into the env re-pointed, every file checked against its scanned size.
+"""
 
 from __future__ import annotations
 
