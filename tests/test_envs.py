@@ -342,20 +342,6 @@ def test_cli_clone_pack_unpack_kernel_restore(source_env, tmp_path, capsys):
         main(["env", "pack"])  # missing argument: argparse usage error
 
 
-def test_threaded_copy_matches_sequential_copy(source_env, tmp_path):
-    from kit.envs.prefix import copy_tree, is_network_fs
-
-    assert is_network_fs(tmp_path) is False  # pytest's temp folder is on a local disk here
-    results = {}
-    for workers in (1, 4):
-        out = tmp_path / f"w{workers}"
-        out.mkdir()
-        results[workers] = copy_tree(source_env, out, str(out), workers=workers)
-        assert _run(out / "bin" / "hello") == str(out)
-    assert results[1] == results[4] and results[1]["rewritten"] >= 3
-    assert _names(tmp_path / "w1") == _names(tmp_path / "w4")
-
-
 def test_unpack_over_an_existing_env_only_with_overwrite(source_env, tmp_path):
     archive = tmp_path / "env.tar.zst"
     envs.pack(source_env, archive)
@@ -635,14 +621,15 @@ def test_cli_options_come_from_envs_config():
     assert " ".join(docs["level"].split()[:3]) in " ".join(pack_help.format_help().split())
 
 
-@pytest.fixture(params=["cp", "kit"])
+@pytest.fixture(params=["cp", "copytree"])
 def copier(request, monkeypatch):
-    """Who copies on a local disk: GNU cp (the default where it is installed) or the kit (KIT_CP_PROGRAM=0)."""
-    from kit.envs.prefix import gnu_program
+    """Who copies: GNU cp (where it is installed) or shutil.copytree (where it is not)."""
+    import kit.envs.prefix as prefix_mod
 
-    monkeypatch.setenv("KIT_CP_PROGRAM", "1" if request.param == "cp" else "0")
-    if request.param == "cp" and gnu_program("cp") is None:
+    if request.param == "cp" and prefix_mod.gnu_program("cp") is None:
         pytest.skip("GNU cp is not installed here")
+    if request.param == "copytree":
+        monkeypatch.setattr(prefix_mod, "gnu_program", lambda name: None)
     return request.param
 
 
@@ -704,7 +691,7 @@ def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, copier, siz
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(EnvError) as err:
-        copy_tree(src, out, str(out), workers=1, entries=entries)
+        copy_tree(src, out, str(out), entries=entries)
     now = {"shrunk": f"{size // 2} now", "grown": f"{size + 4} now", "removed": "gone now"}[change]
     assert f"{victim} changed while it was copied ({size} bytes when the env was scanned, {now})" in str(
         err.value
@@ -712,15 +699,16 @@ def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, copier, siz
     # the same files unchanged since their scan copy cleanly
     out2 = tmp_path / "out2"
     out2.mkdir()
-    assert copy_tree(src, out2, str(out2), workers=1)["files"] == 3 + (change != "removed")
+    assert copy_tree(src, out2, str(out2))["files"] == 3 + (change != "removed")
 
 
-def test_cp_and_the_kit_copy_leave_the_same_tree(source_env, tmp_path, monkeypatch):
-    """GNU cp plus the kit's fix-ups and the kit's own copy: same names, types, modes, contents, times, link
+def test_cp_and_copytree_leave_the_same_tree(source_env, tmp_path, monkeypatch):
+    """GNU cp and shutil.copytree, each with the kit's fix-ups: same names, types, modes, contents, times, link
     targets (absolute links into the source re-pointed) and counts; folders owner-writable in both."""
-    from kit.envs.prefix import copy_tree, gnu_program
+    import kit.envs.prefix as prefix_mod
+    from kit.envs.prefix import copy_tree
 
-    if gnu_program("cp") is None:
+    if prefix_mod.gnu_program("cp") is None:
         pytest.skip("GNU cp is not installed here")
     src = tmp_path / "src"
     shutil.copytree(source_env, src, symlinks=True)
@@ -748,10 +736,11 @@ def test_cp_and_the_kit_copy_leave_the_same_tree(source_env, tmp_path, monkeypat
 
     results, trees = {}, {}
     for program in ("1", "0"):
-        monkeypatch.setenv("KIT_CP_PROGRAM", program)
+        if program == "0":
+            monkeypatch.setattr(prefix_mod, "gnu_program", lambda name: None)  # shutil.copytree copies
         out = tmp_path / f"out{program}"
         out.mkdir()
-        results[program] = copy_tree(src, out, str(out), workers=1)
+        results[program] = copy_tree(src, out, str(out))
         trees[program] = tree(out)
     os.chmod(src / "locked", 0o755)
     assert results["1"] == results["0"] and results["1"]["rewritten"] == 2

@@ -5,11 +5,12 @@ Conda envs go through the conda-pack library (offline, prefixes relocated); virt
 prefix rewritten. Kernels carry the variables CANN's set_env.sh exports, so `import torch_npu` works in them.
 """
 
-from kit.envs.archive import FORMATS, extract, read_manifest, safe_extract
+from kit.envs.archive import FORMATS, read_manifest
 from kit.envs.conda_cli import conda_executable
 from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
 from kit.envs.config import EnvsConfig, activation_commands
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
+from kit.envs.extraction import extract, safe_extract
 from kit.envs.folders import default_envs_root, get_layout
 from kit.envs.kernels import (
     capture_env,

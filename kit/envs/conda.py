@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 from typing import IO, Optional
 
-from kit.envs.archive import compressed_writer
+from kit.envs.archive import ArchiveWriter, archive_writer
 from kit.envs.prefix import EnvError
-from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, ThreadedSink, json_bytes
 
 
 def _load(prefix: str, ignore_editable: bool):
@@ -48,9 +47,9 @@ def _mtime(prefix: str) -> Optional[float]:
 
 
 class _KitTarArchive:
-    """conda-pack archive target that writes through the kit's TarWriter (member list with sizes and hashes)."""
+    """conda-pack archive target that writes through the kit's ArchiveWriter (member list with sizes and hashes)."""
 
-    def __init__(self, writer: TarWriter):
+    def __init__(self, writer: ArchiveWriter):
         self.writer = writer
 
     def add(self, source: str, target: str) -> None:
@@ -84,14 +83,8 @@ def pack_conda(
     prefix = os.path.abspath(prefix)
     env = _load(prefix, ignore_editable)
     _set_total(bar, len(env.files))
-    comp = compressed_writer(raw, fmt, level, threads)
-    sink = ThreadedSink(comp)
-    try:
-        writer = TarWriter(sink, mtime=_mtime(prefix))
-        head = dict(
-            manifest or {}, kind="conda", prefix=prefix, kit_archive=ARCHIVE_VERSION, hash=writer.hash_name
-        )
-        writer.add_bytes(HEAD, json_bytes(head), record=False)
+    head = dict(manifest or {}, kind="conda", prefix=prefix)
+    with archive_writer(raw, fmt, level, threads, head, mtime=_mtime(prefix)) as writer:
         packer = Packer(prefix, _KitTarArchive(writer))
         for f in env.files:
             packer.add(f)
@@ -99,11 +92,6 @@ def pack_conda(
                 bar.update(1)
         packer.finish()
         writer.finish({})
-    finally:
-        try:
-            sink.close()
-        finally:
-            comp.close()
     return {"files": len(env.files), "prefix_records": len(packer.prefixes)}
 
 

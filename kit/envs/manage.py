@@ -14,8 +14,9 @@ from typing import Optional, Sequence, Union
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, extract, suffix_format
+from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, suffix_format
 from kit.envs.conda_cli import conda_clone, conda_envs
+from kit.envs.extraction import extract
 from kit.envs.folders import get_layout
 from kit.envs.prefix import (
     DEFAULT_IMPORTS,

@@ -1,4 +1,6 @@
-"""What an environment folder is (conda or venv), its size, its python, and fixing its embedded prefix."""
+"""What an env folder is, its size and python; clone = GNU cp (or shutil.copytree) plus what no copier does:
+the old prefix rewritten in text files, links into the env re-pointed, every file checked against its scanned size.
+"""
 
 from __future__ import annotations
 
@@ -45,10 +47,8 @@ def dies_with_parent():
 
 
 def gnu_program(name: str) -> Optional[str]:
-    """The GNU `name` program (tar, cp) the kit hands bulk file work to, or None: not installed, another
-    implementation (their options differ), or KIT_<NAME>_PROGRAM=0; then the kit does that work itself."""
-    if os.environ.get(f"KIT_{name.upper()}_PROGRAM", "1") == "0":
-        return None
+    """The GNU `name` program (cp) the kit hands bulk file work to, or None: not installed, or another
+    implementation (their options differ); then the kit does that work itself."""
     exe = shutil.which(name)
     if exe and exe not in _GNU:
         try:
@@ -206,200 +206,59 @@ def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str
     return changed
 
 
-def _umask() -> int:
+def umask() -> int:
+    """This process's umask (reading it means setting it, so it is set back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def _copy_file(s: str, d: str, st, old_b: bytes, new_b: bytes, umask: int = 0o022) -> tuple[int, bool]:
-    """Copy one file (mode and times kept), rewriting the prefix if it is text that holds it.
-
-    Small files are read whole (they must be scanned for the prefix anyway); big ones are copied by the kernel
-    (copy_file_range, else sendfile), like `cp` does, without passing through Python.
-    """
-    mode = stat.S_IMODE(st.st_mode)
-    rewritten = False
-    try:
-        src = os.open(s, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise _changed(s, st.st_size, None) from None
-    try:
-        fd = os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o777)
-        try:
-            if st.st_size <= SCAN_LIMIT:
-                # the first 8 KiB say text or binary; a binary's rest is copied by the kernel (one copy, as
-                # cp does), a text's is read to be scanned for the prefix
-                data = os.read(src, min(st.st_size, _HEAD))
-                binary = not looks_text(data)
-                got = len(data)
-                if binary and got < st.st_size:
-                    _write_all(fd, data)
-                    got += _kernel_copy(src, fd, st.st_size - got)
-                    data = b""
-                while len(data) < st.st_size and not binary:  # short reads are allowed
-                    more = os.read(src, st.st_size - len(data))
-                    if not more:
-                        break
-                    data += more
-                    got = len(data)
-                _check_unchanged(s, st, got, src)
-                rewritten = not binary and old_b in data
-                if rewritten:
-                    data = data.replace(old_b, new_b)
-                _write_all(fd, data)
-                size = st.st_size if binary else len(data)
-            else:
-                _check_unchanged(s, st, _kernel_copy(src, fd, st.st_size), src)
-                size = st.st_size
-            if mode & (umask | 0o7000):  # open() applied the umask (and never sets setuid/setgid/sticky)
-                os.fchmod(fd, mode)
-            os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
-        finally:
-            os.close(fd)
-    finally:
-        os.close(src)
-    return size, rewritten
-
-
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data) -> None:
+    """os.write until every byte is written (a write may take only part)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
-def _changed(path: str, size: int, now: Optional[int]) -> EnvError:
+def changed_error(path: str, size: int, now: Optional[int], doing: str = "copied") -> EnvError:
+    """The one error for a source file whose size is not the one the scan saw (a pip install running in it)."""
     got = "gone now" if now is None else f"{now} now"
+    again = "pack" if doing == "packed" else "clone"
     return EnvError(
-        f"{path} changed while it was copied ({size} bytes when the env was scanned, {got}); clone again "
+        f"{path} changed while it was {doing} ({size} bytes when the env was scanned, {got}); {again} again "
         f"when nothing writes to the source env (a running pip or conda install?)."
     )
 
 
-def _check_unchanged(path: str, st, copied: int, fd: int) -> None:
-    """Raise when a file was not copied whole at the size the scan saw, or has grown since (its copy would be a
-    mix of two versions, or cut); a truncated file shows up as a short copy."""
-    if copied != st.st_size:
-        raise _changed(path, st.st_size, copied)
+def check_unchanged(path: str, st, copied: int, fd: int, doing: str = "copied") -> None:
+    """Raise when a file was not read whole at the size the scan saw, or has grown since (its copy would be a
+    mix of two versions, or cut); a truncated file shows up as a short read."""
     now = os.fstat(fd).st_size
-    if now != st.st_size:
-        raise _changed(path, st.st_size, now)
+    if copied != st.st_size or now != st.st_size:
+        raise changed_error(path, st.st_size, copied if copied != st.st_size else now, doing)
 
 
-def _kernel_copy(src: int, dst: int, size: int) -> int:
-    """Copy up to `size` bytes from the current offsets in the kernel; the number copied (less at end of file)."""
-    done = 0
-    copy = getattr(os, "copy_file_range", None)
-    while done < size:
-        try:
-            n = copy(src, dst, size - done) if copy else os.sendfile(dst, src, None, size - done)
-        except OSError as exc:
-            if copy is None or exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            copy = None  # old kernels / some filesystems: sendfile works everywhere on Linux
-            continue
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "fuse", "fuse.sshfs", "lustre", "gpfs", "ceph", "9p", "efs")
-
-
-def is_network_fs(path: os.PathLike | str) -> bool:
-    """True when `path` lies on a network filesystem (ModelArts default storage is SFS, mounted over NFS)."""
-    p = os.path.realpath(path)
-    best, fstype = "", ""
+def _open_source(path: str, size: int, doing: str) -> int:
     try:
-        with open("/proc/mounts", encoding="utf-8") as fh:
-            for line in fh:
-                parts = line.split()
-                if (
-                    len(parts) > 2
-                    and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/"))
-                    and len(parts[1]) > len(best)
-                ):
-                    best, fstype = parts[1], parts[2]
-    except OSError:
-        return False
-    return fstype.split(".")[0] in {f.split(".")[0] for f in NETWORK_FS}
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # removed since the scan saw it
+        raise changed_error(path, size, None, doing) from None
 
 
-def copy_tree(
-    src: os.PathLike | str,
-    dst: os.PathLike | str,
-    new_prefix: str,
-    progress=None,
-    workers: int = 0,
-    entries: Optional[list] = None,
-    on_scanned: Optional[Callable[[list], object]] = None,
-) -> dict:
-    """Copy an env tree into the existing folder `dst`, rewriting `src` to `new_prefix` in text files.
-
-    Symbolic links are copied as links; absolute ones into the source are re-pointed into the copy. On a
-    network filesystem (SFS/NFS: every small file costs a round trip) files are copied on 8 threads; on a local
-    disk GNU cp copies in a process of its own while this one scans the source and finds the files to rewrite
-    (threads of ours are slower there: the interpreter lock changes hands around every short system call), else
-    one thread of ours. `entries` is scan_tree(src) when the caller has it already; otherwise the tree is scanned
-    here and on_scanned(entries) is called before the copy's result counts (a space check that raises stops the
-    copy: with GNU cp it runs beside the first ~0.1 s of copying, whose output the caller removes). Every file
-    must still have the size the scan saw once copied, else EnvError names it.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    src, dst = os.path.abspath(src), os.path.abspath(dst)
-    workers = workers or (8 if is_network_fs(dst) else 1)
-    exe = gnu_program("cp") if workers == 1 else None
-    if exe:  # a local disk: GNU cp copies (network filesystems gain more from several threads of our own)
-        return _copy_with_cp(exe, src, dst, new_prefix, entries, progress, on_scanned)
-    if entries is None:
-        entries = scan_tree(src)
-        if on_scanned is not None:
-            on_scanned(entries)
-    old_b, new_b = src.encode(), new_prefix.encode()
-    counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
-    jobs = []
-    for rel, s, st in entries:
-        d = os.path.join(dst, rel)
-        if stat.S_ISDIR(st.st_mode):
-            os.mkdir(d, 0o700)
-            os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
-        elif stat.S_ISLNK(st.st_mode):
-            target = os.readlink(s)
-            if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
-                target = new_prefix + target[len(src) :]
-            os.symlink(target, d)
-            counts["links"] += 1
-            if progress:
-                progress(1)
-        elif stat.S_ISREG(st.st_mode):
-            jobs.append((s, d, st))
-        else:
-            raise EnvError(
-                f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
-            )
-    umask = _umask()
-
-    def one(job):
-        return _copy_file(*job, old_b, new_b, umask)
-
-    if workers == 1:
-        results = map(one, jobs)
-    else:
-        pool = ThreadPoolExecutor(max_workers=workers)
-        results = pool.map(one, jobs, chunksize=64)
+def read_whole(path: str, st, doing: str = "copied") -> bytes:
+    """The whole file, checked to have the size the scan saw (check_unchanged)."""
+    fd = _open_source(path, st.st_size, doing)
     try:
-        for size, rewritten in results:
-            counts["files"] += 1
-            counts["bytes"] += size
-            counts["rewritten"] += rewritten
-            if progress:
-                progress(1)
+        data = os.read(fd, st.st_size)
+        while len(data) < st.st_size:  # short reads are allowed
+            more = os.read(fd, st.st_size - len(data))
+            if not more:
+                break
+            data += more
+        check_unchanged(path, st, len(data), fd, doing)
     finally:
-        if workers != 1:
-            pool.shutdown()
-    return counts
+        os.close(fd)
+    return data
 
 
 def _special(entries: list) -> None:
@@ -410,34 +269,43 @@ def _special(entries: list) -> None:
             )
 
 
-def _copy_with_cp(
-    exe: str, src: str, dst: str, new_prefix: str, entries: Optional[list], progress, on_scanned=None
+def copy_tree(
+    src: os.PathLike | str,
+    dst: os.PathLike | str,
+    new_prefix: str,
+    progress=None,
+    entries: Optional[list] = None,
+    on_scanned: Optional[Callable[[list], object]] = None,
 ) -> dict:
-    """copy_tree() with GNU cp doing the copying in a process of its own (modes and times kept, links copied as
-    links), while this process scans the source (unless `entries` has it) and reads its text files to find those
-    that hold the old prefix; then those are rewritten in the copy, absolute links into the source re-pointed,
-    and folders made owner-writable, as copy_tree's own copy leaves them. Same result and counts (tested side by
-    side)."""
+    """Copy an env tree into the existing folder `dst`, rewriting `src` to `new_prefix` in text files.
+
+    GNU cp copies (modes and times kept, links as links, no owners, every hard link a file of its own) in a
+    process of its own while this one scans the source (unless `entries` has it; then on_scanned(entries), e.g. a
+    space check that stops the copy) and finds the text files that hold the old prefix; shutil.copytree copies the
+    same way where GNU cp is missing. Then those texts are rewritten in the copy, absolute links into the source
+    re-pointed and folders made owner-writable. Every file must have the size the scan saw, else EnvError names it.
+    """
     import tempfile
 
+    src, dst = os.path.abspath(src), os.path.abspath(dst)
     old_b, new_b = src.encode(), new_prefix.encode()
-    if entries is not None:
-        _special(entries)
-    err = tempfile.TemporaryFile()
-    # --preserve=mode,timestamps: no owners (the copy belongs to whoever clones, also as root) and every hard
-    # link a file of its own, as the kit's own copy makes them
-    proc = subprocess.Popen(
-        [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst],
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-        preexec_fn=dies_with_parent(),
-    )
+    _special(entries or [])
+    exe, proc, err = gnu_program("cp"), None, tempfile.TemporaryFile()
+    if exe:
+        proc = subprocess.Popen(
+            [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=dies_with_parent(),
+        )
     try:
         if entries is None:  # the scan that would otherwise come first runs beside cp's copy
             entries = scan_tree(src)
             _special(entries)
             if on_scanned is not None:
                 on_scanned(entries)
+        if proc is None:
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
         counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
         texts = []
         for rel, s, st in entries:
@@ -446,15 +314,15 @@ def _copy_with_cp(
             elif stat.S_ISREG(st.st_mode):
                 counts["files"] += 1
                 counts["bytes"] += st.st_size
-                if 0 < st.st_size <= SCAN_LIMIT and _holds_prefix(s, st.st_size, old_b):
+                if 0 < st.st_size <= SCAN_LIMIT and holds_prefix(s, st.st_size, old_b):
                     texts.append((rel, st))
             else:
                 continue
             if progress:
                 progress(1)
-        code = proc.wait()
+        code = proc.wait() if proc is not None else 0
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
     err.seek(0)
@@ -465,20 +333,24 @@ def _copy_with_cp(
         if any("No space left" in line for line in message):
             raise OSError(errno.ENOSPC, "No space left on device", last)
         raise EnvError(f"copying {src} failed: {last}")
-    for rel, s, st in entries:  # cp copied what it found: a file that changed since the scan differs in size
+    for (
+        rel,
+        s,
+        st,
+    ) in entries:  # the copier copied what it found: a file changed since the scan differs in size
         if stat.S_ISREG(st.st_mode):
             try:
                 now: Optional[int] = os.lstat(os.path.join(dst, rel)).st_size
-            except FileNotFoundError:  # removed before cp came to it
+            except FileNotFoundError:  # removed before the copier came to it
                 now = None
             if now != st.st_size:
-                raise _changed(s, st.st_size, now)
+                raise changed_error(s, st.st_size, now)
     for rel, st in texts:
         d = os.path.join(dst, rel)
         with open(d, "rb") as fh:
             data = fh.read()
         new = data.replace(old_b, new_b)
-        with open(d, "wb") as fh:  # the file cp made: its mode stays
+        with open(d, "wb") as fh:  # the file the copier made: its mode stays
             fh.write(new)
         os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
         counts["rewritten"] += 1
@@ -495,12 +367,9 @@ def _copy_with_cp(
     return counts
 
 
-def _holds_prefix(path: str, size: int, old: bytes) -> bool:
+def holds_prefix(path: str, size: int, old: bytes) -> bool:
     """True when the file is text (no NUL in its first 8 KiB) and mentions `old`; binaries are read no further."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:  # removed since the scan saw it
-        raise _changed(path, size, None) from None
+    fd = _open_source(path, size, "copied")
     try:
         data = os.read(fd, min(size, _HEAD))
         if not looks_text(data):

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import IO, Optional, Union
 
 from kit.atomic import atomic_dir
-from kit.envs.archive import compressed_writer
+from kit.envs.archive import archive_writer
 from kit.envs.errors import EnvArchiveError
 from kit.envs.folders import get_layout
-from kit.envs.prefix import SCAN_LIMIT, EnvError, kind_of, rewrite_prefix_files, scan_prefix, scan_tree
-from kit.envs.tarstream import ARCHIVE_VERSION, HEAD, TarWriter, ThreadedSink, json_bytes
+from kit.envs.prefix import SCAN_LIMIT, EnvError, holds_prefix, kind_of, rewrite_prefix_files, scan_tree
 
 INHERIT_PTH = "_kit_inherit.pth"
 
@@ -98,22 +97,11 @@ def pack_tree(
             f"cannot pack {prefix}: {len(outside)} link(s) point outside the env ({', '.join(outside[:5])}); an "
             f"unpacked env could not have them. Replace them with copies or relative links, then pack again."
         )
-    comp = compressed_writer(raw, fmt, level, threads)
-    sink = ThreadedSink(
-        comp, recycle=fmt != "tar.gz"
-    )  # zstd and plain files are done with a buffer on return
-    try:
-        writer = TarWriter(sink, scan=prefix.encode())
-        head = dict(manifest, kit_archive=ARCHIVE_VERSION, prefix=prefix, hash=writer.hash_name)
-        writer.add_bytes(HEAD, json_bytes(head), record=False)
+    head = dict(manifest, prefix=prefix)
+    with archive_writer(raw, fmt, level, threads, head, scan=prefix.encode()) as writer:
         # progress: a tick per file or link, what walk_tree() counts
         writer.add_entries(entries, skip=abs_links, progress=progress)
         writer.finish({"abs_links": abs_links})
-    finally:
-        try:
-            sink.close()
-        finally:
-            comp.close()
     files = sum(1 for m in writer.members if m[1] == "f")
     return {"files": files, "bytes": writer.bytes, "prefix_files": len(writer.prefix_files)}
 
@@ -189,15 +177,13 @@ def site_packages(prefix: os.PathLike | str) -> Optional[Path]:
 
 def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
     """Relative paths of the text files under `root` that contain `needle`."""
-    out = []
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            if not os.path.islink(p) and os.path.getsize(p) <= SCAN_LIMIT:
-                with open(p, "rb") as fh:
-                    if scan_prefix(fh.read(), needle.encode()):
-                        out.append(os.path.relpath(p, root))
-    return out
+    return [
+        rel
+        for rel, path, st in scan_tree(root)
+        if stat.S_ISREG(st.st_mode)
+        and 0 < st.st_size <= SCAN_LIMIT
+        and holds_prefix(path, st.st_size, needle.encode())
+    ]
 
 
 def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
