@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine with Python 3.10-3.13 (no conda needed):
 #   make demo   - run every notebook headless on the embedded defaults (CPU, data_samples/), outputs under runs/
 #   make test   - lint, Python 3.9 compile check, unit + notebook tests, nbval on the notebooks, browser (e2e) tests,
-#                 and the unit + notebook tests on the two older stacks (test-compat: Python 3.9 + torch 2.1, 3.10 + 2.5)
+#                 and on the two older stacks (Python 3.9 + torch 2.1, 3.10 + 2.5) the tests those stacks can break;
+#                 ends with a table of each part's wall time (runs/test-times.tsv)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,11 @@ STAMP := $(VENV)/.kit-installed
 PY39 := $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9 2>/dev/null))
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint compat39 unit nbval e2e bench test-compat clean
+COMPAT_STACKS := $(sort $(basename $(notdir $(wildcard envs/compat/*.txt))))
+TEST_PARTS := install lint compat39 unit nbval e2e $(addprefix compat-,$(COMPAT_STACKS))
+TEST_TIMES := runs/test-times.tsv
+
+.PHONY: install demo test lint compat39 unit nbval e2e bench test-compat clean $(addprefix compat-,$(COMPAT_STACKS))
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,10 +40,12 @@ else
 	$(PY39) -m compileall -q -f kit > /dev/null && echo "compat39: kit/ compiles under $$($(PY39) --version)"
 endif
 
+# every unit and notebook test (papermill, tiny parameters), dev_stack ones included: this is their one run
 unit: install
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-# every notebook on its defaults under nbval (outputs are not compared: --nbval-lax), in a workspace of its own
+# every notebook on its defaults under nbval (outputs are not compared: --nbval-lax), in a workspace of its own:
+# the notebooks as a user runs them, once, on the dev stack
 nbval: install
 	KIT_WORKSPACE=$(CURDIR)/runs/nbval-ws $(PY) -m pytest --nbval-lax notebooks/ -p no:cacheprovider
 
@@ -47,16 +54,22 @@ e2e: install
 	tests/e2e/setup_e2e.sh $(PY)
 	KIT_E2E_REQUIRED=1 $(PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 
-test: lint compat39 unit nbval e2e test-compat
+# each part in turn (stopping at the first that fails), then a table of their wall times, after a failure too
+test:
+	MAKE="$(MAKE)" tests/run_parts.sh $(TEST_TIMES) $(TEST_PARTS)
 
 # every benchmark in a short configuration; one table of ratios -> benchmarks/results.md (not part of make test)
 bench: install
 	$(PY) benchmarks/run_all.py
 
-# the unit and notebook tests on older stacks ModelArts images bring (envs/compat/<STACK>.txt); STACK=all: both
+# on an older stack ModelArts images bring (envs/compat/<STACK>.txt; STACK=all: each), the tests that stack can
+# break (tests/compat/run_compat.sh says which); make test runs each stack as a part of its own, compat-<STACK>
 STACK ?= all
 test-compat:
 	tests/compat/run_compat.sh $(STACK)
+
+$(addprefix compat-,$(COMPAT_STACKS)): compat-%:
+	tests/compat/run_compat.sh $*
 
 clean:
 	rm -rf runs/demo runs/ws runs/e2e runs/nbval-ws

@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,9 @@ from kit.errors import InputError
 from kit.workspace import repo_root
 
 NOTEBOOKS = repo_root() / "notebooks"
+
+# ipykernel logs this at every start over TCP; the kernels started here listen on 127.0.0.1 for this process only
+TCP_NOTICE = b"Kernel is running over TCP without encryption"
 
 
 def numbered_notebooks(folder: Optional[Path] = None) -> list[Path]:
@@ -47,6 +51,42 @@ def parameters_of(nb_path: Path) -> dict:
     return params
 
 
+def _pass_stderr(read_fd: int) -> None:
+    """Copy a kernel's stderr to ours, line by line, leaving out ipykernel's TCP notice."""
+    with os.fdopen(read_fd, "rb") as pipe:
+        for line in pipe:
+            while line and TCP_NOTICE not in line:  # fd 2: where the kernel's stderr would have gone
+                line = line[os.write(2, line) :]
+
+
+def quiet_kernel_manager(base: Optional[type] = None) -> type:
+    """`base` (jupyter_client's AsyncKernelManager by default) whose kernels' stderr reaches ours without the
+    TCP notice; everything else the kernel writes there is passed on as it comes."""
+    if base is None:
+        from jupyter_client import AsyncKernelManager as base
+
+    class QuietKernelManager(base):
+        copiers: list = []  # the threads copying stderr, to wait for once the kernels are gone
+
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            if kw.get("stderr") is not None:  # the caller chose where it goes
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+            read_fd, write_fd = os.pipe()
+            try:
+                await super()._async_launch_kernel(kernel_cmd, **dict(kw, stderr=write_fd))
+            except BaseException:
+                os.close(read_fd)
+                raise
+            finally:
+                os.close(write_fd)  # the kernel holds its own copy; the pipe ends when the kernel does
+            copier = threading.Thread(target=_pass_stderr, args=(read_fd,), name="kernel-stderr", daemon=True)
+            copier.start()
+            self.copiers.append(copier)
+
+    QuietKernelManager.__name__ = QuietKernelManager.__qualname__ = f"Quiet{base.__name__}"
+    return QuietKernelManager
+
+
 def execute(nb_path: Path, out_path: Path, parameters: Optional[dict] = None, timeout: int = 1800) -> Path:
     """Execute one notebook with papermill (in the notebooks folder, this interpreter's kernel)."""
     import papermill as pm
@@ -56,17 +96,23 @@ def execute(nb_path: Path, out_path: Path, parameters: Optional[dict] = None, ti
     if unknown:
         raise InputError(f"{nb_path.name} has no parameter(s) {unknown}; see its parameters cell.")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    pm.execute_notebook(
-        str(nb_path),
-        str(out_path),
-        parameters=parameters,
-        cwd=str(nb_path.parent),
-        kernel_name="python3",
-        progress_bar=False,
-        execution_timeout=timeout,
-        start_timeout=600,  # a kernel starting on a busy 2-core machine can take more than papermill's 60 s
-        log_output=False,
-    )
+    manager = quiet_kernel_manager()
+    try:
+        pm.execute_notebook(
+            str(nb_path),
+            str(out_path),
+            parameters=parameters,
+            cwd=str(nb_path.parent),
+            kernel_name="python3",
+            progress_bar=False,
+            execution_timeout=timeout,
+            start_timeout=600,  # a kernel starting on a busy 2-core machine can take more than papermill's 60 s
+            log_output=False,
+            kernel_manager_class=manager,
+        )
+    finally:
+        for copier in manager.copiers:  # the kernel has exited: what it wrote last is still to be copied
+            copier.join(timeout=10)
     return out_path
 
 

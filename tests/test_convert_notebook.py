@@ -15,6 +15,7 @@ NB = repo_root() / "notebooks" / "03_weight_conversion.ipynb"
 
 
 @pytest.mark.slow
+@pytest.mark.dev_stack  # glue over kit.convert, which tests/test_convert*.py cover on every stack
 def test_notebook_03_converts_and_verifies(run_notebook, tiny_llama_dir, tmp_path):
     _, summary = run_notebook("03_", SOURCE=str(tiny_llama_dir), TP=2, PP=2, LOGITS_TOKENS=8)
     assert summary is not None
@@ -32,6 +33,7 @@ def test_notebook_03_converts_and_verifies(run_notebook, tiny_llama_dir, tmp_pat
     assert not list((target.parent / ".verify").glob("hf_round_trip"))  # the round-trip copy was cleaned up
 
 
+@pytest.mark.dev_stack  # the committed file is the same on every stack
 def test_notebook_03_is_stripped_and_has_one_parameters_cell():
     from kit.notebooks import parameters_of
 

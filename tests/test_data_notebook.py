@@ -15,12 +15,14 @@ from kit.samples import sample_tokenizer_dir
 NB = Path(__file__).resolve().parent.parent / "notebooks" / "02_data_prep.ipynb"
 
 
+@pytest.mark.dev_stack  # the committed file is the same on every stack
 def test_notebook_committed_without_outputs():
     nbstripout = Path(sys.executable).parent / "nbstripout"
     assert subprocess.run([str(nbstripout), "--verify", str(NB)]).returncode == 0
 
 
 @pytest.mark.slow
+@pytest.mark.dev_stack  # glue over kit.data, which tests/test_data_*.py cover on every stack
 def test_notebook_02_tiny(run_notebook, tmp_path):
     _, summary = run_notebook(
         "02",

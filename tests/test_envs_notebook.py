@@ -13,6 +13,7 @@ NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "01_env_clone_to_sfs.ipy
 SET_ENV = Path(__file__).parent / "fixtures" / "envs" / "ascend_toolkit" / "ascend-toolkit" / "set_env.sh"
 
 
+@pytest.mark.dev_stack  # the committed file is the same on every stack
 def test_notebook_is_committed_without_outputs():
     proc = subprocess.run(
         [sys.executable, "-m", "nbstripout", "--verify", str(NOTEBOOK)],  # this interpreter's, in any venv

@@ -15,6 +15,7 @@ from kit.workspace import repo_root
 NOTEBOOK = repo_root() / "notebooks" / "06_evaluate.ipynb"
 
 
+@pytest.mark.dev_stack  # the committed file is the same on every stack
 def test_notebook_is_committed_without_outputs():
     out = subprocess.run(
         [sys.executable, "-m", "nbstripout", "--verify", str(NOTEBOOK)], capture_output=True, text=True
@@ -23,6 +24,7 @@ def test_notebook_is_committed_without_outputs():
 
 
 @pytest.mark.slow
+@pytest.mark.dev_stack  # glue over kit.evaluate; tests/test_evaluate*.py cover it (02 -> 04 -> 06 too) on every stack
 def test_notebook_06_runs_on_tiny_models(run_notebook, tiny_llama_dir, tmp_path):
     from kit.evaluate.fixtures import tiny_training_run
 

@@ -57,6 +57,7 @@ def _check_sample(summary: dict, ws_root: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.dev_stack  # glue over kit.profiling; tests/test_profiling_*.py capture and read real runs on every stack
 def test_notebook_05_profiles_the_workspace_training_run(run_notebook, tmp_path, tiny_llama_dir):
     """Notebook 04's run (its manifest) in the workspace: 05 profiles THAT run and links the capture to it."""
     from test_profiling_training_run import _prepared, _train_config, _training_run
@@ -84,6 +85,7 @@ def test_notebook_05_profiles_the_workspace_training_run(run_notebook, tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.dev_stack  # glue over kit.profiling; tests/test_profiling_*.py capture and read real runs on every stack
 def test_notebook_05_alone_configures_a_run(run_notebook, tiny_llama_dir):
     """No training run in the workspace: 05 trains notebook 04's defaults on MODEL_PATH and says so."""
     out, summary = run_notebook("05", MODEL_PATH=str(tiny_llama_dir), SEQ_LEN=32, **TINY)

@@ -13,6 +13,7 @@ from kit.workspace import repo_root
 NOTEBOOK = repo_root() / "notebooks" / "04_adapted_training.ipynb"
 
 
+@pytest.mark.dev_stack  # the committed file is the same on every stack
 def test_notebook_is_committed_without_outputs():
     out = subprocess.run(
         [sys.executable, "-m", "nbstripout", "--verify", str(NOTEBOOK)],  # this interpreter's, in any venv
@@ -53,6 +54,7 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.dev_stack  # manifest inheritance: plain Python, tests/test_train_config.py covers it on every stack
 def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_dir, tmp_path):
     """02's output in the workspace (its defaults, this model's tokenizer): 04 on its defaults trains on exactly
     that folder, inherits its length, and prepares nothing."""

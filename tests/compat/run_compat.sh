@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# The unit and notebook tests on the older stacks ModelArts images bring (make test-compat STACK=...).
+# On the older stacks ModelArts images bring, the tests those stacks can break (make test-compat STACK=...).
 #   tests/compat/run_compat.sh py39-torch21|py310-torch25|all [pytest args or test paths...]
+# What runs here (the whole tests/ folder less the marks below): every unit test (less the repeated sizes in
+# FEWER_PARAMS), because each runs kit code on this Python, torch, transformers, datasets, DeepSpeed, peft and
+# tokenizers (the version-dependent paths: kit/hf_compat.py, the kit/versions.py floors, the torch API guards,
+# DeepSpeed's launcher and ZeRO, Python 3.9's stdlib); and those notebook tests whose notebook itself takes a
+# stack-dependent path: 00 (the doctor's version floors), 01 (a venv cloned and a kernel registered on this
+# Python and ipykernel), 04's tiny run (training inside a kernel, then a torchrun launch, on this torch).
+# Not here: tests marked dev_stack, each with its reason (the other notebook runs, glue over kit code whose own
+# tests run here; the notebook chain; checks of the committed notebook files), e2e and nbval: make test runs
+# those once, on the dev stack.
 # Each stack gets its own venv, .venv-<STACK>, built from envs/compat/<STACK>.txt (pip constraints) and rebuilt
-# only when that file or pyproject.toml changes (a stamp holds their hash). In a checkout without one,
-# .venv-<STACK> is a link to $KIT_COMPAT_VENVS/<STACK> (default ~/.cache/ascend-kit/compat), so every clone on
-# a machine (CI's fresh clones too) shares one built venv; the tests always import `kit` from this checkout
-# (PYTHONPATH). torch 2.1/2.5 from PyPI bring CUDA wheels (~2.5 GB per stack): pip keeps them in its cache
-# (~/.cache/pip, or PIP_CACHE_DIR), so a rebuild downloads nothing. Browser (e2e) tests and nbval are not run here.
+# only when that file or what pip reads of pyproject.toml changes (a stamp holds their hash). In a checkout
+# without one, .venv-<STACK> is a link to $KIT_COMPAT_VENVS/<STACK> (default ~/.cache/ascend-kit/compat), so
+# every clone on a machine (CI's fresh clones too) shares one built venv; the tests always import `kit` from
+# this checkout (PYTHONPATH). torch 2.1/2.5 from PyPI bring CUDA wheels (~2.5 GB per stack): pip keeps them in
+# its cache (~/.cache/pip, or PIP_CACHE_DIR), so a rebuild downloads nothing. Under make test ($KIT_TEST_TIMES
+# set) each stack's install time is noted in the table of part times.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -46,7 +56,10 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
         ln -s "$shared" "$venv"
     fi
     stamp="$venv/.compat-installed"
-    want=$(cat "$constraints" pyproject.toml | sha256sum | cut -d' ' -f1)
+    # what the install reads: the constraints and pyproject.toml's build, project and setuptools sections (a change
+    # to its ruff or pytest settings rebuilds nothing)
+    want=$( (cat "$constraints"; awk '/^\[/ { keep = ($0 ~ /^\[(build-system|project|tool\.setuptools)/) } keep' pyproject.toml) |
+        sha256sum | cut -d' ' -f1)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ] && scripts_ok "$venv"; then
         return 0
     fi
@@ -84,10 +97,15 @@ FEWER_PARAMS=(
     "tests/test_profiling_cli.py::test_msprof_analyze_agrees_on_ai_cpu[True]"
 )
 
+note_time() { # $1 = stack, $2 = what, $3 = seconds: a note on this stack's row of make test's table
+    if [ -n "${KIT_TEST_TIMES:-}" ]; then printf 'compat-%s:%s\t%s\t0\n' "$1" "$2" "$3" >> "$KIT_TEST_TIMES"; fi
+}
+
 run_stack() { # $1 = stack; then pytest args
-    local stack=$1 venv=".venv-$1" t0
+    local stack=$1 venv=".venv-$1" t0=$SECONDS
     shift
     install_stack "$stack"
+    note_time "$stack" install $((SECONDS - t0))
     t0=$SECONDS
     echo "== $stack: Python $("$venv/bin/python" -c 'import sys; from importlib.metadata import version as v
 print(sys.version.split()[0], *(f"{p} {v(p)}" for p in ("torch", "transformers", "datasets", "deepspeed", "peft")))')"
@@ -95,11 +113,14 @@ print(sys.version.split()[0], *(f"{p} {v(p)}" for p in ("torch", "transformers",
     for a in "$@"; do # test paths given: run those instead of the whole tests/ folder
         if [[ $a != -* && -e ${a%%::*} ]]; then targets=(); break; fi
     done
-    local fewer=()
-    if [ "${KIT_COMPAT_FULL:-0}" != 1 ] && [ ${#targets[@]} -gt 0 ]; then
-        for a in "${FEWER_PARAMS[@]}"; do fewer+=(--deselect "$a"); done
+    local fewer=() marks="not e2e"
+    if [ ${#targets[@]} -gt 0 ]; then # the whole folder: what this stack can break (see the top); paths given: those
+        marks="not e2e and not dev_stack"
+        if [ "${KIT_COMPAT_FULL:-0}" != 1 ]; then
+            for a in "${FEWER_PARAMS[@]}"; do fewer+=(--deselect "$a"); done
+        fi
     fi
-    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest ${targets[@]+"${targets[@]}"} -m "not e2e" --ignore=tests/e2e -p no:cacheprovider \
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest ${targets[@]+"${targets[@]}"} -m "$marks" --ignore=tests/e2e -p no:cacheprovider \
         ${fewer[@]+"${fewer[@]}"} -q "$@" || rc=$?
     echo "== $stack: tests took $((SECONDS - t0)) s (exit $rc)"
     return $rc

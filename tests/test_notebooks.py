@@ -1,0 +1,42 @@
+"""kit.notebooks: the kernels it starts keep their stderr, less ipykernel's notice about plain TCP."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kit.notebooks import TCP_NOTICE, _pass_stderr, quiet_kernel_manager
+
+
+def test_stderr_copy_leaves_out_only_the_tcp_notice(capfd):
+    read_fd, write_fd = os.pipe()
+    notice = b"[IPKernelApp] WARNING | " + TCP_NOTICE + b". All communication is sent in plain text.\n"
+    os.write(write_fd, b"before\n" + notice + b"Traceback: a kernel's last words, no newline")
+    os.close(write_fd)
+    _pass_stderr(read_fd)
+    assert capfd.readouterr().err == "before\nTraceback: a kernel's last words, no newline"
+
+
+def _start_and_stop(manager_class) -> None:
+    km = manager_class(kernel_name="python3")
+    km.start_kernel()
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=300)
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=True)
+    for copier in getattr(km, "copiers", []):
+        copier.join(timeout=10)
+
+
+def test_a_kernel_started_by_the_kit_prints_no_tcp_notice(capfd):
+    from jupyter_client import KernelManager
+
+    _start_and_stop(KernelManager)
+    if TCP_NOTICE.decode() not in capfd.readouterr().err:
+        pytest.skip("this ipykernel prints no notice about TCP")
+    _start_and_stop(quiet_kernel_manager(KernelManager))
+    assert TCP_NOTICE.decode() not in capfd.readouterr().err
