@@ -326,7 +326,7 @@ def detect(head: bytes) -> str:
     return "tar"
 
 
-def _decompressed(path: str) -> Iterator[bytes]:
+def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
     """The file's decompressed chunks, frame after frame (gzip members, zstd frames); raises when a stream stops
     inside a frame (python-zstandard's stream_reader returns what it has without an error: a cut archive would
     read as a shorter one)."""
@@ -334,7 +334,7 @@ def _decompressed(path: str) -> Iterator[bytes]:
         fmt = detect(raw.read(4))
         raw.seek(0)
         if fmt == "tar":
-            yield from iter(lambda: raw.read(CHUNK), b"")
+            yield from iter(lambda: raw.read(step), b"")
             return
         if fmt == "tar.zst":
             import zstandard
@@ -346,7 +346,7 @@ def _decompressed(path: str) -> Iterator[bytes]:
                 return zlib.decompressobj(wbits=31)
 
         dobj, started = new(), False
-        for data in iter(lambda: raw.read(CHUNK), b""):
+        for data in iter(lambda: raw.read(step), b""):
             while data:
                 out, started = dobj.decompress(data), True
                 if out:
@@ -366,8 +366,8 @@ class Stream:
     what the latest read returned: tarfile reads each header as one 512-byte read, so after it stops, `last`
     tells tar's end-of-archive block (zeros) from a stream that just stops."""
 
-    def __init__(self, path: str):
-        self._chunks = _decompressed(path)
+    def __init__(self, path: str, step: int = CHUNK):
+        self._chunks = _decompressed(path, step)
         self._buf, self._pos, self._start = b"", 0, 0  # _start: the stream offset of _buf[0]
         self.last = b""
 
@@ -431,10 +431,10 @@ def json_member(data: bytes, what: str, path) -> dict:
     return obj
 
 
-def read_manifest(path: os.PathLike | str) -> Optional[dict]:
+def read_archive_manifest(path: os.PathLike | str) -> Optional[dict]:
     """What a kit archive is (its first member: kind, name, old prefix, ...), or None for other archives.
     Reads only the start of the archive."""
-    stream = Stream(str(path))
+    stream = Stream(str(path), 64 << 10)
     try:
         tar = tarfile.open(fileobj=stream, mode="r:")
         first = tar.next()
