@@ -109,22 +109,6 @@ def json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
 
-class _Zstd:
-    """python-zstandard's multithreaded compressor as a file; each frame carries a checksum zstd checks on unpack."""
-
-    def __init__(self, fileobj: IO[bytes], level: int, threads: int):
-        import zstandard
-
-        cctx = zstandard.ZstdCompressor(
-            level=level, threads=threads if threads > 1 else 0, write_checksum=True
-        )
-        self._writer = cctx.stream_writer(fileobj, closefd=False)
-        self.write, self.tell = self._writer.write, self._writer.tell
-
-    def close(self) -> None:
-        self._writer.close()  # ends the frame
-
-
 class _Plain:
     def __init__(self, fileobj: IO[bytes]):
         self.write, self.tell, self.close = fileobj.write, fileobj.tell, fileobj.flush
@@ -134,8 +118,14 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
     """Wrap `fileobj` in the compressor for `fmt`; the caller closes the wrapper, then the file."""
     if fmt in LEVELS:
         check_level(fmt, level)
-    if fmt == "tar.zst":
-        return _Zstd(fileobj, level, n_threads(threads))
+    if fmt == "tar.zst":  # each frame carries a checksum zstd checks on unpack; close() ends the frame
+        import zstandard
+
+        threads = n_threads(threads)
+        cctx = zstandard.ZstdCompressor(
+            level=level, threads=threads if threads > 1 else 0, write_checksum=True
+        )
+        return cctx.stream_writer(fileobj, closefd=False)
     if (
         fmt == "tar.gz" and n_threads(threads) > 1
     ):  # gzip members compressed on a thread pool; gunzip reads it

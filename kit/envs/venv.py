@@ -169,12 +169,6 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     return {"rewritten": changed, "links": len(links)}
 
 
-def site_packages(prefix: os.PathLike | str) -> Optional[Path]:
-    """The env's lib/pythonX.Y/site-packages, if any."""
-    found = sorted(Path(prefix).glob("lib/python3*/site-packages"))
-    return found[0] if found else None
-
-
 def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
     """Relative paths of the text files under `root` that contain `needle`."""
     return [
