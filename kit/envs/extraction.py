@@ -33,7 +33,7 @@ from kit.envs.archive import (
     read_archive_manifest,
 )
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError
-from kit.envs.prefix import dies_with_parent, gnu_program, program_error
+from kit.envs.prefix import dies_with_parent, gnu_program, inside, program_error
 
 _END = bytes(512)  # tar's end-of-archive block
 _AGAIN = "copy it again from its source or re-create it with `python -m kit env pack`"
@@ -51,10 +51,6 @@ def _clean_name(name: str) -> str:
             f"archive member {name!r} contains '..'; refusing to extract outside the target."
         )
     return "/".join(parts)
-
-
-def _inside(root: str, path: str) -> bool:
-    return path == root or path.startswith(root + os.sep)
 
 
 class _Extractor:
@@ -144,7 +140,7 @@ class _Extractor:
                     f"archive member {m.name!r} is a link to the absolute path {m.linkname!r}; refusing to "
                     f"extract it."
                 )
-            if not _inside(self.root, os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))):
+            if not inside(self.root, os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))):
                 raise EnvArchiveError(
                     f"archive member {m.name!r} links to {m.linkname!r}, outside the target; refusing to extract it."
                 )
@@ -180,7 +176,7 @@ class _Extractor:
 def _links_stay_inside(root: str, links: list) -> None:
     """Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..)."""
     for path in links:
-        if os.path.isabs(os.readlink(path)) or not _inside(root, os.path.realpath(path)):
+        if os.path.isabs(os.readlink(path)) or not inside(root, os.path.realpath(path)):
             raise EnvArchiveError(
                 f"link {os.path.relpath(path, root)!r} -> {os.readlink(path)!r} leads outside the target; "
                 f"refusing the archive."

@@ -63,6 +63,11 @@ def gnu_program(name: str) -> Optional[str]:
     return exe if exe and _GNU[exe] else None
 
 
+def inside(root: str, path: str) -> bool:
+    """True when `path` is `root` or below it (both absolute, normalised)."""
+    return path == root or path.startswith(root + os.sep)
+
+
 def program_error(message: list, code: int, what: str, error=EnvError, hint: str = "") -> Exception:
     """The error for a helper program (cp, tar) that failed, from its stderr lines: OSError ENOSPC when the disk
     filled up (the CLI prints that in one line), else `error` naming its last message."""
@@ -356,7 +361,7 @@ def copy_tree(
     for rel, s, st in entries:
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(s)
-            if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
+            if os.path.isabs(target) and inside(src, target):
                 d = os.path.join(dst, rel)
                 os.unlink(d)
                 os.symlink(new_prefix + target[len(src) :], d)
