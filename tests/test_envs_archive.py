@@ -89,6 +89,9 @@ def test_unsafe_members_are_refused(box, case):
     assert not Path("/tmp/kit-evil-absolute.txt").exists()
 
 
+KIT_HEAD = {"kind": "venv", "name": "x", "prefix": "/x", "kit_archive": 2, "hash": "crc32"}
+
+
 def _kit_tar(path: Path, members: list) -> Path:
     """_tar with a kit manifest first and a member list last that names every member (as a bad archive could)."""
     import zlib
@@ -99,9 +102,8 @@ def _kit_tar(path: Path, members: list) -> Path:
             listed.append([name, "f", len(payload), f"{zlib.crc32(payload.encode()):08x}"])
         else:
             listed.append([name, {"dir": "d", "sym": "l", "hard": "h"}.get(kind, "f"), 0, payload or ""])
-    head = {"kind": "venv", "name": "x", "prefix": "/x", "kit_archive": 2, "hash": "crc32"}
     trailer = {"members": listed, "hash": "crc32", "prefix_files": [], "abs_links": {}}
-    rows = [(".kit-env.json", "file", json.dumps(head))] + members
+    rows = [(".kit-env.json", "file", json.dumps(KIT_HEAD))] + members
     return _tar(path, rows + [(".kit-env-members.json", "file", json.dumps(trailer))])
 
 
@@ -115,6 +117,16 @@ def test_unsafe_members_of_a_kit_archive_never_land_outside(box, case):
         envs.unpack(bad, root / "box" / "fresh", verify_imports=None)
     _outside_unchanged(root)
     assert not Path("/tmp/kit-evil-absolute.txt").exists()
+
+
+def test_a_member_list_that_is_no_file_is_missing_not_waited_for(box):
+    """A FIFO where the member list should be: reading it would wait forever for a writer."""
+    root, _ = box
+    rows = [(".kit-env.json", "file", json.dumps(KIT_HEAD)), ("ok.txt", "file", "fine")]
+    bad = _tar(root / "bad.tar", rows + [(".kit-env-members.json", "fifo", None)])
+    with pytest.raises(envs.EnvArchiveError, match="incomplete|FIFO"):
+        envs.unpack(bad, root / "box" / "fresh", verify_imports=None)
+    _outside_unchanged(root)
 
 
 def test_unpack_of_an_unsafe_archive_leaves_no_env(box):

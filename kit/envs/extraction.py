@@ -386,7 +386,7 @@ def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict)
 def _take_json(archive, path: str, what: str) -> Optional[dict]:
     """The JSON object in the regular file `path` (removed after reading), or None when there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO does not block
     except OSError:  # absent, or a link
         return None
     with os.fdopen(fd, "rb") as fh:
