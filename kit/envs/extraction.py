@@ -1,7 +1,7 @@
-"""Safe extraction. A kit archive (its member list last) is written by GNU tar into an empty private folder: tar
-refuses `..` in names, strips a leading `/` and makes links that point up or out only at its end, so nothing lands
-outside; then the tree must match the member list (type, size, hash, link target), and links that leave the target
-and special files are refused. Other archives have no list to check against: tarfile parses them and the kit writes
+"""Safe extraction. A kit archive (its member list last) is written by GNU tar into an empty folder (unpack's
+temporary one): tar refuses `..` in names, strips a leading `/` and makes links that point up or out only at its end,
+so nothing lands outside; then the tree must match the member list (type, size, hash, link target), and links that
+leave the target and special files are refused. Other archives have no list to check against: tarfile parses them and the kit writes
 each member after checking it (a link of the archive is never written through; links are made last). tarfile's
 'data' filter is not run: it resolves every member's path on disk."""
 
@@ -264,8 +264,8 @@ def _feed(archive: str, pipe) -> None:
 
 def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
     """Hash the regular file each line names once the next line has come. Only a hint: _check_tree finds every
-    file and takes a hash from here for its inode; tar never rewrites a file in place, a later member of the same
-    name is a new file (and a name it replaced is also missing from the tree, so the archive is refused)."""
+    file and takes the hash recorded here for its inode, else hashes it then. tar never writes into an existing
+    file: a later member of the same name is a new file, hashed in its turn (the latest record of an inode wins)."""
     careful, previous, top = _makes_devices(), None, os.fsencode(root) + b"/"
     for line in itertools.chain(lines, [None]):
         if previous is not None and not previous.endswith(b"/\n"):
@@ -386,7 +386,7 @@ def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict)
 def _take_json(archive, path: str, what: str) -> Optional[dict]:
     """The JSON object in the regular file `path` (removed after reading), or None when there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO does not block
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
     except OSError:  # absent, or a link
         return None
     with os.fdopen(fd, "rb") as fh:
