@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 from typing import Optional
@@ -369,7 +370,16 @@ def test_disk_full_while_packing_is_an_os_error_the_cli_prints_in_one_line(small
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no archive, no temporary file left
 
 
-def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path):
+@pytest.fixture(params=["zstd program", "python-zstandard"])
+def zstd_reader(request, monkeypatch):
+    """GNU tar runs `zstd -d` where it is installed; without it the kit decompresses into tar's pipe."""
+    if request.param == "python-zstandard":
+        real = shutil.which
+        monkeypatch.setattr("kit.envs.extraction.shutil.which", lambda n: None if n == "zstd" else real(n))
+    return request.param
+
+
+def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, zstd_reader):
     archive = Path(envs.pack(small_env, tmp_path / "env.tar.zst", level=5, threads=2)["archive"])
     data = archive.read_bytes()
     assert data[:4] == b"\x28\xb5\x2f\xfd" and data[4] & 0x04  # a zstd frame whose header says: checksum
