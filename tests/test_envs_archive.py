@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,7 @@ import pytest
 
 import kit.envs as envs
 from kit.envs.archive import compressed_writer, format_of, n_threads
+from kit.envs.prefix import gnu_program
 
 
 def _tar(path: Path, members: list) -> Path:
@@ -86,6 +88,46 @@ def test_unsafe_members_are_refused(box, case):
         envs.safe_extract(bad, target)
     _outside_unchanged(root)
     assert not Path("/tmp/kit-evil-absolute.txt").exists()
+
+
+KIT_HEAD = {"kind": "venv", "name": "x", "prefix": "/x", "kit_archive": 2, "hash": "crc32"}
+
+
+def _kit_tar(path: Path, members: list) -> Path:
+    """_tar with a kit manifest first and a member list last that names every member (as a bad archive could)."""
+    import zlib
+
+    listed = []
+    for name, kind, payload in members:
+        if kind == "file":
+            listed.append([name, "f", len(payload), f"{zlib.crc32(payload.encode()):08x}"])
+        else:
+            listed.append([name, {"dir": "d", "sym": "l", "hard": "h"}.get(kind, "f"), 0, payload or ""])
+    trailer = {"members": listed, "hash": "crc32", "prefix_files": [], "abs_links": {}}
+    rows = [(".kit-env.json", "file", json.dumps(KIT_HEAD))] + members
+    return _tar(path, rows + [(".kit-env-members.json", "file", json.dumps(trailer))])
+
+
+@pytest.mark.skipif(gnu_program("tar") is None, reason="GNU tar writes kit archives where it is installed")
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_unsafe_members_of_a_kit_archive_never_land_outside(box, case):
+    """The same members in a kit archive, which GNU tar extracts: refused, and nothing is written outside."""
+    root, target = box
+    bad = _kit_tar(root / "bad.tar", [("ok.txt", "file", "fine")] + BAD[case])
+    with pytest.raises(envs.EnvArchiveError):
+        envs.unpack(bad, root / "box" / "fresh", verify_imports=None)
+    _outside_unchanged(root)
+    assert not Path("/tmp/kit-evil-absolute.txt").exists()
+
+
+def test_a_member_list_that_is_no_file_is_missing_not_waited_for(box):
+    """A FIFO where the member list should be: reading it would wait forever for a writer."""
+    root, _ = box
+    rows = [(".kit-env.json", "file", json.dumps(KIT_HEAD)), ("ok.txt", "file", "fine")]
+    bad = _tar(root / "bad.tar", rows + [(".kit-env-members.json", "fifo", None)])
+    with pytest.raises(envs.EnvArchiveError, match="incomplete|FIFO"):
+        envs.unpack(bad, root / "box" / "fresh", verify_imports=None)
+    _outside_unchanged(root)
 
 
 def test_unpack_of_an_unsafe_archive_leaves_no_env(box):
@@ -208,9 +250,9 @@ def test_archives_cut_anywhere_never_unpack(small_env, tmp_path, fmt):
     assert envs.unpack(whole, out / "env", verify_imports=None)["members_verified"] is True
 
 
-def test_read_manifest_reads_the_first_member(small_env, tmp_path):
+def test_read_archive_manifest_reads_the_first_member(small_env, tmp_path):
     for fmt in ("tar.zst", "tar.gz", "tar"):
-        manifest = envs.read_manifest(envs.pack(small_env, tmp_path / f"e.{fmt}")["archive"])
+        manifest = envs.read_archive_manifest(envs.pack(small_env, tmp_path / f"e.{fmt}")["archive"])
         assert manifest["kind"] == "venv" and manifest["name"] == "env" and manifest["kit_archive"] == 2
         assert manifest["prefix"] == str(small_env) and manifest["hash"] in ("xxh3_64", "crc32")
 
@@ -250,7 +292,7 @@ def test_bad_json_in_an_archive_manifest_is_a_clear_error(small_env, tmp_path):
     (tmp_path / "out").mkdir()
     assert "not valid JSON" in _refused(bad, tmp_path / "out" / "env")
     with pytest.raises(envs.EnvArchiveError, match="not valid JSON"):
-        envs.read_manifest(bad)
+        envs.read_archive_manifest(bad)
 
 
 @pytest.mark.parametrize(
@@ -328,7 +370,16 @@ def test_disk_full_while_packing_is_an_os_error_the_cli_prints_in_one_line(small
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no archive, no temporary file left
 
 
-def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path):
+@pytest.fixture(params=["zstd program", "python-zstandard"])
+def zstd_reader(request, monkeypatch):
+    """GNU tar runs `zstd -d` where it is installed; without it the kit decompresses into tar's pipe."""
+    if request.param == "python-zstandard":
+        real = shutil.which
+        monkeypatch.setattr("kit.envs.extraction.shutil.which", lambda n: None if n == "zstd" else real(n))
+    return request.param
+
+
+def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, zstd_reader):
     archive = Path(envs.pack(small_env, tmp_path / "env.tar.zst", level=5, threads=2)["archive"])
     data = archive.read_bytes()
     assert data[:4] == b"\x28\xb5\x2f\xfd" and data[4] & 0x04  # a zstd frame whose header says: checksum
@@ -384,7 +435,10 @@ def test_awkward_names_sizes_and_modes_round_trip(tmp_path):
     assert tree(out) == {k: v for k, v in tree(root).items()}
 
 
-def test_a_full_disk_while_unpacking_is_one_clear_error_and_no_env(small_env, tmp_path, monkeypatch):
+@pytest.mark.parametrize("writer", ["gnu tar", "tarfile"])
+def test_a_full_disk_while_unpacking_is_one_clear_error_and_no_env(small_env, tmp_path, monkeypatch, writer):
+    """GNU tar writes a kit archive's files (here a stand-in that fails as tar does on a full disk); without GNU
+    tar the kit writes them itself (here its writes fail after the fifth)."""
     import errno
 
     from kit.errors import user_message
@@ -392,18 +446,29 @@ def test_a_full_disk_while_unpacking_is_one_clear_error_and_no_env(small_env, tm
     archive = envs.pack(small_env, tmp_path / "env.tar.zst")["archive"]
     calls = []
 
-    def full(fd, data):
+    def full(fd, data, path):
         calls.append(fd)
         if len(calls) > 5:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.ENOSPC, "No space left on device", path)
         os.write(fd, data)
 
+    fake = tmp_path / "tar"
+    fake.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && echo 'tar (GNU tar) 1.34' && exit 0\ncat > /dev/null\n"
+        "echo 'tar: lib/x.py: Cannot write: No space left on device' >&2\necho 'tar: Exiting with failure "
+        "status due to previous errors' >&2\nexit 2\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(
+        "kit.envs.extraction.gnu_program", lambda name: str(fake) if writer == "gnu tar" else None
+    )
     monkeypatch.setattr("kit.envs.extraction.write_all", full)
     with pytest.raises(OSError) as info:
         envs.unpack(archive, tmp_path / "out" / "env", verify_imports=None)
     assert [p.name for p in (tmp_path / "out").iterdir()] == []
     line = user_message(info.value)
     assert "\n" not in line and "disk is full" in line
+    assert len(calls) == (0 if writer == "gnu tar" else 6)
 
 
 def test_links_already_in_the_target_are_never_written_through(box):

@@ -5,7 +5,7 @@ Conda envs go through the conda-pack library (offline, prefixes relocated); virt
 prefix rewritten. Kernels carry the variables CANN's set_env.sh exports, so `import torch_npu` works in them.
 """
 
-from kit.envs.archive import FORMATS, read_manifest
+from kit.envs.archive import FORMATS, read_archive_manifest
 from kit.envs.conda_cli import conda_executable
 from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
 from kit.envs.config import EnvsConfig, activation_commands
@@ -53,7 +53,7 @@ __all__ = [
     "get_layout",
     "list_envs",
     "pack",
-    "read_manifest",
+    "read_archive_manifest",
     "plot_steps",
     "register_envs_dir",
     "register_envs_root",

@@ -109,22 +109,6 @@ def json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
 
 
-class _Zstd:
-    """python-zstandard's multithreaded compressor as a file; each frame carries a checksum zstd checks on unpack."""
-
-    def __init__(self, fileobj: IO[bytes], level: int, threads: int):
-        import zstandard
-
-        cctx = zstandard.ZstdCompressor(
-            level=level, threads=threads if threads > 1 else 0, write_checksum=True
-        )
-        self._writer = cctx.stream_writer(fileobj, closefd=False)
-        self.write, self.tell = self._writer.write, self._writer.tell
-
-    def close(self) -> None:
-        self._writer.close()  # ends the frame
-
-
 class _Plain:
     def __init__(self, fileobj: IO[bytes]):
         self.write, self.tell, self.close = fileobj.write, fileobj.tell, fileobj.flush
@@ -134,8 +118,14 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
     """Wrap `fileobj` in the compressor for `fmt`; the caller closes the wrapper, then the file."""
     if fmt in LEVELS:
         check_level(fmt, level)
-    if fmt == "tar.zst":
-        return _Zstd(fileobj, level, n_threads(threads))
+    if fmt == "tar.zst":  # each frame carries a checksum zstd checks on unpack; close() ends the frame
+        import zstandard
+
+        threads = n_threads(threads)
+        cctx = zstandard.ZstdCompressor(
+            level=level, threads=threads if threads > 1 else 0, write_checksum=True
+        )
+        return cctx.stream_writer(fileobj, closefd=False)
     if (
         fmt == "tar.gz" and n_threads(threads) > 1
     ):  # gzip members compressed on a thread pool; gunzip reads it
@@ -326,7 +316,7 @@ def detect(head: bytes) -> str:
     return "tar"
 
 
-def _decompressed(path: str) -> Iterator[bytes]:
+def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
     """The file's decompressed chunks, frame after frame (gzip members, zstd frames); raises when a stream stops
     inside a frame (python-zstandard's stream_reader returns what it has without an error: a cut archive would
     read as a shorter one)."""
@@ -334,7 +324,7 @@ def _decompressed(path: str) -> Iterator[bytes]:
         fmt = detect(raw.read(4))
         raw.seek(0)
         if fmt == "tar":
-            yield from iter(lambda: raw.read(CHUNK), b"")
+            yield from iter(lambda: raw.read(step), b"")
             return
         if fmt == "tar.zst":
             import zstandard
@@ -346,7 +336,7 @@ def _decompressed(path: str) -> Iterator[bytes]:
                 return zlib.decompressobj(wbits=31)
 
         dobj, started = new(), False
-        for data in iter(lambda: raw.read(CHUNK), b""):
+        for data in iter(lambda: raw.read(step), b""):
             while data:
                 out, started = dobj.decompress(data), True
                 if out:
@@ -366,8 +356,8 @@ class Stream:
     what the latest read returned: tarfile reads each header as one 512-byte read, so after it stops, `last`
     tells tar's end-of-archive block (zeros) from a stream that just stops."""
 
-    def __init__(self, path: str):
-        self._chunks = _decompressed(path)
+    def __init__(self, path: str, step: int = CHUNK):
+        self._chunks = _decompressed(path, step)
         self._buf, self._pos, self._start = b"", 0, 0  # _start: the stream offset of _buf[0]
         self.last = b""
 
@@ -431,10 +421,10 @@ def json_member(data: bytes, what: str, path) -> dict:
     return obj
 
 
-def read_manifest(path: os.PathLike | str) -> Optional[dict]:
+def read_archive_manifest(path: os.PathLike | str) -> Optional[dict]:
     """What a kit archive is (its first member: kind, name, old prefix, ...), or None for other archives.
     Reads only the start of the archive."""
-    stream = Stream(str(path))
+    stream = Stream(str(path), 64 << 10)
     try:
         tar = tarfile.open(fileobj=stream, mode="r:")
         first = tar.next()

@@ -161,34 +161,14 @@ def _run(args: argparse.Namespace) -> int:
         ]
     elif a == "create-venv":
         out = {"created": str(envs.create_venv(args.target, args.python, inherit=not args.no_inherit))}
-    elif a == "clone":
-        out = envs.clone(
-            v["source"],
-            v["name"],
-            args.target,
-            v["envs_root"],
-            v["method"],
-            v["overwrite"],
-            args.ignore_editable_packages,
-            v["verify_imports"],
-            clean_partial=args.clean_partial,
-        )
-    elif a == "pack":
-        out = envs.pack(
-            v["source"],
-            args.output,
-            v["pack_format"],
-            v["level"],
-            v["threads"],
-            v["envs_root"],
-            args.ignore_editable_packages,
-            v["overwrite"],
-            clean_partial=args.clean_partial,
-        )
+    elif a in ("clone", "pack"):
+        kw = dict(ignore_editable=args.ignore_editable_packages, clean_partial=args.clean_partial)
+        if a == "clone":
+            out = envs.clone(target=args.target, **v, **kw)
+        else:
+            out = envs.pack(output=args.output, fmt=v.pop("pack_format"), **v, **kw)
     elif a == "unpack":
-        out = envs.unpack(
-            args.archive, args.target, v["overwrite"], v["verify_imports"], clean_partial=args.clean_partial
-        )
+        out = envs.unpack(args.archive, args.target, **v, clean_partial=args.clean_partial)
     elif a == "remove":
         out = envs.remove(args.target, v["envs_root"])
     elif a == "kernel":

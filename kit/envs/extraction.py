@@ -1,30 +1,42 @@
-"""Safe extraction: tarfile parses, the kit writes each member itself, buying what tarfile's 'data' filter lacks:
-data hashed as it lands and checked against the member list; links made last, so a link chain that climbs out, a
-member written through a link of the archive, a file where a folder was, or a hard link to a member not extracted
-is refused; special files refused. (The filter itself is not run: it resolves every member's path on disk.)"""
+"""Safe extraction. A kit archive (its member list last) is written by GNU tar into an empty folder (unpack's
+temporary one): tar refuses `..` in names, strips a leading `/` and makes links that point up or out only at its end,
+so nothing lands outside; then the tree must match the member list (type, size, hash, link target), and links that
+leave the target and special files are refused. Other archives have no list to check against: tarfile parses them and the kit writes
+each member after checking it (a link of the archive is never written through; links are made last). tarfile's
+'data' filter is not run: it resolves every member's path on disk."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
 import stat
+import subprocess
 import tarfile
+import tempfile
+import threading
 from typing import Callable, Optional
 
+from kit.atomic import current_umask, write_all
 from kit.envs.archive import (
     ARCHIVE_VERSION,
     CHUNK,
     MANIFEST,
     TRAILER,
     Stream,
+    _decompressed,
     corrupt,
+    detect,
     is_stream_error,
     json_member,
     new_hasher,
+    read_archive_manifest,
 )
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError
-from kit.envs.prefix import umask, write_all
+from kit.envs.prefix import dies_with_parent, gnu_program, inside, program_error
 
 _END = bytes(512)  # tar's end-of-archive block
+_AGAIN = "copy it again from its source or re-create it with `python -m kit env pack`"
 
 
 def _clean_name(name: str) -> str:
@@ -41,24 +53,18 @@ def _clean_name(name: str) -> str:
     return "/".join(parts)
 
 
-def _inside(root: str, path: str) -> bool:
-    return path == root or path.startswith(root + os.sep)
-
-
 class _Extractor:
-    """Writes members under `root`, refusing anything that would land outside it; records what it wrote."""
+    """Writes members under `root`, refusing anything that would land outside it; counts what it wrote."""
 
     def __init__(self, root: str, stream: Stream, progress):
-        self.root, self.stream, self.progress = root, stream, progress
+        self.root, self.progress = root, progress
         self.tar = tarfile.open(fileobj=stream, mode="r:")
         self.dirs = {""}  # folders (relative) known to be real folders under root, not links
         self.regular: set = set()
-        self.hard: set = set()
         self.links: list = []
         self.link_names: set = set()
-        self.seen: list = []
         self.counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
-        self.umask = umask()
+        self.umask = current_umask()
 
     def folder(self, rel: str) -> str:
         """Make sure root/rel is a real folder (made here, or checked not to be a link); return its path."""
@@ -82,57 +88,35 @@ class _Extractor:
         self.dirs.add(rel)
         return path
 
-    def _open_new(self, dest: str, mode: int) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-        try:
-            return os.open(dest, flags, mode)
-        except FileExistsError:
+    def _replace(self, dest: str, name: str) -> None:
+        """A later member of the same name replaces the earlier one, as tar does; never a folder."""
+        if os.path.lexists(dest):
             if stat.S_ISDIR(os.lstat(dest).st_mode):
-                raise self._file_and_folder(os.path.relpath(dest, self.root)) from None
-            os.unlink(dest)  # a later member of the same name replaces the earlier one, as tar does
-            return os.open(dest, flags, mode)
+                raise EnvArchiveError(f"archive has both a folder and a file at {name!r}; refusing it.")
+            os.unlink(dest)
 
-    @staticmethod
-    def _file_and_folder(rel: str) -> EnvArchiveError:
-        return EnvArchiveError(f"archive has both a folder and a file at {rel!r}; refusing it.")
-
-    def _write(self, m: tarfile.TarInfo, name: str, dest: str, hash_name: Optional[str]) -> None:
+    def _write(self, m: tarfile.TarInfo, name: str, dest: str) -> None:
         mode = m.mode & 0o777  # setuid/setgid/sticky bits dropped on purpose
-        fd = self._open_new(dest, mode)
-        h = new_hasher(hash_name) if hash_name else None
+        self._replace(dest, name)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
         try:
-            # the data follows the header in the stream (or, sparse, comes through tarfile's own reader)
-            src = (
-                self.stream
-                if self.stream.tell() == m.offset_data and not m.issparse()
-                else self.tar.extractfile(m)
-            )
-            left = m.size
-            while left:
-                data = src.read(min(left, CHUNK))
-                if not data:
-                    raise tarfile.ReadError("unexpected end of data")
-                left -= len(data)
-                if h is not None:
-                    h.update(data)
-                write_all(fd, data)
-            if src is self.stream:
-                src.read(-m.size % 512)  # the padding too: tarfile then finds the next header where it is
+            src = self.tar.extractfile(m)
+            for data in iter(lambda: src.read(CHUNK), b""):
+                write_all(fd, data, dest)
             if mode & self.umask:  # open() applied the umask; only then is a second call needed
                 os.fchmod(fd, mode)
             os.utime(fd, (m.mtime, m.mtime))
         finally:
             os.close(fd)
-        self.hard.discard(name)
         self.regular.add(name)
         self.counts["files"] += 1
         self.counts["bytes"] += m.size
-        self.seen.append([name, "f", m.size, h.hexdigest() if h is not None else ""])
         if self.progress:
             self.progress(m.size)
 
-    def member(self, m: tarfile.TarInfo, name: str, hash_name: Optional[str]) -> None:
-        """Check member `m` (cleaned name `name`) and write it; links are only recorded, make_links() makes them."""
+    def member(self, m: tarfile.TarInfo) -> None:
+        """Check member `m` and write it; links are only recorded, make_links() makes them."""
+        name = _clean_name(m.name)
         if not name:
             return
         if name in self.link_names:
@@ -146,24 +130,22 @@ class _Extractor:
         if m.isdir():
             os.chmod(self.folder(name), (m.mode & 0o777) | 0o700)
             self.counts["dirs"] += 1
-            self.seen.append([name, "d", 0, ""])
             return
         dest = f"{self.folder(parent)}/{base}"
         if m.isreg():
-            self._write(m, name, dest, hash_name)
+            self._write(m, name, dest)
         elif m.issym():
             if os.path.isabs(m.linkname):
                 raise EnvArchiveError(
                     f"archive member {m.name!r} is a link to the absolute path {m.linkname!r}; refusing to "
                     f"extract it."
                 )
-            if not _inside(self.root, os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))):
+            if not inside(self.root, os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))):
                 raise EnvArchiveError(
                     f"archive member {m.name!r} links to {m.linkname!r}, outside the target; refusing to extract it."
                 )
             self.links.append((dest, m.linkname))
             self.link_names.add(name)
-            self.seen.append([name, "l", 0, m.linkname])
         elif m.islnk():
             other = _clean_name(m.linkname)
             if other not in self.regular:
@@ -171,14 +153,9 @@ class _Extractor:
                     f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is not a file "
                     f"extracted before it; refusing to extract it."
                 )
-            if os.path.lexists(dest):
-                if os.path.isdir(dest) and not os.path.islink(dest):
-                    raise self._file_and_folder(name)
-                os.unlink(dest)
+            self._replace(dest, name)
             os.link(os.path.join(self.root, *other.split("/")), dest)
-            self.hard.add(name)
             self.counts["hardlinks"] += 1
-            self.seen.append([name, "h", 0, other])
         else:
             raise EnvArchiveError(
                 f"archive member {m.name!r} is a device, FIFO or other special file; environments never "
@@ -193,79 +170,26 @@ class _Extractor:
                 )
             os.symlink(linkname, dest)
             self.counts["symlinks"] += 1
-        for dest, linkname in self.links:
-            # chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..)
-            if not _inside(self.root, os.path.realpath(dest)):
-                raise EnvArchiveError(
-                    f"link {os.path.relpath(dest, self.root)!r} -> {linkname!r} resolves outside the "
-                    f"target through other links; refusing the archive."
-                )
+        _links_stay_inside(self.root, [dest for dest, _ in self.links])
 
 
-def _first_difference(path, seen: list, expected: list) -> ArchiveDamagedError:
-    for i, want in enumerate(expected):
-        got = seen[i] if i < len(seen) else None
-        if got != want:
-            if got is None:
-                what = f"member {want[0]!r} and {len(expected) - i - 1} after it are missing"
-            elif got[0] != want[0]:
-                what = f"member {i} is {got[0]!r} where the member list has {want[0]!r}"
-            elif got[2] != want[2]:
-                what = f"member {want[0]!r} has {got[2]} bytes where the member list has {want[2]}"
-            else:
-                what = f"member {want[0]!r} differs from its hash (damaged data)"
-            break
-    else:
-        what = f"{len(seen) - len(expected)} members are not in the member list"
-    return ArchiveDamagedError(
-        f"archive {str(path)!r} is damaged or incomplete: {what}; copy it again from its source or re-create "
-        f"it with `python -m kit env pack`."
-    )
-
-
-def _read_members(archive, ex: _Extractor) -> tuple:
-    """Extract every member; return (manifest first, member list last, legacy manifest) as found."""
-    tar, head, trailer, legacy, hash_name = ex.tar, None, None, None, None
-    for i, m in enumerate(iter(tar.next, None)):
-        name = _clean_name(m.name)
-        if trailer is not None:
-            raise ArchiveDamagedError(
-                f"archive {str(archive)!r} has members after its member list; it was altered, re-create it."
+def _links_stay_inside(root: str, links: list) -> None:
+    """Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..)."""
+    for path in links:
+        if os.path.isabs(os.readlink(path)) or not inside(root, os.path.realpath(path)):
+            raise EnvArchiveError(
+                f"link {os.path.relpath(path, root)!r} -> {os.readlink(path)!r} leads outside the target; "
+                f"refusing the archive."
             )
-        ours = name == (TRAILER if head is not None else MANIFEST)  # head: a manifest first, else legacy
-        if not (m.isreg() and ours):
-            ex.member(m, name, hash_name)
-            continue
-        data = json_member(tar.extractfile(m).read(), name, archive)
-        if i == 0:
-            head, hash_name = data, data.get("hash")
-            if int(head.get("kit_archive", 0)) > ARCHIVE_VERSION:
-                raise EnvArchiveError(
-                    f"archive {str(archive)!r} was written by a newer kit (format {head['kit_archive']}); "
-                    f"update the kit to unpack it."
-                )
-            if hash_name:
-                new_hasher(hash_name)  # an unknown hash, or xxhash missing: one clear line before any write
-        elif name == TRAILER:
-            trailer = data
-        elif head is None:  # kit archives before the member list carried their manifest last
-            legacy = data
-    return head, trailer, legacy
 
 
-def extract(
-    archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
-) -> tuple:
-    """Extract into the existing folder `target`, checking every member; return (counts, manifest or None).
-
-    A kit archive must end with its member list and every member must match it (name, type, size, hash);
-    another archive (`conda pack`, `tar`) must at least end with tar's end-of-archive block and a complete
-    compressed stream. Members or links that would land outside `target` are refused, links are made last.
-    """
+def _with_tarfile(archive, root: str, progress) -> tuple:
+    """Extract every member with _Extractor; return (counts, whether tar's end-of-archive block was there)."""
     stream = Stream(str(archive))
     try:
-        ex = _Extractor(os.path.realpath(target), stream, progress)
-        head, trailer, legacy = _read_members(archive, ex)
+        ex = _Extractor(root, stream, progress)
+        for m in iter(ex.tar.next, None):
+            ex.member(m)
         ended = stream.last == _END
         stream.drain()
     except EnvArchiveError:
@@ -276,24 +200,251 @@ def extract(
         raise
     finally:
         stream.close()
-    if head is not None:
-        if trailer is None:
-            raise ArchiveDamagedError(
-                f"archive {str(archive)!r} is incomplete: it stops after {len(ex.seen)} members, before its "
-                f"member list; copy it again from its source or re-create it with `python -m kit env pack`."
+    ex.make_links()
+    return ex.counts, ended
+
+
+def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dict:
+    """GNU tar extracts: no owners, modes as archived but never setuid/setgid (umask 0 with
+    --no-same-permissions), no device files, folder modes set at the end (a read-only folder does not stop its
+    members). It runs `zstd -d` / `gzip -d` itself where they exist; else the archive is decompressed here into
+    its pipe. Each file is hashed while tar goes on: tar prints a member's name as it starts it, so the one before
+    is complete. Returns {inode: (size, hash)} of the files hashed."""
+    archive = os.path.abspath(archive)
+    with open(archive, "rb") as fh:
+        program = {"tar.zst": "zstd", "tar.gz": "gzip", "tar": ""}[detect(fh.read(4))]
+    fed = bool(program) and shutil.which(program) is None
+    source = ["-f", "-"] if fed else ["--force-local", "-f", archive] + (["-I", program] if program else [])
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [exe, "-x", "-v", "--quoting-style=literal", *source, "-C", root, "--no-same-owner"]
+        + ["--no-same-permissions", "--delay-directory-restore", "-b", "512"],  # 256 KiB records, not 10 KiB
+        stdin=subprocess.PIPE if fed else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        preexec_fn=dies_with_parent(extracting=True),
+        env=dict(os.environ, LC_ALL="C"),  # its messages in English, so a full disk is recognised
+    )
+    hashes: dict = {}
+    names = threading.Thread(target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress))
+    names.start()
+    try:
+        if fed:
+            _feed(archive, proc.stdin)
+        code = proc.wait()
+    except EnvArchiveError:
+        raise
+    except Exception as exc:
+        if is_stream_error(exc):
+            raise corrupt(archive, exc) from exc
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        names.join()
+        err.seek(0)
+        message = err.read().decode("utf-8", "replace").strip().splitlines()
+        err.close()
+    if code != 0:
+        hint = f"the archive is truncated, corrupt or unsafe: {_AGAIN}"
+        raise program_error(message, code, f"unpacking {archive}", ArchiveDamagedError, hint)
+    return hashes
+
+
+def _feed(archive: str, pipe) -> None:
+    """The decompressed archive into tar's stdin, until the end or until tar stops (its message says why)."""
+    try:
+        for chunk in _decompressed(archive):
+            pipe.write(chunk)
+        pipe.close()
+    except BrokenPipeError:
+        pass
+
+
+def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
+    """Hash the regular file each line names once the next line has come. Only a hint: _check_tree finds every
+    file and takes the hash recorded here for its inode, else hashes it then. tar never writes into an existing
+    file: a later member of the same name is a new file, hashed in its turn (the latest record of an inode wins)."""
+    careful, previous, top = _makes_devices(), None, os.fsencode(root) + b"/"
+    for line in itertools.chain(lines, [None]):
+        if previous is not None and not previous.endswith(b"/\n"):
+            path = top + previous[:-1]
+            try:
+                if not careful or stat.S_ISREG(os.lstat(path).st_mode):  # never open a device file
+                    st, digest = _hash(path, hash_name)
+                    if stat.S_ISREG(st.st_mode):
+                        hashes[st.st_ino] = (st.st_size, digest)
+                        if progress:
+                            progress(st.st_size)
+            except OSError:  # not there (a name tar quoted, a link on the way): hashed by _check_tree
+                pass
+        previous = line
+
+
+def _makes_devices() -> bool:
+    """Whether tar may still make device files: as root without CAP_SETPCAP, which dropping CAP_MKNOD needs."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/self/status") as fh:
+            return not next(int(x.split()[1], 16) for x in fh if x.startswith("CapEff:")) & (1 << 8)
+    except (OSError, StopIteration, ValueError):
+        return True
+
+
+def _hash(path: str, hash_name: str) -> tuple:
+    """(fstat, hash) of the file at `path`, read in big pieces (a small file in one)."""
+    h = new_hasher(hash_name)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        left = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        while left > 0:
+            data = os.read(fd, min(left, 4 * CHUNK))
+            if not data:
+                break
+            h.update(data)
+            left -= len(data)
+    finally:
+        os.close(fd)
+    return st, h.hexdigest()
+
+
+def _damaged(archive, what: str) -> ArchiveDamagedError:
+    return ArchiveDamagedError(f"archive {str(archive)!r} is damaged or incomplete: {what}; {_AGAIN}.")
+
+
+def _entries(root: str) -> dict:
+    """{name: os.DirEntry} of everything under `root`, links not followed; types and inodes come with the folder
+    listings (no stat per entry)."""
+    out, folders = {}, [(root, "")]
+    while folders:
+        folder, rel = folders.pop()
+        with os.scandir(folder) as it:
+            for entry in it:
+                out[rel + entry.name] = entry
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append((entry.path, f"{rel}{entry.name}/"))
+    return out
+
+
+def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict) -> dict:
+    """The tree under `root` must be the member list: every member there with its type, size, hash or link
+    target, nothing else but the folders that hold them; links stay inside, no special files. Folders are made
+    owner-writable, those tar made for members (conda-pack lists files only) get the usual mode."""
+    found = _entries(root)
+    for name, e in found.items():
+        if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink()):
+            raise EnvArchiveError(
+                f"archive member {name!r} is a device, FIFO or other special file; environments never contain "
+                f"those, refusing the archive."
             )
-        if ex.seen != trailer.get("members"):
-            raise _first_difference(archive, ex.seen, trailer.get("members") or [])
-    elif not ended:
+    _links_stay_inside(root, [e.path for e in found.values() if e.is_symlink()])
+    members = trailer.get("members")
+    if not isinstance(members, list) or not all(isinstance(m, list) and len(m) == 4 for m in members):
+        raise _damaged(archive, "its member list is not a list of [name, type, size, hash or link]")
+    missing = [m[0] for m in members if m[0] not in found]
+    if missing:
+        raise _damaged(archive, f"{len(missing)} member(s) are missing, the first {missing[0]!r}")
+    counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
+    files: dict = {}
+    for name, kind, size, extra in members:
+        e = found.pop(name, None)
+        if e is None:
+            raise _damaged(archive, f"member {name!r} is listed twice")
+        if kind == "d" and e.is_dir(follow_symlinks=False):
+            mode = e.stat(follow_symlinks=False).st_mode
+            if mode & 0o700 != 0o700:
+                os.chmod(e.path, stat.S_IMODE(mode) | 0o700)
+            counts["dirs"] += 1
+        elif kind == "f" and e.is_file(follow_symlinks=False):
+            got, digest = hashes.get(e.inode()) or (e.stat(follow_symlinks=False).st_size, None)
+            if got != size:
+                raise _damaged(archive, f"member {name!r} has {got} bytes where the member list has {size}")
+            if (digest or _hash(e.path, hash_name)[1]) != extra:
+                raise _damaged(archive, f"member {name!r} differs from its hash (damaged data)")
+            files[name] = e.inode()
+            counts["files"] += 1
+            counts["bytes"] += size
+        elif kind == "l" and e.is_symlink() and os.readlink(e.path) == extra:
+            counts["symlinks"] += 1
+        elif kind == "h" and e.is_file(follow_symlinks=False) and files.get(extra) == e.inode():
+            counts["hardlinks"] += 1
+        else:
+            raise _damaged(archive, f"member {name!r} is not the {kind!r} member the member list describes")
+    extra = [name for name, e in found.items() if not e.is_dir(follow_symlinks=False)]
+    if extra:
+        raise _damaged(archive, f"{len(extra)} member(s) are not in the member list, e.g. {extra[0]!r}")
+    mode = 0o777 & ~current_umask()  # tar ran with umask 0
+    for e in found.values():
+        if stat.S_IMODE(e.stat(follow_symlinks=False).st_mode) != mode:
+            os.chmod(e.path, mode)
+    return counts
+
+
+def _take_json(archive, path: str, what: str) -> Optional[dict]:
+    """The JSON object in the regular file `path` (removed after reading), or None when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
+    except OSError:  # absent, or a link
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    if data is None:
+        return None
+    os.unlink(path)
+    return json_member(data, what, archive)
+
+
+def _finish(archive, root: str, head: dict, hashes: dict) -> tuple:
+    """A kit archive's (counts, manifest) once extracted: its member list read (and removed), the tree checked."""
+    _take_json(archive, os.path.join(root, MANIFEST), MANIFEST)  # read before, from the stream
+    trailer = _take_json(archive, os.path.join(root, TRAILER), TRAILER)
+    if trailer is None:
+        raise ArchiveDamagedError(
+            f"archive {str(archive)!r} is incomplete: it stops before its member list; {_AGAIN}."
+        )
+    counts = _check_tree(archive, root, trailer, head["hash"], hashes)
+    return counts, dict(head, **{k: v for k, v in trailer.items() if k != "members"})
+
+
+def extract(
+    archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
+) -> tuple:
+    """Extract into the existing folder `target`, checking every member; return (counts, manifest or None).
+
+    A kit archive must end with its member list and every member must match it (name, type, size, hash);
+    another archive (`conda pack`, `tar`) must at least end with tar's end-of-archive block and a complete
+    compressed stream. Members or links that would land outside `target` and special files are refused.
+    progress(n) is called with the bytes written (with GNU tar: the bytes fed to it).
+    """
+    root = os.path.realpath(target)
+    head = read_archive_manifest(archive)
+    if head is not None:
+        if int(head.get("kit_archive", 0)) > ARCHIVE_VERSION:
+            raise EnvArchiveError(
+                f"archive {str(archive)!r} was written by a newer kit (format {head['kit_archive']}); update "
+                f"the kit to unpack it."
+            )
+        new_hasher(head.get("hash"))  # an unknown hash, or xxhash missing: one clear line before any write
+    exe = gnu_program("tar") if head is not None else None
+    if exe is not None and not os.listdir(
+        root
+    ):  # tar follows links it finds in the target: only an empty one
+        hashes = _with_gnu_tar(exe, archive, root, progress, head["hash"])
+        return _finish(archive, root, head, hashes)
+    counts, ended = _with_tarfile(archive, root, progress)
+    if head is not None:
+        return _finish(archive, root, head, {})
+    if not ended:
         raise ArchiveDamagedError(
             f"archive {str(archive)!r} is truncated: it has no end-of-archive block after its "
-            f"{len(ex.seen)} members; copy it again or re-create it with `python -m kit env pack`."
+            f"{counts['files']} files; {_AGAIN}."
         )
-    ex.make_links()
-    manifest = legacy
-    if head is not None:
-        manifest = dict(head, **{k: v for k, v in trailer.items() if k != "members"})
-    return ex.counts, manifest
+    return counts, _take_json(
+        archive, os.path.join(root, MANIFEST), MANIFEST
+    )  # kit archives before version 2
 
 
 def safe_extract(

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, suffix_format
+from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, format_of, suffix_format
 from kit.envs.conda_cli import conda_clone, conda_envs
 from kit.envs.extraction import extract
 from kit.envs.folders import get_layout
@@ -227,12 +227,9 @@ def pack(
         fmt = fmt or "tar.zst"
         output = get_layout(envs_root).packs / f"{src.name}.{fmt}"
     output = Path(output).expanduser().absolute()
-    named = suffix_format(output)
-    if fmt is None and named is None:
-        raise EnvArchiveError(
-            f"archive name {str(output)!r} has no known suffix; use one of "
-            f"{', '.join('.' + f for f in FORMATS)} (or .tgz / .tzst)."
-        )
+    named = (
+        format_of(output) if fmt is None else suffix_format(output)
+    )  # format_of: a known suffix or an error
     if fmt is not None and named != fmt:
         raise EnvArchiveError(
             f"archive name {output.name!r} does not end in .{fmt}, the format asked for; name it "

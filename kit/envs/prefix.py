@@ -25,9 +25,10 @@ _HEAD = 8192  # a file with a NUL byte in its first 8 KiB is binary (what looks_
 _GNU: dict = {}
 
 
-def dies_with_parent():
-    """A preexec_fn for helper programs (cp, tar, zstd): Linux kills the child when this process dies, so a
-    killed clone or unpack does not leave a program writing into its partial output; None elsewhere."""
+def dies_with_parent(extracting: bool = False):
+    """A preexec_fn for helper programs (cp, tar): Linux kills the child when this process dies, so a killed clone
+    or unpack does not leave a program writing into its partial output. extracting: the child also runs with umask
+    0 (modes as archived) and without the right to make device files (root's CAP_MKNOD). None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -38,12 +39,15 @@ def dies_with_parent():
         return None
     parent = os.getpid()
 
-    def set_death_signal() -> None:
+    def setup() -> None:
         prctl(1, 9)  # PR_SET_PDEATHSIG (1), SIGKILL (9)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
+        if extracting:
+            prctl(24, 27)  # PR_CAPBSET_DROP (24) CAP_MKNOD (27); a no-op error where it is not held
+            os.umask(0)
 
-    return set_death_signal
+    return setup
 
 
 def gnu_program(name: str) -> Optional[str]:
@@ -57,6 +61,22 @@ def gnu_program(name: str) -> Optional[str]:
         except (OSError, subprocess.SubprocessError):
             _GNU[exe] = False
     return exe if exe and _GNU[exe] else None
+
+
+def inside(root: str, path: str) -> bool:
+    """True when `path` is `root` or below it (both absolute, normalised)."""
+    return path == root or path.startswith(root + os.sep)
+
+
+def program_error(message: list, code: int, what: str, error=EnvError, hint: str = "") -> Exception:
+    """The error for a helper program (cp, tar) that failed, from its stderr lines: OSError ENOSPC when the disk
+    filled up (the CLI prints that in one line), else `error` naming its last message."""
+    generic = ("Exiting with failure status", "Error is not recoverable", "Child returned status")
+    message = [line for line in message if not any(g in line for g in generic)]
+    last = message[-1] if message else f"exit status {code}"
+    if any("No space left" in line for line in message):
+        return OSError(errno.ENOSPC, "No space left on device", last)
+    return error(f"{what} failed: {last}" + (f"; {hint}." if hint else ""))
 
 
 def check_name(name: str, what: str = "environment name") -> str:
@@ -206,20 +226,6 @@ def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str
     return changed
 
 
-def umask() -> int:
-    """This process's umask (reading it means setting it, so it is set back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_all(fd: int, data) -> None:
-    """os.write until every byte is written (a write may take only part)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 def changed_error(path: str, size: int, now: Optional[int], doing: str = "copied") -> EnvError:
     """The one error for a source file whose size is not the one the scan saw (a pip install running in it)."""
     got = "gone now" if now is None else f"{now} now"
@@ -329,10 +335,7 @@ def copy_tree(
     message = err.read().decode("utf-8", "replace").strip().splitlines()
     err.close()
     if code != 0:
-        last = message[-1] if message else f"exit status {code}"
-        if any("No space left" in line for line in message):
-            raise OSError(errno.ENOSPC, "No space left on device", last)
-        raise EnvError(f"copying {src} failed: {last}")
+        raise program_error(message, code, f"copying {src}")
     for (
         rel,
         s,
@@ -358,7 +361,7 @@ def copy_tree(
     for rel, s, st in entries:
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(s)
-            if os.path.isabs(target) and (target == src or target.startswith(src + os.sep)):
+            if os.path.isabs(target) and inside(src, target):
                 d = os.path.join(dst, rel)
                 os.unlink(d)
                 os.symlink(new_prefix + target[len(src) :], d)

@@ -14,7 +14,15 @@ from kit.atomic import atomic_dir
 from kit.envs.archive import archive_writer
 from kit.envs.errors import EnvArchiveError
 from kit.envs.folders import get_layout
-from kit.envs.prefix import SCAN_LIMIT, EnvError, holds_prefix, kind_of, rewrite_prefix_files, scan_tree
+from kit.envs.prefix import (
+    SCAN_LIMIT,
+    EnvError,
+    holds_prefix,
+    inside,
+    kind_of,
+    rewrite_prefix_files,
+    scan_tree,
+)
 
 INHERIT_PTH = "_kit_inherit.pth"
 
@@ -89,8 +97,7 @@ def pack_tree(
         if stat.S_ISLNK(st.st_mode) and os.path.isabs(os.readlink(path)):
             dest = os.readlink(path)
             abs_links[rel] = dest
-            inside = dest == prefix or dest.startswith(prefix + os.sep)
-            if not inside and not _outside_link_ok(rel, dest):
+            if not inside(prefix, dest) and not _outside_link_ok(rel, dest):
                 outside.append(f"{rel} -> {dest}")
     if outside:
         raise EnvError(
@@ -118,26 +125,28 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     old = manifest.get("prefix")
     if not isinstance(old, str) or not os.path.isabs(old):
         raise EnvArchiveError(f"archive manifest has no absolute 'prefix' ({old!r}); the archive is damaged.")
-    files = []
-    for rel in manifest.get("prefix_files", []):
-        path = os.path.realpath(os.path.join(target, rel))
-        if not path.startswith(root + os.sep):
+    files = manifest.get("prefix_files", [])
+    for rel in files:
+        if not inside(root, os.path.realpath(os.path.join(target, rel))):
             raise EnvArchiveError(
                 f"archive manifest lists {rel!r}, which is outside the target; refusing the archive."
             )
-        files.append(rel)
     links, missing = [], []
     for rel, dest in (manifest.get("abs_links") or {}).items():
+        link = os.path.join(target, str(rel))
         if (
-            not isinstance(rel, str)
-            or not isinstance(dest, str)
+            not (isinstance(rel, str) and isinstance(dest, str))
             or ".." in Path(rel).parts
             or os.path.isabs(rel)
         ):
             raise EnvArchiveError(f"archive manifest has a link named {rel!r}; refusing the archive.")
-        if dest == old or dest.startswith(old + os.sep):
+        if not inside(root, os.path.realpath(os.path.dirname(link))):
+            raise EnvArchiveError(
+                f"archive manifest has a link {rel!r} outside the target; refusing the archive."
+            )
+        if inside(old, dest):
             dest = os.path.normpath(target + dest[len(old) :])
-            if not (dest == target or dest.startswith(target + os.sep)):
+            if not inside(target, dest):
                 raise EnvArchiveError(
                     f"archive manifest has a link {rel!r} that leaves the env; refusing the archive."
                 )
@@ -148,12 +157,6 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
             )
         elif not os.path.isfile(dest):
             missing.append(dest)
-        link = os.path.join(target, rel)
-        parent = os.path.realpath(os.path.dirname(link))
-        if not (parent == root or parent.startswith(root + os.sep)):
-            raise EnvArchiveError(
-                f"archive manifest has a link {rel!r} outside the target; refusing the archive."
-            )
         if os.path.lexists(link):
             raise EnvArchiveError(f"archive has both a file and a link at {rel!r}; refusing the archive.")
         links.append((dest, link))
@@ -167,12 +170,6 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     for dest, link in links:
         os.symlink(dest, link)
     return {"rewritten": changed, "links": len(links)}
-
-
-def site_packages(prefix: os.PathLike | str) -> Optional[Path]:
-    """The env's lib/pythonX.Y/site-packages, if any."""
-    found = sorted(Path(prefix).glob("lib/python3*/site-packages"))
-    return found[0] if found else None
 
 
 def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
