@@ -1,9 +1,9 @@
-"""Safe extraction. A kit archive (its member list last) is written by GNU tar into an empty folder (unpack's
-temporary one): tar refuses `..` in names, strips a leading `/` and makes links that point up or out only at its end,
-so nothing lands outside; then the tree must match the member list (type, size, hash, link target), and links that
-leave the target and special files are refused. Other archives have no list to check against: tarfile parses them and the kit writes
-each member after checking it (a link of the archive is never written through; links are made last). tarfile's
-'data' filter is not run: it resolves every member's path on disk."""
+"""Safe extraction, one path for every archive. GNU tar writes the files into an empty temporary folder: it refuses
+`..` in names, strips a leading `/` and makes links that point up or out only at its end, so nothing lands outside.
+Then the tree must match a member list (type, size, hash, link target): a kit archive's own (its last member), or
+for an archive of another tool the one Python's tarfile reads from it first, checking each member as it goes.
+Links that leave the target and special files are refused. tarfile's 'data' filter is not used: nothing is
+extracted by tarfile."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tempfile
 import threading
 from typing import Callable, Optional
 
-from kit.atomic import current_umask, write_all
+from kit.atomic import current_umask
 from kit.envs.archive import (
     ARCHIVE_VERSION,
     CHUNK,
@@ -26,6 +26,7 @@ from kit.envs.archive import (
     Stream,
     _decompressed,
     corrupt,
+    default_hash,
     detect,
     is_stream_error,
     json_member,
@@ -40,12 +41,12 @@ _AGAIN = "copy it again from its source or re-create it with `python -m kit env 
 
 
 def _clean_name(name: str) -> str:
-    """Normalise a member name; raise on absolute names and `..` parts."""
-    if not name.startswith("/") and "/." not in "/" + name and "//" not in name and "\\" not in name:
+    """Normalise a member name as GNU tar does (`./` and `//` dropped); raise on absolute names and `..` parts."""
+    if not name.startswith("/") and "/." not in "/" + name and "//" not in name:
         return name.rstrip("/")  # the common case: nothing to normalise
-    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+    if name.startswith("/"):
         raise EnvArchiveError(f"archive member {name!r} has an absolute path; refusing to extract it.")
-    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise EnvArchiveError(
             f"archive member {name!r} contains '..'; refusing to extract outside the target."
@@ -53,143 +54,20 @@ def _clean_name(name: str) -> str:
     return "/".join(parts)
 
 
-class _Extractor:
-    """Writes members under `root`, refusing anything that would land outside it; counts what it wrote."""
-
-    def __init__(self, root: str, stream: Stream, progress):
-        self.root, self.progress = root, progress
-        self.tar = tarfile.open(fileobj=stream, mode="r:")
-        self.dirs = {""}  # folders (relative) known to be real folders under root, not links
-        self.regular: set = set()
-        self.links: list = []
-        self.link_names: set = set()
-        self.counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
-        self.umask = current_umask()
-
-    def folder(self, rel: str) -> str:
-        """Make sure root/rel is a real folder (made here, or checked not to be a link); return its path."""
-        path = f"{self.root}/{rel}" if rel else self.root
-        if rel in self.dirs:
-            return path
-        if rel in self.link_names:
-            raise EnvArchiveError(
-                f"archive member {rel!r} is a symbolic link of the same archive used as a folder; refusing "
-                f"to extract through it."
-            )
-        self.folder(rel.rpartition("/")[0])
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                raise EnvArchiveError(
-                    f"archive member {rel!r} needs a folder where the target has a file or link; refusing to "
-                    f"extract it."
-                ) from None
-        self.dirs.add(rel)
-        return path
-
-    def _replace(self, dest: str, name: str) -> None:
-        """A later member of the same name replaces the earlier one, as tar does; never a folder."""
-        if os.path.lexists(dest):
-            if stat.S_ISDIR(os.lstat(dest).st_mode):
-                raise EnvArchiveError(f"archive has both a folder and a file at {name!r}; refusing it.")
-            os.unlink(dest)
-
-    def _write(self, m: tarfile.TarInfo, name: str, dest: str) -> None:
-        mode = m.mode & 0o777  # setuid/setgid/sticky bits dropped on purpose
-        self._replace(dest, name)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-        try:
-            src = self.tar.extractfile(m)
-            for data in iter(lambda: src.read(CHUNK), b""):
-                write_all(fd, data, dest)
-            if mode & self.umask:  # open() applied the umask; only then is a second call needed
-                os.fchmod(fd, mode)
-            os.utime(fd, (m.mtime, m.mtime))
-        finally:
-            os.close(fd)
-        self.regular.add(name)
-        self.counts["files"] += 1
-        self.counts["bytes"] += m.size
-        if self.progress:
-            self.progress(m.size)
-
-    def member(self, m: tarfile.TarInfo) -> None:
-        """Check member `m` and write it; links are only recorded, make_links() makes them."""
-        name = _clean_name(m.name)
-        if not name:
-            return
-        if name in self.link_names:
-            # links are made last: until then a link's name used as a folder is a real folder made here (folder()
-            # refuses that) and one used as a file is caught here; nothing is written through a link
-            raise EnvArchiveError(
-                f"archive member {name!r} goes through (or replaces) a symbolic link of the same archive; "
-                f"refusing to extract it."
-            )
-        parent, _, base = name.rpartition("/")
-        if m.isdir():
-            os.chmod(self.folder(name), (m.mode & 0o777) | 0o700)
-            self.counts["dirs"] += 1
-            return
-        dest = f"{self.folder(parent)}/{base}"
-        if m.isreg():
-            self._write(m, name, dest)
-        elif m.issym():
-            if os.path.isabs(m.linkname):
-                raise EnvArchiveError(
-                    f"archive member {m.name!r} is a link to the absolute path {m.linkname!r}; refusing to "
-                    f"extract it."
-                )
-            if not inside(self.root, os.path.normpath(os.path.join(os.path.dirname(dest), m.linkname))):
-                raise EnvArchiveError(
-                    f"archive member {m.name!r} links to {m.linkname!r}, outside the target; refusing to extract it."
-                )
-            self.links.append((dest, m.linkname))
-            self.link_names.add(name)
-        elif m.islnk():
-            other = _clean_name(m.linkname)
-            if other not in self.regular:
-                raise EnvArchiveError(
-                    f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is not a file "
-                    f"extracted before it; refusing to extract it."
-                )
-            self._replace(dest, name)
-            os.link(os.path.join(self.root, *other.split("/")), dest)
-            self.counts["hardlinks"] += 1
-        else:
-            raise EnvArchiveError(
-                f"archive member {m.name!r} is a device, FIFO or other special file; environments never "
-                f"contain those, refusing to extract it."
-            )
-
-    def make_links(self) -> None:
-        for dest, linkname in self.links:
-            if os.path.lexists(dest):
-                raise EnvArchiveError(
-                    f"archive has both a file and a link at {os.path.relpath(dest, self.root)!r}; refusing it."
-                )
-            os.symlink(linkname, dest)
-            self.counts["symlinks"] += 1
-        _links_stay_inside(self.root, [dest for dest, _ in self.links])
+_KINDS = {"d": "folder", "f": "file", "l": "symbolic link", "h": "hard link"}
 
 
-def _links_stay_inside(root: str, links: list) -> None:
-    """Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..)."""
-    for path in links:
-        if os.path.isabs(os.readlink(path)) or not inside(root, os.path.realpath(path)):
-            raise EnvArchiveError(
-                f"link {os.path.relpath(path, root)!r} -> {os.readlink(path)!r} leads outside the target; "
-                f"refusing the archive."
-            )
-
-
-def _with_tarfile(archive, root: str, progress) -> tuple:
-    """Extract every member with _Extractor; return (counts, whether tar's end-of-archive block was there)."""
+def _listed(archive, hash_name: str) -> list:
+    """The member list of an archive that has none (another tool made it), as Python's tarfile reads it: every
+    member checked first (no absolute names or `..`, links that stay inside, no special files, nothing through a
+    link or a file of the archive), each file hashed. GNU tar then extracts, and what lands must be this list, so
+    a header that GNU tar reads another way (a size with a leading NUL, base-256) is refused, never let past."""
     stream = Stream(str(archive))
+    rows: dict = {}
     try:
-        ex = _Extractor(root, stream, progress)
-        for m in iter(ex.tar.next, None):
-            ex.member(m)
+        tar = tarfile.open(fileobj=stream, mode="r:")
+        for m in iter(tar.next, None):
+            _list_member(tar, m, rows, hash_name)
         ended = stream.last == _END
         stream.drain()
     except EnvArchiveError:
@@ -200,8 +78,73 @@ def _with_tarfile(archive, root: str, progress) -> tuple:
         raise
     finally:
         stream.close()
-    ex.make_links()
-    return ex.counts, ended
+    if not ended:
+        files = sum(r[1] == "f" for r in rows.values())
+        raise ArchiveDamagedError(
+            f"archive {str(archive)!r} is truncated: it has no end-of-archive block after its {files} files; "
+            f"{_AGAIN}."
+        )
+    return list(rows.values())
+
+
+def _list_member(tar: tarfile.TarFile, m: tarfile.TarInfo, rows: dict, hash_name: str) -> None:
+    """Check member `m` against those before it and add its row [name, kind, size, hash or link] to `rows`."""
+    name = _clean_name(m.name)
+    if not name:
+        return
+    parts = name.split("/")
+    for i in range(1, len(parts)):
+        up = rows.get("/".join(parts[:i]))
+        if up is not None and up[1] != "d":
+            raise EnvArchiveError(
+                f"archive member {name!r} goes through {up[0]!r}, a {_KINDS[up[1]]} of the same archive; "
+                f"refusing to extract it."
+            )
+    old = rows.get(name)
+    if old is not None and (old[1] == "l" or (old[1] == "d") != m.isdir()):
+        raise EnvArchiveError(
+            f"archive has both a {_KINDS[old[1]]} and another member at {name!r}; refusing it."
+        )
+    if m.isdir():
+        rows[name] = [name, "d", 0, ""]
+    elif m.isreg():
+        h, src = new_hasher(hash_name), tar.extractfile(m)
+        for data in iter(lambda: src.read(CHUNK), b""):
+            h.update(data)
+        rows[name] = [name, "f", m.size, h.hexdigest()]
+    elif m.issym():
+        if os.path.isabs(m.linkname):
+            raise EnvArchiveError(
+                f"archive member {m.name!r} is a link to the absolute path {m.linkname!r}; refusing to extract it."
+            )
+        if not inside("/r", os.path.normpath(os.path.join("/r", os.path.dirname(name), m.linkname))):
+            raise EnvArchiveError(
+                f"archive member {m.name!r} links to {m.linkname!r}, outside the target; refusing to extract it."
+            )
+        rows[name] = [name, "l", 0, m.linkname]
+    elif m.islnk():
+        other = _clean_name(m.linkname)
+        if rows.get(other, [0, ""])[1] != "f":
+            raise EnvArchiveError(
+                f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is not a file extracted "
+                f"before it; refusing to extract it."
+            )
+        rows[name] = [name, "h", 0, other]
+    else:
+        raise EnvArchiveError(
+            f"archive member {m.name!r} is a device, FIFO or other special file; environments never contain "
+            f"those, refusing to extract it."
+        )
+
+
+def _links_stay_inside(root: str, links: list) -> None:
+    """Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..)."""
+    for path in links:
+        if os.path.isabs(os.readlink(path)) or not inside(root, os.path.realpath(path)):
+            raise EnvArchiveError(
+                f"link {os.path.relpath(path, root)!r} -> {os.readlink(path)!r} leads outside the target; "
+                f"refusing the archive."
+            )
 
 
 def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dict:
@@ -414,10 +357,12 @@ def extract(
 ) -> tuple:
     """Extract into the existing folder `target`, checking every member; return (counts, manifest or None).
 
-    A kit archive must end with its member list and every member must match it (name, type, size, hash);
-    another archive (`conda pack`, `tar`) must at least end with tar's end-of-archive block and a complete
-    compressed stream. Members or links that would land outside `target` and special files are refused.
-    progress(n) is called with the bytes written (with GNU tar: the bytes fed to it).
+    A kit archive must end with its member list; another archive (`conda pack`, `tar`) is read once by tarfile
+    to make one (and must end with tar's end-of-archive block and a complete compressed stream). GNU tar
+    extracts into a temporary folder inside `target`, the tree must match the list (name, type, size, hash),
+    links must stay inside and special files are refused; only then are its entries moved into `target`, which
+    must not already hold any of their names (nothing is merged into, or written through, what is there).
+    progress(n) is called with the bytes extracted.
     """
     root = os.path.realpath(target)
     head = read_archive_manifest(archive)
@@ -428,23 +373,31 @@ def extract(
                 f"the kit to unpack it."
             )
         new_hasher(head.get("hash"))  # an unknown hash, or xxhash missing: one clear line before any write
-    exe = gnu_program("tar") if head is not None else None
-    if exe is not None and not os.listdir(
-        root
-    ):  # tar follows links it finds in the target: only an empty one
-        hashes = _with_gnu_tar(exe, archive, root, progress, head["hash"])
-        return _finish(archive, root, head, hashes)
-    counts, ended = _with_tarfile(archive, root, progress)
-    if head is not None:
-        return _finish(archive, root, head, {})
-    if not ended:
-        raise ArchiveDamagedError(
-            f"archive {str(archive)!r} is truncated: it has no end-of-archive block after its "
-            f"{counts['files']} files; {_AGAIN}."
-        )
-    return counts, _take_json(
-        archive, os.path.join(root, MANIFEST), MANIFEST
-    )  # kit archives before version 2
+    exe = gnu_program("tar")
+    if exe is None:
+        raise EnvArchiveError("GNU tar is needed to unpack archives: install it (apt-get install tar).")
+    hash_name = head["hash"] if head is not None else default_hash()
+    listed = _listed(archive, hash_name) if head is None else None
+    tmp = tempfile.mkdtemp(prefix=".kit-extract-", dir=root)  # tar follows links it finds: only in its own
+    try:
+        hashes = _with_gnu_tar(exe, archive, tmp, progress, hash_name)
+        if head is not None:
+            counts, manifest = _finish(archive, tmp, head, hashes)
+        else:
+            counts = _check_tree(archive, tmp, {"members": listed}, hash_name, hashes)
+            manifest = _take_json(archive, os.path.join(tmp, MANIFEST), MANIFEST)  # kit archives before v2
+        names = os.listdir(tmp)
+        clash = next((n for n in names if os.path.lexists(os.path.join(root, n))), None)
+        if clash is not None:
+            raise EnvArchiveError(
+                f"target {root!r} already holds {clash!r}, which the archive has too; refusing to extract into "
+                f"it: extract into an empty folder."
+            )
+        for name in names:
+            os.rename(os.path.join(tmp, name), os.path.join(root, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return counts, manifest
 
 
 def safe_extract(
