@@ -249,7 +249,7 @@ def test_verification_gets_the_cann_env_found_from_ascend_home_path(source_env, 
     assert without["imports"]["kit_fake_cann"] == "absent"  # only the captured PYTHONPATH made it importable
 
 
-def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_path):
+def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_path, capfd):
     root = tmp_path / "envs"
     target = Path(envs.clone(source_env, name="npu-env", envs_root=root, verify_imports=None)["target"])
     reg = envs.register_kernel(
@@ -277,6 +277,7 @@ def test_kernel_with_cann_env_runs_in_the_clone_and_restores(source_env, tmp_pat
         "assert subprocess.run(['msprof'], capture_output=True).returncode == 0",
     )
     assert ran["error"] is None
+    assert "without encryption" not in capfd.readouterr().err  # ipykernel's TCP notice is filtered out
     assert ran["prefix"] == str(target)
     assert ran["env"]["ASCEND_HOME_PATH"] == home
     assert ran["env"]["LD_LIBRARY_PATH"].startswith(f"{home}/lib64:")

@@ -276,16 +276,20 @@ def check_kernel(
 
     `code` (optional) runs first, e.g. "import torch_npu"; its error, if any, is returned under "error".
     """
+    from jupyter_client import KernelManager
     from jupyter_client.kernelspec import NoSuchKernel
-    from jupyter_client.manager import start_new_kernel
 
+    from kit.notebooks import quiet_kernel_manager
+
+    km = quiet_kernel_manager(KernelManager)(kernel_name=name)  # without ipykernel's TCP notice on our stderr
     try:
-        km, kc = start_new_kernel(kernel_name=name, startup_timeout=timeout)
+        km.start_kernel()
     except NoSuchKernel as exc:
         raise EnvError(
             f"no Jupyter kernel named {name!r} is installed; register it with `python -m kit env kernel ENV "
             f"--name {name}` (or run `python -m kit env restore` after a restart)."
         ) from exc
+    kc = km.client()
     out: dict = {"error": None}
     chunks: list[str] = []
 
@@ -296,6 +300,8 @@ def check_kernel(
             out["error"] = f"{msg['content']['ename']}: {msg['content']['evalue']}"
 
     try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=timeout)
         if code:
             kc.execute_interactive(code, output_hook=hook, timeout=timeout)
         kc.execute_interactive(_PROBE % (tuple(variables),), output_hook=hook, timeout=timeout)
