@@ -622,19 +622,7 @@ def test_cli_options_come_from_envs_config():
     assert " ".join(docs["level"].split()[:3]) in " ".join(pack_help.format_help().split())
 
 
-@pytest.fixture(params=["cp", "copytree"])
-def copier(request, monkeypatch):
-    """Who copies: GNU cp (where it is installed) or shutil.copytree (where it is not)."""
-    import kit.envs.prefix as prefix_mod
-
-    if request.param == "cp" and prefix_mod.gnu_program("cp") is None:
-        pytest.skip("GNU cp is not installed here")
-    if request.param == "copytree":
-        monkeypatch.setattr(prefix_mod, "gnu_program", lambda name: None)
-    return request.param
-
-
-def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path, copier):
+def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path):
     """Text (no NUL in the first 8 KiB) has the prefix rewritten wherever it is, also past 8 KiB; a binary (a NUL
     there) is copied byte for byte (its rest by the kernel), prefix included, at every size around 8 KiB."""
     from kit.envs.prefix import SCAN_LIMIT, copy_tree
@@ -671,7 +659,7 @@ def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path, copier):
     "size", [100, 8192 + 100, 3 << 20]
 )  # text read whole, binary rest by the kernel, big
 @pytest.mark.parametrize("change", ["shrunk", "grown", "removed"])
-def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, copier, size, change):
+def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, size, change):
     """A file written while an env is cloned (a pip install in it) would be copied cut or as a mix of two
     versions; the copy compares every file with the size the scan saw and names the one that changed."""
     from kit.envs.errors import EnvError
@@ -703,14 +691,11 @@ def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, copier, siz
     assert copy_tree(src, out2, str(out2))["files"] == 3 + (change != "removed")
 
 
-def test_cp_and_copytree_leave_the_same_tree(source_env, tmp_path, monkeypatch):
-    """GNU cp and shutil.copytree, each with the kit's fix-ups: same names, types, modes, contents, times, link
-    targets (absolute links into the source re-pointed) and counts; folders owner-writable in both."""
-    import kit.envs.prefix as prefix_mod
+def test_copy_tree_relocates_links_modes_and_prefixes(source_env, tmp_path):
+    """GNU cp with the kit's fix-ups: names, types, modes, contents, times and link targets kept, absolute links
+    into the source re-pointed, the prefix rewritten in text (also past 8 KiB), folders made owner-writable."""
     from kit.envs.prefix import copy_tree
 
-    if prefix_mod.gnu_program("cp") is None:
-        pytest.skip("GNU cp is not installed here")
     src = tmp_path / "src"
     shutil.copytree(source_env, src, symlinks=True)
     (src / "share").mkdir()
@@ -735,22 +720,28 @@ def test_cp_and_copytree_leave_the_same_tree(source_env, tmp_path, monkeypatch):
                 out[rel] = ("f", st.st_mode & 0o7777, data, st.st_mtime_ns)
         return out
 
-    results, trees = {}, {}
-    for program in ("1", "0"):
-        if program == "0":
-            monkeypatch.setattr(prefix_mod, "gnu_program", lambda name: None)  # shutil.copytree copies
-        out = tmp_path / f"out{program}"
-        out.mkdir()
-        results[program] = copy_tree(src, out, str(out))
-        trees[program] = tree(out)
+    before = tree(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = copy_tree(src, out, str(out))
     os.chmod(src / "locked", 0o755)
-    assert results["1"] == results["0"] and results["1"]["rewritten"] == 2
-    assert trees["1"] == trees["0"]
-    assert trees["1"]["share/abs-inside"] == ("l", "<root>/bin/hello") and trees["1"]["locked"] == (
-        "d",
-        0o755,
+    after = tree(out)
+    assert result["rewritten"] == 2 and result["files"] == sum(v[0] == "f" for v in before.values())
+    assert after == dict(before, locked=("d", 0o755))
+    assert after["share/abs-inside"] == ("l", "<root>/bin/hello") and after["share/rel"] == (
+        "l",
+        "../bin/hello",
     )
-    assert trees["1"]["locked/f.txt"][2] == b"prefix <root> here\n"
+    assert after["locked/f.txt"][2] == b"prefix <root> here\n"
+
+
+def test_without_gnu_cp_clone_says_to_install_it(source_env, tmp_path, monkeypatch):
+    import kit.envs.prefix as prefix_mod
+
+    monkeypatch.setattr(prefix_mod, "gnu_program", lambda name: None)
+    with pytest.raises(envs.EnvError, match=r"GNU cp is needed .*apt-get install coreutils"):
+        envs.clone(source_env, name="nocp", envs_root=tmp_path / "envs", verify_imports=None)
+    assert list((tmp_path / "envs" / "venvs").iterdir()) == []
 
 
 def test_a_failing_cp_is_one_clear_error_and_no_env(source_env, tmp_path, monkeypatch):

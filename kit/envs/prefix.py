@@ -1,4 +1,4 @@
-"""What an env folder is, its size and python; clone = GNU cp (or shutil.copytree) plus what no copier does:
+"""What an env folder is, its size and python; clone = GNU cp plus what no copier does:
 the old prefix rewritten in text files, links into the env re-pointed, every file checked against its scanned size.
 """
 
@@ -51,8 +51,8 @@ def dies_with_parent(extracting: bool = False):
 
 
 def gnu_program(name: str) -> Optional[str]:
-    """The GNU `name` program (cp) the kit hands bulk file work to, or None: not installed, or another
-    implementation (their options differ); then the kit does that work itself."""
+    """The GNU `name` program (cp, tar) the kit hands bulk file work to, or None: not installed, or another
+    implementation (their options differ)."""
     exe = shutil.which(name)
     if exe and exe not in _GNU:
         try:
@@ -287,31 +287,31 @@ def copy_tree(
 
     GNU cp copies (modes and times kept, links as links, no owners, every hard link a file of its own) in a
     process of its own while this one scans the source (unless `entries` has it; then on_scanned(entries), e.g. a
-    space check that stops the copy) and finds the text files that hold the old prefix; shutil.copytree copies the
-    same way where GNU cp is missing. Then those texts are rewritten in the copy, absolute links into the source
-    re-pointed and folders made owner-writable. Every file must have the size the scan saw, else EnvError names it.
+    space check that stops the copy) and finds the text files that hold the old prefix. Then those texts are
+    rewritten in the copy, absolute links into the source re-pointed and folders made owner-writable. Every file
+    must have the size the scan saw, else EnvError names it. Without GNU cp, one line says to install it.
     """
     import tempfile
 
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     old_b, new_b = src.encode(), new_prefix.encode()
     _special(entries or [])
-    exe, proc, err = gnu_program("cp"), None, tempfile.TemporaryFile()
-    if exe:
-        proc = subprocess.Popen(
-            [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            preexec_fn=dies_with_parent(),
-        )
+    exe = gnu_program("cp")
+    if exe is None:
+        raise EnvError("GNU cp is needed to clone envs: install it (apt-get install coreutils).")
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst],
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        preexec_fn=dies_with_parent(),
+    )
     try:
         if entries is None:  # the scan that would otherwise come first runs beside cp's copy
             entries = scan_tree(src)
             _special(entries)
             if on_scanned is not None:
                 on_scanned(entries)
-        if proc is None:
-            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
         counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
         texts = []
         for rel, s, st in entries:
@@ -326,9 +326,9 @@ def copy_tree(
                 continue
             if progress:
                 progress(1)
-        code = proc.wait() if proc is not None else 0
+        code = proc.wait()
     finally:
-        if proc is not None and proc.poll() is None:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
     err.seek(0)
@@ -336,11 +336,7 @@ def copy_tree(
     err.close()
     if code != 0:
         raise program_error(message, code, f"copying {src}")
-    for (
-        rel,
-        s,
-        st,
-    ) in entries:  # the copier copied what it found: a file changed since the scan differs in size
+    for rel, s, st in entries:  # cp copied what it found: a file changed since the scan differs in size
         if stat.S_ISREG(st.st_mode):
             try:
                 now: Optional[int] = os.lstat(os.path.join(dst, rel)).st_size
