@@ -394,11 +394,18 @@ class Stream:
         self._chunks.close()  # closes the file
 
 
-def corrupt(path, exc: BaseException) -> EnvArchiveError:
-    return ArchiveDamagedError(
-        f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
-        f"re-create it with `python -m kit env pack` (or kit.envs.pack)."
-    )
+@contextlib.contextmanager
+def damage_named(path) -> Iterator[None]:
+    """A damaged stream's error (see is_stream_error) raised as one ArchiveDamagedError that names `path`."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_stream_error(exc):
+            raise
+        raise ArchiveDamagedError(
+            f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
+            f"re-create it with `python -m kit env pack` (or kit.envs.pack)."
+        ) from exc
 
 
 def is_stream_error(exc: BaseException) -> bool:
@@ -424,18 +431,9 @@ def json_member(data: bytes, what: str, path) -> dict:
 def read_archive_manifest(path: os.PathLike | str) -> Optional[dict]:
     """What a kit archive is (its first member: kind, name, old prefix, ...), or None for other archives.
     Reads only the start of the archive."""
-    stream = Stream(str(path), 64 << 10)
-    try:
+    with damage_named(path), contextlib.closing(Stream(str(path), 64 << 10)) as stream:
         tar = tarfile.open(fileobj=stream, mode="r:")
         first = tar.next()
         if first is None or first.name != MANIFEST or not first.isreg():
             return None
         return json_member(tar.extractfile(first).read(), MANIFEST, path)
-    except EnvArchiveError:
-        raise
-    except Exception as exc:
-        if is_stream_error(exc):
-            raise corrupt(path, exc) from exc
-        raise
-    finally:
-        stream.close()

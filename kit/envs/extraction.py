@@ -7,6 +7,7 @@ extracted by tarfile."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -25,10 +26,9 @@ from kit.envs.archive import (
     TRAILER,
     Stream,
     _decompressed,
-    corrupt,
+    damage_named,
     default_hash,
     detect,
-    is_stream_error,
     json_member,
     new_hasher,
     read_archive_manifest,
@@ -62,22 +62,13 @@ def _listed(archive, hash_name: str) -> list:
     member checked first (no absolute names or `..`, links that stay inside, no special files, nothing through a
     link or a file of the archive), each file hashed. GNU tar then extracts, and what lands must be this list, so
     a header that GNU tar reads another way (a size with a leading NUL, base-256) is refused, never let past."""
-    stream = Stream(str(archive))
     rows: dict = {}
-    try:
+    with damage_named(archive), contextlib.closing(Stream(str(archive))) as stream:
         tar = tarfile.open(fileobj=stream, mode="r:")
         for m in iter(tar.next, None):
             _list_member(tar, m, rows, hash_name)
         ended = stream.last == _END
         stream.drain()
-    except EnvArchiveError:
-        raise
-    except Exception as exc:
-        if is_stream_error(exc):
-            raise corrupt(archive, exc) from exc
-        raise
-    finally:
-        stream.close()
     if not ended:
         files = sum(r[1] == "f" for r in rows.values())
         raise ArchiveDamagedError(
@@ -172,15 +163,10 @@ def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dic
     names = threading.Thread(target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress))
     names.start()
     try:
-        if fed:
-            _feed(archive, proc.stdin)
-        code = proc.wait()
-    except EnvArchiveError:
-        raise
-    except Exception as exc:
-        if is_stream_error(exc):
-            raise corrupt(archive, exc) from exc
-        raise
+        with damage_named(archive):
+            if fed:
+                _feed(archive, proc.stdin)
+            code = proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
