@@ -756,3 +756,13 @@ def test_a_failing_cp_is_one_clear_error_and_no_env(source_env, tmp_path, monkey
         envs.clone(source_env, name="full", envs_root=tmp_path / "envs", verify_imports=None)
     assert "disk is full" in user_message(info.value) and "\n" not in user_message(info.value)
     assert list((tmp_path / "envs" / "venvs").iterdir()) == []
+
+
+def test_envs_config_checks_levels_with_the_archive_ranges():
+    """The notebook's LEVEL is checked against the same ranges pack() enforces (plain tar has no level)."""
+    ok = [envs.EnvsConfig(pack_format=f, level=n) for f, n in (("tar.zst", 19), ("tar.gz", 9), ("tar", 22))]
+    assert [c.problems() for c in ok] == [[], [], []]
+    (gz,) = envs.EnvsConfig(pack_format="tar.gz", level=10).problems()
+    assert gz.startswith("LEVEL: compression level 10 is outside 1..9 for tar.gz")
+    (zst,) = envs.EnvsConfig(level=0).problems()
+    assert "outside 1..19 for tar.zst" in zst

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from kit.envs.archive import FORMATS
+from kit.envs.archive import FORMATS, check_level
 from kit.envs.prefix import DEFAULT_IMPORTS, check_name, kind_of
 
 
@@ -55,9 +55,10 @@ class EnvsConfig:
             out.append(f"METHOD {self.method!r} is not one of {', '.join(CLONE_METHODS)}.")
         if self.pack_format not in FORMATS:
             out.append(f"PACK_FORMAT {self.pack_format!r} is not one of {', '.join(FORMATS)}.")
-        top = 19 if self.pack_format == "tar.zst" else 9
-        if not 1 <= int(self.level) <= top:
-            out.append(f"LEVEL {self.level} is outside 1..{top} for {self.pack_format}.")
+        try:
+            check_level(self.pack_format, self.level)  # the ranges archive.LEVELS holds
+        except ValueError as exc:
+            out.append(f"LEVEL: {exc}")
         if int(self.threads) < -1:
             out.append(f"THREADS {self.threads} must be 0 (every core), -1 (same) or a positive count.")
         if self.source and (os.sep in self.source) and not Path(self.source).expanduser().exists():
