@@ -367,6 +367,7 @@ def extract(
     tmp = tempfile.mkdtemp(prefix=".kit-extract-", dir=root)  # tar follows links it finds: only in its own
     try:
         hashes = _with_gnu_tar(exe, archive, tmp, progress, hash_name)
+        os.chmod(tmp, 0o700)  # an archived `.` gave it its mode: its entries must still move out
         if head is not None:
             counts, manifest = _finish(archive, tmp, head, hashes)
         else:
