@@ -85,7 +85,7 @@ def test_unsafe_members_are_refused(box, case):
     root, target = box
     bad = _tar(root / "bad.tar", [("ok.txt", "file", "fine")] + BAD[case])
     with pytest.raises(envs.EnvArchiveError, match="refusing|outside"):
-        envs.safe_extract(bad, target)
+        envs.extract(bad, target)
     _outside_unchanged(root)
     assert not Path("/tmp/kit-evil-absolute.txt").exists()
 
@@ -152,8 +152,8 @@ def test_safe_links_and_modes_are_kept(box):
             ("bin/up", "sym", "../lib"),
         ],
     )
-    counts = envs.safe_extract(path, target)
-    assert counts == {"files": 1, "dirs": 2, "symlinks": 2, "hardlinks": 1, "bytes": 3}
+    counts, manifest = envs.extract(path, target)
+    assert counts == {"files": 1, "dirs": 2, "symlinks": 2, "hardlinks": 1, "bytes": 3} and manifest is None
     assert (target / "lib" / "libz.so").read_text() == "ELF" and os.readlink(
         target / "lib" / "libz.so"
     ) == "libz.so.1.3"
@@ -167,7 +167,7 @@ def test_setuid_bits_are_dropped(box):
     info.mode, info.size = 0o4755, 1
     with tarfile.open(root / "s.tar", "w") as tar:
         tar.addfile(info, io.BytesIO(b"x"))
-    envs.safe_extract(root / "s.tar", target)
+    envs.extract(root / "s.tar", target)
     assert (target / "suid").stat().st_mode & 0o7777 == 0o755
 
 
@@ -469,7 +469,7 @@ def test_links_already_in_the_target_are_never_written_through(box):
     (target / "planted").symlink_to(root / "outside")
     path = _tar(root / "bad.tar", [("ok.txt", "file", "fine"), ("planted/evil.txt", "file", "x")])
     with pytest.raises(envs.EnvArchiveError, match="refusing"):
-        envs.safe_extract(path, target)
+        envs.extract(path, target)
     _outside_unchanged(root)
 
 
@@ -536,7 +536,7 @@ def test_odd_headers_unpack_as_tarfile_reads_them_or_are_refused_in_one_line(box
         except tarfile.TarError:
             want = None
         try:
-            envs.safe_extract(bad, target)
+            envs.extract(bad, target)
             got = {p.name: p.read_bytes() for p in target.iterdir()}
         except envs.EnvArchiveError as exc:
             assert "\n" not in str(exc) and "Traceback" not in str(exc)
@@ -568,10 +568,10 @@ def test_members_the_kit_normalises(box, name, kind, mode, size, lands):
     path = _stream(root / "bad.tar", _header(name, size, mode, kind), _data(b"abc")[: size and 512])
     if lands is None:
         with pytest.raises(envs.EnvArchiveError, match="corrupt|truncated"):
-            envs.safe_extract(path, target)
+            envs.extract(path, target)
         assert list(target.iterdir()) == []
         return
-    envs.safe_extract(path, target)
+    envs.extract(path, target)
     where, want_mode = lands
     assert (target / where).lstat().st_mode == want_mode
     assert kind == tarfile.DIRTYPE or (target / where).read_bytes() == b"abc"
@@ -589,7 +589,7 @@ def test_a_header_tar_reads_with_another_size_cannot_smuggle_a_member_past_the_c
     with tarfile.open(bad) as tar:
         assert [(m.name, m.size) for m in tar] == [("first.txt", 0), ("a.txt", 0), ("seen.txt", 0)]
     with pytest.raises(envs.ArchiveDamagedError, match="missing, the first 'seen.txt'"):
-        envs.safe_extract(bad, target)
+        envs.extract(bad, target)
     assert list(target.iterdir()) == []
     _outside_unchanged(root)
 

@@ -10,7 +10,7 @@ from kit.envs.conda_cli import conda_executable
 from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
 from kit.envs.config import EnvsConfig, activation_commands
 from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
-from kit.envs.extraction import extract, safe_extract
+from kit.envs.extraction import extract
 from kit.envs.folders import default_envs_root, get_layout
 from kit.envs.kernels import (
     capture_env,
@@ -61,7 +61,6 @@ __all__ = [
     "remove",
     "resolve_env",
     "restore",
-    "safe_extract",
     "steps_table",
     "stored_kernels",
     "unpack",

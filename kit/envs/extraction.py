@@ -385,10 +385,3 @@ def extract(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return counts, manifest
-
-
-def safe_extract(
-    archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
-) -> dict:
-    """Extract into the existing folder `target` (see extract()); return counts of what was written."""
-    return extract(archive, target, progress)[0]
