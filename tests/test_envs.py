@@ -220,7 +220,7 @@ def test_find_and_capture_both_cann_layouts():
     new = envs.find_set_env_scripts([NEW_LAYOUT])
     assert new == [NEW_LAYOUT / "cann" / "set_env.sh", NEW_LAYOUT / "nnal" / "atb" / "set_env.sh"]
     assert envs.find_set_env_scripts([FIXTURES / "nothing-here"]) == []
-    captured = envs.capture_env(new)
+    captured = envs.capture_cann(new)[0]
     home = str((NEW_LAYOUT / "cann" / "latest").resolve())
     assert captured["ASCEND_HOME_PATH"] == home and captured["ASCEND_OPP_PATH"] == home + "/opp"
     assert captured["ATB_HOME_PATH"].endswith("nnal/atb/latest/atb/cxx_abi_0")
@@ -230,10 +230,10 @@ def test_find_and_capture_both_cann_layouts():
     )  # no empty entry (it would mean the current folder)
     assert "_kit_fixture_root" not in captured and "SHLVL" not in captured and "HOME" not in captured
     arch = subprocess.run(["arch"], capture_output=True, text=True).stdout.strip()
-    old_vars = envs.capture_env(old)
+    old_vars = envs.capture_cann(old)[0]
     assert f"op_tiling/lib/linux/{arch}:" in old_vars["LD_LIBRARY_PATH"]  # $(arch) expanded by bash
     with pytest.raises(envs.EnvError, match="does not exist"):
-        envs.capture_env([FIXTURES / "missing_set_env.sh"])
+        envs.capture_cann([FIXTURES / "missing_set_env.sh"])
 
 
 def test_verification_gets_the_cann_env_found_from_ascend_home_path(source_env, tmp_path, monkeypatch):
@@ -412,7 +412,8 @@ def test_kernel_env_is_an_allowlist_of_cann_variables(source_env, tmp_path, monk
         "export PYTHONPATH=/opt/cann/python/site-packages:$PYTHONPATH\nexport OMP_NUM_THREADS=4\n"
         + "".join(f"export {k}='{v}'\n" for k, v in CREDENTIALS.items())
     )
-    captured = envs.capture_env([script])
+    captured, not_copied = envs.capture_cann([script])
+    assert sorted(not_copied) == sorted([*CREDENTIALS, "OMP_NUM_THREADS"])
     assert {k: v for k, v in captured.items() if k not in ("PATH", "PYTHONPATH")} == {
         "ASCEND_HOME_PATH": "/opt/cann",
         "ASCEND_OPP_PATH": "/opt/cann/opp",

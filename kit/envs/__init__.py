@@ -13,7 +13,7 @@ from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
 from kit.envs.extraction import extract
 from kit.envs.folders import default_envs_root, get_layout
 from kit.envs.kernels import (
-    capture_env,
+    capture_cann,
     check_kernel,
     find_set_env_scripts,
     register_kernel,
@@ -39,7 +39,7 @@ __all__ = [
     "EnvsConfig",
     "FORMATS",
     "activation_commands",
-    "capture_env",
+    "capture_cann",
     "check_kernel",
     "check_name",
     "clone",

@@ -48,11 +48,6 @@ def _read_env0(path: str) -> dict:
     return out
 
 
-def capture_env(scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None) -> dict:
-    """CANN variables that sourcing `scripts` in bash sets or changes, values fully expanded (see capture_cann)."""
-    return capture_cann(scripts, prefix)[0]
-
-
 def _search_path(name: str, old: dict, new: dict) -> Optional[str]:
     """The entries sourcing added to a search path, in front of what the process had before; None if none."""
     before = [e for e in old.get(name, "").split(":") if e]

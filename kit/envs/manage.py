@@ -362,10 +362,10 @@ def _verify(prefix: Path, imports: Optional[Sequence[str]], env: Optional[dict])
     if imports is None:
         return None
     if env is None:
-        from kit.envs.kernels import capture_env, find_set_env_scripts
+        from kit.envs.kernels import capture_cann, find_set_env_scripts
 
         scripts = find_set_env_scripts() if "torch_npu" in imports else []
-        env = capture_env(scripts, prefix) if scripts else {}
+        env = capture_cann(scripts, prefix)[0] if scripts else {}
     return verify(prefix, imports, env)
 
 
