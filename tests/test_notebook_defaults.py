@@ -22,6 +22,10 @@ import pytest
 
 from kit.notebooks import numbered_notebooks, parameter_cells, parameters_of
 
+# committed notebooks against the kit's own defaults: the same on every stack (and typing.get_type_hints cannot
+# evaluate the kit's `X | None` annotations on Python 3.9)
+pytestmark = pytest.mark.dev_stack
+
 NOTEBOOKS = numbered_notebooks()
 
 # Parameters that reach neither a config field nor a kit function argument with a default, each with the reason
