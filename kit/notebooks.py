@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -16,8 +17,15 @@ from kit.workspace import repo_root
 
 NOTEBOOKS = repo_root() / "notebooks"
 
-# ipykernel logs this at every start over TCP; the kernels started here listen on 127.0.0.1 for this process only
+# Lines a kernel writes to stderr that tell a user nothing: ipykernel's notice at every start over TCP (the kernels
+# started here listen on 127.0.0.1 for this process only) and the markers torch's kineto prints at every profiler
+# start and stop ("USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start"; notebook 05).
 TCP_NOTICE = b"Kernel is running over TCP without encryption"
+_KINETO_MARK = re.compile(rb"USDT:.*\] profiler_(start|stop)\s*$")
+
+
+def _is_noise(line: bytes) -> bool:
+    return TCP_NOTICE in line or _KINETO_MARK.match(line) is not None
 
 
 def numbered_notebooks(folder: Optional[Path] = None) -> list[Path]:
@@ -52,10 +60,10 @@ def parameters_of(nb_path: Path) -> dict:
 
 
 def _pass_stderr(read_fd: int) -> None:
-    """Copy a kernel's stderr to ours, line by line, leaving out ipykernel's TCP notice."""
+    """Copy a kernel's stderr to ours, line by line, leaving out the lines _is_noise names."""
     with os.fdopen(read_fd, "rb") as pipe:
         for line in pipe:
-            while line and TCP_NOTICE not in line:  # fd 2: where the kernel's stderr would have gone
+            while line and not _is_noise(line):  # fd 2: where the kernel's stderr would have gone
                 line = line[os.write(2, line) :]
 
 
