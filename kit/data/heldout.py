@@ -74,6 +74,19 @@ class HeldoutPicker:
         self._seen.add(key)
         return TRAIN
 
+    def follow(self, ids: np.ndarray, labels: Optional[np.ndarray], verdict: int) -> None:
+        """Record a later sample of a dialog whose first sample got `verdict` (a dialog split per turn stays on one
+        side of the split, so no held-out answer is ever context of a trained one)."""
+        key = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+        if verdict == HELDOUT:
+            self._held.add(key)
+            n = min(ids.size, self.max_length)
+            self.truncated += int(ids.size > self.max_length)
+            lab = ids if labels is None else labels
+            self.items.append((np.array(ids[:n], dtype=np.int32), np.array(lab[:n], dtype=np.int32)))
+        elif verdict == TRAIN and not self.full:
+            self._seen.add(key)
+
     def write(self, folder: Path, pad_id: int) -> int:
         """Write the held-out rows (one record per row, padded, `seq_lens` = [its length]) as an HF folder."""
         from kit.data.hf_rows import ArrowSink
