@@ -210,3 +210,98 @@ def test_qwen_default_systems():
         == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
     )
     assert TEMPLATES["qwen3"].default_system is None
+
+
+@pytest.fixture(scope="module")
+def reasoning_jsonl(tmp_path_factory):
+    """Six OpenAI-messages dialogs: two turns each, reasoning on every answer."""
+    path = tmp_path_factory.mktemp("reasoning") / "r.jsonl"
+    rows = []
+    for i in range(6):
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"question {i} a"},
+                    {"role": "assistant", "content": f"answer {i} a", "reasoning_content": f"because {i} a"},
+                    {"role": "user", "content": f"question {i} b"},
+                    {"role": "assistant", "content": f"answer {i} b", "reasoning_content": f"because {i} b"},
+                ]
+            }
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_prepare_qwen3_per_turn_samples_manifest_and_heldout(reasoning_jsonl, family_tokenizers, tmp_path):
+    from kit.data import DataConfig, load_prepared, prepare
+
+    folder, tok = family_tokenizers["qwen3"]
+    cfg = DataConfig(
+        kind="sft", inputs=[str(reasoning_jsonl)], tokenizer=folder, template="qwen3", max_length=256,
+        out_dir=str(tmp_path), heldout_records=2, heldout_every=3,
+    )  # fmt: skip
+    res = prepare(cfg, progress=False)
+    rep = res.report.as_dict()
+    assert rep["records_read"] == 6 and rep["turn_samples"] == 6 and rep["reasoning_left_out"] == 0
+    # dialogs 3 and 6 are held out with both their samples; the other four train with both of theirs
+    assert rep["heldout_records"] == 2 and rep["records_written"] == 8
+    assert res.prepared.heldout["records"] == 2 and res.prepared.heldout["rows"] == 4
+    held = [
+        tok.decode([t for t in row["input_ids"] if t != tok.pad_token_id])
+        for row in res.prepared.heldout_dataset()
+    ]
+    assert sum("question 2 a" in h for h in held) == 2 and sum("question 5 a" in h for h in held) == 2
+    trained = " ".join(tok.decode(row["input_ids"]) for row in load_prepared(res.hf_dir))
+    assert "question 2" not in trained and "question 5" not in trained
+    # the first turn's sample learns its reasoning; the second sample shows it bare as history
+    assert trained.count("<think>\nbecause 0 a\n</think>\n\nanswer 0 a") == 1
+    assert trained.count("<|im_start|>assistant\nanswer 0 a<|im_end|>") == 1
+    man = res.manifest
+    assert man["prompt_type"] == "qwen3" and man["enable_thinking"] is True
+    assert man["megatron_flags"] == ["--reset-attention-mask", "--neat-pack", "--prompt-type", "qwen3"]
+
+
+def test_reasoning_left_out_is_counted(reasoning_jsonl, family_tokenizers, tmp_path):
+    from kit.data import DataConfig, prepare
+
+    folder, _ = family_tokenizers["qwen3"]
+    for template, thinking in (("qwen3", False), ("qwen2_5", True)):
+        cfg = DataConfig(
+            kind="sft", inputs=[str(reasoning_jsonl)], tokenizer=folder, template=template, max_length=256,
+            out_dir=str(tmp_path / template), enable_thinking=thinking, megatron=False,
+        )  # fmt: skip
+        res = prepare(cfg, progress=False)
+        assert res.report.reasoning_left_out == 6, template
+        assert any("6 dialogs carry reasoning" in w for w in res.report.warnings), template
+
+
+def test_enable_thinking_on_the_command_line():
+    import argparse
+
+    from kit.data import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="stage"))
+    args = parser.parse_args(["data", "sft", "x.jsonl", "--template", "qwen3", "--no-enable-thinking"])
+    cfg = cli.config_from_args(args)
+    assert cfg.template == "qwen3" and cfg.enable_thinking is False
+    assert "enable_thinking=1" in "; ".join(type(cfg)(enable_thinking=1).problems())
+
+
+def test_which_templates_leave_reasoning_out():
+    from kit.data import DataConfig
+    from kit.data.pipeline import _leaves_out_reasoning
+
+    in_text = _dialog(FIXTURE["dialogs"]["multi_think_in_content"])
+    in_field = _dialog(FIXTURE["dialogs"]["multi_reasoning"])
+    plain = _dialog(FIXTURE["dialogs"]["multi"])
+    cases = {
+        ("qwen3", True): (False, False, False),
+        ("qwen3", False): (True, True, False),
+        ("chatml", True): (False, True, False),  # `<think>` in the text stays text; the field is not rendered
+        ("tokenizer", True): (False, False, False),
+    }
+    for (template, thinking), want in cases.items():
+        cfg = DataConfig(template=template, enable_thinking=thinking)
+        got = tuple(_leaves_out_reasoning(cfg, d) for d in (in_text, in_field, plain))
+        assert got == want, (template, thinking)

@@ -45,10 +45,11 @@ class HeldoutPicker:
         self._seen: Set[bytes] = set()  # records trained on, kept only until the split is complete
         self._position = 0
         self._due = False
+        self._records = 0  # held-out records (a dialog split per turn is one record of several rows)
 
     @property
     def full(self) -> bool:
-        return len(self.items) >= self.wanted
+        return self._records >= self.wanted
 
     def take(self, ids: np.ndarray, labels: Optional[np.ndarray] = None) -> int:
         """TRAIN, HELDOUT (kept here, truncated to max_length) or SAME_AS_HELDOUT for one record's token ids."""
@@ -68,6 +69,7 @@ class HeldoutPicker:
             n = min(ids.size, self.max_length)
             lab = ids if labels is None else labels
             self.items.append((np.array(ids[:n], dtype=np.int32), np.array(lab[:n], dtype=np.int32)))
+            self._records += 1
             if self.full:
                 self._seen = set()  # later records are only compared with the held-out ones
             return HELDOUT
@@ -106,7 +108,7 @@ class HeldoutPicker:
     def stats(self) -> dict:
         """Counts for the manifest: records, tokens, learned tokens, truncated."""
         return {
-            "records": len(self.items),
+            "records": self._records,
             "rows": len(self.items),
             "tokens": int(sum(ids.size for ids, _ in self.items)),
             "tokens_learned": int(sum(int((lab != IGNORE).sum()) for _, lab in self.items)),

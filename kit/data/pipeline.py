@@ -222,19 +222,23 @@ def _dialogs(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         if any(not a or a.isspace() for _, a in dialog.turns):
             report.drop("empty_answer", f"{rec.where}: an answer is empty (dropped)")
             continue
-        if dialog.has_reasoning and not _renders_reasoning(cfg):
+        if _leaves_out_reasoning(cfg, dialog):
             report.reasoning_left_out += 1
         report.count_format(fmt)
         yield dialog, rec.where
 
 
-def _renders_reasoning(cfg: DataConfig) -> bool:
-    """Whether the configured template learns an answer's reasoning (the tokenizer's own template: assumed so)."""
+def _leaves_out_reasoning(cfg: DataConfig, dialog: Any) -> bool:
+    """Whether the configured template drops reasoning this dialog carries: a reasoning template with
+    enable_thinking=False drops it (field or `<think>` in the text), another kit template drops the reasoning field
+    (`<think>` in the text stays text); the tokenizer's own template gets the field and decides itself."""
     from kit.data.templates import TEMPLATES
 
     if cfg.template == "tokenizer":
-        return True
-    return bool(TEMPLATES[cfg.template].think) and cfg.enable_thinking
+        return False
+    if TEMPLATES[cfg.template].think:
+        return not cfg.enable_thinking and dialog.has_reasoning
+    return any(r for r in dialog.reasoning)
 
 
 def prompt_type(cfg: DataConfig) -> Optional[str]:

@@ -116,12 +116,13 @@ class SftAssembler:
             r.drop("no_answer_tokens", f"{src}: no token is learned (check template and masking options)")
             return verdict
         if self.heldout is not None:
-            if verdict is None:
+            first = verdict is None
+            if first:
                 verdict = self.heldout.take(ids, labels)
             else:  # a later turn of the same dialog: held out or trained on with its first turn
                 self.heldout.follow(ids, labels, verdict)
             if verdict == HELDOUT:
-                r.heldout += 1
+                r.heldout += int(first)  # records, not rows
                 return verdict
             if verdict == SAME_AS_HELDOUT:
                 r.drop(DROP_REASON, f"{src}: the same tokens as a held-out dialog (left out of training)")
