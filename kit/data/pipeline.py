@@ -222,8 +222,33 @@ def _dialogs(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         if any(not a or a.isspace() for _, a in dialog.turns):
             report.drop("empty_answer", f"{rec.where}: an answer is empty (dropped)")
             continue
+        if _leaves_out_reasoning(cfg, dialog):
+            report.reasoning_left_out += 1
         report.count_format(fmt)
         yield dialog, rec.where
+
+
+def _leaves_out_reasoning(cfg: DataConfig, dialog: Any) -> bool:
+    """Whether the configured template drops reasoning this dialog carries: a reasoning template with
+    enable_thinking=False drops it (field or `<think>` in the text), another kit template drops the reasoning field
+    (`<think>` in the text stays text); the tokenizer's own template gets the field and decides itself."""
+    from kit.data.templates import TEMPLATES
+
+    if cfg.template == "tokenizer":
+        return False
+    if TEMPLATES[cfg.template].think:
+        return not cfg.enable_thinking and dialog.has_reasoning
+    return any(r for r in dialog.reasoning)
+
+
+def prompt_type(cfg: DataConfig) -> Optional[str]:
+    """MindSpeed-LLM's `--prompt-type` for the data's template (None: pretraining, the tokenizer's own template, or
+    a format MindSpeed-LLM has no template for)."""
+    from kit.data.templates import TEMPLATES
+
+    if cfg.kind != "sft" or cfg.template not in TEMPLATES:
+        return None
+    return TEMPLATES[cfg.template].prompt_type
 
 
 def _text_chunks(pieces: Iterator[List[str]], max_records: int, max_chars: float) -> Iterator[List[str]]:
@@ -397,6 +422,8 @@ def _manifest_fields(
         "tokenizer": tok_dir,
         "tokenizer_sha256": tok_hash,
         "template": cfg.template if cfg.kind == "sft" else None,
+        "prompt_type": prompt_type(cfg),  # MindSpeed-LLM's name for the template (its --prompt-type), or None
+        "enable_thinking": cfg.enable_thinking if cfg.kind == "sft" else None,
         # pretraining rows are always packed (documents back to back); fine-tuning rows as cfg.pack says
         "pack": bool(cfg.pack) if cfg.kind == "sft" else True,
         "eos_token_id": tok.eos_token_id,
@@ -411,7 +438,7 @@ def _manifest_fields(
         "num_tokens": report.tokens_out,
         "megatron_prefix": prefix,
         "megatron_files": files,
-        "megatron_flags": megatron_flags(cfg.kind, cfg.pack) if prefix else [],
+        "megatron_flags": megatron_flags(cfg.kind, cfg.pack, prompt_type(cfg)) if prefix else [],
         "megatron_dtype": dtype,
         "heldout": heldout,
         "counts": {k: rep[k] for k in count_keys},
@@ -440,6 +467,7 @@ def _stream(
         "add_bos": cfg.add_bos,
         "keep_special_tokens": cfg.keep_special_tokens,
         "template": cfg.template,
+        "enable_thinking": cfg.enable_thinking,
         "system": cfg.system,
         "train_on_prompt": cfg.train_on_prompt,
         "mask_history": cfg.mask_history,
