@@ -138,12 +138,17 @@ def _create(path: Path, info: Dict[str, Any]) -> bool:
     """Create `path` holding `info` if it does not exist; True when this call created it."""
     data = (json.dumps(info, sort_keys=True) + "\n").encode()
     unique = path.with_name(f"{path.name}.{info['token']}")
-    fd = os.open(unique, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(unique, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:  # read-only, full, no permission: about the lock the user would see, not our name
+        with contextlib.suppress(OSError):
+            os.unlink(unique)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         try:
             os.link(unique, path)
@@ -192,10 +197,10 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def describe_holder(holder: Dict[str, Any]) -> str:
+def describe_holder(holder: Dict[str, Any], noun: str = "") -> str:
     if not holder:
         return "an unknown run (the lock file is empty or damaged)"
-    what = f" ({holder['what']})" if holder.get("what") else ""
+    what = f" ({holder['what']})" if holder.get("what") and holder["what"] != noun else ""
     return f"PID {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}{what}"
 
 
@@ -206,7 +211,7 @@ def _locked(target: Path, path: Path, holder: Dict[str, Any], what: str) -> Lock
     else:
         clear = f"wait for it to finish; once that run is known to be over, delete {str(path)!r}"
     return LockedError(
-        f"{what} {str(target)!r} is being written by another run: {describe_holder(holder)} — {clear}, "
+        f"{what} {str(target)!r} is being written by another run: {describe_holder(holder, what)} — {clear}, "
         f"or choose another output."
     )
 

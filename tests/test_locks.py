@@ -145,7 +145,7 @@ def test_an_output_that_appeared_meanwhile_is_not_replaced(tmp_path, monkeypatch
         (path).mkdir()
         (path / "theirs").write_text("kept")
 
-    monkeypatch.setattr(atomic, "_before_publish", intruder)
+    monkeypatch.setattr(atomic, "_before_publish", intruder, raising=False)
     with pytest.raises(atomic.OutputExistsError, match="appeared while this run was writing"):
         with atomic.atomic_dir(final, lock=False) as tmp:
             (tmp / "mine").write_text("new")
@@ -238,3 +238,19 @@ def test_two_converts_into_one_target_the_second_is_refused(tmp_path, tiny_llama
     assert not target.exists()
     convert(ConvertConfig(str(tiny_llama_dir), str(target)), progress=False)
     assert (target / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+def test_without_hard_links_the_lock_falls_back_to_o_excl(tmp_path, monkeypatch):
+    import errno
+
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")  # what FUSE object-store mounts answer
+
+    monkeypatch.setattr(locks.os, "link", no_link)
+    target = tmp_path / "out"
+    with locks.hold(target, "convert"):
+        assert locks.read_holder(locks.lock_path(target))["what"] == "convert"
+    assert not os.listdir(tmp_path)
+    with held_elsewhere(target) as other:
+        with pytest.raises(LockedError, match=f"PID {other.pid} "):
+            locks.acquire(target)

@@ -511,7 +511,7 @@ def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
     target = Path(cfg.target)
     # one writer per target, from before the first read to the rename (kit/locks.py); under the lock, the
     # leftovers found are no other run's work in progress
-    with hold(target, "convert"):
+    with hold(target, "conversion target"):
         left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)
         summary = fn(cfg, progress=progress)
     summary["leftover_partials"] = [

@@ -266,7 +266,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     check(cfg, "DataConfig")
     out = Path(os.path.abspath(output_dir(cfg, workspace)))
     # one writer per name, from before any work to the last rename (kit/locks.py)
-    with hold(out / f"{cfg.output_name}_hf", f"data {cfg.kind}"):
+    with hold(out / f"{cfg.output_name}_hf", "prepared data"):
         return _prepare(cfg, out, progress)
 
 

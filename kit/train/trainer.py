@@ -393,7 +393,7 @@ class Trainer:
         # one run per folder: the job's rank 0 holds the lock (the other ranks and nodes of the job write into
         # the same folder under it) from before the first read to the run manifest
         rank0 = int(os.environ.get("RANK", "0")) == 0
-        with hold(self.out, f"train {self.requested.run_type}", enabled=rank0):
+        with hold(self.out, "training run", enabled=rank0):
             return self._train()
 
     def _train(self) -> TrainResult:
