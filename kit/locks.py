@@ -265,6 +265,15 @@ def release(target: PathLike) -> None:
             os.unlink(path)
 
 
+def live_holder(target: PathLike) -> Optional[Dict[str, Any]]:
+    """The holder of `target`'s lock unless there is none or it is gone ({} when unknown): a run that cleans
+    leftovers beside other outputs skips those that are being written."""
+    holder = read_holder(lock_path(target))
+    if holder is None or (holder and holder_gone(holder)):
+        return None
+    return holder
+
+
 def holds(target: PathLike) -> bool:
     """True when this thread holds the lock of `target`."""
     mine = _held.get(str(lock_path(target)))

@@ -254,3 +254,24 @@ def test_without_hard_links_the_lock_falls_back_to_o_excl(tmp_path, monkeypatch)
     with held_elsewhere(target) as other:
         with pytest.raises(LockedError, match=f"PID {other.pid} "):
             locks.acquire(target)
+
+
+def test_a_late_breaker_of_a_stale_lock_leaves_the_new_holder_alone(tmp_path):
+    target = tmp_path / "out"
+    stale = _plant(target, pid=_gone_pid())
+    # two runs found that lock stale; the first broke it and another run took the output since
+    locks.lock_path(target).unlink()
+    with held_elsewhere(target) as other:
+        locks._break(locks.lock_path(target), stale, locks.identity())  # the second one, late
+        assert locks.read_holder(locks.lock_path(target))["pid"] == other.pid
+        with pytest.raises(LockedError):
+            locks.acquire(target)
+    assert not os.listdir(tmp_path)
+
+
+def test_live_holder_tells_a_cleaner_which_outputs_are_being_written(tmp_path):
+    assert locks.live_holder(tmp_path / "a") is None
+    _plant(tmp_path / "b", pid=_gone_pid())
+    assert locks.live_holder(tmp_path / "b") is None  # gone: its leftovers may go
+    with held_elsewhere(tmp_path / "c") as other:
+        assert locks.live_holder(tmp_path / "c")["pid"] == other.pid
