@@ -280,10 +280,17 @@ def holds(target: PathLike) -> bool:
     return mine is not None and mine[0] == threading.get_ident()
 
 
+def covered(target: PathLike) -> bool:
+    """True when this thread holds the lock of `target` or of a folder above it (a run's folder covers its
+    `hf/`): no lock of its own is needed then."""
+    target = Path(os.path.abspath(target))
+    return any(holds(p) for p in (target, *target.parents))
+
+
 @contextlib.contextmanager
 def hold(target: PathLike, what: str = "output", enabled: bool = True) -> Iterator[None]:
     """Hold the lock of `target` for the block (see the module doc); `enabled=False` does nothing."""
-    if not enabled:
+    if not enabled or covered(target):
         yield
         return
     acquire(target, what)

@@ -129,6 +129,8 @@ def test_the_lock_is_reentrant_in_one_thread_and_refused_to_another(tmp_path):
     with locks.hold(target):
         with locks.hold(target):
             assert locks.holds(target)
+        with locks.hold(target / "hf"):  # inside a folder this thread holds: covered, no lock of its own
+            assert not locks.lock_path(target / "hf").exists()
         assert locks.lock_path(target).exists()
         other = Paused(lambda: locks.acquire(target))
         other.start()
