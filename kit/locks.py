@@ -284,7 +284,7 @@ def covered(target: PathLike) -> bool:
     """True when this thread holds the lock of `target` or of a folder above it (a run's folder covers its
     `hf/`): no lock of its own is needed then."""
     target = Path(os.path.abspath(target))
-    return any(holds(p) for p in (target, *target.parents))
+    return bool(_held) and any(holds(p) for p in (target, *target.parents) if p.name)
 
 
 @contextlib.contextmanager
