@@ -58,14 +58,6 @@ def _before_publish(final: Path) -> None:
     """Called with the lock held, after the body and before the rename (tests pause a writer here)."""
 
 
-def _identity(path: Path):
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
 def aside_name(final: Path) -> Path:
     """Where a replaced output waits until its successor is in place (a `.partial-` name: never looks
     finished, and a crash leaves it for the next run to report, kit/partial.py)."""
