@@ -168,7 +168,7 @@ def _records(cfg: DataConfig, report: PrepReport, text_column: Optional[str] = N
     # names only the renamed ones)
     parquet_cols = [text_column] if text_column else None
     skip = None if cfg.on_error == "raise" else on_bad
-    for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column):
+    for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column, cfg.max_record_bytes):
         if cfg.max_records is not None and report.records_read >= cfg.max_records:
             break
         yield rec
