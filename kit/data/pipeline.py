@@ -15,6 +15,7 @@ import numpy as np
 from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
 from kit.configs import check, save_config
 from kit.data.accounting import PrepReport, plot_lengths
+from kit.data.check import megatron_record
 from kit.data.config import DataConfig
 from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
 from kit.data.heldout import HeldoutPicker, rule_text
@@ -317,6 +318,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
                 (mg_prefix, [str(f) for f in mg_files], str(writers[0].dtype)) if writers else None,
                 heldout,
             )
+            fields["megatron_checks"] = megatron_record(writers)  # sizes, hashes, counts for `data check`
             sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
