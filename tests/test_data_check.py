@@ -48,7 +48,7 @@ def test_an_intact_folder_passes_with_its_hashes_verified(tmp_path, capsys):
         assert line.startswith("ok: ") and "hashes verified" in line and "tokenizer hash matches" in line
 
 
-def test_an_out_of_range_id_in_a_middle_row_is_found_by_check_and_by_loading(tmp_path, capsys):
+def test_an_out_of_range_id_in_a_middle_row_is_found_by_check_and_by_loading(tmp_path, capsys, monkeypatch):
     from datasets import load_from_disk
 
     res = _prepared(tmp_path)
@@ -71,6 +71,11 @@ def test_an_out_of_range_id_in_a_middle_row_is_found_by_check_and_by_loading(tmp
         load_prepared(res.hf_dir)  # what training calls: it no longer reaches an IndexError at iteration 2
     code, line = _check_line(capsys, res.hf_dir)
     assert code == 2 and line.startswith("error: ") and f"row {row} has token ids" in line
+    import kit.data.prepared
+
+    monkeypatch.setattr(kit.data.prepared, "_CHECK_ROWS", 7)  # rows checked a slice at a time: the same row
+    with pytest.raises(IntegrityError, match=rf"row {row} has token ids"):
+        load_prepared(res.hf_dir)
 
 
 def test_damaged_megatron_files_are_named(tmp_path, capsys):

@@ -26,6 +26,7 @@ MODEL_INPUTS: Tuple[str, ...] = ("input_ids", "labels", "attention_mask", "posit
 COLUMNS: Dict[str, Tuple[str, ...]] = {"pretrain": MODEL_INPUTS, "sft": MODEL_INPUTS + ("seq_lens",)}
 # Held-out rows hold one record each, with its length, whatever the kind.
 HELDOUT_COLUMNS: Tuple[str, ...] = MODEL_INPUTS + ("seq_lens",)
+_CHECK_ROWS = 4096  # rows whose ids are checked at a time (a few MB of temporaries at any max_length)
 IGNORE_INDEX = -100  # the label of a token the loss does not count (the HF / PyTorch cross-entropy default)
 
 # MindSpeed-LLM reads a packed fine-tuning set as `<prefix>_packed_<key>_document.bin/.idx` for these keys
@@ -258,14 +259,15 @@ def _first_bad_row(column: Any, bad: Any) -> Optional[int]:
     import numpy as np
 
     base = 0
-    for chunk in column.chunks:
-        values = chunk.flatten().to_numpy(zero_copy_only=False)
-        hits = np.flatnonzero(bad(values))
-        if hits.size:
-            offsets = chunk.offsets.to_numpy()
-            # flatten() starts at the chunk's first offset, which is not 0 for a slice
-            return base + int(np.searchsorted(offsets, hits[0] + offsets[0], side="right")) - 1
-        base += len(chunk)
+    for whole in column.chunks:
+        for start in range(0, len(whole), _CHECK_ROWS):  # bounded temporaries whatever the dataset's size
+            chunk = whole.slice(start, _CHECK_ROWS)
+            hits = np.flatnonzero(bad(chunk.flatten().to_numpy(zero_copy_only=False)))
+            if hits.size:
+                offsets = chunk.offsets.to_numpy()
+                # flatten() starts at the slice's first offset, not at 0
+                return base + start + int(np.searchsorted(offsets, hits[0] + offsets[0], side="right")) - 1
+        base += len(whole)
     return None
 
 
