@@ -2,7 +2,7 @@
 
 A float is NaN or infinite exactly when all its exponent bits are set (IEEE 754; bfloat16 has float32's 8-bit
 exponent), so a tensor's raw bytes are checked with one integer mask in numpy, a piece at a time: the files are
-read through one small buffer (never loaded whole), torch is not needed (conversion runs without it), and a damaged safetensors
+mapped a window at a time (never loaded whole), torch is not needed (conversion runs without it), and a damaged safetensors
 header is an error naming the shard (kit.convert.file_slices.SafetensorsFile). Convert, evaluate and anything that
 serves a model call `check_hf_weights(folder)` (files) or `check_model(model)` (a model in memory).
 """
@@ -10,7 +10,7 @@ serves a model call `check_hf_weights(folder)` (files) or `check_model(model)` (
 from __future__ import annotations
 
 import json
-import os
+import mmap
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -26,7 +26,7 @@ EXPONENT_MASKS: Dict[str, Tuple[str, int]] = {
 }
 _NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _PIECE = 1 << 24  # elements checked at a time: temporaries stay at a few tens of MB whatever the tensor
-_PIECE_BYTES = 8 << 20  # bytes read from a file at a time (a multiple of every float's size)
+_PIECE_BYTES = 8 << 20  # bytes of a file mapped at a time (a multiple of every float's size)
 _INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 
@@ -35,9 +35,10 @@ class NonFiniteWeights(IntegrityError):
     """A model file holds NaN or infinite weights: whatever it computes is not a valid number."""
 
 
-def count_nonfinite(raw: Any, dtype: str) -> int:
+def count_nonfinite(raw: Any, dtype: str, scratch: Optional[Dict[str, Any]] = None) -> int:
     """NaN and infinite values among the elements whose bytes are `raw` (uint8), of dtype `dtype` (a safetensors
-    code such as 'BF16', or a torch name such as 'bfloat16'); 0 for integer dtypes."""
+    code such as 'BF16', or a torch name such as 'bfloat16'); 0 for integer dtypes. `scratch` (a dict kept by the
+    caller) holds the work array between calls: a fresh one would be page-faulted in again for every piece."""
     code = _NAMES.get(dtype.replace("torch.", ""), dtype)
     if code not in EXPONENT_MASKS:
         return 0
@@ -45,10 +46,20 @@ def count_nonfinite(raw: Any, dtype: str) -> int:
 
     kind, mask = EXPONENT_MASKS[code]
     values = raw.view(kind)
+    # without the sign bit, a value is NaN or infinite exactly when it is >= the exponent mask: one AND and one max
+    # per element (SIMD in numpy); the exact count only when the max says there is something to count
     m = np.dtype(kind).type(mask)
-    return sum(
-        int(np.count_nonzero((values[i : i + _PIECE] & m) == m)) for i in range(0, values.size, _PIECE)
-    )
+    magnitude = np.dtype(kind).type(mask | (mask - 1))  # every bit but the sign
+    scratch = {} if scratch is None else scratch
+    n = 0
+    for i in range(0, values.size, _PIECE):
+        piece = values[i : i + _PIECE]
+        if kind not in scratch or scratch[kind].size < piece.size:
+            scratch[kind] = np.empty(piece.size, dtype=kind)
+        bits = np.bitwise_and(piece, magnitude, out=scratch[kind][: piece.size])
+        if bits.size and bits.max() >= m:
+            n += int(np.count_nonzero(bits >= m))
+    return n
 
 
 def _error(source: str, bad: List[Tuple[str, int, int]], fix: str) -> NonFiniteWeights:
@@ -85,23 +96,32 @@ def check_safetensors(path: PathLike, source: Optional[str] = None) -> int:
     from kit.convert.file_slices import DTYPES, SafetensorsFile
 
     st = SafetensorsFile(str(path))  # a truncated file or garbled header is an error naming the file
-    buf = bytearray(_PIECE_BYTES)  # read through one buffer: a memory map would count the whole file in RSS
+    scratch: Dict[str, Any] = {}
     try:
         bad = []
         for key, (name, shape, offset) in st.entries.items():
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            size, n, at = count * DTYPES[name][1], 0, 0
             if DTYPES[name][0] not in EXPONENT_MASKS:
                 continue
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            size, n, at = count * DTYPES[name][1], 0, 0
             while at < size:
+                # a window of the file mapped at a time: no copy, and only the window counts in RSS
+                start = offset + at
+                base = start - start % mmap.ALLOCATIONGRANULARITY
                 want = min(_PIECE_BYTES, size - at)
-                got = os.preadv(st.fd, [memoryview(buf)[:want]], offset + at)
-                if got != want:  # the file shrank since its header was read
+                try:
+                    window = mmap.mmap(st.fd, start + want - base, offset=base, access=mmap.ACCESS_READ)
+                except ValueError:  # the file shrank since its header was read
                     raise IntegrityError(
-                        f"{path}: tensor {key!r} could not be read whole; copy the file again."
-                    )
-                n += count_nonfinite(np.frombuffer(buf, dtype=np.uint8, count=got), name)
-                at += got
+                        f"{path}: tensor {key!r} ends past the file; copy it again."
+                    ) from None
+                try:
+                    raw = np.frombuffer(window, dtype=np.uint8, count=want, offset=start - base)
+                    n += count_nonfinite(raw, name, scratch)
+                    del raw
+                finally:
+                    window.close()
+                at += want
             if n:
                 bad.append((key, n, count))
         if bad:
