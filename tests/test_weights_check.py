@@ -132,6 +132,10 @@ def test_evaluate_names_the_nan_tensor_and_a_damaged_shard(nan_run, tiny_llama_d
     shard.write_bytes(shard.read_bytes()[:-100])  # a copy that stopped early
     with pytest.raises(IntegrityError, match=rf"{shard}: tensor .* ends at byte"):
         run(EvalConfig(model_path=str(cut), parts=["speed"], out_dir=str(tmp_path / "f")), ws, progress=False)
+    shard.unlink()  # a shard the index lists but the copy lacks
+    with pytest.raises(IntegrityError, match=rf"{shard} is missing"):
+        run(EvalConfig(model_path=str(cut), parts=["speed"], out_dir=str(tmp_path / "f")), ws, progress=False)
+    assert not (tmp_path / "f").exists()
 
 
 def test_nan_scores_are_invalid_in_every_table(nan_run, tmp_path, monkeypatch):
