@@ -46,7 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="what", required=True)
     _add_prepare(s, "pretrain", "plain text -> max_length samples + <name>_text_document.bin/.idx")
     _add_prepare(s, "sft", "dialogs -> packed, answer-masked samples + <name>_packed_*_document.bin/.idx")
-    c = s.add_parser("check", help="load and validate a prepared <name>_hf folder, print its manifest")
+    c = s.add_parser(
+        "check",
+        help="check a prepared <name>_hf folder against its manifest (every row, the Megatron files, the "
+        "tokenizer hash), print the manifest",
+    )
     c.add_argument("path")
     c.set_defaults(func=run)
     t = s.add_parser("templates", help="list the chat templates")
@@ -73,15 +77,21 @@ def run(args: argparse.Namespace) -> int:
         print("tokenizer  the tokenizer's own chat_template")
         return 0
     if args.what == "check":
+        from kit.data.check import check_prepared
         from kit.data.prepared import read_prepared
 
+        done = check_prepared(args.path)
         prepared = read_prepared(args.path)
-        ds = prepared.dataset()
-        held = prepared.heldout_dataset()
         print(json.dumps(prepared.manifest.fields, indent=2, ensure_ascii=False))
         print(
-            f"ok: {len(ds)} samples, columns {ds.column_names}"
-            + (f"; held out: {len(held)} rows in {prepared.heldout['path']}" if held is not None else "")
+            f"ok: {done['samples']} samples, columns {done['columns']}, every row's lengths and token ids"
+            + (
+                f"; held out: {done['heldout_rows']} rows in {prepared.heldout['path']}"
+                if prepared.heldout
+                else ""
+            )
+            + f"; {done['megatron_files']} Megatron files (hashes {done['megatron_hashes']}); tokenizer "
+            f"{done['tokenizer']}"
         )
         return 0
     from kit.data.pipeline import prepare

@@ -63,6 +63,10 @@ class DataConfig:
     """Pretrain: special-token strings in the text ('<|endoftext|>') become control tokens; False: plain text."""
     on_error: str = "raise"
     """Malformed records: 'raise' (stop with file and line) or 'skip' (count them in the report)."""
+    max_record_bytes: int = 16 * 1024 * 1024
+    """Largest record, in bytes (a .jsonl/.txt/.csv line, a .json array item, a parquet row's text); a larger one is
+    an error with its position or, with on_error='skip', a counted drop, and is never tokenized (tokenizing
+    takes ~170x the record's size: 16 MiB needs ~3 GiB). Lines of .jsonl/.txt/.csv are not even read whole."""
     num_workers: int = 1
     """Tokenizer processes; 1 tokenizes in this process with the tokenizer's own threads."""
     batch_size: int = 1000
@@ -116,6 +120,7 @@ class DataConfig:
             ("pack_window", 1),
             ("heldout_records", 0),
             ("heldout_every", 1),
+            ("max_record_bytes", 1024),
         ):
             v = getattr(self, attr)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:

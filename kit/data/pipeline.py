@@ -15,6 +15,7 @@ import numpy as np
 from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
 from kit.configs import check, save_config
 from kit.data.accounting import PrepReport, plot_lengths
+from kit.data.check import megatron_record
 from kit.data.config import DataConfig
 from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
 from kit.data.heldout import HeldoutPicker, rule_text
@@ -169,7 +170,7 @@ def _records(cfg: DataConfig, report: PrepReport, text_column: Optional[str] = N
     # names only the renamed ones)
     parquet_cols = [text_column] if text_column else None
     skip = None if cfg.on_error == "raise" else on_bad
-    for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column):
+    for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column, cfg.max_record_bytes):
         if cfg.max_records is not None and report.records_read >= cfg.max_records:
             break
         yield rec
@@ -366,6 +367,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> PrepResult:
                 (mg_prefix, [str(f) for f in mg_files], str(writers[0].dtype)) if writers else None,
                 heldout,
             )
+            fields["megatron_checks"] = megatron_record(writers)  # sizes, hashes, counts for `data check`
             sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
