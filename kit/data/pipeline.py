@@ -31,7 +31,7 @@ from kit.data.prepared import (
 )
 from kit.data.readers import DataInputError, TextBlock, iter_records
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
-from kit.errors import InputError, MissingInputError
+from kit.errors import InputError, MissingInputError, writing
 from kit.manifest import (
     MANIFEST_NAME,
     PREPARED_DATA,
@@ -76,8 +76,11 @@ class PrepResult:
         return dict(self.prepared.manifest.fields)
 
     def plot_lengths(self) -> Path:
-        """Plot the length histogram and save it as `<name>_hf/lengths.png`; return the path."""
-        self.histogram_png = plot_lengths(self.report, self.hf_dir / "lengths.png")
+        """The length histogram `<name>_hf/lengths.png` (made by prepare(plot=True), else plotted now); its path."""
+        if self.histogram_png is None or not Path(self.histogram_png).is_file():
+            png = self.hf_dir / "lengths.png"
+            with writing(png):
+                self.histogram_png = plot_lengths(self.report, png)
         return self.histogram_png
 
     def summary(self) -> dict:
@@ -258,9 +261,11 @@ def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
     )
 
 
-def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
-    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, and its `prepared-data`
-    manifest written last), the held-out split `<name>_heldout_hf` if asked for, and the Megatron files."""
+def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True, plot: bool = False) -> PrepResult:
+    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, with `plot` the length
+    histogram lengths.png, and its `prepared-data` manifest written last), the held-out split `<name>_heldout_hf` if
+    asked for, and the Megatron files. Leftovers of killed runs in the output folder are reported in the report's
+    warnings (removed with cfg.clean_partial)."""
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
     cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
@@ -278,6 +283,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     out.mkdir(parents=True, exist_ok=True)
 
     report = PrepReport(cfg.kind, cfg.max_length)
+    report.warnings.extend(_leftovers(out, cfg.clean_partial))
     if cfg.kind == "sft" and cfg.template != "tokenizer":
         missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
         if missing:
@@ -297,7 +303,8 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
     try:
-        with atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data") as tmp:
+        # a write error without a file name (a full disk inside a library's writer) names the output folder
+        with writing(hf_dir), atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data") as tmp:
             if cfg.megatron:
                 dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
@@ -320,6 +327,9 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
             sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
+            if plot:  # before the manifest: a plot that cannot be written fails the run, never follows a complete one
+                with writing(hf_dir / "lengths.png"):
+                    plot_lengths(report, tmp / "lengths.png")
             if heldout:
                 with atomic_dir(held_dir, overwrite=cfg.overwrite, what="held-out data") as held_tmp:
                     picker.write(held_tmp, tok.pad_token_id)
@@ -334,7 +344,20 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
         # the split of an earlier run under this name; the new manifest names none, so nothing may use it
         shutil.rmtree(held_dir)
     prepared = PreparedData(read_manifest(hf_dir, expect=PREPARED_DATA))
-    return PrepResult(prepared, report, config=cfg)
+    result = PrepResult(prepared, report, config=cfg)
+    if plot:
+        result.histogram_png = hf_dir / "lengths.png"
+    return result
+
+
+def _leftovers(out: Path, clean: bool) -> List[str]:
+    """Lines about what killed runs left in the output folder (removed when `clean`)."""
+    from kit.partial import describe, handle_partials
+
+    found = handle_partials(out, clean=clean)
+    lines = [f"removed leftover partial output {p}" for p in found["removed"]]
+    line = describe(found)
+    return lines + ([line] if line else [])
 
 
 def _heldout_fields(
