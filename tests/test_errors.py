@@ -90,3 +90,22 @@ def test_a_write_error_without_a_file_name_names_the_output_not_a_question_mark(
     assert proc.stderr.startswith(f"error: cannot write {str(target)!r}: the file is larger than"), (
         proc.stderr
     )
+
+
+def test_a_plot_on_a_full_disk_names_the_png(small_disk):
+    """matplotlib's writer reports ENOSPC without a file name; the kit's plots name theirs."""
+    import pytest
+    from matplotlib.figure import Figure
+
+    from kit.errors import OutputError
+    from kit.profiling.plots import _save
+
+    filler = small_disk / "filler"
+    with pytest.raises(OSError), open(filler, "wb") as fh:  # fill the disk to its last block
+        fh.write(b"\0" * 2**21)
+    fig = Figure(figsize=(4, 3))
+    fig.add_subplot().plot(range(100))
+    png = small_disk / "top_operators.png"
+    with pytest.raises(OutputError, match=f"^cannot write {str(png)!r}: the disk is full"):
+        _save(fig, png)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]

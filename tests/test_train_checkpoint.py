@@ -125,7 +125,7 @@ def test_resume_from_a_damaged_checkpoint_continues_from_the_previous_one_and_re
     assert resumed.status == "completed" and resumed.iteration == 4
     assert resumed.losses == result.losses[3:]  # step 4 again, from iter_0000003: the same loss, bit for bit
     log = resumed.log_path.read_text()
-    assert f"checkpoint damaged: {model} does not match its SHA-256" in log
+    assert f"checkpoint damaged: {model} does not match its CRC-32" in log
     assert "resuming from iter_0000003" in log and "resumed from" in log
     assert f"leftover partial output(s) of interrupted runs (0.0 MiB): {leftover}" in log
     assert leftover.is_dir()  # reported, not removed without CLEAN_PARTIAL
