@@ -98,11 +98,69 @@ def test_damage_names_the_file_and_falls_back_to_the_newest_verified_checkpoint(
     iteration, notes = ck.choose(root)
     assert iteration == 3
     assert str(target) in notes[0] and "resuming from iter_0000003" in notes[0], notes
+    (root / ck.MEGATRON_LATEST).write_text("\0\0\0")  # a marker a power cut emptied: the folders still count
+    assert ck.latest_iteration(root) == 4 and ck.choose(root)[0] == 3
 
     for i in (1, 2, 3):
         (root / ck.tag_of(i) / "rng_state_rank0.pt").write_bytes(b"")
     with pytest.raises(IntegrityError, match="every checkpoint .* is damaged"):
         ck.choose(root)
+
+
+AGREE = """
+import json, sys
+import torch.distributed as dist
+from kit.train import checkpoint as ck
+rank, port, root = int(sys.argv[1]), sys.argv[2], ck.Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+def agreed():
+    notes = []
+    try:
+        return {"iteration": ck._agreed(root, notes), "notes": notes}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+out = [agreed()]
+dist.barrier()
+if rank == 0:  # now damage the others too: nothing verifies
+    for i in (1, 2, 3):
+        (root / ck.tag_of(i) / "trainer_state.json").unlink()
+dist.barrier()
+out.append(agreed())
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_verified(run, tmp_path):
+    """`_agreed` on each rank of a real 2-process gloo group: rank 0 verifies and decides, every rank loads it."""
+    from kit.train.engine import free_port
+
+    result, _ = run
+    root = tmp_path / "checkpoints"
+    shutil.copytree(result.output_dir / "checkpoints", root)
+    (root / "iter_0000004" / "trainer_state.json").write_text("{}")  # damaged (same name, other bytes)
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGREE, str(r), port, str(root)],
+            cwd=str(ROOT),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    (first, first_none), (second, second_none) = [
+        json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs
+    ]
+    assert first["iteration"] == second["iteration"] == 3
+    assert "iter_0000004" in first["notes"][0] and second["notes"] == []  # rank 0 decides and says so
+    # nothing verifies: an error on every rank, no rank left waiting
+    assert first_none["error"] == second_none["error"] == "IntegrityError"
+    assert (
+        "every checkpoint" in first_none["message"] and "rank 0 found no checkpoint" in second_none["message"]
+    )
 
 
 def test_resume_from_a_damaged_checkpoint_continues_from_the_previous_one_and_reports_leftovers(

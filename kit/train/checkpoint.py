@@ -33,12 +33,17 @@ def tag_of(iteration: int) -> str:
 
 
 def latest_iteration(ckpt_root: Path) -> Optional[int]:
-    """The iteration recorded in `latest_checkpointed_iteration.txt` if its folder exists, else None."""
+    """The iteration recorded in `latest_checkpointed_iteration.txt` if its folder exists; else (no marker, an
+    unreadable one, or one naming a missing folder) the newest `iter_*` folder; None when there is none."""
     marker = Path(ckpt_root) / MEGATRON_LATEST
-    if not marker.is_file():
-        return None
-    iteration = int(marker.read_text().strip())
-    return iteration if (Path(ckpt_root) / tag_of(iteration)).is_dir() else None
+    try:
+        iteration = int(marker.read_text().strip())
+    except (OSError, ValueError):
+        iteration = None
+    if iteration is not None and (Path(ckpt_root) / tag_of(iteration)).is_dir():
+        return iteration
+    found = iterations(ckpt_root)
+    return found[0] if found else None
 
 
 def _rng_state() -> dict:
