@@ -83,6 +83,7 @@ def main() -> int:
                     os.fsync(fd)
                     os.close(fd)
             times["ds_save"].append(time.perf_counter() - t)
+            shutil.rmtree(root / "kit", ignore_errors=True)  # both write into a fresh folder
             t = time.perf_counter()
             ck.save(engine, root / "kit", 1, {"iteration": 1, "consumed_samples": 1})
             times["kit_save"].append(time.perf_counter() - t)
@@ -106,12 +107,11 @@ def main() -> int:
     ):
         ratio = best[f"ds_{what}"] / best[f"kit_{what}"]
         verdict = "MET" if ratio >= goal else "MISSED"
+        print(f"train | checkpoint {what} with CRC-32 per file | {ratio:.2f}x | goal >= {goal}x | {verdict}")
+        bare = f", {best['ds_bare']:.2f} s without the fsync" if what == "save" else ""
         print(
-            f"train | checkpoint {what}, verified (SHA-256 + fsync) | {ratio:.2f}x | goal >= {goal}x | {verdict}"
-        )
-        print(
-            f"    kit {best[f'kit_{what}']:.2f} s vs DeepSpeed {best[f'ds_{what}']:.2f} s for {size / 2**20:.0f} MiB "
-            f"(best of {args.repeats}; {os.cpu_count()} CPUs)"
+            f"    kit {best[f'kit_{what}']:.2f} s vs DeepSpeed {best[f'ds_{what}']:.2f} s{bare}, "
+            f"{size / 2**20:.0f} MiB (best of {args.repeats}; {os.cpu_count()} CPUs)"
         )
         print(f"    baseline: {base_code}")
     return 0

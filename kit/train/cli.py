@@ -86,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
         # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
         return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(result.status, 3)
     if args.what == "launch":
+        from kit.partial import sigterm_as_interrupt
         from kit.train.launch import launch
 
-        res = launch(
-            cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
-        )
+        # SIGTERM to this launcher is passed on like Ctrl-C: the job (its own session) checkpoints and stops
+        with sigterm_as_interrupt():
+            res = launch(
+                cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
+            )
         if res.status == "preempted":  # torchrun turns the ranks' EXIT_PREEMPTED into 1
             from kit.errors import EXIT_PREEMPTED
 
