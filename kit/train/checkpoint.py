@@ -114,8 +114,8 @@ def save(engine, ckpt_root: Path, iteration: int, trainer_state: dict) -> Path:
     return final
 
 
-def _hash_file(path: Path, fsync: bool = False) -> dict:
-    """{"bytes", "crc32"} of a file read in 4 MiB blocks (optionally fsynced through the same descriptor).
+def _hash_file(path: Path) -> dict:
+    """{"bytes", "crc32"} of a file read in 4 MiB blocks.
 
     CRC-32 (zlib), not SHA-256: it catches accidental damage (every burst of up to 32 bits, a flipped bit, a cut) as
     a zip member's CRC would, and runs about 5x faster here (2.1 vs 0.4 GB/s), which matters for checkpoints of
@@ -128,8 +128,6 @@ def _hash_file(path: Path, fsync: bool = False) -> dict:
         for block in iter(lambda: fh.read(1 << 22), b""):
             crc = zlib.crc32(block, crc)
             size += len(block)
-        if fsync:
-            os.fsync(fh.fileno())
     return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
@@ -147,17 +145,33 @@ def _files(folder: Path) -> list:
 def seal(folder: Path) -> dict:
     """Hash and fsync every file of a written checkpoint folder: {"files": {relative name: {"bytes", "crc32"}}}.
 
-    The files are read back once, from the page cache they were just written to; fsync goes through the same
-    descriptor. (Hashing inside DeepSpeed's writer would save that read but means replacing its checkpoint engine.)
+    The files are read back once, from the page cache they were just written to, while their fsyncs (disk writes)
+    run beside the hashing (CPU) in threads (zlib and fsync release the GIL). Hashing through torch.save instead
+    was measured no faster here: writing 384 MB through a CRC-computing file object took as long as writing it and
+    reading it back (and would mean replacing DeepSpeed's checkpoint engine).
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     folder = Path(folder)
-    sums = {}
-    for rel in _files(folder):
-        sums[rel] = _hash_file(folder / rel, fsync=True)
-        for sub in Path(rel).parents:
-            if str(sub) != ".":
-                _fsync_dir(folder / sub)
+    names = _files(folder)
+    subdirs = {folder / sub for rel in names for sub in Path(rel).parents if str(sub) != "."}
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 1)) as pool:
+        syncs = [pool.submit(_fsync_file, folder / rel) for rel in names]
+        hashes = [pool.submit(_hash_file, folder / rel) for rel in names]
+        sums = {rel: h.result() for rel, h in zip(names, hashes)}
+        for done in syncs:
+            done.result()  # an fsync error (EIO, ENOSPC on NFS) fails the save
+    for sub in sorted(subdirs):
+        _fsync_dir(sub)
     return {"files": sums}
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def verify(folder: Path) -> Optional[str]:
@@ -181,9 +195,13 @@ def verify(folder: Path) -> Optional[str]:
         size = path.stat().st_size
         if size != want["bytes"]:
             return f"{path} has {size} bytes, {want['bytes']} were written (truncated or replaced)"
-    for rel, want in sorted(expected.items()):
-        got = _hash_file(folder / rel)
-        if got["crc32"] != want.get("crc32"):
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(expected)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
+        got = list(pool.map(lambda rel: _hash_file(folder / rel), names))
+    for rel, sums in zip(names, got):
+        if sums["crc32"] != expected[rel].get("crc32"):
             return f"{folder / rel} does not match its CRC-32 in {CHECKSUMS} (damaged)"
     return None
 
