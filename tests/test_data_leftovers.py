@@ -27,6 +27,8 @@ def test_leftovers_of_killed_runs_are_reported_and_removed_with_clean_partial(tm
     (hf_left / "data-00000-of-00001.arrow").write_bytes(b"\0" * 2**20)
     bin_left = out / "tiny_text_document.bin.partial-4242"  # the Megatron writer's temporary file
     bin_left.write_bytes(b"\0" * 2**19)
+    other = out / ".other_hf.partial-0123456789ab"  # another dataset's run, perhaps writing right now
+    other.mkdir()
     cfg = DataConfig(kind="pretrain", name="tiny", out_dir=str(out), max_length=32, max_records=5)
 
     res = prepare(cfg, progress=False)
@@ -35,9 +37,10 @@ def test_leftovers_of_killed_runs_are_reported_and_removed_with_clean_partial(tm
     assert str(hf_left) in line and str(bin_left) in line and "--clean-partial" in line
     assert hf_left.exists() and bin_left.exists()  # reported, not removed
 
-    assert main(["data", "pretrain", "--out-dir", str(out), "--name", "tiny2", "--max-length", "32",
-                 "--max-records", "5", "--clean-partial"]) == 0  # fmt: skip
+    assert main(["data", "pretrain", "--out-dir", str(out), "--name", "tiny", "--max-length", "32",
+                 "--max-records", "5", "--clean-partial", "--overwrite"]) == 0  # fmt: skip
     assert not hf_left.exists() and not bin_left.exists()
+    assert other.is_dir()  # not this name's: never reported or removed here
 
 
 def test_a_plot_that_cannot_be_written_leaves_no_complete_output(tmp_path, monkeypatch, capsys):

@@ -283,7 +283,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True, plot:
     out.mkdir(parents=True, exist_ok=True)
 
     report = PrepReport(cfg.kind, cfg.max_length)
-    report.warnings.extend(_leftovers(out, cfg.clean_partial))
+    report.warnings.extend(_leftovers(out, name, cfg.clean_partial))
     if cfg.kind == "sft" and cfg.template != "tokenizer":
         missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
         if missing:
@@ -350,13 +350,15 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True, plot:
     return result
 
 
-def _leftovers(out: Path, clean: bool) -> List[str]:
-    """Lines about what killed runs left in the output folder (removed when `clean`)."""
-    from kit.partial import describe, handle_partials
+def _leftovers(out: Path, name: str, clean: bool) -> List[str]:
+    """Lines about what killed runs of `name` left in the output folder (removed when `clean`). Only this name's:
+    the folder is shared by every dataset of the kind, and another name's run may be writing there right now."""
+    from kit.partial import describe, find_partials, remove_partials
 
-    found = handle_partials(out, clean=clean)
-    lines = [f"removed leftover partial output {p}" for p in found["removed"]]
-    line = describe(found)
+    found = [x for x in find_partials(out) if os.path.basename(x["path"]).lstrip(".").startswith(f"{name}_")]
+    report = {"found": found, "removed": remove_partials(found) if clean else []}
+    lines = [f"removed leftover partial output {p}" for p in report["removed"]]
+    line = describe(report)
     return lines + ([line] if line else [])
 
 
