@@ -197,12 +197,9 @@ def _git_commit() -> Optional[str]:
         return None
 
 
-def write_manifest(
-    folder: PathLike, kind: str, fields: Dict[str, Any], inputs: Iterable[Consumed] = ()
-) -> Manifest:
-    """Write `folder/kit_manifest.json` atomically (call it last, inside the stage's temporary folder)."""
+def render_manifest(kind: str, fields: Dict[str, Any], inputs: Iterable[Consumed] = ()) -> str:
+    """The text of a manifest (what write_manifest writes): lets a stage know its SHA-256 before writing it."""
     from kit import __version__
-    from kit.atomic import atomic_write_text
     from kit.configs import to_jsonable
 
     if kind not in KINDS:
@@ -218,8 +215,24 @@ def write_manifest(
         "inputs": [to_jsonable(c.__dict__) for c in inputs],
         "fields": to_jsonable(fields),
     }
+    return json.dumps(record, indent=2, ensure_ascii=False, sort_keys=False) + "\n"
+
+
+def write_manifest(
+    folder: PathLike,
+    kind: str,
+    fields: Dict[str, Any],
+    inputs: Iterable[Consumed] = (),
+    text: Optional[str] = None,
+) -> Manifest:
+    """Write `folder/kit_manifest.json` atomically (call it last, inside the stage's temporary folder); `text`: what
+    render_manifest() made for it earlier."""
+    from kit.atomic import atomic_write_text
+    from kit.errors import writing
+
     path = Path(folder) / MANIFEST_NAME
-    atomic_write_text(path, json.dumps(record, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
+    with writing(path):
+        atomic_write_text(path, render_manifest(kind, fields, inputs) if text is None else text)
     return read_manifest(folder, expect=kind)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,27 @@ def run_notebook(tmp_path):
         return out, summary
 
     return run
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB filesystem (tmpfs): config files and logs fit, a checkpoint or a model does not. Skipped with
+    the reason where mounting is not allowed; `remount_ro()` on the path's `.read_only` makes it read-only."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a real full disk) needs root")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not allowed here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def remount_read_only(mnt: Path) -> None:
+    """Make a small_disk read-only (root ignores file permissions; a read-only mount it cannot)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)

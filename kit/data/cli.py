@@ -99,9 +99,12 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     ws = None if cfg.out_dir else get_workspace(args.workspace, model=args.model)
-    # expected failures are KitErrors (and OSErrors such as a full disk): `kit.__main__` prints them as one line
-    result = prepare(cfg, ws)
-    result.plot_lengths()
+    from kit.partial import sigterm_as_interrupt
+
+    # expected failures are KitErrors (and OSErrors such as a full disk): `kit.__main__` prints them as one line;
+    # SIGTERM removes the temporary outputs like Ctrl-C; the plot is written before the manifest
+    with sigterm_as_interrupt():
+        result = prepare(cfg, ws, plot=True)
     print(json.dumps(result.summary(), indent=2, ensure_ascii=False))
     for w in result.report.warnings:
         print(f"warning: {w}", file=sys.stderr)  # stdout stays one JSON document

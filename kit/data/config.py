@@ -81,6 +81,9 @@ class DataConfig:
     """Hold out every k-th usable record, in input order, until heldout_records are held out."""
     overwrite: bool = False
     """Replace existing outputs of the same name."""
+    clean_partial: bool = False
+    """Delete leftovers of killed runs (.NAME_hf.partial-*, NAME.bin.partial-PID) in the output folder (else only
+    reported)."""
 
     @property
     def output_name(self) -> str:

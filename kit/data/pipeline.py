@@ -32,7 +32,7 @@ from kit.data.prepared import (
 )
 from kit.data.readers import DataInputError, TextBlock, iter_records
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
-from kit.errors import InputError, MissingInputError
+from kit.errors import InputError, MissingInputError, writing
 from kit.locks import hold
 from kit.manifest import (
     MANIFEST_NAME,
@@ -78,8 +78,11 @@ class PrepResult:
         return dict(self.prepared.manifest.fields)
 
     def plot_lengths(self) -> Path:
-        """Plot the length histogram and save it as `<name>_hf/lengths.png`; return the path."""
-        self.histogram_png = plot_lengths(self.report, self.hf_dir / "lengths.png")
+        """The length histogram `<name>_hf/lengths.png` (made by prepare(plot=True), else plotted now); its path."""
+        if self.histogram_png is None or not Path(self.histogram_png).is_file():
+            png = self.hf_dir / "lengths.png"
+            with writing(png):
+                self.histogram_png = plot_lengths(self.report, png)
         return self.histogram_png
 
     def summary(self) -> dict:
@@ -285,18 +288,20 @@ def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
     )
 
 
-def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
-    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, and its `prepared-data`
-    manifest written last), the held-out split `<name>_heldout_hf` if asked for, and the Megatron files."""
+def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True, plot: bool = False) -> PrepResult:
+    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, with `plot` the length
+    histogram lengths.png, and its `prepared-data` manifest written last), the held-out split `<name>_heldout_hf` if
+    asked for, and the Megatron files. Leftovers of killed runs in the output folder are reported in the report's
+    warnings (removed with cfg.clean_partial)."""
     cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
     check(cfg, "DataConfig")
     out = Path(os.path.abspath(output_dir(cfg, workspace)))
     # one writer per name, from before any work to the last rename (kit/locks.py)
     with hold(out / f"{cfg.output_name}_hf", "prepared data"):
-        return _prepare(cfg, out, progress)
+        return _prepare(cfg, out, progress, plot)
 
 
-def _prepare(cfg: DataConfig, out: Path, progress: bool) -> PrepResult:
+def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResult:
     """prepare() with the output's lock held."""
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
@@ -312,6 +317,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> PrepResult:
     out.mkdir(parents=True, exist_ok=True)
 
     report = PrepReport(cfg.kind, cfg.max_length)
+    report.warnings.extend(_leftovers(out, name, cfg.clean_partial))
     if cfg.kind == "sft" and cfg.template != "tokenizer":
         missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
         if missing:
@@ -345,9 +351,9 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> PrepResult:
             shutil.rmtree(held_dir)
 
     try:
-        with atomic_dir(
-            hf_dir, overwrite=cfg.overwrite, what="prepared data", before_rename=companions
-        ) as tmp:
+        # a write error without a file name (a full disk inside a library's writer) names the output folder
+        unit = atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data", before_rename=companions)
+        with writing(hf_dir), unit as tmp:
             if cfg.megatron:
                 dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
@@ -371,13 +377,31 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool) -> PrepResult:
             sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
+            if plot:  # before the manifest: a plot that cannot be written fails the run, never follows a complete one
+                with writing(hf_dir / "lengths.png"):
+                    plot_lengths(report, tmp / "lengths.png")
             write_manifest(tmp, PREPARED_DATA, fields)  # last: a folder with a manifest is complete
     except BaseException:
         for w in writers:
             w.abort()
         raise
     prepared = PreparedData(read_manifest(hf_dir, expect=PREPARED_DATA))
-    return PrepResult(prepared, report, config=cfg)
+    result = PrepResult(prepared, report, config=cfg)
+    if plot:
+        result.histogram_png = hf_dir / "lengths.png"
+    return result
+
+
+def _leftovers(out: Path, name: str, clean: bool) -> List[str]:
+    """Lines about what killed runs of `name` left in the output folder (removed when `clean`). Only this name's:
+    the folder is shared by every dataset of the kind, and another name's run may be writing there right now."""
+    from kit.partial import describe, find_partials, remove_partials
+
+    found = [x for x in find_partials(out) if os.path.basename(x["path"]).lstrip(".").startswith(f"{name}_")]
+    report = {"found": found, "removed": remove_partials(found) if clean else []}
+    lines = [f"removed leftover partial output {p}" for p in report["removed"]]
+    line = describe(report)
+    return lines + ([line] if line else [])
 
 
 def _heldout_fields(

@@ -179,7 +179,10 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
         "seconds": {},  # wall time of each part per model (not a benchmark: shows where the time went)
     }
     heldout = _heldout_rows(inputs, cfg.heldout_rows) if "heldout" in parts else None
-    with atomic_dir(folder, overwrite=cfg.overwrite, what="evaluation folder") as tmp:
+    from kit.errors import writing
+
+    # a failed write that names no file (a library's writer on a full disk) names the evaluation folder
+    with writing(folder), atomic_dir(folder, overwrite=cfg.overwrite, what="evaluation folder") as tmp:
         for label, path in models:
             print(f"{label}: {path}")
             model, tok = _load(path, info, cfg.adapt, notes)

@@ -227,10 +227,16 @@ class Trainer:
         self.writer = MetricsWriter(
             cfg.log_dir(), self.out.name, cfg.train_iters, enabled=self.rank == 0, echo=self.echo
         )
+        if self.rank == 0:
+            self._leftovers()
         self.start_iter = 0
+        self.saved_iteration: Optional[int] = None  # the checkpoint this run saved or resumed last
         if resume:
-            state = checkpoint.load(self.engine, self.ckpt_root)
-            self.start_iter = int(state["iteration"])
+            notes: list = []
+            state = checkpoint.load(self.engine, self.ckpt_root, notes=notes)
+            for note in notes:
+                self.writer.text(note)
+            self.start_iter = self.saved_iteration = int(state["iteration"])
             self.writer.text(
                 f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
                 f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})"
@@ -242,6 +248,19 @@ class Trainer:
             f"MBS={cfg.mbs} GBS={cfg.gbs} DP={cfg.dp} grad accum={cfg.grad_accum} SEQ_LEN={self.seq_len} "
             f"ZeRO={cfg.zero_stage} samples={len(self.ds)} adapt={bool(self.adapt_report)}"
         )
+
+    def _leftovers(self) -> None:
+        """Report (CLEAN_PARTIAL: remove) what killed runs left: checkpoints and exports that never finished."""
+        from kit.partial import describe, handle_partials
+
+        clean = self.requested.clean_partial
+        for folder in (self.ckpt_root, self.out):
+            report = handle_partials(folder, clean=clean)
+            for path in report["removed"]:
+                self.writer.text(f"removed leftover partial output {path}")
+            line = describe(report)
+            if line:
+                self.writer.text(f"warning: {line}")
 
     # ---- signals --------------------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
@@ -381,6 +400,7 @@ class Trainer:
 
     def _save(self, iteration: int, why: str) -> Path:
         path = checkpoint.save(self.engine, self.ckpt_root, iteration, self._state(iteration))
+        self.saved_iteration = iteration
         self.writer.text(f"saved checkpoint {path} at iteration {iteration} ({why})")
         return path
 
@@ -439,8 +459,9 @@ class Trainer:
                         iteration, f"stop requested ({self._stop_reason or 'another rank'})"
                     )
                     message = (
-                        f"stopped at iteration {iteration} on request; resume with RUN_TYPE=retrain "
-                        f"RESUME_FROM={self.out.name}."
+                        f"stopped at iteration {iteration} on request ({self._stop_reason or 'another rank'}); "
+                        f"checkpointed to {last_ckpt}; resume with RUN_TYPE=retrain "
+                        f"RESUME_FROM={self.out.name} (--run-type retrain --resume-from {self.out.name})."
                     )
                     self.writer.text(message)
                     break
@@ -461,7 +482,7 @@ class Trainer:
             message=message,
         )
         if status == "completed":
-            if checkpoint.latest_iteration(self.ckpt_root) != iteration:
+            if self.saved_iteration != iteration:
                 result.checkpoint = self._save(iteration, "end of training")
             else:
                 result.checkpoint = self.ckpt_root / checkpoint.tag_of(iteration)
