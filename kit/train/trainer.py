@@ -70,7 +70,8 @@ class TrainResult:
         }
 
 
-# what a resumed run may change: where it runs, how long, how often it saves and logs, and the rendezvous
+# what a resumed run may change: where it runs, how long, how often it saves and logs, the rendezvous, and whether
+# leftovers of killed runs are removed
 RESUME_MAY_CHANGE = frozenset(
     {
         "run_type",
@@ -83,6 +84,7 @@ RESUME_MAY_CHANGE = frozenset(
         "model_name",
         "master_addr",
         "master_port",
+        "clean_partial",
         "node_rank",
         "overwrite",
     }
