@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars would only add noise to the timings
 
 import kit.envs as envs  # noqa: E402
-from kit.envs.prefix import walk_tree  # noqa: E402
+from kit.envs.prefix import scan_tree, tree_totals  # noqa: E402
 
 FULL = "torch,transformers,deepspeed,pandas"
 QUICK = "transformers,deepspeed,pandas"
@@ -158,7 +158,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-envs-", dir=args.dir or _scratch_root()))
     try:
         prefix = build_env(scratch, packages)
-        files, size = walk_tree(prefix)
+        files, size = tree_totals(scan_tree(prefix))
         print(
             f"env: {files} files, {size / 2**30:.2f} GiB ({', '.join(packages)}) in {scratch.parent}; "
             f"{os.cpu_count()} cores; "

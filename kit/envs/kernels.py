@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 
 from kit.atomic import atomic_dir
 from kit.cann import find_set_env_scripts  # noqa: F401  (re-exported by kit.envs)
-from kit.envs.folders import get_layout
+from kit.envs.config import get_layout
 from kit.envs.prefix import EnvError, check_name, kind_of
 
 # kernel.json is a plain file on shared storage, so only CANN's own variables go into it (an allowlist): what
@@ -213,7 +213,7 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
 
     Idempotent: a kernelspec already installed with the same content is left alone ('unchanged').
     """
-    from kit.envs.condarc import register_envs_dir
+    from kit.envs.conda import register_envs_dir
 
     layout = get_layout(envs_root)
     report = {"installed": [], "unchanged": [], "skipped": {}, "envs_dirs_added": [], "condarc": None}

@@ -14,12 +14,13 @@ from typing import Optional, Sequence, Union
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, format_of, suffix_format
-from kit.envs.conda_cli import conda_clone, conda_envs
+from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
+from kit.envs.conda import conda_clone, conda_envs
+from kit.envs.config import get_layout
 from kit.envs.extraction import extract
-from kit.envs.folders import get_layout
 from kit.envs.prefix import (
     DEFAULT_IMPORTS,
+    EnvArchiveError,
     EnvError,
     EnvInfo,
     check_name,
@@ -32,7 +33,6 @@ from kit.envs.prefix import (
     space_checker,
     tree_totals,
     verify,
-    walk_tree,
 )
 from kit.partial import handle_partials
 
@@ -199,7 +199,7 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return {"files_after": walk_tree(dest)[0]}
+    return {"files_after": tree_totals(scan_tree(dest))[0]}
 
 
 def pack(
@@ -243,8 +243,8 @@ def pack(
     if editable and not ignore_editable and src.kind == "venv":
         raise EnvError(_EDITABLE.format(src.prefix, ", ".join(editable)))
     partial = handle_partials(output.parent, clean_partial)
-    entries = scan_tree(src.prefix) if src.kind == "venv" else None
-    n_files, size = tree_totals(entries) if entries is not None else walk_tree(src.prefix)
+    entries = scan_tree(src.prefix)
+    n_files, size = tree_totals(entries)
     check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     start = time.perf_counter()

@@ -12,10 +12,10 @@ from typing import IO, Optional, Union
 
 from kit.atomic import atomic_dir
 from kit.envs.archive import archive_writer
-from kit.envs.errors import EnvArchiveError
-from kit.envs.folders import get_layout
+from kit.envs.config import get_layout
 from kit.envs.prefix import (
     SCAN_LIMIT,
+    EnvArchiveError,
     EnvError,
     holds_prefix,
     inside,
@@ -106,7 +106,7 @@ def pack_tree(
         )
     head = dict(manifest, prefix=prefix)
     with archive_writer(raw, fmt, level, threads, head, scan=prefix.encode()) as writer:
-        # progress: a tick per file or link, what walk_tree() counts
+        # progress: a tick per file or link, what tree_totals() counts
         writer.add_entries(entries, skip=abs_links, progress=progress)
         writer.finish({"abs_links": abs_links})
     files = sum(1 for m in writer.members if m[1] == "f")
@@ -166,7 +166,7 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
             f"exist here: virtualenvs are tied to the Python they were made with (same image, same path). "
             f"Unpack it on a machine with that Python, or recreate it with kit.envs.create_venv."
         )
-    changed = rewrite_prefix_files(target, files, old, target)
+    changed = rewrite_prefix_files(target, files, old, target)[0]
     for dest, link in links:
         os.symlink(dest, link)
     return {"rewritten": changed, "links": len(links)}
