@@ -20,7 +20,6 @@ import os
 import stat
 import struct
 import tarfile
-import threading
 import zlib
 from typing import IO, Iterator, Optional
 
@@ -139,47 +138,21 @@ class _Plain:
 
 
 class EarlyWriteback:
-    """File wrapper that has the kernel write the archive to disk while packing goes on (fdatasync on a helper
-    thread every 32 MiB), so the fsync before the final rename (kit/atomic.py) has only the last piece to write."""
+    """File wrapper that has the kernel start writing the archive to disk every 32 MiB while packing goes on
+    (posix_fadvise DONTNEED starts writeback without waiting for it), so the fsync before the final rename
+    (kit/atomic.py) has only the last piece to write."""
 
     def __init__(self, fh, step: int = 32 << 20):
-        self._fh, self._step, self._since = fh, step, 0
-        self.fileno, self.flush, self.tell = fh.fileno, fh.flush, fh.tell
-        self._wake, self._done, self._error = threading.Event(), False, None
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kit-writeback")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done:
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-            try:
-                os.fdatasync(self._fh.fileno())
-            except OSError as exc:  # reported by close(); the final fsync would meet the same error
-                self._error = exc
-                return
+        self._fh, self._step, self._since, self.flush = fh, step, 0, fh.flush
 
     def write(self, data) -> int:
         n = self._fh.write(data)
-        self._since += len(data)
-        if self._since >= self._step:
+        self._since += n
+        if self._since >= self._step and hasattr(os, "posix_fadvise"):
             self._since = 0
             self._fh.flush()
-            self._wake.set()
+            os.posix_fadvise(self._fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         return n
-
-    def close(self) -> None:
-        self._done = True
-        self._wake.set()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # name, mode, uid, gid, size, mtime, checksum, type, link, magic+version, uname, gname, devmajor, devminor, prefix

@@ -25,33 +25,14 @@ def default_envs_root(workspace_root: Optional[Union[str, Path]] = None) -> Path
     return Path(workspace_root) / "envs" if workspace_root else repo_root() / "runs" / "envs"
 
 
-@dataclass(frozen=True)
 class EnvsLayout:
-    """Folders under one persistent envs root (the manual's /home/ma-user/work/envs/user_conda/<name>)."""
+    """Folders under one persistent envs root (the manual's /home/ma-user/work/envs/user_conda/<name>): conda envs,
+    virtualenvs, archives, kernelspecs (kept here, installed where Jupyter looks by restore()) and the state
+    restore() re-applies (envs_dirs registrations, JSON)."""
 
-    root: Path
-
-    @property
-    def conda(self) -> Path:
-        return self.root / "user_conda"
-
-    @property
-    def venvs(self) -> Path:
-        return self.root / "venvs"
-
-    @property
-    def packs(self) -> Path:
-        return self.root / "packs"
-
-    @property
-    def kernels(self) -> Path:
-        """Kernelspecs kept here survive restarts; restore() installs them where Jupyter looks."""
-        return self.root / "kernels"
-
-    @property
-    def state(self) -> Path:
-        """What restore() re-applies: envs_dirs registrations (JSON)."""
-        return self.root / "kit-envs.json"
+    def __init__(self, root: Path):
+        self.root, self.conda, self.venvs = root, root / "user_conda", root / "venvs"
+        self.packs, self.kernels, self.state = root / "packs", root / "kernels", root / "kit-envs.json"
 
     def folder_for(self, kind: str) -> Path:
         return self.conda if kind == "conda" else self.venvs

@@ -250,9 +250,9 @@ def pack(
     start = time.perf_counter()
     with (
         atomic_file(output, "wb", overwrite=overwrite) as final,
-        EarlyWriteback(final) as fh,
         _bar(n_files, f"pack {fmt}") as bar,
     ):
+        fh = EarlyWriteback(final)
         if src.kind == "conda":
             counts = conda_backend.pack_conda(
                 src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar

@@ -53,27 +53,14 @@ class EnvStageResult:
 
 
 def steps_table(cloned: dict, packed: dict, unpacked: dict) -> list[dict]:
-    """One row per step (clone, pack, unpack) with its size in MiB and seconds."""
-    mib = 1 / 2**20
+    """One row per step (clone, pack, unpack) with its size in MiB (env, archive, extracted) and seconds."""
+    steps = [
+        (f"clone ({cloned['method']})", cloned["bytes"], cloned["target"], cloned),
+        (f"pack ({packed['format']})", packed["archive_bytes"], packed["archive"], packed),
+        ("unpack", unpacked.get("bytes", 0), unpacked["target"], unpacked),
+    ]
     return [
-        {
-            "step": f"clone ({cloned['method']})",
-            "MiB": round(cloned["bytes"] * mib, 3),
-            "seconds": cloned["seconds"],
-            "where": cloned["target"],
-        },
-        {
-            "step": f"pack ({packed['format']})",
-            "MiB": round(packed["archive_bytes"] * mib, 3),
-            "seconds": packed["seconds"],
-            "where": packed["archive"],
-        },
-        {
-            "step": "unpack",
-            "MiB": round(unpacked.get("bytes", 0) * mib, 3),
-            "seconds": unpacked["seconds"],
-            "where": unpacked["target"],
-        },
+        {"step": s, "MiB": round(n / 2**20, 3), "seconds": r["seconds"], "where": w} for s, n, w, r in steps
     ]
 
 
