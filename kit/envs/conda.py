@@ -41,16 +41,37 @@ def _load(prefix: str, ignore_editable: bool):
         raise EnvError(f"conda-pack cannot read the env {prefix!r}: {text}") from exc
 
 
-def _set_total(bar, total: int) -> None:
-    """The bar counts conda-pack's records (files, links, conda-meta), not what a walk of the folder sees."""
-    if bar is not None:
-        bar.total = total
-        bar.refresh()
-
-
 def _mtime(prefix: str) -> Optional[float]:
     history = Path(prefix, "conda-meta", "history")
     return history.lstat().st_mtime if history.exists() else None
+
+
+def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):
+    """conda-pack's Packer (its internal writer class, conda-pack 0.8-0.9) over the env's files into `archive`,
+    which provides add(source, target) and add_bytes(source, data, target); the bar counts conda-pack's records
+    (files, links, conda-meta), not what a walk of the folder sees. Returns (files, packer)."""
+    from conda_pack.core import Packer
+
+    env = _load(prefix, ignore_editable)
+    if bar is not None:
+        bar.total = len(env.files)
+        bar.refresh()
+    packer = Packer(prefix, archive, dest_prefix=dest_prefix)
+    for f in env.files:
+        try:
+            packer.add(f)
+        except ValueError as exc:
+            if "padding" not in str(exc):
+                raise
+            raise EnvError(
+                f"{f.target} is a binary file whose build-time prefix ({len(f.prefix_placeholder or '')} "
+                f"characters) is shorter than the target path {dest_prefix} ({len(str(dest_prefix))}); "
+                f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
+            ) from exc
+        if bar is not None:
+            bar.update(1)
+    packer.finish()
+    return len(env.files), packer
 
 
 class _KitTarArchive:
@@ -77,29 +98,15 @@ def pack_conda(
     manifest: Optional[dict] = None,
     bar=None,
 ) -> dict:
-    """Pack a conda env with conda-pack's file list and prefix records, into our compressor.
-
-    The archive holds what `conda pack` writes (bin/conda-unpack, activate scripts) between the kit manifest
-    (first) and the member list (last); our compressor gives tar.zst a level and threads, which conda-pack's
-    own tar.zst ignores.
-    """
-    # conda-pack's Packer is its internal writer class (conda-pack 0.8-0.9); it calls archive.add(source,
-    # target) and archive.add_bytes(source, data, target), which _KitTarArchive provides.
-    from conda_pack.core import Packer
-
+    """Pack a conda env with conda-pack's file list and prefix records, into our compressor: what `conda pack`
+    writes (bin/conda-unpack, activate scripts) between the kit manifest (first) and the member list (last); our
+    compressor gives tar.zst a level and threads, which conda-pack's own tar.zst ignores."""
     prefix = os.path.abspath(prefix)
-    env = _load(prefix, ignore_editable)
-    _set_total(bar, len(env.files))
     head = dict(manifest or {}, kind="conda", prefix=prefix)
     with archive_writer(raw, fmt, level, threads, head, mtime=_mtime(prefix)) as writer:
-        packer = Packer(prefix, _KitTarArchive(writer))
-        for f in env.files:
-            packer.add(f)
-            if bar is not None:
-                bar.update(1)
-        packer.finish()
+        files, packer = _run_packer(prefix, _KitTarArchive(writer), ignore_editable, bar)
         writer.finish({})
-    return {"files": len(env.files), "prefix_records": len(packer.prefixes)}
+    return {"files": files, "prefix_records": len(packer.prefixes)}
 
 
 class _CopyArchive:
@@ -108,12 +115,6 @@ class _CopyArchive:
 
     def __init__(self, output: str):
         self.output = output
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
     def _dest(self, target: str) -> str:
         dest = os.path.normpath(os.path.join(self.output, target))
@@ -142,28 +143,10 @@ def clone_conda(
     bar=None,
 ) -> dict:
     """Copy a conda env into `tmp_dir` with every prefix already rewritten to `final_prefix` (no conda-unpack)."""
-    from conda_pack.core import Packer
-
-    source = os.path.abspath(source)
-    env = _load(source, ignore_editable)
-    _set_total(bar, len(env.files))
-    with _CopyArchive(str(tmp_dir)) as arc:
-        packer = Packer(source, arc, dest_prefix=str(final_prefix))
-        for f in env.files:
-            try:
-                packer.add(f)
-            except ValueError as exc:
-                if "padding" not in str(exc):
-                    raise
-                raise EnvError(
-                    f"{f.target} is a binary file whose build-time prefix ({len(f.prefix_placeholder or '')} "
-                    f"characters) is shorter than the target path {final_prefix} ({len(str(final_prefix))}); "
-                    f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
-                ) from exc
-            if bar is not None:
-                bar.update(1)
-        packer.finish()
-    return {"files": len(env.files)}
+    archive = _CopyArchive(str(tmp_dir))
+    return {
+        "files": _run_packer(os.path.abspath(source), archive, ignore_editable, bar, str(final_prefix))[0]
+    }
 
 
 def finish_unpack(target: os.PathLike | str) -> dict:

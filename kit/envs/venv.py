@@ -14,10 +14,8 @@ from kit.atomic import atomic_dir
 from kit.envs.archive import archive_writer
 from kit.envs.config import get_layout
 from kit.envs.prefix import (
-    SCAN_LIMIT,
     EnvArchiveError,
     EnvError,
-    holds_prefix,
     inside,
     kind_of,
     rewrite_prefix_files,
@@ -67,11 +65,7 @@ def _outside_link_ok(rel: str, dest: str) -> bool:
     """Absolute links that leave the env are allowed only where a virtualenv has them: bin/python* pointing at
     the base interpreter (a file named python*)."""
     folder, _, name = rel.rpartition("/")
-    return (
-        folder == "bin"
-        and bool(_INTERPRETER.match(name))
-        and bool(_INTERPRETER.match(os.path.basename(dest)))
-    )
+    return folder == "bin" and all(_INTERPRETER.match(n) for n in (name, os.path.basename(dest)))
 
 
 def pack_tree(
@@ -172,17 +166,6 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     return {"rewritten": changed, "links": len(links)}
 
 
-def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
-    """Relative paths of the text files under `root` that contain `needle`."""
-    return [
-        rel
-        for rel, path, st in scan_tree(root)
-        if stat.S_ISREG(st.st_mode)
-        and 0 < st.st_size <= SCAN_LIMIT
-        and holds_prefix(path, st.st_size, needle.encode())
-    ]
-
-
 def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
     """A small virtualenv to practise on (<envs_root>/venvs/demo-source), on top of this python's packages;
     made once, reused after."""
@@ -191,6 +174,7 @@ def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
         with atomic_dir(folder, overwrite=True, what="demo env") as tmp:
             os.rmdir(tmp)
             create_venv(tmp)
-            # venv wrote the temporary path into its scripts; they must name the final one
-            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(folder))
+            # venv wrote the temporary path into its scripts (it makes no binaries); they must name the final one
+            files = [rel for rel, _path, st in scan_tree(tmp) if stat.S_ISREG(st.st_mode)]
+            rewrite_prefix_files(tmp, files, str(tmp), str(folder))
     return folder
