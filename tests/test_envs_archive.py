@@ -464,6 +464,33 @@ def test_member_headers_are_the_ones_tarfile_writes():
         assert tar_header(name, kind, *numbers, link) == want, (name, link, kind, numbers)
 
 
+@pytest.mark.parametrize("change", ["shrunk", "grown", "removed"])
+def test_a_file_that_changed_since_the_scan_stops_the_pack(tmp_path, change):
+    """Read whole (small) or in pieces into the compressor (big): a file whose size is not the scan's is named."""
+    from kit.envs.archive import SMALL, archive_writer
+    from kit.envs.prefix import scan_tree
+
+    root = tmp_path / "tree"
+    root.mkdir()
+    for name, size in (("small.py", 100), ("big.bin", SMALL + 100)):
+        (root / name).write_bytes(b"a" * size)
+    for name, size in (("small.py", 100), ("big.bin", SMALL + 100)):
+        entries = scan_tree(root)
+        victim = root / name
+        if change == "removed":
+            victim.unlink()
+        else:
+            victim.write_bytes(b"a" * (size // 2 if change == "shrunk" else size + 4))
+        now = {"shrunk": f"{size // 2} now", "grown": f"{size + 4} now", "removed": "gone now"}[change]
+        with open(tmp_path / "t.tar", "wb") as fh, pytest.raises(envs.EnvError) as err:
+            with archive_writer(fh, "tar", 3, 1, {"kind": "test"}) as writer:
+                writer.add_entries(entries)
+        assert f"{victim} changed while it was packed ({size} bytes when the env was scanned, {now})" in str(
+            err.value
+        )
+        victim.write_bytes(b"a" * size)
+
+
 def test_a_full_disk_while_unpacking_is_one_clear_error_and_no_env(small_env, tmp_path, monkeypatch):
     """GNU tar writes the files (here a stand-in that fails as tar does on a full disk): one line, no env left."""
     from kit.errors import user_message

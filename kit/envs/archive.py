@@ -23,7 +23,7 @@ import tarfile
 import zlib
 from typing import IO, Iterator, Optional
 
-from kit.envs.prefix import EnvArchiveError, EnvError, changed_error, open_source, read_whole, scan_prefix
+from kit.envs.prefix import EnvArchiveError, EnvError, read_scanned, read_whole, scan_prefix
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 MANIFEST = ".kit-env.json"
@@ -108,9 +108,8 @@ def json_bytes(obj: dict) -> bytes:
 
 
 def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int = 0):
-    """Wrap `fileobj` in the compressor for `fmt`; the caller closes the wrapper, then the file."""
-    if fmt in LEVELS:
-        check_level(fmt, level)
+    """Wrap `fileobj` in the compressor for `fmt` (the level checked by check_level); the caller closes the
+    wrapper, then the file."""
     threads = n_threads(threads)
     if fmt == "tar.zst":  # libzstd's worker threads; each frame carries a checksum zstd checks on unpack
         import zstandard
@@ -279,19 +278,9 @@ class ArchiveWriter:
             self._write(data, pad=True)
         else:  # in pieces, straight into the compressor
             self._flush()
-            fd, left = open_source(path, st.st_size, "packed"), st.st_size
-            try:
-                while left > 0:
-                    data = os.read(fd, min(left, CHUNK))
-                    if not data:
-                        raise changed_error(path, st.st_size, st.st_size - left, "packed")
-                    h.update(data)
-                    self.out.write(data)
-                    left -= len(data)
-                if os.fstat(fd).st_size != st.st_size:
-                    raise changed_error(path, st.st_size, os.fstat(fd).st_size, "packed")
-            finally:
-                os.close(fd)
+            for data in read_scanned(path, st, "packed", CHUNK):
+                h.update(data)
+                self.out.write(data)
             self._offset += st.st_size
             self._write(bytes(-st.st_size % 512))
         self._file(name, st.st_size, h.hexdigest())

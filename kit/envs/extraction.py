@@ -435,30 +435,19 @@ def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict)
     return counts
 
 
-def _take_json(archive, path: str, what: str) -> Optional[dict]:
-    """The JSON object in the regular file `path` (removed after reading), or None when there is none."""
+def _take_json(archive, root: str, what: str) -> Optional[dict]:
+    """The JSON object in the regular file `what` at the top of `root` (removed after reading), or None."""
+    path = os.path.join(root, what)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
     except OSError:  # absent, or a link
         return None
     with os.fdopen(fd, "rb") as fh:
-        data = fh.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    if data is None:
-        return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = fh.read()
     os.unlink(path)
     return json_member(data, what, archive)
-
-
-def _finish(archive, root: str, head: dict, hashes: dict) -> tuple:
-    """A kit archive's (counts, manifest) once extracted: its member list read (and removed), the tree checked."""
-    _take_json(archive, os.path.join(root, MANIFEST), MANIFEST)  # read before, from the stream
-    trailer = _take_json(archive, os.path.join(root, TRAILER), TRAILER)
-    if trailer is None:
-        raise ArchiveDamagedError(
-            f"archive {str(archive)!r} is incomplete: it stops before its member list; {_AGAIN}."
-        )
-    counts = _check_tree(archive, root, trailer, head["hash"], hashes)
-    return counts, dict(head, **{k: v for k, v in trailer.items() if k != "members"})
 
 
 def extract(
@@ -491,11 +480,15 @@ def extract(
     try:
         hashes = _with_gnu_tar(exe, archive, tmp, progress, hash_name)
         os.chmod(tmp, 0o700)  # an archived `.` gave it its mode: its entries must still move out
+        manifest = _take_json(archive, tmp, MANIFEST)  # a kit archive's was read from the stream before
         if head is not None:
-            counts, manifest = _finish(archive, tmp, head, hashes)
-        else:
-            counts = _check_tree(archive, tmp, {"members": listed}, hash_name, hashes)
-            manifest = _take_json(archive, os.path.join(tmp, MANIFEST), MANIFEST)  # kit archives before v2
+            trailer = _take_json(archive, tmp, TRAILER)
+            if trailer is None:
+                raise _damaged(archive, "it stops before its member list")
+            manifest = dict(head, **{k: v for k, v in trailer.items() if k != "members"})
+        counts = _check_tree(
+            archive, tmp, trailer if head is not None else {"members": listed}, hash_name, hashes
+        )
         names = os.listdir(tmp)
         clash = next((n for n in names if os.path.lexists(os.path.join(root, n))), None)
         if clash is not None:

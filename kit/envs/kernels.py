@@ -39,13 +39,8 @@ _NOISE = {"_", "SHLVL", "PWD", "OLDPWD", "KIT_ENV_BEFORE", "KIT_ENV_AFTER", "BAS
 
 def _read_env0(path: str) -> dict:
     with open(path, "rb") as fh:
-        items = fh.read().split(b"\0")
-    out = {}
-    for item in items:
-        key, sep, value = item.decode("utf-8", "replace").partition("=")
-        if sep:
-            out[key] = value
-    return out
+        items = fh.read().decode("utf-8", "replace").split("\0")
+    return dict(item.split("=", 1) for item in items if "=" in item)
 
 
 def _search_path(name: str, old: dict, new: dict) -> Optional[str]:

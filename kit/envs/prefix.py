@@ -16,7 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from kit.errors import IntegrityError, KitError
 
@@ -265,23 +265,27 @@ def open_source(path: str, size: int, doing: str) -> int:
         raise changed_error(path, size, None, doing) from None
 
 
-def read_whole(path: str, st, doing: str = "copied") -> bytes:
-    """The whole file, checked to have the size the scan saw: read whole at that size, not grown since (its copy
-    would be cut, or a mix of two versions)."""
-    fd = open_source(path, st.st_size, doing)
+def read_scanned(path: str, st, doing: str = "copied", step: int = 1 << 20) -> Iterator[bytes]:
+    """The file in pieces of `step` bytes, checked to have the size the scan saw: read whole at that size and not
+    grown since (its copy would be cut, or a mix of two versions)."""
+    fd, left = open_source(path, st.st_size, doing), st.st_size
     try:
-        data = os.read(fd, st.st_size)
-        while len(data) < st.st_size:  # short reads are allowed
-            more = os.read(fd, st.st_size - len(data))
-            if not more:
+        while left > 0:
+            data = os.read(fd, min(left, step))
+            if not data:  # shrunk
                 break
-            data += more
+            left -= len(data)
+            yield data
         now = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if len(data) != st.st_size or now != st.st_size:
-        raise changed_error(path, st.st_size, len(data) if len(data) != st.st_size else now, doing)
-    return data
+    if left or now != st.st_size:
+        raise changed_error(path, st.st_size, st.st_size - left if left else now, doing)
+
+
+def read_whole(path: str, st, doing: str = "copied") -> bytes:
+    """read_scanned() in one piece."""
+    return b"".join(read_scanned(path, st, doing, max(st.st_size, 1)))
 
 
 def _special(entries: list) -> None:
