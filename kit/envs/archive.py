@@ -1,7 +1,7 @@
 """Writing env archives: tar (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
 Hand-written here only what buys safety or measured speed: a manifest read first, a member list with sizes and hashes
-last, and a member's header packed in one struct call (byte for byte tarfile's; tarfile's own path costs 12 us per
-member, a sixth of pack's CPU on an env of small files; tarfile still writes long names and huge numbers).
+last, and the tar headers (byte for byte tarfile's, GNU long names included, in one struct call: tarfile's own path
+costs 12 us per member, a sixth of pack's CPU on an env of small files; numbers too big for octal are left to it).
 
 Layout of an archive the kit writes (any tar reads it):
   1. `.kit-env.json`          what it is (kit_archive=2, kind, name, old prefix, hash algorithm): read first;

@@ -128,7 +128,7 @@ def register_kernel(
 
     set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
     Only CANN's variables are copied (see select_cann); the names of the others are returned under "not_copied".
-    Returns {"name", "display_name", "stored", "installed", "cann_vars", "not_copied", "set_env_scripts"}.
+    Returns {"name", "display_name", "stored", "installed", "prefix", "cann_vars", "not_copied", "set_env_scripts"}.
     """
     check_name(name, "kernel name")
     prefix = Path(prefix).expanduser().absolute()
@@ -161,16 +161,8 @@ def register_kernel(
     store = get_layout(envs_root).kernels / name.lower()  # Jupyter lower-cases kernel names
     with atomic_dir(store, overwrite=True, what="kernelspec") as tmp:
         (tmp / "kernel.json").write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    installed = install_stored(store)
-    return {
-        "name": name.lower(),
-        "display_name": spec["display_name"],
-        "stored": str(store),
-        "installed": installed,
-        "cann_vars": sorted(cann),
-        "not_copied": not_copied,
-        "set_env_scripts": [str(s) for s in scripts],
-    }
+    done = {"name": name.lower(), "display_name": spec["display_name"], "stored": str(store)}
+    return dict(done, installed=install_stored(store), **spec["metadata"]["kit"])
 
 
 def install_stored(store_dir: Union[str, Path]) -> str:
