@@ -198,12 +198,8 @@ class ArchiveWriter:
     for every member; `scan`: text files that hold these bytes (the old prefix) are listed in prefix_files."""
 
     def __init__(self, out, hash_name: Optional[str] = None, scan: Optional[bytes] = None, mtime=None):
-        self.out, self.hash_name, self.scan, self.mtime = (
-            out,
-            hash_name or default_hash(),
-            scan,
-            int(mtime or 0),
-        )
+        self.out, self.scan, self.mtime = out, scan, int(mtime or 0)
+        self.hash_name = hash_name or default_hash()
         self.members: list = []
         self.prefix_files: list = []
         self.bytes = 0
