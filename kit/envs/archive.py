@@ -126,7 +126,9 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
         return gzip.GzipFile(fileobj=fileobj, mode="wb", compresslevel=level)
     if fmt == "tar":
         return _Plain(fileobj)
-    raise EnvArchiveError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    raise EnvArchiveError(
+        f"archive format {fmt!r} is not one of {', '.join(FORMATS)}."
+    )  # pack() said so before
 
 
 class _Plain:

@@ -68,17 +68,26 @@ def select_cann(old: dict, new: dict) -> tuple[dict, list]:
     return keep, refused
 
 
-def capture_cann(
-    scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None
-) -> tuple[dict, list]:
-    """Source `scripts` in bash (the env's bin/ first on PATH, so scripts probing `python` see the env's) and
-    return (CANN variables they set, names of the other variables they set, which are not copied)."""
+def check_scripts(scripts) -> None:
+    """EnvError unless `scripts` is a list of existing files (the set_env.sh scripts to capture)."""
+    if not isinstance(scripts, (list, tuple)):
+        raise EnvError(
+            f"set_env.sh scripts {scripts!r}: pass 'auto' or a list of set_env.sh paths ([] for none)."
+        )
     for script in scripts:
         if not Path(script).is_file():
             raise EnvError(
                 f"set_env.sh {str(script)!r} does not exist; pass the CANN install's set_env.sh "
                 f"(e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) or [] to skip."
             )
+
+
+def capture_cann(
+    scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None
+) -> tuple[dict, list]:
+    """Source `scripts` in bash (the env's bin/ first on PATH, so scripts probing `python` see the env's) and
+    return (CANN variables they set, names of the other variables they set, which are not copied)."""
+    check_scripts(scripts)
     with tempfile.TemporaryDirectory(prefix="kit-env-") as tmp:
         before, after = os.path.join(tmp, "before"), os.path.join(tmp, "after")
         sources = "; ".join(f'source "{Path(s).absolute()}"' for s in scripts)

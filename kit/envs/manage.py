@@ -23,6 +23,7 @@ from kit.envs.prefix import (
     EnvArchiveError,
     EnvError,
     EnvInfo,
+    check_choice,
     check_name,
     check_space,
     copy_tree,
@@ -120,8 +121,7 @@ def clone(
     Leftovers of interrupted runs beside the target are reported (`partial_leftovers`), removed with
     clean_partial=True.
     """
-    if method not in CLONE_METHODS:
-        raise EnvError(f"clone method {method!r} is not one of {', '.join(CLONE_METHODS)}.")
+    check_choice(method, CLONE_METHODS, "clone method")
     src = resolve_env(source, envs_root)
     dest = _target_for(src, name, target, envs_root)
     source_real, dest_real = os.path.realpath(src.prefix), os.path.realpath(dest)
@@ -220,8 +220,8 @@ def pack(
     must end in the format's suffix. The archive starts with the kit manifest and ends with a list of every
     member with its size and hash, which unpack() checks.
     """
-    if fmt is not None and fmt not in FORMATS:
-        raise EnvError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    if fmt is not None:
+        check_choice(fmt, FORMATS, "archive format")
     src = resolve_env(source, envs_root)
     if output is None:
         fmt = fmt or "tar.zst"

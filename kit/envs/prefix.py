@@ -104,6 +104,13 @@ def check_name(name: str, what: str = "environment name") -> str:
     return name
 
 
+def check_choice(value, allowed: Sequence[str], what: str) -> str:
+    """Return `value` if it is one of `allowed`, else raise EnvError listing them."""
+    if value not in allowed:
+        raise EnvError(f"{what} {value!r} is not one of {', '.join(allowed)}.")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvInfo:
     """One environment: name, folder, kind ('conda' or 'venv') and its python."""
