@@ -223,20 +223,17 @@ def pack(
     if fmt is not None:
         check_choice(fmt, FORMATS, "archive format")
     src = resolve_env(source, envs_root)
-    if output is None:
-        fmt = fmt or "tar.zst"
-        output = get_layout(envs_root).packs / f"{src.name}.{fmt}"
-    output = Path(output).expanduser().absolute()
-    named = (
-        format_of(output) if fmt is None else suffix_format(output)
-    )  # format_of: a known suffix or an error
-    if fmt is not None and named != fmt:
+    output = (
+        Path(output or get_layout(envs_root).packs / f"{src.name}.{fmt or 'tar.zst'}").expanduser().absolute()
+    )
+    named = suffix_format(output) if fmt else format_of(output)  # format_of: a known suffix or an error
+    if fmt and named != fmt:
         raise EnvArchiveError(
             f"archive name {output.name!r} does not end in .{fmt}, the format asked for; name it "
             f"{output.name.split('.')[0]}.{fmt} or choose the format its name says"
             f"{f' ({named})' if named else ''}: format and extension must agree."
         )
-    fmt = fmt or named
+    fmt = named
     check_level(fmt, level)
     refuse_existing(output, overwrite, "archive")
     editable = find_editable(src.prefix)
