@@ -663,8 +663,7 @@ def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path):
 def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, size, change):
     """A file written while an env is cloned (a pip install in it) would be copied cut or as a mix of two
     versions; the copy compares every file with the size the scan saw and names the one that changed."""
-    from kit.envs.errors import EnvError
-    from kit.envs.prefix import copy_tree, scan_tree
+    from kit.envs.prefix import EnvError, copy_tree, scan_tree
 
     src = tmp_path / "src"
     (src / "lib").mkdir(parents=True)
