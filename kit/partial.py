@@ -4,8 +4,8 @@ kit/atomic.py writes every output under a temporary sibling `.NAME.partial-XXXX`
 (training checkpoints: `.partial-iter_*`; the data stage's Megatron files: `NAME.bin.partial-PID`). A run killed
 with SIGKILL (or a machine that stops) leaves them behind: they never look finished, but they take space. Every
 stage (data, convert, train, env) calls `handle_partials()` on its output folder before it starts: leftovers are
-reported with their size, and removed when the user asks (`--clean-partial`, `clean_partial=True`). Do not clean a
-folder into which another kit run is writing at the same moment: its temporary folder looks the same.
+reported with their size, and removed when the user asks (`--clean-partial`, `clean_partial=True`), with the lock
+files such runs left (kit/locks.py). The temporary of an output whose lock a live run holds is not a leftover.
 """
 
 from __future__ import annotations
@@ -53,14 +53,28 @@ def is_partial(entry: str, name: Optional[str] = None) -> bool:
 
 
 def find_partials(folder: PathLike, name: Optional[str] = None) -> list:
-    """[{"path", "bytes"}] of the leftovers of interrupted runs in `folder` (only those of `name` if given)."""
+    """[{"path", "bytes"}] of the leftovers of interrupted runs in `folder` (only those of `name` if given): their
+    temporaries (not those of an output whose lock is held by a live run) and the locks they left behind."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
+    from kit.locks import SUFFIX, holder_gone, holds, live_holder, read_holder
+
     found = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if is_partial(entry.name, name):
+            owner = entry.name[1:].partition(MARK)[0] if entry.name.startswith(".") else ""
+            if owner and not holds(folder / owner) and live_holder(folder / owner):
+                continue  # another run is writing that output right now: its temporary is not a leftover
             found.append({"path": entry.path, "bytes": _size(entry.path)})
+        elif (
+            entry.name == f".{name}{SUFFIX}"
+            if name
+            else entry.name.startswith(".") and entry.name.endswith(SUFFIX)
+        ):
+            holder = read_holder(entry.path)
+            if holder and holder_gone(holder):  # the lock of a run killed on this host (kit/locks.py)
+                found.append({"path": entry.path, "bytes": _size(entry.path)})
     return found
 
 

@@ -277,3 +277,15 @@ def test_live_holder_tells_a_cleaner_which_outputs_are_being_written(tmp_path):
     assert locks.live_holder(tmp_path / "b") is None  # gone: its leftovers may go
     with held_elsewhere(tmp_path / "c") as other:
         assert locks.live_holder(tmp_path / "c")["pid"] == other.pid
+
+
+def test_clean_partial_spares_a_live_runs_temporary_and_removes_a_killed_runs_lock(tmp_path):
+    from kit.partial import handle_partials
+
+    for name in ("live", "killed"):
+        (tmp_path / f".{name}.partial-0123").mkdir()
+    _plant(tmp_path / "killed", pid=_gone_pid())  # the lock a SIGKILLed run left
+    with held_elsewhere(tmp_path / "live"):
+        report = handle_partials(tmp_path, clean=True)
+        assert report["removed"] == [str(tmp_path / ".killed.lock"), str(tmp_path / ".killed.partial-0123")]
+        assert sorted(os.listdir(tmp_path)) == [".live.lock", ".live.partial-0123"]
