@@ -83,13 +83,17 @@ def build_gpt(args):
     )
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=getattr(args, "qk_layernorm", False)
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_percent=args.rotary_percent,
         rotary_base=int(args.rotary_base),
+        rope_scaling=getattr(args, "use_rope_scaling", False),  # llama3 (mcore: factor only, 1 / 4 / 8192)
+        rope_scaling_factor=getattr(args, "rotary_scaling_factor", 8.0),
     ).eval()
 
 
