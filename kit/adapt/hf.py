@@ -1,4 +1,4 @@
-"""Route transformers-native models (Llama, Qwen2/3, Mistral) through kit ops.
+"""Route transformers-native models (Llama, Qwen2/3, Mistral, GLM-4) through kit ops.
 
 `adapt_model(model)` switches attention to kit attention (transformers' AttentionInterface where it exists, the
 flash-attention-2 path on transformers 4.44-4.47, see `kit.adapt.attention`), merges each SwiGLU MLP's gate/up
@@ -27,11 +27,11 @@ from kit.adapt.attention import (
     register,
     use_fa2_path,
 )
-from kit.adapt.mlp import merge_gate_up, merged_mlp_forward
+from kit.adapt.mlp import fused_mlp_forward, merge_gate_up, merged_mlp_forward
 from kit.ops import fused as kit_fused
 from kit.ops.backend import resolve, use_backend
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "glm")
 __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_MODEL_TYPES",
@@ -255,7 +255,25 @@ def adapt_model(
                 merge_gate_up(module)
                 _set_forward(module, merged_mlp_forward)
                 report.mlps += 1
+        elif mlp and _fused_glu(module):  # GLM-4: gate_up_proj is one Linear already
+            if hidden_act not in ("silu", "swish"):
+                report.skipped.append(f"{name}: hidden_act={hidden_act!r} is not SwiGLU; kept original")
+            elif _adapted(module) or prober.check(
+                module, fused_mlp_forward, module.gate_up_proj.in_features, name
+            ):
+                _set_forward(module, fused_mlp_forward)
+                report.mlps += 1
     return report
+
+
+def _fused_glu(module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        type(gate_up) is torch.nn.Linear
+        and gate_up.bias is None
+        and isinstance(down, torch.nn.Linear)
+        and not hasattr(module, "gate_proj")
+    )
 
 
 def _adapted(module) -> bool:
