@@ -245,3 +245,19 @@ def test_chatglm_format_glm4_goes_through_the_chatglm_map(tiny_glm4_dir, tmp_pat
     assert logits_check(old, a, tolerance=TOL)["passed"]
     rt = round_trip(old, tmp_path / "rt", tp=2, pp=1)
     assert rt["bit_exact"]
+
+
+def test_qwen3_resharding_equals_direct_conversion(tiny_qwen3_untied_dir, tmp_path):
+    """Megatron TP2 x PP2 -> TP4 x PP1 (q/k norms copied to every new rank) = HF -> TP4 x PP1 directly."""
+    from kit.convert import megatron_to_megatron
+
+    src = str(tiny_qwen3_untied_dir)
+    hf_to_megatron(ConvertConfig(src, str(tmp_path / "a"), tp=2, pp=2), progress=False)
+    megatron_to_megatron(
+        ConvertConfig(str(tmp_path / "a"), str(tmp_path / "b"), direction="megatron_to_megatron", tp=4),
+        progress=False,
+    )
+    hf_to_megatron(ConvertConfig(src, str(tmp_path / "c"), tp=4), progress=False)
+    b, c = megatron_checksums(tmp_path / "b"), megatron_checksums(tmp_path / "c")
+    assert b == c and len(b) == 4 * (4 * 8 + 3)  # 4 ranks x (4 layers x 8 tensors + embedding, norm, output)
+    assert sum("q_layernorm" in k for k in b) == 4 * 4
