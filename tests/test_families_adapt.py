@@ -29,7 +29,9 @@ def pair(request):
     model_type, extra = FAMILIES[request.param]
     fam_models.require(model_type)
     if model_type == "glm" and not has_registry():
-        pytest.skip("GLM-4 is adapted through transformers' AttentionInterface (no flash-attention-2 mapping)")
+        pytest.skip(
+            "GLM-4 is adapted through transformers' AttentionInterface (no flash-attention-2 mapping)"
+        )
     cfg = AutoConfig.for_model(
         model_type,
         vocab_size=200,
@@ -59,13 +61,9 @@ def test_report_names_what_was_swapped(pair):
     assert report.attention == "kit" and report.attention_modules == 2 and report.mlps == 2
     # RMSNorms: 2 per layer + final; Qwen3 adds q_norm and k_norm per layer
     assert report.rms_norms == (9 if name == "qwen3" else 5)
-    if (
-        name == "glm4"
-    ):  # GLM's half-dim interleaved rotary is not the kit's rotate-half kernel: kept, and said so
-        assert report.skipped and all("rotary" in s and "kept original" in s for s in report.skipped)
-        assert report.rotary == []
-    else:
-        assert report.skipped == [] and report.rotary
+    assert report.skipped == [] and len(report.rotary) == 1
+    if name == "glm4":  # half-dim interleaved pairs: npu_rotary_mul's interleave mode on the first half
+        assert report.rotary[0].endswith("modeling_glm")
 
 
 def test_same_logits_and_gradients(pair):
@@ -95,3 +93,33 @@ def test_packed_rows_attend_within_each_dialog(pair):
             torch.testing.assert_close(
                 packed[:, start:end], base(ids[:, start:end]).logits, rtol=1e-5, atol=1e-5
             )
+
+
+def test_npu_branch_under_standin(pair, monkeypatch):
+    """With the strict torch_npu stand-in: each family's swaps reach the NPU calls (GLM-4's rotary as
+    npu_rotary_mul's interleave mode on the first half of each head) and packed dialogs still match."""
+    from npu_standin import install
+
+    from kit.adapt import hf
+    from kit.ops import use_backend
+
+    name, base, _, _ = pair
+    fake = install(monkeypatch)
+    monkeypatch.setattr(hf, "_allocate", lambda device: torch.device("cpu"))  # no NPU memory on CPU
+    adapted = copy.deepcopy(base)
+    ids = torch.randint(3, 200, (1, 10), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    with use_backend("npu"):
+        report = adapt_model(adapted)
+        fake.CALLS.clear()
+        with torch.no_grad():
+            logits = adapted(input_ids=ids, position_ids=pos).logits
+    assert report.backend == "npu" and report.skipped == []
+    calls = {n for n, _ in fake.CALLS}
+    assert {"npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= calls
+    modes = {a.get("rotary_mode", "half") for n, a in fake.CALLS if n == "npu_rotary_mul"}
+    assert modes == ({"interleave"} if name == "glm4" else {"half"})
+    for start, end in [(0, 6), (6, 10)]:
+        with torch.no_grad():
+            alone = base(input_ids=ids[:, start:end]).logits[0]
+        torch.testing.assert_close(logits[0, start:end], alone, rtol=1e-5, atol=1e-5)

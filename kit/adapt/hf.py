@@ -148,6 +148,8 @@ def _patch_rotary(attn_module, report: AdaptReport, prober: _Prober) -> None:
         params = {}
     indexed = "position_ids" in params and params["position_ids"].default is inspect.Parameter.empty
     replacement = _indexed_rotary if indexed else _kit_rotary
+    if name.endswith(".modeling_glm"):  # GLM-4: interleaved pairs on the first half of each head
+        replacement = _glm_rotary
     gen = torch.Generator().manual_seed(1)
     device = _allocate(prober.device)
     q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
@@ -185,7 +187,20 @@ def _indexed_rotary(q, k, cos, sin, position_ids, unsqueeze_dim=1):
     )
 
 
-_kit_rotary.__kit__ = _indexed_rotary.__kit__ = True
+def _glm_rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' GLM rotary: the first half of cos/sin repeated pairwise, applied to as many leading channels
+    in interleaved pairs (npu_rotary_mul's 'interleave' mode), the rest passed through."""
+    if isinstance(position_ids, int):
+        unsqueeze_dim = position_ids
+    cos, sin = (t.unsqueeze(unsqueeze_dim) for t in (cos, sin))
+    cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+    return (
+        kit_fused.rotary_mul(q, cos, sin, rotary_mode="interleave"),
+        kit_fused.rotary_mul(k, cos, sin, rotary_mode="interleave"),
+    )
+
+
+_kit_rotary.__kit__ = _indexed_rotary.__kit__ = _glm_rotary.__kit__ = True
 
 
 def _switch_attention(model, model_type: str, report: AdaptReport) -> None:
