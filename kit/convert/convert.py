@@ -505,11 +505,15 @@ def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
         "megatron_to_hf": megatron_to_hf,
         "megatron_to_megatron": megatron_to_megatron,
     }[cfg.direction]
+    from kit.locks import hold
     from kit.partial import handle_partials
 
     target = Path(cfg.target)
-    left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)
-    summary = fn(cfg, progress=progress)
+    # one writer per target, from before the first read to the rename (kit/locks.py); under the lock, the
+    # leftovers found are no other run's work in progress
+    with hold(target, "conversion target"):
+        left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)
+        summary = fn(cfg, progress=progress)
     summary["leftover_partials"] = [
         {"path": x["path"], "mib": round(x["bytes"] / 1024**2, 1), "removed": x["path"] in left["removed"]}
         for x in left["found"]

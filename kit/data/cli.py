@@ -11,7 +11,16 @@ import json
 import sys
 
 # fields that mean nothing for one kind (left out of its --help)
-_ONLY_SFT = ("template", "system", "train_on_prompt", "mask_history", "overlong", "pack", "pack_window")
+_ONLY_SFT = (
+    "template",
+    "enable_thinking",
+    "system",
+    "train_on_prompt",
+    "mask_history",
+    "overlong",
+    "pack",
+    "pack_window",
+)
 _ONLY_PRETRAIN = ("add_bos", "keep_special_tokens")
 
 
@@ -59,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         from kit.data.templates import TEMPLATES
 
         for t in TEMPLATES.values():
-            print(f"{t.name:10s} user={t.user!r} assistant={t.assistant!r}  ({t.source})")
+            mindspeed = f"--prompt-type {t.prompt_type}" if t.prompt_type else "no MindSpeed-LLM prompt type"
+            print(f"{t.name:10s} user={t.user!r} assistant={t.assistant!r}  [{mindspeed}]  ({t.source})")
         print("tokenizer  the tokenizer's own chat_template")
         return 0
     if args.what == "check":

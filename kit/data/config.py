@@ -39,7 +39,12 @@ class DataConfig:
     """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
     template: str = "tokenizer"
     """Chat template for sft: "tokenizer" (the tokenizer's own chat_template, what an instruct model was tuned
-    with), or telechat, chatml, qwen, chatglm3, llama2, llama3, baichuan2, alpaca."""
+    with), or a kit template: qwen3 qwen2_5 qwen chatml llama3 llama2 mistral glm4 chatglm3 deepseek3 intern2
+    baichuan2 telechat2 telechat alpaca (`python -m kit data templates`; docs/data.md)."""
+    enable_thinking: bool = True
+    """Reasoning templates (qwen3): True learns each answer's think block (its reasoning, or the empty block) as
+    Qwen3's thinking mode generates it; False puts the empty block in the prompt, as its non-thinking prompt does,
+    and leaves reasoning in the data out (counted)."""
     system: Optional[str] = None
     """System prompt used when a dialog has none (None: the template's default, if any)."""
     train_on_prompt: bool = False
@@ -101,6 +106,8 @@ class DataConfig:
             out.append(f"overlong={self.overlong!r}: use one of {OVERLONG}.")
         if self.on_error not in ON_ERROR:
             out.append(f"on_error={self.on_error!r}: use one of {ON_ERROR}.")
+        if not isinstance(self.enable_thinking, bool):
+            out.append(f"enable_thinking={self.enable_thinking!r}: use True or False.")
         if self.train_on_prompt and self.mask_history:
             out.append("train_on_prompt and mask_history exclude each other; set one of them to False.")
         for attr, low in (

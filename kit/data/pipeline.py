@@ -32,6 +32,7 @@ from kit.data.prepared import (
 from kit.data.readers import DataInputError, TextBlock, iter_records
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
 from kit.errors import InputError, MissingInputError
+from kit.locks import hold
 from kit.manifest import (
     MANIFEST_NAME,
     PREPARED_DATA,
@@ -222,8 +223,33 @@ def _dialogs(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         if any(not a or a.isspace() for _, a in dialog.turns):
             report.drop("empty_answer", f"{rec.where}: an answer is empty (dropped)")
             continue
+        if _leaves_out_reasoning(cfg, dialog):
+            report.reasoning_left_out += 1
         report.count_format(fmt)
         yield dialog, rec.where
+
+
+def _leaves_out_reasoning(cfg: DataConfig, dialog: Any) -> bool:
+    """Whether the configured template drops reasoning this dialog carries: a reasoning template with
+    enable_thinking=False drops it (field or `<think>` in the text), another kit template drops the reasoning field
+    (`<think>` in the text stays text); the tokenizer's own template gets the field and decides itself."""
+    from kit.data.templates import TEMPLATES
+
+    if cfg.template == "tokenizer":
+        return False
+    if TEMPLATES[cfg.template].think:
+        return not cfg.enable_thinking and dialog.has_reasoning
+    return any(r for r in dialog.reasoning)
+
+
+def prompt_type(cfg: DataConfig) -> Optional[str]:
+    """MindSpeed-LLM's `--prompt-type` for the data's template (None: pretraining, the tokenizer's own template, or
+    a format MindSpeed-LLM has no template for)."""
+    from kit.data.templates import TEMPLATES
+
+    if cfg.kind != "sft" or cfg.template not in TEMPLATES:
+        return None
+    return TEMPLATES[cfg.template].prompt_type
 
 
 def _text_chunks(pieces: Iterator[List[str]], max_records: int, max_chars: float) -> Iterator[List[str]]:
@@ -261,14 +287,21 @@ def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
 def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
     """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, and its `prepared-data`
     manifest written last), the held-out split `<name>_heldout_hf` if asked for, and the Megatron files."""
+    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
+    check(cfg, "DataConfig")
+    out = Path(os.path.abspath(output_dir(cfg, workspace)))
+    # one writer per name, from before any work to the last rename (kit/locks.py)
+    with hold(out / f"{cfg.output_name}_hf", "prepared data"):
+        return _prepare(cfg, out, progress)
+
+
+def _prepare(cfg: DataConfig, out: Path, progress: bool) -> PrepResult:
+    """prepare() with the output's lock held."""
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
-    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
     name = cfg.output_name
-    check(cfg, "DataConfig")
     tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     vocab_size = len(tok)
-    out = Path(os.path.abspath(output_dir(cfg, workspace)))
     hf_dir = out / f"{name}_hf"
     held_dir = heldout_dir(out, name)
     mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, name)
@@ -296,8 +329,24 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     )
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
+    heldout: Optional[Dict[str, Any]] = None
+
+    def companions() -> None:
+        # the rest of the unit, once the old `<name>_hf` (and its manifest) is aside and before the new one is
+        # renamed in: a manifest at the final name is never beside another run's files
+        for w in writers:
+            w.commit()
+        if heldout:
+            with atomic_dir(held_dir, overwrite=cfg.overwrite, what="held-out data") as held_tmp:
+                picker.write(held_tmp, tok.pad_token_id)
+        elif cfg.overwrite and held_dir.is_dir():
+            # the split of an earlier run under this name; the new manifest names none, so nothing may use it
+            shutil.rmtree(held_dir)
+
     try:
-        with atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data") as tmp:
+        with atomic_dir(
+            hf_dir, overwrite=cfg.overwrite, what="prepared data", before_rename=companions
+        ) as tmp:
             if cfg.megatron:
                 dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
@@ -320,19 +369,11 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
             sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
-            if heldout:
-                with atomic_dir(held_dir, overwrite=cfg.overwrite, what="held-out data") as held_tmp:
-                    picker.write(held_tmp, tok.pad_token_id)
             write_manifest(tmp, PREPARED_DATA, fields)  # last: a folder with a manifest is complete
-        for w in writers:
-            w.commit()
     except BaseException:
         for w in writers:
             w.abort()
         raise
-    if not heldout and cfg.overwrite and held_dir.is_dir():
-        # the split of an earlier run under this name; the new manifest names none, so nothing may use it
-        shutil.rmtree(held_dir)
     prepared = PreparedData(read_manifest(hf_dir, expect=PREPARED_DATA))
     return PrepResult(prepared, report, config=cfg)
 
@@ -397,6 +438,8 @@ def _manifest_fields(
         "tokenizer": tok_dir,
         "tokenizer_sha256": tok_hash,
         "template": cfg.template if cfg.kind == "sft" else None,
+        "prompt_type": prompt_type(cfg),  # MindSpeed-LLM's name for the template (its --prompt-type), or None
+        "enable_thinking": cfg.enable_thinking if cfg.kind == "sft" else None,
         # pretraining rows are always packed (documents back to back); fine-tuning rows as cfg.pack says
         "pack": bool(cfg.pack) if cfg.kind == "sft" else True,
         "eos_token_id": tok.eos_token_id,
@@ -411,7 +454,7 @@ def _manifest_fields(
         "num_tokens": report.tokens_out,
         "megatron_prefix": prefix,
         "megatron_files": files,
-        "megatron_flags": megatron_flags(cfg.kind, cfg.pack) if prefix else [],
+        "megatron_flags": megatron_flags(cfg.kind, cfg.pack, prompt_type(cfg)) if prefix else [],
         "megatron_dtype": dtype,
         "heldout": heldout,
         "counts": {k: rep[k] for k in count_keys},
@@ -440,6 +483,7 @@ def _stream(
         "add_bos": cfg.add_bos,
         "keep_special_tokens": cfg.keep_special_tokens,
         "template": cfg.template,
+        "enable_thinking": cfg.enable_thinking,
         "system": cfg.system,
         "train_on_prompt": cfg.train_on_prompt,
         "mask_history": cfg.mask_history,

@@ -52,9 +52,14 @@ def megatron_names(kind: str, out_dir: PathLike, name: str) -> Tuple[str, List[s
     return prefix, [f"{prefix}_packed_{key}_document" for key in SFT_MEGATRON_KEYS]
 
 
-def megatron_flags(kind: str, pack: bool) -> List[str]:
-    """The Megatron / MindSpeed-LLM flags the written files need (beyond `--data-path`)."""
-    return list(PACKED_SFT_FLAGS) if kind == "sft" and pack else []
+def megatron_flags(kind: str, pack: bool, prompt_type: Optional[str] = None) -> List[str]:
+    """The Megatron / MindSpeed-LLM flags the written files need (beyond `--data-path`): the packing flags, and for
+    fine-tuning data MindSpeed-LLM's `--prompt-type` of its chat template (what its instruction dataset reads when
+    it cuts an over-long sample, and what its chat / evaluation tools wrap prompts in)."""
+    flags = list(PACKED_SFT_FLAGS) if kind == "sft" and pack else []
+    if kind == "sft" and prompt_type:
+        flags += ["--prompt-type", prompt_type]
+    return flags
 
 
 def heldout_dir(out_dir: PathLike, name: str) -> Path:
@@ -98,6 +103,11 @@ class PreparedData:
     @property
     def template(self) -> Optional[str]:
         return self.manifest["template"]
+
+    @property
+    def prompt_type(self) -> Optional[str]:
+        """MindSpeed-LLM's `--prompt-type` for the data's template (None: none, or data made before it was kept)."""
+        return self.manifest.get("prompt_type")
 
     @property
     def pack(self) -> bool:

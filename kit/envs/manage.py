@@ -34,6 +34,7 @@ from kit.envs.prefix import (
     verify,
     walk_tree,
 )
+from kit.locks import hold
 from kit.partial import handle_partials
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -154,8 +155,9 @@ def clone(
         n_files, size = totals
     else:
         n_files, size = check(scan_tree(src.prefix))
-        if method == "conda-clone":
-            counts = _conda_create_clone(src.prefix, dest, overwrite)
+        if method == "conda-clone":  # no temporary name to lock through atomic_dir: the target's lock
+            with hold(dest, "target env"):
+                counts = _conda_create_clone(src.prefix, dest, overwrite)
         else:
             with (
                 atomic_dir(dest, overwrite=overwrite, what="target env") as tmp,

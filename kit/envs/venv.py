@@ -188,7 +188,7 @@ def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
     made once, reused after."""
     folder = get_layout(envs_root).venvs / "demo-source"
     if kind_of(folder) != "venv":
-        with atomic_dir(folder, overwrite=True, what="demo env") as tmp:
+        with atomic_dir(folder, overwrite=True, what="demo env", lock=False) as tmp:  # made once, reused
             os.rmdir(tmp)
             create_venv(tmp)
             # venv wrote the temporary path into its scripts; they must name the final one
