@@ -1,5 +1,5 @@
 """A tiny Qwen3 through 02 -> 03 -> 04 -> 06 in one workspace through the kit API: dialogs prepared with the
-tokenizer's own chat template, conversion to Megatron TP2 x PP2 verified, the Megatron plan's Qwen3 flags, LoRA
+kit's `qwen3` template, conversion to Megatron TP2 x PP2 verified, the Megatron plan's Qwen3 flags, LoRA
 training with kit.adapt (loss down, every adapter tensor exported), the held-out evaluation, and the trained model
 back through 03."""
 
@@ -9,7 +9,14 @@ import pytest
 from fixtures.convert import families as fam_models
 from safetensors import safe_open
 
-from kit.manifest import CONVERTED_CHECKPOINT, EVALUATION, HF_MODEL, PREPARED_DATA, TRAINING_RUN, read_manifest
+from kit.manifest import (
+    CONVERTED_CHECKPOINT,
+    EVALUATION,
+    HF_MODEL,
+    PREPARED_DATA,
+    TRAINING_RUN,
+    read_manifest,
+)
 
 tiny_qwen3_dir = fam_models.tiny_qwen3_dir  # shared session fixture
 
@@ -30,13 +37,13 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     src = str(tiny_qwen3_dir)
-    # 02: the Qwen3 folder's own tokenizer and chat template
+    # 02: the Qwen3 folder's tokenizer, the kit's qwen3 template (MindSpeed-LLM --prompt-type qwen3)
     data = prepare(
         DataConfig(
             kind="sft",
             name="alpaca",
             tokenizer=src,
-            template="tokenizer",
+            template="qwen3",
             max_length=64,
             max_records=48,
             heldout_records=4,
@@ -45,6 +52,7 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
         progress=False,
     ).hf_dir
     data_man = read_manifest(data, expect=PREPARED_DATA)
+    assert data_man["template"] == "qwen3" and "--prompt-type" in data_man["megatron_flags"]
 
     # 03: HF -> Megatron TP2 x PP2 (tied embeddings: the last stage holds its copy), verified both ways
     conv = convert_run(ConvertConfig(source=src, tp=2, pp=2), ws, progress=False)
@@ -82,6 +90,7 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     plan = build(replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target)), ws=ws)
     text = plan.describe()
     assert str(conv.target) in text and "--qk-layernorm" in plan.argv
+    assert plan.argv[plan.argv.index("--prompt-type") + 1] == "qwen3"
     assert plan.argv[plan.argv.index("--kv-channels") + 1] == "32"  # head_dim, not hidden/heads = 16
     assert "--untie-embeddings-and-output-weights" not in plan.argv
 
