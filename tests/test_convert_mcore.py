@@ -33,11 +33,17 @@ def mcore_world():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # a kit.train run earlier in this process (tests/test_families_*.py, test_train.py) leaves its one-rank gloo
+    # group up: use it, and leave it to its owner
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if own:
+        dist.destroy_process_group()
 
 
 @pytest.fixture
