@@ -23,6 +23,7 @@ tiny_qwen3_untied_dir = fam_models.tiny_qwen3_untied_dir
 tiny_glm4_dir = fam_models.tiny_glm4_dir
 tiny_llama31_dir = fam_models.tiny_llama31_dir
 tiny_qwen25_dir = fam_models.tiny_qwen25_dir
+tiny_mistral_dir = fam_models.tiny_mistral_dir
 
 TOL = 1e-4
 GRID = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2)]  # TP4 > 2 KV groups: mcore >= 0.16 split-group layout
@@ -96,6 +97,12 @@ def test_qwen25_is_qwen2_with_bias_and_tied_embeddings(tiny_qwen25_dir, tmp_path
     rt, _ = _both_ways(tiny_qwen25_dir, tmp_path, tp, pp)
     args = MegatronReader(rt["megatron"]).state(0, 0)["args"]
     assert args.add_qkv_bias and not args.untie_embeddings_and_output_weights
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2)])
+def test_mistral_is_the_llama_map(tiny_mistral_dir, tmp_path, tp, pp):
+    _, lc = _both_ways(tiny_mistral_dir, tmp_path, tp, pp)
+    assert lc["family"] == "llama"
 
 
 def test_reference_forward_applies_llama3_rope_scaling(tiny_llama31_dir):

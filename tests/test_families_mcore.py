@@ -29,6 +29,7 @@ tiny_qwen3_untied_dir = fam_models.tiny_qwen3_untied_dir
 tiny_glm4_dir = fam_models.tiny_glm4_dir
 tiny_llama31_dir = fam_models.tiny_llama31_dir
 tiny_qwen25_dir = fam_models.tiny_qwen25_dir
+tiny_mistral_dir = fam_models.tiny_mistral_dir
 
 TOKENS = 64  # llama3 rope scaling changes these logits by far more than the tolerance (see the last test)
 
@@ -41,7 +42,7 @@ def _run(model, s: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["qwen3_tied", "qwen3_untied", "glm4", "llama31", "qwen25"])
+@pytest.mark.parametrize("which", ["qwen3_tied", "qwen3_untied", "glm4", "llama31", "qwen25", "mistral"])
 def test_gptmodel_strict_load_and_logits(which, request, tmp_path, mcore_world, cpu_patches):
     src = request.getfixturevalue(
         {
@@ -50,6 +51,7 @@ def test_gptmodel_strict_load_and_logits(which, request, tmp_path, mcore_world, 
             "glm4": "tiny_glm4_dir",
             "llama31": "tiny_llama31_dir",
             "qwen25": "tiny_qwen25_dir",
+            "mistral": "tiny_mistral_dir",
         }[which]
     )
     out = tmp_path / "m"
