@@ -234,6 +234,21 @@ def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
                             flush=True,
                         )
         _write(tmp, cfg, points, server, url, model)
+        from kit.manifest import LOAD_TEST, write_manifest
+
+        served = getattr(server, "served", None)
+        write_manifest(
+            tmp,
+            LOAD_TEST,
+            {
+                "engine": server.engine if server is not None else None,
+                "url": url,
+                "model": model,
+                "points": len(points),
+                "results": RESULTS_JSON,
+            },
+            inputs=served.consumed if served is not None else (),
+        )
     return BenchResult(cfg, folder.resolve(), points, server=_server_facts(server, url, model))
 
 
