@@ -11,15 +11,15 @@ def __getattr__(name):  # the heavy parts load when used (python -m kit serve --
 
         return serve
     if name == "bench":
-        from kit.serve.bench import bench
+        from kit.serve.loadtest import bench
 
         return bench
     if name == "chat":
-        from kit.serve.chat import chat
+        from kit.serve.client import chat
 
         return chat
     if name == "package":
-        from kit.serve.package import package
+        from kit.serve.modelarts import package
 
         return package
     raise AttributeError(name)

@@ -77,7 +77,7 @@ def run_start(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kit.serve.bench import bench
+    from kit.serve.loadtest import bench
 
     result = bench(
         BenchConfig(**explicit_values(args, BenchConfig)),
@@ -90,7 +90,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def run_package(args: argparse.Namespace) -> int:
-    from kit.serve.package import check_package, package
+    from kit.serve.modelarts import check_package, package
 
     serve_cfg = ServeConfig(run=args.run, model_path=args.model_path)
     result = package(PackageConfig(**explicit_values(args, PackageConfig)), _ws(args), serve_cfg)
@@ -101,7 +101,7 @@ def run_package(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from kit.serve.package import check_package
+    from kit.serve.modelarts import check_package
 
     print(json.dumps(check_package(args.folder, port=args.port), indent=2, ensure_ascii=False))
     return 0
