@@ -67,8 +67,8 @@ class BenchConfig:
 
     url: Optional[str] = None
     """Base URL of a running server (http://host:port); None: start one as the serve settings say."""
-    model: Optional[str] = None
-    """Model name the server expects in requests; None: the first of GET /v1/models."""
+    model_name: Optional[str] = None
+    """Model name the server expects in requests; None: the server's (the first of GET /v1/models)."""
     concurrency: List[int] = field(default_factory=lambda: [1, 2])
     """Closed loop: requests in flight at once, one point each."""
     request_rates: List[float] = field(default_factory=lambda: [4.0])

@@ -134,7 +134,16 @@ def run_point(
     timeout: float = 300.0,
 ):
     """(records, duration in s) of one load point: closed loop at `concurrency` or open loop at `rate` req/s."""
-    return asyncio.run(_run(url, payloads, concurrency, rate, seed, timeout))
+    coro = _run(url, payloads, concurrency, rate, seed, timeout)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # inside a running loop (a Jupyter kernel): the load point gets a loop of its own on a worker thread
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def make_prompts(tokenizer, n: int, length: int, seed: int) -> List[str]:

@@ -178,7 +178,7 @@ def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
     from kit.serve.start import serving_dir
 
     url = server.url if server is not None else cfg.url.rstrip("/")
-    model = cfg.model or (server.model if server is not None else _models(url)[0])
+    model = cfg.model_name or (server.model if server is not None else _models(url)[0])
     tok = AutoTokenizer.from_pretrained(_tokenizer_path(server, url, model, ws))
     folder = Path(cfg.out_dir).expanduser() if cfg.out_dir else serving_dir(ws) / cfg.name
     endpoint = url + "/v1/completions"
