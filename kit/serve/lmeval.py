@@ -91,7 +91,7 @@ def _evaluate(model, model_args, folder: Path, task: str, limit: Optional[int], 
     }
 
 
-def compare(server, folder, limit: Optional[int] = 5, max_tokens: int = 4) -> Dict[str, Any]:
+def compare(server, folder, limit: Optional[int] = 3, max_tokens: int = 4) -> Dict[str, Any]:
     """{model_type, task, endpoint: {...}, in_process: {...}, equal}: the task through the server and in-process."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only
     folder = Path(folder)
