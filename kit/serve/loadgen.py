@@ -3,7 +3,7 @@
 Written here rather than driving GuideLLM or AIPerf: both would change the dev stack's core packages (GuideLLM 0.8.1
 pins click and multidict below ours, AIPerf 0.13.0 pandas, huggingface_hub, rich and pillow; checked with
 `pip install --dry-run`), and this client reports the server's own token
-counts per request. Its figures have not been compared with GuideLLM's yet (docs/serve.md says so).
+counts per request. benchmarks/bench_serve.py compares its figures with GuideLLM's on one server.
 Timing as vLLM's `benchmark_serving` defines it: TTFT = send -> first streamed token, ITL = gaps between streamed
 chunks, TPOT = (E2E - TTFT) / (output tokens - 1), E2E = send -> last byte.
 """
