@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -240,6 +241,38 @@ def test_the_engine_dies_with_the_process_that_started_it(tiny_llama_dir, tmp_pa
     assert _group_alive(pid)
     owner.send_signal(signal.SIGTERM)  # no atexit here: the engine goes because its parent died
     owner.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(pid)
+
+
+def test_a_kernel_shutdown_stops_the_engine(tiny_llama_dir, tmp_path):
+    from jupyter_client import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(tmp_path), env=dict(os.environ, KIT_WORKSPACE=str(tmp_path / "ws")))
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=300)
+        code = (
+            "from kit.serve import ServeConfig, serve\n"
+            "from kit.workspace import get_workspace\n"
+            f"s = serve(ServeConfig(model_path={str(tiny_llama_dir)!r}), get_workspace(None, model='k'))\n"
+            "print('PID', s.proc.pid)\n"
+        )
+        outputs = []
+        kc.execute_interactive(
+            code, timeout=300, output_hook=lambda m: outputs.append(m["content"].get("text", ""))
+        )
+        found = re.search(r"PID (\d+)", "".join(outputs))
+        assert found, outputs
+        pid = int(found.group(1))
+        assert _group_alive(pid)
+        kc.stop_channels()
+    finally:
+        km.shutdown_kernel(now=False)  # a shutdown request: the kernel exits and its atexit stops the engine
     deadline = time.monotonic() + 30
     while _group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
