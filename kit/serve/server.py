@@ -90,6 +90,7 @@ class Server:
         self.log_path = Path(log_path)
         self.proc: Optional[subprocess.Popen] = None
         self.info: Dict[str, Any] = {}
+        self.served: Any = None  # the kit.serve.model.ServedModel behind it, when kit.serve.serve started it
 
     @property
     def url(self) -> str:
