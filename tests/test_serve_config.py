@@ -76,3 +76,21 @@ def test_the_size_limit_is_checked_with_a_clear_message():
     with pytest.raises(PackageSizeError) as err:
         check_size(int(25 * GB), PackageConfig(image_size_gb=9.5))
     assert "34.50 GB is over the 30 GB limit" in str(err.value) and "MAX_SIZE_GB" in str(err.value)
+
+
+def test_the_dockerfile_follows_the_custom_engine_rules():
+    from kit.serve.config import PackageConfig
+    from kit.serve.modelarts import dockerfile
+
+    plain = dockerfile(check(PackageConfig(base_image="swr.example/ascend/vllm-ascend:v0.23.0")))
+    assert plain.splitlines()[3] == "FROM swr.example/ascend/vllm-ascend:v0.23.0"
+    assert "useradd -m -d /home/ma-user -s /bin/bash -u 1000 -g 100 ma-user" in plain
+    assert "USER ma-user" in plain and plain.rstrip().endswith("CMD sh /home/mind/run.sh")
+    assert "ENV ENGINE=vllm PORT=8080\n" in plain and "SSL_" not in plain.split("ENV")[1]
+    tls = dockerfile(
+        check(PackageConfig(ssl_certfile="/home/mind/cert.pem", ssl_keyfile="/home/mind/key.pem"))
+    )
+    assert "ENV ENGINE=vllm PORT=8080 SSL_CERTFILE=/home/mind/cert.pem SSL_KEYFILE=/home/mind/key.pem" in tls
+    with pytest.raises(ConfigError) as err:
+        check(PackageConfig(engine="transformers", ssl_certfile="/c.pem"))
+    assert len(err.value.problems) == 2

@@ -141,6 +141,10 @@ class PackageConfig:
     """Port run.sh serves on inside the container (ModelArts' samples use 8080)."""
     copy_model: bool = True
     """Copy the model into model/ (False: hard-link files where the filesystem allows)"""
+    ssl_certfile: Optional[str] = None
+    """Certificate path inside the container: run.sh serves HTTPS with it and SSL_KEYFILE; None: plain HTTP."""
+    ssl_keyfile: Optional[str] = None
+    """Private key path inside the container (mount it at deployment; the package never holds it)."""
     max_size_gb: float = 30.0
     """Image + model limit of the ModelArts pool (public pool: 30 GB)."""
     image_size_gb: float = 0.0
@@ -160,6 +164,12 @@ class PackageConfig:
         if not self.base_image or any(c.isspace() for c in self.base_image):
             out.append(
                 f"base_image={self.base_image!r}: give an image reference such as swr.<region>.../name:tag."
+            )
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            out.append("ssl_certfile and ssl_keyfile go together: give both for HTTPS or neither.")
+        if self.ssl_certfile and self.engine != "vllm":
+            out.append(
+                f"ssl_certfile with engine={self.engine!r}: transformers serve has no HTTPS; use engine='vllm'."
             )
         for name in ("max_size_gb", "image_size_gb"):
             v = getattr(self, name)

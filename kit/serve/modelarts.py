@@ -61,7 +61,7 @@ RUN (getent group 100 >/dev/null || groupadd -g 100 ma-group) && \\
 COPY --chown=1000:100 model /home/mind/model
 COPY --chown=1000:100 run.sh /home/mind/run.sh
 USER ma-user
-ENV ENGINE={engine} PORT={port}
+ENV ENGINE={engine} PORT={port}{tls}
 EXPOSE {port}
 CMD sh /home/mind/run.sh
 """
@@ -101,6 +101,12 @@ def check_size(model_bytes: int, cfg: PackageConfig) -> None:
         )
 
 
+def dockerfile(cfg: PackageConfig) -> str:
+    """The Dockerfile text for `cfg` (HTTPS: the certificate and key paths inside the container, as ENV)."""
+    tls = f" SSL_CERTFILE={cfg.ssl_certfile} SSL_KEYFILE={cfg.ssl_keyfile}" if cfg.ssl_certfile else ""
+    return DOCKERFILE.format(engine=cfg.engine, port=cfg.port, base_image=cfg.base_image, tls=tls)
+
+
 def package(cfg: PackageConfig, ws, serve_cfg: Optional[ServeConfig] = None) -> PackageResult:
     """Write the package folder for the model `serve_cfg` names (default: notebook 04's newest run)."""
     from kit.atomic import atomic_dir
@@ -119,9 +125,7 @@ def package(cfg: PackageConfig, ws, serve_cfg: Optional[ServeConfig] = None) -> 
         shutil.copytree(served.path, target, copy_function=link or shutil.copy2)
         (tmp / "run.sh").write_text(RUN_SH.format(engine=cfg.engine, port=cfg.port, model_dir=MODEL_DIR))
         os.chmod(tmp / "run.sh", 0o755)
-        (tmp / "Dockerfile").write_text(
-            DOCKERFILE.format(engine=cfg.engine, port=cfg.port, base_image=cfg.base_image)
-        )
+        (tmp / "Dockerfile").write_text(dockerfile(cfg))
         save_config(cfg, tmp)
         write_manifest(
             tmp,
