@@ -24,6 +24,10 @@ STAGES = {
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
     "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
     "evaluate": ("kit.evaluate.cli", "base vs trained: held-out loss, multiple choice, answers, speed"),
+    "serve": (
+        "kit.serve.cli",
+        "serve the trained model (OpenAI API), load-test it, package it for ModelArts",
+    ),
     "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
 }
 

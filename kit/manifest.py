@@ -29,6 +29,8 @@ HF_MODEL = "hf-model"
 TRAINING_RUN = "training-run"
 PROFILE_CAPTURE = "profile-capture"
 EVALUATION = "evaluation"
+LOAD_TEST = "load-test"
+SERVING_PACKAGE = "serving-package"
 
 # kind -> (which stage makes it, the fields its manifest must hold)
 KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
@@ -100,6 +102,14 @@ KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
             "device",  # {"kind", "device", "name", "dtype"}
             "results",  # results.json (beside it: results.csv, speed.png)
         ),
+    ),
+    LOAD_TEST: (
+        "notebook 07 / `python -m kit serve bench`",
+        ("engine", "url", "model", "points", "results"),  # results: results.json (vLLM's keys), results.csv
+    ),
+    SERVING_PACKAGE: (
+        "notebook 07 / `python -m kit serve package`",
+        ("engine", "base_image", "port", "model", "model_bytes"),  # model: the HF folder copied into model/
     ),
 }
 
