@@ -67,7 +67,7 @@ def run_notebook(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 1 MiB filesystem (tmpfs): config files and logs fit, a checkpoint or a model does not. Skipped with
-    the reason where mounting is not allowed; `remount_ro()` on the path's `.read_only` makes it read-only."""
+    the reason where mounting is not allowed; the `remount_read_only` fixture makes it read-only."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if os.geteuid() != 0:
@@ -83,6 +83,12 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def remount_read_only(mnt: Path) -> None:
-    """Make a small_disk read-only (root ignores file permissions; a read-only mount it cannot)."""
-    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+@pytest.fixture
+def remount_read_only():
+    """A function that makes a small_disk read-only (root ignores file permissions; a read-only mount it cannot).
+    A fixture, not an import: `from conftest import` would find tests/e2e/conftest.py in a whole-suite run."""
+
+    def remount(mnt: Path) -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+
+    return remount

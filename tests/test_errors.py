@@ -42,11 +42,10 @@ def test_stage_errors_sit_under_the_shared_kinds():
     assert issubclass(DataPathError, MissingInputError) and issubclass(DataPathError, FileNotFoundError)
 
 
-def test_library_write_failures_name_the_path_being_written(small_disk):
+def test_library_write_failures_name_the_path_being_written(small_disk, remount_read_only):
     """torch.save and safetensors lose the errno and the file; `writing()` gives the one line back (issue 30)."""
     import pytest
     import torch
-    from conftest import remount_read_only
     from safetensors.torch import save_file
 
     from kit.errors import OutputError, user_message, writing
