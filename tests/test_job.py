@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -158,6 +159,7 @@ def _no_secret_anywhere(root, *texts):
 
 def test_submit_sends_the_signed_dry_run_body(api, inputs, capsys, caplog):
     root = inputs[0]
+    caplog.set_level(logging.DEBUG)  # whatever the SDK logs is checked for credentials too
     assert main(_cli(inputs)) == 0  # the dry run: nothing is sent
     dry = capsys.readouterr()
     assert api.requests == [] and '"node_count": 2' in dry.out
@@ -271,7 +273,7 @@ def test_the_manuals_error_messages_map_to_their_causes():
     assert {m: getattr(explain(m, env={}, on_npu=False), "key", None) for m in manual} == manual
 
 
-def test_a_plan_with_problems_is_listed_and_never_sent(api, inputs, tiny_llama_dir):
+def test_a_plan_with_problems_is_listed_and_never_sent(api, inputs, capsys):
     root, data, model = inputs
     cfg = TrainConfig(
         work_dir=str(root / "ws"), model_name="tiny", model_path=str(model), dataset_path=str(data), gbs=4
@@ -289,6 +291,12 @@ def test_a_plan_with_problems_is_listed_and_never_sent(api, inputs, tiny_llama_d
 
     with pytest.raises(JobSubmitError, match="problem"):
         submit(plan)
+    assert main(_cli(inputs, "--gbs", "4", "--submit")) == 2  # the command line: listed, exit 2, nothing sent
+    out, err = capsys.readouterr()
+    assert (
+        "GBS=4 is not divisible" in out
+        and err.strip() == "error: the job has 1 problem(s), listed above; nothing was sent."
+    )
     assert api.requests == []
 
 

@@ -18,11 +18,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(HUAWEICLOUD_SDK_AK, HUAWEICLOUD_SDK_SK, HUAWEICLOUD_SDK_PROJECT_ID, HUAWEICLOUD_SDK_REGION).",
     )
     _add_config_args(p)
-    add_config_arguments(p, JobConfig)  # no field name is shared with TrainConfig
+    # a job setting that TrainConfig also has (say a launcher field) is the run's: one option, TrainConfig's
+    add_config_arguments(p, JobConfig, skip=_shared_fields())
     p.add_argument(
         "--submit", action="store_true", help="send the job (default: print the request, send nothing)"
     )
     p.set_defaults(func=run)
+
+
+def _shared_fields() -> tuple:
+    from dataclasses import fields
+
+    from kit.job.config import JobConfig
+    from kit.train.config import TrainConfig
+
+    train = {f.name for f in fields(TrainConfig)}
+    return tuple(f.name for f in fields(JobConfig) if f.name in train)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,9 +42,18 @@ def run(args: argparse.Namespace) -> int:
     from kit.train.cli import _config
 
     cfg = _config(args)
-    job = JobConfig(**explicit_values(args, JobConfig))
+    job_values = explicit_values(args, JobConfig)
+    job = JobConfig(**{k: v for k, v in job_values.items() if k not in _shared_fields()})
     plan = build_job(cfg, job, cfg.workspace())
     print(plan.describe())
+    if plan.problems:  # like `kit train megatron`: the plan is printed, its problems make it fail
+        import sys
+
+        print(
+            f"error: the job has {len(plan.problems)} problem(s), listed above; nothing was sent.",
+            file=sys.stderr,
+        )
+        return 2
     if args.submit:
         from kit.job.submit import submit
 
