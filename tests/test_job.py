@@ -336,3 +336,25 @@ def test_credentials_in_the_job_environment_are_refused_and_redacted(inputs):
     assert any("looks like a credential" in p for p in plan.problems)
     shown = plan.describe(environ={"HUAWEICLOUD_SDK_AK": AK})
     assert SK not in shown and '"OBS_SECRET_ACCESS_KEY": "***"' in shown and '"MY_FLAG": "1"' in shown
+
+
+def test_the_preset_engine_boot_file_runs_the_kit_with_the_jobs_arguments(tmp_path):
+    """kit/job/node.py as a preset engine starts it: from another folder, arguments from KIT_NODE_ARGS."""
+    import os
+    import subprocess
+    import sys
+
+    from kit.workspace import repo_root
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["KIT_NODE_ARGS"] = json.dumps(["train", "launch", "--help"])
+    out = subprocess.run(
+        [sys.executable, str(repo_root() / "kit" / "job" / "node.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m kit train launch")
