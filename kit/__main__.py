@@ -22,6 +22,10 @@ STAGES = {
     "convert": ("kit.convert.cli", "convert weights HF <-> Megatron with TP/PP"),
     "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
+    "job": (
+        "kit.job.cli",
+        "ModelArts training job on N nodes from a training config (dry run; --submit sends it)",
+    ),
     "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
     "evaluate": ("kit.evaluate.cli", "base vs trained: held-out loss, multiple choice, answers, speed"),
     "serve": (
