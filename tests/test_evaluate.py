@@ -395,6 +395,13 @@ def test_tokenizer_without_chat_template_and_empty_prompts(tmp_path):
             "input_ids"
         ]
     )
+    # a reasoning template: data made without thinking is prompted with the empty think block it was trained on
+    opening = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    for thinking, text in ((True, opening), (None, opening), (False, opening + "<think>\n\n</think>\n\n")):
+        assert (
+            chat_prompt(tok, "hi", "qwen3", "/m", thinking)
+            == tok(text, add_special_tokens=False)["input_ids"]
+        )
     with pytest.raises(InputError, match="PROMPTS is empty"):
         read_prompts([])
     (tmp_path / "p.txt").write_text("\n\n", encoding="utf-8")

@@ -78,13 +78,14 @@ def test_chat_streams_the_same_answer_it_gives_whole(served):
 def test_chat_in_the_datas_template_goes_through_completions(served):
     from transformers import AutoTokenizer
 
-    from kit.serve.client import chat, render
+    from kit.data.templates import prompt_text
+    from kit.serve.client import chat
 
     server, _, _ = served
     out = chat(server, "hello", max_tokens=4, echo=False)  # template from the run: chatml
     assert out["template"] == "chatml" and out["endpoint"] == "completions"
     tok = AutoTokenizer.from_pretrained(server.info["model_path"])
-    text = render(tok, "hello", "chatml")
+    text = prompt_text(tok, "hello", "chatml")
     assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert out["prompt_tokens"] == len(tok(text)["input_ids"])
 

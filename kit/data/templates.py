@@ -293,6 +293,19 @@ def template_samples(
     return out
 
 
+def prompt_text(tokenizer: Any, prompt: str, template: str, enable_thinking: Optional[bool] = None) -> str:
+    """The text of one user turn plus the assistant's opening in kit template `template`: the prompt the model sees
+    at inference (evaluation, serving). `enable_thinking` is the data's (None: the template's default); False ends
+    a reasoning template's prompt with the empty think block the model was trained to see."""
+    if template not in TEMPLATES:
+        raise InputError(f"template {template!r} is not one of {sorted(TEMPLATES)} or 'tokenizer'.")
+    specials = {"bos": tokenizer.bos_token or "", "eos": tokenizer.eos_token or ""}
+    thinking = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    pieces = template_segments(Dialog(None, [(prompt, "")]), TEMPLATES[template], specials, **thinking)
+    # everything up to the (empty) answer: prefix, system, the user turn with the assistant's opening
+    return "".join(t for t, role in pieces if role in ("prefix", "system", "user"))
+
+
 def _messages(dialog: Dialog, system: Optional[str], upto: int) -> List[Dict[str, str]]:
     msgs: List[Dict[str, str]] = []
     sys_text = dialog.system or system

@@ -45,23 +45,20 @@ def read_prompts(prompts: Sequence[str], prompts_file: Optional[PathLike] = None
     return list(prompts)
 
 
-def chat_prompt(tokenizer, prompt: str, template: Optional[str], where: str) -> List[int]:
+def chat_prompt(
+    tokenizer, prompt: str, template: Optional[str], where: str, enable_thinking: Optional[bool] = None
+) -> List[int]:
     """Token ids of `prompt` as one user turn plus the assistant's opening, in the data's template.
 
     `template` is the prepared data's template: a kit template name (kit.data.templates) or "tokenizer" / None
     for the tokenizer's own `chat_template`. `where` names the tokenizer folder for the error message.
+    `enable_thinking` is the data's (None: the template's default): False ends a reasoning template's prompt with
+    the empty think block, as the model was trained to see it.
     """
     if template and template != "tokenizer":
-        from kit.data.templates import TEMPLATES, template_segments
+        from kit.data.templates import prompt_text
 
-        if template not in TEMPLATES:
-            raise InputError(f"template {template!r} is not one of {sorted(TEMPLATES)} or 'tokenizer'.")
-        from kit.data.dialogs import Dialog
-
-        specials = {"bos": tokenizer.bos_token or "", "eos": tokenizer.eos_token or ""}
-        pieces = template_segments(Dialog(None, [(prompt, "")]), TEMPLATES[template], specials)
-        # everything up to the (empty) answer: prefix, system, the user turn with the assistant's opening
-        text = "".join(t for t, role in pieces if role in ("prefix", "system", "user"))
+        text = prompt_text(tokenizer, prompt, template, enable_thinking)
         # the prepared data tokenizes template text without added special tokens (kit.data.tokenizing)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if not getattr(tokenizer, "chat_template", None):
@@ -69,8 +66,13 @@ def chat_prompt(tokenizer, prompt: str, template: Optional[str], where: str) -> 
             f"{where}/tokenizer_config.json: line 1: the tokenizer has no chat_template, so prompts cannot be "
             f"wrapped as chat turns; set TEMPLATE to a kit template (e.g. 'chatml') or use a chat model's tokenizer."
         )
+    thinking = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **thinking,
     )["input_ids"]
 
 

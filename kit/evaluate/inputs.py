@@ -33,6 +33,7 @@ class EvalInputs:
     data: Optional[Path] = None
     heldout: Optional[Dict[str, Any]] = None
     template: Optional[str] = None
+    enable_thinking: Optional[bool] = None  # the data's (reasoning templates), None when it recorded none
     run: Optional[Path] = None
     consumed: List[Consumed] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -73,6 +74,7 @@ def _data_facts(data: Path, inputs: EvalInputs) -> None:
     inputs.data = man.folder
     inputs.heldout = man.get("heldout")
     inputs.template = man.get("template")
+    inputs.enable_thinking = man.get("enable_thinking")
     inputs.consumed.append(man.as_input())
 
 

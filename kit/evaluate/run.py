@@ -216,7 +216,9 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                     }
                 t0 = _lap(clock, "accuracy", t0)
             if prompts:
-                ids = [chat_prompt(tok, p, inputs.template, str(path)) for p in prompts]
+                ids = [
+                    chat_prompt(tok, p, inputs.template, str(path), inputs.enable_thinking) for p in prompts
+                ]
                 results["generations"][label] = generate_answers(model, tok, ids, cfg.max_new_tokens)
                 t0 = _lap(clock, "generation", t0)
             if "speed" in parts:

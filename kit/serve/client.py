@@ -24,18 +24,6 @@ def _tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def render(tokenizer, prompt: str, template: Optional[str]) -> str:
-    """The text of one user turn plus the assistant's opening in `template` (a kit template name)."""
-    from kit.data.dialogs import Dialog
-    from kit.data.templates import TEMPLATES, template_segments
-
-    if template not in TEMPLATES:
-        raise InputError(f"template {template!r} is not one of {sorted(TEMPLATES)} or 'tokenizer'.")
-    specials = {"bos": tokenizer.bos_token or "", "eos": tokenizer.eos_token or ""}
-    pieces = template_segments(Dialog(None, [(prompt, "")]), TEMPLATES[template], specials)
-    return "".join(t for t, role in pieces if role in ("prefix", "system", "user"))
-
-
 def refused(exc: Exception) -> RequestRefusedError:
     """One line for an `openai.APIStatusError` (e.g. vLLM's 400 for a prompt longer than --max-model-len)."""
     status = getattr(exc, "status_code", "?")
@@ -74,7 +62,9 @@ def chat(
     client = server.openai_client()
     use_kit_template = bool(template) and template != "tokenizer"
     if use_kit_template:
-        text = render(tok, prompt, template)
+        from kit.data.templates import prompt_text
+
+        text = prompt_text(tok, prompt, template)
         n = check_length(
             tok, tok(text, add_special_tokens=False)["input_ids"], max_tokens, info.get("context_length")
         )
