@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -203,22 +202,6 @@ def parse_env_list_json(text: str) -> dict:
             )
             name = "base" if root else Path(prefix).name
         out.setdefault(name, prefix)
-    return out
-
-
-_TEXT_ROW = re.compile(r"^(\S+)?\s+(\*\s+)?(/\S.*)$")
-
-
-def parse_env_list_text(text: str) -> dict:
-    """{name: prefix} from plain `conda env list` output (rows 'name [*] prefix'; unnamed rows by folder)."""
-    out = {}
-    for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        m = _TEXT_ROW.match(line.rstrip())
-        if m:
-            prefix = m.group(3).strip()
-            out.setdefault(m.group(1) or Path(prefix).name, prefix)
     return out
 
 
