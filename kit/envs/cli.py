@@ -26,27 +26,6 @@ def _config_options(p: argparse.ArgumentParser, action: str) -> None:
     wanted = _FIELDS.get(action, ())
     skip = [f for f in EnvsConfig.__dataclass_fields__ if f not in wanted]
     add_config_arguments(p, EnvsConfig, skip=skip, positional=["source"] if "source" in wanted else [])
-    # the documented short forms (README): --verify, --format, -j, --name for the kernel, --set-env (repeatable)
-    if "verify_imports" in wanted:
-        p.add_argument(
-            "--verify",
-            dest="verify_imports",
-            type=_imports,
-            default=argparse.SUPPRESS,
-            help="= --verify-imports",
-        )
-    if action == "pack":
-        p.add_argument("--format", dest="pack_format", default=argparse.SUPPRESS, help="= --pack-format")
-        p.add_argument("-j", dest="threads", type=int, default=argparse.SUPPRESS, help="= --threads")
-    if action == "kernel":
-        p.add_argument("--name", dest="kernel_name", default=argparse.SUPPRESS, help="= --kernel-name")
-        p.add_argument(
-            "--set-env",
-            action="append",
-            dest="set_env",
-            default=argparse.SUPPRESS,
-            help="a set_env.sh to capture (repeatable; 'none' to skip); = --set-env-scripts",
-        )
 
 
 def _clean(p: argparse.ArgumentParser) -> None:
@@ -55,10 +34,6 @@ def _clean(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="remove leftovers of interrupted runs (.NAME.partial-*) beside the output; they are always reported",
     )
-
-
-def _imports(text: str) -> list:
-    return [x for x in text.split(",") if x]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -134,8 +109,6 @@ def _values(args: argparse.Namespace) -> dict:
             scripts = json.loads(scripts)
         elif isinstance(scripts, str) and scripts != "auto":
             scripts = [x for x in scripts.split(",") if x and x != "none"]
-        if getattr(args, "set_env", None) is not None:
-            scripts = [x for x in args.set_env if x != "none"]
         out["set_env_scripts"] = scripts
     return out
 

@@ -278,7 +278,7 @@ def check_kernel(
     except NoSuchKernel as exc:
         raise EnvError(
             f"no Jupyter kernel named {name!r} is installed; register it with `python -m kit env kernel ENV "
-            f"--name {name}` (or run `python -m kit env restore` after a restart)."
+            f"--kernel-name {name}` (or run `python -m kit env restore` after a restart)."
         ) from exc
     kc = km.client()
     out: dict = {"error": None}
