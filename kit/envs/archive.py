@@ -23,7 +23,14 @@ import tarfile
 import zlib
 from typing import IO, Iterator, Optional
 
-from kit.envs.prefix import EnvArchiveError, EnvError, read_scanned, read_whole, scan_prefix
+from kit.envs.prefix import (
+    EnvArchiveError,
+    EnvError,
+    read_scanned,
+    read_whole,
+    scan_prefix,
+    special_file_error,
+)
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 MANIFEST = ".kit-env.json"
@@ -260,9 +267,7 @@ class ArchiveWriter:
                 self._inodes[(st.st_dev, st.st_ino)] = name
             self._add_file(path, name, st)
         else:
-            raise EnvArchiveError(
-                f"{path} is a device, socket or FIFO; environments never hold those, remove it and pack again."
-            )
+            raise special_file_error(path, "remove it and pack again", EnvArchiveError)
 
     def _add_file(self, path: str, name: str, st) -> None:
         """The file's header and data, hashed on the way; a file whose size is not the scan's is an error."""
