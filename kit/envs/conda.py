@@ -21,7 +21,7 @@ from typing import IO, Optional, Union
 from kit.atomic import atomic_write_text
 from kit.envs.archive import ArchiveWriter, archive_writer
 from kit.envs.config import get_layout
-from kit.envs.prefix import EnvError
+from kit.envs.prefix import EDITABLE_HINT, EnvError
 
 
 def _load(prefix: str, ignore_editable: bool):
@@ -30,14 +30,8 @@ def _load(prefix: str, ignore_editable: bool):
     try:
         return conda_pack.CondaEnv.from_prefix(prefix, ignore_editable_packages=ignore_editable)
     except conda_pack.CondaPackException as exc:
-        text = str(exc)
-        if "editable" in text:
-            text += (
-                "\nEditable installs point at a source tree outside the env that is not shipped; pass "
-                "ignore_editable=True (--ignore-editable-packages) to pack without them and reinstall them "
-                "after unpacking, or `pip install` them normally first."
-            )
-        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {text}") from exc
+        hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
+        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
 
 
 def _mtime(prefix: str) -> Optional[float]:

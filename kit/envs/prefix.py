@@ -430,6 +430,12 @@ def verify(
     return report
 
 
+EDITABLE_HINT = (
+    "their source trees live outside the env and are not shipped: pass ignore_editable=True "
+    "(--ignore-editable-packages) to go without them and reinstall them after, or `pip install` them normally"
+)
+
+
 def find_editable(prefix: os.PathLike | str) -> list[str]:
     """Distributions installed with `pip install -e` (dist-info/direct_url.json says editable)."""
     out = []
