@@ -16,7 +16,7 @@ from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existi
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
-from kit.envs.conda import conda_clone, conda_envs
+from kit.envs.conda import clone_command, conda_envs, run_conda
 from kit.envs.config import get_layout
 from kit.envs.extraction import extract
 from kit.envs.prefix import (
@@ -185,7 +185,7 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)
     try:
-        conda_clone(str(source), str(dest))
+        run_conda(clone_command(str(source), str(dest)))
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         if old is not None:
