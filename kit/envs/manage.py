@@ -250,7 +250,7 @@ def pack(
             )
         else:
             counts = venv_backend.pack_tree(
-                src.prefix, fh, fmt, level, threads, manifest, bar.update, entries=entries
+                src.prefix, fh, fmt, level, threads, manifest, entries, bar.update
             )
     seconds = time.perf_counter() - start
     result = {
