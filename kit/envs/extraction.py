@@ -1,9 +1,7 @@
-"""Safe extraction, one path for every archive. GNU tar writes the files into an empty temporary folder: it refuses
-`..` in names, strips a leading `/` and makes links that point up or out only at its end, so nothing lands outside.
-Then the tree must match a member list (type, size, hash, link target): a kit archive's own (its last member), or
-for an archive of another tool the one Python's tarfile reads from it first, checking each member as it goes.
-Links that leave the target and special files are refused. tarfile's 'data' filter is not used: nothing is
-extracted by tarfile."""
+"""Safe extraction, one path for every archive: GNU tar writes into an empty temporary folder (it refuses `..`,
+strips a leading `/`, makes links that point up or out only at its end), then the tree must match a member list
+(type, size, hash, link target): a kit archive's last member, or for another tool's archive the one tarfile reads
+from it first, member by member. tarfile extracts nothing, so its 'data' filter is not used."""
 
 from __future__ import annotations
 
@@ -90,9 +88,7 @@ class Stream:
         self._buf, self._pos, self._start = b"", 0, 0  # _start: the stream offset of _buf[0]
         self.last = b""
 
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            return b"".join(iter(lambda: self.read(CHUNK), b""))
+    def read(self, n: int) -> bytes:  # tarfile always asks for a size
         while len(self._buf) - self._pos < n:
             chunk = next(self._chunks, None)
             if chunk is None:
