@@ -361,24 +361,23 @@ def copy_tree(
             if progress:
                 progress(1)
     for rel, s, st in entries:  # cp copied what it found: a file changed since the scan differs in size
+        d = os.path.join(dst, rel)
         if stat.S_ISREG(st.st_mode):
             try:
-                now: Optional[int] = os.lstat(os.path.join(dst, rel)).st_size
+                now: Optional[int] = os.lstat(d).st_size
             except FileNotFoundError:  # removed before the copier came to it
                 now = None
             if now != st.st_size:
                 raise changed_error(s, st.st_size, now)
-    counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
-    counts["bytes"] += grown
-    for rel, s, st in entries:
-        if stat.S_ISLNK(st.st_mode):
+        elif stat.S_ISLNK(st.st_mode):
             target = os.readlink(s)
             if os.path.isabs(target) and inside(src, target):
-                d = os.path.join(dst, rel)
                 os.unlink(d)
                 os.symlink(new_prefix + target[len(src) :], d)
-        elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
-            os.chmod(os.path.join(dst, rel), stat.S_IMODE(st.st_mode) | 0o700)
+        elif st.st_mode & 0o700 != 0o700:  # a folder (_special refused anything else)
+            os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
+    counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
+    counts["bytes"] += grown
     return counts
 
 
