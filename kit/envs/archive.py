@@ -146,9 +146,8 @@ class _Plain:
 
 
 class EarlyWriteback:
-    """File wrapper that has the kernel start writing the archive to disk every 32 MiB while packing goes on
-    (posix_fadvise DONTNEED starts writeback without waiting for it), so the fsync before the final rename
-    (kit/atomic.py) has only the last piece to write."""
+    """File wrapper that starts the kernel's writeback every 32 MiB (posix_fadvise DONTNEED does not wait for it),
+    so the fsync before the final rename (kit/atomic.py) has only the last piece to write."""
 
     def __init__(self, fh, step: int = 32 << 20):
         self._fh, self._step, self._since, self.flush = fh, step, 0, fh.flush

@@ -38,9 +38,8 @@ def _mtime(prefix: str) -> Optional[float]:
 
 
 def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):
-    """conda-pack's Packer (its internal writer class, conda-pack 0.8-0.9) over the env's files into `archive`
-    (add(source, target), add_bytes(source, data, target)); the bar counts conda-pack's records. Returns
-    (files, packer)."""
+    """(files, packer): conda-pack's Packer (internal in conda-pack 0.8-0.9) over the env's files into `archive`
+    (add(source, target), add_bytes(source, data, target)); the bar counts conda-pack's records."""
     from conda_pack.core import Packer
 
     env = _load(prefix, ignore_editable)
