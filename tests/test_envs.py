@@ -328,14 +328,27 @@ def test_cli_clone_pack_unpack_kernel_restore(source_env, tmp_path, capsys):
         assert main(["env", *argv]) == 0
         return json.loads(capsys.readouterr().out)
 
-    cloned = cli("clone", str(source_env), "--name", "cli-env", "--envs-root", root, "--verify", "kitprobe")
+    cloned = cli(
+        "clone", str(source_env), "--name", "cli-env", "--envs-root", root, "--verify-imports", "kitprobe"
+    )
     assert cloned["target"] == f"{root}/venvs/cli-env" and cloned["verify"]["imports"]["kitprobe"] == "ok 1.0"
     assert [e["name"] for e in cli("list", "--envs-root", root)] == ["cli-env"]
-    packed = cli("pack", "cli-env", "--envs-root", root, "--format", "tar.gz", "-j", "2")
+    packed = cli("pack", "cli-env", "--envs-root", root, "--pack-format", "tar.gz", "--threads", "2")
     assert packed["archive"] == f"{root}/packs/cli-env.tar.gz"
-    unpacked = cli("unpack", packed["archive"], str(tmp_path / "u" / "cli-env"), "--verify", "kitprobe")
+    unpacked = cli(
+        "unpack", packed["archive"], str(tmp_path / "u" / "cli-env"), "--verify-imports", "kitprobe"
+    )
     assert unpacked["verify"]["prefix"] == str(tmp_path / "u" / "cli-env")
-    kernel = cli("kernel", cloned["target"], "--name", "cli-env", "--set-env", "none", "--envs-root", root)
+    kernel = cli(
+        "kernel",
+        cloned["target"],
+        "--kernel-name",
+        "cli-env",
+        "--set-env-scripts",
+        "none",
+        "--envs-root",
+        root,
+    )
     assert kernel["cann_vars"] == [] and Path(kernel["installed"]).is_dir()
     assert cli("restore", "--envs-root", root)["unchanged"] == ["cli-env"]
     assert cli("remove", cloned["target"], "--envs-root", root)["kernels"] == ["cli-env"]
@@ -465,17 +478,24 @@ def test_every_env_command_error_is_one_line_and_exit_2(source_env, tmp_path):
     long_parent = tmp_path / ("x" * 300) / "env"
     cases = {
         "level": ["pack", str(source_env), "-o", str(tmp_path / "a.tar.zst"), "--level", "99"],
-        "format": ["pack", str(source_env), "-o", str(tmp_path / "a.tar.zst"), "--format", "tar.gz"],
+        "format": ["pack", str(source_env), "-o", str(tmp_path / "a.tar.zst"), "--pack-format", "tar.gz"],
         "suffix": ["pack", str(source_env), "-o", str(tmp_path / "a.rar")],
-        "cut": ["unpack", str(tmp_path / "cut.tar"), str(tmp_path / "u1"), "--verify", ""],
-        "bad-json": ["unpack", str(tmp_path / "bad-json.tar"), str(tmp_path / "u2"), "--verify", ""],
+        "cut": ["unpack", str(tmp_path / "cut.tar"), str(tmp_path / "u1"), "--verify-imports", ""],
+        "bad-json": ["unpack", str(tmp_path / "bad-json.tar"), str(tmp_path / "u2"), "--verify-imports", ""],
         "missing-archive": ["unpack", str(tmp_path / "none.tar.zst"), str(tmp_path / "u3")],
-        "name-too-long": ["unpack", good, str(long_parent), "--verify", ""],
+        "name-too-long": ["unpack", good, str(long_parent), "--verify-imports", ""],
         "no-source": ["clone", "no-such-env", "--envs-root", str(tmp_path / "envs")],
-        "inside": ["clone", str(source_env), "--target", str(source_env / "inner"), "--verify", ""],
+        "inside": ["clone", str(source_env), "--target", str(source_env / "inner"), "--verify-imports", ""],
         "method": ["clone", str(source_env), "--method", "rsync", "--envs-root", str(tmp_path / "envs")],
         "not-env": ["remove", str(tmp_path)],
-        "set-env": ["kernel", str(source_env), "--name", "k", "--set-env", str(tmp_path / "none.sh")],
+        "set-env": [
+            "kernel",
+            str(source_env),
+            "--kernel-name",
+            "k",
+            "--set-env-scripts",
+            str(tmp_path / "none.sh"),
+        ],
         "no-kernel": ["check-kernel", "no-such-kernel"],
     }
     for case, argv in cases.items():
@@ -530,7 +550,7 @@ def _stopped_mid_clone(source: Path, root: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "KIT_DEBUG"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kit", "env", "clone", str(source), "--name", "c", "--envs-root", str(root)]
-        + ["--verify", ""],
+        + ["--verify-imports", ""],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -565,7 +585,9 @@ def test_sigterm_cleans_up_like_ctrl_c_and_leftovers_are_reported(many_files_env
     lock, left = sorted((root / "venvs").iterdir())  # the killed run's lock and its temporary folder
     assert lock.name == ".c.lock" and left.name.startswith(".c.partial-")
     size = sum(p.lstat().st_size for p in left.rglob("*"))
-    report = _kit("clone", str(many_files_env), "--name", "d", "--envs-root", str(root), "--verify", "")
+    report = _kit(
+        "clone", str(many_files_env), "--name", "d", "--envs-root", str(root), "--verify-imports", ""
+    )
     assert (
         report.returncode == 0
         and "leftover partial output" in report.stderr
@@ -596,10 +618,9 @@ def test_cli_options_come_from_envs_config():
     def values(*argv):
         return env_cli._values(parser.parse_args(["env", *argv]))
 
-    # long forms from the dataclass and the README's short forms give the same values; defaults are the dataclass's
-    assert values("pack", "e", "--pack-format", "tar.gz", "--threads", "2") == values(
-        "pack", "e", "--format", "tar.gz", "-j", "2"
-    )
+    # the options come from the dataclass; defaults are the dataclass's
+    given = values("pack", "e", "--pack-format", "tar.gz", "--threads", "2")
+    assert (given["pack_format"], given["threads"]) == ("tar.gz", 2)
     assert values("pack", "e") == {
         "source": "e",
         "pack_format": None,  # not given: from --output's suffix, else tar.zst
@@ -608,10 +629,10 @@ def test_cli_options_come_from_envs_config():
         "overwrite": False,
         "envs_root": None,
     }
-    assert values("clone", "e", "--verify", "a,b")["verify_imports"] == ["a", "b"]
+    assert values("clone", "e", "--verify-imports", "a,b")["verify_imports"] == ["a", "b"]
     assert values("clone", "e", "--verify-imports", "a,b", "--no-overwrite")["verify_imports"] == ["a", "b"]
     assert values("unpack", "x.tar", "t")["verify_imports"] == list(envs.EnvsConfig().verify_imports)
-    kernel = values("kernel", "/some/where/my-env", "--set-env", "none")
+    kernel = values("kernel", "/some/where/my-env", "--set-env-scripts", "none")
     assert kernel["kernel_name"] == "my-env" and kernel["set_env_scripts"] == []
     assert values("kernel", "p", "--kernel-name", "k", "--set-env-scripts", "[]")["set_env_scripts"] == []
     # every field a sub-command takes has its dataclass docstring as --help

@@ -346,14 +346,6 @@ def test_parse_recorded_env_list_json():
         conda_cli.parse_env_list_json("CondaError: something went wrong")
 
 
-def test_parse_recorded_modelarts_env_list_text():
-    found = conda_cli.parse_env_list_text((FIXTURES / "conda_env_list_modelarts.txt").read_text())
-    assert found["base"] == "/home/ma-user/anaconda3"
-    assert found["PyTorch-1.8"] == "/home/ma-user/anaconda3/envs/PyTorch-1.8"  # the active-env '*' skipped
-    assert found["sfs-tar-env"] == "/home/ma-user/work/envs/user_conda/sfs-tar-env"
-    assert len(found) == 7
-
-
 def test_conda_envs_runs_conda_and_lists_its_envs(conda_prefix, tmp_path, monkeypatch):
     # a `conda` that replays recorded output shape, listing the real prefix built above
     recorded = json.loads((FIXTURES / "conda_env_list_json_4.4.txt").read_text())

@@ -23,7 +23,14 @@ import tarfile
 import zlib
 from typing import IO, Iterator, Optional
 
-from kit.envs.prefix import EnvArchiveError, EnvError, read_scanned, read_whole, scan_prefix
+from kit.envs.prefix import (
+    EnvArchiveError,
+    EnvError,
+    read_scanned,
+    read_whole,
+    scan_prefix,
+    special_file_error,
+)
 
 FORMATS = ("tar.zst", "tar.gz", "tar")
 MANIFEST = ".kit-env.json"
@@ -139,9 +146,8 @@ class _Plain:
 
 
 class EarlyWriteback:
-    """File wrapper that has the kernel start writing the archive to disk every 32 MiB while packing goes on
-    (posix_fadvise DONTNEED starts writeback without waiting for it), so the fsync before the final rename
-    (kit/atomic.py) has only the last piece to write."""
+    """File wrapper that starts the kernel's writeback every 32 MiB (posix_fadvise DONTNEED does not wait for it),
+    so the fsync before the final rename (kit/atomic.py) has only the last piece to write."""
 
     def __init__(self, fh, step: int = 32 << 20):
         self._fh, self._step, self._since, self.flush = fh, step, 0, fh.flush
@@ -260,9 +266,7 @@ class ArchiveWriter:
                 self._inodes[(st.st_dev, st.st_ino)] = name
             self._add_file(path, name, st)
         else:
-            raise EnvArchiveError(
-                f"{path} is a device, socket or FIFO; environments never hold those, remove it and pack again."
-            )
+            raise special_file_error(path, "remove it and pack again", EnvArchiveError)
 
     def _add_file(self, path: str, name: str, st) -> None:
         """The file's header and data, hashed on the way; a file whose size is not the scan's is an error."""

@@ -26,27 +26,6 @@ def _config_options(p: argparse.ArgumentParser, action: str) -> None:
     wanted = _FIELDS.get(action, ())
     skip = [f for f in EnvsConfig.__dataclass_fields__ if f not in wanted]
     add_config_arguments(p, EnvsConfig, skip=skip, positional=["source"] if "source" in wanted else [])
-    # the documented short forms (README): --verify, --format, -j, --name for the kernel, --set-env (repeatable)
-    if "verify_imports" in wanted:
-        p.add_argument(
-            "--verify",
-            dest="verify_imports",
-            type=_imports,
-            default=argparse.SUPPRESS,
-            help="= --verify-imports",
-        )
-    if action == "pack":
-        p.add_argument("--format", dest="pack_format", default=argparse.SUPPRESS, help="= --pack-format")
-        p.add_argument("-j", dest="threads", type=int, default=argparse.SUPPRESS, help="= --threads")
-    if action == "kernel":
-        p.add_argument("--name", dest="kernel_name", default=argparse.SUPPRESS, help="= --kernel-name")
-        p.add_argument(
-            "--set-env",
-            action="append",
-            dest="set_env",
-            default=argparse.SUPPRESS,
-            help="a set_env.sh to capture (repeatable; 'none' to skip); = --set-env-scripts",
-        )
 
 
 def _clean(p: argparse.ArgumentParser) -> None:
@@ -55,10 +34,6 @@ def _clean(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="remove leftovers of interrupted runs (.NAME.partial-*) beside the output; they are always reported",
     )
-
-
-def _imports(text: str) -> list:
-    return [x for x in text.split(",") if x]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -118,7 +93,7 @@ def _values(args: argparse.Namespace) -> dict:
     from kit.envs.config import EnvsConfig
 
     given = explicit_values(args, EnvsConfig)
-    defaults = {f.name: getattr(EnvsConfig(), f.name) for f in dataclasses.fields(EnvsConfig)}
+    defaults = dataclasses.asdict(EnvsConfig())
     out = {k: given.get(k, defaults[k]) for k in _FIELDS.get(args.action, ())}
     if args.action == "clone":
         out["name"] = given.get("name")  # not given: the source's name
@@ -129,58 +104,48 @@ def _values(args: argparse.Namespace) -> dict:
             from pathlib import Path
 
             out["kernel_name"] = Path(args.prefix).expanduser().absolute().name
-        scripts = given.get("set_env_scripts", "auto")
-        if isinstance(scripts, str) and scripts.strip().startswith("["):
+        scripts = given.get("set_env_scripts", "auto")  # typed text: a JSON list, a comma list or 'auto'
+        if scripts.strip().startswith("["):
             scripts = json.loads(scripts)
-        elif isinstance(scripts, str) and scripts != "auto":
+        elif scripts != "auto":
             scripts = [x for x in scripts.split(",") if x and x != "none"]
-        if getattr(args, "set_env", None) is not None:
-            scripts = [x for x in args.set_env if x != "none"]
         out["set_env_scripts"] = scripts
     return out
 
 
 def run(args: argparse.Namespace) -> int:
-    from kit.partial import sigterm_as_interrupt
-
-    with sigterm_as_interrupt():  # a killed run removes its temporary output like Ctrl-C does
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
+    import dataclasses
     import sys
 
     import kit.envs as envs
-    from kit.partial import describe
+    from kit.partial import describe, sigterm_as_interrupt
 
-    a = args.action
-    v = _values(args)
-    if a == "list":
-        out = [
-            {"name": e.name, "kind": e.kind, "prefix": str(e.prefix)} for e in envs.list_envs(v["envs_root"])
-        ]
-    elif a == "create-venv":
-        out = {"created": str(envs.create_venv(args.target, args.python, inherit=not args.no_inherit))}
-    elif a in ("clone", "pack"):
-        kw = dict(ignore_editable=args.ignore_editable_packages, clean_partial=args.clean_partial)
-        if a == "clone":
-            out = envs.clone(target=args.target, **v, **kw)
+    a, v = args.action, _values(args)
+    with sigterm_as_interrupt():  # a killed run removes its temporary output like Ctrl-C does
+        if a == "list":
+            out = [dataclasses.asdict(e) for e in envs.list_envs(v["envs_root"])]
+        elif a == "create-venv":
+            out = {"created": str(envs.create_venv(args.target, args.python, inherit=not args.no_inherit))}
+        elif a in ("clone", "pack"):
+            kw = dict(ignore_editable=args.ignore_editable_packages, clean_partial=args.clean_partial)
+            if a == "clone":
+                out = envs.clone(target=args.target, **v, **kw)
+            else:
+                out = envs.pack(output=args.output, fmt=v.pop("pack_format"), **v, **kw)
+        elif a == "unpack":
+            out = envs.unpack(args.archive, args.target, **v, clean_partial=args.clean_partial)
+        elif a == "remove":
+            out = envs.remove(args.target, v["envs_root"])
+        elif a == "kernel":
+            out = envs.register_kernel(
+                args.prefix, v["kernel_name"], v["display_name"], v["set_env_scripts"], v["envs_root"]
+            )
+        elif a == "check-kernel":
+            out = envs.check_kernel(args.name, code=args.code)
+        elif a == "restore":
+            out = envs.restore(v["envs_root"], args.condarc)
         else:
-            out = envs.pack(output=args.output, fmt=v.pop("pack_format"), **v, **kw)
-    elif a == "unpack":
-        out = envs.unpack(args.archive, args.target, **v, clean_partial=args.clean_partial)
-    elif a == "remove":
-        out = envs.remove(args.target, v["envs_root"])
-    elif a == "kernel":
-        out = envs.register_kernel(
-            args.prefix, v["kernel_name"], v["display_name"], v["set_env_scripts"], v["envs_root"]
-        )
-    elif a == "check-kernel":
-        out = envs.check_kernel(args.name, code=args.code)
-    elif a == "restore":
-        out = envs.restore(v["envs_root"], args.condarc)
-    else:
-        out = envs.register_envs_root(v["envs_root"], args.condarc)
+            out = envs.register_envs_root(v["envs_root"], args.condarc)
     print(json.dumps(out, indent=1, default=str))
     if isinstance(out, dict) and "partial_leftovers" in out:
         note = describe({"found": out["partial_leftovers"], "removed": out["partial_removed"]})

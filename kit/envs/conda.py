@@ -1,18 +1,15 @@
-"""Conda envs: the conda-pack library (clone with relocated prefixes, pack, finish an unpacked env), the few calls
-the kit makes to the conda command line, and `envs_dirs` in the user's .condarc.
+"""Conda envs: the conda-pack library (clone with relocated prefixes, pack, finish an unpacked env), the few
+conda commands the kit runs, and `envs_dirs` in the user's .condarc.
 
-conda-pack takes each conda-managed file from the package cache (where it still holds the build-time
-placeholder) and rewrites the placeholder, so a clone or an unpacked archive works at its new path without
-the network; files installed by pip are copied with the old prefix rewritten in text files. conda itself is not on
-PyPI: its output parsers are tested against recorded real output (tests/fixtures/envs/); the commands run only where
-conda exists (ModelArts images: /home/ma-user/anaconda3 or /home/ma-user/miniconda3).
+conda-pack rewrites the build-time placeholder of each conda-managed file, so a clone or an unpacked archive works
+at its new path without the network. conda is not on PyPI: its output parser is tested on recorded real output
+(tests/fixtures/envs/); the commands run only where conda exists.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +19,7 @@ from typing import IO, Optional, Union
 from kit.atomic import atomic_write_text
 from kit.envs.archive import ArchiveWriter, archive_writer
 from kit.envs.config import get_layout
-from kit.envs.prefix import EnvError
+from kit.envs.prefix import EDITABLE_HINT, EnvError
 
 
 def _load(prefix: str, ignore_editable: bool):
@@ -31,14 +28,8 @@ def _load(prefix: str, ignore_editable: bool):
     try:
         return conda_pack.CondaEnv.from_prefix(prefix, ignore_editable_packages=ignore_editable)
     except conda_pack.CondaPackException as exc:
-        text = str(exc)
-        if "editable" in text:
-            text += (
-                "\nEditable installs point at a source tree outside the env that is not shipped; pass "
-                "ignore_editable=True (--ignore-editable-packages) to pack without them and reinstall them "
-                "after unpacking, or `pip install` them normally first."
-            )
-        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {text}") from exc
+        hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
+        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
 
 
 def _mtime(prefix: str) -> Optional[float]:
@@ -47,9 +38,8 @@ def _mtime(prefix: str) -> Optional[float]:
 
 
 def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):
-    """conda-pack's Packer (its internal writer class, conda-pack 0.8-0.9) over the env's files into `archive`,
-    which provides add(source, target) and add_bytes(source, data, target); the bar counts conda-pack's records
-    (files, links, conda-meta), not what a walk of the folder sees. Returns (files, packer)."""
+    """(files, packer): conda-pack's Packer (internal in conda-pack 0.8-0.9) over the env's files into `archive`
+    (add(source, target), add_bytes(source, data, target)); the bar counts conda-pack's records."""
     from conda_pack.core import Packer
 
     env = _load(prefix, ignore_editable)
@@ -98,9 +88,8 @@ def pack_conda(
     manifest: Optional[dict] = None,
     bar=None,
 ) -> dict:
-    """Pack a conda env with conda-pack's file list and prefix records, into our compressor: what `conda pack`
-    writes (bin/conda-unpack, activate scripts) between the kit manifest (first) and the member list (last); our
-    compressor gives tar.zst a level and threads, which conda-pack's own tar.zst ignores."""
+    """What `conda pack` writes (conda-pack's files and bin/conda-unpack) as a kit archive, whose compressor
+    gives tar.zst the level and threads conda-pack's own tar.zst ignores."""
     prefix = os.path.abspath(prefix)
     head = dict(manifest or {}, kind="conda", prefix=prefix)
     with archive_writer(raw, fmt, level, threads, head, mtime=_mtime(prefix)) as writer:
@@ -178,21 +167,13 @@ def conda_executable() -> Optional[str]:
     return None
 
 
-def _first_json(text: str) -> dict:
-    """The JSON object in conda's stdout (older condas print notices around it)."""
-    start = text.find("{")
+def parse_env_list_json(text: str) -> dict:
+    """{name: prefix} from `conda env list --json`: names from envs_details, else the folder's ('base' for a
+    conda installation's root)."""
+    start = text.find("{")  # older condas print notices around the JSON
     if start < 0:
         raise EnvError(f"conda printed no JSON: {text.strip()[:300]!r}")
-    obj, _ = json.JSONDecoder().raw_decode(text, start)
-    return obj
-
-
-def parse_env_list_json(text: str) -> dict:
-    """{name: prefix} from `conda env list --json` (names from envs_details when present, else folder names).
-
-    Envs under an envs/ folder are named by their folder; a conda installation's root env is 'base'.
-    """
-    data = _first_json(text)
+    data = json.JSONDecoder().raw_decode(text, start)[0]
     details = data.get("envs_details") or {}
     out = {}
     for prefix in data.get("envs", []):
@@ -206,25 +187,9 @@ def parse_env_list_json(text: str) -> dict:
     return out
 
 
-_TEXT_ROW = re.compile(r"^(\S+)?\s+(\*\s+)?(/\S.*)$")
-
-
-def parse_env_list_text(text: str) -> dict:
-    """{name: prefix} from plain `conda env list` output (rows 'name [*] prefix'; unnamed rows by folder)."""
-    out = {}
-    for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        m = _TEXT_ROW.match(line.rstrip())
-        if m:
-            prefix = m.group(3).strip()
-            out.setdefault(m.group(1) or Path(prefix).name, prefix)
-    return out
-
-
-def run_conda(args: list, conda: Optional[str] = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+def run_conda(args: list, timeout: float = 3600) -> subprocess.CompletedProcess:
     """Run conda with `args`; EnvError naming the command and its error if it fails or is missing."""
-    conda = conda or conda_executable()
+    conda = conda_executable()
     if conda is None:
         raise EnvError(
             "conda is not installed here (no CONDA_EXE, no `conda` on PATH, none under /home/ma-user); "
@@ -239,30 +204,20 @@ def run_conda(args: list, conda: Optional[str] = None, timeout: float = 3600) ->
     return proc
 
 
-def conda_envs(conda: Optional[str] = None) -> dict:
+def conda_envs() -> dict:
     """{name: prefix} of the envs conda knows; {} when conda is absent."""
-    if (conda or conda_executable()) is None:
+    if conda_executable() is None:
         return {}
-    return parse_env_list_json(run_conda(["env", "list", "--json"], conda).stdout)
+    return parse_env_list_json(run_conda(["env", "list", "--json"]).stdout)
 
 
-def clone_command(source: str, target: str, offline: bool = True) -> list:
-    """Arguments of `conda create --clone` into a prefix (what the ModelArts manual runs)."""
-    args = ["create", "--prefix", str(target), "--clone", str(source), "--yes", "--quiet"]
-    return args + (["--offline"] if offline else [])
-
-
-def conda_clone(source: str, target: str, offline: bool = True, conda: Optional[str] = None) -> None:
-    """`conda create --prefix target --clone source`: re-links packages from the cache (copies across disks)."""
-    run_conda(clone_command(source, target, offline), conda)
+def clone_command(source: str, target: str) -> list:
+    """Arguments of `conda create --clone` into a prefix (what the ModelArts manual runs): re-links packages from
+    the cache (copies across disks), offline."""
+    return ["create", "--prefix", str(target), "--clone", str(source), "--yes", "--quiet", "--offline"]
 
 
 # ---- .condarc
-
-
-def condarc_path() -> Path:
-    """$CONDARC if set, else ~/.condarc (the file `conda config` writes by default)."""
-    return Path(os.environ.get("CONDARC") or Path.home() / ".condarc").expanduser()
 
 
 def _load_condarc(text: str, path: Path) -> dict:
@@ -280,12 +235,9 @@ def _load_condarc(text: str, path: Path) -> dict:
 
 
 def register_envs_dir(folder: os.PathLike | str, condarc: Optional[os.PathLike | str] = None) -> dict:
-    """Append `folder` to envs_dirs in .condarc (like `conda config --append envs_dirs`); no-op if present.
-
-    Comments and other settings are kept: the file is edited as text and checked by re-reading it.
-    Returns {"condarc": path, "added": bool, "envs_dirs": [...]}.
-    """
-    path = Path(condarc) if condarc else condarc_path()
+    """Append `folder` to envs_dirs in .condarc (default $CONDARC, else ~/.condarc, as `conda config --append
+    envs_dirs` does) unless present; edited as text, so comments stay, and checked by re-reading it."""
+    path = Path(condarc or os.environ.get("CONDARC") or Path.home() / ".condarc").expanduser()
     folder = str(Path(folder).expanduser().absolute())
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     before = _load_condarc(text, path)
@@ -321,21 +273,15 @@ def register_envs_dir(folder: os.PathLike | str, condarc: Optional[os.PathLike |
     return {"condarc": str(path), "added": True, "envs_dirs": after["envs_dirs"]}
 
 
-def remember_envs_dir(folder: Union[str, Path], envs_root: Optional[Union[str, Path]] = None) -> None:
-    """Record an envs_dirs registration on persistent storage so that restore() re-applies it."""
-    state_path = get_layout(envs_root).state
-    state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.exists() else {}
-    dirs = state.setdefault("envs_dirs", [])
-    if str(folder) not in dirs:
-        dirs.append(str(folder))
-        atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")
-
-
 def register_envs_root(
     envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Union[str, Path]] = None
 ) -> dict:
     """Make conda envs under <envs_root>/user_conda usable by name (`conda activate <name>`), now and after
     every restore(): the registration is recorded on persistent storage and re-applied there."""
-    folder = get_layout(envs_root).conda
-    remember_envs_dir(folder, envs_root)
-    return register_envs_dir(folder, condarc)
+    layout = get_layout(envs_root)
+    state = json.loads(layout.state.read_text(encoding="utf-8")) if layout.state.exists() else {}
+    dirs = state.setdefault("envs_dirs", [])
+    if str(layout.conda) not in dirs:
+        dirs.append(str(layout.conda))
+        atomic_write_text(layout.state, json.dumps(state, indent=1) + "\n")
+    return register_envs_dir(layout.conda, condarc)

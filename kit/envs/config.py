@@ -27,8 +27,7 @@ def default_envs_root(workspace_root: Optional[Union[str, Path]] = None) -> Path
 
 class EnvsLayout:
     """Folders under one persistent envs root (the manual's /home/ma-user/work/envs/user_conda/<name>): conda envs,
-    virtualenvs, archives, kernelspecs (kept here, installed where Jupyter looks by restore()) and the state
-    restore() re-applies (envs_dirs registrations, JSON)."""
+    virtualenvs, archives, kernelspecs and the state (envs_dirs registrations) that restore() re-applies."""
 
     def __init__(self, root: Path):
         self.root, self.conda, self.venvs = root, root / "user_conda", root / "venvs"

@@ -1,9 +1,7 @@
-"""Safe extraction, one path for every archive. GNU tar writes the files into an empty temporary folder: it refuses
-`..` in names, strips a leading `/` and makes links that point up or out only at its end, so nothing lands outside.
-Then the tree must match a member list (type, size, hash, link target): a kit archive's own (its last member), or
-for an archive of another tool the one Python's tarfile reads from it first, checking each member as it goes.
-Links that leave the target and special files are refused. tarfile's 'data' filter is not used: nothing is
-extracted by tarfile."""
+"""Safe extraction, one path for every archive: GNU tar writes into an empty temporary folder (it refuses `..`,
+strips a leading `/`, makes links that point up or out only at its end), then the tree must match a member list
+(type, size, hash, link target): a kit archive's last member, or for another tool's archive the one tarfile reads
+from it first, member by member. tarfile extracts nothing, so its 'data' filter is not used."""
 
 from __future__ import annotations
 
@@ -29,10 +27,17 @@ from kit.envs.prefix import (
     gnu_program,
     helper_program,
     inside,
+    special_file_error,
 )
 
 _END = bytes(512)  # tar's end-of-archive block
-_AGAIN = "copy it again from its source or re-create it with `python -m kit env pack`"
+
+
+def _damaged(archive, what: str) -> ArchiveDamagedError:
+    return ArchiveDamagedError(
+        f"archive {str(archive)!r} is damaged or incomplete: {what}; copy it again from its source or "
+        f"re-create it with `python -m kit env pack`."
+    )
 
 
 def detect(head: bytes) -> str:
@@ -45,8 +50,7 @@ def detect(head: bytes) -> str:
 
 def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
     """The file's decompressed chunks, frame after frame (gzip members, zstd frames); raises when a stream stops
-    inside a frame (python-zstandard's stream_reader returns what it has without an error: a cut archive would
-    read as a shorter one)."""
+    inside a frame, where python-zstandard's stream_reader returns what it has (a cut archive reads shorter)."""
     with open(path, "rb") as raw:
         fmt = detect(raw.read(4))
         raw.seek(0)
@@ -72,25 +76,19 @@ def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
                 if dobj.eof:  # a frame ended; what follows is the next one
                     data, dobj, started = dobj.unused_data, new(), False
         if started and not dobj.eof:
-            raise ArchiveDamagedError(
-                f"archive {path!r} is truncated: its {fmt[4:]} stream stops in the middle; copy it again "
-                f"(compare its size with the original) or re-create it with `python -m kit env pack`."
-            )
+            raise _damaged(path, f"its {fmt[4:]} stream stops in the middle (truncated)")
 
 
 class Stream:
-    """The decompressed tar as the file tarfile reads: read, tell, and seek forward (by reading on). `last` is
-    what the latest read returned: tarfile reads each header as one 512-byte read, so after it stops, `last`
-    tells tar's end-of-archive block (zeros) from a stream that just stops."""
+    """The decompressed tar as a file tarfile reads (seeks only forward). `last`, the latest read, tells tar's
+    end-of-archive block (tarfile reads each header as one 512-byte read) from a stream that just stops."""
 
     def __init__(self, path: str, step: int = CHUNK):
         self._chunks = _decompressed(path, step)
         self._buf, self._pos, self._start = b"", 0, 0  # _start: the stream offset of _buf[0]
         self.last = b""
 
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            return b"".join(iter(lambda: self.read(CHUNK), b""))
+    def read(self, n: int) -> bytes:  # tarfile always asks for a size
         while len(self._buf) - self._pos < n:
             chunk = next(self._chunks, None)
             if chunk is None:
@@ -129,10 +127,7 @@ def damage_named(path) -> Iterator[None]:
     except Exception as exc:
         if not is_stream_error(exc):
             raise
-        raise ArchiveDamagedError(
-            f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
-            f"re-create it with `python -m kit env pack` (or kit.envs.pack)."
-        ) from exc
+        raise _damaged(path, f"corrupt, truncated or not a tar archive ({exc})") from exc
 
 
 def is_stream_error(exc: BaseException) -> bool:
@@ -146,12 +141,9 @@ def json_member(data: bytes, what: str, path) -> dict:
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ArchiveDamagedError(
-            f"archive {str(path)!r}: its {what} is not valid JSON ({exc}); the archive is damaged or was "
-            f"edited; re-create it with `python -m kit env pack`."
-        ) from exc
+        raise _damaged(path, f"its {what} is not valid JSON ({exc})") from exc
     if not isinstance(obj, dict):
-        raise ArchiveDamagedError(f"archive {str(path)!r}: its {what} is not a JSON object; re-create it.")
+        raise _damaged(path, f"its {what} is not a JSON object")
     return obj
 
 
@@ -184,10 +176,8 @@ _KINDS = {"d": "folder", "f": "file", "l": "symbolic link", "h": "hard link"}
 
 
 def _listed(archive, hash_name: str) -> list:
-    """The member list of an archive that has none (another tool made it), as Python's tarfile reads it: every
-    member checked first (no absolute names or `..`, links that stay inside, no special files, nothing through a
-    link or a file of the archive), each file hashed. GNU tar then extracts, and what lands must be this list, so
-    a header that GNU tar reads another way (a size with a leading NUL, base-256) is refused, never let past."""
+    """The member list of another tool's archive as tarfile reads it, each member checked, each file hashed;
+    what GNU tar then extracts must be this list, so a header it reads another way is refused."""
     rows: dict = {}
     with damage_named(archive), contextlib.closing(Stream(str(archive))) as stream:
         tar = tarfile.open(fileobj=stream, mode="r:")
@@ -197,10 +187,7 @@ def _listed(archive, hash_name: str) -> list:
         stream.drain()
     if not ended:
         files = sum(r[1] == "f" for r in rows.values())
-        raise ArchiveDamagedError(
-            f"archive {str(archive)!r} is truncated: it has no end-of-archive block after its {files} files; "
-            f"{_AGAIN}."
-        )
+        raise _damaged(archive, f"it has no end-of-archive block after its {files} files (truncated)")
     return list(rows.values())
 
 
@@ -248,10 +235,7 @@ def _list_member(tar: tarfile.TarFile, m: tarfile.TarInfo, rows: dict, hash_name
             )
         rows[name] = [name, "h", 0, other]
     else:
-        raise EnvArchiveError(
-            f"archive member {m.name!r} is a device, FIFO or other special file; environments never contain "
-            f"those, refusing to extract it."
-        )
+        raise special_file_error(f"archive member {m.name!r}", "refusing to extract it", EnvArchiveError)
 
 
 def _links_stay_inside(root: str, links: list) -> None:
@@ -265,11 +249,8 @@ def _links_stay_inside(root: str, links: list) -> None:
 
 
 def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dict:
-    """GNU tar extracts: no owners, modes as archived but never setuid/setgid (umask 0 with
-    --no-same-permissions), no device files, folder modes set at the end (a read-only folder does not stop its
-    members). It runs `zstd -d` / `gzip -d` itself where they exist; else the archive is decompressed here into
-    its pipe. Each file is hashed while tar goes on: tar prints a member's name as it starts it, so the one before
-    is complete. Returns {inode: (size, hash)} of the files hashed."""
+    """GNU tar extracts (no owners, no setuid/setgid, no device files, folder modes at the end), running
+    `zstd` / `gzip` where installed, else fed from here; returns {inode: (size, hash)} of the files hashed."""
     archive = os.path.abspath(archive)
     with open(archive, "rb") as fh:
         program = {"tar.zst": "zstd", "tar.gz": "gzip", "tar": ""}[detect(fh.read(4))]
@@ -277,7 +258,7 @@ def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dic
     source = ["-f", "-"] if fed else ["--force-local", "-f", archive] + (["-I", program] if program else [])
     cmd = [exe, "-x", "-v", "--quoting-style=literal", *source, "-C", root, "--no-same-owner"]
     cmd += ["--no-same-permissions", "--delay-directory-restore", "-b", "512"]  # 256 KiB records, not 10 KiB
-    hint = f"the archive is truncated, corrupt or unsafe: {_AGAIN}"
+    hint = "the archive is truncated, corrupt or unsafe: copy it again or re-create it (`python -m kit env pack`)"
     hashes: dict = {}
     names = None
     try:
@@ -315,9 +296,8 @@ def _feed(archive: str, pipe) -> None:
 
 
 def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
-    """Hash the regular file each line names once the next line has come. Only a hint: _check_tree finds every
-    file and takes the hash recorded here for its inode, else hashes it then. tar never writes into an existing
-    file: a later member of the same name is a new file, hashed in its turn (the latest record of an inode wins)."""
+    """Hash the file each line of `tar -v` names once the next line came (tar prints a name as it starts it);
+    only a hint: _check_tree takes the hash recorded for an inode, else hashes the file itself."""
     careful, previous, top = _makes_devices(), None, os.fsencode(root) + b"/"
     for line in itertools.chain(lines, [None]):
         if previous is not None and not previous.endswith(b"/\n"):
@@ -363,10 +343,6 @@ def _hash(path: str, hash_name: str) -> tuple:
     return st, h.hexdigest()
 
 
-def _damaged(archive, what: str) -> ArchiveDamagedError:
-    return ArchiveDamagedError(f"archive {str(archive)!r} is damaged or incomplete: {what}; {_AGAIN}.")
-
-
 def _entries(root: str) -> dict:
     """{name: os.DirEntry} of everything under `root`, links not followed; types and inodes come with the folder
     listings (no stat per entry)."""
@@ -382,16 +358,12 @@ def _entries(root: str) -> dict:
 
 
 def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict) -> dict:
-    """The tree under `root` must be the member list: every member there with its type, size, hash or link
-    target, nothing else but the folders that hold them; links stay inside, no special files. Folders are made
-    owner-writable, those tar made for members (conda-pack lists files only) get the usual mode."""
+    """The tree under `root` must be the member list (types, sizes, hashes, link targets; nothing else but the
+    folders that hold them); folders become owner-writable, those tar made unlisted get the usual mode."""
     found = _entries(root)
     for name, e in found.items():
         if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink()):
-            raise EnvArchiveError(
-                f"archive member {name!r} is a device, FIFO or other special file; environments never contain "
-                f"those, refusing the archive."
-            )
+            raise special_file_error(f"archive member {name!r}", "refusing the archive", EnvArchiveError)
     _links_stay_inside(root, [e.path for e in found.values() if e.is_symlink()])
     members = trailer.get("members")
     if not isinstance(members, list) or not all(isinstance(m, list) and len(m) == 4 for m in members):
@@ -453,15 +425,9 @@ def _take_json(archive, root: str, what: str) -> Optional[dict]:
 def extract(
     archive: os.PathLike | str, target: os.PathLike | str, progress: Optional[Callable[[int], None]] = None
 ) -> tuple:
-    """Extract into the existing folder `target`, checking every member; return (counts, manifest or None).
-
-    A kit archive must end with its member list; another archive (`conda pack`, `tar`) is read once by tarfile
-    to make one (and must end with tar's end-of-archive block and a complete compressed stream). GNU tar
-    extracts into a temporary folder inside `target`, the tree must match the list (name, type, size, hash),
-    links must stay inside and special files are refused; only then are its entries moved into `target`, which
-    must not already hold any of their names (nothing is merged into, or written through, what is there).
-    progress(n) is called with the bytes extracted.
-    """
+    """Extract into the existing folder `target`; return (counts, manifest or None). GNU tar writes into a
+    temporary folder, whose tree must match the member list; only then do its entries move into `target`,
+    which must not hold any of their names. progress(n) gets the bytes extracted."""
     root = os.path.realpath(target)
     head = read_archive_manifest(archive)
     if head is not None:

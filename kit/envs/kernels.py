@@ -104,24 +104,21 @@ def capture_cann(
     return select_cann(old, new)
 
 
-def kernel_env(
-    prefix: Union[str, Path], cann_env: Optional[dict] = None, extra: Optional[dict] = None
-) -> dict:
+def kernel_env(prefix: Union[str, Path], cann_env: Optional[dict] = None) -> dict:
     """kernel.json env: the CANN variables, PATH with the env's bin/ first, and the env's activation marker."""
     prefix = str(Path(prefix).absolute())
     env = dict(cann_env or {})
     path = env.get("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
     env["PATH"] = ":".join([f"{prefix}/bin"] + [e for e in path.split(":") if e and e != f"{prefix}/bin"])
     env["CONDA_PREFIX" if kind_of(prefix) == "conda" else "VIRTUAL_ENV"] = prefix
-    env.update(extra or {})
     return env
 
 
 def user_kernels_dir() -> Path:
     """Where `jupyter kernelspec install --user` puts kernels (respects JUPYTER_DATA_DIR)."""
-    from jupyter_core.paths import jupyter_data_dir
+    from jupyter_client.kernelspec import KernelSpecManager
 
-    return Path(jupyter_data_dir()) / "kernels"
+    return Path(KernelSpecManager().user_kernel_dir)
 
 
 def register_kernel(
@@ -130,34 +127,30 @@ def register_kernel(
     display_name: Optional[str] = None,
     set_env_scripts: Union[str, Sequence[Union[str, Path]], None] = "auto",
     envs_root: Optional[Union[str, Path]] = None,
-    extra_env: Optional[dict] = None,
-    check_ipykernel: bool = True,
 ) -> dict:
     """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user.
 
     set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
     Only CANN's variables are copied (see select_cann); the names of the others are returned under "not_copied".
-    Returns {"name", "display_name", "stored", "installed", "prefix", "cann_vars", "not_copied", "set_env_scripts"}.
     """
     check_name(name, "kernel name")
     prefix = Path(prefix).expanduser().absolute()
     python = prefix / "bin" / "python"
     if not python.exists():
         raise EnvError(f"{python} does not exist; register a kernel for an env folder that has bin/python.")
-    if check_ipykernel:
-        probe = subprocess.run([str(python), "-c", "import ipykernel"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            raise EnvError(
-                f"ipykernel cannot be imported in {prefix} ({probe.stderr.strip()[-300:]}); run "
-                f"`{python} -m pip install ipykernel` and register again."
-            )
+    probe = subprocess.run([str(python), "-c", "import ipykernel"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise EnvError(
+            f"ipykernel cannot be imported in {prefix} ({probe.stderr.strip()[-300:]}); run "
+            f"`{python} -m pip install ipykernel` and register again."
+        )
     scripts = find_set_env_scripts() if set_env_scripts == "auto" else list(set_env_scripts or [])
     cann, not_copied = capture_cann(scripts, prefix) if scripts else ({}, [])
     spec = {
         "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": display_name or f"Python ({name})",
         "language": "python",
-        "env": kernel_env(prefix, cann, extra_env),
+        "env": kernel_env(prefix, cann),
         "metadata": {
             "kit": {
                 "prefix": str(prefix),
@@ -205,10 +198,8 @@ def _read_spec(path: Path) -> dict:
 
 
 def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Union[str, Path]] = None) -> dict:
-    """After a restart: reinstall every stored kernelspec whose env still exists, re-register envs_dirs.
-
-    Idempotent: a kernelspec already installed with the same content is left alone ('unchanged').
-    """
+    """After a restart: reinstall every stored kernelspec whose env still exists (one installed with the same
+    content is left alone: 'unchanged'), re-register envs_dirs."""
     from kit.envs.conda import register_envs_dir
 
     layout = get_layout(envs_root)
@@ -219,10 +210,12 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
         if not python.exists():
             report["skipped"][name] = f"env python {python} is missing (env removed or not unpacked yet)"
             continue
-        current = target_root / name / "kernel.json"
-        if current.exists() and _read_or_none(current) == spec:
-            report["unchanged"].append(name)
-            continue
+        try:  # a missing or damaged installed copy is replaced by the stored one
+            if _read_spec(target_root / name / "kernel.json") == spec:
+                report["unchanged"].append(name)
+                continue
+        except (OSError, EnvError):
+            pass
         install_stored(layout.kernels / name)
         report["installed"].append(name)
     if layout.state.exists():
@@ -232,13 +225,6 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
             if result["added"]:
                 report["envs_dirs_added"].append(folder)
     return report
-
-
-def _read_or_none(path: Path) -> Optional[dict]:
-    try:
-        return _read_spec(path)
-    except EnvError:
-        return None  # a damaged installed copy is simply replaced by the stored one
 
 
 def unregister_kernel(name: str, envs_root: Optional[Union[str, Path]] = None) -> list[str]:
@@ -263,10 +249,8 @@ def check_kernel(
     code: str = "",
     timeout: float = 120,
 ) -> dict:
-    """Start the installed kernel `name` with jupyter_client, run code in it, return its sys.prefix and vars.
-
-    `code` (optional) runs first, e.g. "import torch_npu"; its error, if any, is returned under "error".
-    """
+    """Start the installed kernel `name`, run `code` in it (e.g. "import torch_npu"; its error under "error"),
+    return its sys.prefix and `variables`."""
     from jupyter_client import KernelManager
     from jupyter_client.kernelspec import NoSuchKernel
 
@@ -278,7 +262,7 @@ def check_kernel(
     except NoSuchKernel as exc:
         raise EnvError(
             f"no Jupyter kernel named {name!r} is installed; register it with `python -m kit env kernel ENV "
-            f"--name {name}` (or run `python -m kit env restore` after a restart)."
+            f"--kernel-name {name}` (or run `python -m kit env restore` after a restart)."
         ) from exc
     kc = km.client()
     out: dict = {"error": None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,17 +10,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
-from kit.envs.conda import conda_clone, conda_envs
+from kit.envs.conda import clone_command, conda_envs, run_conda
 from kit.envs.config import get_layout
 from kit.envs.extraction import extract
 from kit.envs.prefix import (
     DEFAULT_IMPORTS,
+    EDITABLE_HINT,
     EnvArchiveError,
     EnvError,
     EnvInfo,
@@ -40,11 +42,6 @@ from kit.partial import handle_partials
 
 PathLike = Union[str, "os.PathLike[str]"]
 CLONE_METHODS = ("auto", "copy", "conda-pack", "conda-clone")
-_EDITABLE = (
-    "cannot pack {0}: it has editable installs ({1}) whose source trees live outside the env and "
-    "would not be shipped; pass ignore_editable=True (--ignore-editable-packages) to pack without them "
-    "and reinstall them after unpacking, or `pip install` them normally first."
-)
 
 
 def _bar(total: int, desc: str, unit: str = "file"):
@@ -115,12 +112,7 @@ def clone(
 
     method: 'auto' (conda-pack for conda envs, copy for venvs), 'copy', 'conda-pack' (offline, relocates
     prefixes), 'conda-clone' (`conda create --clone`, needs conda and its package cache or the network).
-    Space is checked against the source's size before anything is kept (method 'copy' with GNU cp: while cp
-    starts copying, so the scan costs no time of its own); a file that changes while it is copied stops the
-    clone. The env is built under a temporary name and renamed when complete; an existing target is refused
-    unless overwrite=True. The result is verified by running its python (verify_imports).
-    Leftovers of interrupted runs beside the target are reported (`partial_leftovers`), removed with
-    clean_partial=True.
+    Built under a temporary name once space is checked, then verified by running its python (verify_imports).
     """
     check_choice(method, CLONE_METHODS, "clone method")
     src = resolve_env(source, envs_root)
@@ -193,7 +185,7 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)
     try:
-        conda_clone(str(source), str(dest))
+        run_conda(clone_command(str(source), str(dest)))
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         if old is not None:
@@ -215,12 +207,10 @@ def pack(
     overwrite: bool = False,
     clean_partial: bool = False,
 ) -> dict:
-    """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>).
+    """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>) that unpack() checks member by member.
 
-    fmt: 'tar.zst' (default; multithreaded zstd at `level`), 'tar.gz' (parallel gzip when threads != 1; plain
-    gzip, what `conda pack` does by default, with threads=1), 'tar'. threads=0 uses every core. The file name
-    must end in the format's suffix. The archive starts with the kit manifest and ends with a list of every
-    member with its size and hash, which unpack() checks.
+    fmt: 'tar.zst' (default), 'tar.gz' (parallel gzip unless threads=1) or 'tar'; the file name's suffix must
+    agree. threads=0 uses every core.
     """
     if fmt is not None:
         check_choice(fmt, FORMATS, "archive format")
@@ -240,7 +230,9 @@ def pack(
     refuse_existing(output, overwrite, "archive")
     editable = find_editable(src.prefix)
     if editable and not ignore_editable and src.kind == "venv":
-        raise EnvError(_EDITABLE.format(src.prefix, ", ".join(editable)))
+        raise EnvError(
+            f"cannot pack {src.prefix}: it has editable installs ({', '.join(editable)}); {EDITABLE_HINT}"
+        )
     partial = handle_partials(output.parent, clean_partial)
     entries = scan_tree(src.prefix)
     n_files, size = tree_totals(entries)
@@ -258,7 +250,7 @@ def pack(
             )
         else:
             counts = venv_backend.pack_tree(
-                src.prefix, fh, fmt, level, threads, manifest, bar.update, entries=entries
+                src.prefix, fh, fmt, level, threads, manifest, entries, bar.update
             )
     seconds = time.perf_counter() - start
     result = {
@@ -287,13 +279,9 @@ def unpack(
     verify_env: Optional[dict] = None,
     clean_partial: bool = False,
 ) -> dict:
-    """Extract an env archive (kit or `conda pack` made) into `target` safely, then fix its prefixes.
-
-    Members that would land outside the target (absolute, '..', escaping links) and special files are
-    refused; a kit archive must hold every member of its member list with the right size and hash, any other
-    must end with tar's end-of-archive block and a complete compressed stream; nothing is left at `target`
-    unless everything succeeded (verify_imports=None skips only the import check, never these).
-    """
+    """Extract an env archive (kit or `conda pack` made) into `target`, every member checked (extract()), then
+    fix its prefixes; nothing is left at `target` unless all succeeded (verify_imports=None skips only the
+    import check)."""
     archive = Path(archive).expanduser().absolute()
     if not archive.is_file():
         raise EnvError(
@@ -315,8 +303,7 @@ def unpack(
         bar.total = bar.n  # the total was an estimate (sidecar or compression guess); end the bar complete
         bar.refresh()
         # Prefixes are rewritten to the final path before the rename, with the files at the temporary one.
-        staged = _Staged(tmp, dest)
-        with staged:
+        with _staged(tmp, dest):
             if manifest and manifest.get("kind") == "venv":
                 counts.update(venv_backend.finish_unpack(dest, manifest))
             elif (dest / "conda-meta").is_dir() or (dest / "bin" / "conda-unpack").exists():
@@ -368,26 +355,22 @@ def _verify(prefix: Path, imports: Optional[Sequence[str]], env: Optional[dict])
     return verify(prefix, imports, env)
 
 
-class _Staged:
-    """Temporarily make `final` point at the staging folder, so that fix-up scripts that derive the prefix
-    from their own location (conda-unpack) write the final path; undone on exit."""
-
-    def __init__(self, tmp: Path, final: Path):
-        self.tmp, self.final, self.moved = tmp, final, None
-
-    def __enter__(self):
-        if os.path.lexists(self.final):  # overwrite=True: keep the old env aside until atomic_dir swaps
-            self.moved = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.prev-", dir=self.final.parent))
-            os.rmdir(self.moved)
-            os.replace(self.final, self.moved)
-        os.symlink(self.tmp, self.final)
-        return self
-
-    def __exit__(self, *exc):
-        os.unlink(self.final)
-        if self.moved is not None:
-            os.replace(self.moved, self.final)
-        return False
+@contextlib.contextmanager
+def _staged(tmp: Path, final: Path) -> Iterator[None]:
+    """`final` points at the staging folder meanwhile, so that fix-up scripts that derive the prefix from their
+    own location (conda-unpack) write the final path."""
+    moved = None
+    if os.path.lexists(final):  # overwrite=True: keep the old env aside until atomic_dir swaps
+        moved = Path(tempfile.mkdtemp(prefix=f".{final.name}.prev-", dir=final.parent))
+        os.rmdir(moved)
+        os.replace(final, moved)
+    os.symlink(tmp, final)
+    try:
+        yield
+    finally:
+        os.unlink(final)
+        if moved is not None:
+            os.replace(moved, final)
 
 
 def remove(target: PathLike, envs_root: Optional[PathLike] = None) -> dict:

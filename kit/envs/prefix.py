@@ -41,9 +41,8 @@ _GNU: dict = {}
 
 
 def dies_with_parent(extracting: bool = False):
-    """A preexec_fn for helper programs (cp, tar): Linux kills the child when this process dies, so a killed clone
-    or unpack does not leave a program writing into its partial output. extracting: the child also runs with umask
-    0 (modes as archived) and without the right to make device files (root's CAP_MKNOD). None off Linux."""
+    """A preexec_fn that has Linux kill a helper program (cp, tar) when this process dies, so nothing writes on
+    into a partial output; extracting: umask 0 (modes as archived) and no CAP_MKNOD (no device files)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -118,10 +117,6 @@ class EnvInfo:
     name: str
     prefix: Path
     kind: str
-
-    @property
-    def python(self) -> Path:
-        return self.prefix / "bin" / "python"
 
 
 def kind_of(prefix: os.PathLike | str) -> Optional[str]:
@@ -295,12 +290,17 @@ def read_whole(path: str, st, doing: str = "copied") -> bytes:
     return b"".join(read_scanned(path, st, doing, max(st.st_size, 1)))
 
 
+def special_file_error(what: str, then: str, error=EnvError) -> Exception:
+    """The one error for a device, socket or FIFO, which no environment holds."""
+    return error(
+        f"{what} is a device, socket, FIFO or other special file; environments never hold those: {then}."
+    )
+
+
 def _special(entries: list) -> None:
     for _rel, s, st in entries:
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
-            raise EnvError(
-                f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
-            )
+            raise special_file_error(s, "remove it first")
 
 
 @contextlib.contextmanager
@@ -331,14 +331,9 @@ def copy_tree(
     entries: Optional[list] = None,
     on_scanned: Optional[Callable[[list], object]] = None,
 ) -> dict:
-    """Copy an env tree into the existing folder `dst`, rewriting `src` to `new_prefix` in text files.
-
-    GNU cp copies (modes and times kept, links as links, no owners, every hard link a file of its own) in a
-    process of its own while this one scans the source (unless `entries` has it; then on_scanned(entries), e.g. a
-    space check that stops the copy) and finds the text files that hold the old prefix. Then those texts are
-    rewritten in the copy, absolute links into the source re-pointed and folders made owner-writable. Every file
-    must have the size the scan saw, else EnvError names it. Without GNU cp, one line says to install it.
-    """
+    """Copy an env tree into the existing folder `dst` with GNU cp, rewriting `src` to `new_prefix` in text
+    files and absolute links; every file must have the size the scan saw. The scan (unless `entries` is given)
+    runs while cp copies, then on_scanned(entries), e.g. a space check that stops the copy."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     _special(entries or [])
     exe = gnu_program("cp")
@@ -366,24 +361,23 @@ def copy_tree(
             if progress:
                 progress(1)
     for rel, s, st in entries:  # cp copied what it found: a file changed since the scan differs in size
+        d = os.path.join(dst, rel)
         if stat.S_ISREG(st.st_mode):
             try:
-                now: Optional[int] = os.lstat(os.path.join(dst, rel)).st_size
+                now: Optional[int] = os.lstat(d).st_size
             except FileNotFoundError:  # removed before the copier came to it
                 now = None
             if now != st.st_size:
                 raise changed_error(s, st.st_size, now)
-    counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
-    counts["bytes"] += grown
-    for rel, s, st in entries:
-        if stat.S_ISLNK(st.st_mode):
+        elif stat.S_ISLNK(st.st_mode):
             target = os.readlink(s)
             if os.path.isabs(target) and inside(src, target):
-                d = os.path.join(dst, rel)
                 os.unlink(d)
                 os.symlink(new_prefix + target[len(src) :], d)
-        elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
-            os.chmod(os.path.join(dst, rel), stat.S_IMODE(st.st_mode) | 0o700)
+        elif st.st_mode & 0o700 != 0o700:  # a folder (_special refused anything else)
+            os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
+    counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
+    counts["bytes"] += grown
     return counts
 
 
@@ -409,10 +403,8 @@ def verify(
     env: Optional[dict] = None,
     timeout: float = 900,
 ) -> dict:
-    """Run the env's own python: report sys.prefix, version and each import ('ok', 'absent' or the error).
-
-    Runs in a child process, so torch_npu is imported there only, with `env` (e.g. the CANN variables) added.
-    """
+    """Run the env's own python (with `env` added, e.g. CANN's variables): its sys.prefix, version and each
+    import ('ok', 'absent' or the error); torch_npu is imported in that child only."""
     python = Path(prefix) / "bin" / "python"
     if not python.exists():
         raise EnvError(f"{python} does not exist: {str(prefix)!r} has no python; it is not a usable env.")
@@ -435,6 +427,12 @@ def verify(
     report = json.loads(line[len("KIT-VERIFY ") :])
     report["ok"] = not any(v.startswith("error") for v in report["imports"].values())
     return report
+
+
+EDITABLE_HINT = (
+    "their source trees live outside the env and are not shipped: pass ignore_editable=True "
+    "(--ignore-editable-packages) to go without them and reinstall them after, or `pip install` them normally"
+)
 
 
 def find_editable(prefix: os.PathLike | str) -> list[str]:

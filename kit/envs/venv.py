@@ -23,15 +23,12 @@ from kit.envs.prefix import (
 )
 
 INHERIT_PTH = "_kit_inherit.pth"
+_SITE = "import site, sys; print(sys.prefix != sys.base_prefix); print('\\n'.join(site.getsitepackages()))"
 
 
 def create_venv(target: os.PathLike | str, python: Optional[str] = None, inherit: bool = True) -> Path:
-    """Make a virtualenv at the (absent) `target` with `python` (default: this one), without pip.
-
-    inherit=True sees the packages of the interpreter it was made from, even when that one is itself a
-    virtualenv (a .pth file lists its site-packages): a light env on persistent storage on top of an image's
-    torch / torch_npu, to which the user adds packages.
-    """
+    """Make a virtualenv at the (absent) `target` with `python` (default: this one), without pip; inherit=True
+    sees that interpreter's packages (an image's torch / torch_npu), even when it is a virtualenv itself."""
     target = Path(target).absolute()
     python = python or sys.executable
     cmd = [python, "-m", "venv", "--without-pip", str(target)]
@@ -41,17 +38,7 @@ def create_venv(target: os.PathLike | str, python: Optional[str] = None, inherit
     if proc.returncode != 0:
         raise EnvError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-600:]}")
     if inherit:
-        parent = subprocess.run(
-            [
-                python,
-                "-c",
-                "import site,sys; print(sys.prefix != sys.base_prefix); "
-                "print('\\n'.join(site.getsitepackages()))",
-            ],
-            capture_output=True,
-            text=True,
-        )
-        lines = parent.stdout.split("\n")
+        lines = subprocess.run([python, "-c", _SITE], capture_output=True, text=True).stdout.split("\n")
         if lines and lines[0] == "True":  # venv of a venv: --system-site-packages alone skips the middle one
             site_dir = next(target.glob("lib/python3*/site-packages"))
             (site_dir / INHERIT_PTH).write_text("\n".join(x for x in lines[1:] if x) + "\n", encoding="utf-8")
@@ -75,17 +62,13 @@ def pack_tree(
     level: int,
     threads: int,
     manifest: dict,
+    entries: list,
     progress=None,
-    entries: Optional[list] = None,
 ) -> dict:
-    """Write `prefix` as a tar archive into the open file `raw`: the kit manifest first, then every member, then
-    the member list with sizes and hashes and the text files that mention the prefix.
-
-    Absolute symbolic links (a venv's bin/python3.X -> the base interpreter) go to the member list's
-    `abs_links`, not the tar, so that extraction never has to create a link that leaves the target.
-    """
+    """Write the scan_tree() `entries` of `prefix` as a kit archive into the open file `raw`. Absolute links (bin/
+    python3.X -> the base interpreter) go to the member list's `abs_links`, not the tar, so that extraction never
+    creates a link that leaves the target."""
     prefix = os.path.abspath(prefix)
-    entries = scan_tree(prefix) if entries is None else entries
     abs_links, outside = {}, []
     for rel, path, st in entries:
         if stat.S_ISLNK(st.st_mode) and os.path.isabs(os.readlink(path)):
@@ -108,12 +91,8 @@ def pack_tree(
 
 
 def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
-    """After extraction: rewrite the recorded prefix in text files, then recreate the absolute links.
-
-    The manifest comes from the archive, so it is checked like the members were: files to fix must be inside
-    the target, links into the old prefix must stay inside the new one, and links that leave the env are only
-    accepted for the interpreter (bin/python* -> an existing python*), never e.g. `etc_link -> /etc`.
-    """
+    """After extraction: rewrite the recorded prefix in text files, then recreate the absolute links. The
+    manifest comes from the archive, so it is checked like the members were (only bin/python* may leave the env)."""
     target = os.path.abspath(target)
     root = os.path.realpath(target)
     old = manifest.get("prefix")
