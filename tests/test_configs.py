@@ -52,6 +52,10 @@ STAGE_CONFIGS = [
     "kit.evaluate.config:EvalConfig",
     "kit.envs.config:EnvsConfig",
     "kit.doctor:DoctorConfig",
+    "kit.serve.config:ServeConfig",
+    "kit.serve.config:BenchConfig",
+    "kit.serve.config:PackageConfig",
+    "kit.job.config:JobConfig",
 ]
 
 
