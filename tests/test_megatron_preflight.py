@@ -144,7 +144,7 @@ def test_checkpoint_args_mismatch_fails_the_load_check_in_one_line(ws, tiny_llam
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [line for line in errors if "shards loaded" in line] and len(errors) == 1
-    assert key in errors[0] and "(48, 64)" in errors[0]
+    assert key in errors[0] and "shape (112, 64) but the model has (128, 64)" in errors[0]
 
 
 def test_damaged_shard_fails_in_one_line(ws, tiny_llama_dir, tmp_path):

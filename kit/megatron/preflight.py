@@ -50,6 +50,9 @@ class PreflightConfig:
     """Weight decay (not on norms and biases, as megatron-core's standard overrides)."""
     clip_grad: float = 1.0
     """Gradient clipping by global norm."""
+    adam_eps: float = 1e-6
+    """Adam's epsilon; above float noise, which Adam would turn into LR-sized steps where a gradient is zero in exact
+    arithmetic (ChatGLM3's key bias on the unrotated half of each head)."""
     seed: int = 1234
     """Seed of megatron-core's GPTDataset sample order."""
     timeout_s: int = 600
@@ -257,7 +260,7 @@ def _job(cfg: PreflightConfig, reader, facts: dict, out: Path) -> dict:
         "clip_grad": float(cfg.clip_grad),
         "adam_beta1": 0.9,
         "adam_beta2": 0.95,
-        "adam_eps": 1e-8,
+        "adam_eps": float(cfg.adam_eps),
         "seed": int(cfg.seed),
         "timeout_s": int(cfg.timeout_s),
         "out": str(out),
