@@ -4,6 +4,7 @@ back to HF (notebook 03's converter) and forth again, tensor for tensor."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import List
 
@@ -51,14 +52,19 @@ def compare(job: dict, results: List[dict], work: Path):
         if errors:
             checks.append(_check("ranks ran", False, len(errors), 0, errors[0]))
         return checks, {}
+    seconds = {}
+    t = time.monotonic()
     hf_dir = _back_to_hf(job["checkpoint"], work / "reference_hf")
     batches = torch.load(work / "batches.pt")
     ref = _reference(hf_dir, job)
+    seconds["HF side: convert back"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
     ref_run = train(ref, batches, job)
+    seconds["HF side: steps"] = round(time.monotonic() - t, 1)
     last = [r for r in results if r.get("losses")]
     mg_losses = last[0]["losses"]
-    mg_norms = results[0]["grad_norms"]
-    l0, n0 = mg_losses[0], mg_norms[0]
+    mg_norms, mg_norms64 = results[0]["grad_norms"], results[0]["grad_norms_fp64"]
+    l0, n0 = mg_losses[0], mg_norms64[0]
     rl = _rel(l0, ref_run["losses"][0])
     checks.append(
         _check(
@@ -76,7 +82,8 @@ def compare(job: dict, results: List[dict], work: Path):
             rn <= NORM_RTOL,
             rn,
             NORM_RTOL,
-            f"megatron {n0:.7f}, HF {ref_run['grad_norms'][0]:.7f} (relative {rn:.1e})",
+            f"megatron {n0:.7f}, HF {ref_run['grad_norms'][0]:.7f} (relative {rn:.1e}; both summed in float64, "
+            f"megatron-core's own fp32 norm {mg_norms[0]:.7f})",
         )
     )
     worst = max(_rel(a, b) for a, b in zip(mg_losses, ref_run["losses"]))
@@ -95,7 +102,9 @@ def compare(job: dict, results: List[dict], work: Path):
     model_numel = [r["model_numel"] for r in results]
     sharded = job["dp"] == 1 or all(s < m for s, m in zip(shards, model_numel))
     trained_dir = work / "trained_hf"
+    t = time.monotonic()
     back_problems = _checkpoint_back(job, work, trained_dir)
+    seconds["checkpoint there and back"] = round(time.monotonic() - t, 1)
     params_diff, names = _param_diff(trained_dir, ref) if not back_problems else (float("inf"), "")
     checks.append(
         _check(
@@ -120,19 +129,30 @@ def compare(job: dict, results: List[dict], work: Path):
             0,
             back_problems[0]
             if back_problems
-            else f"{work.name and 'checkpoint'}/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}) -> HF -> the same "
+            else f"checkpoint/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}) -> HF -> the same "
             f"rank files again, every trained tensor equal",
         )
     )
     return checks, {
         "losses": mg_losses,
         "hf_losses": ref_run["losses"],
-        "grad_norms": mg_norms,
+        "grad_norms": mg_norms64,
+        "grad_norms_megatron_fp32": mg_norms,
         "hf_grad_norms": ref_run["grad_norms"],
         "lrs": results[0]["lrs"],
         "optimizer_shard_numel": shards,
         "model_numel": model_numel,
+        "seconds": {**{f"ranks: {k}": v for k, v in _slowest(results).items()}, **seconds},
     }
+
+
+def _slowest(results: List[dict]) -> dict:
+    """Per phase, the slowest rank's seconds."""
+    out: dict = {}
+    for r in results:
+        for k, v in (r.get("seconds") or {}).items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
 
 
 def _back_to_hf(megatron_dir: str, target: Path) -> Path:

@@ -337,7 +337,9 @@ def run(cfg: PreflightConfig) -> PreflightResult:
     work = Path(tempfile.mkdtemp(prefix=".preflight-", dir=str(out.parent)))
     try:
         job = _job(cfg, reader, facts, work)
+        t = time.monotonic()
         results = launch(job)
+        ranks_wall = round(time.monotonic() - t, 1)
         checks, extra = compare(job, results, work)
         facts_out = {
             "megatron_core": version,
@@ -355,6 +357,7 @@ def run(cfg: PreflightConfig) -> PreflightResult:
             "micro_batches": job["micro_batches"],
             **extra,
         }
+        facts_out["seconds"] = {"ranks (wall)": ranks_wall, **facts_out.get("seconds", {})}
         notes = [
             f"vocabulary padded {job['vocab_size']} -> {job['padded_vocab_size']}: the HF reference's embedding and "
             f"output rows are padded with the same zero rows, so both softmaxes run over {job['padded_vocab_size']} "

@@ -183,17 +183,17 @@ def main(rank: int, job: dict) -> None:
     """The entry of one spawned rank (torch.multiprocessing passes the rank first)."""
     _quiet()
     out = Path(job["out"])
-    result: dict = {"rank": rank}
+    result: dict = {"rank": rank, "seconds": {}}
+    _lap(result, "start")
     try:
         from kit.megatron.cpu_patches import cpu_patched
 
         with cpu_patched():
             _run(rank, job, result)
-    except (
-        Exception
-    ) as exc:  # reported by the parent as the failing check, with the traceback kept in the file
+    except Exception as exc:  # the parent reports it as the failing check; the traceback stays in the file
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         result["traceback"] = traceback.format_exc()
+    result.pop("_t", None)
     (out / f"rank_{rank}.json").write_text(json.dumps(result), encoding="utf-8")
 
 
@@ -204,7 +204,9 @@ def _run(rank: int, job: dict, result: dict) -> None:
 
     torch.manual_seed(job["seed"])
     out = Path(job["out"])
+    _lap(result, "import")
     batches = read_batches(job, str(out / f"cache_{rank}"))  # before the group: no rank waits on another here
+    _lap(result, "data")
     if rank == 0:
         torch.save(batches, out / "batches.pt")
     dist.init_process_group(
@@ -253,6 +255,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
         result["stopped"] = "a rank file did not load"
         return
     model.load_state_dict(file_model, strict=False)  # keys and shapes checked above; _extra_state left alone
+    _lap(result, "build and load")
 
     ddp = DistributedDataParallel(
         config=tcfg,
@@ -307,7 +310,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
 
         return output, loss_func
 
-    losses, norms, lrs = [], [], []
+    losses, norms, norms64, lrs = [], [], [], []
     for step in range(job["steps"]):
         first = (step * dp + dp_rank) * m * mbs
         micro = [
@@ -326,16 +329,46 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
             forward_only=False,
         )
         ok, norm, _ = opt.step()
+        norms64.append(_norm64(opt, norm, job["clip_grad"]))
         sched.step(increment=1)
         norms.append(float(norm) if norm is not None else None)
         if ps.is_pipeline_last_stage():
             mean = torch.stack([r["lm loss"] for r in reduced]).mean()
             dist.all_reduce(mean, group=ps.get_data_parallel_group())
             losses.append(float(mean) / dp)
-    result.update(losses=losses, grad_norms=norms, lrs=lrs)
+    result.update(losses=losses, grad_norms=norms, grad_norms_fp64=norms64, lrs=lrs)
+    _lap(result, "steps")
     if dp_rank == 0:
         _save(job, args, state, model, tp_rank, pp_rank)
+    _lap(result, "save")
     dist.barrier()
+
+
+def _lap(result: dict, name: str) -> None:
+    """Seconds since the previous lap (the report shows where a preflight's wall time goes)."""
+    import time
+
+    now = time.monotonic()
+    last = result.setdefault("_t", now)
+    if name != "start":
+        result["seconds"][name] = round(now - last, 2)
+    result["_t"] = now
+
+
+def _norm64(opt, norm, clip: float) -> float:
+    """The global grad norm over megatron-core's own selection of grads (TP duplicates and shared weights once),
+    summed in float64: its fp32 norm drifts by up to ~1e-5 relative on CPU for large tensors. Called after the
+    step, so the clipped grads are scaled back by megatron-core's coefficient (clip_grads.py, max / (norm + 1e-6))."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        for g in o.get_main_grads_for_grad_norm():
+            total += g.double().pow(2).sum()
+    dist.all_reduce(total, group=opt.get_grad_stats_parallel_group())
+    coeff = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
+    return float(total.sqrt()) / coeff
 
 
 def _shard_params(opt):
