@@ -75,7 +75,7 @@ def _by_name(checks: list) -> dict:
 def test_tp2_pp2_gqa_llama_pretraining_data_passes_every_check(ws, tiny_llama_dir, tmp_path):
     ckpt = _convert(tiny_llama_dir, tmp_path / "c", 2, 2)
     out = tmp_path / "pf"
-    proc = _cli(ckpt, ws["pretrain"], out, ws["root"])
+    proc = _cli(ckpt, ws["pretrain"], out, ws["root"], "--micro-batches", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "preflight.json").read_text())
     checks = _by_name(report["checks"])
@@ -99,7 +99,7 @@ def test_tp2_pp2_gqa_llama_pretraining_data_passes_every_check(ws, tiny_llama_di
 def test_uneven_layer_list_with_packed_fine_tuning_data(ws, tiny_llama4_dir, tmp_path):
     """TP1 x PP2 with layers [1, 3]; the packed rows count the loss on answers only, inside each dialog."""
     ckpt = _convert(tiny_llama4_dir, tmp_path / "c", 1, 2, [1, 3])
-    res = _run(ckpt, ws["sft"], tmp_path / "pf", ws["root"])
+    res = _run(ckpt, ws["sft"], tmp_path / "pf", ws["root"], micro_batches=2)
     assert res.passed, res.failures()
     assert res.facts["layer_list"] == [1, 3] and res.facts["data_kind"] == "sft"
 

@@ -34,8 +34,8 @@ class PreflightConfig:
     """Data-parallel ranks (world size = TP x PP x DP); 2 or more shards the distributed optimizer."""
     steps: int = 2
     """Optimizer steps of megatron-core's DistributedOptimizer held against the same steps on the HF weights."""
-    micro_batches: int = 2
-    """Micro-batches per step and data-parallel rank (through megatron-core's pipeline schedule)."""
+    micro_batches: int = 1
+    """Micro-batches per step and data-parallel rank (through megatron-core's pipeline schedule; 2+ interleaves them)."""
     mbs: int = 1
     """Rows per micro-batch."""
     seq_len: Optional[int] = None

@@ -1,7 +1,7 @@
 """The HF side of the preflight: the same batches through the HF weights, differentiated, stepped with torch AdamW.
 
 The forward is kit.convert.reference.hf_forward (the published math of Llama / ChatGLM3 / Baichuan2, which
-tests/test_convert_logits.py holds against transformers), run per packed segment so a packed row needs no mask.
+tests/test_convert_logits.py holds against transformers), one row at a time with its positions and segment ids.
 Megatron's padded vocabulary is reproduced: the embedding and output rows are padded with the zeros the converter
 writes, so the softmax runs over the same padded_vocab_size columns. Baichuan2's NormHead was normalised at
 conversion and Megatron trains a plain output layer; the reference trains the same plain head.
@@ -48,15 +48,14 @@ class Reference:
         """Mean over the loss-masked tokens of the rows (one micro-batch), like the preflight's Megatron loss."""
         total = torch.zeros(())
         for r in range(b["tokens"].shape[0]):
-            seg = b["segments"][r]
-            bounds = [0] + [t for t in range(1, seg.numel()) if seg[t] != seg[t - 1]] + [seg.numel()]
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                mask = b["loss_mask"][r, lo:hi]
-                if float(mask.sum()) == 0:
-                    continue
-                logits = hf_forward(self.params, self.spec, b["tokens"][r, lo:hi])
-                ce = F.cross_entropy(logits.float(), b["labels"][r, lo:hi], reduction="none")
-                total = total + (ce * mask).sum()
+            mask = b["loss_mask"][r]
+            if float(mask.sum()) == 0:
+                continue
+            logits = hf_forward(
+                self.params, self.spec, b["tokens"][r], b["position_ids"][r], b["segments"][r]
+            )
+            ce = F.cross_entropy(logits.float(), b["labels"][r], reduction="none")
+            total = total + (ce * mask).sum()
         return total / b["loss_mask"].sum().clamp(min=1)
 
     def unpadded(self) -> Dict[str, torch.Tensor]:
