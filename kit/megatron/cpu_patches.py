@@ -97,10 +97,10 @@ def _cpu_mode():
 @contextlib.contextmanager
 def cpu_patched():
     """Inside: megatron-core runs on CPU ranks (see the module doc); everything is restored on exit."""
+    check_version()  # before the import: a moved module must give the one line, not a traceback
     import torch
     from megatron.core import tensor_parallel
 
-    check_version()
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved = torch.cuda.current_device, torch.cuda.synchronize, tracker.fork
     torch.cuda.current_device = lambda: "cpu"  # patch 1

@@ -1,7 +1,8 @@
 """One CPU rank of the preflight: megatron-core's GPTModel, pipeline schedule, DDP, DistributedOptimizer and scheduler on
 the converted shards, fed by megatron-core's dataset classes; every number it measures goes to `rank_<r>.json`.
 
-Started by kit.megatron.preflight (torch.multiprocessing, gloo on 127.0.0.1); imports megatron-core only here.
+Started by kit.megatron.preflight as `python -m kit.megatron.ranks JOB.json RANK` (gloo on 127.0.0.1); megatron-core is
+imported only here, inside kit.megatron.cpu_patches' context.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def load_check(model, file_model: dict) -> list:
 
 
 def main(rank: int, job: dict) -> None:
-    """The entry of one spawned rank (torch.multiprocessing passes the rank first)."""
+    """One rank: run everything inside the CPU patches, write `rank_<r>.json` whatever happens."""
     _quiet()
     out = Path(job["out"])
     result: dict = {"rank": rank, "seconds": {}}
