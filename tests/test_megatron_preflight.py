@@ -116,10 +116,13 @@ def test_tied_embeddings_at_pp2_with_data_parallel_sharding(ws, tiny_llama_tied_
     assert sum(shards) * 2 == sum(numel)  # the two DP ranks of a stage hold its parameters between them
 
 
-def test_chatglm3_at_tp2(ws, tiny_glm_dir, tmp_path):
+def test_chatglm3_at_tp2_with_dp2(ws, tiny_glm_dir, tmp_path):
+    """ChatGLM3's fused [Q;K;V] with bias and half-rotary heads at TP2, and DP2 x TP2 for the distributed optimizer."""
     ckpt = _convert(tiny_glm_dir, tmp_path / "c", 2, 1)
-    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"], dp=2)
     assert res.passed, res.failures()
+    shards, numel = res.facts["optimizer_shard_numel"], res.facts["model_numel"]
+    assert len(shards) == 4 and all(0 < s < m for s, m in zip(shards, numel))
 
 
 def test_baichuan2_with_alibi_is_refused_in_one_line(ws, tiny_baichuan_dir, tmp_path):
