@@ -222,8 +222,13 @@ def _job(cfg: PreflightConfig, reader, facts: dict, out: Path) -> dict:
             "the preflight reads."
         )
     seq = int(cfg.seq_len or facts.get("max_length") or 0)
-    if kind == "sft":
-        seq = int(facts.get("max_length"))  # packed rows have the data's length
+    if kind == "sft":  # packed rows have the data's length
+        if cfg.seq_len and int(cfg.seq_len) != int(facts.get("max_length")):
+            raise InputError(
+                f"SEQ_LEN={cfg.seq_len} but the packed fine-tuning rows are {facts.get('max_length')} tokens long "
+                f"(notebook 02's max_length); leave SEQ_LEN unset or prepare the data again."
+            )
+        seq = int(facts.get("max_length"))
     pad = facts.get("pad_token_id")
     eod = facts.get("eos_token_id")
     data_vocab = int(facts.get("vocab_size") or 0)
