@@ -6,6 +6,7 @@ Megatron -> HF as the model grows.
    every byte read once and written once), at both model sizes. Min of >= 3 alternated repeats, warm page cache
    for both; the kit's modules byte-compiled first, as an installed package has them. Goal: CLI wall <= 1.5x the
    copy. The CLI writes the rank files on one thread per core (`--workers`); `cp` uses one.
+   The NaN / inf weights check inside it, timed alone: goal <= 10% of the CLI's wall time.
 2. Memory: peak RSS (VmHWM) of `python -m kit convert --direction megatron_to_hf` above the same process after its
    imports, at two model sizes. Goal: < 10% of the model and flat with size (growth < 10% of the model growth).
 
@@ -88,6 +89,15 @@ def timed_copy(src: Path, dst: Path) -> float:
     return dt
 
 
+def timed_check(src: Path) -> float:
+    """Seconds of kit.weights_check.check_hf_weights over the folder (every float tensor's exponent bits)."""
+    from kit.weights_check import check_hf_weights
+
+    t = time.perf_counter()
+    check_hf_weights(src)
+    return time.perf_counter() - t
+
+
 def rss_above_imports(mg: Path, out: Path) -> float:
     """MiB the Megatron -> HF CLI adds to its peak RSS after its imports."""
     args = [
@@ -147,6 +157,7 @@ def main() -> int:
         )
 
         # 1. HF -> Megatron TP2 PP2 through the CLI vs copying the shards, alternated, at both sizes.
+        checks, cli_s = {}, {}
         for name, src in (("small", small), ("large", large)):
             times = {"copy": [], "cli": []}
             convert_args = cli("--source", str(src), "--target", str(work / "mg"), "--tp", "2", "--pp", "2")
@@ -156,6 +167,7 @@ def main() -> int:
                 times["cli"].append(timed_cli(convert_args))
                 shutil.rmtree(work / "mg")
             c, v = min(times["copy"]), min(times["cli"])
+            checks[name] = min(timed_check(src) for _ in range(a.repeats))
             print(
                 f"HF -> Megatron TP2 PP2, {size[name]:.0f} MiB: copy {c:.2f} s ({size[name] / c:.0f} MiB/s), "
                 f"CLI {v:.2f} s incl. start-up (all runs: copy {[round(x, 2) for x in times['copy']]}, "
@@ -167,6 +179,21 @@ def main() -> int:
                 "<= 1.5x",
                 v / c <= 1.5,
                 f"shutil.copyfile of the same shards: {COPY_CODE}",
+            )
+
+            cli_s[name] = v
+        # 1b. The NaN / inf weights check the CLI runs first (kit.weights_check), timed on its own, warm cache.
+        for name in ("small", "large"):
+            share = checks[name] / cli_s[name]
+            print(
+                f"NaN/inf weights check, {size[name]:.0f} MiB: {checks[name]:.2f} s of the CLI's {cli_s[name]:.2f} s"
+            )
+            row(
+                f"weights check / HF->Megatron CLI wall ({size[name]:.0f} MiB)",
+                share,
+                "<= 0.10x",
+                share <= 0.10,
+                "the whole conversion through the CLI (which includes the check)",
             )
 
         # 2. Megatron -> HF peak RSS above imports at two sizes.

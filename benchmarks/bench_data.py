@@ -7,7 +7,8 @@ Every figure is a ratio against a baseline measured in the same run, contenders 
       `itertools.chain` (its code is printed next to the figure);
   (b) the fast tokenizer alone: `encode_batch_fast` of the same texts, already in memory, split evenly over the
       same number of worker processes (the floor: no reading, no writing);
-  (c) peak RSS of kit.data (main process and largest worker) for a 10 MB and an 80 MB corpus.
+  (c) peak RSS of kit.data (main process and largest worker) for a 10 MB and an 80 MB corpus;
+  (d) kit.data without its record-size guard (max_record_bytes), on the same corpus as parquet and as JSON lines.
 Throughput is the same token count (the corpus' text tokens) over each contender's wall time, so ratios are
 ratios of time. With --quick the run fits `make bench` (a few minutes); one line per figure:
 `data | <figure> | <ratio>x | goal <goal> | MET/MISSED`.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-GOALS = {"recipe": 1.6, "floor": 0.92, "rss_growth": 0.05, "help_s": 1.5, "help_mb": 150}
+GOALS = {"recipe": 1.6, "floor": 0.92, "rss_growth": 0.05, "help_s": 1.5, "help_mb": 150, "guard": 1.02}
 
 
 def make_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -76,12 +77,20 @@ def _peak_rss_mb() -> dict:
 # ---- contenders (each runs in a fresh interpreter; imports and tokenizer loading happen before the clock) ----
 
 
-def child_kit(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
-    """kit.data: read, tokenize, append EOS, cut 2048-token rows, write the HF folder and Megatron .bin/.idx."""
+def child_kit(corpus: str, out: str, tokenizer: str, workers: int, guard: str = "on") -> dict:
+    """kit.data: read, tokenize, append EOS, cut 2048-token rows, write the HF folder and Megatron .bin/.idx.
+    guard="off" reads without the max_record_bytes limit (the readers' code path before the limit existed)."""
     import datasets  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401  - (transformers 5 imports torch here)
 
+    import kit.data.pipeline as pipeline
     from kit.data import DataConfig, prepare
+
+    if guard == "off":
+        unguarded = pipeline.iter_records
+        pipeline.iter_records = lambda paths, cols, on_bad, text_col, _limit: unguarded(
+            paths, cols, on_bad, text_col
+        )
 
     t, c = time.perf_counter(), _cpu()
     cfg = DataConfig(
@@ -242,6 +251,35 @@ def cli_help_cost(repeat: int = 3) -> tuple:
     return best_s, best_mb
 
 
+def guard_figures(corpus: Path, tmp: Path, tokenizer: str, workers: str, repeat: int) -> None:
+    """(d): kit.data with and without the max_record_bytes guard, alternated, on the corpus as parquet and as
+    JSON lines (where the guard reads every line through a bounded readline)."""
+    import pyarrow.parquet as pq
+
+    jsonl = tmp / "corpus.jsonl"
+    with open(jsonl, "w", encoding="utf-8") as fh:
+        for text in pq.read_table(corpus, columns=["text"]).column("text").to_pylist():
+            fh.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    for name, path in (("parquet", corpus), ("jsonl", jsonl)):
+        times: dict = {"on": [], "off": []}
+        for i in range(repeat):
+            for guard in ("on", "off")[:: 1 if i % 2 == 0 else -1]:
+                times[guard].append(
+                    run_child("kit", str(path), str(tmp / "guard_out"), tokenizer, workers, guard)["seconds"]
+                )
+        on, off = min(times["on"]), min(times["off"])
+        print(f"(d) {name}: with the guard {on:.2f} s, without {off:.2f} s (min of {repeat})")
+        ratio = on / off
+        print(
+            _figure(
+                f"record-size guard cost, {name} (time with / without)",
+                ratio,
+                f"<= {GOALS['guard']}x",
+                ratio <= GOALS["guard"],
+            )
+        )
+
+
 def _figure(name: str, ratio: float, goal: str, met: bool) -> str:
     return f"data | {name} | {ratio:.2f}x | goal {goal} | {'MET' if met else 'MISSED'}"
 
@@ -255,6 +293,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="processes for all contenders")
     p.add_argument(
         "--repeat", type=int, default=None, help="alternated runs per contender (default 5, quick 3)"
+    )
+    p.add_argument(
+        "--only", choices=("all", "guard"), default="all", help="guard: only the record-size guard's cost (d)"
     )
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -279,6 +320,9 @@ def main() -> int:
             f"{args.workers} worker processes for every contender; {os.cpu_count()} CPUs; "
             f"load {os.getloadavg()[0]:.1f}; min of {repeat} alternated runs"
         )
+        guard_figures(corpus, tmp, tokenizer, w, repeat)
+        if args.only == "guard":
+            return 0
         runs: dict = {"floor": [], "recipe": [], "kit": []}
         for i in range(repeat):  # alternated, so a burst of load on a shared machine hits every contender
             for batching in ("docs", "chars")[:: 1 if i % 2 == 0 else -1]:

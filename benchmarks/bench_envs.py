@@ -6,9 +6,10 @@ Baselines (measured in the same run, in the same folder, alternating with the ki
   clone   `cp -a ENV DIR`                               vs kit.envs.clone(ENV, target=DIR, verify_imports=None)
 The kit does more than each baseline (a member list with sizes and hashes, every member verified on unpack,
 prefixes rewritten in scripts, the archive fsync'ed and renamed when complete); the ratios include that work.
-The kit writes the tar with Python's tarfile and compresses with python-zstandard (libzstd's worker threads, same
-level); it unpacks with GNU tar (running `zstd -d`, as the baseline does) and hashes every file back against the member
-list; clone is GNU cp plus the kit's prefix fix-ups.
+The kit writes the tar itself (tarfile's headers, packed in one struct call each, hashing every file as it reads it)
+and compresses with python-zstandard (libzstd's worker threads, same level); it unpacks with GNU tar (running
+`zstd -d`, as the baseline does) and hashes every file back against the member list; clone is GNU cp plus the kit's
+prefix fix-ups.
 Goals: each at least 0.8x its baseline (the kit may be slower by what its checks cost, no more).
 The env: a virtualenv holding copies of torch, transformers, deepspeed and pandas from this checkout's .venv
 (about 1 GB, 25 000 files); --quick uses transformers, deepspeed and pandas (about 0.25 GB) for `make bench`.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars would only add noise to the timings
 
 import kit.envs as envs  # noqa: E402
-from kit.envs.prefix import walk_tree  # noqa: E402
+from kit.envs.prefix import scan_tree, tree_totals  # noqa: E402
 
 FULL = "torch,transformers,deepspeed,pandas"
 QUICK = "transformers,deepspeed,pandas"
@@ -158,7 +159,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-envs-", dir=args.dir or _scratch_root()))
     try:
         prefix = build_env(scratch, packages)
-        files, size = walk_tree(prefix)
+        files, size = tree_totals(scan_tree(prefix))
         print(
             f"env: {files} files, {size / 2**30:.2f} GiB ({', '.join(packages)}) in {scratch.parent}; "
             f"{os.cpu_count()} cores; "

@@ -36,9 +36,11 @@ BENCHMARKS = [
     "bench_convert.py",
     "bench_envs.py",
     "bench_train.py",
+    "bench_checkpoint.py",
     "bench_ops.py",
     "bench_profiling.py",
     "bench_evaluate.py",
+    "bench_serve.py",
 ]
 FIGURE = re.compile(  # the ratio cell is kept as printed (some figures are percentages, e.g. RSS growth)
     r"^\s*(?P<stage>\w[\w .+/-]*?)\s*\|\s*(?P<figure>[^|]+?)\s*\|\s*(?P<ratio>[^|]+?)\s*"

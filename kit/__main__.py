@@ -23,8 +23,16 @@ STAGES = {
     "megatron": ("kit.megatron.cli", "Megatron path on CPU: megatron-core preflight of the converted shards"),
     "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
+    "job": (
+        "kit.job.cli",
+        "ModelArts training job on N nodes from a training config (dry run; --submit sends it)",
+    ),
     "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
     "evaluate": ("kit.evaluate.cli", "base vs trained: held-out loss, multiple choice, answers, speed"),
+    "serve": (
+        "kit.serve.cli",
+        "serve the trained model (OpenAI API), load-test it, package it for ModelArts",
+    ),
     "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
 }
 

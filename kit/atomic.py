@@ -54,38 +54,77 @@ def write_all(fd: int, data, path: PathLike = "?") -> None:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
+def _before_publish(final: Path) -> None:
+    """Called with the lock held, after the body and before the rename (tests pause a writer here)."""
+
+
+def aside_name(final: Path) -> Path:
+    """Where a replaced output waits until its successor is in place (a `.partial-` name: never looks
+    finished, and a crash leaves it for the next run to report, kit/partial.py)."""
+    return final.with_name(f".{final.name}.partial-old-{os.urandom(6).hex()}")
+
+
 @contextlib.contextmanager
-def atomic_dir(final: PathLike, overwrite: bool = False, what: str = "output folder") -> Iterator[Path]:
-    """Yield a temporary sibling folder; rename it to `final` on success, delete it on any error."""
+def atomic_dir(
+    final: PathLike,
+    overwrite: bool = False,
+    what: str = "output folder",
+    lock: bool = True,
+    before_rename=None,
+) -> Iterator[Path]:
+    """Yield a temporary sibling folder; rename it to `final` on success, delete it on any error.
+
+    With `lock` (the default), the lock of `final` (kit/locks.py) is held from the start to the rename, so a
+    second writer is refused at once. An output that appeared under `final` meanwhile is never replaced unless
+    `overwrite`; a replaced output is moved aside, and deleted only once the new one is in place.
+    `before_rename()` runs after the old output has been moved aside and before the new one is renamed in (a
+    stage's other files, published with this folder as one unit: the folder, with its manifest, comes last).
+    """
+    from kit.locks import hold
+
     final = Path(final)
-    refuse_existing(final, overwrite, what)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = _temp_name(final)
+    with hold(final, what, enabled=lock):
+        refuse_existing(final, overwrite, what)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            tmp = _temp_name(final)
+            try:
+                os.mkdir(tmp, 0o700)  # private while it fills, as mkdtemp makes it
+                break
+            except FileExistsError:  # 48 random bits taken: pick again
+                continue
+        os.chmod(tmp, 0o777 & ~current_umask())  # the finished folder gets normal permissions
+        old = None
+        companions_started = False
         try:
-            os.mkdir(tmp, 0o700)  # private while it fills, as mkdtemp makes it
-            break
-        except FileExistsError:  # 48 random bits taken: pick again
-            continue
-    os.chmod(tmp, 0o777 & ~current_umask())  # the finished folder gets normal permissions
-    old = None
-    try:
-        yield tmp
-        # the renames inside the try: a Ctrl-C (or SIGTERM, kit.partial) landing between the body's end and the
-        # rename must still remove the temporary folder
-        if final.exists():
-            # Move the old one aside first so that a crash between the two renames loses nothing.
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-        os.replace(tmp, final)
-    except BaseException:
-        if old is not None and old.exists() and not final.exists():
-            os.replace(old, final)  # interrupted between the two renames: the previous output goes back
-            old = None
-        _rmtree(tmp)
-        raise
-    if old is not None:
-        _rmtree(old)
+            yield tmp
+            # the renames inside the try: a Ctrl-C (or SIGTERM, kit.partial) landing between the body's end and
+            # the rename must still remove the temporary folder
+            _before_publish(final)
+            if os.path.lexists(final):
+                if not overwrite:  # appeared while this run worked: a writer that took no lock
+                    raise OutputExistsError(
+                        f"{what} {str(final)!r} appeared while this run was writing it (a writer that does not "
+                        f"take the kit's lock?); it was left as it is and this run's output was discarded — "
+                        f"choose another path, or pass --overwrite (OVERWRITE = True) to replace it."
+                    )
+                # Move the old one aside first so that a crash between the two renames loses nothing.
+                old = aside_name(final)
+                os.replace(final, old)
+            if before_rename is not None:
+                companions_started = True
+                before_rename()
+            os.replace(tmp, final)
+        except BaseException:
+            # interrupted between the renames: the previous output goes back, unless some of the new unit's
+            # files already replaced its companions (then it stays aside, reported as a leftover)
+            if old is not None and not companions_started and old.exists() and not os.path.lexists(final):
+                os.replace(old, final)
+                old = None
+            _rmtree(tmp)
+            raise
+        if old is not None:
+            _rmtree(old)
 
 
 @contextlib.contextmanager

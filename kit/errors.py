@@ -9,12 +9,20 @@ denied) are turned into the same kind of line by `describe_os_error`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from typing import Optional
+import re
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 EXIT_USER_ERROR = 2
 EXIT_UNEXPECTED = 1
+# A training run stopped by SIGTERM/SIGINT after saving a checkpoint: sysexits' EX_TEMPFAIL ("temporary failure,
+# retry later"), so a job scheduler can tell a preemption to resume from a completed run (0) and a failure (1, 2).
+EXIT_PREEMPTED = 75
 
 
 def debug_enabled() -> bool:
@@ -57,6 +65,9 @@ class IntegrityError(KitError, ValueError):
 class OutputError(KitError, OSError):
     """An output cannot be written (disk full, read-only filesystem, name too long, permission denied)."""
 
+    def __str__(self) -> str:  # OSError(errno, text) would print "[Errno 28] text"
+        return self.strerror if self.strerror is not None else super().__str__()
+
 
 # errno -> what to do; the message always names the path.
 _OS_HINTS = {
@@ -67,16 +78,78 @@ _OS_HINTS = {
     errno.ENAMETOOLONG: "the file name is too long for this filesystem; choose a shorter name or folder",
     errno.EACCES: "permission denied; choose a folder you can write to or fix its permissions",
     errno.EPERM: "operation not permitted; choose a folder you own",
+    errno.EFBIG: "the file is larger than this filesystem or the process's file-size limit (ulimit -f) allows; "
+    "raise the limit or choose another volume",
 }
 
 
-def describe_os_error(exc: OSError) -> Optional[str]:
-    """One line for an OSError a user can act on, or None when it is not one of those."""
+def describe_os_error(exc: OSError, path: Optional[PathLike] = None) -> Optional[str]:
+    """One line for an OSError a user can act on, or None when it is not one of those (`path`: what was being
+    written, named when the error carries no file name)."""
     hint = _OS_HINTS.get(getattr(exc, "errno", None) or -1)
     if hint is None:
         return None
-    where = exc.filename if exc.filename is not None else "?"
-    return f"cannot write {str(where)!r}: {hint}"
+    where = exc.filename if exc.filename is not None else path
+    if where is None:
+        return f"cannot write (the system gave no file name): {hint}"
+    return f"cannot write {os.fspath(where)!r}: {hint}"
+
+
+# Writers that lose the errno: safetensors raises SafetensorError("Error while serializing: I/O error: No space left
+# on device (os error 28)") (Rust's io::Error; its Debug form reads "Os { code: 28, ..."); torch.save's zip writer
+# raises RuntimeError("[enforce fail at inline_container.cc:...] . unexpected pos N vs M", "... open file failed with
+# strerror: ..." or "PytorchStreamWriter failed writing file ...") (read from torch 2.13 and safetensors 0.5).
+_RUST_OS_CODE = re.compile(r"(?:os error |Os \{ code: )(\d+)")
+_TORCH_WRITE_FAILED = (
+    "unexpected pos",
+    "PytorchStreamWriter failed",
+    "file write failed",
+    "open file failed",
+)
+
+
+def _errno_of_failed_write(exc: BaseException, path: PathLike) -> Optional[int]:
+    """The errno behind a library's write failure: read from its message, else from the volume's state (read-only,
+    no space left); None when it is not a write failure."""
+    text = str(exc)
+    found = _RUST_OS_CODE.search(text)
+    if found:
+        return int(found.group(1))
+    if not (isinstance(exc, RuntimeError) and any(s in text for s in _TORCH_WRITE_FAILED)):
+        return None
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return errno.EIO
+    if st.f_flag & getattr(os, "ST_RDONLY", 1):
+        return errno.EROFS
+    if st.f_bavail * st.f_frsize < 16 * 2**20:  # less than a few blocks of a checkpoint write left
+        return errno.ENOSPC
+    return errno.EIO
+
+
+@contextlib.contextmanager
+def writing(path: PathLike) -> Iterator[None]:
+    """Within the block, a failed write (disk full, quota, read-only, permissions, file-size limit) raises
+    OutputError `cannot write '<path>': <what to do>`; `path` is named when the error carries no file name."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as exc:
+        message = describe_os_error(exc, path)
+        if message is None:
+            raise
+        raise OutputError(exc.errno, message) from exc
+    except Exception as exc:  # safetensors' SafetensorError, torch.save's RuntimeError
+        code = _errno_of_failed_write(exc, path)
+        if code is None:
+            raise
+        hint = _OS_HINTS.get(code) or f"the write failed ({one_line(exc)})"
+        raise OutputError(code, f"cannot write {os.fspath(path)!r}: {hint}") from exc
 
 
 def user_message(exc: BaseException) -> Optional[str]:

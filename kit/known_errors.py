@@ -76,6 +76,40 @@ RULES = [
         "(deepspeed/ops/op_builder/npu/builder.py installed_cann_path).",
         SET_ENV_HINT,
     ),
+    # Submitting a ModelArts training job: the ModelArts user manual, section "提交训练作业常见问题"
+    _Rule(
+        "obs_bucket_quota",
+        r"create more buckets than allowed|TooManyBuckets",
+        "the account already has as many OBS buckets as its quota allows, so no new bucket could be created.",
+        "delete a bucket you no longer need, or use an existing one: point OBS_DIR (and DATA_OBS / MODEL_OBS) of "
+        "`python -m kit job` at obs://<existing-bucket>/<folder>/.",
+    ),
+    _Rule(
+        "swr_namespace_quota",
+        r"number of namespaces exceeds the upper limit|namespace is invalid",
+        "SWR allows few organizations per account (5 by default) and the limit is reached, or the image names "
+        "an organization that does not exist.",
+        "delete an SWR organization you no longer need, or use an existing one: IMAGE_URL = "
+        "<existing-organization>/<image>:<tag>.",
+    ),
+    _Rule(
+        "exec_format_error",
+        r"exec format error|exet format error",
+        "the job's container could not start its command: the image was built for another CPU architecture "
+        "than the flavor's nodes (an x86_64 image on Arm/aarch64 Ascend nodes, or the reverse); the manual names "
+        "a wrong resource flavor as the cause.",
+        "pick the flavor the image was built for (ModelArts lists them: ShowTrainingJobFlavors), or build the "
+        "image for the nodes' architecture (`docker buildx build --platform linux/arm64` for Ascend).",
+    ),
+    _Rule(
+        "huaweicloud_unauthorized",
+        r"HTTP 401|\b401\b[^\n]*Unauthorized|SVCSTG\.SWR\.4010000|Authenticate Error|APIGW\.0301",
+        "Huawei Cloud refused the request's credentials: the access key / secret key are missing, wrong or "
+        "expired (a temporary key without its security token), or belong to another account or project.",
+        "export HUAWEICLOUD_SDK_AK and HUAWEICLOUD_SDK_SK of an IAM user allowed to use ModelArts (and "
+        "HUAWEICLOUD_SDK_PROJECT_ID of the job's region; HUAWEICLOUD_SDK_SECURITY_TOKEN with a temporary key) in "
+        "the environment, never in a notebook or a file, then submit again.",
+    ),
     _Rule(
         "hccl_notify_timeout",
         r"\bEI0002\b",

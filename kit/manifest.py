@@ -29,6 +29,8 @@ HF_MODEL = "hf-model"
 TRAINING_RUN = "training-run"
 PROFILE_CAPTURE = "profile-capture"
 EVALUATION = "evaluation"
+LOAD_TEST = "load-test"
+SERVING_PACKAGE = "serving-package"
 
 # kind -> (which stage makes it, the fields its manifest must hold)
 KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
@@ -100,6 +102,14 @@ KINDS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
             "device",  # {"kind", "device", "name", "dtype"}
             "results",  # results.json (beside it: results.csv, speed.png)
         ),
+    ),
+    LOAD_TEST: (
+        "notebook 07 / `python -m kit serve bench`",
+        ("engine", "url", "model", "points", "results"),  # results: results.json (vLLM's keys), results.csv
+    ),
+    SERVING_PACKAGE: (
+        "notebook 07 / `python -m kit serve package`",
+        ("engine", "base_image", "port", "model", "model_bytes"),  # model: the HF folder copied into model/
     ),
 }
 
@@ -197,12 +207,9 @@ def _git_commit() -> Optional[str]:
         return None
 
 
-def write_manifest(
-    folder: PathLike, kind: str, fields: Dict[str, Any], inputs: Iterable[Consumed] = ()
-) -> Manifest:
-    """Write `folder/kit_manifest.json` atomically (call it last, inside the stage's temporary folder)."""
+def render_manifest(kind: str, fields: Dict[str, Any], inputs: Iterable[Consumed] = ()) -> str:
+    """The text of a manifest (what write_manifest writes): lets a stage know its SHA-256 before writing it."""
     from kit import __version__
-    from kit.atomic import atomic_write_text
     from kit.configs import to_jsonable
 
     if kind not in KINDS:
@@ -218,8 +225,24 @@ def write_manifest(
         "inputs": [to_jsonable(c.__dict__) for c in inputs],
         "fields": to_jsonable(fields),
     }
+    return json.dumps(record, indent=2, ensure_ascii=False, sort_keys=False) + "\n"
+
+
+def write_manifest(
+    folder: PathLike,
+    kind: str,
+    fields: Dict[str, Any],
+    inputs: Iterable[Consumed] = (),
+    text: Optional[str] = None,
+) -> Manifest:
+    """Write `folder/kit_manifest.json` atomically (call it last, inside the stage's temporary folder); `text`: what
+    render_manifest() made for it earlier."""
+    from kit.atomic import atomic_write_text
+    from kit.errors import writing
+
     path = Path(folder) / MANIFEST_NAME
-    atomic_write_text(path, json.dumps(record, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
+    with writing(path):
+        atomic_write_text(path, render_manifest(kind, fields, inputs) if text is None else text)
     return read_manifest(folder, expect=kind)
 
 

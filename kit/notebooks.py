@@ -152,6 +152,22 @@ def summary_line(summary: dict, width: int = 160) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
+def table_lines(rows) -> list[str]:
+    """A summary's `table` (a list of flat dicts) as aligned text lines; [] when there is none."""
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        return []
+    cols = list(rows[0])
+
+    def text(v) -> str:
+        if v is None or (isinstance(v, float) and v != v):  # None / NaN: an empty cell
+            return ""
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    cells = [[str(c) for c in cols]] + [[text(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+
+
 def main(argv: Optional[list] = None) -> int:
     """`python -m kit.notebooks [--out DIR] [NN ...]`: the headless demo (make demo)."""
     import argparse
@@ -172,9 +188,10 @@ def main(argv: Optional[list] = None) -> int:
         print(f"  {r['executed']}  ({r['seconds']} s)")
     print(f"workspace (data, checkpoints, logs, reports): {ws}")
     for summary in sorted((ws / "reports").glob("*.summary.json")):
-        print(
-            f"  {summary.name.replace('.summary.json', '')}: {summary_line(json.loads(summary.read_text()))}"
-        )
+        data = json.loads(summary.read_text())
+        print(f"  {summary.name.replace('.summary.json', '')}: {summary_line(data)}")
+        for line in table_lines(data.get("table")):  # e.g. 07's TTFT / TPOT percentiles per load point
+            print(f"      {line}")
     from kit.manifest import handover_lines
 
     print("\nhandover (each output <- the stage outputs it consumed, with their manifest hashes):")

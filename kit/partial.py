@@ -1,10 +1,11 @@
 """Leftovers of interrupted runs, and SIGTERM handled like Ctrl-C so that runs clean up after themselves.
 
-kit/atomic.py writes every output under a temporary sibling `.NAME.partial-XXXX` and renames it when complete.
-A run killed with SIGKILL (or a machine that stops) leaves that folder behind: it never looks finished, but it
-takes space. Stages call `handle_partials()` on their output folder before they start: leftovers are reported
-with their size, and removed when the user asks (`--clean-partial`, `clean_partial=True`). Do not clean a
-folder into which another kit run is writing at the same moment: its temporary folder looks the same.
+kit/atomic.py writes every output under a temporary sibling `.NAME.partial-XXXX` and renames it when complete
+(training checkpoints: `.partial-iter_*`; the data stage's Megatron files: `NAME.bin.partial-PID`). A run killed
+with SIGKILL (or a machine that stops) leaves them behind: they never look finished, but they take space. Every
+stage (data, convert, train, env) calls `handle_partials()` on its output folder before it starts: leftovers are
+reported with their size, and removed when the user asks (`--clean-partial`, `clean_partial=True`), with the lock
+files such runs left (kit/locks.py). The temporary of an output whose lock a live run holds is not a leftover.
 """
 
 from __future__ import annotations
@@ -40,16 +41,40 @@ def _size(path: str) -> int:
     return total
 
 
+def is_partial(entry: str, name: Optional[str] = None) -> bool:
+    """Whether a file name is a kit temporary: `.NAME.partial-*` (kit/atomic.py), `.partial-iter_*` (training
+    checkpoints) or `NAME.bin.partial-PID` / `NAME.idx.partial-PID` (the data stage's Megatron files)."""
+    if name is not None:
+        return entry.startswith(f".{name}{MARK}")
+    if entry.startswith("."):
+        return MARK in entry
+    head, sep, pid = entry.rpartition(MARK)
+    return bool(sep) and pid.isdigit() and head.endswith((".bin", ".idx"))
+
+
 def find_partials(folder: PathLike, name: Optional[str] = None) -> list:
-    """[{"path", "bytes"}] of the `.NAME.partial-*` leftovers in `folder` (only those of `name` if given)."""
+    """[{"path", "bytes"}] of the leftovers of interrupted runs in `folder` (only those of `name` if given): their
+    temporaries (not those of an output whose lock is held by a live run) and the locks they left behind."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    start = f".{name}{MARK}" if name else "."
+    from kit.locks import SUFFIX, holder_gone, holds, live_holder, read_holder
+
     found = []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith(start) and MARK in entry.name:
+        if is_partial(entry.name, name):
+            owner = entry.name[1:].partition(MARK)[0] if entry.name.startswith(".") else ""
+            if owner and not holds(folder / owner) and live_holder(folder / owner):
+                continue  # another run is writing that output right now: its temporary is not a leftover
             found.append({"path": entry.path, "bytes": _size(entry.path)})
+        elif (
+            entry.name == f".{name}{SUFFIX}"
+            if name
+            else entry.name.startswith(".") and entry.name.endswith(SUFFIX)
+        ):
+            holder = read_holder(entry.path)
+            if holder and holder_gone(holder):  # the lock of a run killed on this host (kit/locks.py)
+                found.append({"path": entry.path, "bytes": _size(entry.path)})
     return found
 
 
@@ -89,8 +114,17 @@ def describe(report: dict) -> Optional[str]:
     )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so the same clean-up runs (the CLI: `error: interrupted`,
+    exit 130, for both)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager

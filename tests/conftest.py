@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,33 @@ def run_notebook(tmp_path):
         return out, summary
 
     return run
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB filesystem (tmpfs): config files and logs fit, a checkpoint or a model does not. Skipped with
+    the reason where mounting is not allowed; the `remount_read_only` fixture makes it read-only."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a real full disk) needs root")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not allowed here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def remount_read_only():
+    """A function that makes a small_disk read-only (root ignores file permissions; a read-only mount it cannot).
+    A fixture, not an import: `from conftest import` would find tests/e2e/conftest.py in a whole-suite run."""
+
+    def remount(mnt: Path) -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+
+    return remount

@@ -33,11 +33,17 @@ def mcore_world():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # a kit.train run earlier in this process (tests/test_families_*.py, test_train.py) leaves its one-rank gloo
+    # group up: use it, and leave it to its owner
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if own:
+        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -83,13 +89,17 @@ def build_gpt(args):
     )
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=getattr(args, "qk_layernorm", False)
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_percent=args.rotary_percent,
         rotary_base=int(args.rotary_base),
+        rope_scaling=getattr(args, "use_rope_scaling", False),  # llama3 (mcore: factor only, 1 / 4 / 8192)
+        rope_scaling_factor=getattr(args, "rotary_scaling_factor", 8.0),
     ).eval()
 
 

@@ -562,8 +562,8 @@ def test_sigterm_cleans_up_like_ctrl_c_and_leftovers_are_reported(many_files_env
     proc = _stopped_mid_clone(many_files_env, root)
     proc.send_signal(signal.SIGKILL)  # what nothing can clean up after: the next run reports it
     proc.communicate(timeout=300)
-    [left] = list((root / "venvs").iterdir())
-    assert left.name.startswith(".c.partial-")
+    lock, left = sorted((root / "venvs").iterdir())  # the killed run's lock and its temporary folder
+    assert lock.name == ".c.lock" and left.name.startswith(".c.partial-")
     size = sum(p.lstat().st_size for p in left.rglob("*"))
     report = _kit("clone", str(many_files_env), "--name", "d", "--envs-root", str(root), "--verify", "")
     assert (
@@ -573,12 +573,13 @@ def test_sigterm_cleans_up_like_ctrl_c_and_leftovers_are_reported(many_files_env
     )
     result = json.loads(report.stdout)
     assert (
-        result["partial_leftovers"] == [{"path": str(left), "bytes": size}]
+        result["partial_leftovers"]
+        == [{"path": str(lock), "bytes": lock.stat().st_size}, {"path": str(left), "bytes": size}]
         and result["partial_removed"] == []
     )
     assert left.exists()
     cleaned = envs.clone(many_files_env, name="e", envs_root=root, verify_imports=None, clean_partial=True)
-    assert cleaned["partial_removed"] == [str(left)] and not left.exists()
+    assert cleaned["partial_removed"] == [str(lock), str(left)] and not left.exists() and not lock.exists()
     assert sorted(p.name for p in (root / "venvs").iterdir()) == ["d", "e"]
 
 
@@ -663,8 +664,7 @@ def test_copy_rewrites_text_and_copies_binaries_byte_for_byte(tmp_path):
 def test_a_file_that_changed_since_the_scan_stops_the_copy(tmp_path, size, change):
     """A file written while an env is cloned (a pip install in it) would be copied cut or as a mix of two
     versions; the copy compares every file with the size the scan saw and names the one that changed."""
-    from kit.envs.errors import EnvError
-    from kit.envs.prefix import copy_tree, scan_tree
+    from kit.envs.prefix import EnvError, copy_tree, scan_tree
 
     src = tmp_path / "src"
     (src / "lib").mkdir(parents=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import kit.envs as envs
-from kit.envs import conda_cli
+from kit.envs import conda as conda_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 # conda-build's long placeholder shape: binary files can only be relocated to shorter prefixes.

@@ -44,3 +44,19 @@ def test_a_kernel_started_by_the_kit_prints_no_tcp_notice(capfd):
         pytest.skip("this ipykernel prints no notice about TCP")
     _start_and_stop(quiet_kernel_manager(KernelManager))
     assert TCP_NOTICE.decode() not in capfd.readouterr().err
+
+
+def test_a_summary_table_prints_as_aligned_lines():
+    from kit.notebooks import table_lines
+
+    rows = [
+        {"load": "concurrency", "max_concurrency": 1.0, "request_rate": float("nan"), "p99_ttft_ms": 12.5},
+        {"load": "poisson", "max_concurrency": None, "request_rate": 4.0, "p99_ttft_ms": 1000.25},
+    ]
+    lines = table_lines(rows)
+    assert [ln.split() for ln in lines] == [
+        ["load", "max_concurrency", "request_rate", "p99_ttft_ms"],
+        ["concurrency", "1", "12.5"],
+        ["poisson", "4", "1000.25"],
+    ]
+    assert len({len(ln) for ln in lines}) == 1 and table_lines(None) == [] and table_lines([1]) == []

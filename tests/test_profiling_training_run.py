@@ -286,3 +286,31 @@ def test_newest_run_search_skips_damaged_and_other_kinds(workspace, tmp_path):
     hf.mkdir()
     write_manifest(hf, HF_MODEL, {"family": "llama", "source": str(good)})
     assert [m.folder for m in kp.find_training_runs(workspace)] == [good.resolve()]
+
+
+@pytest.mark.slow
+def test_a_sigtermed_capture_is_not_published_as_complete(workspace, tiny_llama_dir, monkeypatch):
+    """SIGTERM at step 1 of 3 (sent from the profiler's step hook, a known point): an error, no finished capture."""
+    import os
+    import signal
+
+    from kit.profiling.capture import Capture
+    from kit.profiling.profile_data import CaptureError
+
+    data = _prepared(workspace, tiny_llama_dir)
+    _training_run(workspace.output("pretrain"), _train_config(workspace, tiny_llama_dir, data))
+    step = Capture.step
+
+    def step_then_sigterm(self):
+        step(self)
+        if self.steps == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # what ModelArts sends; the trainer checkpoints and stops
+
+    monkeypatch.setattr(Capture, "step", step_then_sigterm)
+    with pytest.raises(
+        CaptureError, match=r"stopped at step 1 of 3 \(preempted\); the capture was not published"
+    ):
+        kp.run(kp.ProfileConfig(**OPTIONS), workspace)
+    left = list(workspace.profiles.iterdir())
+    assert len(left) == 1 and ".partial-" in left[0].name  # unfinished, never under a capture's final name
+    assert kp.find_training_runs(workspace)[0].folder == workspace.output("pretrain").resolve()

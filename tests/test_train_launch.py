@@ -112,7 +112,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_llama_dir):
     assert latest_iteration(ckpt_root) == last, output
     state = json.loads((ckpt_root / f"iter_{last:07d}" / "trainer_state.json").read_text())
     assert state["iteration"] == last and state["consumed_samples"] == last * cfg.gbs
-    # the worker saved, printed its status and returned 0; torchrun itself exits 1 because it was signalled too
+    # the worker saved, printed its status and returned EXIT_PREEMPTED; torchrun exits 1 (signalled too)
     assert "stop requested (SIGTERM)" in output and "kit train: preempted" in output
     assert 2 <= last < 100_000
     # and the run continues from there

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,16 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
     assert (Path(summary["lora_merged"]) / "config.json").is_file()
     assert summary["megatron_command"].startswith("cd ") and "MODEL_TYPE=tiny" in summary["megatron_command"]
     assert any("AscendCloud" in p for p in summary["megatron_problems"])  # no code package on this machine
+    # the last section's dry run: a 2-node ModelArts job of this run, its inputs from the workspace's manifests
+    job = json.loads(
+        (tmp_path / "ws" / "reports" / "04_training_job.summary.json").read_text(encoding="utf-8")
+    )
+    assert job["node_count"] == 2 and job["flavor"] == "modelarts.pool.visual.8xlarge"
+    assert job["command"].startswith("python -m kit train launch ") and "--train-iters 5" in job["command"]
+    data = next(c for c in summary["inputs"] if c["kind"] == "prepared-data")
+    assert job["inputs"]["data_url"] == f"obs://my-bucket/kit-jobs/data/{Path(data['path']).name}/"
+    assert job["uploads"][0]["manifest_sha256"] == data["manifest_sha256"]
+    assert any("POOL_ID" in p for p in job["problems"])  # the notebook's defaults name no pool
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Route transformers-native models (Llama, Qwen2/3, Mistral) through kit ops.
+"""Route transformers-native models (Llama, Qwen2/3, Mistral, GLM-4) through kit ops.
 
 `adapt_model(model)` switches attention to kit attention (transformers' AttentionInterface where it exists, the
 flash-attention-2 path on transformers 4.44-4.47, see `kit.adapt.attention`), merges each SwiGLU MLP's gate/up
@@ -27,11 +27,11 @@ from kit.adapt.attention import (
     register,
     use_fa2_path,
 )
-from kit.adapt.mlp import merge_gate_up, merged_mlp_forward
+from kit.adapt.mlp import fused_mlp_forward, merge_gate_up, merged_mlp_forward
 from kit.ops import fused as kit_fused
 from kit.ops.backend import resolve, use_backend
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "glm")
 __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_MODEL_TYPES",
@@ -148,6 +148,8 @@ def _patch_rotary(attn_module, report: AdaptReport, prober: _Prober) -> None:
         params = {}
     indexed = "position_ids" in params and params["position_ids"].default is inspect.Parameter.empty
     replacement = _indexed_rotary if indexed else _kit_rotary
+    if name.endswith(".modeling_glm"):  # GLM-4: interleaved pairs on the first half of each head
+        replacement = _glm_rotary
     gen = torch.Generator().manual_seed(1)
     device = _allocate(prober.device)
     q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
@@ -185,7 +187,20 @@ def _indexed_rotary(q, k, cos, sin, position_ids, unsqueeze_dim=1):
     )
 
 
-_kit_rotary.__kit__ = _indexed_rotary.__kit__ = True
+def _glm_rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' GLM rotary: the first half of cos/sin repeated pairwise, applied to as many leading channels
+    in interleaved pairs (npu_rotary_mul's 'interleave' mode), the rest passed through."""
+    if isinstance(position_ids, int):
+        unsqueeze_dim = position_ids
+    cos, sin = (t.unsqueeze(unsqueeze_dim) for t in (cos, sin))
+    cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+    return (
+        kit_fused.rotary_mul(q, cos, sin, rotary_mode="interleave"),
+        kit_fused.rotary_mul(k, cos, sin, rotary_mode="interleave"),
+    )
+
+
+_kit_rotary.__kit__ = _indexed_rotary.__kit__ = _glm_rotary.__kit__ = True
 
 
 def _switch_attention(model, model_type: str, report: AdaptReport) -> None:
@@ -255,7 +270,25 @@ def adapt_model(
                 merge_gate_up(module)
                 _set_forward(module, merged_mlp_forward)
                 report.mlps += 1
+        elif mlp and _fused_glu(module):  # GLM-4: gate_up_proj is one Linear already
+            if hidden_act not in ("silu", "swish"):
+                report.skipped.append(f"{name}: hidden_act={hidden_act!r} is not SwiGLU; kept original")
+            elif _adapted(module) or prober.check(
+                module, fused_mlp_forward, module.gate_up_proj.in_features, name
+            ):
+                _set_forward(module, fused_mlp_forward)
+                report.mlps += 1
     return report
+
+
+def _fused_glu(module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        type(gate_up) is torch.nn.Linear
+        and gate_up.bias is None
+        and isinstance(down, torch.nn.Linear)
+        and not hasattr(module, "gate_proj")
+    )
 
 
 def _adapted(module) -> bool:

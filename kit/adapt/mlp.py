@@ -99,3 +99,8 @@ def merged_mlp_forward(self, x):
         return self.down_proj(kit_fused.swiglu(self.gate_up_proj(x), dim=-1))
     # CPU/CUDA (and LoRA-wrapped halves): the same two matmuls as the original module, same numbers
     return self.down_proj(kit_fused.silu_mul(gate(x), up(x)))
+
+
+def fused_mlp_forward(self, x):
+    """down(silu(A) * B) with [A; B] = gate_up_proj(x), the GLM-4 MLP (gate first): npu_swiglu on NPU."""
+    return self.down_proj(kit_fused.swiglu(self.gate_up_proj(x), dim=-1))

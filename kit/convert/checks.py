@@ -73,8 +73,15 @@ def layout_plan_problems(
     padded_vocab: int,
     flavor: str = "local",
 ) -> List[str]:
-    """Why a TP x PP layout does not fit this model, if it does not (the rules of kit/parallel.py)."""
-    return parallel_problems(spec.facts(), tp, pp, layer_list, padded_vocab=padded_vocab, flavor=flavor)
+    """Why a TP x PP layout does not fit this model, if it does not (the rules of kit/parallel.py), or why the
+    key flavor cannot hold it (legacy Megatron has no q/k layernorm)."""
+    problems = parallel_problems(spec.facts(), tp, pp, layer_list, padded_vocab=padded_vocab, flavor=flavor)
+    if spec.qk_norm and flavor == "legacy":
+        problems.append(
+            f"flavor 'legacy' has no q/k layernorm for this {spec.family} model's q_norm/k_norm; use flavor "
+            f"'local' (megatron-core, what MindSpeed-LLM trains with --use-mcore-models) or 'te'."
+        )
+    return problems
 
 
 def check_disk(target: Path, need_bytes: int) -> None:

@@ -28,7 +28,7 @@ class ConvertConfig:
     num_layer_list: Optional[List[int]] = None
     """Uneven PP: layers per stage, e.g. [7, 8, 8, 7] (CLI 7,8,8,7)"""
     family: Optional[str] = None
-    """Model family: llama | chatglm | baichuan | util.py loader (llama2_hf); None: from model_type."""
+    """Model family: llama | qwen3 | glm | chatglm | baichuan | util.py loader (llama2_hf); None: from model_type."""
     flavor: str = "local"
     """Megatron key names: local (mcore local spec, MindSpeed) | legacy | te."""
     make_vocab_size_divisible_by: int = 128

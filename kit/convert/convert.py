@@ -41,6 +41,7 @@ from kit.convert.spec import ModelSpec, megatron_args
 from kit.convert.tensor_ops import full_to_parts, hf_parts, merge_tp, read_rank, split_tp
 from kit.convert.torch_zip import StreamingTorchFile
 from kit.parallel import padded_vocab_size, stage_layers
+from kit.weights_check import check_hf_weights
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
@@ -287,6 +288,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config)
+    check_hf_weights(cfg.source)  # NaN / inf weights: nothing converted from them is usable
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
@@ -417,6 +419,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         for role in glob[1:]:
             emit(writer, role, -1)
         writer.close()
+        check_hf_weights(tmp, source=f"{cfg.source}, converted")  # NaN / inf weights are not published
         copy_side_files(cfg_dir, tmp)
         save_config(cfg, tmp, "convert_config.json")
         source_layout = {"tp": mr.tp, "pp": mr.pp, "flavor": mr.flavor}
@@ -505,11 +508,15 @@ def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
         "megatron_to_hf": megatron_to_hf,
         "megatron_to_megatron": megatron_to_megatron,
     }[cfg.direction]
+    from kit.locks import hold
     from kit.partial import handle_partials
 
     target = Path(cfg.target)
-    left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)
-    summary = fn(cfg, progress=progress)
+    # one writer per target, from before the first read to the rename (kit/locks.py); under the lock, the
+    # leftovers found are no other run's work in progress
+    with hold(target, "conversion target"):
+        left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)
+        summary = fn(cfg, progress=progress)
     summary["leftover_partials"] = [
         {"path": x["path"], "mib": round(x["bytes"] / 1024**2, 1), "removed": x["path"] in left["removed"]}
         for x in left["found"]

@@ -7,7 +7,7 @@ its parts come from, in order. Parts that share one HF key are stacked rows of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Tuple
 
 from kit.convert.spec import ModelSpec
@@ -25,9 +25,21 @@ ROLE_KIND = {
     "proj.weight": "row",
     "fc1.weight": "glu",
     "fc2.weight": "row",
+    "q_norm": "replicated",  # Qwen3: one [head_dim] weight shared by every head (mcore q_layernorm / k_layernorm)
+    "k_norm": "replicated",
 }
 GLOBAL_ROLES = ("embedding", "final_norm", "output")
-LAYER_ROLES = ("input_norm", "qkv.weight", "qkv.bias", "proj.weight", "post_norm", "fc1.weight", "fc2.weight")
+LAYER_ROLES = (
+    "input_norm",
+    "qkv.weight",
+    "qkv.bias",
+    "q_norm",
+    "k_norm",
+    "proj.weight",
+    "post_norm",
+    "fc1.weight",
+    "fc2.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,9 @@ class Family:
     def roles(self, spec: ModelSpec) -> Tuple[List[str], List[str]]:
         """(global roles, per-layer roles) present in a model of this spec."""
         glob = [r for r in GLOBAL_ROLES if not (r == "output" and spec.tied)]
-        layer = [r for r in LAYER_ROLES if not (r == "qkv.bias" and not spec.qkv_bias)]
+        absent = set() if spec.qkv_bias else {"qkv.bias"}
+        absent |= set() if spec.qk_norm else {"q_norm", "k_norm"}
+        layer = [r for r in LAYER_ROLES if r not in absent]
         return glob, layer
 
     def hf_keys(self, role: str, layer: int = -1) -> Tuple[str, ...]:
@@ -72,6 +86,27 @@ def _rope_theta(cfg: dict) -> float:
     return float(cfg.get("rope_theta") or rp.get("rope_theta") or 10000.0)
 
 
+def _rope_scaling(cfg: dict) -> dict:
+    """ModelSpec fields of config.json's `rope_scaling` (transformers 4.x) or `rope_parameters` (5.x); only the
+    Llama-3.1 kind (rope_type llama3) changes the frequencies the kit and Megatron compute, others are refused."""
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise InputError(
+            f"config.json rope_scaling type {kind!r} is not supported (the kit converts and checks rope_type "
+            f"'llama3' only); remove rope_scaling from config.json to convert for the original context length."
+        )
+    return dict(
+        rope_scaling="llama3",
+        rope_scaling_factor=float(rs["factor"]),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
 def _llama_spec(cfg: dict) -> ModelSpec:
     nh = int(cfg["num_attention_heads"])
     return ModelSpec(
@@ -92,6 +127,26 @@ def _llama_spec(cfg: dict) -> ModelSpec:
         rotary_percent=1.0,
         rotary_interleaved=False,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        **_rope_scaling(cfg),
+    )
+
+
+def _qwen3_spec(cfg: dict) -> ModelSpec:
+    # Qwen3 = the Llama layout + per-head q/k RMSNorm; head_dim is its own field (128 where hidden/heads is 64)
+    return replace(_llama_spec(cfg), family="qwen3", qk_norm=True)
+
+
+def _glm_spec(cfg: dict) -> ModelSpec:
+    # HF-native GLM-4 (GlmConfig): q/k/v bias, fused [gate; up], rotary on the first half of each head in
+    # interleaved pairs (modeling_glm.py apply_rotary_pos_emb), like ChatGLM3.
+    rp = cfg.get("rope_parameters") or {}
+    percent = cfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 0.5
+    return replace(
+        _llama_spec(cfg),
+        family="glm",
+        qkv_bias=bool(cfg.get("attention_bias", True)),
+        rotary_percent=float(percent),
+        rotary_interleaved=True,
     )
 
 
@@ -165,7 +220,29 @@ LLAMA = Family(
     layer_prefix="model.layers.{i}.",
     layer_keys=_LLAMA_LAYER,
     ignore_suffixes=("rotary_emb.inv_freq",),
-    notes="Llama-2 (MHA, GQA as in 70B), Mistral, Qwen2 (q/k/v bias): one map.",
+    notes="Llama-2/3.x (MHA, GQA; llama3 rope_scaling), Mistral, Qwen2/Qwen2.5 (q/k/v bias): one map.",
+)
+
+QWEN3 = Family(
+    name="qwen3",
+    model_types=("qwen3",),
+    read_config=_qwen3_spec,
+    global_keys=LLAMA.global_keys,
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(_LLAMA_LAYER, q_norm=("self_attn.q_norm.weight",), k_norm=("self_attn.k_norm.weight",)),
+    ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="Qwen3 dense: the Llama map + per-head q/k RMSNorm (replicated over TP), head_dim from config.",
+)
+
+GLM = Family(
+    name="glm",
+    model_types=("glm",),
+    read_config=_glm_spec,
+    global_keys=LLAMA.global_keys,
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(_LLAMA_LAYER, **{"fc1.weight": ("mlp.gate_up_proj.weight",) * 2}),
+    ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="GLM-4 HF-native (GLM-4-9B-chat-hf): q/k/v bias, fused [gate;up], half-dim interleaved RoPE.",
 )
 
 CHATGLM = Family(
@@ -206,7 +283,7 @@ BAICHUAN = Family(
     notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
 )
 
-FAMILIES = {f.name: f for f in (LLAMA, CHATGLM, BAICHUAN)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN3, GLM, CHATGLM, BAICHUAN)}
 # ModelLink 1.0 `util.py --loader` names (the ModelArts user manual's conversion command) and their families.
 LOADER_ALIASES = {
     "llama2_hf": "llama",
@@ -220,7 +297,7 @@ LOADER_ALIASES = {
 
 
 def family_for_config(cfg: dict, name: str = None) -> Family:
-    """The family named (`llama`, `chatglm`, `baichuan` or a util.py loader name) or else the one of cfg's model_type."""
+    """The family named (`llama`, `qwen3`, `glm`, `chatglm`, `baichuan` or a util.py loader name) or else the one of cfg's model_type."""
     if name:
         name = LOADER_ALIASES.get(name, name)
     if name:

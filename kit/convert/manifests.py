@@ -34,7 +34,8 @@ def _source_fields(source: str, source_man: Optional[Manifest], source_hash: tup
 
 def architecture_flags(model: Dict[str, Any], padded_vocab: Optional[int] = None) -> List[str]:
     """Megatron/MindSpeed `pretrain_gpt.py` model flags for these model facts (names as in Megatron-LM
-    `megatron/training/arguments.py`, core_r0.8; `--padded-vocab-size` as in ModelLink / MindSpeed-LLM)."""
+    `megatron/training/arguments.py`, core_r0.8; `--padded-vocab-size`, `--qk-layernorm` and the llama3 rope
+    scaling flags as in MindSpeed-LLM's example scripts, e.g. examples/mcore/llama31 and qwen3)."""
     heads, groups = int(model["num_heads"]), int(model["num_kv_groups"])
     flags = [
         "--num-layers", model["num_layers"],
@@ -56,10 +57,20 @@ def architecture_flags(model: Dict[str, Any], padded_vocab: Optional[int] = None
             flags += ["--rotary-percent", model["rotary_percent"]]
         if model["rotary_interleaved"]:
             flags.append("--rotary-interleaved")
+        if model.get("rope_scaling") == "llama3":
+            flags += [
+                "--rope-scaling-type", "llama3",
+                "--rope-scaling-factor", model["rope_scaling_factor"],
+                "--low-freq-factor", model["low_freq_factor"],
+                "--high-freq-factor", model["high_freq_factor"],
+                "--original-max-position-embeddings", model["original_max_position_embeddings"],
+            ]  # fmt: skip
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", groups]
     if model["qkv_bias"]:
         flags.append("--add-qkv-bias")
+    if model.get("qk_norm"):
+        flags.append("--qk-layernorm")
     if not model["tied"]:
         flags.append("--untie-embeddings-and-output-weights")
     return [str(f) for f in flags]

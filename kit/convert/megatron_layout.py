@@ -22,6 +22,9 @@ _MCORE_LAYER = {
     "post_norm": "pre_mlp_layernorm.weight",
     "fc1.weight": "mlp.linear_fc1.weight",
     "fc2.weight": "mlp.linear_fc2.weight",
+    # Qwen3's q/k norms: mcore's q_layernorm / k_layernorm (same names in the TE spec); legacy Megatron has none
+    "q_norm": "self_attention.q_layernorm.weight",
+    "k_norm": "self_attention.k_layernorm.weight",
 }
 _TE_LAYER = dict(
     _MCORE_LAYER,

@@ -62,6 +62,7 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
         ("num_query_groups (KV heads)", groups, spec.num_groups),
         ("kv_channels (head_dim)", getattr(a, "kv_channels", None), spec.head_dim),
         ("add_qkv_bias", getattr(a, "add_qkv_bias", None), spec.qkv_bias),
+        ("qk_layernorm", getattr(a, "qk_layernorm", None), spec.qk_norm),
         (
             "untie_embeddings_and_output_weights",
             getattr(a, "untie_embeddings_and_output_weights", None),

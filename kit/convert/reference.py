@@ -1,4 +1,5 @@
-"""Plain-torch forwards used as references: HF-layout ChatGLM3 / Baichuan2 / Llama from their published math, and
+"""Plain-torch forwards used as references: HF-layout ChatGLM3 / Baichuan2 / Llama / Qwen3 / GLM-4 from their
+published math (Llama-3.1 rope scaling included), and
 a Megatron forward from rank files with tensor parallelism simulated (each rank computes its heads / FFN slice and
 the row-parallel outputs are summed, as the all-reduce does)."""
 
@@ -20,17 +21,37 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def llama3_scaled(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Llama-3.1 rope scaling of inverse frequencies: wavelengths above original_context/low_freq_factor are
+    divided by the factor, those below original_context/high_freq_factor kept, the band between blended
+    linearly in original_context/wavelength (the published rule, as transformers' rope_type "llama3")."""
+    factor, lo, hi = spec.rope_scaling_factor, spec.low_freq_factor, spec.high_freq_factor
+    ctx = float(spec.original_max_position_embeddings)
+    wavelen = 2 * math.pi / inv
+    smooth = ((ctx / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wavelen > ctx / lo, inv / factor, torch.where(wavelen < ctx / hi, inv, blended))
+
+
 def rope(
-    x: torch.Tensor, base: float, percent: float = 1.0, interleaved: bool = False, positions=None
+    x: torch.Tensor,
+    base: float,
+    percent: float = 1.0,
+    interleaved: bool = False,
+    spec: ModelSpec = None,
+    positions=None,
 ) -> torch.Tensor:
     """Rotary embedding on x [seq, heads, head_dim]: rotate the first `percent` of each head.
 
-    interleaved=False pairs dims (i, i + rd/2) (HF Llama rotate_half); True pairs (2i, 2i+1) (ChatGLM).
-    positions [seq]: each token's position (a packed row restarts them per segment); None: 0..seq-1.
+    interleaved=False pairs dims (i, i + rd/2) (HF Llama rotate_half); True pairs (2i, 2i+1) (ChatGLM, GLM-4).
+    A spec with rope_scaling "llama3" rescales the frequencies first. positions [seq]: each token's position (a
+    packed row restarts them per segment); None: 0..seq-1.
     """
     s, hd = x.shape[0], x.shape[-1]
     rd = int(hd * percent)
     inv = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    if spec is not None and spec.rope_scaling == "llama3":
+        inv = llama3_scaled(inv, spec)
     pos = torch.arange(s, dtype=torch.float32) if positions is None else positions.float()
     ang = torch.outer(pos, inv)[:, None, :]  # [s, 1, rd/2]
     cos, sin = ang.cos(), ang.sin()
@@ -80,16 +101,16 @@ def _pos(q, k, spec: ModelSpec, positions=None):
     if spec.position != "rope":
         return q, k
     return (
-        rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, positions),
-        rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, positions),
+        rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, spec, positions),
+        rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, spec, positions),
     )
 
 
 def hf_forward(
     sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor, positions=None, segments=None
 ) -> torch.Tensor:
-    """Logits [seq, vocab] of an HF-layout Llama / ChatGLM3 / Baichuan2 state dict (fp32, one sequence; a packed
-    row with its `positions` and `segment` ids [seq] attends inside each segment)."""
+    """Logits [seq, vocab] of an HF-layout Llama / Qwen3 / GLM-4 / ChatGLM3 / Baichuan2 state dict (fp32, one
+    sequence; a packed row with its `positions` and `segments` ids [seq] attends inside each segment)."""
     glm = spec.family == "chatglm"
     pre = "transformer.encoder.layers.{i}." if glm else "model.layers.{i}."
     emb = sd["transformer.embedding.word_embeddings.weight" if glm else "model.embed_tokens.weight"]
@@ -109,13 +130,21 @@ def hf_forward(
             q, k, v = (h @ sd[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
             if spec.qkv_bias:
                 q, k, v = (t + sd[p + f"self_attn.{n}_proj.bias"] for t, n in zip((q, k, v), "qkv"))
-        q, k = _pos(q.reshape(-1, nh, hd), k.reshape(-1, ng, hd), spec, positions)
+        q, k = q.reshape(-1, nh, hd), k.reshape(-1, ng, hd)
+        if spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before rotary
+            q = rms_norm(q, sd[p + "self_attn.q_norm.weight"], spec.norm_eps)
+            k = rms_norm(k, sd[p + "self_attn.k_norm.weight"], spec.norm_eps)
+        q, k = _pos(q, k, spec, positions)
         o = attention(q, k, v.reshape(-1, ng, hd), slopes, segments)
         x = x + o @ sd[p + ("self_attention.dense.weight" if glm else "self_attn.o_proj.weight")].T
         h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], spec.norm_eps)
-        if glm:
-            g, u = (h @ sd[p + "mlp.dense_h_to_4h.weight"].T).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ sd[p + "mlp.dense_4h_to_h.weight"].T
+        fused_glu = "mlp.dense_h_to_4h.weight" if glm else "mlp.gate_up_proj.weight"  # [gate; up] (GLM-4)
+        if p + fused_glu in sd:
+            g, u = (h @ sd[p + fused_glu].T).chunk(2, dim=-1)
+            x = (
+                x
+                + (F.silu(g) * u) @ sd[p + ("mlp.dense_4h_to_h.weight" if glm else "mlp.down_proj.weight")].T
+            )
         else:
             g, u = h @ sd[p + "mlp.gate_proj.weight"].T, h @ sd[p + "mlp.up_proj.weight"].T
             x = x + (F.silu(g) * u) @ sd[p + "mlp.down_proj.weight"].T
@@ -166,6 +195,9 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
                     grp = torch.cat(mixed_all, -1).reshape(-1, spec.num_groups, hpg + 2, hd)[:, r // per]
                     q = grp[:, (r % per) * nq : (r % per + 1) * nq]
                     k, v = grp[:, hpg : hpg + 1], grp[:, hpg + 1 : hpg + 2]
+                if spec.qk_norm:  # mcore q_layernorm / k_layernorm: per head, before rotary
+                    q = rms_norm(q, w("q_norm")[0], spec.norm_eps)
+                    k = rms_norm(k, w("k_norm")[0], spec.norm_eps)
                 q, k = _pos(q, k, spec)
                 sl = slopes[r * nq : (r + 1) * nq] if slopes is not None else None
                 out = out + attention(q, k, v, sl) @ proj[r].T

@@ -58,7 +58,7 @@ def model_facts(folder: PathLike, family: Optional[str] = None) -> Dict[str, Any
     Works for an HF folder (its config.json through the family map), a converted checkpoint (its manifest's
     `model`), a kit-made Megatron folder without manifest (its hf_meta/config.json) and a training run (its exported
     hf/ model, else the model it started from). Keys: every ModelSpec field plus `num_kv_groups` and
-    `num_attention_heads`; `family` is llama | chatglm | baichuan.
+    `num_attention_heads`; `family` is llama | qwen3 | glm | chatglm | baichuan.
     """
     folder = Path(folder)
     if not folder.exists():

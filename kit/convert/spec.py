@@ -28,6 +28,13 @@ class ModelSpec:
     rotary_interleaved: bool
     max_position_embeddings: int
     norm_head: bool = False  # Baichuan2 NormHead: lm_head rows are L2-normalised at forward time
+    qk_norm: bool = False  # Qwen3: a per-head RMSNorm on q and k before rotary (Megatron --qk-layernorm)
+    # Llama-3.1/3.2 `rope_scaling` (rope_type llama3): "" = none. The factors of HF's _compute_llama3_parameters.
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
 
     @property
     def heads_per_group(self) -> int:
@@ -48,6 +55,8 @@ class ModelSpec:
             "proj.weight": (h, self.num_heads * hd),
             "fc1.weight": (2 * ffn, h),
             "fc2.weight": (h, ffn),
+            "q_norm": (hd,),
+            "k_norm": (hd,),
         }
         return shapes[role]
 
@@ -133,4 +142,13 @@ def megatron_args(
         apply_layernorm_1p=False,
         apply_query_key_layer_scaling=False,
         model_family=spec.family,
+        qk_layernorm=spec.qk_norm,
+        # Megatron-LM's names (--use-rope-scaling, --rotary-scaling-factor) and MindSpeed-LLM's (the rest)
+        use_rope_scaling=spec.rope_scaling == "llama3",
+        rotary_scaling_factor=spec.rope_scaling_factor,
+        rope_scaling_type=spec.rope_scaling or None,
+        rope_scaling_factor=spec.rope_scaling_factor,
+        low_freq_factor=spec.low_freq_factor,
+        high_freq_factor=spec.high_freq_factor,
+        original_max_position_embeddings=spec.original_max_position_embeddings or None,
     )

@@ -44,8 +44,15 @@ def describe(cfg: ConvertConfig):
                 f" (percent {spec.rotary_percent}, interleaved {spec.rotary_interleaved})"
                 if spec.position == "rope"
                 else ""
+            )
+            + (
+                f", {spec.rope_scaling} scaling x{spec.rope_scaling_factor} from "
+                f"{spec.original_max_position_embeddings} positions"
+                if spec.rope_scaling
+                else ""
             ),
         ),
+        ("q/k norm (per head, before rotary)", spec.qk_norm),
         (
             "source weights",
             f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",

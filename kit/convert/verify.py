@@ -146,11 +146,21 @@ def sample_tokens(vocab_size: int, seq_len: int = 16, seed: int = 0) -> torch.Te
     return torch.randint(0, vocab_size, (seq_len,), generator=g)
 
 
+TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "glm")
+
+
+def _transformers_knows(model_type: str) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
 def hf_logits(hf_dir: PathLike, ids: torch.Tensor, spec=None) -> torch.Tensor:
-    """fp32 logits [seq, vocab] of the HF model: transformers for the Llama family, the reference forward else."""
+    """fp32 logits [seq, vocab] of the HF model: transformers for the families it implements natively (when the
+    installed version knows the model type), the reference forward else (remote-code ChatGLM3 / Baichuan2)."""
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
-    if cfg.get("model_type") in ("llama", "mistral", "qwen2"):
+    if cfg.get("model_type") in TRANSFORMERS_NATIVE and _transformers_knows(cfg["model_type"]):
         from transformers import AutoModelForCausalLM
 
         from kit.hf_compat import dtype_kw

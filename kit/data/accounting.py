@@ -26,6 +26,10 @@ class PrepReport:
     special_strings: Dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     heldout: int = 0
+    turn_samples: int = 0
+    """Samples beyond one per dialog: a reasoning template (qwen3) makes one sample per assistant turn."""
+    reasoning_left_out: int = 0
+    """Dialogs whose reasoning the template does not render (no think block, or enable_thinking=False)."""
     tokens_in: int = 0
     tokens_out: int = 0
     tokens_learned: int = 0
@@ -105,6 +109,8 @@ class PrepReport:
             "special_token_strings": dict(sorted(self.special_strings.items())),
             "truncated": self.truncated,
             "heldout_records": self.heldout,
+            "turn_samples": self.turn_samples,
+            "reasoning_left_out": self.reasoning_left_out,
             "tokens_in": self.tokens_in,
             "tokens_out": self.tokens_out,
             "tokens_learned": self.tokens_learned,

@@ -11,7 +11,16 @@ import json
 import sys
 
 # fields that mean nothing for one kind (left out of its --help)
-_ONLY_SFT = ("template", "system", "train_on_prompt", "mask_history", "overlong", "pack", "pack_window")
+_ONLY_SFT = (
+    "template",
+    "enable_thinking",
+    "system",
+    "train_on_prompt",
+    "mask_history",
+    "overlong",
+    "pack",
+    "pack_window",
+)
 _ONLY_PRETRAIN = ("add_bos", "keep_special_tokens")
 
 
@@ -37,7 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="what", required=True)
     _add_prepare(s, "pretrain", "plain text -> max_length samples + <name>_text_document.bin/.idx")
     _add_prepare(s, "sft", "dialogs -> packed, answer-masked samples + <name>_packed_*_document.bin/.idx")
-    c = s.add_parser("check", help="load and validate a prepared <name>_hf folder, print its manifest")
+    c = s.add_parser(
+        "check",
+        help="check a prepared <name>_hf folder against its manifest (every row, the Megatron files, the "
+        "tokenizer hash), print the manifest",
+    )
     c.add_argument("path")
     c.set_defaults(func=run)
     t = s.add_parser("templates", help="list the chat templates")
@@ -59,19 +72,26 @@ def run(args: argparse.Namespace) -> int:
         from kit.data.templates import TEMPLATES
 
         for t in TEMPLATES.values():
-            print(f"{t.name:10s} user={t.user!r} assistant={t.assistant!r}  ({t.source})")
+            mindspeed = f"--prompt-type {t.prompt_type}" if t.prompt_type else "no MindSpeed-LLM prompt type"
+            print(f"{t.name:10s} user={t.user!r} assistant={t.assistant!r}  [{mindspeed}]  ({t.source})")
         print("tokenizer  the tokenizer's own chat_template")
         return 0
     if args.what == "check":
+        from kit.data.check import check_prepared
         from kit.data.prepared import read_prepared
 
+        done = check_prepared(args.path)
         prepared = read_prepared(args.path)
-        ds = prepared.dataset()
-        held = prepared.heldout_dataset()
         print(json.dumps(prepared.manifest.fields, indent=2, ensure_ascii=False))
         print(
-            f"ok: {len(ds)} samples, columns {ds.column_names}"
-            + (f"; held out: {len(held)} rows in {prepared.heldout['path']}" if held is not None else "")
+            f"ok: {done['samples']} samples, columns {done['columns']}, every row's lengths and token ids"
+            + (
+                f"; held out: {done['heldout_rows']} rows in {prepared.heldout['path']}"
+                if prepared.heldout
+                else ""
+            )
+            + f"; {done['megatron_files']} Megatron files (hashes {done['megatron_hashes']}); tokenizer "
+            f"{done['tokenizer']}"
         )
         return 0
     from kit.data.pipeline import prepare
@@ -79,9 +99,12 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     ws = None if cfg.out_dir else get_workspace(args.workspace, model=args.model)
-    # expected failures are KitErrors (and OSErrors such as a full disk): `kit.__main__` prints them as one line
-    result = prepare(cfg, ws)
-    result.plot_lengths()
+    from kit.partial import sigterm_as_interrupt
+
+    # expected failures are KitErrors (and OSErrors such as a full disk): `kit.__main__` prints them as one line;
+    # SIGTERM removes the temporary outputs like Ctrl-C; the plot is written before the manifest
+    with sigterm_as_interrupt():
+        result = prepare(cfg, ws, plot=True)
     print(json.dumps(result.summary(), indent=2, ensure_ascii=False))
     for w in result.report.warnings:
         print(f"warning: {w}", file=sys.stderr)  # stdout stays one JSON document

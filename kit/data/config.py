@@ -39,7 +39,12 @@ class DataConfig:
     """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
     template: str = "tokenizer"
     """Chat template for sft: "tokenizer" (the tokenizer's own chat_template, what an instruct model was tuned
-    with), or telechat, chatml, qwen, chatglm3, llama2, llama3, baichuan2, alpaca."""
+    with), or a kit template: qwen3 qwen2_5 qwen chatml llama3 llama2 mistral glm4 chatglm3 deepseek3 intern2
+    baichuan2 telechat2 telechat alpaca (`python -m kit data templates`; docs/data.md)."""
+    enable_thinking: bool = True
+    """Reasoning templates (qwen3): True learns each answer's think block (its reasoning, or the empty block) as
+    Qwen3's thinking mode generates it; False puts the empty block in the prompt, as its non-thinking prompt does,
+    and leaves reasoning in the data out (counted)."""
     system: Optional[str] = None
     """System prompt used when a dialog has none (None: the template's default, if any)."""
     train_on_prompt: bool = False
@@ -58,6 +63,10 @@ class DataConfig:
     """Pretrain: special-token strings in the text ('<|endoftext|>') become control tokens; False: plain text."""
     on_error: str = "raise"
     """Malformed records: 'raise' (stop with file and line) or 'skip' (count them in the report)."""
+    max_record_bytes: int = 16 * 1024 * 1024
+    """Largest record, in bytes (a .jsonl/.txt/.csv line, a .json array item, a parquet row's text); a larger one is
+    an error with its position or, with on_error='skip', a counted drop, and is never tokenized (tokenizing
+    takes ~170x the record's size: 16 MiB needs ~3 GiB). Lines of .jsonl/.txt/.csv are not even read whole."""
     num_workers: int = 1
     """Tokenizer processes; 1 tokenizes in this process with the tokenizer's own threads."""
     batch_size: int = 1000
@@ -72,6 +81,9 @@ class DataConfig:
     """Hold out every k-th usable record, in input order, until heldout_records are held out."""
     overwrite: bool = False
     """Replace existing outputs of the same name."""
+    clean_partial: bool = False
+    """Delete leftovers of killed runs (.NAME_hf.partial-*, NAME.bin.partial-PID) in the output folder (else only
+    reported)."""
 
     @property
     def output_name(self) -> str:
@@ -101,6 +113,8 @@ class DataConfig:
             out.append(f"overlong={self.overlong!r}: use one of {OVERLONG}.")
         if self.on_error not in ON_ERROR:
             out.append(f"on_error={self.on_error!r}: use one of {ON_ERROR}.")
+        if not isinstance(self.enable_thinking, bool):
+            out.append(f"enable_thinking={self.enable_thinking!r}: use True or False.")
         if self.train_on_prompt and self.mask_history:
             out.append("train_on_prompt and mask_history exclude each other; set one of them to False.")
         for attr, low in (
@@ -109,6 +123,7 @@ class DataConfig:
             ("pack_window", 1),
             ("heldout_records", 0),
             ("heldout_every", 1),
+            ("max_record_bytes", 1024),
         ):
             v = getattr(self, attr)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:

@@ -18,8 +18,22 @@ DEFAULT_COLUMNS = {
         "system": "system",
         "history": "history",
     },
-    "sharegpt": {"messages": "conversations", "role": "from", "content": "value", "system": "system"},
-    "openai": {"messages": "messages", "role": "role", "content": "content", "system": "system"},
+    # reasoning: an assistant message's own reasoning (the `reasoning_content` field Qwen3's chat template reads
+    # and OpenAI-compatible servers return); a reasoning template also reads `<think>...</think>` in the content
+    "sharegpt": {
+        "messages": "conversations",
+        "role": "from",
+        "content": "value",
+        "system": "system",
+        "reasoning": "reasoning_content",
+    },
+    "openai": {
+        "messages": "messages",
+        "role": "role",
+        "content": "content",
+        "system": "system",
+        "reasoning": "reasoning_content",
+    },
 }
 USER_ROLES = ("user", "human")
 ASSISTANT_ROLES = ("assistant", "gpt", "bot", "model")
@@ -27,10 +41,17 @@ ASSISTANT_ROLES = ("assistant", "gpt", "bot", "model")
 
 @dataclass
 class Dialog:
-    """A system prompt (or None) and (user, assistant) turns in order."""
+    """A system prompt (or None), (user, assistant) turns in order, and each answer's reasoning (None: none given;
+    empty list: no answer has any)."""
 
     system: Optional[str] = None
     turns: List[Tuple[str, str]] = field(default_factory=list)
+    reasoning: List[Optional[str]] = field(default_factory=list)
+
+    @property
+    def has_reasoning(self) -> bool:
+        """Whether any answer comes with reasoning (its own field, or `</think>` in its text)."""
+        return any(r for r in self.reasoning) or any("</think>" in a for _, a in self.turns)
 
 
 def detect_format(rec: Record, kind: str, overrides: Optional[Dict[str, str]] = None) -> str:
@@ -153,7 +174,7 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
             "bad_type",
         )
     system = _string(rec, cols, "system", required=False) if cols["system"] in rec.data else None
-    roles, texts = [], []
+    roles, texts, thoughts = [], [], []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or cols["role"] not in m or cols["content"] not in m:
             raise record_error(
@@ -170,11 +191,20 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
                 "store role and content as strings",
                 "bad_type",
             )
+        thought = m.get(cols["reasoning"])
+        if thought is not None and not isinstance(thought, str):
+            raise record_error(
+                rec,
+                f"message {i} has a non-string {cols['reasoning']!r}",
+                "store an answer's reasoning as a string (or leave the field out)",
+                "bad_type",
+            )
         roles.append(role.lower())
         texts.append(content)
+        thoughts.append(thought)
     if roles and roles[0] == "system":
         system = texts[0]
-        roles, texts = roles[1:], texts[1:]
+        roles, texts, thoughts = roles[1:], texts[1:], thoughts[1:]
     turns = []
     for i in range(0, len(roles), 2):
         pair = roles[i : i + 2]
@@ -188,7 +218,8 @@ def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
         turns.append((texts[i], texts[i + 1]))
     if not turns:
         raise record_error(rec, "no user/assistant turn", "add at least one pair", "malformed")
-    return Dialog(system or None, turns)
+    reasoning = thoughts[1::2] if any(t is not None for t in thoughts[1::2]) else []
+    return Dialog(system or None, turns, reasoning)
 
 
 PARSERS = {"alpaca": alpaca_dialog, "sharegpt": messages_dialog, "openai": messages_dialog}

@@ -45,10 +45,11 @@ class HeldoutPicker:
         self._seen: Set[bytes] = set()  # records trained on, kept only until the split is complete
         self._position = 0
         self._due = False
+        self._records = 0  # held-out records (a dialog split per turn is one record of several rows)
 
     @property
     def full(self) -> bool:
-        return len(self.items) >= self.wanted
+        return self._records >= self.wanted
 
     def take(self, ids: np.ndarray, labels: Optional[np.ndarray] = None) -> int:
         """TRAIN, HELDOUT (kept here, truncated to max_length) or SAME_AS_HELDOUT for one record's token ids."""
@@ -68,11 +69,25 @@ class HeldoutPicker:
             n = min(ids.size, self.max_length)
             lab = ids if labels is None else labels
             self.items.append((np.array(ids[:n], dtype=np.int32), np.array(lab[:n], dtype=np.int32)))
+            self._records += 1
             if self.full:
                 self._seen = set()  # later records are only compared with the held-out ones
             return HELDOUT
         self._seen.add(key)
         return TRAIN
+
+    def follow(self, ids: np.ndarray, labels: Optional[np.ndarray], verdict: int) -> None:
+        """Record a later sample of a dialog whose first sample got `verdict` (a dialog split per turn stays on one
+        side of the split, so no held-out answer is ever context of a trained one)."""
+        key = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+        if verdict == HELDOUT:
+            self._held.add(key)
+            n = min(ids.size, self.max_length)
+            self.truncated += int(ids.size > self.max_length)
+            lab = ids if labels is None else labels
+            self.items.append((np.array(ids[:n], dtype=np.int32), np.array(lab[:n], dtype=np.int32)))
+        elif verdict == TRAIN and not self.full:
+            self._seen.add(key)
 
     def write(self, folder: Path, pad_id: int) -> int:
         """Write the held-out rows (one record per row, padded, `seq_lens` = [its length]) as an HF folder."""
@@ -93,7 +108,7 @@ class HeldoutPicker:
     def stats(self) -> dict:
         """Counts for the manifest: records, tokens, learned tokens, truncated."""
         return {
-            "records": len(self.items),
+            "records": self._records,
             "rows": len(self.items),
             "tokens": int(sum(ids.size for ids, _ in self.items)),
             "tokens_learned": int(sum(int((lab != IGNORE).sum()) for _, lab in self.items)),

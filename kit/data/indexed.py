@@ -89,6 +89,10 @@ class IndexedWriter:
     def num_sequences(self) -> int:
         return len(self._lengths)
 
+    @property
+    def num_documents(self) -> int:
+        return len(self._doc_index) - 1
+
     def finalize(self) -> tuple[str, str]:
         """Close the .bin and write the .idx; return (bin_path, idx_path) (still under tmp_suffix)."""
         self._bin.flush()
@@ -183,3 +187,8 @@ class IndexedReader:
     @property
     def num_tokens(self) -> int:
         return int(self._bin.size)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the `.bin`, memory-mapped."""
+        return self._bin

@@ -15,6 +15,7 @@ import numpy as np
 from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
 from kit.configs import check, save_config
 from kit.data.accounting import PrepReport, plot_lengths
+from kit.data.check import megatron_record
 from kit.data.config import DataConfig
 from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
 from kit.data.heldout import HeldoutPicker, rule_text
@@ -31,7 +32,8 @@ from kit.data.prepared import (
 )
 from kit.data.readers import DataInputError, TextBlock, iter_records
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
-from kit.errors import InputError, MissingInputError
+from kit.errors import InputError, MissingInputError, writing
+from kit.locks import hold
 from kit.manifest import (
     MANIFEST_NAME,
     PREPARED_DATA,
@@ -76,8 +78,11 @@ class PrepResult:
         return dict(self.prepared.manifest.fields)
 
     def plot_lengths(self) -> Path:
-        """Plot the length histogram and save it as `<name>_hf/lengths.png`; return the path."""
-        self.histogram_png = plot_lengths(self.report, self.hf_dir / "lengths.png")
+        """The length histogram `<name>_hf/lengths.png` (made by prepare(plot=True), else plotted now); its path."""
+        if self.histogram_png is None or not Path(self.histogram_png).is_file():
+            png = self.hf_dir / "lengths.png"
+            with writing(png):
+                self.histogram_png = plot_lengths(self.report, png)
         return self.histogram_png
 
     def summary(self) -> dict:
@@ -168,7 +173,7 @@ def _records(cfg: DataConfig, report: PrepReport, text_column: Optional[str] = N
     # names only the renamed ones)
     parquet_cols = [text_column] if text_column else None
     skip = None if cfg.on_error == "raise" else on_bad
-    for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column):
+    for rec in iter_records(cfg.inputs, parquet_cols, skip, text_column, cfg.max_record_bytes):
         if cfg.max_records is not None and report.records_read >= cfg.max_records:
             break
         yield rec
@@ -222,8 +227,33 @@ def _dialogs(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         if any(not a or a.isspace() for _, a in dialog.turns):
             report.drop("empty_answer", f"{rec.where}: an answer is empty (dropped)")
             continue
+        if _leaves_out_reasoning(cfg, dialog):
+            report.reasoning_left_out += 1
         report.count_format(fmt)
         yield dialog, rec.where
+
+
+def _leaves_out_reasoning(cfg: DataConfig, dialog: Any) -> bool:
+    """Whether the configured template drops reasoning this dialog carries: a reasoning template with
+    enable_thinking=False drops it (field or `<think>` in the text), another kit template drops the reasoning field
+    (`<think>` in the text stays text); the tokenizer's own template gets the field and decides itself."""
+    from kit.data.templates import TEMPLATES
+
+    if cfg.template == "tokenizer":
+        return False
+    if TEMPLATES[cfg.template].think:
+        return not cfg.enable_thinking and dialog.has_reasoning
+    return any(r for r in dialog.reasoning)
+
+
+def prompt_type(cfg: DataConfig) -> Optional[str]:
+    """MindSpeed-LLM's `--prompt-type` for the data's template (None: pretraining, the tokenizer's own template, or
+    a format MindSpeed-LLM has no template for)."""
+    from kit.data.templates import TEMPLATES
+
+    if cfg.kind != "sft" or cfg.template not in TEMPLATES:
+        return None
+    return TEMPLATES[cfg.template].prompt_type
 
 
 def _text_chunks(pieces: Iterator[List[str]], max_records: int, max_chars: float) -> Iterator[List[str]]:
@@ -258,17 +288,26 @@ def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
     )
 
 
-def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> PrepResult:
-    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, and its `prepared-data`
-    manifest written last), the held-out split `<name>_heldout_hf` if asked for, and the Megatron files."""
+def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True, plot: bool = False) -> PrepResult:
+    """Prepare `cfg.kind` data: the `<name>_hf` folder (rows, config.json, report.json, with `plot` the length
+    histogram lengths.png, and its `prepared-data` manifest written last), the held-out split `<name>_heldout_hf` if
+    asked for, and the Megatron files. Leftovers of killed runs in the output folder are reported in the report's
+    warnings (removed with cfg.clean_partial)."""
+    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
+    check(cfg, "DataConfig")
+    out = Path(os.path.abspath(output_dir(cfg, workspace)))
+    # one writer per name, from before any work to the last rename (kit/locks.py)
+    with hold(out / f"{cfg.output_name}_hf", "prepared data"):
+        return _prepare(cfg, out, progress, plot)
+
+
+def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResult:
+    """prepare() with the output's lock held."""
     from kit.data.templates import TEMPLATES, missing_special_tokens
 
-    cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
     name = cfg.output_name
-    check(cfg, "DataConfig")
     tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code)
     vocab_size = len(tok)
-    out = Path(os.path.abspath(output_dir(cfg, workspace)))
     hf_dir = out / f"{name}_hf"
     held_dir = heldout_dir(out, name)
     mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, name)
@@ -278,6 +317,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     out.mkdir(parents=True, exist_ok=True)
 
     report = PrepReport(cfg.kind, cfg.max_length)
+    report.warnings.extend(_leftovers(out, name, cfg.clean_partial))
     if cfg.kind == "sft" and cfg.template != "tokenizer":
         missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
         if missing:
@@ -296,8 +336,24 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
     )
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
+    heldout: Optional[Dict[str, Any]] = None
+
+    def companions() -> None:
+        # the rest of the unit, once the old `<name>_hf` (and its manifest) is aside and before the new one is
+        # renamed in: a manifest at the final name is never beside another run's files
+        for w in writers:
+            w.commit()
+        if heldout:
+            with atomic_dir(held_dir, overwrite=cfg.overwrite, what="held-out data") as held_tmp:
+                picker.write(held_tmp, tok.pad_token_id)
+        elif cfg.overwrite and held_dir.is_dir():
+            # the split of an earlier run under this name; the new manifest names none, so nothing may use it
+            shutil.rmtree(held_dir)
+
     try:
-        with atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data") as tmp:
+        # a write error without a file name (a full disk inside a library's writer) names the output folder
+        unit = atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data", before_rename=companions)
+        with writing(hf_dir), unit as tmp:
             if cfg.megatron:
                 dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
@@ -317,24 +373,35 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True) -> Pr
                 (mg_prefix, [str(f) for f in mg_files], str(writers[0].dtype)) if writers else None,
                 heldout,
             )
+            fields["megatron_checks"] = megatron_record(writers)  # sizes, hashes, counts for `data check`
             sink.finalize({"manifest": fields, "report": rep})
             save_config(cfg, tmp)
             atomic_write_text(tmp / "report.json", json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
-            if heldout:
-                with atomic_dir(held_dir, overwrite=cfg.overwrite, what="held-out data") as held_tmp:
-                    picker.write(held_tmp, tok.pad_token_id)
+            if plot:  # before the manifest: a plot that cannot be written fails the run, never follows a complete one
+                with writing(hf_dir / "lengths.png"):
+                    plot_lengths(report, tmp / "lengths.png")
             write_manifest(tmp, PREPARED_DATA, fields)  # last: a folder with a manifest is complete
-        for w in writers:
-            w.commit()
     except BaseException:
         for w in writers:
             w.abort()
         raise
-    if not heldout and cfg.overwrite and held_dir.is_dir():
-        # the split of an earlier run under this name; the new manifest names none, so nothing may use it
-        shutil.rmtree(held_dir)
     prepared = PreparedData(read_manifest(hf_dir, expect=PREPARED_DATA))
-    return PrepResult(prepared, report, config=cfg)
+    result = PrepResult(prepared, report, config=cfg)
+    if plot:
+        result.histogram_png = hf_dir / "lengths.png"
+    return result
+
+
+def _leftovers(out: Path, name: str, clean: bool) -> List[str]:
+    """Lines about what killed runs of `name` left in the output folder (removed when `clean`). Only this name's:
+    the folder is shared by every dataset of the kind, and another name's run may be writing there right now."""
+    from kit.partial import describe, find_partials, remove_partials
+
+    found = [x for x in find_partials(out) if os.path.basename(x["path"]).lstrip(".").startswith(f"{name}_")]
+    report = {"found": found, "removed": remove_partials(found) if clean else []}
+    lines = [f"removed leftover partial output {p}" for p in report["removed"]]
+    line = describe(report)
+    return lines + ([line] if line else [])
 
 
 def _heldout_fields(
@@ -397,6 +464,8 @@ def _manifest_fields(
         "tokenizer": tok_dir,
         "tokenizer_sha256": tok_hash,
         "template": cfg.template if cfg.kind == "sft" else None,
+        "prompt_type": prompt_type(cfg),  # MindSpeed-LLM's name for the template (its --prompt-type), or None
+        "enable_thinking": cfg.enable_thinking if cfg.kind == "sft" else None,
         # pretraining rows are always packed (documents back to back); fine-tuning rows as cfg.pack says
         "pack": bool(cfg.pack) if cfg.kind == "sft" else True,
         "eos_token_id": tok.eos_token_id,
@@ -411,7 +480,7 @@ def _manifest_fields(
         "num_tokens": report.tokens_out,
         "megatron_prefix": prefix,
         "megatron_files": files,
-        "megatron_flags": megatron_flags(cfg.kind, cfg.pack) if prefix else [],
+        "megatron_flags": megatron_flags(cfg.kind, cfg.pack, prompt_type(cfg)) if prefix else [],
         "megatron_dtype": dtype,
         "heldout": heldout,
         "counts": {k: rep[k] for k in count_keys},
@@ -440,6 +509,7 @@ def _stream(
         "add_bos": cfg.add_bos,
         "keep_special_tokens": cfg.keep_special_tokens,
         "template": cfg.template,
+        "enable_thinking": cfg.enable_thinking,
         "system": cfg.system,
         "train_on_prompt": cfg.train_on_prompt,
         "mask_history": cfg.mask_history,

@@ -26,6 +26,7 @@ MODEL_INPUTS: Tuple[str, ...] = ("input_ids", "labels", "attention_mask", "posit
 COLUMNS: Dict[str, Tuple[str, ...]] = {"pretrain": MODEL_INPUTS, "sft": MODEL_INPUTS + ("seq_lens",)}
 # Held-out rows hold one record each, with its length, whatever the kind.
 HELDOUT_COLUMNS: Tuple[str, ...] = MODEL_INPUTS + ("seq_lens",)
+_CHECK_ROWS = 4096  # rows whose ids are checked at a time (a few MB of temporaries at any max_length)
 IGNORE_INDEX = -100  # the label of a token the loss does not count (the HF / PyTorch cross-entropy default)
 
 # MindSpeed-LLM reads a packed fine-tuning set as `<prefix>_packed_<key>_document.bin/.idx` for these keys
@@ -52,9 +53,14 @@ def megatron_names(kind: str, out_dir: PathLike, name: str) -> Tuple[str, List[s
     return prefix, [f"{prefix}_packed_{key}_document" for key in SFT_MEGATRON_KEYS]
 
 
-def megatron_flags(kind: str, pack: bool) -> List[str]:
-    """The Megatron / MindSpeed-LLM flags the written files need (beyond `--data-path`)."""
-    return list(PACKED_SFT_FLAGS) if kind == "sft" and pack else []
+def megatron_flags(kind: str, pack: bool, prompt_type: Optional[str] = None) -> List[str]:
+    """The Megatron / MindSpeed-LLM flags the written files need (beyond `--data-path`): the packing flags, and for
+    fine-tuning data MindSpeed-LLM's `--prompt-type` of its chat template (what its instruction dataset reads when
+    it cuts an over-long sample, and what its chat / evaluation tools wrap prompts in)."""
+    flags = list(PACKED_SFT_FLAGS) if kind == "sft" and pack else []
+    if kind == "sft" and prompt_type:
+        flags += ["--prompt-type", prompt_type]
+    return flags
 
 
 def heldout_dir(out_dir: PathLike, name: str) -> Path:
@@ -98,6 +104,11 @@ class PreparedData:
     @property
     def template(self) -> Optional[str]:
         return self.manifest["template"]
+
+    @property
+    def prompt_type(self) -> Optional[str]:
+        """MindSpeed-LLM's `--prompt-type` for the data's template (None: none, or data made before it was kept)."""
+        return self.manifest.get("prompt_type")
 
     @property
     def pack(self) -> bool:
@@ -243,16 +254,52 @@ def _load_checked(folder: Path, kind: str, columns, rows: int, prepared: Prepare
         problems.append(f"columns {missing} are missing (has {ds.column_names})")
     if len(ds) != rows:
         problems.append(f"{len(ds)} rows but the manifest says {rows}")
-    length = prepared.max_length
     if len(ds) and not missing:
-        first = ds[0]
-        if any(len(first[c]) != length for c in MODEL_INPUTS):
-            problems.append(f"row 0 is not {length} tokens long in every column")
-        elif max(first["input_ids"]) >= prepared.vocab_size or min(first["input_ids"]) < 0:
-            problems.append(f"row 0 has token ids outside 0..{prepared.vocab_size - 1}")
+        problems.extend(_row_problems(ds, prepared.max_length, prepared.vocab_size))
     if problems:
         raise IntegrityError(
             f"{folder}: " + "; ".join(problems) + ". The folder is damaged or was changed by hand; "
             "prepare the data again."
         )
     return ds
+
+
+def _first_bad_row(column: Any, bad: Any) -> Optional[int]:
+    """The first row of a list column (a pyarrow ChunkedArray) holding a value for which `bad(values)` is True."""
+    import numpy as np
+
+    base = 0
+    for whole in column.chunks:
+        for start in range(0, len(whole), _CHECK_ROWS):  # bounded temporaries whatever the dataset's size
+            chunk = whole.slice(start, _CHECK_ROWS)
+            hits = np.flatnonzero(bad(chunk.flatten().to_numpy(zero_copy_only=False)))
+            if hits.size:
+                offsets = chunk.offsets.to_numpy()
+                # flatten() starts at the slice's first offset, not at 0
+                return base + start + int(np.searchsorted(offsets, hits[0] + offsets[0], side="right")) - 1
+        base += len(whole)
+    return None
+
+
+def _row_problems(ds: Any, length: int, vocab_size: int) -> List[str]:
+    """Every row checked at numpy speed: each model-input column `length` long, token ids in 0..vocab_size-1,
+    labels such an id or IGNORE_INDEX; each problem names the first row that has it."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    out = []
+    for col in MODEL_INPUTS:
+        lengths = pc.list_value_length(table.column(col)).to_numpy(zero_copy_only=False)
+        wrong = np.flatnonzero(lengths != length)
+        if wrong.size:
+            out.append(f"row {int(wrong[0])} is {int(lengths[wrong[0]])} tokens long in {col}, not {length}")
+            return out
+    top = vocab_size - 1
+    row = _first_bad_row(table.column("input_ids"), lambda v: (v < 0) | (v > top))
+    if row is not None:
+        out.append(f"row {row} has token ids outside 0..{top} in input_ids")
+    row = _first_bad_row(table.column("labels"), lambda v: ((v < 0) & (v != IGNORE_INDEX)) | (v > top))
+    if row is not None:
+        out.append(f"row {row} has labels outside 0..{top} (and {IGNORE_INDEX})")
+    return out

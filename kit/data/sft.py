@@ -12,28 +12,32 @@ from kit.data.heldout import DROP_REASON, HELDOUT, SAME_AS_HELDOUT, HeldoutPicke
 from kit.data.hf_rows import ArrowSink
 from kit.data.indexed import IndexedWriter
 from kit.data.packing import IGNORE, build_packs, pack_lengths
-from kit.data.templates import TEMPLATES, chat_template_segments, learned_flags, template_segments
+from kit.data.templates import TEMPLATES, chat_template_samples, learned_flags, template_samples
 from kit.data.tokenizing import encode_texts, worker_state
 
 Item = Tuple[np.ndarray, np.ndarray]  # (input ids, labels), int32
 
 
-def sft_job(dialogs: List[Dialog]) -> List[Item]:
-    """Template and tokenize a batch of dialogs into (ids, labels) with -100 on everything not learned."""
+def sft_job(dialogs: List[Dialog]) -> List[List[Item]]:
+    """Template and tokenize a batch of dialogs into (ids, labels) with -100 on everything not learned: per dialog
+    the samples it becomes (one, or one per assistant turn for a reasoning template; kit.data.templates)."""
     state = worker_state()
     tok, s = state["tok"], state["settings"]
     specials = {"bos": tok.bos_token or "", "eos": tok.eos_token or ""}
-    pieces = []
+    thinking, mask_history = s.get("enable_thinking", True), s["mask_history"]
+    per_dialog = []
     for d in dialogs:
         if s["template"] == "tokenizer":
-            pieces.append(chat_template_segments(d, tok, s["system"]))
+            per_dialog.append(chat_template_samples(d, tok, s["system"], thinking, mask_history))
         else:
-            pieces.append(template_segments(d, TEMPLATES[s["template"]], specials, s["system"]))
+            t = TEMPLATES[s["template"]]
+            per_dialog.append(template_samples(d, t, specials, s["system"], thinking, mask_history))
+    pieces = [segs for samples in per_dialog for segs in samples]
     encoded = encode_texts(tok, [text for segs in pieces for text, _ in segs])
-    out: List[Item] = []
+    items: List[Item] = []
     k = 0
     for segs in pieces:
-        flags = learned_flags([role for _, role in segs], s["train_on_prompt"], s["mask_history"])
+        flags = learned_flags([role for _, role in segs], s["train_on_prompt"], mask_history)
         parts = encoded[k : k + len(segs)]
         k += len(segs)
         ids = np.fromiter((t for p in parts for t in p), dtype=np.int32, count=sum(len(p) for p in parts))
@@ -43,7 +47,11 @@ def sft_job(dialogs: List[Dialog]) -> List[Item]:
             if not learn:
                 labels[at : at + len(p)] = IGNORE
             at += len(p)
-        out.append((ids, labels))
+        items.append((ids, labels))
+    out, at = [], 0
+    for samples in per_dialog:
+        out.append(items[at : at + len(samples)])
+        at += len(samples)
     return out
 
 
@@ -74,38 +82,55 @@ class SftAssembler:
         self.useful_tokens = 0
         self.dialogs = 0
 
-    def add(self, items: List[Item], where: List[str]) -> None:
+    def add(self, groups: List[List[Item]], where: List[str]) -> None:
+        """Each dialog's samples (one per dialog unless a reasoning template split it per turn), in input order."""
         r = self.report
-        for (ids, labels), src in zip(items, where):
-            r.tokens_in += int(ids.size)
-            r.add_lengths(np.array([ids.size]))
-            if ids.size > self.max_length:
-                if self.overlong == "drop":
-                    r.drop("too_long", f"{src}: {ids.size} tokens > max_length {self.max_length} (dropped)")
-                    continue
-                ids, labels = ids[: self.max_length], labels[: self.max_length]
-                if not (labels != IGNORE).any():
-                    r.drop(
-                        "too_long",
-                        f"{src}: {ids.size} tokens > max_length {self.max_length}, and no answer "
-                        f"token is left after truncation (dropped)",
-                    )
-                    continue
-                r.truncated += 1
+        for group, src in zip(groups, where):
+            r.turn_samples += len(group) - 1
+            verdict = None  # a dialog's samples share the held-out decision of its first sample
+            for n, (ids, labels) in enumerate(group):
+                at = f"{src} (turn {n + 1})" if len(group) > 1 else src
+                verdict = self._add_one(ids, labels, at, verdict)
+
+    def _add_one(
+        self, ids: np.ndarray, labels: np.ndarray, src: str, verdict: Optional[int]
+    ) -> Optional[int]:
+        """Apply the over-length policy and the held-out split to one sample; return the held-out verdict."""
+        r = self.report
+        r.tokens_in += int(ids.size)
+        r.add_lengths(np.array([ids.size]))
+        if ids.size > self.max_length:
+            if self.overlong == "drop":
+                r.drop("too_long", f"{src}: {ids.size} tokens > max_length {self.max_length} (dropped)")
+                return verdict
+            ids, labels = ids[: self.max_length], labels[: self.max_length]
             if not (labels != IGNORE).any():
-                r.drop("no_answer_tokens", f"{src}: no token is learned (check template and masking options)")
-                continue
-            if self.heldout is not None:
+                r.drop(
+                    "too_long",
+                    f"{src}: {ids.size} tokens > max_length {self.max_length}, and no answer "
+                    f"token is left after truncation (dropped)",
+                )
+                return verdict
+            r.truncated += 1
+        if not (labels != IGNORE).any():
+            r.drop("no_answer_tokens", f"{src}: no token is learned (check template and masking options)")
+            return verdict
+        if self.heldout is not None:
+            first = verdict is None
+            if first:
                 verdict = self.heldout.take(ids, labels)
-                if verdict == HELDOUT:
-                    r.heldout += 1
-                    continue
-                if verdict == SAME_AS_HELDOUT:
-                    r.drop(DROP_REASON, f"{src}: the same tokens as a held-out dialog (left out of training)")
-                    continue
-            self.items.append((ids, labels))
-            if len(self.items) >= self.window:
-                self._flush()
+            else:  # a later turn of the same dialog: held out or trained on with its first turn
+                self.heldout.follow(ids, labels, verdict)
+            if verdict == HELDOUT:
+                r.heldout += int(first)  # records, not rows
+                return verdict
+            if verdict == SAME_AS_HELDOUT:
+                r.drop(DROP_REASON, f"{src}: the same tokens as a held-out dialog (left out of training)")
+                return verdict
+        self.items.append((ids, labels))
+        if len(self.items) >= self.window:
+            self._flush()
+        return verdict
 
     def _flush(self) -> None:
         if not self.items:
@@ -139,6 +164,11 @@ class SftAssembler:
             r.padding_ratio_unpacked = 1.0 - self.useful_tokens / (self.dialogs * self.max_length)
         if r.samples == 0:
             r.warnings.append("no dialog was written; see `dropped` and `problems` in the report")
+        if r.reasoning_left_out:
+            r.warnings.append(
+                f"{r.reasoning_left_out} dialogs carry reasoning that the template leaves out (a template without "
+                f"a think block, or enable_thinking=False); use template='qwen3' with enable_thinking=True to learn it"
+            )
 
 
 def encode_dialogs(
@@ -149,9 +179,10 @@ def encode_dialogs(
     train_on_prompt: bool = False,
     mask_history: bool = False,
     trust_remote_code: bool = False,
+    enable_thinking: bool = True,
 ) -> List[Item]:
-    """(ids, labels) of each dialog exactly as `prepare` encodes it, before truncation and packing (template None:
-    DataConfig's default)."""
+    """(ids, labels) of each sample exactly as `prepare` encodes them, before truncation and packing (template None:
+    DataConfig's default): one per dialog, or one per assistant turn where a reasoning template splits it."""
     from kit.data.config import DataConfig
     from kit.data.tokenizing import init_worker
 
@@ -164,6 +195,7 @@ def encode_dialogs(
             "add_bos": False,
             "train_on_prompt": train_on_prompt,
             "mask_history": mask_history,
+            "enable_thinking": enable_thinking,
         },
     )
-    return sft_job(list(dialogs))
+    return [item for group in sft_job(list(dialogs)) for item in group]

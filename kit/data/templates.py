@@ -9,6 +9,9 @@ from kit.data.dialogs import Dialog
 from kit.errors import InputError
 
 Segment = Tuple[str, bool]  # (text, learned by the loss)
+# Qwen3's think block as its chat template writes it (Qwen/Qwen3-8B tokenizer_config.json): "<think>\n" + the
+# reasoning + "\n</think>\n\n" before the answer; with no reasoning, the empty block "<think>\n\n</think>\n\n".
+THINK = ("<think>\n", "\n</think>\n\n")
 
 
 @dataclass(frozen=True)
@@ -29,11 +32,31 @@ class Template:
     """Once after the last answer (learned with it)."""
     default_system: Optional[str] = None
     system_in_user: bool = False
-    """Put the formatted system text inside the first user turn (Llama-2)."""
+    """Put the formatted system text inside a user turn (Llama-2: the first, Mistral: the last)."""
+    system_in_last_user: bool = False
+    """With system_in_user: the last user turn instead of the first (Mistral-7B-Instruct-v0.3)."""
+    think: Optional[Tuple[str, str]] = None
+    """(open, close) around an answer's reasoning, for reasoning models (Qwen3). The last answer of a rendering
+    always carries the block (empty without reasoning); earlier answers carry none, as the model's own template
+    drops them, so a multi-turn dialog becomes one sample per assistant turn (see `template_samples`)."""
+    prompt_type: Optional[str] = None
+    """MindSpeed-LLM's `--prompt-type` for this format (configs/finetune/templates.json), None if it has none."""
     special_tokens: Tuple[str, ...] = ()
     """Markers that should be single tokens in the tokenizer (checked, warned about if not)."""
     source: str = ""
 
+
+QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+TELECHAT2_SYSTEM = (
+    "你是中国电信星辰语义大模型，英文名是TeleChat，你是由中电信人工智能科技有限公司和中国电信人工智能研究院（TeleAI）"
+    "研发的人工智能助手。"
+)
+_CHATML = {
+    "user": "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
+    "assistant": "{content}<|im_end|>\n",
+    "system": "<|im_start|>system\n{content}<|im_end|>\n",
+}
+_CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 TEMPLATES: Dict[str, Template] = {
     t.name: t
@@ -47,21 +70,52 @@ TEMPLATES: Dict[str, Template] = {
             source="TeleChat NPU adaptation notes (data format): <_user>question<_bot>answer<end>",
         ),
         Template(
+            "telechat2",
+            user="<_user>{content}<_bot>",
+            assistant="{content}<_end>\n",
+            system="<_system>{content}\n",
+            default_system=TELECHAT2_SYSTEM,
+            special_tokens=("<_user>", "<_bot>", "<_end>", "<_system>"),
+            source="Tele-AI/TeleChat2-7B tokenizer_config.json chat_template",
+        ),
+        Template(
             "chatml",
-            user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
-            assistant="{content}<|im_end|>\n",
-            system="<|im_start|>system\n{content}<|im_end|>\n",
-            special_tokens=("<|im_start|>", "<|im_end|>"),
+            **_CHATML,
+            prompt_type="chatml",
+            special_tokens=_CHATML_TOKENS,
             source="ChatML (OpenAI); LLaMA-Factory 'chatml'",
         ),
         Template(
             "qwen",
-            user="<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n",
-            assistant="{content}<|im_end|>\n",
-            system="<|im_start|>system\n{content}<|im_end|>\n",
+            **_CHATML,
             default_system="You are a helpful assistant.",
-            special_tokens=("<|im_start|>", "<|im_end|>"),
-            source="Qwen/Qwen2 chat format: ChatML with a default system prompt",
+            prompt_type="qwen",
+            special_tokens=_CHATML_TOKENS,
+            source="Qwen/Qwen2-7B-Instruct tokenizer_config.json chat_template (Qwen2's default system)",
+        ),
+        Template(
+            "qwen2_5",
+            **_CHATML,
+            default_system=QWEN25_SYSTEM,
+            prompt_type="qwen_lf",
+            special_tokens=_CHATML_TOKENS,
+            source="Qwen/Qwen2.5-7B-Instruct tokenizer_config.json chat_template (no tools)",
+        ),
+        Template(
+            "qwen3",
+            **_CHATML,
+            think=THINK,
+            prompt_type="qwen3",
+            special_tokens=_CHATML_TOKENS + ("<think>", "</think>"),
+            source="Qwen/Qwen3-8B tokenizer_config.json chat_template (no tools)",
+        ),
+        Template(
+            "intern2",
+            prefix="{bos}",
+            **_CHATML,
+            prompt_type="intern2",
+            special_tokens=_CHATML_TOKENS,
+            source="internlm/internlm2_5-7b-chat tokenizer_config.json chat_template",
         ),
         Template(
             "chatglm3",
@@ -70,8 +124,20 @@ TEMPLATES: Dict[str, Template] = {
             assistant="\n{content}",
             system="<|system|>\n{content}",
             suffix="{eos}",
+            prompt_type="chatglm3",
             special_tokens=("[gMASK]", "sop", "<|user|>", "<|assistant|>", "<|system|>"),
-            source="ChatGLM3-6B tokenizer build_chat_input; LLaMA-Factory 'chatglm3'",
+            source="THUDM/chatglm3-6b tokenizer build_chat_input / tokenizer_config.json chat_template",
+        ),
+        Template(
+            "glm4",
+            prefix="[gMASK]<sop>",
+            user="<|user|>\n{content}<|assistant|>",
+            assistant="\n{content}",
+            system="<|system|>\n{content}",
+            suffix="{eos}",
+            prompt_type="glm4",
+            special_tokens=("[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|system|>"),
+            source="THUDM/glm-4-9b-chat tokenizer_config.json chat_template",
         ),
         Template(
             "llama2",
@@ -79,16 +145,31 @@ TEMPLATES: Dict[str, Template] = {
             assistant=" {content} {eos}",
             system="<<SYS>>\n{content}\n<</SYS>>\n\n",
             system_in_user=True,
+            prompt_type="llama2",
             special_tokens=("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>"),
-            source="Llama-2-chat prompt format (Meta); LLaMA-Factory 'llama2'",
+            source="meta-llama/Llama-2-7b-chat-hf tokenizer_config.json chat_template",
+        ),
+        Template(
+            "mistral",
+            prefix="{bos}",
+            user="[INST] {content}[/INST]",
+            assistant=" {content}{eos}",
+            system="{content}\n\n",
+            system_in_user=True,
+            system_in_last_user=True,
+            prompt_type="mistral",
+            special_tokens=("[INST]", "[/INST]"),
+            source="mistralai/Mistral-7B-Instruct-v0.3 tokenizer_config.json chat_template (no tools)",
         ),
         Template(
             "baichuan2",
             user="<reserved_106>{content}<reserved_107>",
             assistant="{content}",
             suffix="{eos}",
+            prompt_type="baichuan2",
             special_tokens=("<reserved_106>", "<reserved_107>"),
-            source="Baichuan2-Chat generation_utils (user_token_id 195, assistant_token_id 196); LLaMA-Factory",
+            source="baichuan-inc/Baichuan2-7B-Chat generation_utils.py build_chat_input (user_token_id 195, "
+            "assistant_token_id 196)",
         ),
         Template(
             "llama3",
@@ -97,8 +178,18 @@ TEMPLATES: Dict[str, Template] = {
             "<|start_header_id|>assistant<|end_header_id|>\n\n",
             assistant="{content}<|eot_id|>",
             system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+            prompt_type="llama3",
             special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-            source="Meta Llama-3-Instruct prompt format; LLaMA-Factory 'llama3'",
+            source="meta-llama/Meta-Llama-3-8B-Instruct tokenizer_config.json chat_template",
+        ),
+        Template(
+            "deepseek3",
+            prefix="{bos}",
+            user="<｜User｜>{content}<｜Assistant｜>",
+            assistant="{content}<｜end▁of▁sentence｜>",
+            prompt_type="deepseek3",
+            special_tokens=("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+            source="deepseek-ai/DeepSeek-V3 tokenizer_config.json chat_template (no tools)",
         ),
         Template(
             "alpaca",
@@ -108,6 +199,7 @@ TEMPLATES: Dict[str, Template] = {
             separator="\n\n",
             default_system="Below is an instruction that describes a task. "
             "Write a response that appropriately completes the request.",
+            prompt_type="alpaca",
             source="Stanford Alpaca prompt; LLaMA-Factory 'alpaca'",
         ),
     )
@@ -120,53 +212,151 @@ def _fill(fmt: str, content: str, specials: Dict[str, str]) -> str:
     return out.replace("{content}", content)
 
 
+def split_reasoning(answer: str, reasoning: Optional[str], think: Tuple[str, str]) -> Tuple[str, str]:
+    """(reasoning, answer) of one assistant message, read as Qwen3's template reads it: the message's own
+    reasoning field if it has one, else the text before `</think>` in the content (newlines trimmed as it does)."""
+    close, open_ = think[1].strip(), think[0].strip()
+    if reasoning is None and close in answer:
+        reasoning = answer.split(close)[0].rstrip("\n").split(open_)[-1].lstrip("\n")
+        answer = answer.split(close)[-1].lstrip("\n")
+    return reasoning or "", answer
+
+
 def template_segments(
-    dialog: Dialog, t: Template, specials: Dict[str, str], system: Optional[str] = None
+    dialog: Dialog,
+    t: Template,
+    specials: Dict[str, str],
+    system: Optional[str] = None,
+    enable_thinking: bool = True,
 ) -> List[Tuple[str, str]]:
-    """The dialog as (text, role) pieces, role in prefix/system/user/assistant/separator/suffix."""
+    """The dialog rendered once, as (text, role) pieces, role in prefix/system/user/assistant/separator/suffix.
+
+    With a reasoning template (`t.think`) the last answer carries its think block (learned with it, or with
+    enable_thinking=False the empty block is part of the prompt, a "user" piece) and earlier answers carry none."""
     sys_text = dialog.system or system or t.default_system
     out: List[Tuple[str, str]] = []
     if t.prefix:
         out.append((_fill(t.prefix, "", specials), "prefix"))
     if sys_text and not t.system_in_user:
         out.append((_fill(t.system, sys_text, specials), "system"))
+    n = len(dialog.turns)
+    sys_turn = n - 1 if t.system_in_last_user else 0
     for i, (user, answer) in enumerate(dialog.turns):
         if i and t.separator:
             out.append((_fill(t.separator, "", specials), "separator"))
-        if i == 0 and sys_text and t.system_in_user:
+        if i == sys_turn and sys_text and t.system_in_user:
             user = _fill(t.system, sys_text, specials) + user
         out.append((_fill(t.user, user, specials), "user"))
+        if t.think:
+            given = dialog.reasoning[i] if i < len(dialog.reasoning) else None
+            reasoning, answer = split_reasoning(answer, given, t.think)
+            if i == n - 1:
+                block = t.think[0] + (reasoning.strip("\n") if enable_thinking else "") + t.think[1]
+                answer = answer.lstrip("\n")
+                if enable_thinking:
+                    answer = block + answer
+                else:
+                    out.append((block, "user"))  # Qwen3's non-thinking prompt ends with the empty block
         out.append((_fill(t.assistant, answer, specials), "assistant"))
     if t.suffix:
         out.append((_fill(t.suffix, "", specials), "suffix"))
     return out
 
 
-def chat_template_segments(
-    dialog: Dialog, tokenizer: Any, system: Optional[str] = None
-) -> List[Tuple[str, str]]:
-    """The dialog rendered by the tokenizer's own `chat_template`, split into prompt and answer pieces."""
-    msgs = []
+def template_samples(
+    dialog: Dialog,
+    t: Template,
+    specials: Dict[str, str],
+    system: Optional[str] = None,
+    enable_thinking: bool = True,
+    mask_history: bool = False,
+) -> List[List[Tuple[str, str]]]:
+    """The samples one dialog becomes: one rendering for most templates.
+
+    A reasoning template renders earlier answers without their reasoning, so turn k of a dialog is not a prefix of
+    turn k+1; each assistant turn then becomes its own sample, its history rendered as the model's template renders
+    it at that turn (earlier answers bare, read only: role "history") and its answer with the think block. With
+    mask_history only the last turn is learned, so the dialog stays one sample."""
+    if not t.think or len(dialog.turns) == 1 or mask_history:
+        return [template_segments(dialog, t, specials, system, enable_thinking)]
+    out = []
+    for k in range(1, len(dialog.turns) + 1):
+        part = Dialog(dialog.system, dialog.turns[:k], dialog.reasoning[:k])
+        segs = template_segments(part, t, specials, system, enable_thinking)
+        last = max(i for i, (_, role) in enumerate(segs) if role == "assistant")
+        out.append(
+            [
+                (text, "history" if role == "assistant" and i < last else role)
+                for i, (text, role) in enumerate(segs)
+            ]
+        )
+    return out
+
+
+def _messages(dialog: Dialog, system: Optional[str], upto: int) -> List[Dict[str, str]]:
+    msgs: List[Dict[str, str]] = []
     sys_text = dialog.system or system
     if sys_text:
         msgs.append({"role": "system", "content": sys_text})
+    for i, (user, answer) in enumerate(dialog.turns[:upto]):
+        msgs.append({"role": "user", "content": user})
+        msg = {"role": "assistant", "content": answer}
+        if i < len(dialog.reasoning) and dialog.reasoning[i] is not None:
+            msg["reasoning_content"] = dialog.reasoning[i]  # the field Qwen3's template reads
+        msgs.append(msg)
+    return msgs
+
+
+def chat_template_samples(
+    dialog: Dialog,
+    tokenizer: Any,
+    system: Optional[str] = None,
+    enable_thinking: bool = True,
+    mask_history: bool = False,
+) -> List[List[Tuple[str, str]]]:
+    """The dialog rendered by the tokenizer's own `chat_template`, split into prompt and answer pieces.
+
+    A template that renders each turn as a prefix of the next gives one sample; one that rewrites earlier turns
+    (Qwen3 drops their reasoning) gives one sample per assistant turn, each rendered by the template with the
+    history up to that turn (or, with mask_history, one sample learning the last answer)."""
+    n = len(dialog.turns)
+
+    def render(upto: int, prompt: bool) -> str:
+        msgs = _messages(dialog, system, upto)
+        if prompt:
+            msgs = msgs[:-1]
+        return tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=prompt, enable_thinking=enable_thinking
+        )
+
+    def answer_of(k: int) -> Tuple[str, str]:
+        prompt, full = render(k, True), render(k, False)
+        if not full.startswith(prompt):
+            raise InputError(
+                "the tokenizer's chat_template renders an answer that does not continue its own generation "
+                "prompt, so answers cannot be located for loss masking; use a named template instead (one of "
+                f"{sorted(TEMPLATES)})."
+            )
+        return prompt, full
+
     out: List[Tuple[str, str]] = []
     done = ""
-    for user, answer in dialog.turns:
-        msgs.append({"role": "user", "content": user})
-        prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        msgs.append({"role": "assistant", "content": answer})
-        full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
-        if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise InputError(
-                "the tokenizer's chat_template does not render a dialog as a growing prefix (it "
-                "rewrites earlier turns), so answers cannot be located for loss masking; use a named "
-                f"template instead (one of {sorted(TEMPLATES)})."
-            )
+    growing = True
+    for k in range(1, n + 1):
+        prompt, full = answer_of(k)
+        if not prompt.startswith(done):
+            growing = False
+            break
         out.append((prompt[len(done) :], "user"))
         out.append((full[len(prompt) :], "assistant"))
         done = full
-    return out
+    if growing:
+        return [out]
+    samples = []
+    for k in range(n if mask_history else 1, n + 1):
+        prompt, full = answer_of(k)
+        samples.append([(prompt, "user"), (full[len(prompt) :], "assistant")])
+    return samples
 
 
 def learned_flags(roles: List[str], train_on_prompt: bool, mask_history: bool) -> List[bool]:
@@ -174,7 +364,7 @@ def learned_flags(roles: List[str], train_on_prompt: bool, mask_history: bool) -
     if train_on_prompt:
         return [True] * len(roles)
     flags = [r in ("assistant", "suffix") for r in roles]
-    if mask_history:
+    if mask_history and any(flags):
         last = max(i for i, r in enumerate(roles) if r == "assistant")
         flags = [f and i >= last for i, f in enumerate(flags)]
     return flags

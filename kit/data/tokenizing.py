@@ -6,6 +6,7 @@ import collections
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
@@ -146,6 +147,8 @@ def worker_state() -> Dict[str, Any]:
 def _pool_init(tokenizer_path, trust_remote_code, settings) -> None:
     # one tokenizer thread per process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # a forked worker must not inherit the parent's SIGTERM-as-Ctrl-C (kit.partial): Pool.terminate() ends it so
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     init_worker(tokenizer_path, trust_remote_code, settings)
 
 

@@ -5,46 +5,33 @@ Conda envs go through the conda-pack library (offline, prefixes relocated); virt
 prefix rewritten. Kernels carry the variables CANN's set_env.sh exports, so `import torch_npu` works in them.
 """
 
-from kit.envs.archive import FORMATS, read_archive_manifest
-from kit.envs.conda_cli import conda_executable
-from kit.envs.condarc import condarc_path, register_envs_dir, register_envs_root
-from kit.envs.config import EnvsConfig, activation_commands
-from kit.envs.errors import ArchiveDamagedError, EnvArchiveError, EnvError
-from kit.envs.extraction import extract
-from kit.envs.folders import default_envs_root, get_layout
+from kit.envs.conda import conda_executable, register_envs_dir, register_envs_root
+from kit.envs.config import EnvsConfig, activation_commands, default_envs_root, get_layout
+from kit.envs.extraction import extract, read_archive_manifest
 from kit.envs.kernels import (
     capture_cann,
     check_kernel,
     find_set_env_scripts,
     register_kernel,
     restore,
-    stored_kernels,
     unregister_kernel,
-    user_kernels_dir,
 )
-from kit.envs.manage import CLONE_METHODS, clone, list_envs, pack, remove, resolve_env, unpack
-from kit.envs.prefix import DEFAULT_IMPORTS, EnvInfo, check_name, verify
-from kit.envs.result import EnvStageResult
-from kit.envs.step_costs import plot_steps, steps_table
+from kit.envs.manage import clone, list_envs, pack, remove, resolve_env, unpack
+from kit.envs.prefix import ArchiveDamagedError, EnvArchiveError, EnvError, verify
+from kit.envs.result import EnvStageResult, plot_steps, steps_table
 from kit.envs.venv import create_venv, demo_source
 
 __all__ = [
     "EnvStageResult",
     "ArchiveDamagedError",
-    "CLONE_METHODS",
-    "DEFAULT_IMPORTS",
     "EnvArchiveError",
     "EnvError",
-    "EnvInfo",
     "EnvsConfig",
-    "FORMATS",
     "activation_commands",
     "capture_cann",
     "check_kernel",
-    "check_name",
     "clone",
     "conda_executable",
-    "condarc_path",
     "create_venv",
     "default_envs_root",
     "demo_source",
@@ -62,9 +49,7 @@ __all__ = [
     "resolve_env",
     "restore",
     "steps_table",
-    "stored_kernels",
     "unpack",
     "unregister_kernel",
-    "user_kernels_dir",
     "verify",
 ]

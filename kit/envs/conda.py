@@ -1,20 +1,27 @@
-"""Conda backend through the conda-pack library: clone with relocated prefixes, pack, finish an unpacked env.
+"""Conda envs: the conda-pack library (clone with relocated prefixes, pack, finish an unpacked env), the few calls
+the kit makes to the conda command line, and `envs_dirs` in the user's .condarc.
 
 conda-pack takes each conda-managed file from the package cache (where it still holds the build-time
 placeholder) and rewrites the placeholder, so a clone or an unpacked archive works at its new path without
-the network; files installed by pip are copied with the old prefix rewritten in text files.
+the network; files installed by pip are copied with the old prefix rewritten in text files. conda itself is not on
+PyPI: its output parsers are tested against recorded real output (tests/fixtures/envs/); the commands run only where
+conda exists (ModelArts images: /home/ma-user/anaconda3 or /home/ma-user/miniconda3).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Optional, Union
 
+from kit.atomic import atomic_write_text
 from kit.envs.archive import ArchiveWriter, archive_writer
+from kit.envs.config import get_layout
 from kit.envs.prefix import EnvError
 
 
@@ -34,16 +41,37 @@ def _load(prefix: str, ignore_editable: bool):
         raise EnvError(f"conda-pack cannot read the env {prefix!r}: {text}") from exc
 
 
-def _set_total(bar, total: int) -> None:
-    """The bar counts conda-pack's records (files, links, conda-meta), not what a walk of the folder sees."""
-    if bar is not None:
-        bar.total = total
-        bar.refresh()
-
-
 def _mtime(prefix: str) -> Optional[float]:
     history = Path(prefix, "conda-meta", "history")
     return history.lstat().st_mtime if history.exists() else None
+
+
+def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):
+    """conda-pack's Packer (its internal writer class, conda-pack 0.8-0.9) over the env's files into `archive`,
+    which provides add(source, target) and add_bytes(source, data, target); the bar counts conda-pack's records
+    (files, links, conda-meta), not what a walk of the folder sees. Returns (files, packer)."""
+    from conda_pack.core import Packer
+
+    env = _load(prefix, ignore_editable)
+    if bar is not None:
+        bar.total = len(env.files)
+        bar.refresh()
+    packer = Packer(prefix, archive, dest_prefix=dest_prefix)
+    for f in env.files:
+        try:
+            packer.add(f)
+        except ValueError as exc:
+            if "padding" not in str(exc):
+                raise
+            raise EnvError(
+                f"{f.target} is a binary file whose build-time prefix ({len(f.prefix_placeholder or '')} "
+                f"characters) is shorter than the target path {dest_prefix} ({len(str(dest_prefix))}); "
+                f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
+            ) from exc
+        if bar is not None:
+            bar.update(1)
+    packer.finish()
+    return len(env.files), packer
 
 
 class _KitTarArchive:
@@ -70,29 +98,15 @@ def pack_conda(
     manifest: Optional[dict] = None,
     bar=None,
 ) -> dict:
-    """Pack a conda env with conda-pack's file list and prefix records, into our compressor.
-
-    The archive holds what `conda pack` writes (bin/conda-unpack, activate scripts) between the kit manifest
-    (first) and the member list (last); our compressor gives tar.zst a level and threads, which conda-pack's
-    own tar.zst ignores.
-    """
-    # conda-pack's Packer is its internal writer class (conda-pack 0.8-0.9); it calls archive.add(source,
-    # target) and archive.add_bytes(source, data, target), which _KitTarArchive provides.
-    from conda_pack.core import Packer
-
+    """Pack a conda env with conda-pack's file list and prefix records, into our compressor: what `conda pack`
+    writes (bin/conda-unpack, activate scripts) between the kit manifest (first) and the member list (last); our
+    compressor gives tar.zst a level and threads, which conda-pack's own tar.zst ignores."""
     prefix = os.path.abspath(prefix)
-    env = _load(prefix, ignore_editable)
-    _set_total(bar, len(env.files))
     head = dict(manifest or {}, kind="conda", prefix=prefix)
     with archive_writer(raw, fmt, level, threads, head, mtime=_mtime(prefix)) as writer:
-        packer = Packer(prefix, _KitTarArchive(writer))
-        for f in env.files:
-            packer.add(f)
-            if bar is not None:
-                bar.update(1)
-        packer.finish()
+        files, packer = _run_packer(prefix, _KitTarArchive(writer), ignore_editable, bar)
         writer.finish({})
-    return {"files": len(env.files), "prefix_records": len(packer.prefixes)}
+    return {"files": files, "prefix_records": len(packer.prefixes)}
 
 
 class _CopyArchive:
@@ -101,12 +115,6 @@ class _CopyArchive:
 
     def __init__(self, output: str):
         self.output = output
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
     def _dest(self, target: str) -> str:
         dest = os.path.normpath(os.path.join(self.output, target))
@@ -135,28 +143,10 @@ def clone_conda(
     bar=None,
 ) -> dict:
     """Copy a conda env into `tmp_dir` with every prefix already rewritten to `final_prefix` (no conda-unpack)."""
-    from conda_pack.core import Packer
-
-    source = os.path.abspath(source)
-    env = _load(source, ignore_editable)
-    _set_total(bar, len(env.files))
-    with _CopyArchive(str(tmp_dir)) as arc:
-        packer = Packer(source, arc, dest_prefix=str(final_prefix))
-        for f in env.files:
-            try:
-                packer.add(f)
-            except ValueError as exc:
-                if "padding" not in str(exc):
-                    raise
-                raise EnvError(
-                    f"{f.target} is a binary file whose build-time prefix ({len(f.prefix_placeholder or '')} "
-                    f"characters) is shorter than the target path {final_prefix} ({len(str(final_prefix))}); "
-                    f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
-                ) from exc
-            if bar is not None:
-                bar.update(1)
-        packer.finish()
-    return {"files": len(env.files)}
+    archive = _CopyArchive(str(tmp_dir))
+    return {
+        "files": _run_packer(os.path.abspath(source), archive, ignore_editable, bar, str(final_prefix))[0]
+    }
 
 
 def finish_unpack(target: os.PathLike | str) -> dict:
@@ -168,3 +158,184 @@ def finish_unpack(target: os.PathLike | str) -> dict:
     if proc.returncode != 0:
         raise EnvError(f"{script} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
     return {"conda_unpack": True}
+
+
+# ---- the conda command line
+
+KNOWN_CONDAS = (
+    "/home/ma-user/anaconda3/bin/conda",
+    "/home/ma-user/miniconda3/bin/conda",
+    "/home/work/anaconda/bin/conda",
+    "/opt/conda/bin/conda",
+)
+
+
+def conda_executable() -> Optional[str]:
+    """CONDA_EXE, else `conda` on PATH, else a ModelArts image location; None when there is no conda."""
+    for candidate in (os.environ.get("CONDA_EXE"), shutil.which("conda"), *KNOWN_CONDAS):
+        if candidate and os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+def _first_json(text: str) -> dict:
+    """The JSON object in conda's stdout (older condas print notices around it)."""
+    start = text.find("{")
+    if start < 0:
+        raise EnvError(f"conda printed no JSON: {text.strip()[:300]!r}")
+    obj, _ = json.JSONDecoder().raw_decode(text, start)
+    return obj
+
+
+def parse_env_list_json(text: str) -> dict:
+    """{name: prefix} from `conda env list --json` (names from envs_details when present, else folder names).
+
+    Envs under an envs/ folder are named by their folder; a conda installation's root env is 'base'.
+    """
+    data = _first_json(text)
+    details = data.get("envs_details") or {}
+    out = {}
+    for prefix in data.get("envs", []):
+        name = (details.get(prefix) or {}).get("name")
+        if not name:
+            root = Path(prefix).parent.name != "envs" and (
+                Path(prefix, "condabin").is_dir() or Path(prefix).name.endswith("conda3")
+            )
+            name = "base" if root else Path(prefix).name
+        out.setdefault(name, prefix)
+    return out
+
+
+_TEXT_ROW = re.compile(r"^(\S+)?\s+(\*\s+)?(/\S.*)$")
+
+
+def parse_env_list_text(text: str) -> dict:
+    """{name: prefix} from plain `conda env list` output (rows 'name [*] prefix'; unnamed rows by folder)."""
+    out = {}
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = _TEXT_ROW.match(line.rstrip())
+        if m:
+            prefix = m.group(3).strip()
+            out.setdefault(m.group(1) or Path(prefix).name, prefix)
+    return out
+
+
+def run_conda(args: list, conda: Optional[str] = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+    """Run conda with `args`; EnvError naming the command and its error if it fails or is missing."""
+    conda = conda or conda_executable()
+    if conda is None:
+        raise EnvError(
+            "conda is not installed here (no CONDA_EXE, no `conda` on PATH, none under /home/ma-user); "
+            "use a virtualenv (backend 'venv') or the conda-pack path, which needs no conda."
+        )
+    proc = subprocess.run([conda, *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise EnvError(
+            f"`conda {' '.join(args)}` failed (exit {proc.returncode}): "
+            f"{(proc.stderr or proc.stdout).strip()[-800:]}"
+        )
+    return proc
+
+
+def conda_envs(conda: Optional[str] = None) -> dict:
+    """{name: prefix} of the envs conda knows; {} when conda is absent."""
+    if (conda or conda_executable()) is None:
+        return {}
+    return parse_env_list_json(run_conda(["env", "list", "--json"], conda).stdout)
+
+
+def clone_command(source: str, target: str, offline: bool = True) -> list:
+    """Arguments of `conda create --clone` into a prefix (what the ModelArts manual runs)."""
+    args = ["create", "--prefix", str(target), "--clone", str(source), "--yes", "--quiet"]
+    return args + (["--offline"] if offline else [])
+
+
+def conda_clone(source: str, target: str, offline: bool = True, conda: Optional[str] = None) -> None:
+    """`conda create --prefix target --clone source`: re-links packages from the cache (copies across disks)."""
+    run_conda(clone_command(source, target, offline), conda)
+
+
+# ---- .condarc
+
+
+def condarc_path() -> Path:
+    """$CONDARC if set, else ~/.condarc (the file `conda config` writes by default)."""
+    return Path(os.environ.get("CONDARC") or Path.home() / ".condarc").expanduser()
+
+
+def _load_condarc(text: str, path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError as exc:
+        raise EnvError(f"{path} is not valid YAML ({exc}); fix or move it, then register again.") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise EnvError(f"{path} does not hold a mapping of settings; fix or move it, then register again.")
+    return data
+
+
+def register_envs_dir(folder: os.PathLike | str, condarc: Optional[os.PathLike | str] = None) -> dict:
+    """Append `folder` to envs_dirs in .condarc (like `conda config --append envs_dirs`); no-op if present.
+
+    Comments and other settings are kept: the file is edited as text and checked by re-reading it.
+    Returns {"condarc": path, "added": bool, "envs_dirs": [...]}.
+    """
+    path = Path(condarc) if condarc else condarc_path()
+    folder = str(Path(folder).expanduser().absolute())
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    before = _load_condarc(text, path)
+    current = before.get("envs_dirs") or []
+    if isinstance(current, str):
+        current = [current]
+    if folder in [str(Path(p).expanduser()) for p in current]:
+        return {"condarc": str(path), "added": False, "envs_dirs": list(current)}
+    lines = text.splitlines()
+    key = [i for i, line in enumerate(lines) if line.split(":", 1)[0] == "envs_dirs"]
+    if key and lines[key[0]].split(":", 1)[1].strip() == "":
+        i = key[0] + 1
+        while i < len(lines) and (lines[i].startswith((" ", "\t", "- ")) or not lines[i].strip()):
+            i += 1
+        while i > key[0] + 1 and not lines[i - 1].strip():
+            i -= 1
+        item = lines[key[0] + 1] if key[0] + 1 < len(lines) else ""
+        indent = item[: len(item) - len(item.lstrip())] if item.lstrip().startswith("-") else "  "
+        lines.insert(i, f"{indent}- {folder}")
+    elif key:  # flow style `envs_dirs: [a, b]` or a scalar: rewrite that one line in block style
+        lines[key[0] : key[0] + 1] = ["envs_dirs:"] + [f"  - {p}" for p in [*current, folder]]
+    else:
+        lines += ["envs_dirs:", f"  - {folder}"]
+    new_text = "\n".join(lines) + "\n"
+    after = _load_condarc(new_text, path)
+    expected = dict(before, envs_dirs=[*current, folder])
+    if after != expected:
+        raise EnvError(
+            f"could not add {folder} to envs_dirs in {path} without changing other settings; "
+            f"run `conda config --append envs_dirs {folder}` instead."
+        )
+    atomic_write_text(path, new_text)
+    return {"condarc": str(path), "added": True, "envs_dirs": after["envs_dirs"]}
+
+
+def remember_envs_dir(folder: Union[str, Path], envs_root: Optional[Union[str, Path]] = None) -> None:
+    """Record an envs_dirs registration on persistent storage so that restore() re-applies it."""
+    state_path = get_layout(envs_root).state
+    state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.exists() else {}
+    dirs = state.setdefault("envs_dirs", [])
+    if str(folder) not in dirs:
+        dirs.append(str(folder))
+        atomic_write_text(state_path, json.dumps(state, indent=1) + "\n")
+
+
+def register_envs_root(
+    envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Union[str, Path]] = None
+) -> dict:
+    """Make conda envs under <envs_root>/user_conda usable by name (`conda activate <name>`), now and after
+    every restore(): the registration is recorded on persistent storage and re-applied there."""
+    folder = get_layout(envs_root).conda
+    remember_envs_dir(folder, envs_root)
+    return register_envs_dir(folder, condarc)

@@ -1,4 +1,5 @@
-"""The env stage's config (notebook 01 and `python -m kit env`), and the ways to activate an env."""
+"""The env stage's config (notebook 01 and `python -m kit env`), its folders on persistent storage (ModelArts:
+/home/ma-user/work/envs), and the ways to activate an env."""
 
 from __future__ import annotations
 
@@ -8,7 +9,38 @@ from pathlib import Path
 from typing import Optional, Union
 
 from kit.envs.archive import FORMATS, check_level
-from kit.envs.prefix import DEFAULT_IMPORTS, check_name, kind_of
+from kit.envs.prefix import DEFAULT_IMPORTS, check_choice, check_name, env_info, kind_of
+from kit.workspace import on_modelarts, repo_root
+
+MODELARTS_ENVS = Path("/home/ma-user/work/envs")  # only /home/ma-user/work survives a restart
+
+
+def default_envs_root(workspace_root: Optional[Union[str, Path]] = None) -> Path:
+    """KIT_ENVS_ROOT if set, /home/ma-user/work/envs on ModelArts, else <workspace_root>/envs (or runs/envs)."""
+    env = os.environ.get("KIT_ENVS_ROOT")
+    if env:
+        return Path(env).expanduser()
+    if on_modelarts():
+        return MODELARTS_ENVS
+    return Path(workspace_root) / "envs" if workspace_root else repo_root() / "runs" / "envs"
+
+
+class EnvsLayout:
+    """Folders under one persistent envs root (the manual's /home/ma-user/work/envs/user_conda/<name>): conda envs,
+    virtualenvs, archives, kernelspecs (kept here, installed where Jupyter looks by restore()) and the state
+    restore() re-applies (envs_dirs registrations, JSON)."""
+
+    def __init__(self, root: Path):
+        self.root, self.conda, self.venvs = root, root / "user_conda", root / "venvs"
+        self.packs, self.kernels, self.state = root / "packs", root / "kernels", root / "kit-envs.json"
+
+    def folder_for(self, kind: str) -> Path:
+        return self.conda if kind == "conda" else self.venvs
+
+
+def get_layout(root: Optional[Union[str, Path]] = None) -> EnvsLayout:
+    """The layout under `root` (default: default_envs_root()), absolute."""
+    return EnvsLayout(Path(root or default_envs_root()).expanduser().absolute())
 
 
 @dataclass
@@ -43,37 +75,28 @@ class EnvsConfig:
     """Replace an existing clone / archive / unpacked env of the same name."""
 
     def problems(self) -> list:
-        out = []
-        for label, value in (("NAME", self.name), ("KERNEL_NAME", self.kernel_name or self.name)):
-            try:
-                check_name(value, label)
-            except ValueError as exc:
-                out.append(str(exc))
+        """Every problem at once, from the checks clone / pack / register_kernel run themselves."""
+        from kit.envs.kernels import check_scripts
         from kit.envs.manage import CLONE_METHODS
 
-        if self.method not in CLONE_METHODS:
-            out.append(f"METHOD {self.method!r} is not one of {', '.join(CLONE_METHODS)}.")
-        if self.pack_format not in FORMATS:
-            out.append(f"PACK_FORMAT {self.pack_format!r} is not one of {', '.join(FORMATS)}.")
-        try:
-            check_level(self.pack_format, self.level)  # the ranges archive.LEVELS holds
-        except ValueError as exc:
-            out.append(f"LEVEL: {exc}")
+        source = Path(self.source).expanduser() if self.source and os.sep in self.source else None
+        checks = {
+            "NAME": lambda: check_name(self.name, "NAME"),
+            "KERNEL_NAME": lambda: check_name(self.kernel_name or self.name, "KERNEL_NAME"),
+            "METHOD": lambda: check_choice(self.method, CLONE_METHODS, "clone method"),
+            "PACK_FORMAT": lambda: check_choice(self.pack_format, FORMATS, "archive format"),
+            "LEVEL": lambda: self.pack_format in FORMATS and check_level(self.pack_format, self.level),
+            "SOURCE_ENV": lambda: source is not None and env_info(source),
+            "SET_ENV_SCRIPTS": lambda: self.set_env_scripts == "auto" or check_scripts(self.set_env_scripts),
+        }
+        out = []
+        for label, check in checks.items():
+            try:
+                check()
+            except ValueError as exc:
+                out.append(str(exc) if str(exc).startswith(label) else f"{label}: {exc}")
         if int(self.threads) < -1:
             out.append(f"THREADS {self.threads} must be 0 (every core), -1 (same) or a positive count.")
-        if self.source and (os.sep in self.source) and not Path(self.source).expanduser().exists():
-            out.append(f"SOURCE_ENV {self.source!r} does not exist; pass an env folder or name, or None.")
-        elif self.source and os.sep in self.source and kind_of(Path(self.source).expanduser()) is None:
-            out.append(f"SOURCE_ENV {self.source!r} is not an env (no conda-meta/, no pyvenv.cfg).")
-        if self.set_env_scripts != "auto":
-            if not isinstance(self.set_env_scripts, (list, tuple)):
-                out.append("SET_ENV_SCRIPTS must be 'auto' or a list of set_env.sh paths ([] for none).")
-            else:
-                out += [
-                    f"SET_ENV_SCRIPTS: {s!r} does not exist."
-                    for s in self.set_env_scripts
-                    if not Path(s).expanduser().is_file()
-                ]
         if not isinstance(self.verify_imports, (list, tuple)):
             out.append("VERIFY_IMPORTS must be a list of module names (e.g. ['torch', 'torch_npu']).")
         return out

@@ -8,7 +8,9 @@ extracted by tarfile."""
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
+import json
 import os
 import shutil
 import stat
@@ -16,28 +18,152 @@ import subprocess
 import tarfile
 import tempfile
 import threading
-from typing import Callable, Optional
+import zlib
+from typing import Callable, Iterator, Optional
 
 from kit.atomic import current_umask
-from kit.envs.archive import (
-    ARCHIVE_VERSION,
-    CHUNK,
-    MANIFEST,
-    TRAILER,
-    Stream,
-    _decompressed,
-    damage_named,
-    default_hash,
-    detect,
-    json_member,
-    new_hasher,
-    read_archive_manifest,
+from kit.envs.archive import ARCHIVE_VERSION, CHUNK, MANIFEST, TRAILER, default_hash, new_hasher
+from kit.envs.prefix import (
+    ArchiveDamagedError,
+    EnvArchiveError,
+    gnu_program,
+    helper_program,
+    inside,
 )
-from kit.envs.errors import ArchiveDamagedError, EnvArchiveError
-from kit.envs.prefix import dies_with_parent, gnu_program, inside, program_error
 
 _END = bytes(512)  # tar's end-of-archive block
 _AGAIN = "copy it again from its source or re-create it with `python -m kit env pack`"
+
+
+def detect(head: bytes) -> str:
+    if head[:2] == b"\x1f\x8b":
+        return "tar.gz"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "tar.zst"
+    return "tar"
+
+
+def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
+    """The file's decompressed chunks, frame after frame (gzip members, zstd frames); raises when a stream stops
+    inside a frame (python-zstandard's stream_reader returns what it has without an error: a cut archive would
+    read as a shorter one)."""
+    with open(path, "rb") as raw:
+        fmt = detect(raw.read(4))
+        raw.seek(0)
+        if fmt == "tar":
+            yield from iter(lambda: raw.read(step), b"")
+            return
+        if fmt == "tar.zst":
+            import zstandard
+
+            new = zstandard.ZstdDecompressor().decompressobj
+        else:
+
+            def new():
+                return zlib.decompressobj(wbits=31)
+
+        dobj, started = new(), False
+        for data in iter(lambda: raw.read(step), b""):
+            while data:
+                out, started = dobj.decompress(data), True
+                if out:
+                    yield out
+                data = b""
+                if dobj.eof:  # a frame ended; what follows is the next one
+                    data, dobj, started = dobj.unused_data, new(), False
+        if started and not dobj.eof:
+            raise ArchiveDamagedError(
+                f"archive {path!r} is truncated: its {fmt[4:]} stream stops in the middle; copy it again "
+                f"(compare its size with the original) or re-create it with `python -m kit env pack`."
+            )
+
+
+class Stream:
+    """The decompressed tar as the file tarfile reads: read, tell, and seek forward (by reading on). `last` is
+    what the latest read returned: tarfile reads each header as one 512-byte read, so after it stops, `last`
+    tells tar's end-of-archive block (zeros) from a stream that just stops."""
+
+    def __init__(self, path: str, step: int = CHUNK):
+        self._chunks = _decompressed(path, step)
+        self._buf, self._pos, self._start = b"", 0, 0  # _start: the stream offset of _buf[0]
+        self.last = b""
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            return b"".join(iter(lambda: self.read(CHUNK), b""))
+        while len(self._buf) - self._pos < n:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                break
+            self._start += self._pos
+            self._buf, self._pos = self._buf[self._pos :] + chunk, 0
+        data = self._buf[self._pos : self._pos + n]
+        self._pos += len(data)
+        self.last = data
+        return data
+
+    def tell(self) -> int:
+        return self._start + self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0 or pos < self.tell():
+            raise io.UnsupportedOperation("an archive stream only seeks forward")
+        while self.tell() < pos and self.read(min(pos - self.tell(), CHUNK)):
+            pass
+        return self.tell()
+
+    def drain(self) -> None:
+        """Read to the end, so that a compressed stream cut short or failing its checksum there is reported."""
+        for _ in self._chunks:
+            pass
+
+    def close(self) -> None:
+        self._chunks.close()  # closes the file
+
+
+@contextlib.contextmanager
+def damage_named(path) -> Iterator[None]:
+    """A damaged stream's error (see is_stream_error) raised as one ArchiveDamagedError that names `path`."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_stream_error(exc):
+            raise
+        raise ArchiveDamagedError(
+            f"archive {str(path)!r} is corrupt, truncated or not a tar archive ({exc}); "
+            f"re-create it with `python -m kit env pack` (or kit.envs.pack)."
+        ) from exc
+
+
+def is_stream_error(exc: BaseException) -> bool:
+    """Errors of tarfile and the decompressors on a damaged stream (tarfile.TarError, zstandard.ZstdError, ...)."""
+    return isinstance(exc, (tarfile.TarError, zlib.error, EOFError, UnicodeDecodeError)) or type(
+        exc
+    ).__module__.startswith("zstandard")
+
+
+def json_member(data: bytes, what: str, path) -> dict:
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ArchiveDamagedError(
+            f"archive {str(path)!r}: its {what} is not valid JSON ({exc}); the archive is damaged or was "
+            f"edited; re-create it with `python -m kit env pack`."
+        ) from exc
+    if not isinstance(obj, dict):
+        raise ArchiveDamagedError(f"archive {str(path)!r}: its {what} is not a JSON object; re-create it.")
+    return obj
+
+
+def read_archive_manifest(path: os.PathLike | str) -> Optional[dict]:
+    """What a kit archive is (its first member: kind, name, old prefix, ...), or None for other archives.
+    Reads only the start of the archive."""
+    with damage_named(path), contextlib.closing(Stream(str(path), 64 << 10)) as stream:
+        tar = tarfile.open(fileobj=stream, mode="r:")
+        first = tar.next()
+        if first is None or first.name != MANIFEST or not first.isreg():
+            return None
+        return json_member(tar.extractfile(first).read(), MANIFEST, path)
 
 
 def _clean_name(name: str) -> str:
@@ -149,35 +275,32 @@ def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dic
         program = {"tar.zst": "zstd", "tar.gz": "gzip", "tar": ""}[detect(fh.read(4))]
     fed = bool(program) and shutil.which(program) is None
     source = ["-f", "-"] if fed else ["--force-local", "-f", archive] + (["-I", program] if program else [])
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [exe, "-x", "-v", "--quoting-style=literal", *source, "-C", root, "--no-same-owner"]
-        + ["--no-same-permissions", "--delay-directory-restore", "-b", "512"],  # 256 KiB records, not 10 KiB
-        stdin=subprocess.PIPE if fed else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=err,
-        preexec_fn=dies_with_parent(extracting=True),
-        env=dict(os.environ, LC_ALL="C"),  # its messages in English, so a full disk is recognised
-    )
+    cmd = [exe, "-x", "-v", "--quoting-style=literal", *source, "-C", root, "--no-same-owner"]
+    cmd += ["--no-same-permissions", "--delay-directory-restore", "-b", "512"]  # 256 KiB records, not 10 KiB
+    hint = f"the archive is truncated, corrupt or unsafe: {_AGAIN}"
     hashes: dict = {}
-    names = threading.Thread(target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress))
-    names.start()
+    names = None
     try:
-        with damage_named(archive):
+        with helper_program(
+            cmd,
+            f"unpacking {archive}",
+            ArchiveDamagedError,
+            hint,
+            extracting=True,
+            stdin=subprocess.PIPE if fed else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env=dict(os.environ, LC_ALL="C"),  # its messages in English, so a full disk is recognised
+        ) as proc:
+            names = threading.Thread(
+                target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress)
+            )
+            names.start()
             if fed:
-                _feed(archive, proc.stdin)
-            code = proc.wait()
+                with damage_named(archive):
+                    _feed(archive, proc.stdin)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        names.join()
-        err.seek(0)
-        message = err.read().decode("utf-8", "replace").strip().splitlines()
-        err.close()
-    if code != 0:
-        hint = f"the archive is truncated, corrupt or unsafe: {_AGAIN}"
-        raise program_error(message, code, f"unpacking {archive}", ArchiveDamagedError, hint)
+        if names is not None:
+            names.join()
     return hashes
 
 
@@ -312,30 +435,19 @@ def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict)
     return counts
 
 
-def _take_json(archive, path: str, what: str) -> Optional[dict]:
-    """The JSON object in the regular file `path` (removed after reading), or None when there is none."""
+def _take_json(archive, root: str, what: str) -> Optional[dict]:
+    """The JSON object in the regular file `what` at the top of `root` (removed after reading), or None."""
+    path = os.path.join(root, what)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait
     except OSError:  # absent, or a link
         return None
     with os.fdopen(fd, "rb") as fh:
-        data = fh.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    if data is None:
-        return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = fh.read()
     os.unlink(path)
     return json_member(data, what, archive)
-
-
-def _finish(archive, root: str, head: dict, hashes: dict) -> tuple:
-    """A kit archive's (counts, manifest) once extracted: its member list read (and removed), the tree checked."""
-    _take_json(archive, os.path.join(root, MANIFEST), MANIFEST)  # read before, from the stream
-    trailer = _take_json(archive, os.path.join(root, TRAILER), TRAILER)
-    if trailer is None:
-        raise ArchiveDamagedError(
-            f"archive {str(archive)!r} is incomplete: it stops before its member list; {_AGAIN}."
-        )
-    counts = _check_tree(archive, root, trailer, head["hash"], hashes)
-    return counts, dict(head, **{k: v for k, v in trailer.items() if k != "members"})
 
 
 def extract(
@@ -368,11 +480,15 @@ def extract(
     try:
         hashes = _with_gnu_tar(exe, archive, tmp, progress, hash_name)
         os.chmod(tmp, 0o700)  # an archived `.` gave it its mode: its entries must still move out
+        manifest = _take_json(archive, tmp, MANIFEST)  # a kit archive's was read from the stream before
         if head is not None:
-            counts, manifest = _finish(archive, tmp, head, hashes)
-        else:
-            counts = _check_tree(archive, tmp, {"members": listed}, hash_name, hashes)
-            manifest = _take_json(archive, os.path.join(tmp, MANIFEST), MANIFEST)  # kit archives before v2
+            trailer = _take_json(archive, tmp, TRAILER)
+            if trailer is None:
+                raise _damaged(archive, "it stops before its member list")
+            manifest = dict(head, **{k: v for k, v in trailer.items() if k != "members"})
+        counts = _check_tree(
+            archive, tmp, trailer if head is not None else {"members": listed}, hash_name, hashes
+        )
         names = os.listdir(tmp)
         clash = next((n for n in names if os.path.lexists(os.path.join(root, n))), None)
         if clash is not None:

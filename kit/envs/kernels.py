@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 
 from kit.atomic import atomic_dir
 from kit.cann import find_set_env_scripts  # noqa: F401  (re-exported by kit.envs)
-from kit.envs.folders import get_layout
+from kit.envs.config import get_layout
 from kit.envs.prefix import EnvError, check_name, kind_of
 
 # kernel.json is a plain file on shared storage, so only CANN's own variables go into it (an allowlist): what
@@ -39,13 +39,8 @@ _NOISE = {"_", "SHLVL", "PWD", "OLDPWD", "KIT_ENV_BEFORE", "KIT_ENV_AFTER", "BAS
 
 def _read_env0(path: str) -> dict:
     with open(path, "rb") as fh:
-        items = fh.read().split(b"\0")
-    out = {}
-    for item in items:
-        key, sep, value = item.decode("utf-8", "replace").partition("=")
-        if sep:
-            out[key] = value
-    return out
+        items = fh.read().decode("utf-8", "replace").split("\0")
+    return dict(item.split("=", 1) for item in items if "=" in item)
 
 
 def _search_path(name: str, old: dict, new: dict) -> Optional[str]:
@@ -73,17 +68,26 @@ def select_cann(old: dict, new: dict) -> tuple[dict, list]:
     return keep, refused
 
 
-def capture_cann(
-    scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None
-) -> tuple[dict, list]:
-    """Source `scripts` in bash (the env's bin/ first on PATH, so scripts probing `python` see the env's) and
-    return (CANN variables they set, names of the other variables they set, which are not copied)."""
+def check_scripts(scripts) -> None:
+    """EnvError unless `scripts` is a list of existing files (the set_env.sh scripts to capture)."""
+    if not isinstance(scripts, (list, tuple)):
+        raise EnvError(
+            f"set_env.sh scripts {scripts!r}: pass 'auto' or a list of set_env.sh paths ([] for none)."
+        )
     for script in scripts:
         if not Path(script).is_file():
             raise EnvError(
                 f"set_env.sh {str(script)!r} does not exist; pass the CANN install's set_env.sh "
                 f"(e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) or [] to skip."
             )
+
+
+def capture_cann(
+    scripts: Sequence[Union[str, Path]], prefix: Optional[Union[str, Path]] = None
+) -> tuple[dict, list]:
+    """Source `scripts` in bash (the env's bin/ first on PATH, so scripts probing `python` see the env's) and
+    return (CANN variables they set, names of the other variables they set, which are not copied)."""
+    check_scripts(scripts)
     with tempfile.TemporaryDirectory(prefix="kit-env-") as tmp:
         before, after = os.path.join(tmp, "before"), os.path.join(tmp, "after")
         sources = "; ".join(f'source "{Path(s).absolute()}"' for s in scripts)
@@ -133,7 +137,7 @@ def register_kernel(
 
     set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
     Only CANN's variables are copied (see select_cann); the names of the others are returned under "not_copied".
-    Returns {"name", "display_name", "stored", "installed", "cann_vars", "not_copied", "set_env_scripts"}.
+    Returns {"name", "display_name", "stored", "installed", "prefix", "cann_vars", "not_copied", "set_env_scripts"}.
     """
     check_name(name, "kernel name")
     prefix = Path(prefix).expanduser().absolute()
@@ -166,16 +170,8 @@ def register_kernel(
     store = get_layout(envs_root).kernels / name.lower()  # Jupyter lower-cases kernel names
     with atomic_dir(store, overwrite=True, what="kernelspec") as tmp:
         (tmp / "kernel.json").write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    installed = install_stored(store)
-    return {
-        "name": name.lower(),
-        "display_name": spec["display_name"],
-        "stored": str(store),
-        "installed": installed,
-        "cann_vars": sorted(cann),
-        "not_copied": not_copied,
-        "set_env_scripts": [str(s) for s in scripts],
-    }
+    done = {"name": name.lower(), "display_name": spec["display_name"], "stored": str(store)}
+    return dict(done, installed=install_stored(store), **spec["metadata"]["kit"])
 
 
 def install_stored(store_dir: Union[str, Path]) -> str:
@@ -213,7 +209,7 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
 
     Idempotent: a kernelspec already installed with the same content is left alone ('unchanged').
     """
-    from kit.envs.condarc import register_envs_dir
+    from kit.envs.conda import register_envs_dir
 
     layout = get_layout(envs_root)
     report = {"installed": [], "unchanged": [], "skipped": {}, "envs_dirs_added": [], "condarc": None}

@@ -14,14 +14,16 @@ from typing import Optional, Sequence, Union
 from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EarlyWriteback, EnvArchiveError, check_level, format_of, suffix_format
-from kit.envs.conda_cli import conda_clone, conda_envs
+from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
+from kit.envs.conda import conda_clone, conda_envs
+from kit.envs.config import get_layout
 from kit.envs.extraction import extract
-from kit.envs.folders import get_layout
 from kit.envs.prefix import (
     DEFAULT_IMPORTS,
+    EnvArchiveError,
     EnvError,
     EnvInfo,
+    check_choice,
     check_name,
     check_space,
     copy_tree,
@@ -32,8 +34,8 @@ from kit.envs.prefix import (
     space_checker,
     tree_totals,
     verify,
-    walk_tree,
 )
+from kit.locks import hold
 from kit.partial import handle_partials
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -120,8 +122,7 @@ def clone(
     Leftovers of interrupted runs beside the target are reported (`partial_leftovers`), removed with
     clean_partial=True.
     """
-    if method not in CLONE_METHODS:
-        raise EnvError(f"clone method {method!r} is not one of {', '.join(CLONE_METHODS)}.")
+    check_choice(method, CLONE_METHODS, "clone method")
     src = resolve_env(source, envs_root)
     dest = _target_for(src, name, target, envs_root)
     source_real, dest_real = os.path.realpath(src.prefix), os.path.realpath(dest)
@@ -154,8 +155,9 @@ def clone(
         n_files, size = totals
     else:
         n_files, size = check(scan_tree(src.prefix))
-        if method == "conda-clone":
-            counts = _conda_create_clone(src.prefix, dest, overwrite)
+        if method == "conda-clone":  # no temporary name to lock through atomic_dir: the target's lock
+            with hold(dest, "target env"):
+                counts = _conda_create_clone(src.prefix, dest, overwrite)
         else:
             with (
                 atomic_dir(dest, overwrite=overwrite, what="target env") as tmp,
@@ -199,7 +201,7 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return {"files_after": walk_tree(dest)[0]}
+    return {"files_after": tree_totals(scan_tree(dest))[0]}
 
 
 def pack(
@@ -220,39 +222,36 @@ def pack(
     must end in the format's suffix. The archive starts with the kit manifest and ends with a list of every
     member with its size and hash, which unpack() checks.
     """
-    if fmt is not None and fmt not in FORMATS:
-        raise EnvError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    if fmt is not None:
+        check_choice(fmt, FORMATS, "archive format")
     src = resolve_env(source, envs_root)
-    if output is None:
-        fmt = fmt or "tar.zst"
-        output = get_layout(envs_root).packs / f"{src.name}.{fmt}"
-    output = Path(output).expanduser().absolute()
-    named = (
-        format_of(output) if fmt is None else suffix_format(output)
-    )  # format_of: a known suffix or an error
-    if fmt is not None and named != fmt:
+    output = (
+        Path(output or get_layout(envs_root).packs / f"{src.name}.{fmt or 'tar.zst'}").expanduser().absolute()
+    )
+    named = suffix_format(output) if fmt else format_of(output)  # format_of: a known suffix or an error
+    if fmt and named != fmt:
         raise EnvArchiveError(
             f"archive name {output.name!r} does not end in .{fmt}, the format asked for; name it "
             f"{output.name.split('.')[0]}.{fmt} or choose the format its name says"
             f"{f' ({named})' if named else ''}: format and extension must agree."
         )
-    fmt = fmt or named
+    fmt = named
     check_level(fmt, level)
     refuse_existing(output, overwrite, "archive")
     editable = find_editable(src.prefix)
     if editable and not ignore_editable and src.kind == "venv":
         raise EnvError(_EDITABLE.format(src.prefix, ", ".join(editable)))
     partial = handle_partials(output.parent, clean_partial)
-    entries = scan_tree(src.prefix) if src.kind == "venv" else None
-    n_files, size = tree_totals(entries) if entries is not None else walk_tree(src.prefix)
+    entries = scan_tree(src.prefix)
+    n_files, size = tree_totals(entries)
     check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     start = time.perf_counter()
     with (
         atomic_file(output, "wb", overwrite=overwrite) as final,
-        EarlyWriteback(final) as fh,
         _bar(n_files, f"pack {fmt}") as bar,
     ):
+        fh = EarlyWriteback(final)
         if src.kind == "conda":
             counts = conda_backend.pack_conda(
                 src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar

@@ -4,6 +4,7 @@ the old prefix rewritten in text files, links into the env re-pointed, every fil
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -12,16 +13,30 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
-from kit.envs.errors import EnvError
+from kit.errors import IntegrityError, KitError
+
+
+class EnvError(KitError, ValueError):
+    """A bad environment name, a missing source, a target that exists, no space: says what to do next."""
+
+
+class EnvArchiveError(KitError, ValueError):
+    """An archive that is unsafe, corrupt, or in a format the kit cannot read."""
+
+
+class ArchiveDamagedError(EnvArchiveError, IntegrityError):
+    """An archive that is truncated or damaged: a member is missing, cut short or differs from its hash."""
+
 
 DEFAULT_IMPORTS = ("torch", "torch_npu", "deepspeed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SCAN_LIMIT = 2 << 20  # text files with a prefix are scripts and configs; bigger ones are binaries
-_HEAD = 8192  # a file with a NUL byte in its first 8 KiB is binary (what looks_text() reads)
+_HEAD = 8192  # a file with a NUL byte in its first 8 KiB is binary
 _GNU: dict = {}
 
 
@@ -89,6 +104,13 @@ def check_name(name: str, what: str = "environment name") -> str:
     return name
 
 
+def check_choice(value, allowed: Sequence[str], what: str) -> str:
+    """Return `value` if it is one of `allowed`, else raise EnvError listing them."""
+    if value not in allowed:
+        raise EnvError(f"{what} {value!r} is not one of {', '.join(allowed)}.")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvInfo:
     """One environment: name, folder, kind ('conda' or 'venv') and its python."""
@@ -148,18 +170,9 @@ def scan_tree(root: os.PathLike | str) -> list:
 
 
 def tree_totals(entries: list) -> tuple[int, int]:
-    """(number of files and links, total bytes) of scan_tree() entries, what walk_tree() counts."""
-    count = size = 0
-    for _rel, _path, st in entries:
-        if not stat.S_ISDIR(st.st_mode):
-            count += 1
-            size += st.st_size
-    return count, size
-
-
-def walk_tree(root: os.PathLike | str) -> tuple[int, int]:
-    """(number of files and links, total bytes) under `root`, links not followed."""
-    return tree_totals(scan_tree(root))
+    """(number of files and links, total bytes) of scan_tree() entries."""
+    sizes = [st.st_size for _rel, _path, st in entries if not stat.S_ISDIR(st.st_mode)]
+    return len(sizes), sum(sizes)
 
 
 def free_bytes(path: os.PathLike | str) -> int:
@@ -184,9 +197,8 @@ def check_space(target: os.PathLike | str, needed: int, what: str, free: Optiona
 
 
 def space_checker(target: os.PathLike | str, what: str) -> Callable[[list], tuple]:
-    """check(entries) -> tree_totals(entries), raising check_space's EnvError when the target filesystem cannot
-    hold them; free space is measured now, before anything is copied, so a copy that runs beside the scan (see
-    copy_tree's on_scanned) does not count against itself."""
+    """check(entries) -> tree_totals(entries), raising check_space's EnvError when the target cannot hold them;
+    free space is measured now, so a copy that starts beside the scan (copy_tree) does not count against itself."""
     free = free_bytes(target)
 
     def check(entries: list) -> tuple:
@@ -197,19 +209,35 @@ def space_checker(target: os.PathLike | str, what: str) -> Callable[[list], tupl
     return check
 
 
-def looks_text(data: bytes) -> bool:
-    return data.find(b"\0", 0, _HEAD) < 0
-
-
 def scan_prefix(data: bytes, old: bytes) -> bool:
-    """True when `data` is text that mentions the old prefix (and so must be rewritten on relocation).
-    The cheap test first: binaries (most of an env's bytes) are never searched."""
-    return looks_text(data) and old in data
+    """True when `data` is text (no NUL in its first 8 KiB) that mentions the old prefix (and so must be rewritten
+    on relocation). The cheap test first: binaries (most of an env's bytes) are never searched."""
+    return data.find(b"\0", 0, _HEAD) < 0 and old in data
 
 
-def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str, new: str) -> int:
-    """Replace `old` by `new` in the listed text files under `root` (modes kept); return how many changed."""
-    changed = 0
+def holds_prefix(path: str, size: int, old: bytes) -> bool:
+    """scan_prefix() of the file at `path`; a binary is read no further than its first 8 KiB."""
+    fd = open_source(path, size, "copied")
+    try:
+        data = os.read(fd, min(size, _HEAD))
+        if data.find(b"\0") >= 0:
+            return False
+        while len(data) < size:
+            more = os.read(fd, size - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    return old in data
+
+
+def rewrite_prefix_files(
+    root: os.PathLike | str, files: Iterable[str], old: str, new: str
+) -> tuple[int, int]:
+    """Replace `old` by `new` in the listed text files under `root` (modes and times kept); return how many
+    changed and by how many bytes they grew."""
+    changed = grown = 0
     old_b, new_b = old.encode(), new.encode()
     for rel in files:
         path = os.path.join(root, rel)
@@ -218,12 +246,13 @@ def rewrite_prefix_files(root: os.PathLike | str, files: Iterable[str], old: str
         with open(path, "rb") as fh:
             data = fh.read()
         if old_b in data:
-            mode = os.stat(path).st_mode
-            with open(path, "wb") as fh:
+            st = os.stat(path)
+            with open(path, "wb") as fh:  # the same file: its mode stays
                 fh.write(data.replace(old_b, new_b))
-            os.chmod(path, mode)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
             changed += 1
-    return changed
+            grown += data.count(old_b) * (len(new_b) - len(old_b))
+    return changed, grown
 
 
 def changed_error(path: str, size: int, now: Optional[int], doing: str = "copied") -> EnvError:
@@ -236,35 +265,34 @@ def changed_error(path: str, size: int, now: Optional[int], doing: str = "copied
     )
 
 
-def check_unchanged(path: str, st, copied: int, fd: int, doing: str = "copied") -> None:
-    """Raise when a file was not read whole at the size the scan saw, or has grown since (its copy would be a
-    mix of two versions, or cut); a truncated file shows up as a short read."""
-    now = os.fstat(fd).st_size
-    if copied != st.st_size or now != st.st_size:
-        raise changed_error(path, st.st_size, copied if copied != st.st_size else now, doing)
-
-
-def _open_source(path: str, size: int, doing: str) -> int:
+def open_source(path: str, size: int, doing: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:  # removed since the scan saw it
         raise changed_error(path, size, None, doing) from None
 
 
-def read_whole(path: str, st, doing: str = "copied") -> bytes:
-    """The whole file, checked to have the size the scan saw (check_unchanged)."""
-    fd = _open_source(path, st.st_size, doing)
+def read_scanned(path: str, st, doing: str = "copied", step: int = 1 << 20) -> Iterator[bytes]:
+    """The file in pieces of `step` bytes, checked to have the size the scan saw: read whole at that size and not
+    grown since (its copy would be cut, or a mix of two versions)."""
+    fd, left = open_source(path, st.st_size, doing), st.st_size
     try:
-        data = os.read(fd, st.st_size)
-        while len(data) < st.st_size:  # short reads are allowed
-            more = os.read(fd, st.st_size - len(data))
-            if not more:
+        while left > 0:
+            data = os.read(fd, min(left, step))
+            if not data:  # shrunk
                 break
-            data += more
-        check_unchanged(path, st, len(data), fd, doing)
+            left -= len(data)
+            yield data
+        now = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    return data
+    if left or now != st.st_size:
+        raise changed_error(path, st.st_size, st.st_size - left if left else now, doing)
+
+
+def read_whole(path: str, st, doing: str = "copied") -> bytes:
+    """read_scanned() in one piece."""
+    return b"".join(read_scanned(path, st, doing, max(st.st_size, 1)))
 
 
 def _special(entries: list) -> None:
@@ -273,6 +301,26 @@ def _special(entries: list) -> None:
             raise EnvError(
                 f"{s} is a device, socket or FIFO; environments never hold those, remove it first."
             )
+
+
+@contextlib.contextmanager
+def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extracting: bool = False, **popen):
+    """Run a helper program (cp, tar) beside the block, killed if the block fails; when it fails, program_error()
+    from its stderr. Linux kills it if this process dies (dies_with_parent)."""
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting), **popen)
+    try:
+        yield proc
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        err.seek(0)
+        message = err.read().decode("utf-8", "replace").strip().splitlines()
+        err.close()
+    if code != 0:
+        raise program_error(message, code, what, error, hint)
 
 
 def copy_tree(
@@ -291,22 +339,13 @@ def copy_tree(
     rewritten in the copy, absolute links into the source re-pointed and folders made owner-writable. Every file
     must have the size the scan saw, else EnvError names it. Without GNU cp, one line says to install it.
     """
-    import tempfile
-
     src, dst = os.path.abspath(src), os.path.abspath(dst)
-    old_b, new_b = src.encode(), new_prefix.encode()
     _special(entries or [])
     exe = gnu_program("cp")
     if exe is None:
         raise EnvError("GNU cp is needed to clone envs: install it (apt-get install coreutils).")
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst],
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-        preexec_fn=dies_with_parent(),
-    )
-    try:
+    cmd = [exe, "-R", "--no-dereference", "--preserve=mode,timestamps", "--", f"{src}/.", dst]
+    with helper_program(cmd, f"copying {src}", stdout=subprocess.DEVNULL):
         if entries is None:  # the scan that would otherwise come first runs beside cp's copy
             entries = scan_tree(src)
             _special(entries)
@@ -320,22 +359,12 @@ def copy_tree(
             elif stat.S_ISREG(st.st_mode):
                 counts["files"] += 1
                 counts["bytes"] += st.st_size
-                if 0 < st.st_size <= SCAN_LIMIT and holds_prefix(s, st.st_size, old_b):
-                    texts.append((rel, st))
+                if 0 < st.st_size <= SCAN_LIMIT and holds_prefix(s, st.st_size, src.encode()):
+                    texts.append(rel)
             else:
                 continue
             if progress:
                 progress(1)
-        code = proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    err.seek(0)
-    message = err.read().decode("utf-8", "replace").strip().splitlines()
-    err.close()
-    if code != 0:
-        raise program_error(message, code, f"copying {src}")
     for rel, s, st in entries:  # cp copied what it found: a file changed since the scan differs in size
         if stat.S_ISREG(st.st_mode):
             try:
@@ -344,16 +373,8 @@ def copy_tree(
                 now = None
             if now != st.st_size:
                 raise changed_error(s, st.st_size, now)
-    for rel, st in texts:
-        d = os.path.join(dst, rel)
-        with open(d, "rb") as fh:
-            data = fh.read()
-        new = data.replace(old_b, new_b)
-        with open(d, "wb") as fh:  # the file the copier made: its mode stays
-            fh.write(new)
-        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
-        counts["rewritten"] += 1
-        counts["bytes"] += len(new) - len(data)
+    counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
+    counts["bytes"] += grown
     for rel, s, st in entries:
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(s)
@@ -364,23 +385,6 @@ def copy_tree(
         elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
             os.chmod(os.path.join(dst, rel), stat.S_IMODE(st.st_mode) | 0o700)
     return counts
-
-
-def holds_prefix(path: str, size: int, old: bytes) -> bool:
-    """True when the file is text (no NUL in its first 8 KiB) and mentions `old`; binaries are read no further."""
-    fd = _open_source(path, size, "copied")
-    try:
-        data = os.read(fd, min(size, _HEAD))
-        if not looks_text(data):
-            return False
-        while len(data) < size:
-            more = os.read(fd, size - len(data))
-            if not more:
-                break
-            data += more
-    finally:
-        os.close(fd)
-    return old in data
 
 
 _VERIFY = r"""
@@ -443,9 +447,3 @@ def find_editable(prefix: os.PathLike | str) -> list[str]:
         except (ValueError, OSError):
             continue
     return out
-
-
-def python_version(prefix: os.PathLike | str) -> str:
-    """'3.11' from the env's lib/pythonX.Y folder (no process started)."""
-    libs = sorted(Path(prefix, "lib").glob("python3.*"))
-    return libs[0].name[len("python") :] if libs else f"{sys.version_info[0]}.{sys.version_info[1]}"

@@ -1,10 +1,11 @@
-"""What notebook 01 did, as one object: the clone, its archive, the unpacked copy, the kernel and the restore."""
+"""What notebook 01 did, as one object (the clone, its archive, the unpacked copy, the kernel and the restore), and
+a table and a chart of what each step cost."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -49,3 +50,33 @@ class EnvStageResult:
             "restore": self.restored,
             "plot": str(self.plot) if self.plot else None,
         }
+
+
+def steps_table(cloned: dict, packed: dict, unpacked: dict) -> list[dict]:
+    """One row per step (clone, pack, unpack) with its size in MiB (env, archive, extracted) and seconds."""
+    steps = [
+        (f"clone ({cloned['method']})", cloned["bytes"], cloned["target"], cloned),
+        (f"pack ({packed['format']})", packed["archive_bytes"], packed["archive"], packed),
+        ("unpack", unpacked.get("bytes", 0), unpacked["target"], unpacked),
+    ]
+    return [
+        {"step": s, "MiB": round(n / 2**20, 3), "seconds": r["seconds"], "where": w} for s, n, w, r in steps
+    ]
+
+
+def plot_steps(rows: list[dict], png: Optional[Union[str, Path]] = None):
+    """Bar charts of seconds and MiB per step; saved as PNG when `png` is given."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3))
+    names = [r["step"] for r in rows]
+    ax1.barh(names, [r["seconds"] for r in rows], color="#4C72B0")
+    ax1.set_xlabel("seconds")
+    ax2.barh(names, [r["MiB"] for r in rows], color="#DD8452")
+    ax2.set_xlabel("MiB (env, archive, extracted)")
+    ax2.set_yticklabels([])
+    fig.tight_layout()
+    if png:
+        Path(png).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(png, dpi=100)
+    return fig

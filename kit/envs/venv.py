@@ -12,12 +12,10 @@ from typing import IO, Optional, Union
 
 from kit.atomic import atomic_dir
 from kit.envs.archive import archive_writer
-from kit.envs.errors import EnvArchiveError
-from kit.envs.folders import get_layout
+from kit.envs.config import get_layout
 from kit.envs.prefix import (
-    SCAN_LIMIT,
+    EnvArchiveError,
     EnvError,
-    holds_prefix,
     inside,
     kind_of,
     rewrite_prefix_files,
@@ -67,11 +65,7 @@ def _outside_link_ok(rel: str, dest: str) -> bool:
     """Absolute links that leave the env are allowed only where a virtualenv has them: bin/python* pointing at
     the base interpreter (a file named python*)."""
     folder, _, name = rel.rpartition("/")
-    return (
-        folder == "bin"
-        and bool(_INTERPRETER.match(name))
-        and bool(_INTERPRETER.match(os.path.basename(dest)))
-    )
+    return folder == "bin" and all(_INTERPRETER.match(n) for n in (name, os.path.basename(dest)))
 
 
 def pack_tree(
@@ -106,7 +100,7 @@ def pack_tree(
         )
     head = dict(manifest, prefix=prefix)
     with archive_writer(raw, fmt, level, threads, head, scan=prefix.encode()) as writer:
-        # progress: a tick per file or link, what walk_tree() counts
+        # progress: a tick per file or link, what tree_totals() counts
         writer.add_entries(entries, skip=abs_links, progress=progress)
         writer.finish({"abs_links": abs_links})
     files = sum(1 for m in writer.members if m[1] == "f")
@@ -166,21 +160,10 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
             f"exist here: virtualenvs are tied to the Python they were made with (same image, same path). "
             f"Unpack it on a machine with that Python, or recreate it with kit.envs.create_venv."
         )
-    changed = rewrite_prefix_files(target, files, old, target)
+    changed = rewrite_prefix_files(target, files, old, target)[0]
     for dest, link in links:
         os.symlink(dest, link)
     return {"rewritten": changed, "links": len(links)}
-
-
-def _text_files_with(root: Union[str, Path], needle: str) -> list[str]:
-    """Relative paths of the text files under `root` that contain `needle`."""
-    return [
-        rel
-        for rel, path, st in scan_tree(root)
-        if stat.S_ISREG(st.st_mode)
-        and 0 < st.st_size <= SCAN_LIMIT
-        and holds_prefix(path, st.st_size, needle.encode())
-    ]
 
 
 def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
@@ -188,9 +171,10 @@ def demo_source(envs_root: Optional[Union[str, Path]] = None) -> Path:
     made once, reused after."""
     folder = get_layout(envs_root).venvs / "demo-source"
     if kind_of(folder) != "venv":
-        with atomic_dir(folder, overwrite=True, what="demo env") as tmp:
+        with atomic_dir(folder, overwrite=True, what="demo env", lock=False) as tmp:  # made once, reused
             os.rmdir(tmp)
             create_venv(tmp)
-            # venv wrote the temporary path into its scripts; they must name the final one
-            rewrite_prefix_files(tmp, _text_files_with(tmp, str(tmp)), str(tmp), str(folder))
+            # venv wrote the temporary path into its scripts (it makes no binaries); they must name the final one
+            files = [rel for rel, _path, st in scan_tree(tmp) if stat.S_ISREG(st.st_mode)]
+            rewrite_prefix_files(tmp, files, str(tmp), str(folder))
     return folder

@@ -27,10 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Expected failures raise KitErrors: `python -m kit` prints `error: ...` and exits 2."""
     from kit.evaluate.run import run as evaluate
+    from kit.partial import sigterm_as_interrupt
     from kit.workspace import get_workspace
 
     cfg = EvalConfig(**explicit_values(args, EvalConfig))
-    result = evaluate(cfg, get_workspace(args.workspace, model=args.workspace_model), progress=False)
+    with sigterm_as_interrupt():  # SIGTERM removes the unfinished evaluation folder like Ctrl-C
+        result = evaluate(cfg, get_workspace(args.workspace, model=args.workspace_model), progress=False)
     print(result.table.to_string())
     print(f"results: {result.folder}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from kit.evaluate.config import EvalConfig
 from kit.evaluate.inputs import EvalInputs, resolve
 from kit.manifest import EVALUATION, sha256_file, write_manifest
 
+INVALID = "invalid"  # a table cell whose score was computed from NaN / inf
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
 SPEED_PNG = "speed.png"
@@ -94,7 +96,9 @@ def _load(path: Path, info, adapt: bool, notes: List[str]):
     from transformers import AutoTokenizer
 
     from kit.train.engine import load_causal_lm
+    from kit.weights_check import check_hf_weights
 
+    check_hf_weights(path)  # a damaged shard or NaN / inf weights: one line naming the file, before any score
     tok = AutoTokenizer.from_pretrained(str(path))
     model = load_causal_lm(path, info.torch_dtype).eval()
     model.to(torch.device(info.device))
@@ -175,7 +179,10 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
         "seconds": {},  # wall time of each part per model (not a benchmark: shows where the time went)
     }
     heldout = _heldout_rows(inputs, cfg.heldout_rows) if "heldout" in parts else None
-    with atomic_dir(folder, overwrite=cfg.overwrite, what="evaluation folder") as tmp:
+    from kit.errors import writing
+
+    # a failed write that names no file (a library's writer on a full disk) names the evaluation folder
+    with writing(folder), atomic_dir(folder, overwrite=cfg.overwrite, what="evaluation folder") as tmp:
         for label, path in models:
             print(f"{label}: {path}")
             model, tok = _load(path, info, cfg.adapt, notes)
@@ -225,6 +232,15 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                 scores["decode_tokens_per_s_max"] = max(r["decode_tokens_per_s"] for r in rows)
                 _lap(clock, "speed", t0)
             results["models"][label] = scores
+            bad = _invalid(scores, results["tasks"], label)
+            if bad:
+                results.setdefault("invalid", {})[label] = bad
+                note = (
+                    f"{label}: {', '.join(bad)} invalid: the model's scores are NaN or infinite, so no number is "
+                    f"reported (check its weights and the dtype: fp16 overflows where bf16 does not)"
+                )
+                print(note)
+                notes.append(note)
             del model
             gc.collect()
         table = _table(results, [label for label, _ in models])
@@ -294,4 +310,37 @@ def _table(results: Dict[str, Any], labels: List[str]):
     table.index.name = "metric"
     if len(labels) == 2:
         table["change"] = table[labels[1]] - table[labels[0]]
+    invalid = results.get("invalid") or {}
+    if invalid:
+        table = table.astype(object)
+        for label, metrics in invalid.items():
+            for m in metrics:
+                table.loc[m, label] = INVALID
+                if "change" in table:
+                    table.loc[m, "change"] = INVALID
     return table
+
+
+def _invalid(scores: Dict[str, Any], tasks: Dict[str, Any], label: str) -> List[str]:
+    """The metrics of `scores` computed from NaN / inf (set to None there): a non-finite value, or an accuracy
+    whose log-likelihoods are not all finite (an argmax over NaN still picks a choice, a plausible accuracy)."""
+    bad = []
+    for name, task in tasks.items():
+        found = task["models"].get(label) or {}
+        lls = found.get("logliks") or [d["logliks"] for d in found.get("details") or []]
+        if any(not math.isfinite(v) for q in lls for v in q):
+            for key in (f"{name}_acc", f"{name}_acc_norm"):
+                if key in scores:
+                    bad.append(key)
+            found["acc"] = found["acc_norm"] = None
+    no_tokens = scores.get("heldout_tokens") == 0  # nothing scored: a blank, not a broken model
+    for key, value in scores.items():
+        if isinstance(value, float) and not math.isfinite(value) and key not in bad:
+            if not (no_tokens and key.startswith("heldout_")):
+                bad.append(key)
+    for key in bad:
+        scores[key] = None
+    if "heldout_loss" in bad and "heldout_perplexity" in scores and "heldout_perplexity" not in bad:
+        bad.append("heldout_perplexity")
+        scores["heldout_perplexity"] = None
+    return bad

@@ -148,5 +148,8 @@ def plot(table, path: Path, title: str = ""):
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    from kit.errors import writing
+
+    with writing(path):  # a failed write inside savefig names no file
+        fig.savefig(path, dpi=100)
     return fig

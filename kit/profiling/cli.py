@@ -152,15 +152,20 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = kp.ProfileConfig(**explicit_values(args, kp.ProfileConfig))
     ws = get_workspace(args.workspace, model=args.model)
-    result = profile_run(
-        cfg,
-        ws,
-        training_run=args.training_run,
-        model_path=args.model_path,
-        seq_len=args.seq_len,
-        top=args.top,
-        progress=False,
-    )
+    from kit.partial import sigterm_as_interrupt
+
+    with (
+        sigterm_as_interrupt()
+    ):  # outside the training steps (which checkpoint and stop on SIGTERM) like Ctrl-C
+        result = profile_run(
+            cfg,
+            ws,
+            training_run=args.training_run,
+            model_path=args.model_path,
+            seq_len=args.seq_len,
+            top=args.top,
+            progress=False,
+        )
     print(result.folder)
     for n in result.notes:
         print(f"note: {n}", file=sys.stderr)

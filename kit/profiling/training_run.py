@@ -30,7 +30,7 @@ from kit.manifest import (
 )
 from kit.profiling.capture import Capture, profile
 from kit.profiling.config import ProfileConfig
-from kit.profiling.profile_data import ProfileError
+from kit.profiling.profile_data import CaptureError, ProfileError
 
 PathLike = Union[str, Path]
 TRAINING_FOLDER = "training"  # inside the capture folder: the profiled steps' own workspace (logs, metrics)
@@ -259,6 +259,16 @@ def run(
     finally:
         if with_failure:
             cap.stop(failed=True)
+    if (
+        result.status != "completed"
+    ):  # SIGTERM / Ctrl-C / NaN before the schedule ended: not a complete capture
+        work = cap.stop(failed=True)
+        raise CaptureError(
+            f"the profiled training stopped at step {result.iteration} of {pcfg.train_iters} ({result.status}); "
+            f"the capture was not published. Its unfinished "
+            f"folder is {work} (kit.profiling.load(..., allow_unfinished=True) reads it; "
+            f"delete it when done); rerun the capture to get a complete one."
+        )
     work = cap.stop(publish=False)
     notes = notes + list(cap.notes) + _keep_measurements(result, cap)
     ran_with = _published_json(result.config.to_dict() if result.config else to_jsonable(pcfg), cap)

@@ -317,7 +317,8 @@ def demo_model_dir(cache: Optional[PathLike] = None) -> Path:
     state = gguf_state_dict(reader, config["num_attention_heads"], config["num_key_value_heads"])
     if config["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)  # HF checkpoints of tied models store the embedding only
-    with atomic_dir(out, overwrite=True, what="demo model cache") as tmp:
+    # a shared cache of one deterministic result: concurrent makers wait for nobody, the last rename wins
+    with atomic_dir(out, overwrite=True, what="demo model cache", lock=False) as tmp:
         names = write_shards(state, tmp)
         del state
         extra = {

@@ -74,17 +74,30 @@ def run(args: argparse.Namespace) -> int:
         return _log(args)
     cfg = _config(args)
     if args.what == "run":
+        from kit.partial import sigterm_as_interrupt
         from kit.train.trainer import train
 
-        result = train(cfg, progress=not args.no_progress)
+        # SIGTERM before the first step (loading) ends like Ctrl-C; from then on the trainer checkpoints and stops
+        with sigterm_as_interrupt():
+            result = train(cfg, progress=not args.no_progress)
         print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
-        return {"completed": 0, "preempted": 0}.get(result.status, 3)
+        from kit.errors import EXIT_PREEMPTED
+
+        # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
+        return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(result.status, 3)
     if args.what == "launch":
+        from kit.partial import sigterm_as_interrupt
         from kit.train.launch import launch
 
-        res = launch(
-            cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
-        )
+        # SIGTERM to this launcher is passed on like Ctrl-C: the job (its own session) checkpoints and stops
+        with sigterm_as_interrupt():
+            res = launch(
+                cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
+            )
+        if res.status == "preempted":  # torchrun turns the ranks' EXIT_PREEMPTED into 1
+            from kit.errors import EXIT_PREEMPTED
+
+            return EXIT_PREEMPTED
         return res.returncode
     from kit.train.megatron import build, execute
 

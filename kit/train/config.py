@@ -146,6 +146,8 @@ class TrainConfig:
     """At the end, save a plain HF folder (LoRA: merged weights) beside the checkpoints."""
     overwrite: bool = False
     """Allow starting over into an output folder that already holds checkpoints."""
+    clean_partial: bool = False
+    """Delete leftovers of killed runs (.partial-iter_*, .hf.partial-*) in the run folder (else only reported)."""
     sources: Dict[str, str] = field(default_factory=dict)
     """Set by resolve(): field -> where its value came from."""
 

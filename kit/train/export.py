@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from kit.atomic import atomic_dir
-from kit.errors import IntegrityError
+from kit.errors import IntegrityError, writing
 
 PathLike = Union[str, Path]
 
@@ -36,7 +36,7 @@ def export_hf(module, out_dir: PathLike, tokenizer_dir: PathLike, zero_stage: in
     with _full_params(module, zero_stage):
         if rank == 0:
             state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            with atomic_dir(out_dir, overwrite=True, what="exported HF folder") as tmp:
+            with writing(out_dir), atomic_dir(out_dir, overwrite=True, what="exported HF folder") as tmp:
                 module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
                 _save_tokenizer(tokenizer_dir, tmp)
     return out_dir
@@ -58,7 +58,10 @@ def export_lora(
     with _full_params(module, zero_stage):
         if rank == 0:
             expected = set(get_peft_model_state_dict(module))
-            with atomic_dir(adapter_dir, overwrite=True, what="LoRA adapter folder") as tmp:
+            with (
+                writing(adapter_dir),
+                atomic_dir(adapter_dir, overwrite=True, what="LoRA adapter folder") as tmp,
+            ):
                 # No state_dict= here: peft 0.12/0.13 filter a passed state dict again by adapter name, which the
                 # output of get_peft_model_state_dict() no longer carries, and silently save zero tensors.
                 module.save_pretrained(tmp, safe_serialization=True)
@@ -92,7 +95,7 @@ def merge_lora(
 
     base = load_causal_lm(base_path)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    with atomic_dir(out_dir, overwrite=True, what="merged LoRA folder") as tmp:
+    with writing(out_dir), atomic_dir(out_dir, overwrite=True, what="merged LoRA folder") as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         _save_tokenizer(tokenizer_dir or base_path, tmp)
     return Path(out_dir)

@@ -148,8 +148,11 @@ class LaunchResult:
 
     @property
     def ok(self) -> bool:
-        """Finished, or stopped on request with a checkpoint (torchrun exits 1 when it is signalled itself)."""
-        return self.status in ("completed", "preempted") and (self.returncode == 0 or self.stopped)
+        """Finished, or stopped on request with a checkpoint (its ranks exit EXIT_PREEMPTED, which torchrun reports
+        as 1 like it does when it is signalled itself)."""
+        if self.status == "preempted":
+            return True
+        return self.status == "completed" and (self.returncode == 0 or self.stopped)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> int:

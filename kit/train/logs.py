@@ -144,6 +144,9 @@ def plot_runs(runs: Mapping[str, object], png: Optional[Union[str, Path]] = None
         ax.legend()
     fig.tight_layout()
     if png is not None:
+        from kit.errors import writing
+
         Path(png).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(png, dpi=110)
+        with writing(png):  # matplotlib's writer loses the file name of a failed write
+            fig.savefig(png, dpi=110)
     return fig

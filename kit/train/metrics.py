@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kit.errors import writing
+
 
 def tokens_per_second_per_card(gbs: int, seq_len: int, cards: int, elapsed_ms: float) -> float:
     """The ModelArts manual's throughput (section "查看性能"): global batch size * seq_length / (cards * elapsed ms per iteration) * 1000."""
@@ -68,14 +70,14 @@ class MetricsWriter:
             return
         if self.echo:
             print(line, flush=True)
-        with open(self.log_path, "a", encoding="utf-8") as fh:
+        with writing(self.log_path), open(self.log_path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
     def iteration(self, m: dict, print_line: bool = True) -> None:
         """Record one optimizer step (every step goes to jsonl/TensorBoard; lines every LOG_INTERVAL)."""
         if not self.enabled:
             return
-        with open(self.jsonl_path, "a", encoding="utf-8") as fh:
+        with writing(self.jsonl_path), open(self.jsonl_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(m) + "\n")
         if print_line:
             self.text(format_line(m, self.train_iters))

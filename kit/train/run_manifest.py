@@ -1,13 +1,16 @@
 """The manifests a training run leaves: `training-run` in the run folder, `hf-model` in its exported HF folder.
 
-Written last, when the run completed (a folder with a manifest is complete): the run's manifest first (the resolved
-config with the source of every value, the prepared data and model it consumed, checkpoints, metrics, log), then the
-exported model's, whose input is the run, so notebook 03 can take the model back to Megatron and say where it came
-from. A resumed run (RUN_TYPE retrain) rewrites both with its own checkpoints and config.
+Written last, when the run completed (a folder with a manifest is complete): the exported model's first, whose input
+is the run (the SHA-256 of the run manifest about to be written), so notebook 03 can take the model back to Megatron and
+say where it came from; then the run's (the resolved config with the source of every value, the prepared data and model
+it consumed, checkpoints, metrics, log). A failure between the two leaves a run without a manifest (not complete),
+never a "complete" run whose hf/ has none. A resumed run (RUN_TYPE retrain) rewrites both with its own checkpoints and
+config.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
@@ -19,6 +22,7 @@ from kit.manifest import (
     Manifest,
     find_manifest,
     read_manifest,
+    render_manifest,
     write_manifest,
 )
 
@@ -48,7 +52,7 @@ def _family(hf_dir: Path) -> Optional[str]:
 
 
 def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optional[Manifest]]:
-    """Write the run folder's training-run manifest, then the exported HF folder's hf-model manifest."""
+    """Write the exported HF folder's hf-model manifest, then the run folder's training-run manifest."""
     from kit.errors import MissingInputError
     from kit.manifest import tokenizer_sha256
 
@@ -72,9 +76,14 @@ def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optiona
         "heldout": facts.get("heldout"),  # the data's held-out split, for notebook 06
         "engine": cfg.engine,
     }
-    run = write_manifest(result.output_dir, TRAINING_RUN, fields, inputs=inputs)
+    run_text = render_manifest(TRAINING_RUN, fields, inputs)
     if not result.hf_dir:
-        return run, None
+        return write_manifest(result.output_dir, TRAINING_RUN, fields, text=run_text), None
+    run_input = Consumed(
+        TRAINING_RUN,
+        str(Path(result.output_dir).resolve()),
+        hashlib.sha256(run_text.encode("utf-8")).hexdigest(),
+    )
     hf_dir = Path(result.hf_dir)
     try:
         tok_hash = tokenizer_sha256(hf_dir)
@@ -91,6 +100,8 @@ def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optiona
             "tokenizer_sha256": tok_hash,
             "base_model": fields["model"],
         },
-        inputs=[run.as_input()],
+        inputs=[run_input],
     )
+    run = write_manifest(result.output_dir, TRAINING_RUN, fields, text=run_text)
+    assert run.sha256 == run_input.manifest_sha256  # what hf/'s manifest records as its input
     return run, hf

@@ -70,22 +70,80 @@ class TrainResult:
         }
 
 
+# what a resumed run may change: where it runs, how long, how often it saves and logs, the rendezvous, and whether
+# leftovers of killed runs are removed
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "run_type",
+        "resume_from",
+        "train_iters",
+        "save_interval",
+        "log_interval",
+        "save_hf",
+        "work_dir",
+        "model_name",
+        "master_addr",
+        "master_port",
+        "clean_partial",
+        "node_rank",
+        "overwrite",
+    }
+)
+
+
+def _same_value(name: str, mine: Any, saved: Any) -> bool:
+    if name.endswith("_path") and mine and saved:
+        return Path(str(mine)).expanduser().resolve() == Path(str(saved)).expanduser().resolve()
+    if isinstance(mine, (list, tuple)) or isinstance(saved, (list, tuple)):
+        return list(mine or []) == list(saved or [])
+    return mine == saved
+
+
 def effective_config(cfg: TrainConfig) -> TrainConfig:
-    """RUN_TYPE retrain continues the saved run: its config, with the new TRAIN_ITERS and save/log intervals."""
+    """RUN_TYPE retrain continues the run in the folder it names (WORK_DIR, MODEL_NAME, RESUME_FROM), wherever
+    it was made: its saved config, with the new TRAIN_ITERS and save/log intervals. A setting given explicitly
+    that contradicts the saved run is an error listing every one."""
+    from kit.errors import InputError, MissingInputError
+
     if cfg.run_type != "retrain":
         return cfg
-    saved_path = cfg.output_dir() / "config.json"
+    folder = cfg.output_dir()
+    saved_path = folder / "config.json"
     if not saved_path.is_file():
-        raise FileNotFoundError(
-            f"RUN_TYPE=retrain: {saved_path} is missing, so there is no run to resume there."
+        raise MissingInputError(
+            f"RUN_TYPE=retrain: {saved_path} is missing, so there is no run to resume there — check "
+            f"WORK_DIR, MODEL_NAME and RESUME_FROM."
         )
     saved = load_config(saved_path)
+    if saved.run_type != cfg.resume_from:
+        raise InputError(
+            f"RUN_TYPE=retrain RESUME_FROM={cfg.resume_from!r}: the run in {folder} is a {saved.run_type!r} run "
+            f"(its config.json) — set RESUME_FROM={saved.run_type!r} or resume the folder it belongs to."
+        )
+    explicit = [n for n, src in cfg.sources.items() if src == "explicit" or src.startswith("environment")]
+    clashes = [
+        f"{n.upper()}={getattr(cfg, n)!r} ({cfg.sources[n]}) but the run was made with {getattr(saved, n)!r}"
+        for n in sorted(explicit)
+        if n not in RESUME_MAY_CHANGE and not _same_value(n, getattr(cfg, n), getattr(saved, n))
+    ]
+    if clashes:
+        from kit.train.resolve import ConfigConflictError
+
+        raise ConfigConflictError(
+            f"RUN_TYPE=retrain continues {folder} as it was made: "
+            + "; ".join(clashes)
+            + f". Leave these unset to resume (only {', '.join(sorted(n.upper() for n in RESUME_MAY_CHANGE))} "
+            f"may change), or start a new run (RUN_TYPE={saved.run_type!r}, another MODEL_NAME or OVERWRITE)."
+        )
+    # the folder it was found in is the run's, not the MODEL_NAME/WORK_DIR its config.json recorded (a copy
+    # continues the copy, a moved run resumes where it is)
     return dataclasses.replace(
         saved,
         train_iters=cfg.train_iters,
         save_interval=cfg.save_interval,
         log_interval=cfg.log_interval,
-        work_dir=cfg.work_dir or saved.work_dir,
+        work_dir=cfg.work_dir,
+        model_name=cfg.model_name,
         master_addr=cfg.master_addr,
         master_port=cfg.master_port,
     )
@@ -111,6 +169,9 @@ class Trainer:
         self.cfg = effective_config(cfg)
         if self.cfg is not cfg:
             check(self.cfg, "saved training config (retrain)")
+        # the run is its folder: for retrain the one RESUME_FROM names in this WORK_DIR/MODEL_NAME, wherever the
+        # run was made (effective_config keeps it)
+        self.out = self.requested.output_dir()
         self.step_callbacks = list(step_callbacks)
         self.progress, self.echo = progress, echo
         self._stop_reason: Optional[str] = None
@@ -136,27 +197,16 @@ class Trainer:
                 f"{cfg.world_size}; launch with kit.train.launch (or fix NPROC_PER_NODE)."
             )
         eng.quiet_deepspeed()
-        self.out = cfg.output_dir()
         self.ckpt_root = self.out / "checkpoints"
         resume = self.requested.run_type == "retrain"
-        if not resume and checkpoint.latest_iteration(self.ckpt_root) is not None:
-            if not cfg.overwrite:
-                raise FileExistsError(
-                    f"{self.ckpt_root} already holds checkpoints; use RUN_TYPE=retrain to continue "
-                    f"them, or OVERWRITE=True to start over (they will be deleted)."
-                )
-            if self.rank == 0:
-                shutil.rmtree(self.ckpt_root)
-        if self.rank == 0:  # the run folder is complete again only when this run writes its manifest
-            (self.out / MANIFEST_NAME).unlink(missing_ok=True)
+        replace_old = not resume and checkpoint.latest_iteration(self.ckpt_root) is not None
+        if replace_old and not cfg.overwrite:
+            raise FileExistsError(
+                f"{self.ckpt_root} already holds checkpoints; use RUN_TYPE=retrain to continue "
+                f"them, or OVERWRITE=True to start over (they will be deleted once the new model has loaded)."
+            )
         self.ds, self.meta = load_dataset(cfg.dataset_path)
         self.seq_len = cfg.seq_len or int(self.meta["max_length"])
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out)
-        self.writer = MetricsWriter(
-            cfg.log_dir(), self.out.name, cfg.train_iters, enabled=self.rank == 0, echo=self.echo
-        )
         model, self.adapt_report = eng.build_model(cfg)
         check_packing(self.meta, self.adapt_report, cfg.dataset_path, self.ds)
         # kit attention keeps sequences apart by position_ids: padded rows can then go as one padding-free row
@@ -166,10 +216,29 @@ class Trainer:
         self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
         self.norm_from_deepspeed = eng.reports_grad_norm(self.engine)
+        # only now, with the new model loaded, does the old run make way (OVERWRITE): a bad model keeps it
+        if self.rank == 0:
+            if replace_old:
+                shutil.rmtree(self.ckpt_root)
+            # the run folder is complete again only when this run writes its manifest
+            (self.out / MANIFEST_NAME).unlink(missing_ok=True)
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out)
+        if replace_old:
+            self._all_reduce_ints([0])  # every rank waits for the removal before any saves
+        self.writer = MetricsWriter(
+            cfg.log_dir(), self.out.name, cfg.train_iters, enabled=self.rank == 0, echo=self.echo
+        )
+        if self.rank == 0:
+            self._leftovers()
         self.start_iter = 0
+        self.saved_iteration: Optional[int] = None  # the checkpoint this run saved or resumed last
         if resume:
-            state = checkpoint.load(self.engine, self.ckpt_root)
-            self.start_iter = int(state["iteration"])
+            notes: list = []
+            state = checkpoint.load(self.engine, self.ckpt_root, notes=notes)
+            for note in notes:
+                self.writer.text(note)
+            self.start_iter = self.saved_iteration = int(state["iteration"])
             self.writer.text(
                 f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
                 f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})"
@@ -181,6 +250,19 @@ class Trainer:
             f"MBS={cfg.mbs} GBS={cfg.gbs} DP={cfg.dp} grad accum={cfg.grad_accum} SEQ_LEN={self.seq_len} "
             f"ZeRO={cfg.zero_stage} samples={len(self.ds)} adapt={bool(self.adapt_report)}"
         )
+
+    def _leftovers(self) -> None:
+        """Report (CLEAN_PARTIAL: remove) what killed runs left: checkpoints and exports that never finished."""
+        from kit.partial import describe, handle_partials
+
+        clean = self.requested.clean_partial
+        for folder in (self.ckpt_root, self.out):
+            report = handle_partials(folder, clean=clean)
+            for path in report["removed"]:
+                self.writer.text(f"removed leftover partial output {path}")
+            line = describe(report)
+            if line:
+                self.writer.text(f"warning: {line}")
 
     # ---- signals --------------------------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
@@ -320,11 +402,23 @@ class Trainer:
 
     def _save(self, iteration: int, why: str) -> Path:
         path = checkpoint.save(self.engine, self.ckpt_root, iteration, self._state(iteration))
+        self.saved_iteration = iteration
         self.writer.text(f"saved checkpoint {path} at iteration {iteration} ({why})")
         return path
 
     def train(self) -> TrainResult:
         """Run to TRAIN_ITERS (or to a stop signal / NaN); save checkpoints and, at the end, an HF folder."""
+        import os
+
+        from kit.locks import hold
+
+        # one run per folder: the job's rank 0 holds the lock (the other ranks and nodes of the job write into
+        # the same folder under it) from before the first read to the run manifest
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        with hold(self.out, "training run", enabled=rank0):
+            return self._train()
+
+    def _train(self) -> TrainResult:
         from tqdm.auto import tqdm
 
         t_start = time.time()
@@ -367,8 +461,9 @@ class Trainer:
                         iteration, f"stop requested ({self._stop_reason or 'another rank'})"
                     )
                     message = (
-                        f"stopped at iteration {iteration} on request; resume with RUN_TYPE=retrain "
-                        f"RESUME_FROM={self.out.name}."
+                        f"stopped at iteration {iteration} on request ({self._stop_reason or 'another rank'}); "
+                        f"checkpointed to {last_ckpt}; resume with RUN_TYPE=retrain "
+                        f"RESUME_FROM={self.out.name} (--run-type retrain --resume-from {self.out.name})."
                     )
                     self.writer.text(message)
                     break
@@ -389,7 +484,7 @@ class Trainer:
             message=message,
         )
         if status == "completed":
-            if checkpoint.latest_iteration(self.ckpt_root) != iteration:
+            if self.saved_iteration != iteration:
                 result.checkpoint = self._save(iteration, "end of training")
             else:
                 result.checkpoint = self.ckpt_root / checkpoint.tag_of(iteration)

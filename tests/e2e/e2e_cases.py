@@ -99,6 +99,18 @@ TINY = {
         "PROMPT_LENGTHS": [8, 16],
         "DECODE_TOKENS": 2,
     },
+    # tests/test_serve_notebook.py
+    "07": lambda root: {
+        "RUN": _tiny_training_run(root),
+        "MODEL": "tiny-eval",
+        "MAX_TOKENS": 4,
+        "LMEVAL_LIMIT": 2,
+        "REQUEST_RATES": [],
+        "PROMPT_LENGTHS": [16],
+        "OUTPUT_LENGTHS": [4],
+        "NUM_PROMPTS": 2,
+        "WARMUP": 1,
+    },
 }
 FAKE_SET_ENV = (
     Path(__file__).parent.parent / "fixtures" / "envs" / "ascend_toolkit" / "ascend-toolkit" / "set_env.sh"
@@ -149,6 +161,12 @@ EXPECT = {
         images=1,
         texts=("heldout_perplexity", "kit_mc_zh_acc", "change", "decode_tokens_per_s", "ttft_ms"),
     ),
+    # the server's URL, the lm-eval answers served vs in-process, the load-test table and its plot, the package probe
+    "07": Expect(
+        tables=2,
+        images=1,
+        texts=("ready: http://127.0.0.1:", "equal: True", "p99_ttft_ms", "median_tpot_ms", "'status': 200"),
+    ),
 }
 
 # A parameter a user could get wrong, and the words of the kit's error that must be visible in the cell output.
@@ -159,6 +177,7 @@ BROKEN = {
         "'/nonexistent/corpus.jsonl' does not exist; check the path",
     ),
     "06": ({"PROMPTS": []}, "PROMPTS is empty: give at least one prompt"),
+    "07": ({"PORT": -1}, "port=-1: use a TCP port 1..65535 (0: a free one)"),
 }
 
 # Problems seen in the browser that belong to another stage's code, tolerated here (reported as warnings) until

@@ -1,0 +1,295 @@
+"""`bench(cfg, ws) -> BenchResult`: a load test of a served model, written as vLLM's result JSON, CSVs and a plot.
+
+Every (prompt length, output length) pair of the grid is run at each closed-loop concurrency and each open-loop
+Poisson rate; `warmup` requests before each point are left out. Per point: TTFT, TPOT, ITL and E2E latency (mean,
+median, std, P90, P99, max, in ms), request / output / total token throughput and goodput (requests meeting both
+the TTFT and TPOT targets, per second), under vLLM's result-JSON keys (`mean_ttft_ms`, `p99_tpot_ms`,
+`request_throughput`, `output_throughput`, ...). The folder is written under a temporary name, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from kit.configs import check, save_config, to_jsonable
+from kit.errors import InputError
+from kit.serve.config import BenchConfig, ServeConfig
+
+RESULTS_JSON = "results.json"
+RESULTS_CSV = "results.csv"
+ASCEND_CSV = "results_ascendcloud.csv"
+PLOT_PNG = "latency_throughput.png"
+METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "std", "p90", "p99", "max")
+# AscendCloud benchmark_tools' CSV headers (input/output length, concurrency, throughput, TTFT / incremental latency)
+ASCEND_COLUMNS = {
+    "input_len": "输入长度",
+    "output_len": "输出长度",
+    "max_concurrency": "并发数",
+    "request_rate": "请求速率(req/s)",
+    "output_throughput": "输出tokens总吞吐(tokens/s)",
+    "mean_ttft_ms": "首tokens时延mean(ms)",
+    "p90_ttft_ms": "首tokens时延TP90(ms)",
+    "p99_ttft_ms": "首tokens时延TP99(ms)",
+    "max_ttft_ms": "首tokens时延max(ms)",
+    "mean_tpot_ms": "增量时延mean(ms)",
+    "p90_tpot_ms": "增量时延TP90(ms)",
+    "p99_tpot_ms": "增量时延TP99(ms)",
+    "max_tpot_ms": "增量时延max(ms)",
+}
+
+
+def stats(values: List[float], prefix: str) -> Dict[str, float]:
+    """{mean_<prefix>_ms, median_..., std_..., p90_..., p99_..., max_...} of `values` (seconds) in ms."""
+    import numpy as np
+
+    a = np.asarray(values, dtype=float) * 1000.0 if values else np.zeros(1)
+    return {
+        f"mean_{prefix}_ms": float(a.mean()),
+        f"median_{prefix}_ms": float(np.median(a)),
+        f"std_{prefix}_ms": float(a.std()),
+        f"p90_{prefix}_ms": float(np.percentile(a, 90)),
+        f"p99_{prefix}_ms": float(np.percentile(a, 99)),
+        f"max_{prefix}_ms": float(a.max()),
+    }
+
+
+def point_metrics(records, duration: float, ttft_target_ms: float, tpot_target_ms: float) -> Dict[str, Any]:
+    """vLLM's result keys for one load point (failed requests count in `failed`, not in the figures)."""
+    ok = [r for r in records if r.ok]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    good = [
+        r
+        for r in ok
+        if r.ttft * 1000 <= ttft_target_ms and (r.tpot is None or r.tpot * 1000 <= tpot_target_ms)
+    ]
+    n_in = sum(r.prompt_tokens for r in ok)
+    n_out = sum(r.output_tokens for r in ok)
+    out: Dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "request_goodput": len(good) / duration if duration else 0.0,
+        "output_throughput": n_out / duration if duration else 0.0,
+        "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
+    }
+    out.update(stats([r.ttft for r in ok], "ttft"))
+    out.update(stats(tpots, "tpot"))
+    out.update(stats([x for r in ok for x in r.itls], "itl"))
+    out.update(stats([r.e2e for r in ok], "e2el"))
+    out.update(
+        {
+            "input_lens": [r.prompt_tokens for r in ok],
+            "output_lens": [r.output_tokens for r in ok],
+            "ttfts": [r.ttft for r in ok],
+            "e2els": [r.e2e for r in ok],
+            "errors": [r.error for r in records if not r.ok],
+        }
+    )
+    return out
+
+
+@dataclass
+class BenchResult:
+    """The load points (one row each) and the files written."""
+
+    config: BenchConfig
+    folder: Path
+    points: List[Dict[str, Any]]
+    server: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def frame(self):
+        """Every scalar of every point, one row per point."""
+        import pandas as pd
+
+        return pd.read_csv(self.folder / RESULTS_CSV)
+
+    @property
+    def table(self):
+        """The served model's TTFT / TPOT percentiles and throughput per load point."""
+        cols = ["load", "max_concurrency", "request_rate", "input_len", "output_len", "completed"]
+        cols += [f"{s}_{m}_ms" for m in ("ttft", "tpot") for s in ("median", "p90", "p99")]
+        cols += ["output_throughput", "request_goodput"]
+        return self.frame[cols].round(2)
+
+    def summary(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "folder": str(self.folder),
+            "results_json": str(self.folder / RESULTS_JSON),
+            "results_csv": str(self.folder / RESULTS_CSV),
+            "plot": str(self.folder / PLOT_PNG),
+            "points": len(self.points),
+            "engine": self.server.get("engine"),
+        }
+        for p in self.points:
+            key = f"c{p['max_concurrency']}" if p["load"] == "concurrency" else f"r{p['request_rate']:g}"
+            key += f"_in{p['input_len']}_out{p['output_len']}"
+            for m in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput"):
+                out[f"{key}_{m}"] = p[m]
+        return out
+
+
+def _models(url: str) -> List[str]:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
+            return [m["id"] for m in json.loads(r.read())["data"]]
+    except OSError as exc:
+        raise InputError(f"URL={url!r}: GET /v1/models failed ({exc}); is the server running?") from None
+
+
+def _tokenizer_path(server, url: str, model: str, ws) -> str:
+    if server is not None and server.info.get("model_path"):
+        return server.info["model_path"]
+    if Path(model).is_dir():
+        return model
+    from kit.serve.model import resolve_model
+
+    return str(resolve_model(ServeConfig(), ws).path)
+
+
+def bench(cfg: BenchConfig, ws, serve_cfg: Optional[ServeConfig] = None, server=None, progress: bool = True):
+    """Run the sweep against `server`, cfg.url, or a server started from `serve_cfg` (stopped afterwards)."""
+    check(cfg)
+    started = None
+    if server is None and cfg.url is None:
+        from kit.serve.start import serve
+
+        server = started = serve(serve_cfg or ServeConfig(), ws)
+    try:
+        return _bench(cfg, ws, server, progress)
+    finally:
+        if started is not None:
+            started.stop()
+
+
+def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
+    from transformers import AutoTokenizer
+
+    from kit.atomic import atomic_dir
+    from kit.serve.loadgen import make_prompts, run_point
+    from kit.serve.start import serving_dir
+
+    url = server.url if server is not None else cfg.url.rstrip("/")
+    model = cfg.model_name or (server.model if server is not None else _models(url)[0])
+    tok = AutoTokenizer.from_pretrained(_tokenizer_path(server, url, model, ws))
+    folder = Path(cfg.out_dir).expanduser() if cfg.out_dir else serving_dir(ws) / cfg.name
+    endpoint = url + "/v1/completions"
+    loads = [("concurrency", c, None) for c in cfg.concurrency] + [
+        ("poisson", None, r) for r in cfg.request_rates
+    ]
+    points = []
+    with atomic_dir(folder, overwrite=cfg.overwrite, what="load-test folder") as tmp:
+        for n_in in cfg.prompt_lengths:
+            for n_out in cfg.output_lengths:
+                for k, (load, conc, rate) in enumerate(loads):
+                    seed = cfg.seed + 1000 * k + n_in + 7 * n_out
+                    prompts = make_prompts(tok, cfg.warmup + cfg.num_prompts, n_in, seed)
+                    payloads = [
+                        {
+                            "model": model,
+                            "prompt": p,
+                            "max_tokens": n_out,
+                            "temperature": 0.0,
+                            "stream": True,
+                            "stream_options": {"include_usage": True},
+                        }
+                        for p in prompts
+                    ]
+                    if cfg.warmup:
+                        run_point(
+                            endpoint, payloads[: cfg.warmup], concurrency=conc or 1, timeout=cfg.timeout
+                        )
+                    records, duration = run_point(
+                        endpoint,
+                        payloads[cfg.warmup :],
+                        concurrency=conc,
+                        rate=rate,
+                        seed=seed,
+                        timeout=cfg.timeout,
+                    )
+                    row = {
+                        "load": load,
+                        "max_concurrency": conc,
+                        "request_rate": rate,
+                        "input_len": n_in,
+                        "output_len": n_out,
+                        "num_prompts": cfg.num_prompts,
+                        **point_metrics(records, duration, cfg.ttft_target_ms, cfg.tpot_target_ms),
+                    }
+                    points.append(row)
+                    if progress:
+                        what = f"concurrency {conc}" if conc else f"{rate:g} req/s"
+                        print(
+                            f"in {n_in} / out {n_out}, {what}: {row['completed']}/{cfg.num_prompts} ok, "
+                            f"TTFT p50 {row['median_ttft_ms']:.0f} ms, TPOT p50 {row['median_tpot_ms']:.1f} ms, "
+                            f"{row['output_throughput']:.1f} tok/s",
+                            flush=True,
+                        )
+        _write(tmp, cfg, points, server, url, model)
+        from kit.manifest import LOAD_TEST, write_manifest
+
+        served = getattr(server, "served", None)
+        write_manifest(
+            tmp,
+            LOAD_TEST,
+            {
+                "engine": server.engine if server is not None else None,
+                "url": url,
+                "model": model,
+                "points": len(points),
+                "results": RESULTS_JSON,
+            },
+            inputs=served.consumed if served is not None else (),
+        )
+    return BenchResult(cfg, folder.resolve(), points, server=_server_facts(server, url, model))
+
+
+def _server_facts(server, url: str, model: str) -> Dict[str, Any]:
+    facts = server.summary() if server is not None else {"url": url}
+    facts["model"] = model
+    return facts
+
+
+def _write(tmp: Path, cfg: BenchConfig, points, server, url: str, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    doc = {"server": _server_facts(server, url, model), "config": to_jsonable(cfg), "points": points}
+    (tmp / RESULTS_JSON).write_text(
+        json.dumps(to_jsonable(doc), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    scalars = [{k: v for k, v in p.items() if not isinstance(v, list)} for p in points]
+    frame = pd.DataFrame(scalars)
+    frame.to_csv(tmp / RESULTS_CSV, index=False)
+    frame[list(ASCEND_COLUMNS)].rename(columns=ASCEND_COLUMNS).to_csv(
+        tmp / ASCEND_CSV, index=False, encoding="utf-8-sig"
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for (load, n_in, n_out), g in frame.groupby(["load", "input_len", "output_len"]):
+        g = g.sort_values("output_throughput")
+        label = f"{load}, in {n_in} / out {n_out}"
+        axes[0].plot(g["output_throughput"], g["median_ttft_ms"], "o-", label=label + " (median)")
+        axes[0].plot(g["output_throughput"], g["p99_ttft_ms"], "x--", label=label + " (P99)")
+        axes[1].plot(g["output_throughput"], g["median_tpot_ms"], "o-", label=label + " (median)")
+        axes[1].plot(g["output_throughput"], g["p99_tpot_ms"], "x--", label=label + " (P99)")
+    for ax, what in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
+        ax.set_xlabel("output throughput (tokens/s)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"latency vs throughput: {Path(model).name}")
+    fig.tight_layout()
+    fig.savefig(tmp / PLOT_PNG, dpi=100)
+    plt.close(fig)
+    save_config(cfg, tmp)

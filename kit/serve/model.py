@@ -1,0 +1,101 @@
+"""What is served: notebook 04's exported model (or its LoRA adapter on the base), found through the manifests.
+
+Given MODEL_PATH, that folder (an `hf-model` manifest inside it leads back to its run, for the chat template);
+else RUN or the workspace's newest training run: its `hf` (the exported, merged model), `adapter` and `model`
+(the base) entries, and the chat template its prepared data was made with. No run at all: the demo model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+from kit.errors import InputError, MissingInputError
+from kit.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, Consumed, find_manifest, read_manifest
+
+
+@dataclass
+class ServedModel:
+    """The folder the engine loads, the adapter beside it (if any) and where they came from."""
+
+    path: Path
+    adapter: Optional[Path] = None
+    base: Optional[Path] = None
+    template: Optional[str] = None
+    run: Optional[Path] = None
+    consumed: List[Consumed] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    def context_length(self) -> Optional[int]:
+        """max_position_embeddings of the served model's config.json (None when it does not say)."""
+        cfg = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+        value = cfg.get("max_position_embeddings") or cfg.get("seq_length")
+        return int(value) if value else None
+
+
+def _check_hf(folder: Path, what: str) -> Path:
+    if not folder.exists():
+        raise MissingInputError(
+            f"{what}={str(folder)!r} does not exist; give an HF model folder (config.json)."
+        )
+    if not (folder / "config.json").is_file():
+        raise InputError(
+            f"{what}={str(folder)!r} has no config.json: an engine serves HF folders; convert a Megatron "
+            f"checkpoint first (python -m kit convert --direction megatron_to_hf) or give notebook 04's hf/ folder."
+        )
+    return folder.resolve()
+
+
+def _from_run(run_folder: Path, out: ServedModel) -> None:
+    run = read_manifest(run_folder, expect=TRAINING_RUN)
+    out.run = run.folder
+    out.consumed.append(run.as_input())
+    if run.get("model"):
+        out.base = Path(run["model"])
+    if run.get("adapter") and Path(run["adapter"]).is_dir():
+        out.adapter = Path(run["adapter"])
+    data = run.get("data")
+    if data and Path(data).is_dir() and find_manifest(Path(data)) is not None:
+        man = read_manifest(Path(data), expect=PREPARED_DATA)
+        out.template = man.get("template")
+        out.consumed.append(man.as_input())
+
+
+def resolve_model(cfg, ws) -> ServedModel:
+    """The ServedModel a ServeConfig names; see the module doc."""
+    from kit.evaluate.inputs import newest_run
+
+    if cfg.model_path:
+        folder = _check_hf(Path(cfg.model_path).expanduser(), "MODEL_PATH")
+        out = ServedModel(path=folder)
+        if find_manifest(folder) is not None:
+            man = read_manifest(folder)
+            if man.kind == HF_MODEL:
+                out.consumed.append(man.as_input())
+                runs = man.consumed(TRAINING_RUN)
+                if cfg.run is None and runs and Path(runs[0].path).is_dir():
+                    _from_run(Path(runs[0].path), out)
+        if cfg.run:
+            _from_run(Path(cfg.run).expanduser(), out)
+        return out
+    run_folder = Path(cfg.run).expanduser() if cfg.run else newest_run(ws)
+    if run_folder is None:
+        from kit.samples import demo_model_dir
+
+        model = Path(demo_model_dir())
+        note = f"no training run in {ws.model_output} (notebook 04 makes one): serving the demo model {model.name}"
+        print(note)
+        return ServedModel(path=model.resolve(), template="tokenizer", notes=[note])
+    run = read_manifest(run_folder, expect=TRAINING_RUN)
+    if not run.get("hf"):
+        raise InputError(
+            f"{run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (a converted folder) "
+            f"or train with an HF export."
+        )
+    out = ServedModel(path=_check_hf(Path(run["hf"]), "the run's hf"))
+    if find_manifest(out.path) is not None:
+        out.consumed.append(read_manifest(out.path).as_input())
+    _from_run(run.folder, out)
+    return out

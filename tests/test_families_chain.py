@@ -1,0 +1,111 @@
+"""A tiny Qwen3 through 02 -> 03 -> 04 -> 06 in one workspace through the kit API: dialogs prepared with the
+kit's `qwen3` template, conversion to Megatron TP2 x PP2 verified, the Megatron plan's Qwen3 flags, LoRA
+training with kit.adapt (loss down, every adapter tensor exported), the held-out evaluation, and the trained model
+back through 03."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures.convert import families as fam_models
+from safetensors import safe_open
+
+from kit.manifest import (
+    CONVERTED_CHECKPOINT,
+    EVALUATION,
+    HF_MODEL,
+    PREPARED_DATA,
+    TRAINING_RUN,
+    read_manifest,
+)
+
+tiny_qwen3_dir = fam_models.tiny_qwen3_dir  # shared session fixture
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.slow
+def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
+    from kit.convert import ConvertConfig
+    from kit.convert.result import run as convert_run
+    from kit.data import DataConfig, prepare
+    from kit.evaluate import EvalConfig
+    from kit.evaluate import run as evaluate
+    from kit.train import TrainConfig, train
+    from kit.train.config import replace
+    from kit.train.megatron import build
+    from kit.workspace import get_workspace
+
+    ws = get_workspace(tmp_path / "ws", model="tiny")
+    src = str(tiny_qwen3_dir)
+    # 02: the Qwen3 folder's tokenizer, the kit's qwen3 template (MindSpeed-LLM --prompt-type qwen3)
+    data = prepare(
+        DataConfig(
+            kind="sft",
+            name="alpaca",
+            tokenizer=src,
+            template="qwen3",
+            max_length=64,
+            max_records=48,
+            heldout_records=4,
+        ),
+        ws,
+        progress=False,
+    ).hf_dir
+    data_man = read_manifest(data, expect=PREPARED_DATA)
+    assert data_man["template"] == "qwen3" and "--prompt-type" in data_man["megatron_flags"]
+
+    # 03: HF -> Megatron TP2 x PP2 (tied embeddings: the last stage holds its copy), verified both ways
+    conv = convert_run(ConvertConfig(source=src, tp=2, pp=2), ws, progress=False)
+    checks = conv.verify(scratch=tmp_path / "verify")
+    assert checks["passed"], checks["table"]
+    converted = read_manifest(conv.target, expect=CONVERTED_CHECKPOINT)
+    assert converted["family"] == "qwen3" and converted["model"]["head_dim"] == 32
+
+    # 04: LoRA with the kit's fused ops
+    cfg = TrainConfig(
+        run_type="lora",
+        model_name="tiny",
+        model_path=src,
+        dataset_path=str(data),
+        work_dir=str(ws.root),
+        train_iters=8,
+        mbs=2,
+        gbs=4,
+        lr=1e-2,
+        warmup_iters=1,
+        lora_r=8,
+        lora_alpha=32,
+        lora_targets=LORA_TARGETS,
+        save_hf=True,
+    )
+    result = train(cfg, ws, progress=False)
+    assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
+    with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
+        saved = [k for k in fh.keys() if "lora_" in k]
+    assert len(saved) == 2 * len(LORA_TARGETS) * 2  # 2 layers x targets x (A, B)
+    run_man = read_manifest(result.output_dir, expect=TRAINING_RUN)
+    assert run_man.consumed(PREPARED_DATA)[0].manifest_sha256 == data_man.sha256
+
+    # the same run on Megatron/MindSpeed-LLM: 03's checkpoint with the flags Qwen3 needs
+    plan = build(replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target)), ws=ws)
+    text = plan.describe()
+    assert str(conv.target) in text and "--qk-layernorm" in plan.argv
+    assert plan.argv[plan.argv.index("--prompt-type") + 1] == "qwen3"
+    assert plan.argv[plan.argv.index("--kv-channels") + 1] == "32"  # head_dim, not hidden/heads = 16
+    assert "--untie-embeddings-and-output-weights" not in plan.argv
+
+    # 06: the held-out dialogs 02 set aside, base vs trained
+    ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)
+    man = read_manifest(ev.folder, expect=EVALUATION)
+    assert {c.kind: c.manifest_sha256 for c in man.inputs}[TRAINING_RUN] == run_man.sha256
+    models = ev.results["models"]
+    assert models["trained"]["heldout_tokens"] > 0
+    assert models["trained"]["heldout_loss"] < models["base"]["heldout_loss"]
+
+    # the exported (merged) model goes back through 03 and stays a Qwen3
+    back = convert_run(
+        ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_tp2"), tp=2), progress=False
+    )
+    assert back.manifest["family"] == "qwen3"
+    assert back.manifest.consumed(HF_MODEL)[0].manifest_sha256 == read_manifest(run_man["hf"]).sha256
+    assert back.verify(scratch=tmp_path / "verify2")["passed"]

@@ -1,0 +1,168 @@
+"""No number from a broken model: NaN / inf weights are found at load by convert and evaluate (one line naming the
+tensor and the file), a damaged shard is named, and NaN scores show as "invalid", never as an accuracy."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kit.errors import IntegrityError
+from kit.weights_check import NonFiniteWeights, check_hf_weights, check_model, count_nonfinite, weight_files
+
+BROKEN = "model.layers.0.mlp.down_proj.weight"
+
+
+def _shard_of(folder: Path, key: str) -> Path:
+    from safetensors import safe_open
+
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            if key in fh.keys():
+                return f
+    raise KeyError(key)
+
+
+def _poison(src: Path, dst: Path, value: float = float("nan")) -> Path:
+    """A copy of the HF folder `src` with one element of BROKEN set to `value`; returns the shard changed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    shard = _shard_of(dst, BROKEN)
+    tensors = load_file(str(shard))
+    tensors[BROKEN][1, 2] = value
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return shard
+
+
+@pytest.fixture(scope="module")
+def nan_model(tmp_path_factory, tiny_llama_dir) -> Path:
+    dst = tmp_path_factory.mktemp("broken") / "trained"
+    _poison(tiny_llama_dir, dst)
+    return dst
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_count_nonfinite_reads_the_exponent_bits_of_every_float_dtype(dtype):
+    import torch
+
+    t = torch.tensor(
+        [0.0, 1.5, -2.0, float("nan"), float("inf"), -float("inf"), 3.0e-8], dtype=getattr(torch, dtype)
+    )
+    raw = t.view(torch.uint8).numpy() if dtype != "bfloat16" else t.view(torch.int16).numpy().view("uint8")
+    assert count_nonfinite(raw, dtype) == 3
+    assert count_nonfinite(torch.arange(5, dtype=torch.int32).view(torch.uint8).numpy(), "int32") == 0
+
+
+def test_one_nan_or_inf_is_named_with_its_tensor_and_file(tmp_path, tiny_llama_dir, nan_model):
+    assert check_hf_weights(tiny_llama_dir) > 0
+    shard = _shard_of(nan_model, BROKEN)
+    with pytest.raises(NonFiniteWeights, match=rf"{shard}: tensor '{BROKEN}' holds 1 NaN/inf value"):
+        check_hf_weights(nan_model)
+    inf = tmp_path / "inf"
+    _poison(tiny_llama_dir, inf, float("-inf"))
+    with pytest.raises(NonFiniteWeights, match=BROKEN):
+        check_hf_weights(inf)
+    # a model in memory (what a server holds): the same check through torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(nan_model))
+    with pytest.raises(NonFiniteWeights, match=rf"served: tensor '{BROKEN}'"):
+        check_model(model, "served")
+
+
+def test_convert_refuses_nan_weights_in_both_directions(
+    tmp_path, tiny_llama_dir, nan_model, monkeypatch, capsys
+):
+    import importlib
+
+    from kit.__main__ import main
+    from kit.convert import ConvertConfig
+    from kit.convert import run as convert
+
+    conv = importlib.import_module("kit.convert.convert")  # the package exports a function of that name
+    target = tmp_path / "mg"
+    code = main(
+        ["convert", "--source", str(nan_model), "--target", str(target), "--direction", "hf_to_megatron"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        code == 2
+        and err[-1].startswith("error: ")
+        and f"tensor '{BROKEN}'" in err[-1]
+        and "safetensors" in err[-1]
+    )
+    assert not target.exists()
+    # a Megatron checkpoint that holds the NaN (written with the check switched off) is refused on the way back
+    monkeypatch.setattr(conv, "check_hf_weights", lambda *a, **k: 0)
+    convert(
+        ConvertConfig(source=str(nan_model), target=str(target), direction="hf_to_megatron"), progress=False
+    )
+    monkeypatch.undo()
+    back = tmp_path / "hf"
+    with pytest.raises(NonFiniteWeights, match=rf"{target}, converted \(.*\): tensor '{BROKEN}'"):
+        convert(
+            ConvertConfig(source=str(target), target=str(back), direction="megatron_to_hf"), progress=False
+        )
+    assert not back.exists()
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory, tiny_llama_dir, nan_model):
+    """A workspace whose training run "trained" the NaN model from the intact tiny one."""
+    from kit.evaluate.fixtures import tiny_training_run
+    from kit.workspace import get_workspace
+
+    root = tmp_path_factory.mktemp("nanrun")
+    run_dir = tiny_training_run(root / "ws", tiny_llama_dir, nan_model)
+    return get_workspace(root / "ws", model="tiny"), run_dir
+
+
+def test_evaluate_names_the_nan_tensor_and_a_damaged_shard(nan_run, tiny_llama_dir, tmp_path):
+    from kit.evaluate import EvalConfig, run
+
+    ws, run_dir = nan_run
+    with pytest.raises(NonFiniteWeights, match=rf"tensor '{BROKEN}'"):
+        run(EvalConfig(run=str(run_dir), parts=["heldout"], out_dir=str(tmp_path / "e")), ws, progress=False)
+    assert not (tmp_path / "e").exists()
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_llama_dir, cut)
+    shard = weight_files(cut)[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])  # a copy that stopped early
+    with pytest.raises(IntegrityError, match=rf"{shard}: tensor .* ends at byte"):
+        run(EvalConfig(model_path=str(cut), parts=["speed"], out_dir=str(tmp_path / "f")), ws, progress=False)
+    shard.unlink()  # a shard the index lists but the copy lacks
+    with pytest.raises(IntegrityError, match=rf"{shard} is missing"):
+        run(EvalConfig(model_path=str(cut), parts=["speed"], out_dir=str(tmp_path / "f")), ws, progress=False)
+    assert not (tmp_path / "f").exists()
+
+
+def test_nan_scores_are_invalid_in_every_table(nan_run, tmp_path, monkeypatch):
+    """With the load check bypassed, what the scores would have been: no loss, no accuracy, "invalid" cells."""
+    import kit.weights_check
+    from kit.evaluate import EvalConfig, run
+
+    ws, run_dir = nan_run
+    monkeypatch.setattr(kit.weights_check, "check_hf_weights", lambda *a, **k: 0)
+    cfg = EvalConfig(
+        run=str(run_dir),
+        parts=["heldout", "accuracy"],
+        tasks=["kit_mc_en"],
+        task_limit=4,
+        heldout_rows=2,
+        engine="kit",
+        out_dir=str(tmp_path / "e"),
+    )
+    res = run(cfg, ws, progress=False)
+    trained, base = res.results["models"]["trained"], res.results["models"]["base"]
+    assert trained["heldout_loss"] is None and trained["kit_mc_en_acc"] is None
+    assert base["heldout_loss"] > 0 and 0 <= base["kit_mc_en_acc"] <= 1
+    assert "heldout_loss" in res.results["invalid"]["trained"]
+    table = res.table
+    assert (
+        table.loc["kit_mc_en_acc", "trained"] == "invalid"
+        and table.loc["heldout_loss", "change"] == "invalid"
+    )
+    assert res.summary()["trained_kit_mc_en_acc"] is None
+    assert any(n.startswith("trained: ") and "heldout_loss" in n and "invalid" in n for n in res.notes)
