@@ -179,3 +179,23 @@ def test_mindspeed_engine_refuses_without_npus(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "MindSpeed-LLM" in lines[0]
+
+
+def test_data_of_another_tokenizer_is_refused_in_one_line(ws, tiny_llama_dir, tmp_path):
+    """Data tokenized for the demo model against a tiny Llama checkpoint: the tokenizer hashes contradict."""
+    from kit.data import DataConfig, prepare
+    from kit.samples import demo_model_dir
+    from kit.workspace import get_workspace
+
+    other = prepare(
+        DataConfig(
+            kind="pretrain", name="other", tokenizer=str(demo_model_dir()), max_length=32, max_records=8
+        ),
+        get_workspace(tmp_path / "ws", model="tiny"),
+        progress=False,
+    )
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", 1, 1)
+    proc = _cli(ckpt, Path(other.hf_dir), tmp_path / "pf", ws["root"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "another tokenizer" in lines[0]

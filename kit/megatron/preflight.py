@@ -142,8 +142,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def find_megatron_data(ws: Any) -> Optional[Path]:
-    """The newest prepared-data folder of the workspace that has Megatron files."""
+def find_megatron_data(ws: Any, tokenizer_sha256: Optional[str] = None) -> Optional[Path]:
+    """The newest prepared-data folder of the workspace that has Megatron files (made with this tokenizer, if given)."""
     from kit.manifest import MANIFEST_NAME
     from kit.train.inputs import data_facts
 
@@ -156,7 +156,10 @@ def find_megatron_data(ws: Any) -> Optional[Path]:
                 facts, _ = data_facts(folder)
             except Exception:  # a damaged or foreign folder is not a candidate
                 continue
-            if facts.get("megatron_prefix"):
+            theirs = facts.get("tokenizer_sha256")
+            if facts.get("megatron_prefix") and (
+                not tokenizer_sha256 or not theirs or theirs == tokenizer_sha256
+            ):
                 found.append(folder)
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -184,13 +187,22 @@ def _inputs(cfg: PreflightConfig):
             f"no converted checkpoint under {ws.converted_weights}: convert the HF weights in notebook 03 at the "
             f"planned TP/PP, or give --checkpoint."
         )
-    data = Path(cfg.dataset_path) if cfg.dataset_path else find_megatron_data(ws)
+    from kit.manifest import MANIFEST_NAME, read_manifest
+
+    tok = read_manifest(ckpt).get("tokenizer_sha256") if (ckpt / MANIFEST_NAME).is_file() else None
+    data = Path(cfg.dataset_path) if cfg.dataset_path else find_megatron_data(ws, tok)
     if data is None:
         raise InputError(
             f"no prepared data with Megatron files in {ws.model_input}/data: prepare it in notebook 02 with "
             f"MEGATRON=True, or give --dataset-path."
         )
     facts, man = data_facts(data)
+    theirs = facts.get("tokenizer_sha256")
+    if tok and theirs and tok != theirs:
+        raise InputError(
+            f"the data {man.folder} was tokenized with another tokenizer (tokenizer_sha256 {theirs[:12]}...) than "
+            f"the checkpoint {ckpt} carries ({tok[:12]}...): prepare the data with the model's tokenizer in notebook 02."
+        )
     problems = data_problems(facts, str(man.folder))
     if problems:
         raise InputError(problems[0])
@@ -208,6 +220,19 @@ def _job(cfg: PreflightConfig, reader, facts: dict, out: Path) -> dict:
     if spec is None:
         raise InputError(
             f"{reader.folder} has no kit_convert.json spec: convert it with notebook 03 (python -m kit convert)."
+        )
+    unsupported = [
+        n
+        for n, on in (
+            ("Qwen3 q/k norm", getattr(spec, "qk_norm", False)),
+            ("Llama-3.1 rope scaling", getattr(spec, "rope_scaling", "")),
+        )
+        if on
+    ]
+    if unsupported:
+        raise InputError(
+            f"{reader.folder} uses {' and '.join(unsupported)}; the preflight does not build that into megatron-core's "
+            f"GPTModel yet (Llama-2 / Mistral / Qwen2 / ChatGLM3 / Baichuan2-7B shapes are covered)."
         )
     if spec.position != "rope":
         raise InputError(
