@@ -20,6 +20,7 @@ STAGES = {
     "env": ("kit.envs.cli", "conda envs / venvs on persistent storage, archives, Jupyter kernels with CANN"),
     "data": ("kit.data.cli", "prepare pretraining / fine-tuning data (HF + Megatron formats)"),
     "convert": ("kit.convert.cli", "convert weights HF <-> Megatron with TP/PP"),
+    "megatron": ("kit.megatron.cli", "Megatron path on CPU: megatron-core preflight of the converted shards"),
     "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
     "job": (

@@ -47,7 +47,7 @@ def test_notebooks_chain_through_their_manifests(run_notebook, tiny_llama_dir, t
     assert (converted["tp"], converted["pp"]) == (2, 2)
 
     # 04 on its defaults: no DATASET_PATH, no SEQ_LEN -> 02's folder and its length
-    run_notebook(
+    _, summary_04 = run_notebook(
         "04",
         **common,
         MODEL_PATH=tiny,
@@ -58,6 +58,11 @@ def test_notebooks_chain_through_their_manifests(run_notebook, tiny_llama_dir, t
         LAUNCH_ITERS=0,
         MAX_NEW_TOKENS=4,
     )
+    # 04's Megatron preflight ran 03's TP2 x PP2 shards on 02's Megatron files with megatron-core (dev stack only)
+    preflight = summary_04["megatron_preflight"]
+    assert preflight["passed"], preflight["checks"]
+    assert (preflight["facts"]["tp"], preflight["facts"]["pp"]) == (2, 2)
+    assert preflight["facts"]["checkpoint"] == str(converted.folder)
     runs = [m for m in find_manifests(ws) if m.kind == TRAINING_RUN]
     assert len(runs) == 1
     run = runs[0]

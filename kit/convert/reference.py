@@ -34,19 +34,26 @@ def llama3_scaled(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 
 def rope(
-    x: torch.Tensor, base: float, percent: float = 1.0, interleaved: bool = False, spec: ModelSpec = None
+    x: torch.Tensor,
+    base: float,
+    percent: float = 1.0,
+    interleaved: bool = False,
+    spec: ModelSpec = None,
+    positions=None,
 ) -> torch.Tensor:
     """Rotary embedding on x [seq, heads, head_dim]: rotate the first `percent` of each head.
 
     interleaved=False pairs dims (i, i + rd/2) (HF Llama rotate_half); True pairs (2i, 2i+1) (ChatGLM, GLM-4).
-    A spec with rope_scaling "llama3" rescales the frequencies first.
+    A spec with rope_scaling "llama3" rescales the frequencies first. positions [seq]: each token's position (a
+    packed row restarts them per segment); None: 0..seq-1.
     """
     s, hd = x.shape[0], x.shape[-1]
     rd = int(hd * percent)
     inv = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
     if spec is not None and spec.rope_scaling == "llama3":
         inv = llama3_scaled(inv, spec)
-    ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)[:, None, :]  # [s, 1, rd/2]
+    pos = torch.arange(s, dtype=torch.float32) if positions is None else positions.float()
+    ang = torch.outer(pos, inv)[:, None, :]  # [s, 1, rd/2]
     cos, sin = ang.cos(), ang.sin()
     rot, keep = x[..., :rd], x[..., rd:]
     if interleaved:
@@ -71,8 +78,11 @@ def alibi_slopes(n: int) -> torch.Tensor:
     return torch.tensor(power_of_2(closest) + alibi_slopes(2 * closest).tolist()[0::2][: n - closest])
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor = None) -> torch.Tensor:
-    """Causal attention; q [s, nh, hd], k/v [s, ng, hd] (groups repeated); optional ALiBi slopes [nh]."""
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor = None, segments=None
+) -> torch.Tensor:
+    """Causal attention; q [s, nh, hd], k/v [s, ng, hd] (groups repeated); optional ALiBi slopes [nh];
+    optional segment ids [s]: a token attends only inside its own segment (a packed row)."""
     s, nh, hd = q.shape
     rep = nh // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -80,22 +90,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.T
     pos = torch.arange(s)
     if slopes is not None:
         scores = scores + slopes[:, None, None] * (pos[None, :] - pos[:, None]).float()
-    scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    masked = pos[None, :] > pos[:, None]
+    if segments is not None:
+        masked = masked | (segments[None, :] != segments[:, None])
+    scores = scores.masked_fill(masked, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, nh * hd)
 
 
-def _pos(q, k, spec: ModelSpec):
+def _pos(q, k, spec: ModelSpec, positions=None):
     if spec.position != "rope":
         return q, k
     return (
-        rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, spec),
-        rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, spec),
+        rope(q, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, spec, positions),
+        rope(k, spec.rotary_base, spec.rotary_percent, spec.rotary_interleaved, spec, positions),
     )
 
 
-def hf_forward(sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
+def hf_forward(
+    sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor, positions=None, segments=None
+) -> torch.Tensor:
     """Logits [seq, vocab] of an HF-layout Llama / Qwen3 / GLM-4 / ChatGLM3 / Baichuan2 state dict (fp32, one
-    sequence)."""
+    sequence; a packed row with its `positions` and `segments` ids [seq] attends inside each segment)."""
     glm = spec.family == "chatglm"
     pre = "transformer.encoder.layers.{i}." if glm else "model.layers.{i}."
     emb = sd["transformer.embedding.word_embeddings.weight" if glm else "model.embed_tokens.weight"]
@@ -119,8 +134,8 @@ def hf_forward(sd: Dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) 
         if spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before rotary
             q = rms_norm(q, sd[p + "self_attn.q_norm.weight"], spec.norm_eps)
             k = rms_norm(k, sd[p + "self_attn.k_norm.weight"], spec.norm_eps)
-        q, k = _pos(q, k, spec)
-        o = attention(q, k, v.reshape(-1, ng, hd), slopes)
+        q, k = _pos(q, k, spec, positions)
+        o = attention(q, k, v.reshape(-1, ng, hd), slopes, segments)
         x = x + o @ sd[p + ("self_attention.dense.weight" if glm else "self_attn.o_proj.weight")].T
         h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], spec.norm_eps)
         fused_glu = "mlp.dense_h_to_4h.weight" if glm else "mlp.gate_up_proj.weight"  # [gate; up] (GLM-4)

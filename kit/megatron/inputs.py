@@ -1,0 +1,165 @@
+"""The preflight's inputs from the workspace's manifests: notebook 03's converted checkpoint, notebook 02's data with
+Megatron files made with the same tokenizer, and the job every rank is told (plain JSON values)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from kit.errors import InputError
+
+
+def find_megatron_data(ws: Any, tokenizer_sha256: Optional[str] = None) -> Optional[Path]:
+    """The newest prepared-data folder of the workspace that has Megatron files (made with this tokenizer, if given)."""
+    from kit.manifest import MANIFEST_NAME
+    from kit.train.inputs import data_facts
+
+    found = []
+    for root in (Path(ws.data_pretrain), Path(ws.data_finetune)):
+        for folder in root.glob("*_hf"):
+            if folder.name.startswith(".") or not (folder / MANIFEST_NAME).is_file():
+                continue
+            try:
+                facts, _ = data_facts(folder)
+            except Exception:  # a damaged or foreign folder is not a candidate
+                continue
+            theirs = facts.get("tokenizer_sha256")
+            if facts.get("megatron_prefix") and (
+                not tokenizer_sha256 or not theirs or theirs == tokenizer_sha256
+            ):
+                found.append(folder)
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def inputs_missing(cfg) -> Optional[str]:
+    """Why the preflight has nothing to run on (no converted checkpoint or Megatron data), or None when it has."""
+    try:
+        resolve_inputs(cfg)
+    except InputError as exc:
+        return str(exc)
+    return None
+
+
+def resolve_inputs(cfg):
+    """(checkpoint folder, its MegatronReader, data facts, data folder, output folder) of the config."""
+    from kit.convert.megatron_io import MegatronReader
+    from kit.train.inputs import data_facts, find_converted
+    from kit.train.megatron import data_problems
+    from kit.workspace import get_workspace
+
+    ws = get_workspace(cfg.work_dir or None, model=cfg.model_name)
+    ckpt = Path(cfg.checkpoint) if cfg.checkpoint else find_converted(ws)
+    if ckpt is None:
+        raise InputError(
+            f"no converted checkpoint under {ws.converted_weights}: convert the HF weights in notebook 03 at the "
+            f"planned TP/PP, or give --checkpoint."
+        )
+    from kit.manifest import MANIFEST_NAME, read_manifest
+
+    tok = read_manifest(ckpt).get("tokenizer_sha256") if (ckpt / MANIFEST_NAME).is_file() else None
+    data = Path(cfg.dataset_path) if cfg.dataset_path else find_megatron_data(ws, tok)
+    if data is None:
+        raise InputError(
+            f"no prepared data with Megatron files in {ws.model_input}/data: prepare it in notebook 02 with "
+            f"MEGATRON=True, or give --dataset-path."
+        )
+    facts, man = data_facts(data)
+    theirs = facts.get("tokenizer_sha256")
+    if tok and theirs and tok != theirs:
+        raise InputError(
+            f"the data {man.folder} was tokenized with another tokenizer (tokenizer_sha256 {theirs[:12]}...) than "
+            f"the checkpoint {ckpt} carries ({tok[:12]}...): prepare the data with the model's tokenizer in notebook 02."
+        )
+    problems = data_problems(facts, str(man.folder))
+    if problems:
+        raise InputError(problems[0])
+    reader = MegatronReader(ckpt)
+    out = Path(cfg.output) if cfg.output else ws.reports / "megatron_preflight"
+    return ckpt, reader, facts, man.folder, out
+
+
+def build_job(cfg, reader, facts: dict, out: Path) -> dict:
+    """What every rank is told (plain JSON values)."""
+    from kit.convert.spec import ModelSpec
+
+    meta = reader.meta or {}
+    spec = ModelSpec(**meta["spec"]) if meta.get("spec") else None
+    if spec is None:
+        raise InputError(
+            f"{reader.folder} has no kit_convert.json spec: convert it with notebook 03 (python -m kit convert)."
+        )
+    unsupported = [
+        n
+        for n, on in (
+            ("Qwen3 q/k norm", getattr(spec, "qk_norm", False)),
+            ("Llama-3.1 rope scaling", getattr(spec, "rope_scaling", "")),
+        )
+        if on
+    ]
+    if unsupported:
+        raise InputError(
+            f"{reader.folder} uses {' and '.join(unsupported)}; the preflight does not build that into megatron-core's "
+            f"GPTModel yet (Llama-2 / Mistral / Qwen2 / ChatGLM3 / Baichuan2-7B shapes are covered)."
+        )
+    if spec.position != "rope":
+        raise InputError(
+            f"{reader.folder} is a {spec.family} model with {spec.position} positions; megatron-core has no "
+            f"{spec.position} (only MindSpeed-LLM trains it): the preflight covers RoPE models."
+        )
+    args = reader.args
+    kind = "sft" if facts.get("data_kind") == "sft" else "pretrain"
+    if kind == "sft" and not facts.get("pack"):
+        raise InputError(
+            "the fine-tuning data is not packed; MindSpeed-LLM's packed layout (PACK=True in notebook 02) is what "
+            "the preflight reads."
+        )
+    seq = int(cfg.seq_len or facts.get("max_length") or 0)
+    if kind == "sft":  # packed rows have the data's length
+        if cfg.seq_len and int(cfg.seq_len) != int(facts.get("max_length")):
+            raise InputError(
+                f"SEQ_LEN={cfg.seq_len} but the packed fine-tuning rows are {facts.get('max_length')} tokens long "
+                f"(notebook 02's max_length); leave SEQ_LEN unset or prepare the data again."
+            )
+        seq = int(facts.get("max_length"))
+    pad = facts.get("pad_token_id")
+    eod = facts.get("eos_token_id")
+    data_vocab = int(facts.get("vocab_size") or 0)
+    if data_vocab > spec.vocab_size:
+        raise InputError(
+            f"the data's tokenizer has {data_vocab} tokens but the checkpoint's vocabulary is {spec.vocab_size}: "
+            f"they were not made for each other (tokenizer of notebook 02 vs model of notebook 03)."
+        )
+    tp, pp = reader.tp, reader.pp
+    return {
+        "checkpoint": str(reader.folder),
+        "tp": tp,
+        "pp": pp,
+        "dp": int(cfg.dp),
+        "world": tp * pp * int(cfg.dp),
+        "layer_list": reader.layer_list(spec.num_layers),
+        "data": {
+            "kind": kind,
+            "prefix": facts["megatron_prefix"],
+            "eod": int(eod if eod is not None else 0),
+            "pad": int(pad if pad is not None else (eod or 0)),
+        },
+        "vocab_size": spec.vocab_size,
+        "padded_vocab_size": int(getattr(args, "padded_vocab_size", spec.vocab_size)),
+        "seq_len": seq,
+        "samples": int(cfg.steps) * int(cfg.dp) * int(cfg.micro_batches) * int(cfg.mbs),
+        "steps": int(cfg.steps),
+        "micro_batches": int(cfg.micro_batches),
+        "mbs": int(cfg.mbs),
+        "lr": float(cfg.lr),
+        "min_lr": float(cfg.min_lr),
+        "warmup_iters": int(cfg.warmup_iters),
+        "weight_decay": float(cfg.weight_decay),
+        "clip_grad": float(cfg.clip_grad),
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_eps": float(cfg.adam_eps),
+        "seed": int(cfg.seed),
+        "timeout_s": int(cfg.timeout_s),
+        "out": str(out),
+        "spec": meta["spec"],
+    }

@@ -1,0 +1,266 @@
+"""The Megatron preflight: notebook 03's shards at their TP x PP (x DP) on CPU ranks with megatron-core, fed notebook
+02's Megatron files through megatron-core's dataset classes, held against the HF weights on the same tokens.
+
+The ranks start once (kit.megatron.ranks, gloo on 127.0.0.1) and make every measurement; this process then compares:
+shards loaded strictly, first loss and grad norm vs HF (fp32, 1e-5 relative), N steps of megatron-core's
+DistributedOptimizer + OptimizerParamScheduler vs the same steps on the HF weights (losses 1e-5, parameters 1e-4),
+and the Megatron checkpoint the ranks saved (`iter_XXXXXXX/mp_rank_..`), converted back to HF by notebook 03's code,
+equal to the trained weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from kit.errors import InputError
+
+
+@dataclass
+class PreflightConfig:
+    """What to run the Megatron preflight on; unset inputs come from the workspace's manifests."""
+
+    checkpoint: Optional[str] = None
+    """Notebook 03's converted checkpoint; None: the newest under the workspace's converted_weights/."""
+    dataset_path: Optional[str] = None
+    """Notebook 02's prepared-data folder with Megatron files; None: the newest in the workspace."""
+    dp: int = 1
+    """Data-parallel ranks (world size = TP x PP x DP); 2 or more shards the distributed optimizer."""
+    steps: int = 2
+    """Optimizer steps of megatron-core's DistributedOptimizer held against the same steps on the HF weights."""
+    micro_batches: int = 1
+    """Micro-batches per step and data-parallel rank (through megatron-core's pipeline schedule; 2+ interleaves them)."""
+    mbs: int = 1
+    """Rows per micro-batch."""
+    seq_len: Optional[int] = None
+    """Tokens per row; None: the prepared data's max_length."""
+    lr: float = 1e-3
+    """Peak learning rate of the steps."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_iters: int = 0
+    """Warm-up iterations (0: megatron-core's and the kit trainer's schedules agree step for step)."""
+    weight_decay: float = 0.1
+    """Weight decay (not on norms and biases, as megatron-core's standard overrides)."""
+    clip_grad: float = 1.0
+    """Gradient clipping by global norm."""
+    adam_eps: float = 1e-6
+    """Adam's epsilon; above float noise, which Adam would turn into LR-sized steps where a gradient is zero in exact
+    arithmetic (ChatGLM3's key bias on the unrotated half of each head)."""
+    seed: int = 1234
+    """Seed of megatron-core's GPTDataset sample order."""
+    timeout_s: int = 600
+    """Wall-clock limit of the ranks (and of each collective); they are killed after it."""
+    work_dir: Optional[str] = None
+    """The workspace root; None: KIT_WORKSPACE, /home/ma-user/ws on ModelArts, else runs/ws."""
+    model_name: str = "demo"
+    """The workspace's model name."""
+    output: Optional[str] = None
+    """Where the report, the trained checkpoint and its HF form go; None: <workspace>/reports/megatron_preflight."""
+
+    def problems(self) -> List[str]:
+        out = []
+        for name in ("dp", "steps", "micro_batches", "mbs", "timeout_s"):
+            if int(getattr(self, name)) < 1:
+                out.append(f"{name.upper()}={getattr(self, name)} must be at least 1.")
+        if self.seq_len is not None and int(self.seq_len) < 2:
+            out.append(f"SEQ_LEN={self.seq_len} must be at least 2.")
+        return out
+
+
+@dataclass
+class PreflightResult:
+    """Per-check rows, the measurements, and where the files are."""
+
+    checks: List[dict]
+    facts: Dict[str, Any]
+    folder: Path
+    wall_s: float
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c["passed"] for c in self.checks)
+
+    def failures(self) -> List[str]:
+        """One line per failed check, with the number that failed."""
+        return [f"preflight check {c['check']} failed: {c['detail']}" for c in self.checks if not c["passed"]]
+
+    def table(self):
+        import pandas as pd
+
+        return pd.DataFrame(
+            [
+                {
+                    "check": c["check"],
+                    "passed": c["passed"],
+                    "value": c["value"],
+                    "limit": c["limit"],
+                    "detail": c["detail"],
+                }
+                for c in self.checks
+            ]
+        )
+
+    def summary(self) -> dict:
+        return {
+            "passed": self.passed,
+            "checks": self.checks,
+            "facts": self.facts,
+            "notes": self.notes,
+            "folder": str(self.folder),
+            "wall_s": round(self.wall_s, 1),
+        }
+
+
+def mindspeed_refusal() -> str:
+    """Why `--engine mindspeed` cannot run here (it needs MindSpeed-LLM and NPUs), in one line."""
+    import importlib.util
+
+    missing = [
+        n
+        for n, m in (("MindSpeed-LLM", "mindspeed_llm"), ("torch_npu", "torch_npu"))
+        if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        return (
+            f"--engine mindspeed runs the plan's MindSpeed-LLM command on NPUs; {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed here: use the default engine (megatron-core on CPU)."
+        )
+    return "--engine mindspeed is not implemented yet: run `python -m kit train megatron --execute` for a few iterations."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def inputs_missing(cfg: PreflightConfig) -> Optional[str]:
+    """Why the preflight has nothing to run on (no converted checkpoint or Megatron data), or None when it has."""
+    from kit.megatron.inputs import inputs_missing as missing
+
+    return missing(cfg)
+
+
+def launch(job: dict) -> List[dict]:
+    """Start the world's ranks once (`python -m kit.megatron.ranks`, gloo), wait at most timeout_s, kill leftovers."""
+    import os
+    import subprocess
+    import sys
+
+    out = Path(job["out"])
+    job = dict(job, port=_free_port())
+    (out / "job.json").write_text(json.dumps(job), encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), CUDA_VISIBLE_DEVICES="")
+    procs = []
+    try:
+        for r in range(job["world"]):
+            with open(out / f"rank_{r}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kit.megatron.ranks", str(out / "job.json"), str(r)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
+        deadline = time.monotonic() + job["timeout_s"]
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise InputError(
+                    f"the {job['world']} preflight ranks did not finish within {job['timeout_s']} s (TIMEOUT_S); "
+                    f"they were stopped (logs: {out}/rank_*.log)."
+                )
+            if any(p.returncode not in (None, 0) for p in procs):  # one died: the others would wait for it
+                time.sleep(2)
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results = []
+    for r, p in enumerate(procs):
+        path = out / f"rank_{r}.json"
+        if not path.is_file():
+            tail = (out / f"rank_{r}.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            raise InputError(
+                f"preflight rank {r} exited with code {p.returncode} without a result: "
+                f"{tail[-1] if tail else 'no output'} (log {out}/rank_{r}.log)"
+            )
+        results.append(json.loads(path.read_text(encoding="utf-8")))
+    return results
+
+
+def run(cfg: PreflightConfig) -> PreflightResult:
+    """Run the preflight (see the module doc); the result says which checks passed."""
+    from kit.configs import check
+    from kit.megatron.checks import compare
+    from kit.megatron.cpu_patches import check_version
+    from kit.megatron.inputs import build_job, resolve_inputs
+
+    check(cfg, "the Megatron preflight config")
+    version = check_version()
+    t0 = time.monotonic()
+    ckpt, reader, facts, data_folder, out = resolve_inputs(cfg)
+    if out.exists() and not (out / "preflight.json").is_file():
+        raise InputError(
+            f"--output {out} exists and is not an earlier preflight's folder; give a new folder."
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".preflight-", dir=str(out.parent)))
+    try:
+        job = build_job(cfg, reader, facts, work)
+        t = time.monotonic()
+        results = launch(job)
+        ranks_wall = round(time.monotonic() - t, 1)
+        checks, extra = compare(job, results, work)
+        facts_out = {
+            "megatron_core": version,
+            "checkpoint": str(ckpt),
+            "dataset_path": str(data_folder),
+            "data_kind": job["data"]["kind"],
+            "tp": job["tp"],
+            "pp": job["pp"],
+            "dp": job["dp"],
+            "layer_list": job["layer_list"],
+            "vocab_size": job["vocab_size"],
+            "padded_vocab_size": job["padded_vocab_size"],
+            "seq_len": job["seq_len"],
+            "steps": job["steps"],
+            "micro_batches": job["micro_batches"],
+            **extra,
+        }
+        facts_out["seconds"] = {"ranks (wall)": ranks_wall, **facts_out.get("seconds", {})}
+        notes = [
+            f"vocabulary padded {job['vocab_size']} -> {job['padded_vocab_size']}: the HF reference's embedding and "
+            f"output rows are padded with the same zero rows, so both softmaxes run over {job['padded_vocab_size']} "
+            f"columns"
+            if job["padded_vocab_size"] > job["vocab_size"]
+            else "vocabulary not padded",
+            "HF side: kit.convert.reference.hf_forward on the checkpoint converted back by notebook 03's code, fp32",
+            "what this does not prove: NPU kernels (flash attention, fused RMSNorm/SwiGLU/RoPE), HCCL, "
+            "MindSpeed-LLM's own patches",
+        ]
+        # kept: the report, the ranks' logs and the trained Megatron checkpoint; the rest was the checks' scratch
+        (work / "batches.pt").unlink(missing_ok=True)
+        for scratch in [*work.glob("cache_*"), work / "reference_hf", work / "trained_hf"]:
+            shutil.rmtree(scratch, ignore_errors=True)
+        result = PreflightResult(checks, facts_out, out, time.monotonic() - t0, notes)
+        (work / "preflight.json").write_text(json.dumps(result.summary(), indent=2, default=str) + "\n")
+        if out.exists():  # an earlier preflight's report, replaced only by a complete one
+            shutil.rmtree(out)
+        work.rename(out)  # complete: only now under its name
+        result.folder = out
+        return result
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,201 @@
+"""`python -m kit megatron preflight`: megatron-core 0.16 CPU ranks on the kit's converted shards and Megatron data.
+
+Each case is one launch of its ranks (imports dominate); the inputs are module-scoped. A case asserts on the numbers
+of preflight.json and on the files the ranks saved, and the damaged inputs each fail their own check in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.convert import models as convert_models
+
+pytest.importorskip(
+    "megatron.core", reason="megatron-core needs Python >= 3.10 and torch >= 2.6 (not in the compat stacks)"
+)
+pytestmark = pytest.mark.slow
+
+tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
+tiny_baichuan_dir = convert_models.tiny_baichuan_dir
+tiny_llama4_dir = convert_models.tiny_llama4_dir
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, tiny_llama_dir):
+    """A workspace with notebook 02's pretraining data and packed fine-tuning data (Megatron files written)."""
+    from kit.data import DataConfig, prepare
+    from kit.workspace import get_workspace
+
+    root = tmp_path_factory.mktemp("pf") / "ws"
+    w = get_workspace(root, model="tiny")
+    tok = str(tiny_llama_dir)
+    pre = prepare(
+        DataConfig(kind="pretrain", name="corpus", tokenizer=tok, max_length=32, max_records=40),
+        w,
+        progress=False,
+    )
+    sft = prepare(
+        DataConfig(
+            kind="sft", name="alpaca", tokenizer=tok, max_length=48, max_records=24, template="tokenizer"
+        ),
+        w,
+        progress=False,
+    )
+    return {"root": root, "pretrain": Path(pre.hf_dir), "sft": Path(sft.hf_dir)}
+
+
+def _convert(src, out: Path, tp: int, pp: int, layers=None) -> Path:
+    from kit.convert import ConvertConfig, hf_to_megatron
+
+    hf_to_megatron(ConvertConfig(str(src), str(out), tp=tp, pp=pp, num_layer_list=layers), progress=False)
+    return out
+
+
+def _cli(ckpt: Path, data: Path, out: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "kit", "megatron", "preflight", "--checkpoint", str(ckpt), "--dataset-path",
+            str(data), "--output", str(out), "--work-dir", str(root), "--model-name", "tiny", *extra]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=900)
+
+
+def _run(ckpt: Path, data: Path, out: Path, root: Path, **kw):
+    from kit.megatron.preflight import PreflightConfig, run
+
+    return run(PreflightConfig(checkpoint=str(ckpt), dataset_path=str(data), output=str(out), work_dir=str(root),
+                               model_name="tiny", **kw))  # fmt: skip
+
+
+def _by_name(checks: list) -> dict:
+    return {c["check"]: c for c in checks}
+
+
+def test_tp2_pp2_gqa_llama_pretraining_data_passes_every_check(ws, tiny_llama_dir, tmp_path):
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", 2, 2)
+    out = tmp_path / "pf"
+    proc = _cli(ckpt, ws["pretrain"], out, ws["root"], "--micro-batches", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "preflight.json").read_text())
+    checks = _by_name(report["checks"])
+    assert list(checks) == ["shards loaded", "loss vs HF", "grad norm vs HF", "losses over steps",
+                            "params after steps", "checkpoint back to HF"]  # fmt: skip
+    assert all(c["passed"] for c in checks.values())
+    assert checks["loss vs HF"]["value"] <= 1e-5 and checks["grad norm vs HF"]["value"] <= 1e-5
+    assert checks["params after steps"]["value"] <= 1e-4
+    facts = report["facts"]
+    assert (facts["tp"], facts["pp"], facts["data_kind"]) == (2, 2, "pretrain")
+    assert (facts["vocab_size"], facts["padded_vocab_size"]) == (2522, 2560)
+    assert any("padded 2522 -> 2560" in n for n in report["notes"])
+    assert facts["losses"][1] < facts["losses"][0]  # the steps trained
+    # the checkpoint is in the layout MindSpeed-LLM loads
+    assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    ranks = sorted(p.name for p in (out / "checkpoint" / "iter_0000002").iterdir())
+    assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert "passed" in proc.stdout and "loss vs HF" in proc.stdout
+
+
+def test_uneven_layer_list_with_packed_fine_tuning_data(ws, tiny_llama4_dir, tmp_path):
+    """TP1 x PP2 with layers [1, 3]; the packed rows count the loss on answers only, inside each dialog."""
+    ckpt = _convert(tiny_llama4_dir, tmp_path / "c", 1, 2, [1, 3])
+    res = _run(ckpt, ws["sft"], tmp_path / "pf", ws["root"], micro_batches=2)
+    assert res.passed, res.failures()
+    assert res.facts["layer_list"] == [1, 3] and res.facts["data_kind"] == "sft"
+
+
+def test_tied_embeddings_at_pp2_with_data_parallel_sharding(ws, tiny_llama_tied_dir, tmp_path):
+    """TP1 x PP2 x DP2: the tied embedding's grads meet across stages; the distributed optimizer shards by DP."""
+    ckpt = _convert(tiny_llama_tied_dir, tmp_path / "c", 1, 2)
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"], dp=2)
+    assert res.passed, res.failures()
+    assert res.facts["dp"] == 2
+    shards = res.facts["optimizer_shard_numel"]
+    numel = res.facts["model_numel"]
+    assert len(shards) == 4 and all(0 < s < m for s, m in zip(shards, numel))
+    assert sum(shards) * 2 == sum(numel)  # the two DP ranks of a stage hold its parameters between them
+
+
+def test_chatglm3_at_tp2_with_dp2(ws, tiny_glm_dir, tmp_path):
+    """ChatGLM3's fused [Q;K;V] with bias and half-rotary heads at TP2, and DP2 x TP2 for the distributed optimizer."""
+    ckpt = _convert(tiny_glm_dir, tmp_path / "c", 2, 1)
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"], dp=2)
+    assert res.passed, res.failures()
+    shards, numel = res.facts["optimizer_shard_numel"], res.facts["model_numel"]
+    assert len(shards) == 4 and all(0 < s < m for s, m in zip(shards, numel))
+
+
+def test_baichuan2_with_alibi_is_refused_in_one_line(ws, tiny_baichuan_dir, tmp_path):
+    ckpt = _convert(tiny_baichuan_dir, tmp_path / "c", 2, 1)
+    proc = _cli(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "alibi" in lines[0] and lines[0].startswith("error: ")
+
+
+def test_checkpoint_args_mismatch_fails_the_load_check_in_one_line(ws, tiny_llama_dir, tmp_path):
+    """A rank file whose QKV rows do not fit its args: the shards check fails and names the tensor."""
+    import torch
+
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", 1, 1)
+    path = ckpt / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    key = "decoder.layers.0.self_attention.linear_qkv.weight"
+    state["model"][key] = state["model"][key][:-16].clone()
+    torch.save(state, path)
+    proc = _cli(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [line for line in errors if "shards loaded" in line] and len(errors) == 1
+    assert key in errors[0] and "shape (112, 64) but the model has (128, 64)" in errors[0]
+
+
+def test_damaged_shard_fails_in_one_line(ws, tiny_llama_dir, tmp_path):
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", 1, 1)
+    path = ckpt / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    proc = _cli(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "model_optim_rng.pt" in lines[0]
+    assert not (tmp_path / "pf").exists()  # nothing that looks like a finished preflight
+
+
+def test_version_check_names_the_supported_range():
+    from kit.megatron.cpu_patches import UnsupportedMegatronError, check_version
+
+    assert check_version("0.16.1") == "0.16.1"
+    with pytest.raises(UnsupportedMegatronError, match=r"preflight supports megatron-core 0\.16\.0-0\.16\.x"):
+        check_version("0.19.2")
+
+
+def test_mindspeed_engine_refuses_without_npus(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kit", "megatron", "preflight", "--engine", "mindspeed"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MindSpeed-LLM" in lines[0]
+
+
+def test_data_of_another_tokenizer_is_refused_in_one_line(ws, tiny_llama_dir, tmp_path):
+    """Data tokenized for the demo model against a tiny Llama checkpoint: the tokenizer hashes contradict."""
+    from kit.data import DataConfig, prepare
+    from kit.samples import demo_model_dir
+    from kit.workspace import get_workspace
+
+    other = prepare(
+        DataConfig(
+            kind="pretrain", name="other", tokenizer=str(demo_model_dir()), max_length=32, max_records=8
+        ),
+        get_workspace(tmp_path / "ws", model="tiny"),
+        progress=False,
+    )
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", 1, 1)
+    proc = _cli(ckpt, Path(other.hf_dir), tmp_path / "pf", ws["root"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "another tokenizer" in lines[0]
