@@ -69,7 +69,8 @@ def _pass_stderr(read_fd: int) -> None:
 
 def quiet_kernel_manager(base: Optional[type] = None) -> type:
     """`base` (jupyter_client's AsyncKernelManager by default) whose kernels' stderr reaches ours without the
-    TCP notice; everything else the kernel writes there is passed on as it comes."""
+    TCP notice; everything else the kernel writes there is passed on as it comes. A kernel started from a process
+    that trained in-process does not inherit that training's rendezvous (kit.train.engine)."""
     if base is None:
         from jupyter_client import AsyncKernelManager as base
 
@@ -77,6 +78,9 @@ def quiet_kernel_manager(base: Optional[type] = None) -> type:
         copiers: list = []  # the threads copying stderr, to wait for once the kernels are gone
 
         async def _async_launch_kernel(self, kernel_cmd, **kw):
+            from kit.train.engine import without_in_process_rendezvous
+
+            kw["env"] = without_in_process_rendezvous(kw.get("env") or dict(os.environ))
             if kw.get("stderr") is not None:  # the caller chose where it goes
                 return await super()._async_launch_kernel(kernel_cmd, **kw)
             read_fd, write_fd = os.pipe()

@@ -24,6 +24,24 @@ def resolve_dtype(cfg, info) -> str:
 # environment variable, not a module flag, because the kernels and workers such a process starts inherit
 # LOCAL_SIZE too and must not take it for a launcher's.
 _IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"
+# what init_distributed() sets for a training in this process (not a launcher's)
+_IN_PROCESS_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_SIZE",
+    _IN_PROCESS,
+)
+
+
+def without_in_process_rendezvous(env: dict) -> dict:
+    """`env` for a child process (a kernel, a server) without the rendezvous this process set for training in
+    it: the child would take them for a launcher's, and MASTER_PORT is still held by this process."""
+    if env.get(_IN_PROCESS) != env.get("LOCAL_SIZE"):
+        return dict(env)
+    return {k: v for k, v in env.items() if k not in _IN_PROCESS_ENV}
 
 
 def init_distributed(info) -> tuple:
