@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from kit.configs import check, save_config
 from kit.train.config import TrainConfig
+from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
 from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
