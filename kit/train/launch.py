@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ NPU_ENV = {
 }
 
 
+STOP_GRACE_S = 600.0  # how long a stopped job's ranks may take to checkpoint and exit before they are killed
 STATUS_PREFIX = (
     "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
 )
@@ -54,8 +56,32 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, master_port=port)
 
 
-def launch_command(cfg: TrainConfig, config_path: Path, launcher: str = "torchrun") -> list:
-    """argv that runs `python -m kit train run --config <file>` on NPROC_PER_NODE processes of this node."""
+def node_suffix(cfg: TrainConfig) -> str:
+    """What names this node's own files in a folder every node shares: "" on one node, ".node<NODE_RANK>" else."""
+    return f".node{cfg.node_rank}" if cfg.nnodes > 1 else ""
+
+
+def hostfile_text(cfg: TrainConfig, visible_devices: Optional[str] = None) -> str:
+    """The DeepSpeed launcher's hostfile for the job: one line per node, `node-<i> slots=<cards>`.
+
+    With --no_ssh each node's launcher starts only its own ranks and reads the hostfile for the job's shape (host
+    names are labels then). Without one it forces MASTER_ADDR to 127.0.0.1 and refuses NUM_NODES > 1 (DeepSpeed
+    0.18 `launcher/runner.py` main).
+    """
+    ids = [int(v) for v in (visible_devices or "").split(",") if v.strip()]
+    slots = max(ids) + 1 if ids else cfg.nproc_per_node
+    return "".join(f"node-{i} slots={slots}\n" for i in range(cfg.nnodes))
+
+
+def launch_command(
+    cfg: TrainConfig, config_path: Path, launcher: str = "torchrun", visible_devices: Optional[str] = None
+) -> list:
+    """argv that runs `python -m kit train run --config <file>` on NPROC_PER_NODE processes of this node.
+
+    DeepSpeed: this Python's own launcher (`-m deepspeed.launcher.runner`, whatever PATH says), --no_ssh with the
+    hostfile written beside the config (`<config>.hostfile`), --no_local_rank (ranks read LOCAL_RANK).
+    """
+    script = ["-m", "kit", "train", "run", "--config", str(config_path), "--no-progress"]
     if launcher == "torchrun":
         return [
             sys.executable,
@@ -66,33 +92,34 @@ def launch_command(cfg: TrainConfig, config_path: Path, launcher: str = "torchru
             f"--nproc_per_node={cfg.nproc_per_node}",
             f"--master_addr={cfg.master_addr}",
             f"--master_port={cfg.master_port}",
-            "-m",
-            "kit",
-            "train",
-            "run",
-            "--config",
-            str(config_path),
-            "--no-progress",
+            *script,
         ]
     if launcher == "deepspeed":
         # The DeepSpeed launcher passes ASCEND_RT_VISIBLE_DEVICES on NPU (accelerator.visible_devices_envs()).
+        ids = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
+        if ids:  # these cards on every node (--include cannot go with --num_nodes / --num_gpus)
+            shape = ["--include=" + "@".join(f"node-{i}:{','.join(ids)}" for i in range(cfg.nnodes))]
+        else:
+            shape = [f"--num_nodes={cfg.nnodes}", f"--num_gpus={cfg.nproc_per_node}"]
         return [
-            "deepspeed",
-            f"--num_nodes={cfg.nnodes}",
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            f"--hostfile={hostfile_path(config_path)}",
+            *shape,
             f"--node_rank={cfg.node_rank}",
-            f"--num_gpus={cfg.nproc_per_node}",
             f"--master_addr={cfg.master_addr}",
             f"--master_port={cfg.master_port}",
             "--no_ssh",
+            "--no_local_rank",
             "--module",
-            "kit",
-            "train",
-            "run",
-            "--config",
-            str(config_path),
-            "--no-progress",
+            *script[1:],
         ]
     raise ValueError(f"launcher {launcher!r} is not one of torchrun, deepspeed.")
+
+
+def hostfile_path(config_path: Path) -> Path:
+    return Path(str(config_path) + ".hostfile")
 
 
 def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = None) -> dict:
@@ -102,8 +129,25 @@ def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = Non
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    from kit.train.config import IN_PROCESS_MARKER
+
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        IN_PROCESS_MARKER,
+    ):
         env.pop(key, None)  # a notebook that trained in-process has set these for a world of one
+    for key in ("ASCEND_DEVICE_ID", "RANK_ID", "RANK_SIZE"):
+        env.pop(
+            key, None
+        )  # a per-card boot's (kit.train.jobenv.launching_card): the ranks bind by LOCAL_RANK
+    # torchrun gives its ranks this long to exit after it is signalled itself (default 30 s): a checkpoint of a
+    # big model takes longer (torch 2.13's launcher/api.py reads it; older ones keep 30 s)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(STOP_GRACE_S)))
     var = VISIBLE_DEVICES_ENV.get(kind)
     if var and visible_devices is not None:
         env[var] = visible_devices
@@ -156,15 +200,95 @@ class LaunchResult:
         return self.status == "completed" and (self.returncode == 0 or self.stopped)
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> int:
-    """Ask the job to stop (SIGTERM to its process group: ranks checkpoint and exit), then kill after `grace_s`."""
+class _Job:
+    """A launched job's processes: the launcher child (its own session) and every process below it, remembered as
+    they appear so that none outlives the kit's launcher (torchrun starts each rank in a session of its own)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.known: dict = {}
+
+    def refresh(self) -> list:
+        import psutil
+
+        try:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                self.known.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+        return [p for p in self.known.values() if _alive(p)]
+
+    def ranks(self) -> list:
+        """The processes that run `kit train run` (the ranks), not the launchers between."""
+        out = []
+        for p in self.refresh():
+            try:
+                argv = p.cmdline()
+            except Exception:  # gone meanwhile
+                continue
+            if any(argv[i : i + 3] == ["kit", "train", "run"] for i in range(len(argv))):
+                out.append(p)
+        return out
+
+    def request_stop(self) -> str:
+        """SIGTERM to every rank (they checkpoint together and exit), or to the launcher while no rank runs (it
+        waits for its peers). Signalling torchrun itself would let it kill the ranks 30 s later, mid-checkpoint."""
+        ranks = self.ranks()
+        for p in ranks:
+            _signal(p, signal.SIGTERM)
+        if not ranks and self.proc.poll() is None:
+            _killpg(self.proc.pid, signal.SIGTERM)
+        return f"{len(ranks)} rank(s)" if ranks else "the launcher (no rank had started)"
+
+    def kill(self) -> None:
+        """SIGKILL to whatever of the job is still alive: every process seen below it and its process group."""
+        self.refresh()
+        if self.proc.poll() is None:
+            _killpg(self.proc.pid, signal.SIGKILL)
+        for p in self.known.values():
+            _signal(p, signal.SIGKILL)
+
+
+def _alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != "zombie"
+    except Exception:
+        return False
+
+
+def _signal(p, sig) -> None:
+    try:
+        p.send_signal(sig)  # psutil checks the pid still names the same process (no reuse)
+    except Exception:
+        pass
+
+
+def _killpg(pgid: int, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
+    """Linux: the launcher child gets SIGTERM when the kit's process dies, even by SIGKILL (prctl PR_SET_PDEATHSIG),
+    and torchrun then stops its ranks."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
+
+
+def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
+    """Ask the job to stop (SIGTERM to its ranks: they checkpoint and exit), then kill all of it after `grace_s`."""
+    job = _Job(proc)
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        job.request_stop()
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+    job.kill()
+    proc.wait()
     return proc.returncode
 
 
@@ -176,25 +300,29 @@ def launch(
     visible_devices: Optional[str] = None,
     echo: bool = False,
     ws: Any = None,
+    grace_s: float = STOP_GRACE_S,
 ) -> LaunchResult:
     """Validate, write the job config, start the job and stream it: a progress bar, the log tail, a clean stop.
 
-    Interrupting the cell (Ctrl-C / the stop button) sends SIGTERM to the job, which saves a checkpoint first.
+    Interrupting the cell (Ctrl-C / the stop button; SIGTERM on the command line) sends SIGTERM to the ranks, which
+    save a checkpoint and exit; what is still alive `grace_s` later is killed, and nothing the job started
+    outlives this call. Several nodes: this node's config and launcher log carry `.node<NODE_RANK>`.
     """
     from tqdm.auto import tqdm
 
     from kit.device import detect
     from kit.train.config import check_settings
-    from kit.train.logs import parse_line
     from kit.train.resolve import resolve
 
     check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
     cfg = job_config(check(resolve(cfg, ws), "training config"))
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
-    config_path = save_config(cfg, out, "launch_config.json")
-    cmd = launch_command(cfg, config_path, launcher)
-    log_path = cfg.log_dir() / f"{out.name}.launcher.log"
+    config_path = save_config(cfg, out, f"launch_config{node_suffix(cfg)}.json")
+    if launcher == "deepspeed":
+        hostfile_path(config_path).write_text(hostfile_text(cfg, visible_devices), encoding="utf-8")
+    cmd = launch_command(cfg, config_path, launcher, visible_devices)
+    log_path = cfg.log_dir() / f"{out.name}.launcher{node_suffix(cfg)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg, detect().kind, visible_devices)
     t0 = time.time()
@@ -202,7 +330,17 @@ def launch(
     tail = collections.deque(maxlen=tail_lines)
     bar = tqdm(total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress)
     with open(log_path, "a", encoding="utf-8") as log:
+
+        def note(text: str) -> None:
+            log.write(f"kit: {text}\n")
+            log.flush()
+            tail.append(f"kit: {text}")
+            if echo:
+                print(f"kit: {text}", flush=True)
+
         log.write(f"$ {' '.join(cmd)}\n")
+        if cfg.nnodes > 1 and cfg.master_addr in LOOPBACK:
+            note(f"MASTER_ADDR={cfg.master_addr}: all {cfg.nnodes} nodes run on this host (a rehearsal)")
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -212,31 +350,60 @@ def launch(
             cwd=str(repo_root()),
             start_new_session=True,
             bufsize=1,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
+        job, killer = _Job(proc), None
         try:
-            for line in proc.stdout:
-                log.write(line)
-                line = line.rstrip("\n")
-                tail.append(line)
-                if echo:
-                    print(line, flush=True)
-                if line.startswith(STATUS_PREFIX):
-                    result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
-                rec = parse_line(line)
-                if rec and "loss" in rec:
-                    result.iterations.append(rec["iteration"])
-                    result.losses.append(rec["loss"])
-                    bar.n = rec["iteration"]
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}")
-                    bar.refresh()
+            while True:
+                try:
+                    line = proc.stdout.readline()
+                except KeyboardInterrupt:
+                    if killer is not None:  # asked twice: stop now
+                        note("interrupted again; killing the job")
+                        job.kill()
+                        continue
+                    result.stopped = True
+                    who = job.request_stop()
+                    note(f"interrupted; sent SIGTERM to {who} so the job checkpoints and exits")
+                    killer = threading.Timer(grace_s, job.kill)
+                    killer.daemon = True
+                    killer.start()
+                    continue
+                if not line:
+                    break
+                job.refresh()
+                _consume(line, log, tail, echo, result, bar)
             proc.wait()
-        except KeyboardInterrupt:
-            result.stopped = True
-            log.write("kit: interrupted; sending SIGTERM so the job checkpoints and exits\n")
-            stop(proc)
         finally:
+            if killer is not None:
+                killer.cancel()
+            job.kill()  # no process of the job survives this call (a no-op when all have exited)
+            proc.wait()
             bar.close()
     result.returncode = proc.returncode
     result.tail = list(tail)
     result.seconds = time.time() - t0
     return result
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1") + tuple(f"127.0.0.{i}" for i in range(2, 9))
+
+
+def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> None:
+    """One line of the job's output: to the log, the tail, the status and the progress bar."""
+    from kit.train.logs import parse_line
+
+    log.write(line)
+    line = line.rstrip("\n")
+    tail.append(line)
+    if echo:
+        print(line, flush=True)
+    if line.startswith(STATUS_PREFIX):
+        result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
+    rec = parse_line(line)
+    if rec and "loss" in rec:
+        result.iterations.append(rec["iteration"])
+        result.losses.append(rec["loss"])
+        bar.n = rec["iteration"]
+        bar.set_postfix(loss=f"{rec['loss']:.4f}")
+        bar.refresh()
