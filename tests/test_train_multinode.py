@@ -130,6 +130,7 @@ def test_deepspeed_launcher_on_one_and_two_nodes_matches_one_process(job_inputs,
     losses = [r["loss"] for r in read_metrics(cfg.log_dir() / "pretrain.metrics.jsonl")]
     assert losses == pytest.approx(reference, rel=1e-4, abs=1e-5)
     suffix = ".node0" if nnodes > 1 else ""
+    assert "-m deepspeed.launcher.runner" in (cfg.log_dir() / f"pretrain.launcher{suffix}.log").read_text()
     hostfile = cfg.output_dir() / f"launch_config{suffix}.json.hostfile"
     assert hostfile.read_text() == "".join(f"node-{i} slots=1\n" for i in range(nnodes))
 

@@ -122,6 +122,24 @@ def hostfile_path(config_path: Path) -> Path:
     return Path(str(config_path) + ".hostfile")
 
 
+def _run_shape(cfg: TrainConfig) -> TrainConfig:
+    """Retrain: the saved run's NNODES and NPROC_PER_NODE where nothing set them (a run resumes on the world size
+    it was made with; the trainer refuses another)."""
+    from kit.train.config import load_config
+
+    saved_path = cfg.output_dir() / "config.json"
+    if cfg.run_type != "retrain" or not saved_path.is_file():
+        return cfg
+    saved = load_config(saved_path)
+    sources = dict(cfg.sources)
+    changes = {}
+    for name in ("nnodes", "nproc_per_node"):
+        if sources.get(name, "default").startswith("default"):
+            changes[name] = getattr(saved, name)
+            sources[name] = f"run {saved_path}"
+    return dataclasses.replace(cfg, sources=sources, **changes) if changes else cfg
+
+
 def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = None) -> dict:
     """The child's environment: kit importable, unbuffered output, the device's visible-cards variable, NPU env."""
     from kit.device import VISIBLE_DEVICES_ENV
@@ -226,7 +244,7 @@ class _Job:
                 argv = p.cmdline()
             except Exception:  # gone meanwhile
                 continue
-            if any(argv[i : i + 3] == ["kit", "train", "run"] for i in range(len(argv))):
+            if _runs_kit_train(argv):
                 out.append(p)
         return out
 
@@ -247,6 +265,12 @@ class _Job:
             _killpg(self.proc.pid, signal.SIGKILL)
         for p in self.known.values():
             _signal(p, signal.SIGKILL)
+
+
+def _runs_kit_train(argv: list) -> bool:
+    """A rank: Python running the module `kit train run` (torchrun's and DeepSpeed's own argv name it later)."""
+    first = argv.index("-m") if "-m" in argv else -1
+    return first > 0 and argv[first + 1 : first + 4] == ["kit", "train", "run"]
 
 
 def _alive(p) -> bool:
@@ -315,7 +339,7 @@ def launch(
     from kit.train.resolve import resolve
 
     check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
-    cfg = job_config(check(resolve(cfg, ws), "training config"))
+    cfg = job_config(_run_shape(check(resolve(cfg, ws), "training config")))
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
     config_path = save_config(cfg, out, f"launch_config{node_suffix(cfg)}.json")
