@@ -17,8 +17,9 @@ from kit.configs import save_config
 from kit.errors import EXIT_PREEMPTED
 from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
-from kit.train.launch import _runs_kit_train, launch, launch_command, launch_env
+from kit.train.launch import launch, launch_command, launch_env
 from kit.train.metrics import read_metrics
+from kit.train.procs import runs_kit_train
 from kit.workspace import repo_root
 
 
@@ -111,7 +112,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tm
     try:
         wait_for_metrics(metrics, 3, proc, chunks)
         tree = psutil.Process(proc.pid).children(recursive=True)  # torchrun and its ranks (own sessions)
-        ranks = [p for p in tree if _runs_kit_train(p.cmdline())]
+        ranks = [p for p in tree if runs_kit_train(p.cmdline())]
         assert len(ranks) == 2, [p.cmdline() for p in tree]
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=600)  # a ceiling only
@@ -228,7 +229,11 @@ def test_launch_command_and_environment_for_multi_node_npu(tmp_path, monkeypatch
         "--no-progress",
     ]
     ds = launch_command(cfg, tmp_path / "c.json", launcher="deepspeed")
-    assert ds[0] == "deepspeed" and "--num_gpus=8" in ds and "--module" in ds
+    assert (
+        ds[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+        and "--num_gpus=8" in ds
+        and "--module" in ds
+    )
     env = launch_env(cfg, "npu", visible_devices="0,1,2,3,4,5,6,7")
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and "RANK" not in env
     assert (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import Any, Optional
 from kit.configs import check, save_config
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
+from kit.train.procs import STOP_GRACE_S, Job, die_with_parent, stop  # noqa: F401  (stop: kit.train.launch.stop)
 from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
@@ -38,7 +38,6 @@ NPU_ENV = {
 }
 
 
-STOP_GRACE_S = 600.0  # how long a stopped job's ranks may take to checkpoint and exit before they are killed
 STATUS_PREFIX = (
     "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
 )
@@ -218,104 +217,6 @@ class LaunchResult:
         return self.status == "completed" and (self.returncode == 0 or self.stopped)
 
 
-class _Job:
-    """A launched job's processes: the launcher child (its own session) and every process below it, remembered as
-    they appear so that none outlives the kit's launcher (torchrun starts each rank in a session of its own)."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.known: dict = {}
-
-    def refresh(self) -> list:
-        import psutil
-
-        try:
-            for p in psutil.Process(self.proc.pid).children(recursive=True):
-                self.known.setdefault(p.pid, p)
-        except psutil.Error:
-            pass
-        return [p for p in self.known.values() if _alive(p)]
-
-    def ranks(self) -> list:
-        """The processes that run `kit train run` (the ranks), not the launchers between."""
-        out = []
-        for p in self.refresh():
-            try:
-                argv = p.cmdline()
-            except Exception:  # gone meanwhile
-                continue
-            if _runs_kit_train(argv):
-                out.append(p)
-        return out
-
-    def request_stop(self) -> str:
-        """SIGTERM to every rank (they checkpoint together and exit), or to the launcher while no rank runs (it
-        waits for its peers). Signalling torchrun itself would let it kill the ranks 30 s later, mid-checkpoint."""
-        ranks = self.ranks()
-        for p in ranks:
-            _signal(p, signal.SIGTERM)
-        if not ranks and self.proc.poll() is None:
-            _killpg(self.proc.pid, signal.SIGTERM)
-        return f"{len(ranks)} rank(s)" if ranks else "the launcher (no rank had started)"
-
-    def kill(self) -> None:
-        """SIGKILL to whatever of the job is still alive: every process seen below it and its process group."""
-        self.refresh()
-        if self.proc.poll() is None:
-            _killpg(self.proc.pid, signal.SIGKILL)
-        for p in self.known.values():
-            _signal(p, signal.SIGKILL)
-
-
-def _runs_kit_train(argv: list) -> bool:
-    """A rank: Python running the module `kit train run` (torchrun's and DeepSpeed's own argv name it later)."""
-    first = argv.index("-m") if "-m" in argv else -1
-    return first > 0 and argv[first + 1 : first + 4] == ["kit", "train", "run"]
-
-
-def _alive(p) -> bool:
-    try:
-        return p.is_running() and p.status() != "zombie"
-    except Exception:
-        return False
-
-
-def _signal(p, sig) -> None:
-    try:
-        p.send_signal(sig)  # psutil checks the pid still names the same process (no reuse)
-    except Exception:
-        pass
-
-
-def _killpg(pgid: int, sig) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
-    """Linux: the launcher child gets SIGTERM when the kit's process dies, even by SIGKILL (prctl PR_SET_PDEATHSIG),
-    and torchrun then stops its ranks."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
-
-
-def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
-    """Ask the job to stop (SIGTERM to its ranks: they checkpoint and exit), then kill all of it after `grace_s`."""
-    job = _Job(proc)
-    if proc.poll() is None:
-        job.request_stop()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    job.kill()
-    proc.wait()
-    return proc.returncode
-
-
 def launch(
     cfg: TrainConfig,
     launcher: str = "torchrun",
@@ -363,7 +264,7 @@ def launch(
                 print(f"kit: {text}", flush=True)
 
         log.write(f"$ {' '.join(cmd)}\n")
-        if cfg.nnodes > 1 and cfg.master_addr in LOOPBACK:
+        if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
             note(f"MASTER_ADDR={cfg.master_addr}: all {cfg.nnodes} nodes run on this host (a rehearsal)")
         proc = subprocess.Popen(
             cmd,
@@ -374,9 +275,9 @@ def launch(
             cwd=str(repo_root()),
             start_new_session=True,
             bufsize=1,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
-        job, killer = _Job(proc), None
+        job, killer = Job(proc), None
         try:
             while True:
                 try:
@@ -410,7 +311,16 @@ def launch(
     return result
 
 
-LOOPBACK = ("localhost", "127.0.0.1", "::1") + tuple(f"127.0.0.{i}" for i in range(2, 9))
+def is_loopback(addr: str) -> bool:
+    """True for localhost and any 127.x / ::1 address (every node of the job then runs on this host)."""
+    import ipaddress
+
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
 
 
 def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> None:
