@@ -75,6 +75,16 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     if args.what == "log":
         return _log(args)
+    if args.what == "launch":
+        import os
+        import sys
+
+        from kit.train.jobenv import launching_card
+
+        skip = launching_card(os.environ)  # Ascend preset images run the boot command once per card
+        if skip:
+            print(f"kit train launch: {skip}", file=sys.stderr, flush=True)
+            return 0
     cfg = _config(args)
     if args.what == "run":
         from kit.partial import sigterm_as_interrupt
@@ -89,17 +99,8 @@ def run(args: argparse.Namespace) -> int:
         # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
         return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(result.status, 3)
     if args.what == "launch":
-        import os
-        import sys
-
         from kit.partial import sigterm_as_interrupt
-        from kit.train.jobenv import launching_card
         from kit.train.launch import launch
-
-        skip = launching_card(os.environ)  # Ascend preset images run the boot command once per card
-        if skip:
-            print(f"kit train launch: {skip}", file=sys.stderr, flush=True)
-            return 0
 
         # SIGTERM to this launcher is passed on like Ctrl-C: the job (its own session) checkpoints and stops
         with sigterm_as_interrupt():
