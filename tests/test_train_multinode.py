@@ -17,7 +17,7 @@ from kit.manifest import read_manifest
 from kit.train import TrainConfig, train
 from kit.train.engine import free_port
 from kit.train.jobenv import launching_card, modelarts_env
-from kit.train.launch import hostfile_text, launch, launch_command
+from kit.train.launch import hostfile_text, job_config, launch, launch_command
 from kit.train.metrics import read_metrics
 from kit.train.resolve import ConfigConflictError, resolve
 from kit.workspace import repo_root
@@ -204,6 +204,11 @@ def test_resolve_takes_the_job_environment_and_refuses_contradictions(tmp_path):
         ConfigConflictError, match=r"MASTER_ADDR='10\.9\.9\.9' \(explicit\) but '127\.0\.0\.1'"
     ):
         resolve(TrainConfig(master_addr="10.9.9.9", **base), environ=job)
+    # a config the kit wrote (a run's config.json) records its one-node launch settings as defaults: the job decides
+    ran = TrainConfig(nnodes=1, node_rank=0, master_port=41234, sources={"nnodes": "default"}, **base)
+    ran.sources.update(node_rank="default", master_port="default")
+    job_run = resolve(ran, environ=job)
+    assert (job_run.nnodes, job_run.node_rank, job_config(job_run).master_port) == (2, 1, 6000)
     # MASTER_PORT and NPROC_PER_NODE are read from the environment like the other launch variables
     kit = resolve(TrainConfig(**base), environ={"MASTER_PORT": "29511", "NPROC_PER_NODE": "4"})
     assert (kit.master_port, kit.nproc_per_node) == (29511, 4)

@@ -51,7 +51,9 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
     """
     from kit.train.engine import free_port
 
-    port = cfg.master_port or (6000 if cfg.nnodes > 1 else free_port())
+    # a port an earlier launch picked is recorded as the default (a config the kit wrote): picked again now
+    given = cfg.master_port if not cfg.sources.get("master_port", "").startswith("default") else 0
+    port = given or (6000 if cfg.nnodes > 1 else free_port())
     return dataclasses.replace(cfg, master_port=port)
 
 
