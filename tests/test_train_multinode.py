@@ -12,6 +12,7 @@ import sys
 import pytest
 import test_train_helpers as H
 
+from kit.configs import save_config
 from kit.errors import InputError
 from kit.manifest import read_manifest
 from kit.train import TrainConfig, train
@@ -249,3 +250,17 @@ def test_launch_refuses_a_job_that_contradicts_its_environment(tmp_path, monkeyp
     monkeypatch.setenv("VC_TASK_INDEX", "0")
     with pytest.raises(ConfigConflictError, match=r"NNODES=4 \(explicit\)"):
         launch(TrainConfig(nnodes=4, work_dir=str(tmp_path)), progress=False)
+
+
+def test_a_retrain_on_another_world_size_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    made = TrainConfig(run_type="pretrain", work_dir=str(tmp_path), model_name="m")
+    save_config(made, made.output_dir())  # what a one-node run leaves (its config, a checkpoint folder)
+    (made.output_dir() / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    monkeypatch.setenv("MA_NUM_HOSTS", "2")
+    monkeypatch.setenv("VC_TASK_INDEX", "0")
+    retrain = TrainConfig(run_type="retrain", work_dir=str(tmp_path), model_name="m")
+    with pytest.raises(
+        ConfigConflictError, match=r"NNODES=2 \(environment MA_NUM_HOSTS .*the run was made with 1"
+    ):
+        launch(retrain, progress=False)
+    assert not list(made.output_dir().glob("launch_config*"))

@@ -131,6 +131,11 @@ def _run_shape(cfg: TrainConfig) -> TrainConfig:
     saved_path = cfg.output_dir() / "config.json"
     if cfg.run_type != "retrain" or not saved_path.is_file():
         return cfg
+    from kit.train.trainer import effective_config
+
+    effective_config(
+        cfg
+    )  # a setting that contradicts the saved run is refused here, before any process starts
     saved = load_config(saved_path)
     sources = dict(cfg.sources)
     changes = {}
