@@ -11,7 +11,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Optional
 from kit.configs import check, save_config
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
-from kit.train.procs import STOP_GRACE_S, Job, die_with_parent, stop  # noqa: F401  (stop: kit.train.launch.stop)
+from kit.train.procs import STOP_GRACE_S, Job, Stopper, die_with_parent, stop  # noqa: F401  (stop: re-exported)
 from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
@@ -236,8 +235,8 @@ def launch(
 ) -> LaunchResult:
     """Validate, write the job config, start the job and stream it: a progress bar, the log tail, a clean stop.
 
-    Interrupting the cell (Ctrl-C / the stop button; SIGTERM on the command line) sends SIGTERM to the ranks, which
-    save a checkpoint and exit; what is still alive `grace_s` later is killed, and nothing the job started
+    Interrupting the cell (Ctrl-C / the stop button; SIGTERM or SIGINT to this process) sends SIGTERM to the ranks,
+    which save a checkpoint and exit (kit.train.procs.Stopper); what is still alive `grace_s` later is killed, and nothing the job started
     outlives this call. Several nodes: this node's config and launcher log carry `.node<NODE_RANK>`.
     """
     from tqdm.auto import tqdm
@@ -284,31 +283,27 @@ def launch(
             bufsize=1,
             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
-        job, killer = Job(proc), None
+        job = Job(proc)
+        stopper = Stopper(job, grace_s)
         try:
-            while True:
-                try:
-                    line = proc.stdout.readline()
-                except KeyboardInterrupt:
-                    if killer is not None:  # asked twice: stop now
-                        note("interrupted again; killing the job")
-                        job.kill()
+            with stopper.installed():
+                while True:
+                    try:
+                        line = proc.stdout.readline()
+                    except KeyboardInterrupt:  # raised before the handler was in place
+                        stopper()
                         continue
-                    result.stopped = True
-                    who = job.request_stop()
-                    note(f"interrupted; sent SIGTERM to {who} so the job checkpoints and exits")
-                    killer = threading.Timer(grace_s, job.kill)
-                    killer.daemon = True
-                    killer.start()
-                    continue
-                if not line:
-                    break
-                job.refresh()
-                _consume(line, log, tail, echo, result, bar)
-            proc.wait()
+                    while stopper.notes:
+                        note(stopper.notes.pop(0))
+                    if not line:
+                        break
+                    job.refresh()
+                    _consume(line, log, tail, echo, result, bar)
+                proc.wait()
         finally:
-            if killer is not None:
-                killer.cancel()
+            while stopper.notes:
+                note(stopper.notes.pop(0))
+            result.stopped = stopper.stopping
             job.kill()  # no process of the job survives this call (a no-op when all have exited)
             proc.wait()
             bar.close()

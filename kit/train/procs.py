@@ -7,9 +7,12 @@ of a checkpoint. So the kit signals the ranks, waits for them (bounded), and the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
+from typing import Iterator, Optional
 
 STOP_GRACE_S = 600.0  # how long a stopped job's ranks may take to checkpoint and exit before they are killed
 
@@ -110,3 +113,49 @@ def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
     job.kill()
     proc.wait()
     return proc.returncode
+
+
+class Stopper:
+    """What SIGTERM/SIGINT to the kit's launcher do while a job runs: the first asks the ranks to stop (`request_stop`)
+    and kills the job `grace_s` later if it has not ended; a second kills it at once.
+
+    Installed as the signal handler itself (not an exception in the reading loop), so a signal that lands anywhere
+    in the launcher stops the job the same way. The handler only signals processes; what it has to say waits in
+    `notes` for the loop (writing to a file the interrupted code may be writing to is not safe in a handler).
+    """
+
+    def __init__(self, job: Job, grace_s: float):
+        self.job, self.grace_s = job, grace_s
+        self.killer: Optional[threading.Timer] = None
+        self.notes: list = []
+
+    @property
+    def stopping(self) -> bool:
+        return self.killer is not None
+
+    def __call__(self, signum=None, _frame=None) -> None:
+        name = signal.Signals(signum).name if signum else "interrupt"
+        if self.killer is not None:
+            self.notes.append(f"{name} again; killing the job")
+            self.job.kill()
+            return
+        who = self.job.request_stop()
+        self.notes.append(f"{name}: sent SIGTERM to {who} so the job checkpoints and exits")
+        self.killer = threading.Timer(self.grace_s, self.job.kill)
+        self.killer.daemon = True
+        self.killer.start()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within the block (main thread only: elsewhere no signal arrives), SIGTERM and SIGINT call this."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if self.killer is not None:
+                self.killer.cancel()
