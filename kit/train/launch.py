@@ -66,7 +66,7 @@ def hostfile_text(cfg: TrainConfig, visible_devices: Optional[str] = None) -> st
 
     With --no_ssh each node's launcher starts only its own ranks and reads the hostfile for the job's shape (host
     names are labels then). Without one it forces MASTER_ADDR to 127.0.0.1 and refuses NUM_NODES > 1 (DeepSpeed
-    0.18 `launcher/runner.py` main).
+    0.19 `launcher/runner.py` main).
     """
     ids = [int(v) for v in (visible_devices or "").split(",") if v.strip()]
     slots = max(ids) + 1 if ids else cfg.nproc_per_node
@@ -132,9 +132,8 @@ def _run_shape(cfg: TrainConfig) -> TrainConfig:
         return cfg
     from kit.train.trainer import effective_config
 
-    effective_config(
-        cfg
-    )  # a setting that contradicts the saved run is refused here, before any process starts
+    # a setting that contradicts the saved run is refused here, before any process starts
+    effective_config(cfg)
     saved = load_config(saved_path)
     sources = dict(cfg.sources)
     changes = {}

@@ -409,6 +409,8 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Run to TRAIN_ITERS (or to a stop signal / NaN); save checkpoints and, at the end, an HF folder."""
+        import os
+
         from kit.locks import hold
 
         # one run per folder: the job's rank 0 holds the lock (the other ranks and nodes of the job write into
