@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,10 +14,12 @@ import pytest
 import test_train_helpers as H
 
 from kit.configs import save_config
+from kit.errors import EXIT_PREEMPTED
 from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
-from kit.train.launch import launch, launch_command, launch_env, stop
+from kit.train.launch import launch, launch_command, launch_env
 from kit.train.metrics import read_metrics
+from kit.train.procs import runs_kit_train
 from kit.workspace import repo_root
 
 
@@ -78,51 +82,100 @@ def test_wait_for_metrics_returns_on_the_lines_and_fails_clearly(tmp_path):
         wait_for_metrics(tmp_path / "never.jsonl", 2, quitter, ["boom"])
 
 
-@pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_llama_dir):
-    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
-    # far more steps than the run can make before it is stopped, however fast the machine
-    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=100_000, master_port=0)
-    from kit.train.launch import job_config
+def _alive(procs: list) -> list:
+    return [p for p in procs if p.is_running() and p.status() != "zombie"]
 
-    cfg = job_config(cfg)
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tmp_path, tiny_llama_dir):
+    """What a ModelArts job's main process gets on preemption: SIGTERM to `kit train launch` (2 ranks). The ranks
+    hold at iteration 3 (KIT_PAUSE_AT_ITERATION) until the stop arrives, so the checkpoint's step is known."""
+    import psutil
+
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
+    # far more steps than the run would make; it stops at 3
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=1000, nproc_per_node=2, mbs=1)
     config_path = save_config(cfg, tmp_path, "job.json")
+    env = dict(os.environ, KIT_PAUSE_AT_ITERATION="3", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        launch_command(cfg, config_path),
-        env=launch_env(cfg, "cpu"),
+        [sys.executable, "-m", "kit", "train", "launch", "--config", str(config_path)],
+        env=env,
         cwd=str(repo_root()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
     )
     chunks: list = []  # drained by a thread so a chatty job can never block on a full pipe
     reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
     reader.start()
     metrics = cfg.log_dir() / "pretrain.metrics.jsonl"
     try:
-        wait_for_metrics(metrics, 2, proc, chunks)
+        wait_for_metrics(metrics, 3, proc, chunks)
+        tree = psutil.Process(proc.pid).children(recursive=True)  # torchrun and its ranks (own sessions)
+        ranks = [p for p in tree if runs_kit_train(p.cmdline())]
+        assert len(ranks) == 2, [p.cmdline() for p in tree]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=600)  # a ceiling only
     finally:
-        # SIGTERM to torchrun and its worker, like a ModelArts preemption; the grace period is a ceiling only
-        stop(proc, grace_s=600)
+        if proc.poll() is None:
+            proc.kill()
         reader.join(timeout=60)
     output = "".join(chunks)
-    last = read_metrics(metrics)[-1]["iteration"]
+    assert rc == EXIT_PREEMPTED, output
+    assert not _alive(tree), [p.cmdline() for p in _alive(tree)]  # nothing of the job survives the launcher
     ckpt_root = cfg.output_dir() / "checkpoints"
-    assert latest_iteration(ckpt_root) == last, output
-    state = json.loads((ckpt_root / f"iter_{last:07d}" / "trainer_state.json").read_text())
-    assert state["iteration"] == last and state["consumed_samples"] == last * cfg.gbs
-    # the worker saved, printed its status and returned EXIT_PREEMPTED; torchrun exits 1 (signalled too)
-    assert "stop requested (SIGTERM)" in output and "kit train: preempted" in output
-    assert 2 <= last < 100_000
-    # and the run continues from there
-    resumed = train(
-        TrainConfig(
-            run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"), train_iters=last + 2
-        ),
+    assert latest_iteration(ckpt_root) == 3, output
+    state = json.loads((ckpt_root / "iter_0000003" / "trainer_state.json").read_text())
+    assert state["iteration"] == 3 and state["consumed_samples"] == 3 * cfg.gbs
+    assert output.count("kit train: preempted at iteration 3") == 2  # both ranks stopped there
+    # and the job continues from there (the same 2 ranks)
+    resumed = launch(
+        TrainConfig(run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"), train_iters=5),
         progress=False,
     )
-    assert resumed.status == "completed" and resumed.iteration == last + 2 and len(resumed.losses) == 2
+    assert resumed.ok and resumed.status == "completed", "\n".join(resumed.tail)
+    assert resumed.iterations == [4, 5] and latest_iteration(ckpt_root) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_path, tiny_llama_dir, sig):
+    """Node 0 of a 2-node job whose node 1 never comes: Ctrl-C ends it and its torchrun; so does killing the launcher
+    (torchrun gets SIGTERM when its parent dies)."""
+    import psutil
+
+    from kit.train.engine import free_port
+
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", nnodes=2, master_addr="127.0.0.1")
+    config_path = save_config(cfg, tmp_path, "job.json")
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kit", "train", "launch", "--config", str(config_path)],
+        env=env,
+        cwd=str(repo_root()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log = cfg.log_dir() / "pretrain.launcher.node0.log"
+        deadline = time.monotonic() + 600  # a ceiling only: returns once torchrun has started
+        while not (log.is_file() and psutil.Process(proc.pid).children()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode not in (0, EXIT_PREEMPTED), out  # nothing was trained
+    if sig == signal.SIGINT:
+        assert "no rank had started" in out
+    else:  # nobody is left to wait for torchrun: poll (a ceiling only)
+        psutil.wait_procs(tree, timeout=120)
+    assert not _alive(tree), [p.cmdline() for p in _alive(tree)]
 
 
 def test_cli_run_reports_config_problems(tmp_path):
@@ -181,7 +234,11 @@ def test_launch_command_and_environment_for_multi_node_npu(tmp_path, monkeypatch
         "--no-progress",
     ]
     ds = launch_command(cfg, tmp_path / "c.json", launcher="deepspeed")
-    assert ds[0] == "deepspeed" and "--num_gpus=8" in ds and "--module" in ds
+    assert (
+        ds[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+        and "--num_gpus=8" in ds
+        and "--module" in ds
+    )
     env = launch_env(cfg, "npu", visible_devices="0,1,2,3,4,5,6,7")
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and "RANK" not in env
     assert (

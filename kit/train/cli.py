@@ -64,7 +64,10 @@ def _config(args: argparse.Namespace):
     from kit.configs import explicit_values, to_jsonable
     from kit.train.config import TrainConfig, from_dict, load_config
 
-    values = to_jsonable(load_config(args.config)) if args.config else {}
+    values = {}
+    if args.config:  # the keys the file holds (a file with only some lets the environment fill the rest)
+        saved = load_config(args.config)
+        values = {n: v for n, v in to_jsonable(saved).items() if n in saved.given or n == "sources"}
     values.update(explicit_values(args, TrainConfig))
     return from_dict(values, args.config or "command line")
 
@@ -72,6 +75,16 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     if args.what == "log":
         return _log(args)
+    if args.what == "launch":
+        import os
+        import sys
+
+        from kit.train.jobenv import launching_card
+
+        skip = launching_card(os.environ)  # Ascend preset images run the boot command once per card
+        if skip:
+            print(f"kit train launch: {skip}", file=sys.stderr, flush=True)
+            return 0
     cfg = _config(args)
     if args.what == "run":
         from kit.partial import sigterm_as_interrupt
@@ -98,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             from kit.errors import EXIT_PREEMPTED
 
             return EXIT_PREEMPTED
-        return res.returncode
+        return res.returncode if res.returncode >= 0 else 128 - res.returncode  # killed by a signal: 128+N
     from kit.train.megatron import build, execute
 
     plan = build(cfg, code_dir=args.code_dir, script=args.script)

@@ -38,7 +38,13 @@ MANUAL_ENV = {
     "NNODES": "nnodes",
     "NODE_RANK": "node_rank",
     "WORK_DIR": "work_dir",
+    # the launch variables of the manual's multi-node scripts ("Step2 启动训练脚本") and torchrun's own names
+    "MASTER_PORT": "master_port",
+    "NPROC_PER_NODE": "nproc_per_node",
 }
+# Written by the kit itself for a process that trained without a launcher (kit.train.engine.init_distributed): not
+# the user's settings, so they are not read as MASTER_ADDR / MASTER_PORT when that process launches a job.
+IN_PROCESS_MARKER = "KIT_IN_PROCESS_LOCAL_SIZE"
 # inherited from the prepared-data manifest (field -> manifest field) and the converted-checkpoint manifest
 FROM_DATA = {"seq_len": "max_length", "tokenizer_path": "tokenizer", "template": "template", "pack": "pack"}
 FROM_CHECKPOINT = {
@@ -231,9 +237,10 @@ class TrainConfig:
                 p.append(f"{name.upper()}={getattr(self, name)} must be >= 0.")
         if self.nnodes >= 1 and not 0 <= self.node_rank < self.nnodes:
             p.append(f"NODE_RANK={self.node_rank} must be in 0..NNODES-1 (NNODES={self.nnodes}).")
-        if self.nnodes > 1 and self.master_addr in ("", "localhost", "127.0.0.1"):
+        if self.nnodes > 1 and not self.master_addr:
+            # a loopback address is allowed: every node on this host, a rehearsal of the job (docs/train.md)
             p.append(
-                f"NNODES={self.nnodes} needs MASTER_ADDR set to node 0's IP address (got {self.master_addr!r})."
+                f"NNODES={self.nnodes} needs MASTER_ADDR set to node 0's address (got {self.master_addr!r})."
             )
         if tp >= 1 and pp >= 1 and self.world_size % (tp * pp):
             p.append(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from typing import Any, Optional
 
 from kit.configs import check, save_config
 from kit.train.config import TrainConfig
+from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
+from kit.train.procs import STOP_GRACE_S, Job, Stopper, die_with_parent, stop  # noqa: F401  (stop: re-exported)
 from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
@@ -49,12 +50,38 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
     """
     from kit.train.engine import free_port
 
-    port = cfg.master_port or (6000 if cfg.nnodes > 1 else free_port())
+    # a port an earlier launch picked is recorded as the default (a config the kit wrote): picked again now
+    given = cfg.master_port if not cfg.sources.get("master_port", "").startswith("default") else 0
+    port = given or (6000 if cfg.nnodes > 1 else free_port())
     return dataclasses.replace(cfg, master_port=port)
 
 
-def launch_command(cfg: TrainConfig, config_path: Path, launcher: str = "torchrun") -> list:
-    """argv that runs `python -m kit train run --config <file>` on NPROC_PER_NODE processes of this node."""
+def node_suffix(cfg: TrainConfig) -> str:
+    """What names this node's own files in a folder every node shares: "" on one node, ".node<NODE_RANK>" else."""
+    return f".node{cfg.node_rank}" if cfg.nnodes > 1 else ""
+
+
+def hostfile_text(cfg: TrainConfig, visible_devices: Optional[str] = None) -> str:
+    """The DeepSpeed launcher's hostfile for the job: one line per node, `node-<i> slots=<cards>`.
+
+    With --no_ssh each node's launcher starts only its own ranks and reads the hostfile for the job's shape (host
+    names are labels then). Without one it forces MASTER_ADDR to 127.0.0.1 and refuses NUM_NODES > 1 (DeepSpeed
+    0.19 `launcher/runner.py` main).
+    """
+    ids = [int(v) for v in (visible_devices or "").split(",") if v.strip()]
+    slots = max(ids) + 1 if ids else cfg.nproc_per_node
+    return "".join(f"node-{i} slots={slots}\n" for i in range(cfg.nnodes))
+
+
+def launch_command(
+    cfg: TrainConfig, config_path: Path, launcher: str = "torchrun", visible_devices: Optional[str] = None
+) -> list:
+    """argv that runs `python -m kit train run --config <file>` on NPROC_PER_NODE processes of this node.
+
+    DeepSpeed: this Python's own launcher (`-m deepspeed.launcher.runner`, whatever PATH says), --no_ssh with the
+    hostfile written beside the config (`<config>.hostfile`), --no_local_rank (ranks read LOCAL_RANK).
+    """
+    script = ["-m", "kit", "train", "run", "--config", str(config_path), "--no-progress"]
     if launcher == "torchrun":
         return [
             sys.executable,
@@ -65,33 +92,56 @@ def launch_command(cfg: TrainConfig, config_path: Path, launcher: str = "torchru
             f"--nproc_per_node={cfg.nproc_per_node}",
             f"--master_addr={cfg.master_addr}",
             f"--master_port={cfg.master_port}",
-            "-m",
-            "kit",
-            "train",
-            "run",
-            "--config",
-            str(config_path),
-            "--no-progress",
+            *script,
         ]
     if launcher == "deepspeed":
         # The DeepSpeed launcher passes ASCEND_RT_VISIBLE_DEVICES on NPU (accelerator.visible_devices_envs()).
+        ids = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
+        if ids:  # these cards on every node (--include cannot go with --num_nodes / --num_gpus)
+            shape = ["--include=" + "@".join(f"node-{i}:{','.join(ids)}" for i in range(cfg.nnodes))]
+        else:
+            shape = [f"--num_nodes={cfg.nnodes}", f"--num_gpus={cfg.nproc_per_node}"]
         return [
-            "deepspeed",
-            f"--num_nodes={cfg.nnodes}",
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            f"--hostfile={hostfile_path(config_path)}",
+            *shape,
             f"--node_rank={cfg.node_rank}",
-            f"--num_gpus={cfg.nproc_per_node}",
             f"--master_addr={cfg.master_addr}",
             f"--master_port={cfg.master_port}",
             "--no_ssh",
+            "--no_local_rank",
             "--module",
-            "kit",
-            "train",
-            "run",
-            "--config",
-            str(config_path),
-            "--no-progress",
+            *script[1:],
         ]
     raise ValueError(f"launcher {launcher!r} is not one of torchrun, deepspeed.")
+
+
+def hostfile_path(config_path: Path) -> Path:
+    return Path(str(config_path) + ".hostfile")
+
+
+def _run_shape(cfg: TrainConfig) -> TrainConfig:
+    """Retrain: the saved run's NNODES and NPROC_PER_NODE where nothing set them (a run resumes on the world size
+    it was made with; the trainer refuses another)."""
+    from kit.train.config import load_config
+
+    saved_path = cfg.output_dir() / "config.json"
+    if cfg.run_type != "retrain" or not saved_path.is_file():
+        return cfg
+    from kit.train.trainer import effective_config
+
+    # a setting that contradicts the saved run is refused here, before any process starts
+    effective_config(cfg)
+    saved = load_config(saved_path)
+    sources = dict(cfg.sources)
+    changes = {}
+    for name in ("nnodes", "nproc_per_node"):
+        if sources.get(name, "default").startswith("default"):
+            changes[name] = getattr(saved, name)
+            sources[name] = f"run {saved_path}"
+    return dataclasses.replace(cfg, sources=sources, **changes) if changes else cfg
 
 
 def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = None) -> dict:
@@ -101,8 +151,25 @@ def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = Non
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    from kit.train.config import IN_PROCESS_MARKER
+
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        IN_PROCESS_MARKER,
+    ):
         env.pop(key, None)  # a notebook that trained in-process has set these for a world of one
+    for key in ("ASCEND_DEVICE_ID", "RANK_ID", "RANK_SIZE"):
+        env.pop(
+            key, None
+        )  # a per-card boot's (kit.train.jobenv.launching_card): the ranks bind by LOCAL_RANK
+    # torchrun gives its ranks this long to exit after it is signalled itself (default 30 s): a checkpoint of a
+    # big model takes longer (torch 2.13's launcher/api.py reads it; older ones keep 30 s)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(STOP_GRACE_S)))
     var = VISIBLE_DEVICES_ENV.get(kind)
     if var and visible_devices is not None:
         env[var] = visible_devices
@@ -155,18 +222,6 @@ class LaunchResult:
         return self.status == "completed" and (self.returncode == 0 or self.stopped)
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> int:
-    """Ask the job to stop (SIGTERM to its process group: ranks checkpoint and exit), then kill after `grace_s`."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
-
-
 def launch(
     cfg: TrainConfig,
     launcher: str = "torchrun",
@@ -175,25 +230,29 @@ def launch(
     visible_devices: Optional[str] = None,
     echo: bool = False,
     ws: Any = None,
+    grace_s: float = STOP_GRACE_S,
 ) -> LaunchResult:
     """Validate, write the job config, start the job and stream it: a progress bar, the log tail, a clean stop.
 
-    Interrupting the cell (Ctrl-C / the stop button) sends SIGTERM to the job, which saves a checkpoint first.
+    Interrupting the cell (Ctrl-C / the stop button; SIGTERM or SIGINT to this process) sends SIGTERM to the ranks,
+    which save a checkpoint and exit (kit.train.procs.Stopper); what is still alive `grace_s` later is killed, and nothing the job started
+    outlives this call. Several nodes: this node's config and launcher log carry `.node<NODE_RANK>`.
     """
     from tqdm.auto import tqdm
 
     from kit.device import detect
     from kit.train.config import check_settings
-    from kit.train.logs import parse_line
     from kit.train.resolve import resolve
 
     check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
-    cfg = job_config(check(resolve(cfg, ws), "training config"))
+    cfg = job_config(_run_shape(check(resolve(cfg, ws), "training config")))
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
-    config_path = save_config(cfg, out, "launch_config.json")
-    cmd = launch_command(cfg, config_path, launcher)
-    log_path = cfg.log_dir() / f"{out.name}.launcher.log"
+    config_path = save_config(cfg, out, f"launch_config{node_suffix(cfg)}.json")
+    if launcher == "deepspeed":
+        hostfile_path(config_path).write_text(hostfile_text(cfg, visible_devices), encoding="utf-8")
+    cmd = launch_command(cfg, config_path, launcher, visible_devices)
+    log_path = cfg.log_dir() / f"{out.name}.launcher{node_suffix(cfg)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg, detect().kind, visible_devices)
     t0 = time.time()
@@ -201,7 +260,17 @@ def launch(
     tail = collections.deque(maxlen=tail_lines)
     bar = tqdm(total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress)
     with open(log_path, "a", encoding="utf-8") as log:
+
+        def note(text: str) -> None:
+            log.write(f"kit: {text}\n")
+            log.flush()
+            tail.append(f"kit: {text}")
+            if echo:
+                print(f"kit: {text}", flush=True)
+
         log.write(f"$ {' '.join(cmd)}\n")
+        if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
+            note(f"MASTER_ADDR={cfg.master_addr}: all {cfg.nnodes} nodes run on this host (a rehearsal)")
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -211,31 +280,65 @@ def launch(
             cwd=str(repo_root()),
             start_new_session=True,
             bufsize=1,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
+        job = Job(proc)
+        stopper = Stopper(job, grace_s)
         try:
-            for line in proc.stdout:
-                log.write(line)
-                line = line.rstrip("\n")
-                tail.append(line)
-                if echo:
-                    print(line, flush=True)
-                if line.startswith(STATUS_PREFIX):
-                    result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
-                rec = parse_line(line)
-                if rec and "loss" in rec:
-                    result.iterations.append(rec["iteration"])
-                    result.losses.append(rec["loss"])
-                    bar.n = rec["iteration"]
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}")
-                    bar.refresh()
-            proc.wait()
-        except KeyboardInterrupt:
-            result.stopped = True
-            log.write("kit: interrupted; sending SIGTERM so the job checkpoints and exits\n")
-            stop(proc)
+            with stopper.installed():
+                while True:
+                    try:
+                        line = proc.stdout.readline()
+                    except KeyboardInterrupt:  # raised before the handler was in place
+                        stopper()
+                        continue
+                    while stopper.notes:
+                        note(stopper.notes.pop(0))
+                    if not line:
+                        break
+                    job.refresh()
+                    _consume(line, log, tail, echo, result, bar)
+                proc.wait()
         finally:
+            while stopper.notes:
+                note(stopper.notes.pop(0))
+            result.stopped = stopper.stopping
+            job.kill()  # no process of the job survives this call (a no-op when all have exited)
+            proc.wait()
             bar.close()
     result.returncode = proc.returncode
     result.tail = list(tail)
     result.seconds = time.time() - t0
     return result
+
+
+def is_loopback(addr: str) -> bool:
+    """True for localhost and any 127.x / ::1 address (every node of the job then runs on this host)."""
+    import ipaddress
+
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> None:
+    """One line of the job's output: to the log, the tail, the status and the progress bar."""
+    from kit.train.logs import parse_line
+
+    log.write(line)
+    line = line.rstrip("\n")
+    tail.append(line)
+    if echo:
+        print(line, flush=True)
+    if line.startswith(STATUS_PREFIX):
+        result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
+    rec = parse_line(line)
+    if rec and "loss" in rec:
+        result.iterations.append(rec["iteration"])
+        result.losses.append(rec["loss"])
+        bar.n = rec["iteration"]
+        bar.set_postfix(loss=f"{rec['loss']:.4f}")
+        bar.refresh()

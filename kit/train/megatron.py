@@ -146,7 +146,12 @@ def build(
     problems += data_problems(facts_data, data_where)
     prefix = facts_data.get("megatron_prefix") or ""
     if script:
-        env = {name: str(getattr(cfg, attr)) for name, attr in MANUAL_ENV.items()}
+        # the manual's table; the scripts choose their own port and cards per node
+        env = {
+            name: str(getattr(cfg, attr))
+            for name, attr in MANUAL_ENV.items()
+            if name not in ("MASTER_PORT", "NPROC_PER_NODE")
+        }
         env.update(WORK_DIR=str(ws.root), DATASET_PATH=prefix, TOKENIZER_PATH=str(cfg.tokenizer_path or ""))
         if not env["TOKENIZER_PATH"]:
             problems.append(

@@ -1,8 +1,9 @@
 """Resolve a TrainConfig: every unset value from the environment, the inputs' manifests or the default, with the
 source of each value recorded, and every contradiction between what was set and what the inputs are an error.
 
-Precedence: explicit (given to the config) > environment (the manual's variables, kit.train.config.MANUAL_ENV) >
-manifest (notebook 02's prepared-data, notebook 03's converted-checkpoint) > default.
+Precedence: explicit (given to the config) > environment (the manual's variables, kit.train.config.MANUAL_ENV, and
+a ModelArts training job's, kit.train.jobenv) > manifest (notebook 02's prepared-data, notebook 03's
+converted-checkpoint) > default. A job's value that differs from an explicit one or a kit variable is an error.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kit.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_man
 from kit.train.config import (
     FROM_CHECKPOINT,
     FROM_DATA,
+    IN_PROCESS_MARKER,
     INHERITED_DEFAULTS,
     MANUAL_ENV,
     TrainConfig,
@@ -38,11 +40,50 @@ def _environment(environ: Mapping[str, str]) -> Dict[str, tuple]:
         raw = environ.get(key)
         if raw is None or str(raw) == "":
             continue
+        if key in ("MASTER_ADDR", "MASTER_PORT") and environ.get(IN_PROCESS_MARKER):
+            continue  # the kit's own world of one in this process (a notebook that trained), not a setting
         try:
             out[name] = (coerce(name, str(raw)), f"environment {key}")
         except ValueError as exc:
             raise InputError(f"environment variable {key}={raw!r} is not valid: {exc}") from None
     return out
+
+
+def _same_host(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    from kit.train.jobenv import resolve_host
+
+    try:
+        return resolve_host(str(a), timeout_s=0) == resolve_host(str(b), timeout_s=0)
+    except InputError:
+        return False
+
+
+def _job_environment(cfg: TrainConfig, env: Dict[str, tuple], environ: Mapping[str, str]) -> None:
+    """Add a ModelArts job's launch settings to `env` (kit.train.jobenv.modelarts_env); one that differs from an
+    explicit value or a kit variable (NNODES, ...) is a ConfigConflictError naming both."""
+    from kit.train.jobenv import modelarts_env
+
+    job = modelarts_env(environ)
+    clashes = []
+    for name, (value, src) in job.items():
+        if name in cfg.given and not cfg.sources.get(name, "").startswith(DEFAULT):
+            theirs, where = getattr(cfg, name), cfg.sources.get(name, EXPLICIT)
+        elif name in env:
+            theirs, where = env[name]
+        else:
+            env[name] = (value, src)
+            continue
+        same = _same_host(theirs, value) if name == "master_addr" else theirs == value
+        if not same:
+            clashes.append(f"{name.upper()}={theirs!r} ({where}) but {value!r} ({src})")
+    if clashes:
+        raise ConfigConflictError(
+            "the launch settings contradict the ModelArts training job: "
+            + "; ".join(clashes)
+            + ". Leave them unset in a job (the job's variables decide), or fix the job's node/card count."
+        )
 
 
 def _converted(model_path: Optional[str]) -> Optional[Manifest]:
@@ -76,6 +117,7 @@ def resolve(
     """The config with every value decided and `sources` naming where each came from (see the module doc)."""
     environ = os.environ if environ is None else environ
     env = _environment(environ)
+    _job_environment(cfg, env, environ)
     values: Dict[str, Any] = {}
     sources: Dict[str, str] = {}
     for f in dataclasses.fields(TrainConfig):
