@@ -56,6 +56,7 @@ STAGE_CONFIGS = [
     "kit.serve.config:BenchConfig",
     "kit.serve.config:PackageConfig",
     "kit.job.config:JobConfig",
+    "kit.megatron.preflight:PreflightConfig",
 ]
 
 
