@@ -221,6 +221,26 @@ def test_a_model_the_engine_cannot_load_is_one_line(tmp_path, workspace):
     assert "\n" not in msg and "exited with code" in msg and f"could not load {bad.resolve()}" in msg
 
 
+def test_a_model_with_a_nan_weight_is_refused_before_the_engine_starts(tmp_path, workspace, tiny_llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kit.serve import ServeConfig, serve
+    from kit.weights_check import NonFiniteWeights
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny_llama_dir, bad)
+    weights = sorted(bad.glob("*.safetensors"))[-1]  # sharded: damage the last shard
+    state = load_file(str(weights))
+    name = sorted(state)[0]
+    state[name].view(-1)[3] = float("nan")
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeights, match=name):
+        serve(ServeConfig(model_path=str(bad), startup_timeout=300), workspace)
+    assert not list((workspace.model_output / "serving" / "logs").glob("*.log"))  # no engine was started
+
+
 def test_the_engine_dies_with_the_process_that_started_it(tiny_llama_dir, tmp_path):
     script = (
         "import sys, time\n"

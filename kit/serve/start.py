@@ -12,6 +12,7 @@ from kit.serve.config import ServeConfig
 from kit.serve.engines import build_command, choose_engine, require_engine
 from kit.serve.model import ServedModel, resolve_model
 from kit.serve.server import Server, check_port, free_port
+from kit.weights_check import check_hf_weights
 
 
 def serving_dir(ws) -> Path:
@@ -34,6 +35,8 @@ def serve(cfg: ServeConfig, ws, model: Optional[ServedModel] = None) -> Server:
     engine = choose_engine(cfg.engine, kind)
     python = require_engine(engine, cfg.engine_python, kind)
     served = model or resolve_model(cfg, ws)
+    # a model with NaN/inf weights answers with garbage, never an error: refuse it before the engine starts
+    check_hf_weights(served.path)
     port = cfg.port or free_port(cfg.host)
     check_port(cfg.host, port)
     adapter = served.adapter if cfg.adapter else None
