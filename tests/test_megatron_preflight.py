@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.convert import families as fam_models
 from fixtures.convert import models as convert_models
 
 pytest.importorskip(
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.slow
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir
 tiny_llama4_dir = convert_models.tiny_llama4_dir
+tiny_qwen3_dir = fam_models.tiny_qwen3_dir
+tiny_llama31_dir = fam_models.tiny_llama31_dir
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +126,46 @@ def test_chatglm3_at_tp2_with_dp2(ws, tiny_glm_dir, tmp_path):
     assert res.passed, res.failures()
     shards, numel = res.facts["optimizer_shard_numel"], res.facts["model_numel"]
     assert len(shards) == 4 and all(0 < s < m for s, m in zip(shards, numel))
+
+
+def test_qwen3_tied_at_tp2_pp2_passes_every_check(ws, tiny_qwen3_dir, tmp_path):
+    """Qwen3: per-head q/k norms split over TP (their grads summed across it), head_dim 32 != hidden / heads as the
+    kv channels, and the tied embedding meeting across the two stages."""
+    ckpt = _convert(tiny_qwen3_dir, tmp_path / "c", 2, 2)
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"], micro_batches=2)
+    assert res.passed, res.failures()
+    checks = _by_name(res.checks)
+    assert len(checks) == 6 and all(c["passed"] for c in checks.values())
+    assert checks["loss vs HF"]["value"] <= 1e-5 and checks["grad norm vs HF"]["value"] <= 1e-5
+    assert (res.facts["tp"], res.facts["pp"]) == (2, 2)
+    assert res.facts["losses"][1] < res.facts["losses"][0]
+
+
+def test_llama31_rope_scaling_at_tp2_passes_every_check(ws, tiny_llama31_dir, tmp_path):
+    """Llama-3.1's llama3 rope scaling (factor 8, every frequency band populated) built into GPTModel at TP2. On
+    these 32-token rows a GPTModel without the scaling still meets the HF loss, but its grad norm (1e-4 off) and
+    its parameters after the steps (3e-3 off) fail their checks."""
+    ckpt = _convert(tiny_llama31_dir, tmp_path / "c", 2, 1)
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert res.passed, res.failures()
+    checks = _by_name(res.checks)
+    assert len(checks) == 6 and all(c["passed"] for c in checks.values())
+    assert checks["loss vs HF"]["value"] <= 1e-5 and checks["grad norm vs HF"]["value"] <= 1e-5
+    assert res.facts["tp"] == 2
+
+
+def test_llama31_rope_scaling_megatron_core_cannot_build_is_refused(ws, tmp_path):
+    """megatron-core 0.16 fixes the low / high frequency factors and the original positions: others refuse."""
+    rope = dict(fam_models.LLAMA31_ROPE, low_freq_factor=2.0, original_max_position_embeddings=4096)
+    src = fam_models.tiny_hf(tmp_path / "hf", "llama", 14, rope_scaling=rope, max_position_embeddings=131072)
+    ckpt = _convert(src, tmp_path / "c", 1, 1)
+    proc = _cli(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "low_freq_factor 2.0" in lines[0] and "original_max_position_embeddings 4096" in lines[0]
+    assert "high_freq_factor" not in lines[0]
+    assert not (tmp_path / "pf").exists()
 
 
 def test_baichuan2_with_alibi_is_refused_in_one_line(ws, tiny_baichuan_dir, tmp_path):

@@ -88,19 +88,7 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
         raise InputError(
             f"{reader.folder} has no kit_convert.json spec: convert it with notebook 03 (python -m kit convert)."
         )
-    unsupported = [
-        n
-        for n, on in (
-            ("Qwen3 q/k norm", getattr(spec, "qk_norm", False)),
-            ("Llama-3.1 rope scaling", getattr(spec, "rope_scaling", "")),
-        )
-        if on
-    ]
-    if unsupported:
-        raise InputError(
-            f"{reader.folder} uses {' and '.join(unsupported)}; the preflight does not build that into megatron-core's "
-            f"GPTModel yet (Llama-2 / Mistral / Qwen2 / ChatGLM3 / Baichuan2-7B shapes are covered)."
-        )
+    _refuse_rope_scaling(spec, reader.folder)
     if spec.position != "rope":
         raise InputError(
             f"{reader.folder} is a {spec.family} model with {spec.position} positions; megatron-core has no "
@@ -163,3 +151,28 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
         "out": str(out),
         "spec": meta["spec"],
     }
+
+
+# what megatron-core 0.16's RotaryEmbedding._apply_scaling fixes (it takes only the factor)
+MCORE_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _refuse_rope_scaling(spec, folder) -> None:
+    """One line when the checkpoint's rope scaling is not the one megatron-core's GPTModel can build."""
+    kind = getattr(spec, "rope_scaling", "")
+    if not kind:
+        return
+    if kind != "llama3":
+        raise InputError(
+            f"{folder} uses {kind!r} rope scaling; megatron-core's GPTModel builds only Llama-3.x's llama3 scaling."
+        )
+    differ = [
+        f"{name} {getattr(spec, name)} (megatron-core fixes {want})"
+        for name, want in MCORE_LLAMA3.items()
+        if float(getattr(spec, name)) != float(want)
+    ]
+    if differ:
+        raise InputError(
+            f"{folder} uses llama3 rope scaling with {', '.join(differ)}; megatron-core 0.16's GPTModel takes only "
+            f"the factor, so it would train other positions than the checkpoint's."
+        )

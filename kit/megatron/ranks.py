@@ -51,6 +51,8 @@ def build_model(args, job: dict):
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         rotary_interleaved=args.rotary_interleaved,
+        # Qwen3's per-head q/k RMSNorm; with it finalize_model_grads sums those grads over TP (each rank has some heads)
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         tensor_model_parallel_size=job["tp"],
         pipeline_model_parallel_size=pp,
         pipeline_model_parallel_layout=layout,
@@ -73,7 +75,9 @@ def build_model(args, job: dict):
     )
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -82,6 +86,10 @@ def build_model(args, job: dict):
         position_embedding_type="rope",
         rotary_percent=args.rotary_percent,
         rotary_base=int(args.rotary_base),
+        # Llama-3.1's llama3 scaling: megatron-core 0.16 takes the factor only (low / high freq factors 1 / 4 and
+        # original max positions 8192 fixed in RotaryEmbedding._apply_scaling; kit.megatron.inputs refuses others)
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(getattr(args, "rotary_scaling_factor", 8.0) or 8.0),
     )
     return model, cfg
 
