@@ -207,26 +207,36 @@ def read_listing(store: Store, prefix: str) -> Optional[dict]:
 def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path) -> list:
     """Fetch the listed files into `dest` (kept where size and CRC already match); return those OBS lacks.
 
-    Every file is verified against its listed CRC-32 after the download; a mismatch is an IntegrityError."""
-    from kit.errors import IntegrityError
+    Every file is verified against its listed CRC-32 after the download (in a thread, while the next file
+    downloads: zlib releases the GIL); a mismatch removes the file and is an IntegrityError."""
+    from concurrent.futures import ThreadPoolExecutor
 
     dest = Path(dest)
     present = store.list(prefix + "/")
-    missing = []
-    for rel, want in sorted(files.items()):
-        path = dest / rel
-        if path.is_file() and path.stat().st_size == want["bytes"] and hash_file(path) == want:
-            continue  # already here (an earlier, interrupted download got this far)
-        if f"{prefix}/{rel}" not in present:
-            missing.append(rel)
-            continue
-        store.get_file(f"{prefix}/{rel}", path)
-        if hash_file(path) != want:
-            path.unlink()
-            raise IntegrityError(
-                f"obs://{store.bucket}/{prefix}/{rel} does not match its size/CRC-32 in {LISTING}; upload it again."
-            )
+    missing, checks = [], []
+    with ThreadPoolExecutor(max_workers=1) as verifier:
+        for rel, want in sorted(files.items()):
+            path = dest / rel
+            if path.is_file() and path.stat().st_size == want["bytes"] and hash_file(path) == want:
+                continue  # already here (an earlier, interrupted download got this far)
+            if f"{prefix}/{rel}" not in present:
+                missing.append(rel)
+                continue
+            store.get_file(f"{prefix}/{rel}", path)
+            checks.append(verifier.submit(_verify, store, f"{prefix}/{rel}", path, want))
+        for done in checks:
+            done.result()
     return missing
+
+
+def _verify(store: Store, key: str, path: Path, want: dict) -> None:
+    from kit.errors import IntegrityError
+
+    if hash_file(path) != want:
+        path.unlink()
+        raise IntegrityError(
+            f"obs://{store.bucket}/{key} does not match its size/CRC-32 in {LISTING}; upload it again."
+        )
 
 
 def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:

@@ -78,7 +78,10 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
         "-volume.max=16",
     ]
     log = open(data_dir / "weed.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # niced: it stands in for a remote service, so it should not take CPU from the training it serves
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(10)
+    )
     env = {
         "OBS_ENDPOINT": f"http://127.0.0.1:{s3}",
         "OBS_SIGNATURE": "v4",

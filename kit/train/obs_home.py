@@ -175,6 +175,23 @@ def missing_line(missing: List[str], folder: Path) -> str:
     )
 
 
+def _sealed(folder: Path) -> dict:
+    """{relative name: {"bytes", "crc32"}} from the checkpoint's checksums.json ({} when it has none)."""
+    try:
+        return json.loads((Path(folder) / checkpoint.CHECKSUMS).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _lower_priority() -> None:
+    """Give this (uploading) thread, and the SDK's part threads it starts, a lower CPU priority than the training:
+    on Linux the nice value is per thread and inherited by the threads it creates."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: uploads still run, at the training's priority
+
+
 class CheckpointUploads:
     """The trainer's OBS hook: after_save() queues a saved checkpoint for upload, finish() waits for the queue."""
 
@@ -199,6 +216,7 @@ class CheckpointUploads:
             self.queue.put((folder, iteration))
 
     def _work(self) -> None:
+        _lower_priority()
         while True:
             item = self.queue.get()
             if item is None:
@@ -222,8 +240,9 @@ class CheckpointUploads:
             self.store.put_file(f"{self.prefix}/config.json", self.out / "config.json")
             self.store.put_bytes(f"{self.prefix}/{INPUTS}", json.dumps(self.inputs, indent=1).encode())
         files = {}
+        sealed = _sealed(folder)  # the CRCs checkpoint.save computed: no second read of the files
         for rel in obs.local_files(folder):
-            files[rel] = obs.hash_file(folder / rel)
+            files[rel] = sealed.get(rel) or obs.hash_file(folder / rel)
             self.store.put_file(f"{key}/{rel}", folder / rel)
         record = json.dumps({"node": self.node, "files": files}, indent=1).encode()
         self.store.put_bytes(f"{key}/{NODE_RECORD.format(node=self.node)}", record)
