@@ -24,6 +24,7 @@ STAGES = {
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
     "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
     "evaluate": ("kit.evaluate.cli", "base vs trained: held-out loss, multiple choice, answers, speed"),
+    "obs": ("kit.obs", "copy a stage's folder to or from OBS (OBS_HOME runs: docs/obs.md)"),
     "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
 }
 

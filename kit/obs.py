@@ -264,3 +264,23 @@ def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:
 
         raise IntegrityError(f"{dest}: its kit manifest is not the one uploaded to {url} (sha256 differs).")
     return Path(dest)
+
+
+def register(sub) -> None:
+    """`python -m kit obs push FOLDER obs://...` / `pull obs://... FOLDER` (credentials from the environment)."""
+    p = sub.add_parser(
+        "obs", help="copy a stage's folder to or from OBS (complete only with its listing, verified)"
+    )
+    ops = p.add_subparsers(dest="op", required=True)
+    push = ops.add_parser("push", help="upload FOLDER to URL, its listing last")
+    push.add_argument("folder")
+    push.add_argument("url")
+    push.set_defaults(
+        func=lambda a: print(f"uploaded {len(upload_folder(Path(a.folder), a.url))} files to {a.url}")
+    )
+    pull = ops.add_parser("pull", help="download URL into FOLDER, resumably, verified")
+    pull.add_argument("url")
+    pull.add_argument("folder")
+    pull.set_defaults(
+        func=lambda a: print(f"downloaded {a.url} into {download_folder(a.url, Path(a.folder))}")
+    )

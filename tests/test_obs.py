@@ -203,3 +203,18 @@ def test_a_killed_run_resumes_elsewhere_from_the_newest_checkpoint_complete_in_o
         for path in (tmp_path / node).rglob("*"):
             if path.is_file():
                 assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_the_command_line_pushes_and_pulls_a_folder(env, tmp_path, capsys):
+    from kit.__main__ import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    url = _url("cli", secrets.token_hex(4))
+    assert main(["obs", "push", str(src), url]) == 0
+    assert main(["obs", "pull", url, str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "a.txt").read_text() == "a"
+    assert main(["obs", "pull", _url("cli", "nothing-here"), str(tmp_path / "none")]) == 2
+    out = capsys.readouterr()
+    assert "error: " in out.err and obs.LISTING in out.err and SECRET not in out.out + out.err
