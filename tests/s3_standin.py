@@ -60,6 +60,7 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
     master, volume, filer, s3 = _ports(4)
     cmd = [
         weed_binary(),
+        "-logtostderr",  # into weed.log here, not /tmp/weed.*
         "server",
         f"-dir={data_dir / 'data'}",
         "-ip=127.0.0.1",
@@ -80,7 +81,12 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
     log = open(data_dir / "weed.log", "wb")
     # niced: it stands in for a remote service, so it should not take CPU from the training it serves
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(10)
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: os.nice(10),
+        env={**os.environ, "TMPDIR": str(data_dir)},  # its unix sockets go here, not into /tmp
     )
     env = {
         "OBS_ENDPOINT": f"http://127.0.0.1:{s3}",
@@ -100,6 +106,12 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
         log.close()
+        # weed leaves its gRPC unix sockets in /tmp whatever TMPDIR says: remove those of this server's ports
+        for port in (master, volume, filer, s3):
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port + 10000}.sock"):
+                sock.unlink(missing_ok=True)
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 def _wait_ready(proc, env: dict, timeout_s: float, log: Path) -> None:
