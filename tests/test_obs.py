@@ -218,3 +218,82 @@ def test_the_command_line_pushes_and_pulls_a_folder(env, tmp_path, capsys):
     assert main(["obs", "pull", _url("cli", "nothing-here"), str(tmp_path / "none")]) == 2
     out = capsys.readouterr()
     assert "error: " in out.err and obs.LISTING in out.err and SECRET not in out.out + out.err
+
+
+# ---- two nodes (two torchrun agents on loopback, one process each, gloo), separate work dirs, OBS shared only ----
+_NODE = """
+import json, os, signal, sys, time
+from kit.obs import Store
+from kit.train import TrainConfig, train
+values, kill_at, marker = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def die(iteration):
+    if iteration == kill_at:
+        store, deadline = Store({bucket!r}), time.monotonic() + 120
+        while store.get_bytes(marker) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+train(TrainConfig(**values), step_callbacks=[die], progress=False)
+"""
+
+
+def _job(tmp_path, tag, values, kill_at=0, marker=""):
+    """Two torchrun agents (nodes 0 and 1, work dirs <tag>0 and <tag>1); node 1 SIGKILLs itself at `kill_at`."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "node.py"
+    script.write_text(_NODE.format(bucket=s3_standin.BUCKET))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    procs = []
+    for node in (0, 1):
+        mine = {**values, "nnodes": 2, "node_rank": node, "master_addr": "127.0.0.2", "master_port": port}
+        mine["work_dir"] = str(tmp_path / f"{tag}{node}")
+        cmd = [torchrun, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1"]
+        cmd += ["--master_addr", "127.0.0.2", "--master_port", str(port), str(script), json.dumps(mine)]
+        cmd += [str(kill_at if node == 1 else 0), marker]
+        log = open(tmp_path / f"{tag}{node}.log", "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=300))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            codes.append(p.wait())
+    return codes
+
+
+def _losses(work_dir):
+    (jsonl,) = Path(work_dir).rglob("*.metrics.jsonl")
+    return [json.loads(line)["loss"] for line in jsonl.read_text().splitlines()]
+
+
+def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
+    env, tmp_path, tiny_llama_dir, pretrain_data
+):
+    from kit.train import train
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("two-nodes", secrets.token_hex(4))
+    reference = train(
+        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=6), progress=False
+    )
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "unused", train_iters=6, save_interval=2)
+    values = {**{n: getattr(cfg, n) for n in cfg.given}, "obs_home": home}
+    codes = _job(tmp_path, "a", values, kill_at=5, marker=_ckpt_key(home, 4, COMPLETE))
+    assert codes[1] != 0 and codes[0] != 0, (tmp_path / "a1.log").read_text()[
+        -3000:
+    ]  # the job failed, bounded
+    store, _ = obs.store_for(home)
+    record = json.loads(store.get_bytes(_ckpt_key(home, 2, ".kit-node-1.json")))
+    assert sorted(record["files"]) == ["rng_state_rank1.pt"]  # node 1 uploaded its own rank's file
+    store.delete(_ckpt_key(home, 4, COMPLETE))  # checkpoint 4's upload cut before its marker
+    resume = {"run_type": "retrain", "model_name": "tiny", "train_iters": 6, "obs_home": home}
+    assert _job(tmp_path, "b", resume) == [0, 0], (tmp_path / "b0.log").read_text()[-3000:]
+    assert "checkpoints/iter_0000002 (iteration 2" in (tmp_path / "b0.log").read_text()
+    # 2 ranks x 1 micro-batch = 1 rank x 2 micro-batches: the same global batch, summed in another order
+    assert _losses(tmp_path / "b0") == pytest.approx(reference.losses[2:], rel=1e-5)
+    assert (tmp_path / "b1" / "saved_dir_for_ma_output" / "tiny" / "pretrain" / "checkpoints").is_dir()
+    assert SECRET not in "".join((tmp_path / f"{t}{n}.log").read_text() for t in "ab" for n in (0, 1))
