@@ -296,4 +296,11 @@ def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
     # 2 ranks x 1 micro-batch = 1 rank x 2 micro-batches: the same global batch, summed in another order
     assert _losses(tmp_path / "b0") == pytest.approx(reference.losses[2:], rel=1e-5)
     assert (tmp_path / "b1" / "saved_dir_for_ma_output" / "tiny" / "pretrain" / "checkpoints").is_dir()
-    assert SECRET not in "".join((tmp_path / f"{t}{n}.log").read_text() for t in "ab" for n in (0, 1))
+    # node 1's part of the newest checkpoint lost from OBS: both nodes stop before loading, node 1 naming the file
+    store.delete(_ckpt_key(home, 6, "rng_state_rank1.pt"))
+    assert 0 not in _job(tmp_path, "c", {**resume, "train_iters": 7})
+    assert (
+        "lacks its part of the checkpoint to resume: rng_state_rank1.pt" in (tmp_path / "c1.log").read_text()
+    )
+    assert "another node lacks its part" in (tmp_path / "c0.log").read_text()
+    assert SECRET not in "".join((tmp_path / f"{t}{n}.log").read_text() for t in "abc" for n in (0, 1))
