@@ -289,6 +289,11 @@ def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
     store, _ = obs.store_for(home)
     record = json.loads(store.get_bytes(_ckpt_key(home, 2, ".kit-node-1.json")))
     assert sorted(record["files"]) == ["rng_state_rank1.pt"]  # node 1 uploaded its own rank's file
+    node1 = tmp_path / "a1" / "saved_dir_for_ma_output" / "tiny" / "pretrain" / "checkpoints"
+    assert sorted(p.name for p in node1.iterdir()) == [
+        "iter_0000002",
+        "iter_0000004",
+    ]  # renamed on node 1 too
     store.delete(_ckpt_key(home, 4, COMPLETE))  # checkpoint 4's upload cut before its marker
     resume = {"run_type": "retrain", "model_name": "tiny", "train_iters": 6, "obs_home": home}
     assert _job(tmp_path, "b", resume) == [0, 0], (tmp_path / "b0.log").read_text()[-3000:]

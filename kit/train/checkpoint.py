@@ -111,7 +111,20 @@ def save(engine, ckpt_root: Path, iteration: int, trainer_state: dict) -> Path:
             atomic_write_text(ckpt_root / MEGATRON_LATEST, str(iteration))
         _fsync_dir(ckpt_root)
     _barrier()
+    _finish_on_this_node(partial, final, rank)
     return final
+
+
+def _finish_on_this_node(partial: Path, final: Path, rank: int) -> None:
+    """On a node without the shared disk of rank 0 (each node its own work dir, OBS_HOME) rank 0's rename did not
+    happen here: the node's local rank 0 renames the node's part, so it neither piles up as `.partial-*` nor is
+    reported as a killed run's leftover. On a shared disk the partial folder is gone by now and nothing happens."""
+    if rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) != 0 or not partial.is_dir():
+        return
+    if final.exists():
+        shutil.rmtree(final)  # this node's part of an earlier save of the same iteration
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
 
 
 def _hash_file(path: Path) -> dict:
