@@ -23,6 +23,10 @@ PART_SIZE = (
     9 * 1024 * 1024
 )  # the SDK's own default part size (S3 servers refuse parts under 5 MiB but the last)
 THREADS = 4  # parts in flight per file
+SDK_RECORDS = (
+    ".upload_record",
+    ".download_record",
+)  # the SDK's resume records beside a file being transferred
 # (access key, secret key) variable pairs, first found wins: the Huawei Cloud SDKs' names, then the OBS SDK's own
 KEY_VARIABLES = (("HUAWEICLOUD_SDK_AK", "HUAWEICLOUD_SDK_SK"), ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY"))
 TOKEN_VARIABLES = ("HUAWEICLOUD_SDK_SECURITY_TOKEN", "OBS_SECURITY_TOKEN")
@@ -168,13 +172,18 @@ def hash_file(path: Path) -> dict:
 
 
 def local_files(folder: Path) -> list:
-    """Relative names of the files under `folder`, sorted (the listing itself and temporaries left out)."""
+    """Relative names of the files under `folder`, sorted (the listing, temporaries and SDK records left out)."""
     folder = Path(folder)
     out = []
     for dirpath, _dirs, names in os.walk(folder):
         for name in names:
             rel = os.path.relpath(os.path.join(dirpath, name), folder)
-            if name != LISTING and ".partial-" not in name and not name.startswith(".kit-"):
+            if (
+                name != LISTING
+                and ".partial-" not in name
+                and not name.startswith(".kit-")
+                and not name.endswith(SDK_RECORDS)
+            ):
                 out.append(rel.replace(os.sep, "/"))
     return sorted(out)
 
