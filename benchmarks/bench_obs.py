@@ -79,8 +79,9 @@ def main() -> int:
                 obs_home, model_name, node_rank, nnodes = f"obs://{s3_standin.BUCKET}/bench", "m", 0, 1
 
             times = {"sdk_up": [], "kit_up": [], "sdk_down": [], "kit_down": []}
-            for r in range(args.repeats):
-                t = time.perf_counter()
+            listing = {f: obs.hash_file(folder / f) for f in files}
+
+            def sdk_up(r):
                 for f in files:
                     resp = client.uploadFile(
                         store.bucket,
@@ -91,35 +92,38 @@ def main() -> int:
                         enableCheckpoint=True,
                     )
                     assert resp.status < 300, resp.errorCode
-                times["sdk_up"].append(time.perf_counter() - t)
+
+            def kit_up(r):
                 up = CheckpointUploads(Cfg, root / "run")
                 up.prefix = f"bench/kit{r}"
-                t = time.perf_counter()
                 up._upload(folder, 1)  # what the background thread runs for one checkpoint
-                times["kit_up"].append(time.perf_counter() - t)
                 up.finish()
-                dest = root / f"sdk-down{r}"
-                t = time.perf_counter()
+
+            def sdk_down(r):
                 for f in files:
-                    (dest / f).parent.mkdir(parents=True, exist_ok=True)
+                    (root / f"sdk-down{r}" / f).parent.mkdir(parents=True, exist_ok=True)
                     resp = client.downloadFile(
                         store.bucket,
                         f"sdk{r}/{f}",
-                        str(dest / f),
+                        str(root / f"sdk-down{r}" / f),
                         partSize=part,
                         taskNum=threads,
                         enableCheckpoint=True,
                     )
                     assert resp.status < 300, resp.errorCode
-                times["sdk_down"].append(time.perf_counter() - t)
-                listing = {f: obs.hash_file(folder / f) for f in files}
-                t = time.perf_counter()
-                missing = obs.download_files(
-                    store, f"bench/kit{r}/checkpoints/iter_0000001", listing, root / f"kit-down{r}"
-                )
-                times["kit_down"].append(time.perf_counter() - t)
-                assert not missing, missing
-                shutil.rmtree(dest), shutil.rmtree(root / f"kit-down{r}")
+
+            def kit_down(r):
+                prefix = f"bench/kit{r}/checkpoints/iter_0000001"
+                assert not obs.download_files(store, prefix, listing, root / f"kit-down{r}")
+
+            jobs = {"sdk_up": sdk_up, "kit_up": kit_up, "sdk_down": sdk_down, "kit_down": kit_down}
+            for r in range(args.repeats):
+                for pair in (("sdk_up", "kit_up"), ("sdk_down", "kit_down")):
+                    for name in pair if r % 2 == 0 else pair[::-1]:  # alternated: neither always goes first
+                        t = time.perf_counter()
+                        jobs[name](r)
+                        times[name].append(time.perf_counter() - t)
+                shutil.rmtree(root / f"sdk-down{r}"), shutil.rmtree(root / f"kit-down{r}")
             best = {k: min(v) for k, v in times.items()}
             # step time with a checkpoint upload running in the background (uploads repeated until the steps end)
             stop = threading.Event()
