@@ -37,6 +37,7 @@ BENCHMARKS = [
     "bench_envs.py",
     "bench_train.py",
     "bench_checkpoint.py",
+    "bench_obs.py",
     "bench_ops.py",
     "bench_profiling.py",
     "bench_evaluate.py",

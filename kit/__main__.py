@@ -33,6 +33,7 @@ STAGES = {
         "kit.serve.cli",
         "serve the trained model (OpenAI API), load-test it, package it for ModelArts",
     ),
+    "obs": ("kit.obs", "copy a stage's folder to or from OBS (OBS_HOME runs: docs/obs.md)"),
     "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
 }
 

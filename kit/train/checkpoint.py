@@ -111,7 +111,35 @@ def save(engine, ckpt_root: Path, iteration: int, trainer_state: dict) -> Path:
             atomic_write_text(ckpt_root / MEGATRON_LATEST, str(iteration))
         _fsync_dir(ckpt_root)
     _barrier()
+    _finish_on_this_node(ckpt_root, iteration, rank)
     return final
+
+
+def _finish_on_this_node(ckpt_root: Path, iteration: int, rank: int) -> None:
+    """On a node without the shared disk of rank 0 (each node its own work dir, OBS_HOME) rank 0's rename did not
+    happen here: the node's local rank 0 renames the node's part, so it neither piles up as `.partial-*` nor is
+    reported as a killed run's leftover. A shared disk is recognised by the `latest` marker rank 0 wrote before
+    the last barrier; there nothing happens. Files are moved, never a folder removed (an existing folder of the
+    same iteration, from an earlier run on this node, gets this save's files)."""
+    if rank == 0 or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    tag = tag_of(iteration)
+    try:
+        if (ckpt_root / LATEST).read_text().strip() == tag:
+            return  # rank 0's rename is visible here: a shared disk
+    except OSError:
+        pass
+    partial, final = ckpt_root / f".partial-{tag}", ckpt_root / tag
+    if not partial.is_dir():
+        return
+    if not final.exists():
+        os.replace(partial, final)
+    else:
+        for rel in _files(partial):
+            (final / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(partial / rel, final / rel)
+        shutil.rmtree(partial, ignore_errors=True)
+    _fsync_dir(ckpt_root)
 
 
 def _hash_file(path: Path) -> dict:

@@ -154,6 +154,8 @@ class TrainConfig:
     """Allow starting over into an output folder that already holds checkpoints."""
     clean_partial: bool = False
     """Delete leftovers of killed runs (.partial-iter_*, .hf.partial-*) in the run folder (else only reported)."""
+    obs_home: str = ""
+    """obs://bucket/prefix: checkpoints uploaded there in the background, retrain resumes from there (docs/obs.md)"""
     sources: Dict[str, str] = field(default_factory=dict)
     """Set by resolve(): field -> where its value came from."""
 
@@ -273,6 +275,10 @@ class TrainConfig:
             p.append(
                 f"LoRA needs LORA_R >= 1, LORA_ALPHA >= 1, 0 <= LORA_DROPOUT < 1 and LORA_TARGETS non-empty "
                 f"(got {self.lora_r}, {self.lora_alpha}, {self.lora_dropout}, {self.lora_targets})."
+            )
+        if self.obs_home and not (self.obs_home.startswith("obs://") and self.obs_home[6:].strip("/")):
+            p.append(
+                f"OBS_HOME={self.obs_home!r} is not an OBS prefix; write obs://<bucket>/<prefix> (or leave it empty)."
             )
         if not self.model_name:
             p.append("MODEL_NAME (the manual's MODEL_TYPE) is required: the model's folder in the workspace.")

@@ -88,6 +88,7 @@ RESUME_MAY_CHANGE = frozenset(
         "clean_partial",
         "node_rank",
         "overwrite",
+        "obs_home",
     }
 )
 
@@ -147,6 +148,7 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
         model_name=cfg.model_name,
         master_addr=cfg.master_addr,
         master_port=cfg.master_port,
+        obs_home=cfg.obs_home,
     )
 
 
@@ -165,9 +167,23 @@ class Trainer:
         from kit.train.resolve import resolve
 
         check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
+        self.obs_missing: list = []
+        self.obs_inputs: dict = {}  # field -> the obs:// folder it was downloaded from
+        # OBS as the run's home: inputs and the checkpoint to resume come to local disk first
+        if cfg.obs_home:
+            from kit.train import obs_home
+
+            cfg, self.obs_inputs = obs_home.localize_inputs(cfg)
+            if cfg.run_type == "retrain":
+                self.obs_missing = obs_home.fetch_for_resume(cfg, cfg.output_dir())
         cfg = check(resolve(cfg, ws), "training config")
+        if self.obs_inputs:
+            self.obs_inputs = obs_home.inputs_of(cfg, self.obs_inputs)
         self.requested = cfg
         self.cfg = effective_config(cfg)
+        if self.cfg is not cfg and cfg.obs_home:  # the resumed run's inputs, fetched again onto this node
+            saved = obs_home.saved_inputs(cfg.output_dir())
+            self.cfg, self.obs_inputs = obs_home.localize_inputs(self.cfg, saved)
         if self.cfg is not cfg:
             check(self.cfg, "saved training config (retrain)")
         # the run is its folder: for retrain the one RESUME_FROM names in this WORK_DIR/MODEL_NAME, wherever the
@@ -177,6 +193,7 @@ class Trainer:
         self.progress, self.echo = progress, echo
         self._stop_reason: Optional[str] = None
         self.engine = None
+        self.uploads = None  # OBS_HOME: the background checkpoint uploads (kit.train.obs_home)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _setup(self):
@@ -234,6 +251,17 @@ class Trainer:
             self._leftovers()
         self.start_iter = 0
         self.saved_iteration: Optional[int] = None  # the checkpoint this run saved or resumed last
+        if resume and self.requested.obs_home:
+            # a node that lacks its part of the checkpoint stops the whole job here, in one collective, not in a hang
+            if self._all_reduce_ints([len(self.obs_missing)], "max")[0]:
+                from kit.errors import MissingInputError
+                from kit.train.obs_home import missing_line
+
+                if self.obs_missing:
+                    raise MissingInputError(missing_line(self.obs_missing, self.ckpt_root))
+                raise MissingInputError(
+                    "another node lacks its part of the checkpoint to resume (see its log)."
+                )
         if resume:
             notes: list = []
             state = checkpoint.load(self.engine, self.ckpt_root, notes=notes)
@@ -405,7 +433,22 @@ class Trainer:
         path = checkpoint.save(self.engine, self.ckpt_root, iteration, self._state(iteration))
         self.saved_iteration = iteration
         self.writer.text(f"saved checkpoint {path} at iteration {iteration} ({why})")
+        if self.cfg.obs_home:  # the hook: upload in the background, training goes on
+            if self.uploads is None:
+                from kit.train.obs_home import CheckpointUploads
+
+                self.uploads = CheckpointUploads(self.cfg, self.out, self.obs_inputs)
+            self.uploads.after_save(path, iteration)
         return path
+
+    def _finish_uploads(self) -> None:
+        """Wait for the background OBS uploads before the run ends; report any that failed."""
+        if self.uploads is None:
+            return
+        for line in self.uploads.finish():
+            self.writer.text(f"warning: {line}")
+        if self.uploads.uploaded:
+            self.writer.text(f"uploaded checkpoint(s) {self.uploads.uploaded} to {self.uploads.url}")
 
     def train(self) -> TrainResult:
         """Run to TRAIN_ITERS (or to a stop signal / NaN); save checkpoints and, at the end, an HF folder."""
@@ -497,6 +540,7 @@ class Trainer:
                 self._export(result)
             result.message = f"trained {iteration} iterations; outputs in {self.out}"
             self.writer.text(result.message)
+        self._finish_uploads()
         self.writer.close()
         result.seconds = time.time() - t_start
         result.config = cfg

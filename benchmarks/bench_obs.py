@@ -1,0 +1,197 @@
+"""OBS benchmark against a local S3-compatible server (SeaweedFS on 127.0.0.1, tests/s3_standin.py).
+
+1. Checkpoint upload / download: the kit's OBS_HOME transfer of a real DeepSpeed checkpoint folder (kit.train.obs_home:
+   CRC-32 of every file, a node record and the complete marker last; kit.obs.download_files: verified) against the
+   OBS SDK's own `uploadFile` / `downloadFile` of the same files with the same part size and threads.
+2. Step time while a checkpoint uploads in the background vs no upload (same engine, same steps, alternated).
+Ratios: the SDK's time / the kit's, and the step time without upload / with it (1.0 means no cost). The server runs
+on the same CPUs as the training here, which a real OBS endpoint does not: the second ratio is a lower bound.
+
+Run: .venv/bin/python benchmarks/bench_obs.py [--quick] [--hidden 512 --layers 4 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+TRANSFER_GOAL, STEP_GOAL = 0.9, 0.9
+
+
+def _steps(engine, n: int) -> float:
+    """Seconds per optimizer step, median of n."""
+    import statistics
+
+    import torch
+
+    ids = torch.randint(0, 32000, (1, 64))
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small model (about 10M parameters), fewer steps")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.repeats, args.steps = 256, 2, 2, 10
+    import s3_standin
+    from bench_checkpoint import engine_for
+
+    from kit import obs
+    from kit.train import checkpoint as ck
+    from kit.train.obs_home import CheckpointUploads
+
+    engine, params = engine_for(args.hidden, args.layers)
+    root = Path(tempfile.mkdtemp(prefix="bench-obs-"))
+    try:
+        with s3_standin.seaweed(root / "server", "bench-" + secrets.token_hex(8)) as env:
+            os.environ.update(env)
+            folder = ck.save(engine, root / "run" / "checkpoints", 1, {"iteration": 1, "consumed_samples": 1})
+            (root / "run" / "config.json").write_text("{}")
+            files = obs.local_files(folder)
+            size = sum((folder / f).stat().st_size for f in files)
+            store = obs.Store(s3_standin.BUCKET)
+            client, part, threads = store.client, store.part_size, store.threads
+
+            class Cfg:  # the fields CheckpointUploads reads
+                obs_home, model_name, node_rank, nnodes = f"obs://{s3_standin.BUCKET}/bench", "m", 0, 1
+
+            times = {"sdk_up": [], "kit_up": [], "sdk_down": [], "kit_down": []}
+            listing = {f: obs.hash_file(folder / f) for f in files}
+
+            def sdk_up(r):
+                for f in files:
+                    resp = client.uploadFile(
+                        store.bucket,
+                        f"sdk{r}/{f}",
+                        str(folder / f),
+                        partSize=part,
+                        taskNum=threads,
+                        enableCheckpoint=True,
+                    )
+                    assert resp.status < 300, resp.errorCode
+
+            def kit_up(r):
+                up = CheckpointUploads(Cfg, root / "run")
+                up.prefix = f"bench/kit{r}"
+                up._upload(folder, 1)  # what the background thread runs for one checkpoint
+                up.finish()
+
+            def sdk_down(r):
+                for f in files:
+                    (root / f"sdk-down{r}" / f).parent.mkdir(parents=True, exist_ok=True)
+                    resp = client.downloadFile(
+                        store.bucket,
+                        f"sdk{r}/{f}",
+                        str(root / f"sdk-down{r}" / f),
+                        partSize=part,
+                        taskNum=threads,
+                        enableCheckpoint=True,
+                    )
+                    assert resp.status < 300, resp.errorCode
+
+            def kit_down(r):
+                prefix = f"bench/kit{r}/checkpoints/iter_0000001"
+                assert not obs.download_files(store, prefix, listing, root / f"kit-down{r}")
+
+            jobs = {"sdk_up": sdk_up, "kit_up": kit_up, "sdk_down": sdk_down, "kit_down": kit_down}
+            for r in range(args.repeats):
+                for pair in (("sdk_up", "kit_up"), ("sdk_down", "kit_down")):
+                    for name in pair if r % 2 == 0 else pair[::-1]:  # alternated: neither always goes first
+                        t = time.perf_counter()
+                        jobs[name](r)
+                        times[name].append(time.perf_counter() - t)
+                shutil.rmtree(root / f"sdk-down{r}"), shutil.rmtree(root / f"kit-down{r}")
+            best = {k: min(v) for k, v in times.items()}
+            # step time with a checkpoint upload running in the background (uploads repeated until the steps end)
+            stop = threading.Event()
+
+            def uploading():
+                from kit.train.obs_home import _lower_priority
+
+                _lower_priority()  # as the trainer's upload thread does
+                n = 0
+                while not stop.is_set():
+                    up = CheckpointUploads(Cfg, root / "run")
+                    up.prefix = f"bench/bg{n}"
+                    up._upload(folder, 1)
+                    n += 1
+                    for key in store.list(f"bench/bg{n - 1}/"):  # keep the server's disk small
+                        store.delete(key)
+
+            _steps(engine, 3)  # warm-up
+            quiet, busy = [], []
+            for _ in range(args.repeats):
+                quiet.append(_steps(engine, args.steps))
+                stop.clear()
+                th = threading.Thread(target=uploading, daemon=True)
+                th.start()
+                time.sleep(0.2)
+                busy.append(_steps(engine, args.steps))
+                stop.set()
+                th.join()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"checkpoint of {params / 1e6:.0f}M parameters, {size / 2**20:.0f} MiB in {len(files)} files",
+        file=sys.stderr,
+    )
+    for what, kit_key, sdk_key, code in (
+        (
+            "upload",
+            "kit_up",
+            "sdk_up",
+            "for f in files: client.uploadFile(bucket, key, f, partSize, taskNum, enableCheckpoint=True)",
+        ),
+        (
+            "download",
+            "kit_down",
+            "sdk_down",
+            "for f in files: client.downloadFile(bucket, key, f, partSize, taskNum, enableCheckpoint=True)",
+        ),
+    ):
+        ratio = best[sdk_key] / best[kit_key]
+        verdict = "MET" if ratio >= TRANSFER_GOAL else "MISSED"
+        print(
+            f"train | OBS checkpoint {what} (verified, marker last) | {ratio:.2f}x | goal >= {TRANSFER_GOAL}x | {verdict}"
+        )
+        print(
+            f"    kit {best[kit_key]:.2f} s vs OBS SDK {best[sdk_key]:.2f} s, {size / 2**20:.0f} MiB, part "
+            f"{part >> 20} MiB x {threads} threads, local SeaweedFS (best of {args.repeats})"
+        )
+        print(f"    baseline: {code}")
+    ratio = min(quiet) / min(busy)
+    verdict = "MET" if ratio >= STEP_GOAL else "MISSED"
+    print(f"train | step time while a checkpoint uploads | {ratio:.2f}x | goal >= {STEP_GOAL}x | {verdict}")
+    print(
+        f"    {min(busy) * 1000:.0f} ms with a background upload vs {min(quiet) * 1000:.0f} ms without (median of "
+        f"{args.steps} steps, best of {args.repeats}; {os.cpu_count()} CPUs shared with the S3 server)"
+    )
+    print("    baseline: the same steps with no upload running")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""OBS (Huawei Cloud object storage) through its official SDK, `esdk-obs-python` (the optional extra `obs`).
+
+Glue, not a client: the SDK signs requests and does multipart, threaded and resumable transfers (`uploadFile` /
+`downloadFile` with `enableCheckpoint`). This module adds what the SDK has no notion of: a folder is complete in
+OBS only when its listing (`kit_obs_files.json`: size and CRC-32 of every file) is uploaded, last; a download is
+resumable (files already here with the listed size and CRC are kept) and verified against that listing before
+it is used. Credentials come only from the environment and are never written anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+from kit.errors import InputError, KitError, MissingInputError
+
+SCHEME = "obs://"
+LISTING = "kit_obs_files.json"  # uploaded last: the folder above it is complete in OBS
+PART_SIZE = (
+    9 * 1024 * 1024
+)  # the SDK's own default part size (S3 servers refuse parts under 5 MiB but the last)
+THREADS = 4  # parts in flight per file
+SDK_RECORDS = (
+    ".upload_record",
+    ".download_record",
+)  # the SDK's resume records beside a file being transferred
+# (access key, secret key) variable pairs, first found wins: the Huawei Cloud SDKs' names, then the OBS SDK's own
+KEY_VARIABLES = (("HUAWEICLOUD_SDK_AK", "HUAWEICLOUD_SDK_SK"), ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY"))
+TOKEN_VARIABLES = ("HUAWEICLOUD_SDK_SECURITY_TOKEN", "OBS_SECURITY_TOKEN")
+ENDPOINT_VARIABLE = "OBS_ENDPOINT"  # e.g. https://obs.cn-southwest-2.myhuaweicloud.com
+SIGNATURE_VARIABLE = "OBS_SIGNATURE"  # obs (default: OBS's own, negotiated) | v4 | v2 (S3-compatible servers)
+
+
+class ObsError(KitError, OSError):
+    """An OBS request failed (the message names the object, the HTTP status and OBS's error code)."""
+
+
+def is_obs(path: Optional[str]) -> bool:
+    return bool(path) and str(path).startswith(SCHEME)
+
+
+def split(url: str) -> Tuple[str, str]:
+    """obs://bucket/some/prefix -> ("bucket", "some/prefix") (no leading or trailing slash)."""
+    if not is_obs(url):
+        raise InputError(f"{url!r} is not an OBS address; write obs://<bucket>/<prefix>.")
+    bucket, _, prefix = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise InputError(f"{url!r} names no bucket; write obs://<bucket>/<prefix>.")
+    return bucket, prefix.strip("/")
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/")] + [p.strip("/") for p in parts if p])
+
+
+def _credentials() -> Tuple[str, str, Optional[str]]:
+    for ak_name, sk_name in KEY_VARIABLES:
+        ak, sk = os.environ.get(ak_name), os.environ.get(sk_name)
+        if ak and sk:
+            token = next((os.environ[t] for t in TOKEN_VARIABLES if os.environ.get(t)), None)
+            return ak, sk, token
+    names = " or ".join(f"{a}/{s}" for a, s in KEY_VARIABLES)
+    raise MissingInputError(
+        f"OBS needs credentials in the environment: set {names} (never in a file or notebook)."
+    )
+
+
+class Store:
+    """One bucket through the OBS SDK's ObsClient (made from the environment)."""
+
+    def __init__(self, bucket: str, part_size: int = PART_SIZE, threads: int = THREADS):
+        try:
+            from obs import ObsClient
+        except ImportError as exc:
+            raise MissingInputError(
+                f"OBS support needs the OBS SDK: pip install 'ascend-notebook-kit[obs]' (esdk-obs-python) ({exc})."
+            ) from None
+        endpoint = os.environ.get(ENDPOINT_VARIABLE)
+        if not endpoint:
+            raise MissingInputError(
+                f"set {ENDPOINT_VARIABLE} to the OBS endpoint of the bucket's region, e.g. "
+                f"https://obs.cn-southwest-2.myhuaweicloud.com."
+            )
+        signature = os.environ.get(SIGNATURE_VARIABLE, "obs").lower()
+        if signature not in ("obs", "v4", "v2"):
+            raise InputError(f"{SIGNATURE_VARIABLE}={signature!r} is not one of obs, v4, v2.")
+        ak, sk, token = _credentials()
+        host = endpoint.split("://")[-1].split(":")[0].split("/")[0]
+        # a bucket named in the host needs DNS for it: an IP address or localhost gets path-style requests
+        path_style = host == "localhost" or host.replace(".", "").isdigit()
+        self.client = ObsClient(
+            access_key_id=ak,
+            secret_access_key=sk,
+            security_token=token,
+            server=endpoint,
+            signature=signature,
+            path_style=path_style,
+            is_signature_negotiation=signature == "obs" and not path_style,
+        )
+        self.bucket, self.part_size, self.threads = bucket, part_size, threads
+
+    def _check(self, resp, what: str, key: str):
+        if resp.status >= 300:
+            raise ObsError(
+                f"OBS {what} obs://{self.bucket}/{key} failed: HTTP {resp.status} {resp.errorCode or ''} "
+                f"{resp.errorMessage or ''}".rstrip()
+            )
+        return resp
+
+    def create_bucket(self) -> None:
+        resp = self.client.createBucket(self.bucket)
+        if resp.status >= 300 and resp.errorCode not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            self._check(resp, "create bucket", "")
+
+    def list(self, prefix: str) -> Dict[str, int]:
+        """{key: bytes} of every object under `prefix` (all pages)."""
+        out, marker = {}, None
+        while True:
+            resp = self._check(
+                self.client.listObjects(self.bucket, prefix=prefix, marker=marker, max_keys=1000),
+                "list",
+                prefix,
+            )
+            for obj in resp.body.contents:
+                out[obj.key] = int(obj.size)
+            if not resp.body.is_truncated or not resp.body.contents:
+                return out
+            marker = resp.body.next_marker or resp.body.contents[-1].key
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload one file: the SDK's multipart, threaded upload; a cut upload resumes from its record."""
+        resp = self.client.uploadFile(
+            self.bucket, key, str(path), partSize=self.part_size, taskNum=self.threads, enableCheckpoint=True
+        )
+        self._check(resp, "upload of", key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._check(self.client.putContent(self.bucket, key, data), "upload of", key)
+
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        """The object's bytes, or None when it does not exist."""
+        resp = self.client.getObject(self.bucket, key, loadStreamInMemory=True)
+        if resp.status == 404:
+            return None
+        return self._check(resp, "download of", key).body.buffer
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Download one file (the SDK writes a temporary and renames it; a cut download resumes)."""
+        path = Path(path).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        resp = self.client.downloadFile(
+            self.bucket, key, str(path), partSize=self.part_size, taskNum=self.threads, enableCheckpoint=True
+        )
+        self._check(resp, "download of", key)
+
+    def delete(self, key: str) -> None:
+        self._check(self.client.deleteObject(self.bucket, key), "delete of", key)
+
+
+def store_for(url: str) -> Tuple[Store, str]:
+    bucket, prefix = split(url)
+    return Store(bucket), prefix
+
+
+def hash_file(path: Path) -> dict:
+    from kit.train.checkpoint import _hash_file
+
+    return _hash_file(Path(path))
+
+
+def local_files(folder: Path) -> list:
+    """Relative names of the files under `folder`, sorted (the listing, temporaries and SDK records left out)."""
+    folder = Path(folder)
+    out = []
+    for dirpath, _dirs, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), folder)
+            if (
+                name != LISTING
+                and ".partial-" not in name
+                and not name.startswith(".kit-")
+                and not name.endswith(SDK_RECORDS)
+            ):
+                out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+def upload_folder(folder: Path, url: str, store: Optional[Store] = None) -> dict:
+    """Upload every file of `folder` under `url`, then its listing last (the folder is then complete in OBS)."""
+    store, prefix = (store, split(url)[1]) if store else store_for(url)
+    folder = Path(folder)
+    listing = {}
+    for rel in local_files(folder):
+        listing[rel] = hash_file(folder / rel)
+        store.put_file(f"{prefix}/{rel}", folder / rel)
+    body = {"files": listing, "manifest_sha256": _manifest_sha256(folder)}
+    store.put_bytes(f"{prefix}/{LISTING}", (json.dumps(body, indent=1) + "\n").encode())
+    return listing
+
+
+def _manifest_sha256(folder: Path) -> Optional[str]:
+    """The SHA-256 kit.manifest gives the folder's manifest (what later stages record as consumed), or None."""
+    from kit.manifest import find_manifest, read_manifest
+
+    return read_manifest(folder).sha256 if find_manifest(folder) is not None else None
+
+
+def read_listing(store: Store, prefix: str) -> Optional[dict]:
+    raw = store.get_bytes(f"{prefix}/{LISTING}")
+    return None if raw is None else json.loads(raw)
+
+
+def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path) -> list:
+    """Fetch the listed files into `dest` (kept where size and CRC already match); return those OBS lacks.
+
+    Every file is verified against its listed CRC-32 after the download (in a thread, while the next file
+    downloads: zlib releases the GIL); a mismatch removes the file and is an IntegrityError."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dest = Path(dest)
+    present = store.list(prefix + "/")
+    missing, checks = [], []
+    with ThreadPoolExecutor(max_workers=1) as verifier:
+        for rel, want in sorted(files.items()):
+            path = dest / rel
+            if path.is_file() and path.stat().st_size == want["bytes"] and hash_file(path) == want:
+                continue  # already here (an earlier, interrupted download got this far)
+            if f"{prefix}/{rel}" not in present:
+                missing.append(rel)
+                continue
+            store.get_file(f"{prefix}/{rel}", path)
+            checks.append(verifier.submit(_verify, store, f"{prefix}/{rel}", path, want))
+        for done in checks:
+            done.result()
+    return missing
+
+
+def _verify(store: Store, key: str, path: Path, want: dict) -> None:
+    from kit.errors import IntegrityError
+
+    if hash_file(path) != want:
+        path.unlink()
+        raise IntegrityError(
+            f"obs://{store.bucket}/{key} does not match its size/CRC-32 in {LISTING}; upload it again."
+        )
+
+
+def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:
+    """A folder uploaded by upload_folder() into `dest`, resumably, verified against the listing's CRCs and its
+    manifest's SHA-256 (kit.manifest); MissingInputError if the upload is incomplete.
+
+    `timeout_s`: wait up to that long for the listing (another node may still be uploading)."""
+    store, prefix = store_for(url)
+    deadline = time.monotonic() + timeout_s
+    listing = read_listing(store, prefix)
+    while listing is None and time.monotonic() < deadline:
+        time.sleep(1.0)
+        listing = read_listing(store, prefix)
+    if listing is None:
+        raise MissingInputError(
+            f"{url} is not a complete kit upload (no {LISTING}); upload the folder with "
+            f"`python -m kit obs push FOLDER {url}`."
+        )
+    missing = download_files(store, prefix, listing["files"], dest)
+    if missing:
+        raise MissingInputError(f"{url} lacks {len(missing)} listed file(s): {', '.join(missing[:5])}.")
+    want = listing.get("manifest_sha256")
+    if want and _manifest_sha256(Path(dest)) != want:
+        from kit.errors import IntegrityError
+
+        raise IntegrityError(f"{dest}: its kit manifest is not the one uploaded to {url} (sha256 differs).")
+    return Path(dest)
+
+
+def register(sub) -> None:
+    """`python -m kit obs push FOLDER obs://...` / `pull obs://... FOLDER` (credentials from the environment)."""
+    p = sub.add_parser(
+        "obs", help="copy a stage's folder to or from OBS (complete only with its listing, verified)"
+    )
+    ops = p.add_subparsers(dest="op", required=True)
+    push = ops.add_parser("push", help="upload FOLDER to URL, its listing last")
+    push.add_argument("folder")
+    push.add_argument("url")
+    push.set_defaults(
+        func=lambda a: print(f"uploaded {len(upload_folder(Path(a.folder), a.url))} files to {a.url}")
+    )
+    pull = ops.add_parser("pull", help="download URL into FOLDER, resumably, verified")
+    pull.add_argument("url")
+    pull.add_argument("folder")
+    pull.set_defaults(
+        func=lambda a: print(f"downloaded {a.url} into {download_folder(a.url, Path(a.folder))}")
+    )

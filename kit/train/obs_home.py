@@ -1,0 +1,272 @@
+"""OBS_HOME: a run whose home is an OBS prefix (job nodes without a shared disk), hooked into the trainer.
+
+Layout under OBS_HOME (obs://bucket/prefix): `inputs/<name>/` (DATASET_PATH / MODEL_PATH given as obs:// are
+downloaded from wherever they are), `<model_name>/<run>/config.json` and `<model_name>/<run>/checkpoints/iter_N/`.
+Every checkpoint is saved locally as before; then each node's local rank 0 uploads the files its node holds in a
+background thread (training goes on), and records them in `iter_N/.kit-node-<node>.json`. Node 0, once every
+node's record is there, uploads `iter_N/kit_obs_complete.json` last: only a checkpoint with that marker is
+complete in OBS, and only such a checkpoint is resumed. `retrain` downloads, on each node, node 0's files (model,
+optimizer, trainer state) and its own (its ranks' RNG / optimizer shards) of the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from kit import obs
+from kit.atomic import atomic_write_text
+from kit.errors import MissingInputError
+from kit.train import checkpoint
+
+COMPLETE = (
+    "kit_obs_complete.json"  # uploaded last, after every node's files: the checkpoint is complete in OBS
+)
+NODE_RECORD = ".kit-node-{node}.json"
+NODES_WAIT_S = (
+    600.0  # node 0 waits this long for the other nodes' uploads, then leaves the checkpoint incomplete
+)
+FETCH_WAIT_S = 300.0  # the other local ranks wait this long for their node's download
+
+
+def node_rank(cfg) -> int:
+    return int(os.environ.get("GROUP_RANK", cfg.node_rank))  # torchrun's name for this node's index
+
+
+def run_url(cfg, out: Path) -> str:
+    """OBS_HOME/<model_name>/<run folder>: where this run's config and checkpoints go."""
+    return obs.join(cfg.obs_home, cfg.model_name, Path(out).name)
+
+
+INPUTS = "obs_inputs.json"  # beside config.json in OBS: which inputs came from obs:// (a resume fetches them again)
+
+
+PATH_FIELDS = ("dataset_path", "model_path", "tokenizer_path")
+
+
+def local_dest(cfg, url: str) -> Path:
+    """Where this node keeps the obs:// input folder `url`: <workspace>/obs_inputs/<bucket>/<prefix>."""
+    bucket, prefix = obs.split(url)
+    return cfg.workspace().root / "obs_inputs" / bucket / prefix
+
+
+def localize_inputs(cfg, urls: Optional[dict] = None):
+    """DATASET_PATH / MODEL_PATH / TOKENIZER_PATH given as obs:// (or `urls`: field -> obs://) are downloaded once
+    per node into the workspace (resumably, verified) and replaced by the local folder.
+
+    Returns (the config with local paths, {field: obs:// url})."""
+    import dataclasses
+
+    from kit.train.config import replace
+
+    urls = dict(urls or {})
+    urls.update({n: getattr(cfg, n) for n in PATH_FIELDS if obs.is_obs(getattr(cfg, n))})
+    changes, fetched = {}, set()
+    for name, url in sorted(urls.items()):
+        dest = local_dest(cfg, url)
+        if url not in fetched:
+            _once_per_node(dest, lambda u=url, d=dest: obs.download_folder(u, d, timeout_s=FETCH_WAIT_S))
+            fetched.add(url)
+        changes[name] = str(dest)
+    if not changes:
+        return cfg, urls
+    if cfg.given >= set(changes):
+        return replace(cfg, **changes), urls
+    return dataclasses.replace(cfg, **changes), urls  # a resolved (saved) config: every field is set anyway
+
+
+def inputs_of(cfg, urls: dict) -> dict:
+    """{field: obs:// url} for every path field of the resolved `cfg` that is a downloaded input folder (resolve()
+    may have filled TOKENIZER_PATH from MODEL_PATH): what a resume on another node must fetch again."""
+    dests = {local_dest(cfg, u).resolve(): u for u in urls.values()}
+    out = {}
+    for name in PATH_FIELDS:
+        value = getattr(cfg, name)
+        if value and not obs.is_obs(value) and Path(value).resolve() in dests:
+            out[name] = dests[Path(value).resolve()]
+    return out
+
+
+def saved_inputs(out: Path) -> dict:
+    """The {field: obs:// url} a resumed run's inputs came from (fetched by fetch_for_resume), or {}."""
+    path = Path(out) / INPUTS
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _once_per_node(dest: Path, work) -> None:
+    """Local rank 0 runs `work` and leaves a done-file; the node's other ranks wait for it (bounded)."""
+    done = Path(str(dest) + ".kit-fetched")
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        done.unlink(missing_ok=True)
+        work()
+        done.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(done, "ok\n")
+        return
+    deadline = time.monotonic() + FETCH_WAIT_S
+    while not done.is_file():
+        if time.monotonic() > deadline:
+            raise MissingInputError(
+                f"local rank 0 did not finish downloading {dest} in {FETCH_WAIT_S:.0f} s."
+            )
+        time.sleep(0.5)
+
+
+def _complete_iterations(store: obs.Store, prefix: str) -> List[int]:
+    found = []
+    for key in store.list(prefix + "/checkpoints/"):
+        parts = key[len(prefix) + 1 :].split("/")
+        if (
+            len(parts) == 3
+            and parts[2] == COMPLETE
+            and parts[1].startswith("iter_")
+            and parts[1][5:].isdigit()
+        ):
+            found.append(int(parts[1][5:]))
+    return sorted(found, reverse=True)
+
+
+def fetch_for_resume(cfg, out: Path) -> List[str]:
+    """Before a retrain: bring this node the run's config.json and its part of the newest checkpoint complete in
+    OBS, and point the local `latest` markers at it. Returns the files this node needs that OBS lacks."""
+    store, prefix = obs.store_for(run_url(cfg, out))
+    ckpt_root = Path(out) / "checkpoints"
+    missing: List[str] = []
+
+    def work():
+        config = store.get_bytes(f"{prefix}/config.json")
+        if config is None:
+            raise MissingInputError(
+                f"RUN_TYPE=retrain: {obs.join(run_url(cfg, out), 'config.json')} is missing, so there is no run "
+                f"to resume in OBS_HOME — check OBS_HOME, MODEL_NAME and RESUME_FROM."
+            )
+        Path(out).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(out) / "config.json", config.decode())
+        inputs = store.get_bytes(f"{prefix}/{INPUTS}")
+        if inputs is not None:
+            atomic_write_text(Path(out) / INPUTS, inputs.decode())
+        complete = _complete_iterations(store, prefix)
+        if not complete:
+            raise MissingInputError(
+                f"{run_url(cfg, out)} holds no complete checkpoint (none has {COMPLETE})."
+            )
+        it = complete[0]
+        key = f"{prefix}/checkpoints/{checkpoint.tag_of(it)}"
+        nodes = json.loads(store.get_bytes(f"{key}/{COMPLETE}"))["nodes"]
+        mine = node_rank(cfg)
+        need = dict(nodes["0"])
+        need.update(nodes.get(str(mine), {}))
+        missing.extend(obs.download_files(store, key, need, ckpt_root / checkpoint.tag_of(it)))
+        atomic_write_text(ckpt_root / checkpoint.LATEST, checkpoint.tag_of(it))
+        atomic_write_text(ckpt_root / checkpoint.MEGATRON_LATEST, str(it))
+
+    _once_per_node(ckpt_root, work)
+    return missing
+
+
+def missing_line(missing: List[str], folder: Path) -> str:
+    return (
+        f"this node lacks its part of the checkpoint to resume: {', '.join(missing[:8])} missing in {folder} and in "
+        f"OBS; the job stops (restore them to OBS or resume an older checkpoint)."
+    )
+
+
+def _sealed(folder: Path) -> dict:
+    """{relative name: {"bytes", "crc32"}} from the checkpoint's checksums.json ({} when it has none)."""
+    try:
+        return json.loads((Path(folder) / checkpoint.CHECKSUMS).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _lower_priority() -> None:
+    """Give this (uploading) thread, and the SDK's part threads it starts, a lower CPU priority than the training:
+    on Linux the nice value is per thread and inherited by the threads it creates."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: uploads still run, at the training's priority
+
+
+class CheckpointUploads:
+    """The trainer's OBS hook: after_save() queues a saved checkpoint for upload, finish() waits for the queue."""
+
+    def __init__(self, cfg, out: Path, inputs: Optional[dict] = None):
+        self.url = run_url(cfg, out)
+        self.inputs = dict(inputs or {})
+        self.store, self.prefix = obs.store_for(self.url)
+        self.out, self.node, self.nnodes = Path(out), node_rank(cfg), max(1, int(cfg.nnodes))
+        self.enabled = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one uploader per node
+        self.queue: queue.Queue[Optional[tuple]] = queue.Queue()
+        self.errors: List[str] = []
+        self.uploaded: List[int] = []
+        self.thread = threading.Thread(target=self._work, name="kit-obs-upload", daemon=True)
+        if self.enabled:
+            self.thread.start()
+
+    def after_save(self, folder: Path, iteration: int) -> None:
+        if self.enabled:
+            folder = Path(folder)
+            if not folder.is_dir():  # another node's rank 0 renamed it: here it is still the partial name
+                folder = folder.parent / f".partial-{folder.name}"
+            self.queue.put((folder, iteration))
+
+    def _work(self) -> None:
+        _lower_priority()
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            try:
+                self._upload(*item)
+                self.uploaded.append(item[1])
+            except (
+                Exception
+            ) as exc:  # reported by finish(); training goes on, the checkpoint stays incomplete
+                self.errors.append(f"upload of checkpoint {item[1]} to {self.url} failed: {exc}")
+
+    def _upload(self, folder: Path, iteration: int) -> None:
+        key = f"{self.prefix}/checkpoints/{checkpoint.tag_of(iteration)}"
+        for stale in (COMPLETE, NODE_RECORD.format(node=self.node)):
+            if self.node == 0 or stale != COMPLETE:
+                self.store.delete(
+                    f"{key}/{stale}"
+                )  # a re-save of the same iteration is incomplete until done
+        if self.node == 0:
+            self.store.put_file(f"{self.prefix}/config.json", self.out / "config.json")
+            self.store.put_bytes(f"{self.prefix}/{INPUTS}", json.dumps(self.inputs, indent=1).encode())
+        files = {}
+        sealed = _sealed(folder)  # the CRCs checkpoint.save computed: no second read of the files
+        for rel in obs.local_files(folder):
+            files[rel] = sealed.get(rel) or obs.hash_file(folder / rel)
+            self.store.put_file(f"{key}/{rel}", folder / rel)
+        record = json.dumps({"node": self.node, "files": files}, indent=1).encode()
+        self.store.put_bytes(f"{key}/{NODE_RECORD.format(node=self.node)}", record)
+        if self.node != 0:
+            return
+        nodes = {"0": files}
+        deadline = time.monotonic() + NODES_WAIT_S
+        for other in range(1, self.nnodes):
+            raw = self.store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
+            while raw is None:
+                if time.monotonic() > deadline:
+                    raise MissingInputError(
+                        f"node {other} did not upload its part of {checkpoint.tag_of(iteration)} within "
+                        f"{NODES_WAIT_S:.0f} s; that checkpoint stays incomplete in OBS"
+                    )
+                time.sleep(1.0)
+                raw = self.store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
+            nodes[str(other)] = json.loads(raw)["files"]
+        marker = {"iteration": iteration, "nnodes": self.nnodes, "nodes": nodes}
+        self.store.put_bytes(f"{key}/{COMPLETE}", json.dumps(marker, indent=1).encode())
+
+    def finish(self) -> List[str]:
+        """Wait for the queued uploads (the job must not end before them); return what failed."""
+        if self.enabled and self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        return list(self.errors)

