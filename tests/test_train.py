@@ -36,6 +36,7 @@ def test_config_lists_every_problem(tmp_path):
         nproc_per_node=3,
         nnodes=2,
         node_rank=2,
+        master_addr="",
         zero_stage=4,
         lr=-1.0,
     )
