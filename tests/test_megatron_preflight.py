@@ -25,6 +25,7 @@ tiny_baichuan_dir = convert_models.tiny_baichuan_dir
 tiny_llama4_dir = convert_models.tiny_llama4_dir
 tiny_qwen3_dir = fam_models.tiny_qwen3_dir
 tiny_llama31_dir = fam_models.tiny_llama31_dir
+tiny_glm4_dir = fam_models.tiny_glm4_dir
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,19 @@ def test_llama31_rope_scaling_at_tp2_passes_every_check(ws, tiny_llama31_dir, tm
     these 32-token rows a GPTModel without the scaling still meets the HF loss, but its grad norm (1e-4 off) and
     its parameters after the steps (3e-3 off) fail their checks."""
     ckpt = _convert(tiny_llama31_dir, tmp_path / "c", 2, 1)
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert res.passed, res.failures()
+    checks = _by_name(res.checks)
+    assert len(checks) == 6 and all(c["passed"] for c in checks.values())
+    assert checks["loss vs HF"]["value"] <= 1e-5 and checks["grad norm vs HF"]["value"] <= 1e-5
+    assert res.facts["tp"] == 2
+
+
+def test_glm4_at_tp2_passes_every_check(ws, tiny_glm4_dir, tmp_path):
+    """GLM-4 (HF-native `glm`): q/k/v biases split over TP, the fused gate_up_proj as fc1, rotary on half of each
+    head, interleaved."""
+    fam_models.require("glm")
+    ckpt = _convert(tiny_glm4_dir, tmp_path / "c", 2, 1)
     res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
     assert res.passed, res.failures()
     checks = _by_name(res.checks)
