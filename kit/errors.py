@@ -98,13 +98,15 @@ def describe_os_error(exc: OSError, path: Optional[PathLike] = None) -> Optional
 # Writers that lose the errno: safetensors raises SafetensorError("Error while serializing: I/O error: No space left
 # on device (os error 28)") (Rust's io::Error; its Debug form reads "Os { code: 28, ..."); torch.save's zip writer
 # raises RuntimeError("[enforce fail at inline_container.cc:...] . unexpected pos N vs M", "... open file failed with
-# strerror: ..." or "PytorchStreamWriter failed writing file ...") (read from torch 2.13 and safetensors 0.5).
+# strerror: ..." or "PytorchStreamWriter failed writing file ...") (read from torch 2.13 and safetensors 0.5); torch 2.5's
+# writer raises RuntimeError("File <path> cannot be opened.") on a read-only volume.
 _RUST_OS_CODE = re.compile(r"(?:os error |Os \{ code: )(\d+)")
 _TORCH_WRITE_FAILED = (
     "unexpected pos",
     "PytorchStreamWriter failed",
     "file write failed",
     "open file failed",
+    "cannot be opened",
 )
 
 
