@@ -3,6 +3,7 @@ ModelArts job environment mapped to the launch settings, one launcher per node u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -121,6 +122,12 @@ def test_two_node_job_from_the_modelarts_environment_matches_one_process(job_inp
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_deepspeed_launcher_on_one_and_two_nodes_matches_one_process(job_inputs, tiny_llama_dir, nnodes):
     """The DeepSpeed launcher of this Python (not PATH's), --no_local_rank, the hostfile the kit writes."""
+    from kit.train.launch import deepspeed_runs_one_node_per_launcher
+
+    if not deepspeed_runs_one_node_per_launcher():
+        pytest.skip(
+            "DeepSpeed < 0.15: its launcher has no --no_ssh / --node_rank (refused in one line, tested)"
+        )
     root, data, reference = job_inputs
     cfg = H.tiny_config(tiny_llama_dir, data, root / f"ds{nnodes}", **COMMON)
     config_path = _given(cfg, root / f"ds{nnodes}.json")
@@ -137,7 +144,17 @@ def test_deepspeed_launcher_on_one_and_two_nodes_matches_one_process(job_inputs,
 
 
 def test_deepspeed_command_uses_this_python_and_a_hostfile(tmp_path):
+    from kit.errors import InputError
+    from kit.train.launch import deepspeed_runs_one_node_per_launcher
+
     cfg = TrainConfig(nnodes=2, node_rank=1, nproc_per_node=8, master_addr="10.0.0.1", master_port=6000)
+    if not deepspeed_runs_one_node_per_launcher():  # DeepSpeed < 0.15 (the py39-torch21 stack): one line
+        for nodes in (1, 2):
+            with pytest.raises(InputError, match=r"no --no_ssh / --node_rank \(DeepSpeed 0\.15 has them\)"):
+                launch_command(
+                    dataclasses.replace(cfg, nnodes=nodes, node_rank=0), tmp_path / "c.json", "deepspeed"
+                )
+        return
     cmd = launch_command(cfg, tmp_path / "c.json", launcher="deepspeed")
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert {"--no_ssh", "--no_local_rank", "--num_nodes=2", "--num_gpus=8", "--node_rank=1"} <= set(cmd)

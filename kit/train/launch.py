@@ -73,6 +73,16 @@ def hostfile_text(cfg: TrainConfig, visible_devices: Optional[str] = None) -> st
     return "".join(f"node-{i} slots={slots}\n" for i in range(cfg.nnodes))
 
 
+def deepspeed_runs_one_node_per_launcher() -> bool:
+    """Whether this DeepSpeed's launcher takes --no_ssh and --node_rank (each node starts its own ranks): 0.15.4 does,
+    0.14.4 does not (its runner.py knows only --no_ssh_check)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("deepspeed")) >= Version("0.15")
+
+
 def launch_command(
     cfg: TrainConfig, config_path: Path, launcher: str = "torchrun", visible_devices: Optional[str] = None
 ) -> list:
@@ -101,6 +111,14 @@ def launch_command(
             shape = ["--include=" + "@".join(f"node-{i}:{','.join(ids)}" for i in range(cfg.nnodes))]
         else:
             shape = [f"--num_nodes={cfg.nnodes}", f"--num_gpus={cfg.nproc_per_node}"]
+        if not deepspeed_runs_one_node_per_launcher():
+            from kit.errors import InputError
+
+            raise InputError(
+                "this DeepSpeed's launcher has no --no_ssh / --node_rank (DeepSpeed 0.15 has them): it would ssh "
+                "to the hostfile's nodes or count CPU devices with numactl; use LAUNCHER=torchrun or a newer "
+                "DeepSpeed."
+            )
         return [
             sys.executable,
             "-m",
