@@ -23,7 +23,8 @@ def resolve_dtype(cfg, info) -> str:
 # Marks the LOCAL_SIZE the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike. It is an
 # environment variable, not a module flag, because the kernels and workers such a process starts inherit
 # LOCAL_SIZE too and must not take it for a launcher's.
-_IN_PROCESS = "KIT_IN_PROCESS_LOCAL_SIZE"  # kit.train.config.IN_PROCESS_MARKER
+from kit.train.config import IN_PROCESS_MARKER as _IN_PROCESS  # noqa: E402  (one name, read by both)
+
 # what init_distributed() sets for a training in this process (not a launcher's)
 _IN_PROCESS_ENV = (
     "RANK",
