@@ -233,9 +233,9 @@ def baichuan_position(cfg: dict, folder: Optional[PathLike] = None) -> Tuple[str
     rope = sorted(n for n in names if n in _ROPE_NAMES)
     alibi = sorted(n for n in names if n in _ALIBI_NAMES)
     if rope and not alibi:
-        return "rope", f"{path.name} defines {', '.join(rope)} (Baichuan2-7B's RoPE)"
+        return "rope", f"{path.name} defines {', '.join(rope)}: Baichuan2-7B's RoPE"
     if alibi and not rope:
-        return "alibi", f"{path.name} defines {', '.join(alibi)} (Baichuan2-13B's ALiBi)"
+        return "alibi", f"{path.name} defines {', '.join(alibi)}: Baichuan2-13B's ALiBi"
     found = (
         f"both RoPE ({', '.join(rope)}) and ALiBi ({', '.join(alibi)}) code"
         if rope
