@@ -287,7 +287,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     src_hash = source_identity(cfg.source, src_man)
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
-    spec = fam.read_config(reader.config)
+    spec = fam.read_config(reader.config, reader.folder)
     check_hf_weights(cfg.source)  # NaN / inf weights: nothing converted from them is usable
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
     if problems:

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Union
 
 from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError, role_kind
-from kit.convert.families import Family, family_for_config
+from kit.convert.families import Family, family_for_config, position_reason
 from kit.convert.file_slices import FileSlice
 from kit.convert.hf_io import read_json
 from kit.convert.megatron_io import HF_META_DIR, MegatronReader
@@ -49,7 +49,7 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
         )
     hf_cfg = read_json(cfg_dir / "config.json")
     fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
-    spec = fam.read_config(hf_cfg)
+    spec = fam.read_config(hf_cfg, cfg_dir)
     a = mr.args
     groups = getattr(a, "num_query_groups", None) if getattr(a, "group_query_attention", True) else None
     if groups is None and getattr(a, "group_query_attention", None) is False:
@@ -74,6 +74,15 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
         for name, have, want in wanted
         if have is not None and have != want
     ]
+    position = getattr(
+        a, "position_embedding_type", None
+    )  # older Megatron-LM says learned_absolute beside RoPE
+    if position in ("rope", "alibi") and position != spec.position:
+        why = position_reason(fam.name, hf_cfg, cfg_dir)
+        wrong.append(
+            f"position_embedding_type: checkpoint args say {position}, {cfg_dir} implies {spec.position}"
+            + (f" ({why})" if why else "")
+        )
     padded = getattr(a, "padded_vocab_size", None)
     if padded is not None and padded < spec.vocab_size:
         wrong.append(

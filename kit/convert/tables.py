@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 from kit.convert import megatron_layout as layout
 from kit.convert.config import ConvertConfig
-from kit.convert.families import family_for_config
+from kit.convert.families import family_for_config, position_reason
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.sources import source_manifest
@@ -23,11 +23,12 @@ def describe(cfg: ConvertConfig):
     src_man = source_manifest(cfg.source, cfg.direction)
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
-    spec = fam.read_config(reader.config)
+    spec = fam.read_config(reader.config, reader.folder)
     padded = padded_vocab_size(
         spec.vocab_size, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size
     )
     stages = stage_layers(spec.num_layers, cfg.pp, cfg.num_layer_list)
+    why = position_reason(fam.name, reader.config, reader.folder)  # Baichuan2: which file or size decided
     rows = [
         ("family", f"{fam.name} ({fam.notes})"),
         ("layers", spec.num_layers),
@@ -50,7 +51,8 @@ def describe(cfg: ConvertConfig):
                 f"{spec.original_max_position_embeddings} positions"
                 if spec.rope_scaling
                 else ""
-            ),
+            )
+            + (f" ({why})" if why else ""),
         ),
         ("q/k norm (per head, before rotary)", spec.qk_norm),
         (
