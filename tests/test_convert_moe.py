@@ -88,7 +88,7 @@ def test_moe_checkpoint_verifies_both_ways_and_against_transformers(
 
 @pytest.mark.parametrize(
     "tp,pp,ep,flavor,grouped",
-    [(2, 1, 2, "local", False), (1, 2, 4, "local", False), (2, 2, 2, "te", True)],
+    [(2, 1, 2, "local", False), (1, 2, 4, "local", False), (2, 2, 2, "te", True), (2, 1, 2, "local", True)],
 )
 def test_moe_round_trip_and_logits_at_tp_pp_ep(tiny_qwen3_moe_dir, tmp_path, tp, pp, ep, flavor, grouped):
     rt = round_trip(
@@ -100,7 +100,10 @@ def test_moe_round_trip_and_logits_at_tp_pp_ep(tiny_qwen3_moe_dir, tmp_path, tp,
     mr = MegatronReader(rt["megatron"])
     assert (mr.tp, mr.pp, mr.ep) == (tp, pp, ep) and len(mr.files) == tp * pp * ep
     keys = set(mr.state(0, 0, ep - 1)["model"])
-    if grouped:  # TEGroupedMLP: one parameter per local expert; the MoE layer's norm is its own module
+    if grouped and flavor == "local":  # GroupedMLP: weight1 / weight2 hold the EP rank's two experts
+        assert {"decoder.layers.0.mlp.experts.weight1", "decoder.layers.0.mlp.experts.weight2"} <= keys
+        assert not any("local_experts" in k for k in keys)
+    elif grouped:  # TEGroupedMLP: one parameter per local expert; the MoE layer's norm is its own module
         assert {
             "decoder.layers.0.mlp.experts.linear_fc1.weight1",
             "decoder.layers.0.pre_mlp_layernorm.weight",
@@ -221,3 +224,32 @@ def test_megatron_plan_takes_ep_and_the_moe_flags_from_the_manifest(
         "EP sizes that fit this model on 4 ranks with TP2 PP2 (every rule at once): [1]" in p
         for p in small.problems
     ), small.problems
+
+
+def test_grouped_mlp_weights_are_what_megatron_core_multiplies(tiny_qwen3_moe_dir, tmp_path):
+    """GroupedMLP (local spec + --moe-grouped-gemm, MindSpeed-LLM's qwen3_moe layout) computes expert k's fc1 as
+    x @ weight1.view(n, hidden, -1)[k] and fc2 as y @ weight2.view(n, -1, hidden)[k] (megatron-core 0.16
+    experts.py GroupedMLP.forward, gmm with trans_b=False): the rank files must hold [gate_r; up_r].T and down_r.T
+    there. Checked on the raw tensors, without the kit's reader (megatron-core's GroupedMLP needs the grouped_gemm
+    package, which CPU stacks lack)."""
+    out = tmp_path / "g"
+    hf_to_megatron(
+        ConvertConfig(str(tiny_qwen3_moe_dir), str(out), tp=2, ep=2, moe_grouped_gemm=True), progress=False
+    )
+    hf = HFReader(tiny_qwen3_moe_dir)
+    for t in range(2):
+        for e in range(2):
+            model = load_rank_file(out / "iter_0000001" / f"mp_rank_{t:02d}_{e:03d}" / "model_optim_rng.pt")[
+                "model"
+            ]
+            w1 = model["decoder.layers.2.mlp.experts.weight1"]
+            w2 = model["decoder.layers.2.mlp.experts.weight2"]
+            assert w1.shape == (64, 2 * 2 * 16) and w2.shape == (2 * 16, 64)
+            for k in range(2):  # global expert 2e + k, TP rank t's half of its FFN
+                pre = f"model.layers.2.mlp.experts.{2 * e + k}."
+                gate, up, down = (hf.read(pre + f"{n}_proj.weight") for n in ("gate", "up", "down"))
+                rows = slice(16 * t, 16 * (t + 1))
+                assert torch.equal(w1.view(2, 64, -1)[k], torch.cat([gate[rows], up[rows]]).T)
+                assert torch.equal(w2.view(2, -1, 64)[k], down[:, rows].T)
+    assert "--moe-grouped-gemm" in read_manifest(out)["megatron_flags"]
+    assert read_manifest(out)["moe_grouped_gemm"] is True
