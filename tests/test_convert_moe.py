@@ -80,6 +80,13 @@ def test_expert_layout_rank_folders_manifest_and_args(moe_tp2_pp2_ep2, tiny_qwen
 def test_moe_checkpoint_verifies_both_ways_and_against_transformers(
     moe_tp2_pp2_ep2, tiny_qwen3_moe_dir, tmp_path
 ):
+    from kit.convert.tables import describe, layout_table
+
+    table = describe(ConvertConfig(str(tiny_qwen3_moe_dir), "unused", tp=2, pp=2, ep=2))["value"]
+    assert table["experts"] == "4 of FFN 32, top-2 renormalised, aux-loss coefficient 0.001, MoE layers 4/4"
+    assert table["target layout"] == "TP2 x PP2 x EP2, local key names"
+    rows = layout_table(moe_tp2_pp2_ep2)
+    assert len(rows) == 8 and rows["rank file"].iloc[1] == "mp_rank_01_000_000/model_optim_rng.pt"
     v = verify_conversion(tiny_qwen3_moe_dir, moe_tp2_pp2_ep2, tmp_path)
     assert v["passed"], v["table"].to_dict("records")
     assert v["details"]["round_trip"]["bit_exact"] and v["details"]["logits"]["ep"] == 2

@@ -53,6 +53,18 @@ def describe(cfg: ConvertConfig):
             ),
         ),
         ("q/k norm (per head, before rotary)", spec.qk_norm),
+        *(
+            [
+                (
+                    "experts",
+                    f"{spec.num_experts} of FFN {spec.moe_ffn_hidden_size}, top-{spec.moe_router_topk}"
+                    f"{' renormalised' if spec.moe_norm_topk_prob else ''}, aux-loss coefficient "
+                    f"{spec.moe_aux_loss_coeff}, MoE layers {sum(spec.moe_layer_freq)}/{spec.num_layers}",
+                )
+            ]
+            if spec.num_experts
+            else []
+        ),
         (
             "source weights",
             f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",
@@ -64,7 +76,13 @@ def describe(cfg: ConvertConfig):
             if src_man is not None
             else "none (a folder from outside the kit: identified by a hash of its config and shard headers)",
         ),
-        ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
+        (
+            "target layout",
+            f"TP{cfg.tp} x PP{cfg.pp}"
+            + (f" x EP{cfg.ep}" if cfg.ep > 1 else "")
+            + f", {cfg.flavor} key names"
+            + (", grouped GEMM" if cfg.moe_grouped_gemm else ""),
+        ),
         ("layers per stage", [len(s) for s in stages] if stages else "invalid"),
     ]
     return pd.DataFrame(rows, columns=["item", "value"]).set_index("item")
