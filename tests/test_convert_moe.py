@@ -260,3 +260,47 @@ def test_grouped_mlp_weights_are_what_megatron_core_multiplies(tiny_qwen3_moe_di
                 assert torch.equal(w2.view(2, -1, 64)[k], down[:, rows].T)
     assert "--moe-grouped-gemm" in read_manifest(out)["megatron_flags"]
     assert read_manifest(out)["moe_grouped_gemm"] is True
+
+
+def test_a_dense_layer_among_moe_layers_and_the_checks_that_catch_a_wrong_expert(tmp_path):
+    """mlp_only_layers=[1]: layer 1 keeps a dense MLP (mcore keys mlp.linear_fc1/fc2, --moe-layer-freq [1,0,1,1]);
+    swapping two experts of one EP rank keeps every shape and fails the logits check (routing is exercised);
+    a missing EP rank file is named."""
+    import shutil
+
+    from kit.convert.megatron_io import save_rank
+
+    src = fam_models.tiny_hf(
+        tmp_path / "mixed", "qwen3_moe", 17, head_dim=32, num_hidden_layers=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False,
+    )  # fmt: skip
+    rt = round_trip(src, tmp_path, tp=2, pp=2, ep=2)
+    assert rt["bit_exact"] and logits_check(src, rt["megatron"], tolerance=TOL)["passed"]
+    man = read_manifest(rt["megatron"])
+    flags = man["megatron_flags"]
+    assert flags[flags.index("--moe-layer-freq") + 1] == "[1,0,1,1]" and "--moe-router-pre-softmax" in flags
+    assert man["model"]["moe_layer_freq"] == [1, 0, 1, 1] and man["model"]["moe_norm_topk_prob"] is False
+    model = MegatronReader(rt["megatron"]).state(0, 0, 1)["model"]
+    assert (
+        "decoder.layers.1.mlp.linear_fc1.weight" in model
+        and "decoder.layers.1.mlp.router.weight" not in model
+    )
+
+    bad = tmp_path / "swapped"
+    shutil.copytree(rt["megatron"], bad)
+    path = bad / "iter_0000001" / "mp_rank_00_001_000" / "model_optim_rng.pt"
+    state = load_rank_file(path)
+    weights = {k: v.clone() for k, v in state["model"].items()}
+    pre = "decoder.layers.0.mlp.experts.local_experts."  # stage 1's first layer = global layer 2
+    for name in ("linear_fc1.weight", "linear_fc2.weight"):
+        weights[pre + "0." + name], weights[pre + "1." + name] = (
+            weights[pre + "1." + name],
+            weights[pre + "0." + name],
+        )
+    save_rank(path, state["args"], weights)
+    assert not logits_check(src, bad, tolerance=TOL)["passed"]
+    (bad / "iter_0000001" / "mp_rank_01_000_001" / "model_optim_rng.pt").unlink()
+    with pytest.raises(
+        ConversionError, match=r"1 of 8 rank files missing .* TP2 x PP2 x EP2\): mp_rank_01_000_001"
+    ):
+        MegatronReader(bad)
