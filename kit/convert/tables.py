@@ -55,6 +55,18 @@ def describe(cfg: ConvertConfig):
             + (f" ({why})" if why else ""),
         ),
         ("q/k norm (per head, before rotary)", spec.qk_norm),
+        *(
+            [
+                (
+                    "experts",
+                    f"{spec.num_experts} of FFN {spec.moe_ffn_hidden_size}, top-{spec.moe_router_topk}"
+                    f"{' renormalised' if spec.moe_norm_topk_prob else ''}, aux-loss coefficient "
+                    f"{spec.moe_aux_loss_coeff}, MoE layers {sum(spec.moe_layer_freq)}/{spec.num_layers}",
+                )
+            ]
+            if spec.num_experts
+            else []
+        ),
         (
             "source weights",
             f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",
@@ -66,7 +78,13 @@ def describe(cfg: ConvertConfig):
             if src_man is not None
             else "none (a folder from outside the kit: identified by a hash of its config and shard headers)",
         ),
-        ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
+        (
+            "target layout",
+            f"TP{cfg.tp} x PP{cfg.pp}"
+            + (f" x EP{cfg.ep}" if cfg.ep > 1 else "")
+            + f", {cfg.flavor} key names"
+            + (", grouped GEMM" if cfg.moe_grouped_gemm else ""),
+        ),
         ("layers per stage", [len(s) for s in stages] if stages else "invalid"),
     ]
     return pd.DataFrame(rows, columns=["item", "value"]).set_index("item")
@@ -78,14 +96,15 @@ def layout_table(folder: PathLike):
 
     mr = MegatronReader(folder)
     rows = []
-    for (t, p), path in sorted(mr.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        flat = layout.flatten(mr.state(t, p)["model"])
+    for (t, p, e), path in sorted(mr.files.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        flat = layout.flatten(mr.state(t, p, e)["model"])
         layers = {k.split("layers.")[1].split(".")[0] for k in flat if "layers." in k}
         rows.append(
             {
-                "rank file": f"{layout.rank_dir(t, p, mr.pp)}/model_optim_rng.pt",
+                "rank file": f"{layout.rank_dir(t, p, mr.pp, e, mr.ep)}/model_optim_rng.pt",
                 "tp": t,
                 "pp": p,
+                "ep": e,
                 "layers": len(layers),
                 "tensors": len(flat),
                 "MiB": round(path.stat().st_size / 1024**2, 2),
@@ -104,8 +123,9 @@ def plot_layout(folder: PathLike, png: Optional[PathLike] = None):
 
     mr = MegatronReader(folder)
     sizes = np.zeros((mr.pp, mr.tp))
-    for (t, p), path in mr.files.items():
-        sizes[p, t] = path.stat().st_size / 1024**2
+    for (t, p, e), path in mr.files.items():
+        if e == 0:  # EP ranks differ only by their experts: EP rank 0's files stand for the others
+            sizes[p, t] = path.stat().st_size / 1024**2
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * mr.tp, 1.0 + 0.8 * mr.pp))
     im = ax.imshow(sizes, cmap="Blues")
     for (p, t), v in np.ndenumerate(sizes):
