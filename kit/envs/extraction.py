@@ -1,7 +1,6 @@
-"""Safe extraction, one path for every archive: GNU tar writes into an empty temporary folder (it refuses `..`,
-strips a leading `/`, makes links that point up or out only at its end), then the tree must match a member list
-(type, size, hash, link target): a kit archive's last member, or for another tool's archive the one tarfile reads
-from it first, member by member. tarfile extracts nothing, so its 'data' filter is not used."""
+"""Safe extraction, one path for every archive: GNU tar writes into an empty temporary folder, then the tree must
+match a member list (type, size, hash, link target): a kit archive's last member, or for another tool's archive the
+one tarfile reads from it first, member by member (tarfile extracts nothing: its 'data' filter is not used)."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from kit.envs.prefix import (
     gnu_program,
     helper_program,
     inside,
+    scan_tree,
     special_file_error,
 )
 
@@ -298,12 +298,12 @@ def _feed(archive: str, pipe) -> None:
 def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
     """Hash the file each line of `tar -v` names once the next line came (tar prints a name as it starts it);
     only a hint: _check_tree takes the hash recorded for an inode, else hashes the file itself."""
-    careful, previous, top = _makes_devices(), None, os.fsencode(root) + b"/"
+    previous, top = None, os.fsencode(root) + b"/"
     for line in itertools.chain(lines, [None]):
         if previous is not None and not previous.endswith(b"/\n"):
             path = top + previous[:-1]
             try:
-                if not careful or stat.S_ISREG(os.lstat(path).st_mode):  # never open a device file
+                if stat.S_ISREG(os.lstat(path).st_mode):  # never open a device file tar made as root
                     st, digest = _hash(path, hash_name)
                     if stat.S_ISREG(st.st_mode):
                         hashes[st.st_ino] = (st.st_size, digest)
@@ -312,17 +312,6 @@ def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> No
             except OSError:  # not there (a name tar quoted, a link on the way): hashed by _check_tree
                 pass
         previous = line
-
-
-def _makes_devices() -> bool:
-    """Whether tar may still make device files: as root without CAP_SETPCAP, which dropping CAP_MKNOD needs."""
-    if os.geteuid() != 0:
-        return False
-    try:
-        with open("/proc/self/status") as fh:
-            return not next(int(x.split()[1], 16) for x in fh if x.startswith("CapEff:")) & (1 << 8)
-    except (OSError, StopIteration, ValueError):
-        return True
 
 
 def _hash(path: str, hash_name: str) -> tuple:
@@ -343,28 +332,14 @@ def _hash(path: str, hash_name: str) -> tuple:
     return st, h.hexdigest()
 
 
-def _entries(root: str) -> dict:
-    """{name: os.DirEntry} of everything under `root`, links not followed; types and inodes come with the folder
-    listings (no stat per entry)."""
-    out, folders = {}, [(root, "")]
-    while folders:
-        folder, rel = folders.pop()
-        with os.scandir(folder) as it:
-            for entry in it:
-                out[rel + entry.name] = entry
-                if entry.is_dir(follow_symlinks=False):
-                    folders.append((entry.path, f"{rel}{entry.name}/"))
-    return out
-
-
 def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict) -> dict:
     """The tree under `root` must be the member list (types, sizes, hashes, link targets; nothing else but the
     folders that hold them); folders become owner-writable, those tar made unlisted get the usual mode."""
-    found = _entries(root)
-    for name, e in found.items():
-        if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink()):
+    found = {name: (path, st) for name, path, st in scan_tree(root)}
+    for name, (_path, st) in found.items():
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
             raise special_file_error(f"archive member {name!r}", "refusing the archive", EnvArchiveError)
-    _links_stay_inside(root, [e.path for e in found.values() if e.is_symlink()])
+    _links_stay_inside(root, [path for path, st in found.values() if stat.S_ISLNK(st.st_mode)])
     members = trailer.get("members")
     if not isinstance(members, list) or not all(isinstance(m, list) and len(m) == 4 for m in members):
         raise _damaged(archive, "its member list is not a list of [name, type, size, hash or link]")
@@ -374,36 +349,35 @@ def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict)
     counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
     files: dict = {}
     for name, kind, size, extra in members:
-        e = found.pop(name, None)
-        if e is None:
+        if name not in found:
             raise _damaged(archive, f"member {name!r} is listed twice")
-        if kind == "d" and e.is_dir(follow_symlinks=False):
-            mode = e.stat(follow_symlinks=False).st_mode
-            if mode & 0o700 != 0o700:
-                os.chmod(e.path, stat.S_IMODE(mode) | 0o700)
+        path, st = found.pop(name)
+        if kind == "d" and stat.S_ISDIR(st.st_mode):
+            if st.st_mode & 0o700 != 0o700:
+                os.chmod(path, stat.S_IMODE(st.st_mode) | 0o700)
             counts["dirs"] += 1
-        elif kind == "f" and e.is_file(follow_symlinks=False):
-            got, digest = hashes.get(e.inode()) or (e.stat(follow_symlinks=False).st_size, None)
+        elif kind == "f" and stat.S_ISREG(st.st_mode):
+            got, digest = hashes.get(st.st_ino) or (st.st_size, None)
             if got != size:
                 raise _damaged(archive, f"member {name!r} has {got} bytes where the member list has {size}")
-            if (digest or _hash(e.path, hash_name)[1]) != extra:
+            if (digest or _hash(path, hash_name)[1]) != extra:
                 raise _damaged(archive, f"member {name!r} differs from its hash (damaged data)")
-            files[name] = e.inode()
+            files[name] = st.st_ino
             counts["files"] += 1
             counts["bytes"] += size
-        elif kind == "l" and e.is_symlink() and os.readlink(e.path) == extra:
+        elif kind == "l" and stat.S_ISLNK(st.st_mode) and os.readlink(path) == extra:
             counts["symlinks"] += 1
-        elif kind == "h" and e.is_file(follow_symlinks=False) and files.get(extra) == e.inode():
+        elif kind == "h" and stat.S_ISREG(st.st_mode) and files.get(extra) == st.st_ino:
             counts["hardlinks"] += 1
         else:
             raise _damaged(archive, f"member {name!r} is not the {kind!r} member the member list describes")
-    extra = [name for name, e in found.items() if not e.is_dir(follow_symlinks=False)]
+    extra = [name for name, (_path, st) in found.items() if not stat.S_ISDIR(st.st_mode)]
     if extra:
         raise _damaged(archive, f"{len(extra)} member(s) are not in the member list, e.g. {extra[0]!r}")
     mode = 0o777 & ~current_umask()  # tar ran with umask 0
-    for e in found.values():
-        if stat.S_IMODE(e.stat(follow_symlinks=False).st_mode) != mode:
-            os.chmod(e.path, mode)
+    for path, st in found.values():
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
     return counts
 
 
