@@ -1,9 +1,6 @@
-"""Jupyter kernels for envs, carrying the CANN environment from set_env.sh, kept on persistent storage.
-
-A kernel does not run a login shell, so `source set_env.sh` in .bashrc never reaches it, and LD_LIBRARY_PATH
-is read by the loader at process start (setting it in a cell is too late for libascendcl.so). The variables
-set_env.sh exports are therefore captured once with bash and written, fully expanded, into kernel.json's env.
-"""
+"""Jupyter kernels for envs, kept on persistent storage, carrying the CANN environment: a kernel runs no login shell
+and the loader reads LD_LIBRARY_PATH at process start, so what set_env.sh exports is captured once with bash and
+written, fully expanded, into kernel.json's env."""
 
 from __future__ import annotations
 
@@ -128,11 +125,8 @@ def register_kernel(
     set_env_scripts: Union[str, Sequence[Union[str, Path]], None] = "auto",
     envs_root: Optional[Union[str, Path]] = None,
 ) -> dict:
-    """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user.
-
-    set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
-    Only CANN's variables are copied (see select_cann); the names of the others are returned under "not_copied".
-    """
+    """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user, with
+    CANN's variables from set_env_scripts ("auto": found, a list, or None); other variables' names: "not_copied"."""
     check_name(name, "kernel name")
     prefix = Path(prefix).expanduser().absolute()
     python = prefix / "bin" / "python"
