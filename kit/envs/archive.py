@@ -1,6 +1,7 @@
 """Writing env archives: tar (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
 Hand-written only what buys safety or measured speed: a manifest first, a member list with sizes and hashes last,
-and the common tar header in one struct call (byte for byte tarfile's, whose own path costs a sixth of pack's CPU).
+and the tar headers in one struct call each (byte for byte tarfile's, GNU long names included: tarfile's own path
+costs 12 us a member, a sixth of pack's CPU on small files; numbers too big for octal are left to it).
 
 Layout (any tar reads it): `.kit-env.json` (kit_archive=2, kind, name, old prefix, hash algorithm), the env's
 members in walk order, `.kit-env-members.json` (every member as [name, type, size, hash or link target], and the
@@ -160,25 +161,38 @@ _HEADER = struct.Struct("100s8s8s8s12s12s8sc100s8s32s32s8s8s155s12x")
 _FIXED = sum(b" " * 8 + tarfile.GNU_MAGIC)  # the checksum field counts as spaces
 
 
+def _block(
+    name: bytes, kind: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, link: bytes
+) -> bytes:
+    numbers = (b"%07o" % mode, b"%07o" % uid, b"%07o" % gid, b"%011o" % size, b"%011o" % mtime)
+    chk = _FIXED + kind[0] + sum(name) + sum(link) + sum(map(sum, numbers))  # NUL padding adds nothing
+    return _HEADER.pack(
+        name, *numbers, b"%06o\0 " % chk, kind, link, tarfile.GNU_MAGIC, b"", b"", b"", b"", b""
+    )
+
+
+def _long(data: bytes, kind: bytes) -> bytes:
+    """GNU's member that carries a name or link target over 100 bytes, before the header that uses it."""
+    data += b"\0"
+    return _block(b"././@LongLink", kind, 0, 0, 0, len(data), 0, b"") + data + bytes(-len(data) % 512)
+
+
 def tar_header(
     name: str, kind: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, link: str = ""
 ) -> bytes:
-    """The header tarfile writes for this member in GNU format (tests compare them byte for byte); names or links
-    over 100 bytes and numbers too big for the octal fields are left to tarfile."""
+    """The header block(s) tarfile writes for this member in GNU format (tests compare them byte for byte)."""
     if kind == tarfile.DIRTYPE and not name.endswith("/"):
         name += "/"
-    raw, target = name.encode("utf-8", "surrogateescape"), link.encode("utf-8", "surrogateescape")
-    small = 0 <= min(uid, gid, size, mtime) and max(uid, gid) < 1 << 21 and max(size, mtime) < 1 << 33
-    if not small or len(raw) > 100 or len(target) > 100:
-        info = tarfile.TarInfo(name)
+    if not (0 <= min(uid, gid, size, mtime) and max(uid, gid) < 1 << 21 and max(size, mtime) < 1 << 33):
+        info = tarfile.TarInfo(name)  # numbers in base-256: left to tarfile
         info.type, info.mode, info.uid, info.gid = kind, mode, uid, gid
         info.size, info.mtime, info.linkname = size, mtime, link
         return info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
-    numbers = (b"%07o" % (mode & 0o7777), b"%07o" % uid, b"%07o" % gid, b"%011o" % size, b"%011o" % mtime)
-    chk = _FIXED + kind[0] + sum(raw) + sum(target) + sum(map(sum, numbers))  # NUL padding adds nothing
-    return _HEADER.pack(
-        raw, *numbers, b"%06o\0 " % chk, kind, target, tarfile.GNU_MAGIC, b"", b"", b"", b"", b""
-    )
+    raw, target = name.encode("utf-8", "surrogateescape"), link.encode("utf-8", "surrogateescape")
+    out = _long(target, tarfile.GNUTYPE_LONGLINK) if len(target) > 100 else b""
+    if len(raw) > 100:
+        out += _long(raw, tarfile.GNUTYPE_LONGNAME)
+    return out + _block(raw[:100], kind, mode & 0o7777, uid, gid, size, mtime, target[:100])
 
 
 class ArchiveWriter:

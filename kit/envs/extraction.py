@@ -26,7 +26,6 @@ from kit.envs.prefix import (
     gnu_program,
     helper_program,
     inside,
-    scan_tree,
     special_file_error,
 )
 
@@ -332,14 +331,28 @@ def _hash(path: str, hash_name: str) -> tuple:
     return st, h.hexdigest()
 
 
+def _entries(root: str) -> dict:
+    """{name: os.DirEntry} of everything under `root`, links not followed; types and inodes come with the folder
+    listings (no stat per entry)."""
+    out, folders = {}, [(root, "")]
+    while folders:
+        folder, rel = folders.pop()
+        with os.scandir(folder) as it:
+            for entry in it:
+                out[rel + entry.name] = entry
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append((entry.path, f"{rel}{entry.name}/"))
+    return out
+
+
 def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict) -> dict:
     """The tree under `root` must be the member list (types, sizes, hashes, link targets; nothing else but the
     folders that hold them); folders become owner-writable, those tar made unlisted get the usual mode."""
-    found = {name: (path, st) for name, path, st in scan_tree(root)}
-    for name, (_path, st) in found.items():
-        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+    found = _entries(root)
+    for name, e in found.items():
+        if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink()):
             raise special_file_error(f"archive member {name!r}", "refusing the archive", EnvArchiveError)
-    _links_stay_inside(root, [path for path, st in found.values() if stat.S_ISLNK(st.st_mode)])
+    _links_stay_inside(root, [e.path for e in found.values() if e.is_symlink()])
     members = trailer.get("members")
     if not isinstance(members, list) or not all(isinstance(m, list) and len(m) == 4 for m in members):
         raise _damaged(archive, "its member list is not a list of [name, type, size, hash or link]")
@@ -349,35 +362,36 @@ def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict)
     counts = {"files": 0, "dirs": 0, "symlinks": 0, "hardlinks": 0, "bytes": 0}
     files: dict = {}
     for name, kind, size, extra in members:
-        if name not in found:
+        e = found.pop(name, None)
+        if e is None:
             raise _damaged(archive, f"member {name!r} is listed twice")
-        path, st = found.pop(name)
-        if kind == "d" and stat.S_ISDIR(st.st_mode):
-            if st.st_mode & 0o700 != 0o700:
-                os.chmod(path, stat.S_IMODE(st.st_mode) | 0o700)
+        if kind == "d" and e.is_dir(follow_symlinks=False):
+            mode = e.stat(follow_symlinks=False).st_mode
+            if mode & 0o700 != 0o700:
+                os.chmod(e.path, stat.S_IMODE(mode) | 0o700)
             counts["dirs"] += 1
-        elif kind == "f" and stat.S_ISREG(st.st_mode):
-            got, digest = hashes.get(st.st_ino) or (st.st_size, None)
+        elif kind == "f" and e.is_file(follow_symlinks=False):
+            got, digest = hashes.get(e.inode()) or (e.stat(follow_symlinks=False).st_size, None)
             if got != size:
                 raise _damaged(archive, f"member {name!r} has {got} bytes where the member list has {size}")
-            if (digest or _hash(path, hash_name)[1]) != extra:
+            if (digest or _hash(e.path, hash_name)[1]) != extra:
                 raise _damaged(archive, f"member {name!r} differs from its hash (damaged data)")
-            files[name] = st.st_ino
+            files[name] = e.inode()
             counts["files"] += 1
             counts["bytes"] += size
-        elif kind == "l" and stat.S_ISLNK(st.st_mode) and os.readlink(path) == extra:
+        elif kind == "l" and e.is_symlink() and os.readlink(e.path) == extra:
             counts["symlinks"] += 1
-        elif kind == "h" and stat.S_ISREG(st.st_mode) and files.get(extra) == st.st_ino:
+        elif kind == "h" and e.is_file(follow_symlinks=False) and files.get(extra) == e.inode():
             counts["hardlinks"] += 1
         else:
             raise _damaged(archive, f"member {name!r} is not the {kind!r} member the member list describes")
-    extra = [name for name, (_path, st) in found.items() if not stat.S_ISDIR(st.st_mode)]
+    extra = [name for name, e in found.items() if not e.is_dir(follow_symlinks=False)]
     if extra:
         raise _damaged(archive, f"{len(extra)} member(s) are not in the member list, e.g. {extra[0]!r}")
     mode = 0o777 & ~current_umask()  # tar ran with umask 0
-    for path, st in found.values():
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(path, mode)
+    for e in found.values():
+        if stat.S_IMODE(e.stat(follow_symlinks=False).st_mode) != mode:
+            os.chmod(e.path, mode)
     return counts
 
 

@@ -196,9 +196,19 @@ def scan_prefix(data: bytes, old: bytes) -> bool:
 
 def holds_prefix(path: str, size: int, old: bytes) -> bool:
     """scan_prefix() of the file at `path`; a binary is read no further than its first 8 KiB."""
-    with os.fdopen(open_source(path, size, "copied"), "rb") as fh:
-        head = fh.read(_HEAD)
-        return b"\0" not in head and old in head + fh.read()
+    fd = open_source(path, size, "copied")
+    try:
+        data = os.read(fd, min(size, _HEAD))
+        if data.find(b"\0") >= 0:
+            return False
+        while len(data) < size:
+            more = os.read(fd, size - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    return old in data
 
 
 def rewrite_prefix_files(
