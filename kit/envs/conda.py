@@ -263,8 +263,10 @@ def register_envs_root(
 ) -> dict:
     """Make conda envs under <envs_root>/user_conda usable by name (`conda activate <name>`), now and after
     every restore(): the registration is recorded on persistent storage and re-applied there."""
+    from kit.envs.kernels import read_json_object
+
     layout = get_layout(envs_root)
-    state = json.loads(layout.state.read_text(encoding="utf-8")) if layout.state.exists() else {}
+    state = read_json_object(layout.state) if layout.state.exists() else {}
     dirs = state.setdefault("envs_dirs", [])
     if str(layout.conda) not in dirs:
         dirs.append(str(layout.conda))

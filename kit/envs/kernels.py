@@ -174,11 +174,12 @@ def stored_kernels(envs_root: Optional[Union[str, Path]] = None) -> dict:
     folder = get_layout(envs_root).kernels
     out = {}
     for spec in sorted(folder.glob("*/kernel.json")) if folder.is_dir() else []:
-        out[spec.parent.name] = _read_spec(spec)
+        out[spec.parent.name] = read_json_object(spec)
     return out
 
 
-def _read_spec(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path` (a kernel.json, or the envs root's kit-envs.json); EnvError saying how to mend it."""
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -187,7 +188,7 @@ def _read_spec(path: Path) -> dict:
             f"with `python -m kit env kernel`) and run the command again."
         ) from exc
     if not isinstance(spec, dict):
-        raise EnvError(f"{path} does not hold a kernelspec object; delete it and register the kernel again.")
+        raise EnvError(f"{path} does not hold a JSON object; delete or fix it (a kernel: register it again).")
     return spec
 
 
@@ -205,7 +206,7 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
             report["skipped"][name] = f"env python {python} is missing (env removed or not unpacked yet)"
             continue
         try:  # a missing or damaged installed copy is replaced by the stored one
-            if _read_spec(target_root / name / "kernel.json") == spec:
+            if read_json_object(target_root / name / "kernel.json") == spec:
                 report["unchanged"].append(name)
                 continue
         except (OSError, EnvError):
@@ -213,7 +214,7 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
         install_stored(layout.kernels / name)
         report["installed"].append(name)
     if layout.state.exists():
-        for folder in _read_spec(layout.state).get("envs_dirs", []):
+        for folder in read_json_object(layout.state).get("envs_dirs", []):
             result = register_envs_dir(folder, condarc)
             report["condarc"] = result["condarc"]
             if result["added"]:
