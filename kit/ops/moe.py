@@ -62,9 +62,14 @@ def _sort_by_expert(indices, num_experts: int):
 
 
 def _combine(expert_out, order, weights):
-    """Back to (token, slot) order, times the routing weights, summed over the k slots -> [N, H]."""
+    """Back to (token, slot) order, times the routing weights, summed over the k slots -> [N, H].
+
+    A gather by the inverse permutation (measured faster on CPU, forward + backward, than an index_copy by
+    `order` or an index_add by token), then a sum over k: deterministic on every device."""
     n, k = weights.shape
-    slots = expert_out.new_empty(expert_out.shape).index_copy(0, order, expert_out)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    slots = expert_out.index_select(0, inverse)
     return (slots.view(n, k, -1) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
 
 
@@ -79,7 +84,7 @@ def moe_experts(x, indices, weights, gate_up, down, backend: Optional[str] = Non
         return _npu_experts(x, indices, weights, gate_up, down)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    permuted = x[order // indices.shape[1]]
+    permuted = x.index_select(0, order // indices.shape[1])
     if _grouped_mm(permuted, gate_up) is not None and _grouped_mm(permuted, down) is not None:
         # one kernel per projection over all experts; offsets = the end row of each expert's slice
         offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, dtype=torch.int32)
@@ -124,7 +129,7 @@ def moe_expert_modules(x, indices, weights, experts: Sequence) -> torch.Tensor:
     Portable on every device: stacking the per-expert weights for a grouped matmul would copy them every call.
     """
     order, counts = _sort_by_expert(indices, len(experts))
-    permuted = x[order // indices.shape[1]]
+    permuted = x.index_select(0, order // indices.shape[1])
     outs = [experts[e](rows) for e, rows in enumerate(permuted.split(counts)) if rows.shape[0]]
     out = torch.cat(outs) if outs else permuted.new_zeros(0, x.shape[-1])
     return _combine(out, order, weights).to(x.dtype)
