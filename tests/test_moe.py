@@ -70,10 +70,13 @@ def _run(block, x, grad):
     return hidden, seen[0], x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
-@pytest.mark.parametrize("backend", ["torch", "npu"])
+@pytest.mark.parametrize("backend", ["torch", "torch-loop", "npu"])
 @pytest.mark.parametrize("norm", [True, False])
 def test_kit_block_equals_hf_outputs_gradients_and_router_logits(backend, norm, monkeypatch):
     standin_ops.CALLS.clear()
+    if backend == "torch-loop":  # torch < 2.9 (or unaligned weights): one matmul pair per expert
+        monkeypatch.setattr(kit_moe, "_grouped_mm", lambda x, weight: None)
+        backend = "torch"
     block = _hf_block(norm)
     kit = _kit_block(block)
     gen = torch.Generator().manual_seed(1)
@@ -97,6 +100,49 @@ def test_kit_block_equals_hf_outputs_gradients_and_router_logits(backend, norm, 
         with use_backend("npu"), torch.no_grad():
             torch.testing.assert_close(kit(x), block(x), atol=1e-5, rtol=1e-5)
         assert _called("npu_moe_gating_top_k_softmax")  # inference: softmax + top-k in one kernel
+
+
+def test_the_modulelist_layout_of_transformers_4_51_to_4_57(monkeypatch):
+    """Linear router + ModuleList of expert MLPs, the block returning (hidden, router_logits): against a loop over
+    tokens (transformers 4.5x itself is not installed here), on both backends."""
+    fam_models.require("qwen3_moe")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    from kit.adapt.moe import is_moe_block, moe_block_forward
+
+    class Qwen3MoeSparseMoeBlock(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts, self.top_k, self.norm_topk_prob = 8, 2, True
+            self.gate = torch.nn.Linear(64, 8, bias=False)
+            self.experts = torch.nn.ModuleList(Qwen3MoeMLP(config, intermediate_size=32) for _ in range(8))
+
+    torch.manual_seed(5)
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=64))
+    assert is_moe_block(block)
+    x = torch.randn(1, 24, 64)
+
+    def reference(x):
+        flat = x.reshape(-1, 64)
+        logits = block.gate(flat)
+        weights, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), 2, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        rows = [
+            sum(weights[t, j] * block.experts[int(idx[t, j])](flat[t]) for j in range(2)) for t in range(24)
+        ]
+        return torch.stack(rows).reshape(x.shape), logits
+
+    want = reference(x)
+    grads_want = torch.autograd.grad(want[0].square().sum(), list(block.parameters()))
+    install(monkeypatch)
+    for backend in ("torch", "npu"):
+        with use_backend(backend):
+            got = moe_block_forward(block, x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        grads = torch.autograd.grad(got[0].square().sum(), list(block.parameters()))
+        for a, b in zip(grads, grads_want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_on_the_standin_uses_grouped_matmul_add_for_expert_gradients(monkeypatch):

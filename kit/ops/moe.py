@@ -118,8 +118,9 @@ def _grouped_mm(x, weight):
     if x.device.type == "cpu":
         aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
         return fn if _TORCH >= (2, 11) or aligned else None
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0):
-        return fn
+    # CUDA: sm80+, and bf16 only (the dtype torch's CUDA grouped matmul was introduced for; not run here)
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+        return fn if torch.cuda.get_device_capability(x.device) >= (8, 0) else None
     return None
 
 
