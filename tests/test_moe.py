@@ -306,7 +306,7 @@ def test_train_full_and_lora_loss_falls_and_the_export_holds_what_was_trained(
         assert changed == set(base)  # experts, routers, attention, norms, embeddings: every tensor trained
 
 
-def test_dense_model_with_a_router_aux_loss_coefficient_is_refused():
+def test_a_router_aux_loss_for_a_dense_model_and_lora_on_the_router_are_refused():
     from kit.errors import InputError
     from kit.train import TrainConfig
     from kit.train.engine import _router_aux_loss
@@ -316,6 +316,13 @@ def test_dense_model_with_a_router_aux_loss_coefficient_is_refused():
     with pytest.raises(InputError, match="no routed experts"):
         _router_aux_loss(dense, cfg)
     assert any("ROUTER_AUX_LOSS_COEF=-1" in p for p in TrainConfig(router_aux_loss_coef=-1).problems(False))
+    from kit.adapt.moe import lora_target_problems
+
+    moe = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=4, router_aux_loss_coef=0.001))
+    assert (
+        lora_target_problems(moe, ["q_proj", "v_proj"]) == [] and lora_target_problems(dense, ["gate"]) == []
+    )
+    assert "'gate' is the router" in lora_target_problems(moe, ["q_proj", "gate"])[0]
 
 
 MOE_KERNELS = [  # (name, type, core, us): what a Qwen3-MoE step on NPU adds to kernel_details.csv

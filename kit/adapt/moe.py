@@ -89,3 +89,21 @@ def router_aux_loss_coef(model, coef) -> float:
         value  # Qwen3MoeForCausalLM.forward reads this attribute (set from the config)
     )
     return value
+
+
+NO_LORA = ("gate", "experts")  # the router, and transformers 5's fused experts (see docs/adapt.md, MoE)
+
+
+def lora_target_problems(model, targets) -> list:
+    """LoRA targets a MoE model should not get, each with the reason: the router (its LoRA would move the load
+    balance the aux loss keeps) and the experts module (fused parameters: peft cannot wrap them as modules, and the
+    adapted block reads them directly)."""
+    if not is_moe_model(model):
+        return []
+    bad = [t for t in targets if t in NO_LORA]
+    if not bad:
+        return []
+    return [
+        f"LORA_TARGETS {bad}: in a MoE model 'gate' is the router and 'experts' the fused experts, which get no "
+        "LoRA adapters (docs/adapt.md, Mixture of experts); target the attention projections (the default)."
+    ]

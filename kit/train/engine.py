@@ -207,6 +207,13 @@ def build_model(cfg, torch_dtype=None):
     if cfg.run_type == "lora":
         from peft import LoraConfig, get_peft_model
 
+        from kit.adapt.moe import lora_target_problems
+
+        problems = lora_target_problems(model, cfg.lora_targets)
+        if problems:
+            from kit.errors import InputError
+
+            raise InputError(problems[0])
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         missing = [t for t in cfg.lora_targets if t not in names]
         if missing:
