@@ -1,4 +1,4 @@
-"""Benchmark kit.ops on this machine: overhead vs the torch expression each op wraps, attention vs eager, masks.
+"""Benchmark kit.ops on this machine: overhead vs the torch expression each op wraps, attention vs eager, MoE, masks.
 
 Run: .venv/bin/python benchmarks/bench_ops.py [--quick]   (a few minutes on 2 CPU cores, --quick about one; every
 figure is a ratio against a baseline measured in the same run, best of alternated repeats). On an NPU the same
@@ -201,6 +201,86 @@ def bench_attention() -> None:
     )
 
 
+MOE_SHAPE = dict(tokens=512, hidden=256, experts=8, top_k=2, inter=128)
+
+
+def _moe_block(experts_implementation):
+    """HF's Qwen3MoeSparseMoeBlock (MOE_SHAPE, random weights) with the given experts implementation."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as modeling
+
+    s = MOE_SHAPE
+    config = Qwen3MoeConfig(
+        hidden_size=s["hidden"],
+        num_experts=s["experts"],
+        num_experts_per_tok=s["top_k"],
+        moe_intermediate_size=s["inter"],
+        norm_topk_prob=True,
+    )
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
+    block = modeling.Qwen3MoeSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return block.to(DEVICE)
+
+
+def bench_moe() -> None:
+    """Qwen3-MoE sparse block, forward + backward: the kit's (kit.adapt.moe) vs HF's on the same weights.
+
+    CPU: the kit sorts the token-expert pairs by expert once (one gather in, one weighted sum out) and runs each
+    projection for all experts as one torch grouped matmul (torch >= 2.9; else two matmuls per expert on its
+    slice); HF's eager experts do a `where`, a gather and an `index_add_` per expert, transformers 5's default
+    `grouped_mm` a sort, the grouped matmuls, a histogram and an inverse permutation. On NPU
+    the kit block runs torch_npu kernels instead: `npu_moe_token_permute` (the gather), `npu_grouped_matmul` x 2
+    with `npu_grouped_matmul_add_` for the expert weight gradients (the per-expert matmuls), `npu_swiglu` and
+    `npu_moe_token_unpermute` (the weighted sum); `npu_moe_gating_top_k_softmax` replaces softmax + top-k where
+    no gradient is needed (evaluation).
+    """
+    import copy
+    import types
+
+    try:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
+    except ImportError:
+        print("\n== MoE block: skipped, this transformers has no qwen3_moe ==")
+        return
+    from kit.adapt.moe import moe_block_forward, prepare_block
+
+    s = MOE_SHAPE
+    print(
+        f"\n== Qwen3-MoE block, forward + backward ({s['tokens']} tokens, hidden {s['hidden']}, {s['experts']} "
+        f"experts top-{s['top_k']}, expert width {s['inter']}): kit vs HF (goal: speed >= x1.0) =="
+    )
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, s["tokens"], s["hidden"], generator=g).to(DEVICE).requires_grad_(True)
+    dy = torch.randn(1, s["tokens"], s["hidden"], generator=g).to(DEVICE)
+    fused = hasattr(_moe_block(None).experts, "gate_up_proj")  # transformers >= 5
+
+    def step(block):
+        out = block(x)
+        (out[0] if isinstance(out, tuple) else out).backward(dy)
+
+    for impl in ("eager", "grouped_mm") if fused else (None,):
+        hf = _moe_block(impl)
+        kit = copy.deepcopy(hf)
+        prepare_block(kit)
+        kit.forward = types.MethodType(moe_block_forward, kit)
+        label = f"HF block, experts {impl}" if impl else "HF block"
+        row(
+            "Qwen3-MoE block fwd+bwd",
+            lambda kit=kit: step(kit),
+            lambda hf=hf: step(hf),
+            label,
+            goal=1.0,
+            code=f"Qwen3MoeSparseMoeBlock.forward + backward ({label})",
+            repeat=40,  # ~10 ms calls against the same algorithm (grouped_mm): more samples, 3 calls each
+            inner=3,
+        )
+
+
 def bench_masks(size: int = 2048) -> None:
     print(f"\n== causal mask {size}x{size}: the seed's three ways ==")
     dev = DEVICE
@@ -253,4 +333,5 @@ if __name__ == "__main__":
     )
     bench_overhead()
     bench_attention()
+    bench_moe()
     bench_masks()

@@ -1,11 +1,11 @@
-"""Route transformers-native models (Llama, Qwen2/3, Mistral, GLM-4) through kit ops.
+"""Route transformers-native models (Llama, Qwen2/3, Qwen3-MoE, Mistral, GLM-4) through kit ops.
 
 `adapt_model(model)` switches attention to kit attention (transformers' AttentionInterface where it exists, the
 flash-attention-2 path on transformers 4.44-4.47, see `kit.adapt.attention`), merges each SwiGLU MLP's gate/up
-projections once, and swaps RMSNorm / SwiGLU MLP / rotary for the fused kit ops after checking, on a probe input
-on the device the model will train on (the NPU when there is one, even while the model is still on CPU), that
-each swap gives the same numbers. Packed samples (position_ids restarting inside a row) and padding run as TND
-varlen attention, so no attention crosses dialogs.
+projections once, runs Qwen3-MoE sparse blocks through kit.ops.moe (`kit.adapt.moe`), and swaps RMSNorm / SwiGLU
+MLP / rotary for the fused kit ops after checking, on a probe input on the device the model will train on (the NPU
+when there is one, even while the model is still on CPU), that each swap gives the same numbers. Packed samples
+(position_ids restarting inside a row) and padding run as TND varlen attention, so no attention crosses dialogs.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from kit.adapt.attention import (
     use_fa2_path,
 )
 from kit.adapt.mlp import fused_mlp_forward, merge_gate_up, merged_mlp_forward
+from kit.adapt.moe import is_moe_block, moe_block_forward, prepare_block
 from kit.ops import fused as kit_fused
 from kit.ops.backend import resolve, use_backend
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "glm")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm")
 __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_MODEL_TYPES",
@@ -52,6 +53,7 @@ class AdaptReport:
     attention_modules: int = 0
     rms_norms: int = 0
     mlps: int = 0
+    moe_blocks: int = 0  # sparse MoE blocks (router + experts) now running kit.ops.moe
     rotary: list = field(default_factory=list)  # modeling modules whose apply_rotary_pos_emb now uses kit
     backend: str = "torch"  # where kit ops run for this model: "npu" (torch_npu kernels) or "torch"
     probe_device: str = "cpu"  # where the swaps were checked against the original modules
@@ -67,6 +69,8 @@ def _rms_forward(self, hidden_states):
 
 
 def _same(a, b) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):  # e.g. a MoE block's (hidden, router_logits)
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     # fused NPU kernels are not bit-identical: the issue's parity bar is 1e-5 (fp32) / 1e-2 (bf16, fp16)
     tol = 1e-5 if a.dtype in (torch.float32, torch.float64) else 1e-2
     return a.shape == b.shape and bool(torch.allclose(a.float().cpu(), b.float().cpu(), rtol=tol, atol=tol))
@@ -261,6 +265,15 @@ def adapt_model(
             if _adapted(module) or prober.check(module, _rms_forward, module.weight.shape[-1], name):
                 _set_forward(module, _rms_forward)
                 report.rms_norms += 1
+        elif mlp and is_moe_block(module):
+            if hidden_act not in ("silu", "swish"):
+                report.skipped.append(f"{name}: hidden_act={hidden_act!r} is not SwiGLU; kept original")
+            elif _adapted(module) or prober.check(
+                module, moe_block_forward, config.hidden_size, name, prepare=prepare_block
+            ):
+                prepare_block(module)
+                _set_forward(module, moe_block_forward)
+                report.moe_blocks += 1
         elif mlp and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj")):
             if hidden_act not in ("silu", "swish"):
                 report.skipped.append(f"{name}: hidden_act={hidden_act!r} is not SwiGLU; kept original")

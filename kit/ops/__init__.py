@@ -18,6 +18,7 @@ from kit.ops.fused import (
     silu_mul,
     swiglu,
 )
+from kit.ops.moe import moe_expert_modules, moe_experts, moe_route
 from kit.ops.parity import parity_report
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "compressed_causal_mask",
     "fast_gelu",
     "fusion_attention",
+    "moe_expert_modules",
+    "moe_experts",
+    "moe_route",
     "parity_report",
     "resolve_backend",
     "rms_norm",

@@ -10,6 +10,7 @@ from typing import Optional, Union
 
 import pandas as pd
 
+from kit.profiling.moe import moe_operators
 from kit.profiling.profile_data import ProfileData
 from kit.profiling.tables import step_breakdown
 
@@ -72,6 +73,9 @@ class Advice:
         if self.data.notes:
             lines += ["", "## Notes while reading", ""] + [f"- {n}" for n in self.data.notes]
         lines += ["", f"## Top {top} operators by total time", "", markdown_table(self.operators.head(top))]
+        moe = moe_operators(self.data)
+        if len(moe):
+            lines += ["", "## MoE operators", "", markdown_table(moe)]
         st = step_breakdown(self.data)
         if len(st):
             lines += ["", "## Steps", "", markdown_table(st)]
@@ -87,6 +91,7 @@ class Advice:
             for f in sorted(self.findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 9))
         )
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.data.notes)
+        moe = moe_operators(self.data)
         warns = "".join(f"<li>{html.escape(w)}</li>" for w in self.data.warnings + self.data.row_summary())
         return (
             f"<html><head><meta charset='utf-8'><title>Profile advice</title></head><body>"
@@ -95,7 +100,8 @@ class Advice:
             + (f"<h2>Damaged or invalid input</h2><ul>{warns}</ul>" if self.data.warnings else "")
             + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
             + f"<h2>Top {top} operators</h2>{self.operators.head(top).to_html(index=False, float_format='%.1f')}"
-            "</body></html>"
+            + (f"<h2>MoE operators</h2>{moe.to_html(index=False, float_format='%.1f')}" if len(moe) else "")
+            + "</body></html>"
         )
 
     def summary(self, files: Optional[dict] = None) -> dict:
@@ -122,6 +128,7 @@ class Advice:
             "capture": self.data.meta.get("capture", {}),
             "top_operators": json.loads(self.operators.head(20).to_json(orient="records")),
             "steps": json.loads(step_breakdown(self.data).to_json(orient="records")),
+            "moe_operators": json.loads(moe_operators(self.data).to_json(orient="records")),
         }
 
     def save(self, folder: Union[str, Path], overwrite: bool = False) -> dict:

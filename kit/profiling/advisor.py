@@ -14,6 +14,7 @@ from typing import Optional
 
 import pandas as pd
 
+from kit.profiling.moe import moe_rule
 from kit.profiling.profile_data import ProfileData
 from kit.profiling.tables import compute_kernels, operator_table, step_breakdown
 
@@ -348,5 +349,5 @@ def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
         findings += cast_rule(by_type, th) + aicpu_rule(by_name, th)
         if len(data.kernels):
             findings += ratio_rule(data, by_name, th) + block_dim_rule(data, by_name, th)
-    findings += step_rules(data, th) + top_rule(by_type, th)
+    findings += step_rules(data, th) + top_rule(by_type, th) + moe_rule(data)
     return Advice(data=data, findings=findings, operators=by_type, thresholds=th)

@@ -148,6 +148,9 @@ class TrainConfig:
     """LoRA dropout."""
     lora_targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Modules that get LoRA adapters."""
+    router_aux_loss_coef: Optional[float] = None
+    """MoE models: weight of the router's load-balancing loss in the training loss (None: the model's own
+    router_aux_loss_coef; 0: off)."""
     save_hf: bool = True
     """At the end, save a plain HF folder (LoRA: merged weights) beside the checkpoints."""
     overwrite: bool = False
@@ -275,6 +278,11 @@ class TrainConfig:
             p.append(
                 f"LoRA needs LORA_R >= 1, LORA_ALPHA >= 1, 0 <= LORA_DROPOUT < 1 and LORA_TARGETS non-empty "
                 f"(got {self.lora_r}, {self.lora_alpha}, {self.lora_dropout}, {self.lora_targets})."
+            )
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            p.append(
+                f"ROUTER_AUX_LOSS_COEF={self.router_aux_loss_coef} must be >= 0 (0 turns the router's "
+                "auxiliary loss off; None takes the model's router_aux_loss_coef)."
             )
         if self.obs_home and not (self.obs_home.startswith("obs://") and self.obs_home[6:].strip("/")):
             p.append(

@@ -202,10 +202,18 @@ def build_model(cfg, torch_dtype=None):
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws random numbers
     model = load_causal_lm(cfg.model_path, torch_dtype)
     model.config.use_cache = False
+    _router_aux_loss(model, cfg)
     report = adapt(model) if cfg.adapt else None
     if cfg.run_type == "lora":
         from peft import LoraConfig, get_peft_model
 
+        from kit.adapt.moe import lora_target_problems
+
+        problems = lora_target_problems(model, cfg.lora_targets)
+        if problems:
+            from kit.errors import InputError
+
+            raise InputError(problems[0])
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         missing = [t for t in cfg.lora_targets if t not in names]
         if missing:
@@ -222,6 +230,21 @@ def build_model(cfg, torch_dtype=None):
         )
         model = get_peft_model(model, lora)
     return model, report
+
+
+def _router_aux_loss(model, cfg) -> None:
+    """MoE models get the run's router aux-loss coefficient (kit.adapt.moe); a dense model given one is refused."""
+    from kit.adapt.moe import is_moe_model, router_aux_loss_coef
+
+    if is_moe_model(model):
+        router_aux_loss_coef(model, cfg.router_aux_loss_coef)
+    elif cfg.router_aux_loss_coef is not None:
+        from kit.errors import InputError
+
+        raise InputError(
+            f"ROUTER_AUX_LOSS_COEF={cfg.router_aux_loss_coef} is set, but {cfg.model_path} has no routed experts "
+            "(config.num_experts); leave it None for a dense model."
+        )
 
 
 def _check_zero3_collectives() -> None:

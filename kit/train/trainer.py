@@ -231,6 +231,7 @@ class Trainer:
         self.flatten = getattr(self.adapt_report, "attention", None) == "kit"
         # a flattened row's logits only where a target follows: prompts and padding skip the LM head (see below)
         self.select_logits = self.flatten and takes_logit_positions(model)
+        self.aux_coef = aux_loss_coef(model)  # MoE: the router's load-balancing loss joins the LM loss
         self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
         self.norm_from_deepspeed = eng.reports_grad_norm(self.engine)
@@ -361,9 +362,9 @@ class Trainer:
                 from kit.adapt.attention import flattened_rows
 
                 with flattened_rows():  # kit attention refuses a call that has lost position_ids
-                    loss = causal_lm_loss(engine, batch, keep)
+                    loss = causal_lm_loss(engine, batch, keep, self.aux_coef)
             else:
-                loss = engine(**batch).loss
+                loss = causal_lm_loss(engine, batch, None, self.aux_coef)
             losses.append(loss.detach())
             engine.backward(loss)
             if i == len(batches) - 1:
@@ -610,9 +611,17 @@ def logit_positions(labels):
     return keep.nonzero().squeeze(1)
 
 
-def causal_lm_loss(engine, batch: dict, positions=None):
+def aux_loss_coef(model) -> float:
+    """The router aux-loss coefficient of a MoE model (set by kit.train.engine.build_model), 0.0 for others."""
+    from kit.adapt.moe import is_moe_model
+
+    return float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0) if is_moe_model(model) else 0.0
+
+
+def causal_lm_loss(engine, batch: dict, positions=None, aux_coef: float = 0.0):
     """The micro-batch's loss, as `engine(**batch).loss` computes it: the mean cross-entropy over the targets
-    (labels != -100, shifted by one), in float32.
+    (labels != -100, shifted by one), in float32; with `aux_coef` (MoE models) plus aux_coef times the router's
+    load-balancing loss over the micro-batch's tokens (HF's `load_balancing_loss_func`, attention_mask-weighted).
 
     With `positions` (logit_positions() of a one-row, flattened micro-batch) the LM head runs only where a
     target follows (`logits_to_keep`): prompt and template tokens and the last token of every packed dialog
@@ -620,15 +629,17 @@ def causal_lm_loss(engine, batch: dict, positions=None):
     the activation memory with a big vocabulary) is skipped there, forward and backward. Same loss and
     gradients (test); the positions come from the labels on the host, so no device sync is added.
     """
-    if positions is None:
-        return engine(**batch).loss
+    extra = {"output_router_logits": True} if aux_coef else {}
+    if positions is None:  # with labels, HF's MoE forward adds router_aux_loss_coef * aux_loss itself
+        return engine(**batch, **extra).loss
     import torch
 
     labels = batch["labels"]
     positions = positions.to(labels.device)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = engine(**inputs, logits_to_keep=positions).logits
-    return torch.nn.functional.cross_entropy(logits[0].float(), labels[0, 1:][positions])
+    out = engine(**inputs, logits_to_keep=positions, **extra)
+    loss = torch.nn.functional.cross_entropy(out.logits[0].float(), labels[0, 1:][positions])
+    return loss + aux_coef * out.aux_loss.to(loss.device) if aux_coef else loss
 
 
 def check_packing(meta: dict, adapt_report, dataset_path, ds=None) -> None:

@@ -19,6 +19,11 @@ OP_NAMES = (
     "npu_swiglu",
     "npu_fast_gelu",
     "npu_scaled_masked_softmax",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_token_permute",
+    "npu_moe_token_unpermute",
+    "npu_grouped_matmul",
+    "npu_grouped_matmul_add_",
 )
 
 

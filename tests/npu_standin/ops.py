@@ -408,3 +408,189 @@ def npu_scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
     # the op's reference: masked positions are -10000 before the softmax (a fully masked row is uniform)
     logits = (x.float() * scale).masked_fill(masked, -10000.0)
     return torch.softmax(logits, -1).to(x.dtype)
+
+
+# ---- MoE (torch_npu 2.13.0 `_op_plugin_docs.py`, the section of each op) -------------------------------------------
+INDEX_LIMIT = 16777215
+
+
+def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+    _record("npu_moe_gating_top_k_softmax", shape=tuple(x.shape), dtype=x.dtype, k=k)
+    _need(x.dtype in FLOATS and x.dim() in (2, 3), "x must be a 2-D/3-D fp16/bf16/fp32 tensor")
+    _need(type(k) is int and 0 < k <= x.shape[-1] and k <= 1024, f"k={k!r} must be an int in (0, E], <= 1024")
+    _need(finished is None or finished.dtype == torch.bool, "finished must be bool")
+    # "该接口支持推理场景下使用": no backward is registered; a caller that needs the gradient must not call it
+    _need(
+        not (torch.is_grad_enabled() and x.requires_grad),
+        "npu_moe_gating_top_k_softmax is inference-only (no backward): called on a tensor that needs a gradient",
+    )
+    with torch.no_grad():
+        probs = torch.softmax(x.float(), dim=-1)
+        y, idx = torch.topk(probs, k, dim=-1)
+        if finished is not None:
+            y = y.masked_fill(finished.unsqueeze(-1), 0.0)
+        rows = (
+            torch.arange(k * probs[..., 0].numel(), dtype=torch.int32).reshape(k, -1).t().reshape(idx.shape)
+        )
+    return y.to(x.dtype), idx.to(torch.int32), rows
+
+
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    _record("npu_moe_token_permute", shape=tuple(tokens.shape), indices_shape=tuple(indices.shape))
+    _need(tokens.dim() == 2 and tokens.dtype in FLOATS, "tokens must be 2-D fp16/bf16/fp32")
+    _need(
+        indices.dim() in (1, 2) and indices.dtype in (torch.int32, torch.int64),
+        "indices: 1-D/2-D int32/int64",
+    )
+    _need(padded_mode is False, "padded_mode: only False is supported")
+    _need(indices.numel() < INDEX_LIMIT, "indices must have fewer than 16777215 elements")
+    top_k = 1 if indices.dim() == 1 else indices.shape[1]
+    _need(top_k <= 512, f"topK={top_k} must be <= 512")
+    _need(indices.shape[0] == tokens.shape[0], "indices rows must equal tokens rows")
+    _need(bool((indices >= 0).all()) and bool((indices < INDEX_LIMIT).all()), "indices out of [0, 16777215)")
+    flat = indices.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    sorted_indices = torch.empty_like(order)
+    sorted_indices[order] = torch.arange(order.numel())
+    permuted = tokens[order // top_k]  # differentiable, as the real op (NpuMoeTokenPermuteBackward0)
+    if num_out_tokens:
+        permuted = permuted[:num_out_tokens]
+    return permuted.contiguous(), sorted_indices.to(torch.int32)
+
+
+def npu_moe_token_unpermute(
+    permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None
+):
+    _record(
+        "npu_moe_token_unpermute",
+        shape=tuple(permuted_tokens.shape),
+        probs=None if probs is None else (tuple(probs.shape), probs.dtype),
+    )
+    _need(
+        permuted_tokens.dim() == 2 and permuted_tokens.dtype in FLOATS, "permuted_tokens: 2-D fp16/bf16/fp32"
+    )
+    _need(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32, "sorted_indices: 1-D int32")
+    _need(padded_mode is False and restore_shape is None, "padded_mode False and restore_shape None only")
+    top_k = 1 if probs is None else probs.shape[-1]
+    _need(top_k <= 512, f"topK={top_k} must be <= 512")
+    _need(
+        sorted_indices.numel() == permuted_tokens.shape[0], "sorted_indices must have tokens_num * topK rows"
+    )
+    idx = sorted_indices.long()
+    _need(
+        bool((idx >= 0).all()) and bool((idx < idx.numel()).all()) and idx.unique().numel() == idx.numel(),
+        "sorted_indices must be a permutation of [0, tokens_num * topK) (no repeats)",
+    )
+    rows = permuted_tokens[idx].float().view(-1, top_k, permuted_tokens.shape[-1])
+    if probs is not None:
+        _need(probs.dim() == 2 and probs.dtype in FLOATS, "probs: 2-D fp16/bf16/fp32")
+        _need(probs.shape[0] * top_k == idx.numel(), "probs must be (tokens_num, topK)")
+        rows = rows * probs.float().unsqueeze(-1)
+    return rows.sum(dim=1).to(permuted_tokens.dtype)
+
+
+def _group_sizes(group_list, group_list_type, total):
+    _need(
+        isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64, "group_list: int64 Tensor"
+    )
+    _need(group_list.dim() == 1 and 1 <= group_list.numel() <= 1024, "group_list: 1-D, at most 1024 groups")
+    values = [int(v) for v in group_list.tolist()]
+    _need(all(v >= 0 for v in values), f"group_list must be non-negative: {values}")
+    if group_list_type == 0:
+        _need(
+            all(b >= a for a, b in zip(values, values[1:])), f"cumsum group_list must not decrease: {values}"
+        )
+        sizes = [b - a for a, b in zip([0] + values[:-1], values)]
+    else:
+        _need(group_list_type == 1, f"group_list_type={group_list_type!r} must be 0 or 1")
+        sizes = values
+    return sizes, sum(sizes) if group_list_type == 1 else values[-1]
+
+
+def npu_grouped_matmul(
+    x,
+    weight,
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    per_token_scale=None,
+    group_list=None,
+    activation_input=None,
+    activation_quant_scale=None,
+    activation_quant_offset=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    output_dtype=None,
+    tuning_config=None,
+):
+    _record(
+        "npu_grouped_matmul",
+        x_shapes=[tuple(t.shape) for t in x],
+        weight_shapes=[tuple(t.shape) for t in weight],
+        split_item=split_item,
+        group_type=group_type,
+        group_list_type=group_list_type,
+    )
+    _need(
+        isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)),
+        "x and weight are lists of tensors",
+    )
+    _need(
+        all(v is None for v in (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale)),
+        "stand-in: non-quantised, bias-free calls only",
+    )
+    _need(act_type == 0 and output_dtype is None, "stand-in: act_type 0, output_dtype None")
+    # the kit's form: group_type 0 (m-axis), one x, one 3-D weight, one output ("单单单")
+    _need(group_type == 0, f"stand-in models group_type=0 only, got {group_type!r}")
+    _need(split_item in (2, 3), f"group_type 0 needs split_item 2 or 3, got {split_item!r}")
+    _need(len(x) == 1 and len(weight) == 1, "stand-in models one x and one weight tensor")
+    a, w = x[0], weight[0]
+    _need(a.dim() == 2 and w.dim() == 3, "x must be 2-D and weight 3-D (g, K, N)")
+    _need(
+        a.dtype in FLOATS and a.dtype == w.dtype, f"x {a.dtype} and weight {w.dtype}: one of fp16/bf16/fp32"
+    )
+    _need(a.is_contiguous(), "x must not be transposed (contiguous)")
+    inner = w[0]
+    _need(
+        inner.is_contiguous() or inner.t().is_contiguous(),
+        "weight[i] must be contiguous or a transposed view of contiguous memory",
+    )
+    _need(a.shape[1] == w.shape[1], f"x K={a.shape[1]} != weight K={w.shape[1]}")
+    _need(a.shape[-1] < 65536 and w.shape[-1] < 65536, "the last dims must be < 65536 (InnerLimit)")
+    _need(group_list is not None, "group_type 0 needs group_list")
+    sizes, total = _group_sizes(group_list, group_list_type, a.shape[0])
+    _need(len(sizes) == w.shape[0], f"group_list has {len(sizes)} groups, weight {w.shape[0]}")
+    _need(total == a.shape[0], f"group_list covers {total} rows, x has {a.shape[0]}")
+    # no backward is registered for this op: the output carries no gradient (the caller wraps it)
+    with torch.no_grad():
+        parts = [xs.float() @ w[i].float() for i, xs in enumerate(a.split(sizes))]
+        out = torch.cat(parts) if parts else a.new_zeros(0, w.shape[-1])
+    return [out.to(a.dtype)]
+
+
+def npu_grouped_matmul_add_(
+    self, x, weight, group_list, *, transpose_x=True, transpose_weight=False, group_type=2, group_list_type=0
+):
+    _record("npu_grouped_matmul_add_", shape=tuple(self.shape), x_shape=tuple(x.shape), dtype=x.dtype)
+    _need(self.dtype == torch.float32 and self.dim() == 3, "self must be a 3-D float32 tensor [g, M, N]")
+    _need(x.dim() == 2 and weight.dim() == 2, "x and weight must be 2-D")
+    _need(
+        x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype,
+        f"x {x.dtype} / weight {weight.dtype}: fp16 or bf16, equal",
+    )
+    _need(transpose_x is True and transpose_weight is False, "only transpose_x=True, transpose_weight=False")
+    _need(group_type == 2, f"group_type={group_type!r}: only 2 (K-axis groups)")
+    sizes, total = _group_sizes(group_list, group_list_type, x.shape[0])
+    _need(total <= x.shape[0] and len(sizes) == self.shape[0], "group_list does not fit x / self")
+    _need(x.shape[-1] < 65536 and weight.shape[-1] < 65536, "the last dims must be < 65536")
+    with torch.no_grad():
+        start = 0
+        for i, size in enumerate(sizes):
+            self[i] += x[start : start + size].float().t() @ weight[start : start + size].float()
+            start += size
+    return self
