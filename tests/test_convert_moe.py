@@ -231,6 +231,8 @@ def test_megatron_plan_takes_ep_and_the_moe_flags_from_the_manifest(
         "EP sizes that fit this model on 4 ranks with TP2 PP2 (every rule at once): [1]" in p
         for p in small.problems
     ), small.problems
+    # ROUTER_AUX_LOSS_COEF (one setting for both engines) overrides the converted model's coefficient
+    assert flags_of(build(replace(cfg, router_aux_loss_coef=0.01)).argv)["--moe-aux-loss-coeff"] == "0.01"
 
 
 def test_grouped_mlp_weights_are_what_megatron_core_multiplies(tiny_qwen3_moe_dir, tmp_path):

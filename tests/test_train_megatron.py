@@ -88,6 +88,8 @@ def test_layout_problems_come_from_kit_parallel_and_the_checkpoint(tmp_path, tin
     text = "\n".join(build(cfg).problems)
     assert "tensor parallel size 2 does not divide the 3 attention heads" in text
     assert "needs ['mp_rank_00_000'" in text
+    dense = "\n".join(build(replace(cfg, router_aux_loss_coef=0.01)).problems)
+    assert "ROUTER_AUX_LOSS_COEF=0.01 is set, but this model has no experts" in dense
     # a TP the checkpoint was not converted with: both values and where each came from, nothing else checked
     bad = build(replace(cfg, tp=4))
     assert len(bad.problems) == 1 and "TP=4 (explicit) but tp=2 (manifest" in bad.problems[0]

@@ -112,6 +112,23 @@ def _model(cfg: TrainConfig) -> tuple:
     return facts, ckpt, (ckpt.get("flavor") if ckpt is not None else "local") or "local"
 
 
+def _router_aux_coef(flags: List[str], facts: dict, coef: Optional[float]) -> tuple:
+    """(flags, problems): an explicit ROUTER_AUX_LOSS_COEF replaces the converted model's --moe-aux-loss-coeff (the
+    HF path's one setting, read by both engines); on a model without experts it is a contradiction."""
+    if coef is None:
+        return flags, []
+    if not facts.get("num_experts"):
+        return flags, [
+            f"ROUTER_AUX_LOSS_COEF={coef} is set, but this model has no experts (it is for MoE models only)."
+        ]
+    flags = list(flags)
+    if "--moe-aux-loss-coeff" in flags:
+        flags[flags.index("--moe-aux-loss-coeff") + 1] = str(float(coef))
+    else:
+        flags += ["--moe-aux-loss-coeff", str(float(coef))]
+    return flags, []
+
+
 def build(
     cfg: TrainConfig,
     code_dir: Optional[str] = None,
@@ -193,6 +210,8 @@ def build(
         listed = layer_list_flag(cfg.num_layer_list)
         model_flags += ["--num-layer-list", listed] if listed else []
         model_flags += ["--use-mcore-models"] if flavor != "legacy" else []
+    model_flags, aux_problem = _router_aux_coef(model_flags, facts, cfg.router_aux_loss_coef)
+    problems += aux_problem
     entry = "posttrain_gpt.py" if finetune else "pretrain_gpt.py"
     if code.is_dir() and not (code / "ModelLink" / entry).is_file() and not (code / entry).is_file():
         problems.append(f"{entry} is in neither {code} nor {code / 'ModelLink'}.")
