@@ -109,3 +109,97 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     assert back.manifest["family"] == "qwen3"
     assert back.manifest.consumed(HF_MODEL)[0].manifest_sha256 == read_manifest(run_man["hf"]).sha256
     assert back.verify(scratch=tmp_path / "verify2")["passed"]
+
+
+tiny_qwen3_moe_dir = fam_models.tiny_qwen3_moe_dir  # shared session fixture
+
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # LoRA on MoE models: attention (docs/adapt.md)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_dir):
+    """A tiny Qwen3-MoE (4 experts, top-2) through 02 -> 03 (TP1 x PP2 x EP2) -> 04 (LoRA with the adapted MoE
+    blocks and the router's aux loss; the Megatron plan at EP2) -> 06, and the trained model back through 03."""
+    from kit.convert import ConvertConfig
+    from kit.convert.result import run as convert_run
+    from kit.data import DataConfig, prepare
+    from kit.evaluate import EvalConfig
+    from kit.evaluate import run as evaluate
+    from kit.train import TrainConfig, train
+    from kit.train.config import replace
+    from kit.train.megatron import build
+    from kit.workspace import get_workspace
+
+    ws = get_workspace(tmp_path / "ws", model="tiny-moe")
+    src = str(tiny_qwen3_moe_dir)
+    data = prepare(
+        DataConfig(
+            kind="sft",
+            name="alpaca",
+            tokenizer=src,
+            template="qwen3",
+            max_length=64,
+            max_records=48,
+            heldout_records=4,
+        ),
+        ws,
+        progress=False,
+    ).hf_dir
+    data_man = read_manifest(data, expect=PREPARED_DATA)
+
+    # 03: experts split over two EP ranks, layers over two pipeline stages, verified both ways
+    conv = convert_run(ConvertConfig(source=src, tp=1, pp=2, ep=2), ws, progress=False)
+    checks = conv.verify(scratch=tmp_path / "verify")
+    assert checks["passed"], checks["table"]
+    converted = read_manifest(conv.target, expect=CONVERTED_CHECKPOINT)
+    assert converted["family"] == "qwen3_moe" and converted["ep"] == 2
+    assert converted["model"]["num_experts"] == 4 and converted["model"]["moe_router_topk"] == 2
+
+    # 04: LoRA on the attention projections; every MoE block runs through kit.ops.moe, the aux loss is in the loss
+    cfg = TrainConfig(
+        run_type="lora",
+        model_name="tiny-moe",
+        model_path=src,
+        dataset_path=str(data),
+        work_dir=str(ws.root),
+        train_iters=8,
+        mbs=2,
+        gbs=4,
+        lr=1e-2,
+        warmup_iters=1,
+        lora_r=8,
+        lora_alpha=32,
+        lora_targets=ATTENTION_TARGETS,
+        save_hf=True,
+    )
+    result = train(cfg, ws, progress=False)
+    assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
+    with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
+        saved = [k for k in fh.keys() if "lora_" in k]
+    assert len(saved) == 4 * len(ATTENTION_TARGETS) * 2  # 4 layers x targets x (A, B)
+    run_man = read_manifest(result.output_dir, expect=TRAINING_RUN)
+    assert run_man.consumed(PREPARED_DATA)[0].manifest_sha256 == data_man.sha256
+
+    # the same run on Megatron/MindSpeed-LLM: 03's EP2 checkpoint with the MoE flags
+    plan = build(
+        replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws=ws
+    )
+    assert [p for p in plan.problems if not p.startswith("code folder")] == [], (
+        plan.problems
+    )  # no MindSpeed here
+    flag = dict(zip(plan.argv, plan.argv[1:]))
+    assert flag["--expert-model-parallel-size"] == "2" and flag["--num-experts"] == "4"
+    assert flag["--moe-aux-loss-coeff"] == "0.001" and "--norm-topk-prob" in plan.argv
+
+    # 06: held-out dialogs, base vs trained
+    ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)
+    models = ev.results["models"]
+    assert models["trained"]["heldout_tokens"] > 0
+    assert models["trained"]["heldout_loss"] < models["base"]["heldout_loss"]
+
+    # the exported (merged) model goes back through 03 and stays a Qwen3-MoE
+    back = convert_run(
+        ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
+    )
+    assert back.manifest["family"] == "qwen3_moe"
+    assert back.verify(scratch=tmp_path / "verify2")["passed"]
