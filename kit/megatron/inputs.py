@@ -118,11 +118,15 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
             f"they were not made for each other (tokenizer of notebook 02 vs model of notebook 03)."
         )
     tp, pp = reader.tp, reader.pp
+    ep, etp, moe = moe_job(spec, args, reader, int(cfg.dp))
     return {
         "checkpoint": str(reader.folder),
         "tp": tp,
         "pp": pp,
         "dp": int(cfg.dp),
+        "ep": ep,
+        "etp": etp,
+        "moe": moe,
         "world": tp * pp * int(cfg.dp),
         "layer_list": reader.layer_list(spec.num_layers),
         "data": {
@@ -176,3 +180,29 @@ def _refuse_rope_scaling(spec, folder) -> None:
             f"{folder} uses llama3 rope scaling with {', '.join(differ)}; megatron-core 0.16's GPTModel takes only "
             f"the factor, so it would train other positions than the checkpoint's."
         )
+
+
+# megatron-core's MoE token dispatcher the ranks use; see moe_job for why this one on CPU
+DISPATCHER = "alltoall"
+
+
+def moe_job(spec, args, reader, dp: int):
+    """(EP, expert TP, the MoE facts the ranks need or None) of a checkpoint; one line when its EP does not fit the
+    preflight's world (kit.parallel's rule, the one conversion and training apply)."""
+    experts = int(getattr(args, "num_experts", None) or 0)
+    ep = int(getattr(reader, "ep", 1) or 1)
+    if not experts:
+        return 1, reader.tp, None
+    from kit.parallel import expert_parallel_problems
+
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or reader.tp)
+    problems = expert_parallel_problems(experts, ep, reader.tp, reader.pp, dp, etp)
+    if problems:
+        raise InputError(f"{reader.folder}: {problems[0]}")
+    moe = {
+        "num_experts": experts,
+        "topk": int(args.moe_router_topk),
+        "aux_loss_coeff": float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+        "dispatcher": DISPATCHER,
+    }
+    return ep, etp, moe
