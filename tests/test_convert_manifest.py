@@ -107,7 +107,7 @@ def test_provenance_chains_through_hf_megatron_hf_megatron(tiny_llama_dir, tmp_p
     back = _convert(tmp_path / "mg_tp1pp1", tmp_path / "hf_back", direction="megatron_to_hf")
     m3 = read_manifest(tmp_path / "hf_back", expect=HF_MODEL)
     assert m3.inputs == [reshard.manifest.as_input()] and m3["family"] == "llama"
-    assert m3["source_layout"] == {"tp": 1, "pp": 1, "flavor": "local"}
+    assert m3["source_layout"] == {"tp": 1, "pp": 1, "ep": 1, "flavor": "local"}
     assert m3["model"] == m1["model"]
     assert back.summary()["manifest_kind"] == HF_MODEL
 

@@ -8,13 +8,15 @@ import socket
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures.convert import families as fam_models
 from fixtures.convert import models as convert_models
 
 from kit.convert import ConvertConfig, hf_to_megatron
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.verify import hf_logits, sample_tokens
 
-tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixture
+tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
+tiny_qwen3_moe_dir = fam_models.tiny_qwen3_moe_dir
 
 mcore = pytest.importorskip(
     "megatron.core", reason="megatron-core needs Python >= 3.10 and torch >= 2.6 (not in the compat stacks)"
@@ -49,10 +51,13 @@ def mcore_world():
 @pytest.fixture
 def cpu_patches(monkeypatch):
     """The two CPU patches of ckpt_data_formats.md 5.1: RoPE asks torch.cuda for a device; attention forks the
-    CUDA RNG tracker (dropout is 0 here, so no RNG state is used)."""
+    CUDA RNG tracker (dropout is 0 here, so no RNG state is used); and one for MoE without TransformerEngine."""
     from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    # megatron-core 0.16.1's router gating reads te_general_gemm, defined only when TransformerEngine imports
+    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     monkeypatch.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
 
@@ -63,7 +68,23 @@ def build_gpt(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    experts = getattr(args, "num_experts", None)
+    moe = {}
+    if experts:  # the MoE arguments the checkpoint states (Megatron-LM's names -> TransformerConfig's)
+        moe = dict(
+            num_moe_experts=experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_layer_freq=args.moe_layer_freq,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+            # the args' alltoall dispatcher makes a CUDA stream when built; allgather routes the same on one CPU rank
+            moe_token_dispatcher_type="allgather",
+        )
     cfg = TransformerConfig(
+        **moe,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -90,7 +111,10 @@ def build_gpt(args):
     return GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=getattr(args, "qk_layernorm", False)
+            num_experts=experts,
+            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+            normalization="RMSNorm",
+            qk_layernorm=getattr(args, "qk_layernorm", False),
         ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
@@ -104,13 +128,15 @@ def build_gpt(args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["llama_gqa", "llama_tied_mha", "chatglm3"])
+@pytest.mark.parametrize("which", ["llama_gqa", "llama_tied_mha", "chatglm3", "qwen3_moe"])
 def test_gptmodel_strict_load_and_logits(
-    which, tiny_llama_dir, tiny_llama_tied_dir, tiny_glm_dir, tmp_path, mcore_world, cpu_patches
+    which, tiny_llama_dir, tiny_llama_tied_dir, tiny_glm_dir, request, tmp_path, mcore_world, cpu_patches
 ):
-    src = {"llama_gqa": tiny_llama_dir, "llama_tied_mha": tiny_llama_tied_dir, "chatglm3": tiny_glm_dir}[
+    """The kit's TP1 rank file loads strictly into the GPTModel its own args describe (for Qwen3-MoE: the local
+    spec's MoE layer, router + SequentialMLP experts) and gives HF's logits."""
+    src = {"llama_gqa": tiny_llama_dir, "llama_tied_mha": tiny_llama_tied_dir, "chatglm3": tiny_glm_dir}.get(
         which
-    ]
+    ) or request.getfixturevalue("tiny_qwen3_moe_dir")
     out = tmp_path / "m"
     hf_to_megatron(ConvertConfig(str(src), str(out), tp=1, pp=1, flavor="local"), progress=False)
     mr = MegatronReader(out)

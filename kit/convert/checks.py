@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kit.convert.families import ROLE_KIND, Family
-from kit.convert.spec import ModelSpec
+from kit.convert.spec import ModelSpec, split_role
 from kit.convert.tensor_ops import part_offsets
 from kit.errors import KitError
 from kit.parallel import parallel_problems
@@ -27,8 +27,10 @@ class ConversionError(KitError, ValueError):
 def expected_hf_shapes(fam: Family, spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
     """Every HF key the family map expects for this spec, with its shape."""
     out: Dict[str, Tuple[int, ...]] = {}
-    glob, layer_roles = fam.roles(spec)
-    items = [(r, -1) for r in glob] + [(r, i) for i in range(spec.num_layers) for r in layer_roles]
+    glob, _ = fam.roles(spec)
+    items = [(r, -1) for r in glob] + [
+        (r, i) for i in range(spec.num_layers) for r in fam.layer_roles(spec, i)
+    ]
     for role, i in items:
         keys, rows = fam.hf_keys(role, i), fam.part_rows(spec, role)
         rest = spec.full_shape(role)[1:]
@@ -60,9 +62,15 @@ def hf_problems(fam: Family, spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]]
                 f"tensor {key!r} has shape {list(shapes[key])} but config.json implies "
                 f"{list(expected[key])} (hidden {spec.hidden_size}, heads {spec.num_heads}, groups "
                 f"{spec.num_groups}, head_dim {spec.head_dim}, ffn {spec.ffn_hidden_size}, vocab "
-                f"{spec.vocab_size}); config and weights do not belong together."
+                f"{spec.vocab_size}{_moe_note(spec)}); config and weights do not belong together."
             )
     return problems
+
+
+def _moe_note(spec: ModelSpec) -> str:
+    if not spec.num_experts:
+        return ""
+    return f", {spec.num_experts} experts of ffn {spec.moe_ffn_hidden_size}"
 
 
 def layout_plan_problems(
@@ -72,14 +80,29 @@ def layout_plan_problems(
     layer_list: Optional[Sequence[int]],
     padded_vocab: int,
     flavor: str = "local",
+    ep: int = 1,
+    grouped_gemm: bool = False,
 ) -> List[str]:
-    """Why a TP x PP layout does not fit this model, if it does not (the rules of kit/parallel.py), or why the
-    key flavor cannot hold it (legacy Megatron has no q/k layernorm)."""
-    problems = parallel_problems(spec.facts(), tp, pp, layer_list, padded_vocab=padded_vocab, flavor=flavor)
+    """Why a TP x PP x EP layout does not fit this model, if it does not (the rules of kit/parallel.py), or why the
+    key flavor cannot hold it (legacy Megatron has no q/k layernorm and no MoE)."""
+    problems = parallel_problems(
+        spec.facts(), tp, pp, layer_list, padded_vocab=padded_vocab, flavor=flavor, ep=ep
+    )
     if spec.qk_norm and flavor == "legacy":
         problems.append(
             f"flavor 'legacy' has no q/k layernorm for this {spec.family} model's q_norm/k_norm; use flavor "
             f"'local' (megatron-core, what MindSpeed-LLM trains with --use-mcore-models) or 'te'."
+        )
+    if spec.num_experts and flavor == "legacy":
+        problems.append(
+            f"flavor 'legacy' has no MoE layers for this {spec.family} model; use 'local' or 'te'."
+        )
+    if grouped_gemm and not spec.num_experts:
+        problems.append("moe_grouped_gemm is set but this model has no experts; leave it False.")
+    elif grouped_gemm and flavor == "local":
+        problems.append(
+            "moe_grouped_gemm with flavor 'local' (megatron-core GroupedMLP weight1 / weight2) is not written yet; "
+            "use flavor 'te' (TEGroupedMLP, linear_fc1.weight<k>) or the per-expert layout (moe_grouped_gemm False)."
         )
     return problems
 
@@ -102,4 +125,4 @@ def check_disk(target: Path, need_bytes: int) -> None:
 
 
 def role_kind(role: str) -> str:
-    return ROLE_KIND["embedding" if role == "tied_head" else role]
+    return ROLE_KIND["embedding" if role == "tied_head" else split_role(role)[0]]

@@ -37,10 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("--save-dir", "target"),
         ("--target-tensor-parallel-size", "tp"),
         ("--target-pipeline-parallel-size", "pp"),
+        ("--target-expert-parallel-size", "ep"),
         ("--key-flavor", "flavor"),
         ("--params-dtype", "dtype"),
     ):
-        kind = int if dest in ("tp", "pp") else str
+        kind = int if dest in ("tp", "pp", "ep") else str
         p.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=f"same as --{dest}")
     p.add_argument("--use-mcore-models", action="store_true", help="ModelLink flag; same as --flavor local")
     p.add_argument(

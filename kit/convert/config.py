@@ -25,12 +25,16 @@ class ConvertConfig:
     """Target tensor parallel size."""
     pp: int = 1
     """Target pipeline parallel size."""
+    ep: int = 1
+    """Target expert parallel size (MoE models: each EP rank holds num_experts / EP experts)."""
     num_layer_list: Optional[List[int]] = None
     """Uneven PP: layers per stage, e.g. [7, 8, 8, 7] (CLI 7,8,8,7)"""
     family: Optional[str] = None
     """Model family: llama | qwen3 | glm | chatglm | baichuan | util.py loader (llama2_hf); None: from model_type."""
     flavor: str = "local"
     """Megatron key names: local (mcore local spec, MindSpeed) | legacy | te."""
+    moe_grouped_gemm: bool = False
+    """MoE experts in the --moe-grouped-gemm layout: local: GroupedMLP weight1/weight2 (MindSpeed-LLM); te: TEGroupedMLP."""
     make_vocab_size_divisible_by: int = 128
     """Megatron's --make-vocab-size-divisible-by (padding rule)"""
     padded_vocab_size: Optional[int] = None
@@ -56,7 +60,7 @@ class ConvertConfig:
             out.append("target is not set; give the output folder, or run(cfg, ws) to use the workspace's.")
         if self.direction not in DIRECTIONS:
             out.append(f"direction {self.direction!r} is not one of {DIRECTIONS}.")
-        for name in ("tp", "pp", "make_vocab_size_divisible_by", "max_shard_mb"):
+        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by", "max_shard_mb"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"{name} = {v!r} must be a positive integer.")

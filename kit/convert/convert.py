@@ -77,19 +77,24 @@ def _workers(cfg: ConvertConfig, files: int) -> int:
     return max(1, min(cores, 8, files))
 
 
-def _write_rank_file(tmp: Path, s: int, r: int, ctx: dict) -> int:
+def _write_rank_file(tmp: Path, s: int, r: int, e: int, ctx: dict) -> int:
     """One rank file, streamed tensor by tensor (memory holds about one tensor and its source slices); its size."""
-    pp, layer_roles, bar, stop = len(ctx["stages"]), ctx["layer_roles"], ctx["bar"], ctx["stop"]
-    path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp) / "model_optim_rng.pt"
+    pp, ep, bar, stop = len(ctx["stages"]), ctx["ep"], ctx["bar"], ctx["stop"]
+    path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp, e, ep) / "model_optim_rng.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.partial")
     out, model = StreamingTorchFile(part, ctx["scratch"]()), {}
-    for key_path, role, layer in rank_entries(layer_roles, ctx["spec"], ctx["flavor"], ctx["stages"], s):
+    entries = rank_entries(ctx["fam"], ctx["spec"], ctx["flavor"], ctx["stages"], s, e, ep, ctx["te_grouped"])
+    done = None
+    for key_path, role, layer in entries:
         if stop.is_set():  # another file failed: stop early, the temporary folder is removed
             return 0
-        layout.put(model, key_path, out.store(ctx["rank_fn"](role, layer, r)))
-        if layer is not None and role == layer_roles[-1]:
+        if layer != done and done is not None:
             bar.update(1)
+        done = layer
+        layout.put(model, key_path, out.store(ctx["rank_fn"](role, layer, r)))
+    if done is not None:
+        bar.update(1)
     out.finish(
         {
             "args": ctx["args"],
@@ -113,15 +118,18 @@ def _write_megatron(
     rank_fn: RankFn,
     progress: bool,
     workers: int = 1,
+    ep: int = 1,
+    grouped_gemm: bool = False,
 ) -> int:
-    """Write every rank file of the layout, `workers` files at a time (rank_fn must then be thread-safe); returns
-    bytes written. The first error stops the other files and is raised."""
+    """Write every rank file of the layout (TP x PP x EP), `workers` files at a time (rank_fn must then be
+    thread-safe); returns bytes written. The first error stops the other files and is raised."""
     import threading
 
-    _, layer_roles = fam.roles(spec)
     pp = len(stages)
-    bar = _LockedBar(_progress(tp * spec.num_layers, f"->Megatron TP{tp} PP{pp}", not progress))
-    ctx = dict(stages=stages, layer_roles=layer_roles, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn)
+    name = f"->Megatron TP{tp} PP{pp}" + (f" EP{ep}" if ep > 1 else "")
+    bar = _LockedBar(_progress(tp * ep * spec.num_layers, name, not progress))
+    ctx = dict(stages=stages, fam=fam, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn, ep=ep)
+    ctx["te_grouped"] = bool(grouped_gemm) and flavor == "te"
     local = threading.local()  # one set of copy buffers per thread, reused file after file
 
     def scratch() -> Scratch:
@@ -132,10 +140,13 @@ def _write_megatron(
     ctx.update(bar=bar, stop=threading.Event(), scratch=scratch)
     reserve(-1, 0, 0)  # look fallocate up once, before the threads
     # the first and last stages first: they hold the embedding and the output layer, the largest files
-    jobs = sorted(((s, r) for s in range(pp) for r in range(tp)), key=lambda j: j[0] not in (0, pp - 1))
+    jobs = sorted(
+        ((s, r, e) for s in range(pp) for e in range(ep) for r in range(tp)),
+        key=lambda j: j[0] not in (0, pp - 1),
+    )
     try:
         if workers <= 1:
-            return sum(_write_rank_file(tmp, s, r, ctx) for s, r in jobs)
+            return sum(_write_rank_file(tmp, s, r, e, ctx) for s, r, e in jobs)
         todo, sizes, errors, lock = list(jobs), [], [], threading.Lock()
 
         def worker() -> None:
@@ -143,9 +154,9 @@ def _write_megatron(
                 with lock:
                     if not todo:
                         return
-                    s, r = todo.pop(0)
+                    s, r, e = todo.pop(0)
                 try:
-                    sizes.append(_write_rank_file(tmp, s, r, ctx))
+                    sizes.append(_write_rank_file(tmp, s, r, e, ctx))
                 except BaseException as exc:  # the first error stops the other files; raised below
                     errors.append(exc)
                     ctx["stop"].set()
@@ -206,11 +217,14 @@ def _finish(
 
 def _plan(spec: ModelSpec, cfg: ConvertConfig) -> tuple:
     """Padded vocabulary and layers per pipeline stage for the target layout; every problem raised at once."""
-    tp, pp = cfg.tp, cfg.pp
+    tp, pp, ep = cfg.tp, cfg.pp, cfg.ep
     padded = padded_vocab_size(spec.vocab_size, tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size)
-    problems = layout_plan_problems(spec, tp, pp, cfg.num_layer_list, padded, cfg.flavor)
+    problems = layout_plan_problems(
+        spec, tp, pp, cfg.num_layer_list, padded, cfg.flavor, ep=ep, grouped_gemm=cfg.moe_grouped_gemm
+    )
     if problems:
-        raise ConversionError(problems, f"target layout TP{tp} PP{pp} for this {spec.family} model")
+        where = f"TP{tp} PP{pp}" + (f" EP{ep}" if ep > 1 else "")
+        raise ConversionError(problems, f"target layout {where} for this {spec.family} model")
     return padded, stage_layers(spec.num_layers, pp, cfg.num_layer_list)
 
 
@@ -224,6 +238,8 @@ def _meta(
     padded: int,
     divisible_by: int,
     dtype: Optional[str],
+    ep: int = 1,
+    grouped_gemm: bool = False,
 ) -> dict:
     return {
         "direction": direction,
@@ -232,6 +248,9 @@ def _meta(
         "flavor": flavor,
         "tp": tp,
         "pp": len(stages),
+        "ep": ep,
+        "expert_tensor_parallel_size": tp if spec.num_experts else None,
+        "moe_grouped_gemm": bool(grouped_gemm),
         "num_layer_list": [len(s) for s in stages],
         "padded_vocab_size": padded,
         "make_vocab_size_divisible_by": divisible_by,
@@ -258,11 +277,31 @@ def _save_megatron(
     """Write a whole Megatron folder atomically (rank files, metadata, tracker last); returns (meta, bytes written)."""
     num_layer_list = [len(s) for s in stages]
     args = megatron_args(
-        spec, cfg.tp, cfg.pp, num_layer_list, padded, cfg.make_vocab_size_divisible_by, dtype, cfg.flavor
+        spec,
+        cfg.tp,
+        cfg.pp,
+        num_layer_list,
+        padded,
+        cfg.make_vocab_size_divisible_by,
+        dtype,
+        cfg.flavor,
+        ep=cfg.ep,
+        grouped_gemm=cfg.moe_grouped_gemm,
     )
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what=what) as tmp:
         written = _write_megatron(
-            tmp, fam, spec, cfg.tp, stages, cfg.flavor, args, rank_fn, progress, workers
+            tmp,
+            fam,
+            spec,
+            cfg.tp,
+            stages,
+            cfg.flavor,
+            args,
+            rank_fn,
+            progress,
+            workers,
+            ep=cfg.ep,
+            grouped_gemm=cfg.moe_grouped_gemm,
         )
         meta = _meta(
             direction,
@@ -274,6 +313,8 @@ def _save_megatron(
             padded,
             cfg.make_vocab_size_divisible_by,
             str(dtype).replace("torch.", ""),
+            ep=cfg.ep,
+            grouped_gemm=cfg.moe_grouped_gemm,
         )
         _finish(tmp, meta, cfg, side_from, spec, source)
     return meta, written
@@ -337,7 +378,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             "converted weights folder",
             (src_man, src_hash),
             # rank_fn only reads (pread, or slices of a mapped .bin), so it is thread-safe
-            _workers(cfg, cfg.tp * cfg.pp),
+            _workers(cfg, cfg.tp * cfg.pp * cfg.ep),
         )
     finally:
         reader.close()
@@ -346,7 +387,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         target=str(cfg.target),
         bytes_read=reader.weight_bytes(),
         bytes_written=written,
-        rank_files=cfg.tp * cfg.pp,
+        rank_files=cfg.tp * cfg.pp * cfg.ep,
         seconds=round(time.perf_counter() - t0, 3),
         **_provenance(src_man, src_hash),
     )
@@ -365,14 +406,14 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     fam, spec, cfg_dir = source_spec(mr, cfg.hf_config_dir, cfg.family)
     stages = stages_of(mr, spec)
     check_megatron_keys(mr, fam, spec, stages)
-    glob, layer_roles = fam.roles(spec)
+    glob, _ = fam.roles(spec)
     check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
 
     def emit(writer: HFWriter, role: str, layer: int) -> None:
         kind = role_kind(role)
-        s, path = locate(mr, stages, role, layer)
-        what = f"{layout.rank_dir(0, s, mr.pp)}: {'.'.join(path)}"
-        parts = mr.pieces(path, s)
+        s, path, e = locate(mr, stages, role, layer, spec)
+        what = f"{layout.rank_dir(0, s, mr.pp, e, mr.ep)}: {'.'.join(path)}"
+        parts = mr.pieces(path, s, e)
         if not all(
             isinstance(p, FileSlice) for p in parts
         ):  # a tensor not stored contiguously: merge in memory
@@ -410,9 +451,9 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="HF output folder") as tmp:
         writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2)
         emit(writer, "embedding", -1)
-        bar = _progress(spec.num_layers, f"Megatron TP{mr.tp} PP{mr.pp}->HF", not progress)
+        bar = _progress(spec.num_layers, f"Megatron TP{mr.tp} PP{mr.pp} EP{mr.ep}->HF", not progress)
         for g in range(spec.num_layers):
-            for role in layer_roles:
+            for role in fam.layer_roles(spec, g):
                 emit(writer, role, g)
             bar.update(1)
         bar.close()
@@ -422,7 +463,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         check_hf_weights(tmp, source=f"{cfg.source}, converted")  # NaN / inf weights are not published
         copy_side_files(cfg_dir, tmp)
         save_config(cfg, tmp, "convert_config.json")
-        source_layout = {"tp": mr.tp, "pp": mr.pp, "flavor": mr.flavor}
+        source_layout = {"tp": mr.tp, "pp": mr.pp, "ep": mr.ep, "flavor": mr.flavor}
         write_hf_manifest(tmp, cfg.target, cfg.source, spec, source_layout, src_man, src_hash)
     unverified = mr.unchecked_files()
     mr.close()
@@ -433,6 +474,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         "family": spec.family,
         "tp": mr.tp,
         "pp": mr.pp,
+        "ep": mr.ep,
         "flavor": mr.flavor,
         "bytes_written": writer.total_bytes,
         "crc_unverified": unverified,
@@ -482,7 +524,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         meta,
         target=str(cfg.target),
         bytes_written=written,
-        rank_files=cfg.tp * cfg.pp,
+        rank_files=cfg.tp * cfg.pp * cfg.ep,
         seconds=round(time.perf_counter() - t0, 3),
         **_provenance(src_man, src_hash),
     )

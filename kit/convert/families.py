@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Tuple
 
-from kit.convert.spec import ModelSpec
+from kit.convert.spec import ModelSpec, expert_role, split_role
 from kit.errors import InputError
 
 # How each role is split over tensor-parallel ranks (Megatron-LM core_v0.16 attention.py / mlp.py, and ModelLink's saver).
@@ -27,6 +27,11 @@ ROLE_KIND = {
     "fc2.weight": "row",
     "q_norm": "replicated",  # Qwen3: one [head_dim] weight shared by every head (mcore q_layernorm / k_layernorm)
     "k_norm": "replicated",
+    # MoE (megatron-core 0.16 moe/router.py, moe/experts.py): the router is replicated over TP and EP; each expert
+    # is an MLP split over the expert-TP ranks like the dense one (expert_tensor_parallel_size defaults to TP).
+    "router.weight": "replicated",
+    "expert.fc1.weight": "glu",
+    "expert.fc2.weight": "row",
 }
 GLOBAL_ROLES = ("embedding", "final_norm", "output")
 LAYER_ROLES = (
@@ -64,20 +69,34 @@ class Family:
         layer = [r for r in LAYER_ROLES if r not in absent]
         return glob, layer
 
+    def layer_roles(self, spec: ModelSpec, layer: int) -> List[str]:
+        """The roles of one layer: a MoE layer has the router and every expert's fc1 / fc2 (global expert
+        indices, `expert3.fc1.weight`) instead of the dense fc1 / fc2."""
+        _, roles = self.roles(spec)
+        if not spec.is_moe_layer(layer):
+            return roles
+        out = [r for r in roles if r not in ("fc1.weight", "fc2.weight")] + ["router.weight"]
+        for e in range(spec.num_experts):
+            out += [expert_role(e, "fc1.weight"), expert_role(e, "fc2.weight")]
+        return out
+
     def hf_keys(self, role: str, layer: int = -1) -> Tuple[str, ...]:
-        """The HF keys of a role's parts (layer roles get the layer prefix filled in)."""
+        """The HF keys of a role's parts (layer roles get the layer prefix, expert roles the expert filled in)."""
         if role in self.global_keys:
             return self.global_keys[role]
-        return tuple(self.layer_prefix.format(i=layer) + k for k in self.layer_keys[role])
+        base, e = split_role(role)
+        pre = self.layer_prefix.format(i=layer)
+        return tuple(pre + (k.format(e=e) if e is not None else k) for k in self.layer_keys[base])
 
     def part_rows(self, spec: ModelSpec, role: str) -> Tuple[int, ...]:
         """Rows of each part (q, k, v for QKV; gate, up for GLU; one part otherwise)."""
         full = spec.full_shape(role)
-        if ROLE_KIND[role] == "qkv":
+        kind = ROLE_KIND[split_role(role)[0]]
+        if kind == "qkv":
             hd = spec.head_dim
             return (spec.num_heads * hd, spec.num_groups * hd, spec.num_groups * hd)
-        if ROLE_KIND[role] == "glu":
-            return (spec.ffn_hidden_size, spec.ffn_hidden_size)
+        if kind == "glu":
+            return (full[0] // 2, full[0] // 2)
         return (full[0],)
 
 
@@ -134,6 +153,33 @@ def _llama_spec(cfg: dict) -> ModelSpec:
 def _qwen3_spec(cfg: dict) -> ModelSpec:
     # Qwen3 = the Llama layout + per-head q/k RMSNorm; head_dim is its own field (128 where hidden/heads is 64)
     return replace(_llama_spec(cfg), family="qwen3", qk_norm=True)
+
+
+def _qwen3_moe_spec(cfg: dict) -> ModelSpec:
+    # Qwen3-MoE = Qwen3 attention + a sparse MoE block on layer i when i is not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0 (transformers modeling_qwen3_moe.Qwen3MoeDecoderLayer); the other layers
+    # keep a dense MLP of intermediate_size.
+    # `num_experts` in the published configs (transformers 4.x); transformers 5 writes it as num_local_experts
+    n, experts = (
+        int(cfg["num_hidden_layers"]),
+        int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+    )
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    if cfg.get("shared_expert_intermediate_size"):
+        raise InputError(
+            "config.json has shared_expert_intermediate_size (a shared expert, Qwen2-MoE): the qwen3_moe map has "
+            "no shared expert; this model is not supported yet."
+        )
+    return replace(
+        _qwen3_spec(cfg),
+        family="qwen3_moe",
+        num_experts=experts,
+        moe_router_topk=int(cfg.get("num_experts_per_tok") or 0),
+        moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0),
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0),
+        moe_layer_freq=tuple(int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(n)),
+    )
 
 
 def _glm_spec(cfg: dict) -> ModelSpec:
@@ -234,6 +280,25 @@ QWEN3 = Family(
     notes="Qwen3 dense: the Llama map + per-head q/k RMSNorm (replicated over TP), head_dim from config.",
 )
 
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    model_types=("qwen3_moe",),
+    read_config=_qwen3_moe_spec,
+    global_keys=LLAMA.global_keys,
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(
+        QWEN3.layer_keys,
+        **{
+            "router.weight": ("mlp.gate.weight",),
+            # the on-disk per-expert keys (transformers 5 fuses them in memory only)
+            "expert.fc1.weight": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+            "expert.fc2.weight": ("mlp.experts.{e}.down_proj.weight",),
+        },
+    ),
+    ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="Qwen3-MoE: Qwen3 attention + router and per-expert SwiGLU MLPs (no shared expert); EP over experts.",
+)
+
 GLM = Family(
     name="glm",
     model_types=("glm",),
@@ -283,7 +348,7 @@ BAICHUAN = Family(
     notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
 )
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN3, GLM, CHATGLM, BAICHUAN)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM, CHATGLM, BAICHUAN)}
 # ModelLink 1.0 `util.py --loader` names (the ModelArts user manual's conversion command) and their families.
 LOADER_ALIASES = {
     "llama2_hf": "llama",
@@ -297,7 +362,7 @@ LOADER_ALIASES = {
 
 
 def family_for_config(cfg: dict, name: str = None) -> Family:
-    """The family named (`llama`, `qwen3`, `glm`, `chatglm`, `baichuan` or a util.py loader name) or else the one of cfg's model_type."""
+    """The family named (`llama`, `qwen3`, `qwen3_moe`, `glm`, `chatglm`, `baichuan` or a util.py loader name) or else the one of cfg's model_type."""
     if name:
         name = LOADER_ALIASES.get(name, name)
     if name:

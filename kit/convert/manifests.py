@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from kit.convert.megatron_io import HF_META_DIR
-from kit.convert.spec import ModelSpec
+from kit.convert.spec import ModelSpec, moe_layer_freq_flag
 from kit.errors import MissingInputError
 from kit.manifest import CONVERTED_CHECKPOINT, HF_MODEL, Manifest, tokenizer_sha256, write_manifest
 from kit.parallel import layer_list_flag
@@ -32,10 +32,13 @@ def _source_fields(source: str, source_man: Optional[Manifest], source_hash: tup
     }
 
 
-def architecture_flags(model: Dict[str, Any], padded_vocab: Optional[int] = None) -> List[str]:
+def architecture_flags(
+    model: Dict[str, Any], padded_vocab: Optional[int] = None, grouped_gemm: bool = False
+) -> List[str]:
     """Megatron/MindSpeed `pretrain_gpt.py` model flags for these model facts (names as in Megatron-LM
     `megatron/training/arguments.py`, core_r0.8; `--padded-vocab-size`, `--qk-layernorm` and the llama3 rope
-    scaling flags as in MindSpeed-LLM's example scripts, e.g. examples/mcore/llama31 and qwen3)."""
+    scaling flags as in MindSpeed-LLM's example scripts, e.g. examples/mcore/llama31 and qwen3; the MoE flags as
+    in examples/mcore/qwen3_moe). `grouped_gemm`: the checkpoint's experts are in the --moe-grouped-gemm layout."""
     heads, groups = int(model["num_heads"]), int(model["num_kv_groups"])
     flags = [
         "--num-layers", model["num_layers"],
@@ -73,6 +76,29 @@ def architecture_flags(model: Dict[str, Any], padded_vocab: Optional[int] = None
         flags.append("--qk-layernorm")
     if not model["tied"]:
         flags.append("--untie-embeddings-and-output-weights")
+    return [str(f) for f in flags + moe_flags(model, grouped_gemm)]
+
+
+def moe_flags(model: Dict[str, Any], grouped_gemm: bool = False) -> List[str]:
+    """The MoE flags of a model with experts (none for a dense one). Qwen3-MoE's router (softmax over the experts,
+    top-k, renormalised when norm_topk_prob) is megatron-core's default routing (softmax over the top-k logits);
+    MindSpeed-LLM's qwen3_moe scripts add --norm-topk-prob for it. Without norm_topk_prob the top-k keep their
+    softmax over all experts: --moe-router-pre-softmax. The dispatcher is megatron-core's all-to-all (MindSpeed's
+    scripts use their alltoall_seq, which megatron-core 0.16 does not have)."""
+    if not model.get("num_experts"):
+        return []
+    flags = [
+        "--num-experts", model["num_experts"],
+        "--moe-router-topk", model["moe_router_topk"],
+        "--moe-ffn-hidden-size", model["moe_ffn_hidden_size"],
+        "--moe-router-load-balancing-type", "aux_loss",
+        "--moe-aux-loss-coeff", model["moe_aux_loss_coeff"],
+        "--moe-layer-freq", moe_layer_freq_flag(model["moe_layer_freq"]),
+        "--moe-token-dispatcher-type", "alltoall",
+    ]  # fmt: skip
+    flags.append("--norm-topk-prob" if model.get("moe_norm_topk_prob") else "--moe-router-pre-softmax")
+    if grouped_gemm:
+        flags.append("--moe-grouped-gemm")
     return [str(f) for f in flags]
 
 
@@ -93,6 +119,9 @@ def write_converted_manifest(
         "flavor": meta["flavor"],
         "tp": meta["tp"],
         "pp": meta["pp"],
+        "ep": meta.get("ep", 1),
+        "expert_tensor_parallel_size": meta.get("expert_tensor_parallel_size"),
+        "moe_grouped_gemm": bool(meta.get("moe_grouped_gemm")),
         "num_layer_list": meta["num_layer_list"],
         "padded_vocab_size": meta["padded_vocab_size"],
         "make_vocab_size_divisible_by": meta["make_vocab_size_divisible_by"],
@@ -101,7 +130,9 @@ def write_converted_manifest(
         "tokenizer": str(Path(target).resolve() / HF_META_DIR) if tok.is_dir() else None,
         "tokenizer_sha256": _tokenizer_hash(tok) if tok.is_dir() else None,
         # what a Megatron/MindSpeed run loading this folder must be told (besides --load and TP/PP)
-        "megatron_flags": architecture_flags(model, meta["padded_vocab_size"])
+        "megatron_flags": architecture_flags(
+            model, meta["padded_vocab_size"], meta.get("moe_grouped_gemm", False)
+        )
         + (
             ["--num-layer-list", layer_list_flag(meta["num_layer_list"])]
             if layer_list_flag(meta["num_layer_list"])

@@ -1,4 +1,4 @@
-"""Reading and writing Megatron per-rank checkpoint files (`iter_0000001/mp_rank_XX[_YYY]/model_optim_rng.pt`).
+"""Reading and writing Megatron per-rank checkpoint files (`iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`).
 
 Rank files are read by the kit's own zip reader (kit/convert/torch_zip.py): every record's CRC32 is checked when a
 file is opened, the pickle is loaded without running any class's code, and tensors stay on disk as byte ranges until
@@ -23,7 +23,7 @@ from kit.convert.torch_zip import RankFileError, TensorRef, TorchGlobal, ZipInde
 PathLike = Union[str, Path]
 META_FILE = "kit_convert.json"  # what the kit wrote: family, spec, layout (Megatron ignores it)
 HF_META_DIR = "hf_meta"  # the source's config, generation config and tokenizer files, for the way back
-_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 def save_rank(path: Path, args: argparse.Namespace, model: dict) -> None:
@@ -132,10 +132,31 @@ def detect_flavor(model: dict) -> str:
     return "local"
 
 
+def detect_grouped_gemm(model: dict) -> str:
+    """The experts' layout of a MoE checkpoint: "" (SequentialMLP local_experts, or no experts), "te"
+    (TEGroupedMLP linear_fc1.weight<k>) or "legacy" (GroupedMLP weight1 / weight2)."""
+    for k in model:
+        if ".mlp.experts.weight1" in k:
+            return "legacy"
+        if ".mlp.experts.linear_fc1.weight" in k:
+            return "te"
+    return ""
+
+
 def arg_dtype(args: argparse.Namespace, default: str = "float32") -> str:
     """args.params_dtype as a name (it may be a torch.dtype, a TorchGlobal or missing)."""
     value = getattr(args, "params_dtype", None)
     return str(value).replace("torch.", "") if value is not None else default
+
+
+def _rank_key(nums: Tuple[int, ...], second_is_ep: bool) -> Tuple[int, int, int]:
+    """(tp, pp, ep) ranks of a rank folder from the numbers in its name."""
+    t, rest = nums[0], nums[1:]
+    if len(rest) == 2:
+        return (t, rest[0], rest[1])
+    if not rest:
+        return (t, 0, 0)
+    return (t, 0, rest[0]) if second_is_ep else (t, rest[0], 0)
 
 
 class MegatronReader:
@@ -156,62 +177,86 @@ class MegatronReader:
                 [f"{tracker} holds {text[:40]!r}, not an iteration number"], "Megatron checkpoint"
             )
         self.iter_dir = self.folder / ("release" if text == "release" else f"iter_{int(text):07d}")
-        found: Dict[Tuple[int, int], Path] = {}
-        folders = set()
+        named: Dict[Tuple[int, ...], Path] = {}  # the numbers in each rank folder's name
         for p in sorted(self.iter_dir.iterdir()) if self.iter_dir.is_dir() else []:
             m = _RANK.match(p.name)
             if m:
-                folders.add((int(m.group(1)), int(m.group(2) or 0)))
-                if (p / "model_optim_rng.pt").is_file():
-                    found[(int(m.group(1)), int(m.group(2) or 0))] = p / "model_optim_rng.pt"
-        if not found:
+                named[tuple(int(g) for g in m.groups() if g is not None)] = p
+        if not any((p / "model_optim_rng.pt").is_file() for p in named.values()):
             raise FileNotFoundError(f"{self.iter_dir} holds no mp_rank_*/model_optim_rng.pt files.")
-        self.files = found
-        self._cache: Dict[Tuple[int, int], RankFile] = {}
-        self.tp = self.pp = 1
-        self._states: Dict[Tuple[int, int], dict] = {}
+        self._cache: Dict[Tuple[int, int, int], RankFile] = {}
+        self.tp = self.pp = self.ep = 1
+        self._states: Dict[Tuple[int, int, int], dict] = {}
         self.scratch = Scratch()
-        first = self.rank_file(*min(found))
+        first_dir = min(p for p in named.values() if (p / "model_optim_rng.pt").is_file())
+        first = RankFile(first_dir / "model_optim_rng.pt", scratch=self.scratch)
         self.args: argparse.Namespace = first.refs.get("args") or argparse.Namespace()
         meta = self.folder / META_FILE
         self.meta: Optional[dict] = read_json(meta) if meta.is_file() else None
         # The layout the checkpoint says it has (its args, the kit's metadata), not just the folders present:
         # a missing rank is then named instead of surfacing later as a wrong-looking tensor.
-        said_tp = int(getattr(self.args, "tensor_model_parallel_size", 0) or (self.meta or {}).get("tp") or 0)
-        said_pp = int(
-            getattr(self.args, "pipeline_model_parallel_size", 0) or (self.meta or {}).get("pp") or 0
-        )
-        self.tp = max([said_tp] + [t + 1 for t, _ in folders])
-        self.pp = max([said_pp] + [p + 1 for _, p in folders])
-        missing = [(t, p) for t in range(self.tp) for p in range(self.pp) if (t, p) not in found]
+        said = {
+            dim: int(getattr(self.args, arg, 0) or (self.meta or {}).get(dim) or 0)
+            for dim, arg in (
+                ("tp", "tensor_model_parallel_size"),
+                ("pp", "pipeline_model_parallel_size"),
+                ("ep", "expert_model_parallel_size"),
+            )
+        }
+        # `mp_rank_TT_NNN` is a PP stage, or an EP rank when the checkpoint has EP and no PP (get_checkpoint_name)
+        second_is_ep = said["pp"] <= 1 and said["ep"] > 1
+        found: Dict[Tuple[int, int, int], Path] = {}
+        folders = set()
+        for nums, p in named.items():
+            key = _rank_key(nums, second_is_ep)
+            folders.add(key)
+            if (p / "model_optim_rng.pt").is_file():
+                found[key] = p / "model_optim_rng.pt"
+        self.files = found
+        self.tp = max([said["tp"]] + [t + 1 for t, _, _ in folders])
+        self.pp = max([said["pp"]] + [p + 1 for _, p, _ in folders])
+        self.ep = max([said["ep"]] + [e + 1 for _, _, e in folders])
+        first_key = next(k for k, v in found.items() if v.parent == first_dir)
+        self._cache[first_key] = first
+        missing = [
+            (t, p, e)
+            for t in range(self.tp)
+            for p in range(self.pp)
+            for e in range(self.ep)
+            if (t, p, e) not in found
+        ]
         if missing:
-            names = [layout.rank_dir(t, p, self.pp) + "/model_optim_rng.pt" for t, p in missing]
+            names = [
+                layout.rank_dir(t, p, self.pp, e, self.ep) + "/model_optim_rng.pt" for t, p, e in missing
+            ]
+            ep_text = f" x EP{self.ep}" if self.ep > 1 else ""
             raise ConversionError(
                 [
-                    f"{len(missing)} of {self.tp * self.pp} rank files missing in {self.iter_dir} (the checkpoint "
-                    f"is TP{self.tp} x PP{self.pp}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}; "
-                    f"copy them again"
+                    f"{len(missing)} of {self.tp * self.pp * self.ep} rank files missing in {self.iter_dir} (the "
+                    f"checkpoint is TP{self.tp} x PP{self.pp}{ep_text}): {', '.join(names[:8])}"
+                    f"{' ...' if len(names) > 8 else ''}; copy them again"
                 ],
                 "Megatron checkpoint",
             )
         self.flavor = detect_flavor(first.refs["model"])
+        self.grouped_gemm = detect_grouped_gemm(first.refs["model"])
 
-    def rank_file(self, tp_rank: int, pp_rank: int) -> RankFile:
+    def rank_file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> RankFile:
         """The opened (CRC-checked) rank file."""
-        key = (tp_rank, pp_rank)
+        key = (tp_rank, pp_rank, ep_rank)
         if (
             key not in self._cache
         ):  # open files are an fd and an index each; pieces may point into any of them
             self._cache[key] = RankFile(self.files[key], scratch=self.scratch)
         return self._cache[key]
 
-    def refs(self, tp_rank: int, pp_rank: int) -> dict:
+    def refs(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         """The rank's model dict with TensorRefs (shapes, dtypes, byte ranges; no data read)."""
-        return self.rank_file(tp_rank, pp_rank).refs["model"]
+        return self.rank_file(tp_rank, pp_rank, ep_rank).refs["model"]
 
-    def state(self, tp_rank: int, pp_rank: int) -> dict:
+    def state(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         """The rank's whole object with torch tensors (memory-mapped)."""
-        key = (tp_rank, pp_rank)
+        key = (tp_rank, pp_rank, ep_rank)
         rf = self.rank_file(*key)
         if key not in self._states:
             if len(self._states) >= 2 * self.tp:  # a few stages mapped, not the whole model
@@ -228,49 +273,52 @@ class MegatronReader:
             return [int(x) for x in str(lst).split(",")]
         return [num_layers // self.pp] * self.pp
 
-    def _ref(self, path: Tuple[str, ...], tp_rank: int, pp_rank: int) -> TensorRef:
+    def _ref(self, path: Tuple[str, ...], tp_rank: int, pp_rank: int, ep_rank: int = 0) -> TensorRef:
+        key = (tp_rank, pp_rank, ep_rank)
         try:
-            ref = layout.get(self.refs(tp_rank, pp_rank), path)
+            ref = layout.get(self.refs(*key), path)
         except KeyError:
-            have = sorted(layout.flatten(self.refs(tp_rank, pp_rank)))[:8]
+            have = sorted(layout.flatten(self.refs(*key)))[:8]
             raise ConversionError(
                 [
-                    f"{self.files[(tp_rank, pp_rank)]} has no tensor {'.'.join(path)} (flavor {self.flavor}); "
+                    f"{self.files[key]} has no tensor {'.'.join(path)} (flavor {self.flavor}); "
                     f"first keys there: {have}"
                 ],
                 "Megatron checkpoint",
             ) from None
         if not isinstance(ref, TensorRef):
             raise ConversionError(
-                [
-                    f"{self.files[(tp_rank, pp_rank)]}: {'.'.join(path)} is a {type(ref).__name__}, not a tensor"
-                ],
+                [f"{self.files[key]}: {'.'.join(path)} is a {type(ref).__name__}, not a tensor"],
                 "Megatron checkpoint",
             )
         return ref
 
-    def part_refs(self, path: Tuple[str, ...], pp_rank: int) -> List[TensorRef]:
-        return [self._ref(path, r, pp_rank) for r in range(self.tp)]
+    def part_refs(self, path: Tuple[str, ...], pp_rank: int, ep_rank: int = 0) -> List[TensorRef]:
+        return [self._ref(path, r, pp_rank, ep_rank) for r in range(self.tp)]
 
-    def pieces(self, path: Tuple[str, ...], pp_rank: int) -> List[FileSlice]:
-        """The TP ranks' tensors at one key path of one stage, as byte ranges on disk."""
+    def pieces(self, path: Tuple[str, ...], pp_rank: int, ep_rank: int = 0) -> List[FileSlice]:
+        """The TP ranks' tensors at one key path of one stage (and EP rank), as byte ranges on disk."""
         out = []
         for r in range(self.tp):
-            ref = self._ref(path, r, pp_rank)
+            ref = self._ref(path, r, pp_rank, ep_rank)
+            rf = self.rank_file(r, pp_rank, ep_rank)
             if not ref.is_contiguous():  # not written by a converter; read it whole (rare, small)
                 from kit.convert.file_slices import Rows
 
-                out.append(Rows([self.rank_file(r, pp_rank).tensor(ref).contiguous()]))
+                out.append(Rows([rf.tensor(ref).contiguous()]))
                 continue
-            out.append(self.rank_file(r, pp_rank).piece(ref))
+            out.append(rf.piece(ref))
         return out
 
-    def parts(self, path: Tuple[str, ...], pp_rank: int) -> list:
-        """The TP ranks' tensors at one key path of one stage, as torch tensors (read now)."""
-        return [self.rank_file(r, pp_rank).tensor(self._ref(path, r, pp_rank)) for r in range(self.tp)]
+    def parts(self, path: Tuple[str, ...], pp_rank: int, ep_rank: int = 0) -> list:
+        """The TP ranks' tensors at one key path of one stage (and EP rank), as torch tensors (read now)."""
+        return [
+            self.rank_file(r, pp_rank, ep_rank).tensor(self._ref(path, r, pp_rank, ep_rank))
+            for r in range(self.tp)
+        ]
 
-    def all_keys(self, tp_rank: int, pp_rank: int) -> List[str]:
-        return sorted(layout.flatten(self.refs(tp_rank, pp_rank)))
+    def all_keys(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> List[str]:
+        return sorted(layout.flatten(self.refs(tp_rank, pp_rank, ep_rank)))
 
     def close(self) -> None:
         for rf in self._cache.values():

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
+from kit.convert.spec import split_role
+
 FLAVORS = ("local", "legacy", "te")
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERATION = 1  # '0' fails read_metadata's `iteration > 0` (Megatron-LM core_v0.6.0 megatron/training/checkpointing.py)
@@ -53,8 +55,36 @@ _LEGACY_GLOBAL = {
 }
 
 
-def key_path(flavor: str, role: str, local_layer: Optional[int] = None) -> Tuple[str, ...]:
-    """Path of a role's tensor in one rank's `model` dict (one element for flat mcore keys)."""
+# MoE layers (megatron-core 0.16 moe_layer.py / experts.py): the router, and each local expert k of this EP rank as
+# SequentialMLP `local_experts.{k}` (the default) or, with --moe-grouped-gemm on the TE spec, TEGroupedMLP's one
+# parameter per expert `linear_fc1.weight{k}`. A MoE layer's pre-MLP norm is its own module in both specs.
+_MOE_LAYER = {
+    "router.weight": "mlp.router.weight",
+    "expert.fc1.weight": "mlp.experts.local_experts.{k}.linear_fc1.weight",
+    "expert.fc2.weight": "mlp.experts.local_experts.{k}.linear_fc2.weight",
+    "post_norm": "pre_mlp_layernorm.weight",
+}
+_TE_GROUPED = dict(
+    _MOE_LAYER,
+    **{
+        "expert.fc1.weight": "mlp.experts.linear_fc1.weight{k}",
+        "expert.fc2.weight": "mlp.experts.linear_fc2.weight{k}",
+    },
+)
+
+
+def key_path(
+    flavor: str,
+    role: str,
+    local_layer: Optional[int] = None,
+    moe: bool = False,
+    grouped_gemm: bool = False,
+) -> Tuple[str, ...]:
+    """Path of a role's tensor in one rank's `model` dict (one element for flat mcore keys).
+
+    Expert roles carry the rank's LOCAL expert index (`expert1.fc1.weight` = local expert 1); `moe` says the layer
+    is a MoE block (its pre-MLP norm is not fused into fc1 in the TE spec); `grouped_gemm` picks TEGroupedMLP
+    names on the TE flavor."""
     if flavor not in FLAVORS:
         raise ValueError(
             f"unknown key flavor {flavor!r}; use one of {FLAVORS} (local = megatron-core local spec, "
@@ -69,6 +99,10 @@ def key_path(flavor: str, role: str, local_layer: Optional[int] = None) -> Tuple
         return _MCORE_GLOBAL[role]
     if flavor == "legacy":
         return ("language_model", "encoder", f"layers.{local_layer}.{_LEGACY_LAYER[role]}")
+    base, k = split_role(role)
+    if moe and base in _MOE_LAYER:
+        names = _TE_GROUPED if (grouped_gemm and flavor == "te") else _MOE_LAYER
+        return (f"decoder.layers.{local_layer}.{names[base].format(k=k)}",)
     names = _TE_LAYER if flavor == "te" else _MCORE_LAYER
     return (f"decoder.layers.{local_layer}.{names[role]}",)
 
@@ -101,6 +135,20 @@ def flatten(tree: dict, prefix: str = "") -> Dict[str, object]:
     return out
 
 
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """`mp_rank_XX` when PP == 1, else `mp_rank_XX_YYY` (Megatron get_checkpoint_name)."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """`mp_rank_TT`, `_PPP` appended when PP > 1, `_EEE` appended when EP > 1 (Megatron-LM
+    megatron/training/checkpointing.py get_checkpoint_name; MindSpeed-LLM's converter writes the same names):
+    `mp_rank_01_002` is TP rank 1 of PP stage 2 without EP, or of EP rank 2 without PP; `mp_rank_01_000_002`."""
+    name = f"mp_rank_{tp_rank:02d}"
+    if pp > 1:
+        name += f"_{pp_rank:03d}"
+    if ep > 1:
+        name += f"_{ep_rank:03d}"
+    return name
+
+
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of EP rank ep_rank's experts: a contiguous run, local expert k = global
+    ep_rank * (num_experts / ep) + k (megatron-core's local_expert_indices)."""
+    per = num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)

@@ -14,7 +14,7 @@ from kit.convert.families import Family, family_for_config
 from kit.convert.file_slices import FileSlice
 from kit.convert.hf_io import read_json
 from kit.convert.megatron_io import HF_META_DIR, MegatronReader
-from kit.convert.spec import ModelSpec
+from kit.convert.spec import ModelSpec, expert_role, split_role
 from kit.convert.tensor_ops import merge_tp
 from kit.convert.torch_zip import TensorRef
 from kit.parallel import pipeline_problems, stage_layers
@@ -22,14 +22,34 @@ from kit.parallel import pipeline_problems, stage_layers
 PathLike = Union[str, Path]
 
 
-def rank_entries(layer_roles: List[str], spec: ModelSpec, flavor: str, stages: List[List[int]], s: int):
-    """(key path, source role, global layer) of every tensor in a stage-s rank file, in writing order."""
+def rank_entries(
+    fam: Family,
+    spec: ModelSpec,
+    flavor: str,
+    stages: List[List[int]],
+    s: int,
+    ep_rank: int = 0,
+    ep: int = 1,
+    grouped_gemm: bool = False,
+):
+    """(key path, source role, global layer) of every tensor in the rank file of stage s and EP rank ep_rank, in
+    writing order. Every EP rank holds the dense tensors and the router; its experts are the contiguous run
+    layout.local_experts names, keyed by their local index."""
     pp = len(stages)
+    mine = layout.local_experts(spec.num_experts, ep, ep_rank) if spec.num_experts else range(0)
     if s == 0:
         yield layout.key_path(flavor, "embedding"), "embedding", None
     for local, g in enumerate(stages[s]):
-        for role in layer_roles:
-            yield layout.key_path(flavor, role, local), role, g
+        moe = spec.is_moe_layer(g)
+        for role in fam.layer_roles(spec, g):
+            base, e = split_role(role)
+            if e is not None:
+                if e not in mine:
+                    continue
+                key_role = expert_role(e - mine.start, base.split(".", 1)[1])
+            else:
+                key_role = role
+            yield layout.key_path(flavor, key_role, local, moe, grouped_gemm), role, g
     if s == pp - 1:
         yield layout.key_path(flavor, "final_norm"), "final_norm", None
         if not spec.tied:
@@ -63,6 +83,17 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
         ("kv_channels (head_dim)", getattr(a, "kv_channels", None), spec.head_dim),
         ("add_qkv_bias", getattr(a, "add_qkv_bias", None), spec.qkv_bias),
         ("qk_layernorm", getattr(a, "qk_layernorm", None), spec.qk_norm),
+        ("num_experts", getattr(a, "num_experts", None), spec.num_experts or None),
+        (
+            "moe_ffn_hidden_size",
+            getattr(a, "moe_ffn_hidden_size", None) if spec.num_experts else None,
+            spec.moe_ffn_hidden_size,
+        ),
+        (
+            "moe_router_topk",
+            getattr(a, "moe_router_topk", None) if spec.num_experts else None,
+            spec.moe_router_topk,
+        ),
         (
             "untie_embeddings_and_output_weights",
             getattr(a, "untie_embeddings_and_output_weights", None),
@@ -97,46 +128,62 @@ def rank_shape(spec: ModelSpec, role: str, tp: int) -> Optional[tuple]:
     return (full[0] // tp, *full[1:])
 
 
+def _rank_file_problems(
+    mr: MegatronReader,
+    fam: Family,
+    spec: ModelSpec,
+    stages: List[List[int]],
+    entries: list,
+    r: int,
+    s: int,
+    e: int,
+) -> List[str]:
+    """Unknown, missing and misshapen tensors of one rank file against the entries it should hold."""
+    problems = []
+    known = {".".join(kp) for kp, _, _ in entries}
+    flat = layout.flatten(mr.refs(r, s, e))
+    where = layout.rank_dir(r, s, mr.pp, e, mr.ep)
+    for key in sorted(set(flat) - known):
+        if key.endswith("_extra_state") or not isinstance(flat[key], TensorRef):
+            continue  # TE/fp8 metadata, no weights
+        problems.append(
+            f"{where}: tensor {key!r} is not in the {fam.name} map "
+            f"({mr.flavor} key names); it would be dropped. Is the family or the config right?"
+        )
+    missing = sorted(known - set(flat))
+    if missing:
+        problems.append(
+            f"{where}: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})"
+        )
+    for kp, role, _ in entries:
+        ref, want = flat.get(".".join(kp)), rank_shape(spec, role, mr.tp)
+        if not isinstance(ref, TensorRef):
+            continue
+        if want is None:
+            want_rest = (spec.hidden_size,)
+            if ref.shape[1:] != want_rest:
+                problems.append(
+                    f"{where}: {'.'.join(kp)} has rows of {list(ref.shape[1:])}, the config "
+                    f"implies {list(want_rest)} (hidden_size)"
+                )
+        elif ref.shape != want:
+            problems.append(
+                f"{where}: {'.'.join(kp)} has shape {list(ref.shape)}, the HF config implies {list(want)} "
+                f"at TP{mr.tp}; config and checkpoint do not belong together"
+            )
+    return problems
+
+
 def check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stages: List[List[int]]) -> None:
     """Every tensor in every rank file must be one the map knows, with the shape the config implies for this TP:
     nothing is dropped silently and a config that does not match the weights is an error, not a wrong model."""
-    _, layer_roles = fam.roles(spec)
     problems = []
     for s in range(mr.pp):
-        entries = list(rank_entries(layer_roles, spec, mr.flavor, stages, s))
-        known = {".".join(kp) for kp, _, _ in entries}
-        for r in range(mr.tp):
-            flat = layout.flatten(mr.refs(r, s))
-            where = layout.rank_dir(r, s, mr.pp)
-            for key in sorted(set(flat) - known):
-                if key.endswith("_extra_state") or not isinstance(flat[key], TensorRef):
-                    continue  # TE/fp8 metadata, no weights
-                problems.append(
-                    f"{where}: tensor {key!r} is not in the {fam.name} map "
-                    f"({mr.flavor} key names); it would be dropped. Is the family or the config right?"
-                )
-            missing = sorted(known - set(flat))
-            if missing:
-                problems.append(
-                    f"{where}: missing {missing[:5]}"
-                    f"{' ...' if len(missing) > 5 else ''} (layers per stage {[len(x) for x in stages]})"
-                )
-            for kp, role, _ in entries:
-                ref, want = flat.get(".".join(kp)), rank_shape(spec, role, mr.tp)
-                if not isinstance(ref, TensorRef):
-                    continue
-                if want is None:
-                    want_rest = (spec.hidden_size,)
-                    if ref.shape[1:] != want_rest:
-                        problems.append(
-                            f"{where}: {'.'.join(kp)} has rows of {list(ref.shape[1:])}, the config "
-                            f"implies {list(want_rest)} (hidden_size)"
-                        )
-                elif ref.shape != want:
-                    problems.append(
-                        f"{where}: {'.'.join(kp)} has shape {list(ref.shape)}, the HF config implies {list(want)} "
-                        f"at TP{mr.tp}; config and checkpoint do not belong together"
-                    )
+        for e in range(mr.ep):
+            entries = list(rank_entries(fam, spec, mr.flavor, stages, s, e, mr.ep, mr.grouped_gemm == "te"))
+            for r in range(mr.tp):
+                problems += _rank_file_problems(mr, fam, spec, stages, entries, r, s, e)
     if problems:
         raise ConversionError(problems, f"Megatron checkpoint {mr.folder}")
 
@@ -149,13 +196,26 @@ def stages_of(mr: MegatronReader, spec: ModelSpec) -> List[List[int]]:
     return stages
 
 
-def locate(mr: MegatronReader, stages: List[List[int]], role: str, layer: Optional[int]) -> tuple:
-    """(stage, key path) of a role's tensor."""
+def locate(
+    mr: MegatronReader,
+    stages: List[List[int]],
+    role: str,
+    layer: Optional[int],
+    spec: Optional[ModelSpec] = None,
+) -> tuple:
+    """(stage, key path, EP rank) of a role's tensor: an expert's EP rank and local index from its global index,
+    every other tensor from EP rank 0 (the EP ranks hold the same dense tensors)."""
     if layer is None or layer < 0:
-        return (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role)
+        return (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role), 0
     where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
     s, local = where[layer]
-    return s, layout.key_path(mr.flavor, role, local)
+    moe = spec is not None and spec.is_moe_layer(layer)
+    base, e = split_role(role)
+    ep_rank = 0
+    if e is not None:
+        per = spec.num_experts // mr.ep
+        ep_rank, role = e // per, expert_role(e % per, base.split(".", 1)[1])
+    return s, layout.key_path(mr.flavor, role, local, moe, mr.grouped_gemm == "te"), ep_rank
 
 
 def merged_tensor_fn(
@@ -166,8 +226,8 @@ def merged_tensor_fn(
     check_megatron_keys(mr, fam, spec, stages)
 
     def full(role: str, layer: Optional[int]):
-        s, path = locate(mr, stages, role, layer)
-        return merge_tp(role_kind(role), mr.parts(path, s), what=".".join(path))
+        s, path, e = locate(mr, stages, role, layer, spec)
+        return merge_tp(role_kind(role), mr.parts(path, s, e), what=".".join(path))
 
     return full
 

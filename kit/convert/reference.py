@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kit.convert import megatron_layout as layout
 from kit.convert.megatron_io import MegatronReader
-from kit.convert.spec import ModelSpec
+from kit.convert.spec import ModelSpec, expert_role
 from kit.parallel import stage_layers
 
 
@@ -97,6 +97,37 @@ def attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, nh * hd)
 
 
+def route(logits: torch.Tensor, spec: ModelSpec, megatron: bool = False):
+    """(top-k weights [s, k] in fp32, expert indices [s, k]) of router logits [s, experts].
+
+    HF Qwen3-MoE (modeling_qwen3_moe Qwen3MoeTopKRouter): softmax over the experts in fp32, top-k, divided by their
+    sum when norm_topk_prob. Megatron (megatron-core 0.16 moe_utils.topk_routing_with_score_function): top-k of the
+    logits then a softmax over those k, or with --moe-router-pre-softmax the softmax over all experts first, then
+    top-k; the same numbers by a different route, which is what the logits check compares."""
+    k = spec.moe_router_topk
+    if megatron and spec.moe_norm_topk_prob:
+        top, idx = logits.topk(k, dim=-1)
+        return torch.softmax(top.float(), dim=-1), idx
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, idx = probs.topk(k, dim=-1)
+    if spec.moe_norm_topk_prob and not megatron:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, idx
+
+
+def moe_mix(h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, expert_fn) -> torch.Tensor:
+    """sum over each token's chosen experts of weight x expert(token); expert_fn(e, rows) -> outputs of those rows."""
+    out = torch.zeros_like(h)
+    for e in torch.unique(idx).tolist():
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, expert_fn(e, h[rows]) * weights[rows, slot, None].to(h.dtype))
+    return out
+
+
+def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
 def _pos(q, k, spec: ModelSpec, positions=None):
     if spec.position != "rope":
         return q, k
@@ -139,7 +170,15 @@ def hf_forward(
         x = x + o @ sd[p + ("self_attention.dense.weight" if glm else "self_attn.o_proj.weight")].T
         h = rms_norm(x, sd[p + "post_attention_layernorm.weight"], spec.norm_eps)
         fused_glu = "mlp.dense_h_to_4h.weight" if glm else "mlp.gate_up_proj.weight"  # [gate; up] (GLM-4)
-        if p + fused_glu in sd:
+        if spec.num_experts and spec.is_moe_layer(i):  # Qwen3-MoE sparse block (per-expert disk keys)
+            weights, idx = route(h @ sd[p + "mlp.gate.weight"].T, spec)
+
+            def expert(e, rows, p=p):
+                pe = p + f"mlp.experts.{e}."
+                return _swiglu(rows, *(sd[pe + f"{n}_proj.weight"] for n in ("gate", "up", "down")))
+
+            x = x + moe_mix(h, weights, idx, expert)
+        elif p + fused_glu in sd:
             g, u = (h @ sd[p + fused_glu].T).chunk(2, dim=-1)
             x = (
                 x
@@ -157,9 +196,19 @@ def hf_forward(
     return x @ head.float().T
 
 
+def _tp_mlp(h: torch.Tensor, fc1: List[torch.Tensor], fc2: List[torch.Tensor]) -> torch.Tensor:
+    """A SwiGLU MLP from its TP ranks' fc1 / fc2: mcore chunks each rank's fc1 output into (gate, up), and the
+    row-parallel fc2 outputs are summed (the all-reduce)."""
+    out = 0
+    for a, b in zip(fc1, fc2):
+        g, u = (h @ a.T).chunk(2, dim=-1)
+        out = out + (F.silu(g) * u) @ b.T
+    return out
+
+
 def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
-    tp, fl = mr.tp, mr.flavor
+    tp, fl, grouped = mr.tp, mr.flavor, mr.grouped_gemm == "te"
     stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
     f32 = [t.float() for t in mr.parts(layout.key_path(fl, "embedding"), 0)]
     per = f32[0].shape[0]
@@ -171,10 +220,11 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
     gp, hpg, hd = spec.num_groups // tp, spec.heads_per_group, spec.head_dim
     slopes = alibi_slopes(spec.num_heads) if spec.position == "alibi" else None
     for s, layers in enumerate(stages):
-        for li in range(len(layers)):
+        for li, g_layer in enumerate(layers):
+            moe = spec.num_experts and spec.is_moe_layer(g_layer)
 
-            def w(role, s=s, li=li):
-                return [t.float() for t in mr.parts(layout.key_path(fl, role, li), s)]
+            def w(role, s=s, li=li, moe=moe, ep_rank=0):
+                return [t.float() for t in mr.parts(layout.key_path(fl, role, li, moe, grouped), s, ep_rank)]
 
             h = rms_norm(x, w("input_norm")[0], spec.norm_eps)
             qkv_w, proj = w("qkv.weight"), w("proj.weight")
@@ -203,12 +253,18 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
                 out = out + attention(q, k, v, sl) @ proj[r].T
             x = x + out
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
-            fc1, fc2 = w("fc1.weight"), w("fc2.weight")
-            mlp = 0
-            for r in range(tp):  # mcore: chunk each rank's fc1 output into (gate, up)
-                g, u = (h @ fc1[r].T).chunk(2, dim=-1)
-                mlp = mlp + (F.silu(g) * u) @ fc2[r].T
-            x = x + mlp
+            if moe:  # router replicated; expert e on EP rank e // per as local expert e % per, split over TP
+                weights, idx = route(h @ w("router.weight")[0].T, spec, megatron=True)
+                per = spec.num_experts // mr.ep
+
+                def expert(e, rows, w=w, per=per):
+                    k, rank = e % per, e // per
+                    fc1 = w(expert_role(k, "fc1.weight"), ep_rank=rank)
+                    return _tp_mlp(rows, fc1, w(expert_role(k, "fc2.weight"), ep_rank=rank))
+
+                x = x + moe_mix(h, weights, idx, expert)
+            else:
+                x = x + _tp_mlp(h, w("fc1.weight"), w("fc2.weight"))
     last = mr.pp - 1
     x = rms_norm(x, mr.parts(layout.key_path(fl, "final_norm"), last)[0].float(), spec.norm_eps)
     if not spec.tied:

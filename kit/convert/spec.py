@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
+
+EXPERT_PREFIX = (
+    "expert"  # per-expert roles are `expert<e>.fc1.weight` (global index e), base role `expert.fc1.weight`
+)
+
+
+def expert_role(e: int, role: str) -> str:
+    """The role of expert e's tensor (`expert3.fc1.weight` for role `fc1.weight`)."""
+    return f"{EXPERT_PREFIX}{e}.{role}"
+
+
+def split_role(role: str) -> Tuple[str, Optional[int]]:
+    """(base role, expert index or None): `expert3.fc1.weight` -> (`expert.fc1.weight`, 3)."""
+    head, _, rest = role.partition(".")
+    if head.startswith(EXPERT_PREFIX) and head[len(EXPERT_PREFIX) :].isdigit():
+        return f"{EXPERT_PREFIX}.{rest}", int(head[len(EXPERT_PREFIX) :])
+    return role, None
 
 
 @dataclass(frozen=True)
@@ -35,14 +52,26 @@ class ModelSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    # Mixture of experts (Qwen3-MoE); num_experts 0 = a dense model. Megatron's names (--num-experts, ...).
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0  # one expert's FFN width (HF moe_intermediate_size)
+    moe_norm_topk_prob: bool = False  # HF norm_topk_prob: the top-k probabilities renormalised to sum 1
+    moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef
+    moe_layer_freq: Tuple[int, ...] = ()  # one 1 (MoE block) or 0 (dense MLP) per layer; () for dense models
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when layer `layer` (global index) is a MoE block (router + experts) rather than a dense MLP."""
+        return bool(self.num_experts) and bool(self.moe_layer_freq[layer])
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_groups
 
     def full_shape(self, role: str) -> Tuple[int, ...]:
-        """Shape of the whole (TP=1, unpadded) Megatron tensor of a role."""
-        h, hd, ffn = self.hidden_size, self.head_dim, self.ffn_hidden_size
+        """Shape of the whole (TP=1, unpadded) Megatron tensor of a role (one expert's for expert roles)."""
+        role, _ = split_role(role)
+        h, hd, ffn, moe = self.hidden_size, self.head_dim, self.ffn_hidden_size, self.moe_ffn_hidden_size
         qkv = (self.num_heads + 2 * self.num_groups) * hd
         shapes = {
             "embedding": (self.vocab_size, h),
@@ -57,6 +86,9 @@ class ModelSpec:
             "fc2.weight": (h, ffn),
             "q_norm": (hd,),
             "k_norm": (hd,),
+            "router.weight": (self.num_experts, h),
+            "expert.fc1.weight": (2 * moe, h),
+            "expert.fc2.weight": (h, moe),
         }
         return shapes[role]
 
@@ -70,13 +102,23 @@ class ModelSpec:
         out = self.to_dict()
         out["num_kv_groups"] = self.num_groups
         out["num_attention_heads"] = self.num_heads
+        out["moe_layer_freq"] = list(self.moe_layer_freq)  # what JSON gives back
         return out
 
     @classmethod
     def from_facts(cls, facts: Dict[str, Any]) -> ModelSpec:
         """The spec back from `facts()` (extra keys ignored)."""
         names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in facts.items() if k in names})
+        values = {k: v for k, v in facts.items() if k in names}
+        if "moe_layer_freq" in values:  # a JSON list
+            values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
+        return cls(**values)
+
+
+def moe_layer_freq_flag(spec_or_pattern) -> str:
+    """Megatron's --moe-layer-freq value: `1` when every layer is a MoE block, else the list (`[1,1,0,1]`)."""
+    pattern = [int(x) for x in getattr(spec_or_pattern, "moe_layer_freq", spec_or_pattern)]
+    return "1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]"
 
 
 def megatron_args(
@@ -88,6 +130,8 @@ def megatron_args(
     divisible_by: int,
     dtype,
     flavor: str,
+    ep: int = 1,
+    grouped_gemm: bool = False,
 ) -> argparse.Namespace:
     """The `args` Namespace of model_optim_rng.pt: primitives and one torch.dtype, so weights_only loading works.
 
@@ -128,7 +172,8 @@ def megatron_args(
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         num_layer_list=",".join(map(str, layer_list)) if uneven else None,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
         params_dtype=torch_dtype_ref(name),
         bf16=name == "bfloat16",
         fp16=name == "float16",
@@ -151,4 +196,25 @@ def megatron_args(
         low_freq_factor=spec.low_freq_factor,
         high_freq_factor=spec.high_freq_factor,
         original_max_position_embeddings=spec.original_max_position_embeddings or None,
+        **_moe_args(spec, grouped_gemm),
+    )
+
+
+def _moe_args(spec: ModelSpec, grouped_gemm: bool) -> Dict[str, Any]:
+    """Megatron-LM's MoE arguments (megatron/training/arguments.py names; norm_topk_prob is MindSpeed-LLM's): the
+    router of Qwen3-MoE is a softmax over the experts, top-k, renormalised when norm_topk_prob, which is
+    megatron-core's default routing (top-k of the logits, softmax over the k); without it, --moe-router-pre-softmax."""
+    if not spec.num_experts:
+        return dict(num_experts=None, moe_grouped_gemm=False)
+    return dict(
+        num_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        norm_topk_prob=spec.moe_norm_topk_prob,
+        moe_layer_freq=list(spec.moe_layer_freq),
+        moe_grouped_gemm=bool(grouped_gemm),
+        moe_token_dispatcher_type="alltoall",
     )

@@ -32,8 +32,30 @@ def family_config(
     tie: bool = False,
     qkv_bias: Optional[bool] = None,
     dtype: str = "float32",
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int = 0,
 ) -> dict:
-    """A config.json dict in the family's own vocabulary (Llama / ChatGLM3 / Baichuan2 field names)."""
+    """A config.json dict in the family's own vocabulary (Llama / Qwen3-MoE / ChatGLM3 / Baichuan2 field names)."""
+    if (
+        family == "qwen3_moe"
+    ):  # every layer a MoE block of num_experts, top-2, normalised (Qwen3-30B-A3B's kind)
+        cfg = family_config(
+            "llama", hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_groups=num_groups,
+            ffn_hidden_size=ffn_hidden_size, vocab_size=vocab_size, tie=tie, dtype=dtype,
+        )  # fmt: skip
+        cfg.update(
+            model_type="qwen3_moe",
+            architectures=["Qwen3MoeForCausalLM"],
+            head_dim=hidden_size // num_heads,
+            num_experts=num_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=moe_ffn_hidden_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+        )
+        return cfg
     if family == "llama":
         return {
             "model_type": "llama",
@@ -121,6 +143,8 @@ def synthetic_checkpoint(
     max_shard_mb: float = 0.1,
     with_tokenizer: bool = True,
     overwrite: bool = False,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int = 0,
 ) -> Path:
     """Write a seeded random checkpoint (sharded safetensors + index + config) of a family; returns its folder."""
     cfg = family_config(
@@ -134,6 +158,8 @@ def synthetic_checkpoint(
         tie=tie,
         qkv_bias=qkv_bias,
         dtype=dtype,
+        num_experts=num_experts,
+        moe_ffn_hidden_size=moe_ffn_hidden_size,
     )
     fam = FAMILIES[family]
     spec = fam.read_config(cfg)

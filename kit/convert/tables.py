@@ -76,14 +76,15 @@ def layout_table(folder: PathLike):
 
     mr = MegatronReader(folder)
     rows = []
-    for (t, p), path in sorted(mr.files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        flat = layout.flatten(mr.state(t, p)["model"])
+    for (t, p, e), path in sorted(mr.files.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        flat = layout.flatten(mr.state(t, p, e)["model"])
         layers = {k.split("layers.")[1].split(".")[0] for k in flat if "layers." in k}
         rows.append(
             {
-                "rank file": f"{layout.rank_dir(t, p, mr.pp)}/model_optim_rng.pt",
+                "rank file": f"{layout.rank_dir(t, p, mr.pp, e, mr.ep)}/model_optim_rng.pt",
                 "tp": t,
                 "pp": p,
+                "ep": e,
                 "layers": len(layers),
                 "tensors": len(flat),
                 "MiB": round(path.stat().st_size / 1024**2, 2),
@@ -102,8 +103,9 @@ def plot_layout(folder: PathLike, png: Optional[PathLike] = None):
 
     mr = MegatronReader(folder)
     sizes = np.zeros((mr.pp, mr.tp))
-    for (t, p), path in mr.files.items():
-        sizes[p, t] = path.stat().st_size / 1024**2
+    for (t, p, e), path in mr.files.items():
+        if e == 0:  # EP ranks differ only by their experts: EP rank 0's files stand for the others
+            sizes[p, t] = path.stat().st_size / 1024**2
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * mr.tp, 1.0 + 0.8 * mr.pp))
     im = ax.imshow(sizes, cmap="Blues")
     for (p, t), v in np.ndenumerate(sizes):

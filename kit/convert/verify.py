@@ -46,15 +46,15 @@ def hf_checksums(folder: PathLike) -> Dict[str, dict]:
 
 
 def megatron_checksums(folder: PathLike) -> Dict[str, dict]:
-    """{'mp_rank_XX[_YYY]/key': {shape, dtype, sha256}} for every tensor of every rank file."""
+    """{'mp_rank_XX[_YYY][_ZZZ]/key': {shape, dtype, sha256}} for every tensor of every rank file."""
     mr = MegatronReader(folder)
     out = {}
-    for t, p in sorted(mr.files):
-        flat = layout.flatten(mr.state(t, p)["model"])
+    for t, p, e in sorted(mr.files):
+        flat = layout.flatten(mr.state(t, p, e)["model"])
         for key in sorted(flat):
             v = flat[key]
             if isinstance(v, torch.Tensor):
-                out[f"{layout.rank_dir(t, p, mr.pp)}/{key}"] = {
+                out[f"{layout.rank_dir(t, p, mr.pp, e, mr.ep)}/{key}"] = {
                     "shape": list(v.shape),
                     "dtype": str(v.dtype).replace("torch.", ""),
                     "sha256": tensor_digest(v),
@@ -122,18 +122,18 @@ def round_trip(
     return dict(result, megatron=str(meg), hf=str(back))
 
 
-def torch_load_agrees(mr: MegatronReader, tp_rank: int, pp_rank: int) -> bool:
+def torch_load_agrees(mr: MegatronReader, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> bool:
     """The installed torch's own loader reads the rank file to the same tensors as the kit's reader."""
     import argparse
 
-    path = str(mr.files[(tp_rank, pp_rank)])
+    path = str(mr.files[(tp_rank, pp_rank, ep_rank)])
     allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
     if allow is not None:
         with allow([argparse.Namespace]):
             state = torch.load(path, map_location="cpu", weights_only=True)
     else:  # torch 2.1-2.4 cannot allowlist Namespace here; the file is the kit's own output
         state = torch.load(path, map_location="cpu", weights_only=False)
-    ours = layout.flatten(mr.state(tp_rank, pp_rank)["model"])
+    ours = layout.flatten(mr.state(tp_rank, pp_rank, ep_rank)["model"])
     theirs = layout.flatten(state["model"])
     return ours.keys() == theirs.keys() and all(
         torch.equal(ours[k], theirs[k]) for k in ours if isinstance(ours[k], torch.Tensor)
@@ -146,7 +146,7 @@ def sample_tokens(vocab_size: int, seq_len: int = 16, seed: int = 0) -> torch.Te
     return torch.randint(0, vocab_size, (seq_len,), generator=g)
 
 
-TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "glm")
+TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm")
 
 
 def _transformers_knows(model_type: str) -> bool:
@@ -196,6 +196,7 @@ def logits_check(
         "family": spec.family,
         "tp": mr.tp,
         "pp": mr.pp,
+        "ep": mr.ep,
         "flavor": mr.flavor,
         "tokens": seq_len,
         "max_abs_diff": diff,
@@ -234,13 +235,13 @@ def verify_conversion(
     rows.append({"check": "tracker file", "value": tracker, "limit": "1", "passed": tracker == "1"})
     rows.append(
         {
-            "check": "rank files (TP x PP)",
-            "value": f"{len(mr.files)} = {mr.tp} x {mr.pp}",
+            "check": "rank files (TP x PP x EP)",
+            "value": f"{len(mr.files)} = {mr.tp} x {mr.pp} x {mr.ep}",
             "limit": "all present",
-            "passed": len(mr.files) == mr.tp * mr.pp,
+            "passed": len(mr.files) == mr.tp * mr.pp * mr.ep,
         }
     )
-    versions = {float(mr.state(t, p)["checkpoint_version"]) for t, p in mr.files}
+    versions = {float(mr.state(*key)["checkpoint_version"]) for key in mr.files}
     rows.append(
         {
             "check": "checkpoint_version (every record's CRC32 checked)",

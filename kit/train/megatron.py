@@ -80,8 +80,8 @@ def data_problems(facts: dict, where: str) -> List[str]:
     return []
 
 
-def checkpoint_problems(load: Optional[str], tp: int, pp: int) -> list:
-    """A converted checkpoint must have the tracker file and exactly the TP x PP rank folders of this run."""
+def checkpoint_problems(load: Optional[str], tp: int, pp: int, ep: int = 1) -> list:
+    """A converted checkpoint must have the tracker file and exactly the TP x PP (x EP) rank folders of this run."""
     if not load:
         return []
     from kit.convert.megatron_layout import TRACKER, rank_dir
@@ -92,11 +92,12 @@ def checkpoint_problems(load: Optional[str], tp: int, pp: int) -> list:
     text = tracker.read_text().strip()
     it_dir = Path(load) / ("release" if text == "release" else f"iter_{int(text):07d}")
     have = sorted(p.name for p in it_dir.glob("mp_rank_*")) if it_dir.is_dir() else []
-    want = sorted(rank_dir(t, p, pp) for t in range(tp) for p in range(pp))
+    want = sorted(rank_dir(t, p, pp, e, ep) for t in range(tp) for p in range(pp) for e in range(ep))
     if have != want:
+        layout = f"TP={tp}, PP={pp}" + (f", EP={ep}" if ep > 1 else "")
         return [
-            f"{it_dir} has rank folders {have[:6]}{'...' if len(have) > 6 else ''} but TP={tp}, PP={pp} "
-            f"needs {want[:6]}{'...' if len(want) > 6 else ''}; convert again with the training TP/PP."
+            f"{it_dir} has rank folders {have[:6]}{'...' if len(have) > 6 else ''} but {layout} "
+            f"needs {want[:6]}{'...' if len(want) > 6 else ''}; convert again with the training TP/PP/EP."
         ]
     return []
 
@@ -165,11 +166,20 @@ def build(
         return MegatronPlan(["sh", script], env, code, "script", problems)
 
     facts, ckpt, flavor = _model(cfg)
+    # EP is the converted checkpoint's (its rank folders hold num_experts / EP experts each); 1 for dense models
+    ep = int((ckpt.get("ep") if ckpt is not None else None) or 1)
     problems += parallel_problems(
-        facts, int(cfg.tp), int(cfg.pp), cfg.num_layer_list, cfg.padded_vocab_size, flavor=flavor
+        facts,
+        int(cfg.tp),
+        int(cfg.pp),
+        cfg.num_layer_list,
+        cfg.padded_vocab_size,
+        flavor=flavor,
+        ep=ep,
+        world_size=cfg.world_size if facts.get("num_experts") else None,
     )
     load = str(ckpt.folder) if ckpt is not None else None
-    problems += checkpoint_problems(load, int(cfg.tp), int(cfg.pp))
+    problems += checkpoint_problems(load, int(cfg.tp), int(cfg.pp), ep)
     finetune = cfg.run_type in ("sft", "lora")
     if finetune and ckpt is None:
         problems.append(
@@ -197,6 +207,7 @@ def build(
         entry,
         "--tensor-model-parallel-size", str(cfg.tp),
         "--pipeline-model-parallel-size", str(cfg.pp),
+        *(["--expert-model-parallel-size", str(ep)] if facts.get("num_experts") else []),
         "--micro-batch-size", str(cfg.mbs),
         "--global-batch-size", str(cfg.gbs),
         "--seq-length", str(cfg.seq_len),
