@@ -34,7 +34,9 @@ def compare(job: dict, results: List[dict], work: Path):
         for r in results
         for p in r.get("load_problems", [])
     ]
-    tensors = sum(r.get("tensors", 0) for r in results if r.get("dp_rank") == 0)
+    # one count per rank file: its (TP, PP, EP) coordinates repeat over the (expert) data-parallel ranks
+    files = {(r.get("tp_rank"), r.get("pp_rank"), r.get("ep_rank", 0)): r.get("tensors", 0) for r in results}
+    tensors = sum(files.values())
     if errors and not any("load_problems" in r for r in results):  # stopped before any file was loaded
         return [_check("ranks ran", False, len(errors), 0, errors[0])], {}
     checks.append(
@@ -45,7 +47,7 @@ def compare(job: dict, results: List[dict], work: Path):
             0,
             load[0] + (f" (+{len(load) - 1} more)" if len(load) > 1 else "")
             if load
-            else f"{tensors} tensors in {job['tp'] * job['pp']} rank files, keys and shapes exact",
+            else f"{tensors} tensors in {len(files)} rank files, keys and shapes exact",
         )
     )
     if load or errors:
@@ -104,6 +106,7 @@ def compare(job: dict, results: List[dict], work: Path):
     model_numel = [r["model_numel"] for r in results]
     sharded = job["dp"] == 1 or all(s < m for s, m in zip(shards, model_numel))
     trained_dir = work / "trained_hf"
+    ep_text = f" x EP{job['ep']}" if job.get("ep", 1) > 1 else ""
     t = time.monotonic()
     back_problems = _checkpoint_back(job, work, trained_dir)
     seconds["checkpoint there and back"] = round(time.monotonic() - t, 1)
@@ -131,7 +134,7 @@ def compare(job: dict, results: List[dict], work: Path):
             0,
             back_problems[0]
             if back_problems
-            else f"checkpoint/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}) -> HF -> the same "
+            else f"checkpoint/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}{ep_text}) -> HF -> the same "
             f"rank files again, every trained tensor equal",
         )
     )
@@ -236,7 +239,7 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
                 pp=job["pp"],
                 num_layer_list=job["layer_list"] if job["pp"] > 1 else None,
                 padded_vocab_size=job["padded_vocab_size"],
-                **({"ep": job["ep"]} if job.get("ep", 1) > 1 else {}),
+                ep=job.get("ep", 1),
             ),
             progress=False,
         )
@@ -248,10 +251,7 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
     ep = job.get("ep", 1)
     for t, p, e in [(t, p, e) for t in range(job["tp"]) for p in range(job["pp"]) for e in range(ep)]:
         where = f"tp {t}, pp {p}" + (f", ep {e}" if ep > 1 else "")
-        if ep > 1:
-            sa, sb = a.state(t, p, e)["model"], b.state(t, p, e)["model"]
-        else:
-            sa, sb = a.state(t, p)["model"], b.state(t, p)["model"]
+        sa, sb = a.state(t, p, e)["model"], b.state(t, p, e)["model"]
         for k, va in sa.items():
             vb = sb.get(k)
             if vb is None or tuple(vb.shape) != tuple(va.shape):

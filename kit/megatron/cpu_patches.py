@@ -1,7 +1,8 @@
 """megatron-core's CUDA assumptions, replaced for CPU ranks (gloo): applied only inside the preflight's rank processes.
 
 megatron-core 0.16 asks CUDA for its device in many places; on CPU each is one of four shapes, and each shape gets
-one patch here (file/line references are megatron-core 0.16.1):
+one patch here (1-4); the MoE path adds a CUDA stream, a name it needs Transformer Engine for, a norm that refuses
+sequence parallelism and an all-gather gloo does not run (5-8). File/line references are megatron-core 0.16.1:
 
 1. `torch.cuda.current_device()` as a device: rotary embedding (`models/common/embeddings/rotary_pos_embedding.py`
    l.162 `inv_freq.to(...)`), pipeline receive buffers (`pipeline_parallel/p2p_communication.py` l.313, l.321), the

@@ -182,27 +182,30 @@ def _refuse_rope_scaling(spec, folder) -> None:
         )
 
 
-# megatron-core's MoE token dispatcher the ranks use; see moe_job for why this one on CPU
-DISPATCHER = "alltoall"
-
-
 def moe_job(spec, args, reader, dp: int):
-    """(EP, expert TP, the MoE facts the ranks need or None) of a checkpoint; one line when its EP does not fit the
-    preflight's world (kit.parallel's rule, the one conversion and training apply)."""
-    experts = int(getattr(args, "num_experts", None) or 0)
-    ep = int(getattr(reader, "ep", 1) or 1)
-    if not experts:
+    """(EP, expert TP, the MoE facts the ranks and the checks need or None) of a checkpoint; one line when its EP does
+    not fit the preflight's TP x PP x DP ranks (kit.parallel's rule, the one conversion and training apply)."""
+    if not spec.num_experts:
         return 1, reader.tp, None
     from kit.parallel import expert_parallel_problems
 
-    etp = int(getattr(args, "expert_tensor_parallel_size", None) or reader.tp)
-    problems = expert_parallel_problems(experts, ep, reader.tp, reader.pp, dp, etp)
+    world = reader.tp * reader.pp * dp
+    problems = expert_parallel_problems(spec.num_experts, reader.ep, reader.tp, reader.pp, world)
     if problems:
-        raise InputError(f"{reader.folder}: {problems[0]}")
+        raise InputError(
+            f"{reader.folder} is TP{reader.tp} x PP{reader.pp} x EP{reader.ep}; with DP={dp} (--dp) the preflight "
+            f"has {world} ranks: {' '.join(problems)}"
+        )
+    if getattr(args, "moe_grouped_gemm", False):
+        raise InputError(
+            f"{reader.folder} holds grouped-GEMM experts (TEGroupedMLP keys); the preflight builds megatron-core's "
+            f"local SequentialMLP experts (no Transformer Engine on CPU): convert without grouped GEMM."
+        )
     moe = {
-        "num_experts": experts,
-        "topk": int(args.moe_router_topk),
-        "aux_loss_coeff": float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
-        "dispatcher": DISPATCHER,
+        "num_experts": int(spec.num_experts),
+        "topk": int(spec.moe_router_topk),
+        "aux_loss_coeff": float(spec.moe_aux_loss_coeff),
+        # the checkpoint's own (alltoall, as MindSpeed-LLM's MoE recipes); kit.megatron.cpu_patches runs it on gloo
+        "dispatcher": getattr(args, "moe_token_dispatcher_type", None) or "alltoall",
     }
-    return ep, etp, moe
+    return reader.ep, int(getattr(args, "expert_tensor_parallel_size", None) or reader.tp), moe

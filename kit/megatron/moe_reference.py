@@ -65,6 +65,9 @@ class MoEReference:
             with torch.no_grad():  # the converter's zero rows
                 model.get_input_embeddings().weight[self.vocab :] = 0
                 model.get_output_embeddings().weight[self.vocab :] = 0
+        # transformers builds the embedding with padding_idx = pad_token_id, whose row then never gets a gradient;
+        # megatron-core's embedding has no such row (nor has the dense reference): both sides train every row
+        model.get_input_embeddings().padding_idx = None
         model.eval()  # no dropout; the MoE block behaves the same in both modes
         self.model = model
         self.topk = int(cfg.num_experts_per_tok)

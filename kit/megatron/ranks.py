@@ -38,6 +38,7 @@ def moe_fields(args, job: dict) -> dict:
         moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
         moe_token_dispatcher_type=job["moe"]["dispatcher"],
         moe_grouped_gemm=False,
+        moe_layer_freq=list(getattr(args, "moe_layer_freq", None) or [1] * int(args.num_layers)),
         expert_model_parallel_size=job["ep"],
         expert_tensor_parallel_size=job["etp"],
         sequence_parallel=job["tp"] > 1,
@@ -50,7 +51,10 @@ def build_model(args, job: dict):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     pp, layers = job["pp"], job["layer_list"]
@@ -98,14 +102,13 @@ def build_model(args, job: dict):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if moe:  # per layer (MoE block or dense MLP, moe_layer_freq), this stage's layers only
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=moe.get("num_moe_experts"),
-            moe_grouped_gemm=False,
-            normalization="RMSNorm",
-            qk_layernorm=cfg.qk_layernorm,
-        ),
+        transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -208,7 +211,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
     ep = job.get("ep", 1)
     ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0
     result.update(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank)
-    state = _rank_state(MegatronReader(job["checkpoint"]), tp_rank, pp_rank, ep_rank, ep)
+    state = MegatronReader(job["checkpoint"]).state(tp_rank, pp_rank, ep_rank)
     args = state["args"]
     model, tcfg = build_model(args, job)
     file_model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
@@ -327,11 +330,6 @@ def _lap(result: dict, name: str) -> None:
     result["_t"] = now
 
 
-def _rank_state(reader, tp_rank: int, pp_rank: int, ep_rank: int, ep: int) -> dict:
-    """This rank's file: (TP, PP) for dense checkpoints, (TP, PP, EP) with expert parallelism."""
-    return reader.state(tp_rank, pp_rank, ep_rank) if ep > 1 else reader.state(tp_rank, pp_rank)
-
-
 def _aux_losses(micro_batches: int) -> list:
     """Per layer, megatron-core's load-balancing loss of this step (mean over its micro-batches, no coefficient):
     its own tracker (router.py `attach_and_log_load_balancing_loss`), reduced by its own
@@ -388,7 +386,12 @@ def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_ra
     from kit.convert import megatron_layout as layout
 
     steps = job["steps"]
-    folder = Path(job["out"]) / "checkpoint" / f"iter_{steps:07d}" / _rank_dir(job, tp_rank, pp_rank, ep_rank)
+    folder = (
+        Path(job["out"])
+        / "checkpoint"
+        / f"iter_{steps:07d}"
+        / layout.rank_dir(tp_rank, pp_rank, job["pp"], ep_rank, job.get("ep", 1))
+    )
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     saved = {
@@ -400,14 +403,6 @@ def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_ra
     tmp = folder / f".model_optim_rng.pt.partial-{os.getpid()}"
     torch.save(saved, str(tmp))
     os.replace(tmp, folder / "model_optim_rng.pt")
-
-
-def _rank_dir(job: dict, tp_rank: int, pp_rank: int, ep_rank: int) -> str:
-    from kit.convert import megatron_layout as layout
-
-    if job.get("ep", 1) > 1:
-        return layout.rank_dir(tp_rank, pp_rank, job["pp"], ep_rank, job["ep"])
-    return layout.rank_dir(tp_rank, pp_rank, job["pp"])
 
 
 if __name__ == "__main__":
