@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kit.atomic import write_all
 from kit.errors import InputError
 from kit.workspace import repo_root
 
@@ -63,8 +64,8 @@ def _pass_stderr(read_fd: int) -> None:
     """Copy a kernel's stderr to ours, line by line, leaving out the lines _is_noise names."""
     with os.fdopen(read_fd, "rb") as pipe:
         for line in pipe:
-            while line and not _is_noise(line):  # fd 2: where the kernel's stderr would have gone
-                line = line[os.write(2, line) :]
+            if not _is_noise(line):  # fd 2: where the kernel's stderr would have gone
+                write_all(2, line, "<stderr>")
 
 
 def quiet_kernel_manager(base: Optional[type] = None) -> type:

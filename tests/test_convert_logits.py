@@ -16,6 +16,7 @@ TOL = 1e-4
 GRID = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2)]
 
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir  # shared session fixtures
+tiny_baichuan7b_dir = convert_models.tiny_baichuan7b_dir
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
 
 
@@ -44,6 +45,12 @@ def test_chatglm3_shaped(tiny_glm_dir, tmp_path, tp, pp):
 @pytest.mark.parametrize("tp,pp", GRID)
 def test_baichuan2_shaped(tiny_baichuan_dir, tmp_path, tp, pp):
     r = convert_and_check(tiny_baichuan_dir, tmp_path / "m", tp, pp)
+    assert r["family"] == "baichuan" and r["passed"], r
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (4, 1)])
+def test_baichuan2_7b_layout_with_rope(tiny_baichuan7b_dir, tmp_path, tp, pp):
+    r = convert_and_check(tiny_baichuan7b_dir, tmp_path / "m", tp, pp)
     assert r["family"] == "baichuan" and r["passed"], r
 
 

@@ -28,6 +28,7 @@ from kit.parallel import parallel_problems
 
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir
+tiny_baichuan7b_dir = convert_models.tiny_baichuan7b_dir
 tiny_llama4_dir = convert_models.tiny_llama4_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,6 +233,77 @@ def test_chatglm3_and_baichuan2_facts_come_from_the_family_maps(tiny_glm_dir, ti
     m = read_manifest(out)
     assert m["model"] == glm and model_facts(out) == glm
     assert m["megatron_flags"].count("--rotary-interleaved") == 1
+
+
+# what each Baichuan2 modeling file defines, as far as the position rule reads it (13B: an ALiBi mask, 7B: RoPE)
+ALIBI_CODE = (
+    "def _get_interleave(n):\n    return []\n\n\ndef _gen_alibi_mask(tensor, n_head, max_pos):\n    pass\n"
+)
+ROPE_CODE = "class RotaryEmbedding:\n    pass\n\n\ndef rotate_half(x):\n    return x\n"
+
+
+def _baichuan_folder(where: Path, hidden: int, code, module: str = "modeling_baichuan") -> tuple:
+    where.mkdir()
+    cfg = {"model_type": "baichuan", "hidden_size": hidden, "num_attention_heads": 4}
+    cfg["auto_map"] = {"AutoModelForCausalLM": f"{module}.BaichuanForCausalLM"}
+    if code is not None:
+        (where / f"{module}.py").write_text(code)
+    return cfg, where
+
+
+def test_baichuan2_position_encoding_comes_from_its_modeling_code(tmp_path):
+    """The folder's modeling file decides RoPE vs ALiBi whatever the size; hidden 4096 only without one."""
+    from kit.convert.families import baichuan_position
+
+    assert (
+        baichuan_position(*_baichuan_folder(tmp_path / "a", 4096, ALIBI_CODE))[0] == "alibi"
+    )  # a 7B-sized ALiBi
+    pos, why = baichuan_position(*_baichuan_folder(tmp_path / "b", 64, ROPE_CODE))
+    assert pos == "rope" and "RotaryEmbedding, rotate_half" in why
+    # auto_map names the module; a Megatron checkpoint's hf_meta/ carries the same file
+    assert baichuan_position(*_baichuan_folder(tmp_path / "c", 64, ROPE_CODE, "modeling_custom"))[0] == "rope"
+    for hidden, want in ((4096, "rope"), (5120, "alibi"), (64, "alibi")):
+        pos, why = baichuan_position(*_baichuan_folder(tmp_path / f"none{hidden}", hidden, None))
+        assert pos == want and "no modeling file" in why
+        assert baichuan_position({"hidden_size": hidden})[0] == want  # a bare config dict
+    cfg, folder = _baichuan_folder(tmp_path / "hub", 5120, None)
+    cfg["auto_map"]["AutoModelForCausalLM"] = (
+        "baichuan-inc/Baichuan2-7B-Base--modeling_baichuan.BaichuanForCausalLM"
+    )
+    (folder / "modeling_baichuan.py").write_text(ROPE_CODE)  # code of another repo: the local file is read
+    assert baichuan_position(cfg, folder)[0] == "rope"
+    for code, said in (
+        (ALIBI_CODE + ROPE_CODE, "both RoPE"),
+        ("x = 1\n", "neither RoPE"),
+        ("def (:\n", "not readable"),
+    ):
+        with pytest.raises(InputError, match=said):
+            baichuan_position(*_baichuan_folder(tmp_path / f"bad{len(code)}", 4096, code))
+
+
+def test_baichuan2_7b_layout_converts_as_rope_and_its_way_back_checks_it(tiny_baichuan7b_dir, tmp_path):
+    from kit.convert.checks import ConversionError
+    from kit.convert.megatron_io import MegatronReader
+    from kit.convert.tables import describe
+
+    facts = model_facts(tiny_baichuan7b_dir)
+    assert (facts["position"], facts["hidden_size"], facts["norm_head"]) == ("rope", 64, True)
+    row = describe(ConvertConfig(str(tiny_baichuan7b_dir), str(tmp_path / "x"), tp=2)).loc[
+        "position encoding"
+    ]
+    assert "modeling_baichuan.py defines" in row["value"]
+    out = tmp_path / "tp2"
+    _convert(tiny_baichuan7b_dir, out, tp=2)
+    m = read_manifest(out)
+    assert m["model"]["position"] == "rope" and model_facts(out)["position"] == "rope"
+    flags = m["megatron_flags"]
+    assert flags[flags.index("--position-embedding-type") + 1] == "rope"
+    assert MegatronReader(out).args.position_embedding_type == "rope"
+    # without its modeling file the checkpoint's own HF config says ALiBi (hidden 64): its args contradict that
+    (out / "hf_meta" / "modeling_baichuan.py").unlink()
+    with pytest.raises(ConversionError, match="position_embedding_type: checkpoint args say rope"):
+        _convert(out, tmp_path / "back", direction="megatron_to_hf")
+    assert not (tmp_path / "back").exists()
 
 
 def test_uneven_tp4_pp4_layer_list_7887_converts_and_is_recorded(tmp_path):

@@ -185,18 +185,24 @@ def test_gptmodel_logits_catch_a_wrong_qkv_layout(tiny_llama_dir, tmp_path, mcor
     assert float((logits[:, :2522] - hf_logits(tiny_llama_dir, ids)).abs().max()) > 1e-2
 
 
-def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
-    """One TP rank: megatron-core loads its own rank file strictly and writes its vocab slice of the logits."""
+def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str, ep: int = 1) -> None:
+    """One TP (x EP) rank: megatron-core loads its own rank file strictly and writes its vocab slice of the logits."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
 
-    torch.cuda.current_device = lambda: "cpu"  # the two CPU patches (see cpu_patches), in this child process
+    torch.cuda.current_device = lambda: "cpu"  # the CPU patches (see cpu_patches), in this child process
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(world, 1)
-    try:
-        state = MegatronReader(ckpt).state(rank, 0)
+    parallel_state.initialize_model_parallel(world // ep, 1, expert_model_parallel_size=ep)
+    try:  # the rank file of this process's TP and EP ranks (megatron-core's rank order, not the kit's)
+        t, e = (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_rank(),
+        )
+        state = MegatronReader(ckpt).state(t, 0, e)
         model = build_gpt(state["args"])
         model.load_state_dict(state["model"], strict=True)
         ids = sample_tokens(2522, 12)
@@ -210,16 +216,24 @@ def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which,tp", [("llama_gqa", 2), ("llama_gqa", 4), ("chatglm3", 2)])
-def test_gptmodel_tensor_parallel_ranks_match_hf(which, tp, tiny_llama_dir, tiny_glm_dir, tmp_path):
+@pytest.mark.parametrize(
+    "which,tp,ep", [("llama_gqa", 2, 1), ("llama_gqa", 4, 1), ("chatglm3", 2, 1), ("qwen3_moe", 1, 2)]
+)
+def test_gptmodel_tensor_parallel_ranks_match_hf(
+    which, tp, ep, tiny_llama_dir, tiny_glm_dir, request, tmp_path
+):
     """Real megatron-core TP (gloo processes) on the kit's rank files; TP4 with 2 KV groups uses mcore 0.16's
-    split-group path, so this also checks the on-disk layout the kit writes for that case."""
+    split-group path, so this also checks the on-disk layout the kit writes for that case. Qwen3-MoE at EP2: each
+    EP rank loads its own file (its two experts as local 0 and 1) and the tokens go to the other rank's experts."""
     import torch.multiprocessing as mp
 
-    src = {"llama_gqa": tiny_llama_dir, "chatglm3": tiny_glm_dir}[which]
+    src = {"llama_gqa": tiny_llama_dir, "chatglm3": tiny_glm_dir}.get(which) or request.getfixturevalue(
+        "tiny_qwen3_moe_dir"
+    )
     ckpt = tmp_path / "m"
-    hf_to_megatron(ConvertConfig(str(src), str(ckpt), tp=tp, pp=1), progress=False)
-    mp.spawn(_tp_worker, args=(tp, _free_port(), str(ckpt), str(tmp_path)), nprocs=tp, join=True)
+    hf_to_megatron(ConvertConfig(str(src), str(ckpt), tp=tp, pp=1, ep=ep), progress=False)
+    world = tp * ep
+    mp.spawn(_tp_worker, args=(world, _free_port(), str(ckpt), str(tmp_path), ep), nprocs=world, join=True)
     logits = torch.cat([torch.load(tmp_path / f"logits_{r}.pt") for r in range(tp)], dim=-1)
     ref = hf_logits(src, sample_tokens(2522, 12))
     assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= 1e-4

@@ -80,6 +80,13 @@ def test_expert_layout_rank_folders_manifest_and_args(moe_tp2_pp2_ep2, tiny_qwen
 def test_moe_checkpoint_verifies_both_ways_and_against_transformers(
     moe_tp2_pp2_ep2, tiny_qwen3_moe_dir, tmp_path
 ):
+    from kit.convert.tables import describe, layout_table
+
+    table = describe(ConvertConfig(str(tiny_qwen3_moe_dir), "unused", tp=2, pp=2, ep=2))["value"]
+    assert table["experts"] == "4 of FFN 32, top-2 renormalised, aux-loss coefficient 0.001, MoE layers 4/4"
+    assert table["target layout"] == "TP2 x PP2 x EP2, local key names"
+    rows = layout_table(moe_tp2_pp2_ep2)
+    assert len(rows) == 8 and rows["rank file"].iloc[1] == "mp_rank_01_000_000/model_optim_rng.pt"
     v = verify_conversion(tiny_qwen3_moe_dir, moe_tp2_pp2_ep2, tmp_path)
     assert v["passed"], v["table"].to_dict("records")
     assert v["details"]["round_trip"]["bit_exact"] and v["details"]["logits"]["ep"] == 2
@@ -88,7 +95,7 @@ def test_moe_checkpoint_verifies_both_ways_and_against_transformers(
 
 @pytest.mark.parametrize(
     "tp,pp,ep,flavor,grouped",
-    [(2, 1, 2, "local", False), (1, 2, 4, "local", False), (2, 2, 2, "te", True)],
+    [(2, 1, 2, "local", False), (1, 2, 4, "local", False), (2, 2, 2, "te", True), (2, 1, 2, "local", True)],
 )
 def test_moe_round_trip_and_logits_at_tp_pp_ep(tiny_qwen3_moe_dir, tmp_path, tp, pp, ep, flavor, grouped):
     rt = round_trip(
@@ -100,7 +107,10 @@ def test_moe_round_trip_and_logits_at_tp_pp_ep(tiny_qwen3_moe_dir, tmp_path, tp,
     mr = MegatronReader(rt["megatron"])
     assert (mr.tp, mr.pp, mr.ep) == (tp, pp, ep) and len(mr.files) == tp * pp * ep
     keys = set(mr.state(0, 0, ep - 1)["model"])
-    if grouped:  # TEGroupedMLP: one parameter per local expert; the MoE layer's norm is its own module
+    if grouped and flavor == "local":  # GroupedMLP: weight1 / weight2 hold the EP rank's two experts
+        assert {"decoder.layers.0.mlp.experts.weight1", "decoder.layers.0.mlp.experts.weight2"} <= keys
+        assert not any("local_experts" in k for k in keys)
+    elif grouped:  # TEGroupedMLP: one parameter per local expert; the MoE layer's norm is its own module
         assert {
             "decoder.layers.0.mlp.experts.linear_fc1.weight1",
             "decoder.layers.0.pre_mlp_layernorm.weight",
@@ -221,3 +231,76 @@ def test_megatron_plan_takes_ep_and_the_moe_flags_from_the_manifest(
         "EP sizes that fit this model on 4 ranks with TP2 PP2 (every rule at once): [1]" in p
         for p in small.problems
     ), small.problems
+
+
+def test_grouped_mlp_weights_are_what_megatron_core_multiplies(tiny_qwen3_moe_dir, tmp_path):
+    """GroupedMLP (local spec + --moe-grouped-gemm, MindSpeed-LLM's qwen3_moe layout) computes expert k's fc1 as
+    x @ weight1.view(n, hidden, -1)[k] and fc2 as y @ weight2.view(n, -1, hidden)[k] (megatron-core 0.16
+    experts.py GroupedMLP.forward, gmm with trans_b=False): the rank files must hold [gate_r; up_r].T and down_r.T
+    there. Checked on the raw tensors, without the kit's reader (megatron-core's GroupedMLP needs the grouped_gemm
+    package, which CPU stacks lack)."""
+    out = tmp_path / "g"
+    hf_to_megatron(
+        ConvertConfig(str(tiny_qwen3_moe_dir), str(out), tp=2, ep=2, moe_grouped_gemm=True), progress=False
+    )
+    hf = HFReader(tiny_qwen3_moe_dir)
+    for t in range(2):
+        for e in range(2):
+            model = load_rank_file(out / "iter_0000001" / f"mp_rank_{t:02d}_{e:03d}" / "model_optim_rng.pt")[
+                "model"
+            ]
+            w1 = model["decoder.layers.2.mlp.experts.weight1"]
+            w2 = model["decoder.layers.2.mlp.experts.weight2"]
+            assert w1.shape == (64, 2 * 2 * 16) and w2.shape == (2 * 16, 64)
+            for k in range(2):  # global expert 2e + k, TP rank t's half of its FFN
+                pre = f"model.layers.2.mlp.experts.{2 * e + k}."
+                gate, up, down = (hf.read(pre + f"{n}_proj.weight") for n in ("gate", "up", "down"))
+                rows = slice(16 * t, 16 * (t + 1))
+                assert torch.equal(w1.view(2, 64, -1)[k], torch.cat([gate[rows], up[rows]]).T)
+                assert torch.equal(w2.view(2, -1, 64)[k], down[:, rows].T)
+    assert "--moe-grouped-gemm" in read_manifest(out)["megatron_flags"]
+    assert read_manifest(out)["moe_grouped_gemm"] is True
+
+
+def test_a_dense_layer_among_moe_layers_and_the_checks_that_catch_a_wrong_expert(tmp_path):
+    """mlp_only_layers=[1]: layer 1 keeps a dense MLP (mcore keys mlp.linear_fc1/fc2, --moe-layer-freq [1,0,1,1]);
+    swapping two experts of one EP rank keeps every shape and fails the logits check (routing is exercised);
+    a missing EP rank file is named."""
+    import shutil
+
+    from kit.convert.megatron_io import save_rank
+
+    src = fam_models.tiny_hf(
+        tmp_path / "mixed", "qwen3_moe", 17, head_dim=32, num_hidden_layers=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False,
+    )  # fmt: skip
+    rt = round_trip(src, tmp_path, tp=2, pp=2, ep=2)
+    assert rt["bit_exact"] and logits_check(src, rt["megatron"], tolerance=TOL)["passed"]
+    man = read_manifest(rt["megatron"])
+    flags = man["megatron_flags"]
+    assert flags[flags.index("--moe-layer-freq") + 1] == "[1,0,1,1]" and "--moe-router-pre-softmax" in flags
+    assert man["model"]["moe_layer_freq"] == [1, 0, 1, 1] and man["model"]["moe_norm_topk_prob"] is False
+    model = MegatronReader(rt["megatron"]).state(0, 0, 1)["model"]
+    assert (
+        "decoder.layers.1.mlp.linear_fc1.weight" in model
+        and "decoder.layers.1.mlp.router.weight" not in model
+    )
+
+    bad = tmp_path / "swapped"
+    shutil.copytree(rt["megatron"], bad)
+    path = bad / "iter_0000001" / "mp_rank_00_001_000" / "model_optim_rng.pt"
+    state = load_rank_file(path)
+    weights = {k: v.clone() for k, v in state["model"].items()}
+    pre = "decoder.layers.0.mlp.experts.local_experts."  # stage 1's first layer = global layer 2
+    for name in ("linear_fc1.weight", "linear_fc2.weight"):
+        weights[pre + "0." + name], weights[pre + "1." + name] = (
+            weights[pre + "1." + name],
+            weights[pre + "0." + name],
+        )
+    save_rank(path, state["args"], weights)
+    assert not logits_check(src, bad, tolerance=TOL)["passed"]
+    (bad / "iter_0000001" / "mp_rank_01_000_001" / "model_optim_rng.pt").unlink()
+    with pytest.raises(
+        ConversionError, match=r"1 of 8 rank files missing .* TP2 x PP2 x EP2\): mp_rank_01_000_001"
+    ):
+        MegatronReader(bad)

@@ -436,6 +436,15 @@ def test_register_envs_root_is_restored_after_restart(tmp_path, monkeypatch):
     assert envs.restore(root)["envs_dirs_added"] == []
 
 
+def test_a_damaged_envs_state_file_is_one_clear_error(tmp_path):
+    root = tmp_path / "envs"
+    root.mkdir()
+    (root / "kit-envs.json").write_text("{not json")
+    with pytest.raises(envs.EnvError, match=r"kit-envs.json is not valid JSON .*delete or fix it"):
+        envs.register_envs_root(root, tmp_path / ".condarc")
+    assert not (tmp_path / ".condarc").exists()
+
+
 def test_progress_bars_end_complete_for_conda(conda_prefix, tmp_path, monkeypatch):
     from kit.envs import manage
 

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir
+tiny_baichuan7b_dir = convert_models.tiny_baichuan7b_dir
 tiny_llama4_dir = convert_models.tiny_llama4_dir
 tiny_qwen3_dir = fam_models.tiny_qwen3_dir
 tiny_llama31_dir = fam_models.tiny_llama31_dir
@@ -180,6 +181,59 @@ def test_llama31_rope_scaling_megatron_core_cannot_build_is_refused(ws, tmp_path
     assert "low_freq_factor 2.0" in lines[0] and "original_max_position_embeddings 4096" in lines[0]
     assert "high_freq_factor" not in lines[0]
     assert not (tmp_path / "pf").exists()
+
+
+def test_baichuan2_7b_layout_at_tp2_passes_every_check(ws, tiny_baichuan7b_dir, tmp_path):
+    """Baichuan2-7B's W_pack [Q;K;V] split per TP rank, RoPE (its modeling_baichuan.py decides, at hidden 64), and
+    the NormHead rows normalised at conversion: megatron-core trains a plain output layer, the HF side too."""
+    from kit.megatron.preflight import NORM_HEAD_NOTE
+
+    ckpt = _convert(tiny_baichuan7b_dir, tmp_path / "c", 2, 1)
+    res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
+    assert res.passed, res.failures()
+    checks = _by_name(res.checks)
+    assert len(checks) == 6 and all(c["passed"] for c in checks.values())
+    assert checks["loss vs HF"]["value"] <= 1e-5 and checks["grad norm vs HF"]["value"] <= 1e-5
+    assert checks["params after steps"]["value"] <= 1e-4
+    assert res.facts["tp"] == 2 and res.facts["losses"][1] < res.facts["losses"][0]
+    assert NORM_HEAD_NOTE in res.notes
+    # the trained output rows left unit norm; 03's way back in normalises them, and the check says by how much
+    assert "comes back row-normalised (NormHead)" in checks["checkpoint back to HF"]["detail"]
+
+
+def test_normhead_first_loss_is_hfs_but_its_training_is_not_what_megatron_core_runs(tiny_baichuan7b_dir):
+    """What the preflight's NormHead note says: rows normalised once give HF's NormHead loss (check 2), but HF's
+    NormHead differentiates through the normalisation, so its lm_head gradient is not the plain head's."""
+    import torch
+    import torch.nn.functional as F
+
+    from kit.convert.families import BAICHUAN
+    from kit.convert.hf_io import HFReader
+    from kit.convert.reference import hf_forward
+    from kit.convert.verify import sample_tokens
+    from kit.megatron.reference import Reference
+
+    reader = HFReader(tiny_baichuan7b_dir)
+    spec = BAICHUAN.read_config(reader.config, reader.folder)
+    assert spec.norm_head and spec.position == "rope"
+    sd = {k: reader.read(k).float() for k in reader.keys()}
+    ids = sample_tokens(spec.vocab_size, 33)
+    tokens, labels = ids[None, :-1], ids[None, 1:]
+    hf = {k: v.clone().requires_grad_() for k, v in sd.items()}  # HF's NormHead: normalised in every forward
+    hf_loss = F.cross_entropy(hf_forward(hf, spec, tokens[0]), labels[0])
+    hf_loss.backward()
+    converted = dict(sd, **{"lm_head.weight": F.normalize(sd["lm_head.weight"], dim=-1)})  # what 03 writes
+    ref = Reference(converted, spec, spec.vocab_size)  # the preflight's HF side (a plain head), unpadded here
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(1, 32),
+             "position_ids": torch.arange(32)[None], "segments": torch.zeros(1, 32, dtype=torch.long)}  # fmt: skip
+    plain_loss = ref.loss(batch)
+    plain_loss.backward()
+    assert abs(float(plain_loss) - float(hf_loss)) <= 1e-6 * float(hf_loss)
+    for k, p in hf.items():  # every gradient but the head's is the same
+        if k != "lm_head.weight":
+            assert torch.allclose(p.grad, ref.params[k].grad, rtol=1e-4, atol=1e-7), k
+    g_hf, g_plain = hf["lm_head.weight"].grad, ref.params["lm_head.weight"].grad[: spec.vocab_size]
+    assert float((g_hf - g_plain).norm() / g_plain.norm()) > 1e-2
 
 
 def test_baichuan2_with_alibi_is_refused_in_one_line(ws, tiny_baichuan_dir, tmp_path):

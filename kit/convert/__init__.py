@@ -1,4 +1,4 @@
-"""Weight conversion HF <-> Megatron (TP x PP, mcore local / legacy / TE key names), streaming and verified.
+"""Weight conversion HF <-> Megatron (TP x PP x EP, mcore local / legacy / TE key names), streaming and verified.
 
 Importing the package is light: the conversion moves bytes in plain Python, and torch is imported only inside the
 functions that compute on tensors (a dtype cast, Baichuan2's NormHead, re-sharding, the verification). The tables

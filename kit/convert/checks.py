@@ -99,11 +99,7 @@ def layout_plan_problems(
         )
     if grouped_gemm and not spec.num_experts:
         problems.append("moe_grouped_gemm is set but this model has no experts; leave it False.")
-    elif grouped_gemm and flavor == "local":
-        problems.append(
-            "moe_grouped_gemm with flavor 'local' (megatron-core GroupedMLP weight1 / weight2) is not written yet; "
-            "use flavor 'te' (TEGroupedMLP, linear_fc1.weight<k>) or the per-expert layout (moe_grouped_gemm False)."
-        )
+
     return problems
 
 

@@ -29,16 +29,16 @@ from kit.convert.manifests import write_converted_manifest, write_hf_manifest
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
 from kit.convert.megatron_source import (
     check_megatron_keys,
-    locate,
     merged_tensor_fn,
     rank_entries,
+    role_pieces,
     same_bytes,
     source_spec,
     stages_of,
 )
 from kit.convert.sources import source_identity, source_manifest
-from kit.convert.spec import ModelSpec, megatron_args
-from kit.convert.tensor_ops import full_to_parts, hf_parts, merge_tp, read_rank, split_tp
+from kit.convert.spec import ModelSpec, expert_role, megatron_args, split_group
+from kit.convert.tensor_ops import full_to_parts, grouped_weight, hf_parts, merge_tp, read_rank, split_tp
 from kit.convert.torch_zip import StreamingTorchFile
 from kit.parallel import padded_vocab_size, stage_layers
 from kit.weights_check import check_hf_weights
@@ -84,7 +84,7 @@ def _write_rank_file(tmp: Path, s: int, r: int, e: int, ctx: dict) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.partial")
     out, model = StreamingTorchFile(part, ctx["scratch"]()), {}
-    entries = rank_entries(ctx["fam"], ctx["spec"], ctx["flavor"], ctx["stages"], s, e, ep, ctx["te_grouped"])
+    entries = rank_entries(ctx["fam"], ctx["spec"], ctx["flavor"], ctx["stages"], s, e, ep, ctx["grouped"])
     done = None
     for key_path, role, layer in entries:
         if stop.is_set():  # another file failed: stop early, the temporary folder is removed
@@ -92,7 +92,13 @@ def _write_rank_file(tmp: Path, s: int, r: int, e: int, ctx: dict) -> int:
         if layer != done and done is not None:
             bar.update(1)
         done = layer
-        layout.put(model, key_path, out.store(ctx["rank_fn"](role, layer, r)))
+        group = split_group(role)
+        if group is None:
+            value = ctx["rank_fn"](role, layer, r)
+        else:  # GroupedMLP: this rank's experts in one tensor
+            which, experts = group
+            value = grouped_weight(which, [ctx["rank_fn"](expert_role(x, which), layer, r) for x in experts])
+        layout.put(model, key_path, out.store(value))
     if done is not None:
         bar.update(1)
     out.finish(
@@ -129,7 +135,7 @@ def _write_megatron(
     name = f"->Megatron TP{tp} PP{pp}" + (f" EP{ep}" if ep > 1 else "")
     bar = _LockedBar(_progress(tp * ep * spec.num_layers, name, not progress))
     ctx = dict(stages=stages, fam=fam, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn, ep=ep)
-    ctx["te_grouped"] = bool(grouped_gemm) and flavor == "te"
+    ctx["grouped"] = ("te" if flavor == "te" else "legacy") if grouped_gemm and spec.num_experts else ""
     local = threading.local()  # one set of copy buffers per thread, reused file after file
 
     def scratch() -> Scratch:
@@ -328,7 +334,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     src_hash = source_identity(cfg.source, src_man)
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
-    spec = fam.read_config(reader.config)
+    spec = fam.read_config(reader.config, reader.folder)
     check_hf_weights(cfg.source)  # NaN / inf weights: nothing converted from them is usable
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
     if problems:
@@ -411,9 +417,8 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
 
     def emit(writer: HFWriter, role: str, layer: int) -> None:
         kind = role_kind(role)
-        s, path, e = locate(mr, stages, role, layer, spec)
+        s, path, e, parts = role_pieces(mr, stages, role, layer, spec)
         what = f"{layout.rank_dir(0, s, mr.pp, e, mr.ep)}: {'.'.join(path)}"
-        parts = mr.pieces(path, s, e)
         if not all(
             isinstance(p, FileSlice) for p in parts
         ):  # a tensor not stored contiguously: merge in memory

@@ -7,11 +7,15 @@ its parts come from, in order. Parts that share one HF key are stacked rows of t
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from kit.convert.spec import ModelSpec, expert_role, split_role
 from kit.errors import InputError
+
+PathLike = Union[str, Path]
 
 # How each role is split over tensor-parallel ranks (Megatron-LM core_v0.16 attention.py / mlp.py, and ModelLink's saver).
 ROLE_KIND = {
@@ -53,7 +57,8 @@ class Family:
 
     name: str
     model_types: Tuple[str, ...]
-    read_config: Callable[[dict], ModelSpec]
+    # (config.json dict, the folder holding it or None) -> spec; only Baichuan2 reads the folder (its modeling code)
+    read_config: Callable[..., ModelSpec]
     global_keys: Dict[str, Tuple[str, ...]]
     layer_prefix: str
     layer_keys: Dict[str, Tuple[str, ...]]
@@ -126,7 +131,7 @@ def _rope_scaling(cfg: dict) -> dict:
     )
 
 
-def _llama_spec(cfg: dict) -> ModelSpec:
+def _llama_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     nh = int(cfg["num_attention_heads"])
     return ModelSpec(
         family="llama",
@@ -150,12 +155,12 @@ def _llama_spec(cfg: dict) -> ModelSpec:
     )
 
 
-def _qwen3_spec(cfg: dict) -> ModelSpec:
+def _qwen3_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     # Qwen3 = the Llama layout + per-head q/k RMSNorm; head_dim is its own field (128 where hidden/heads is 64)
     return replace(_llama_spec(cfg), family="qwen3", qk_norm=True)
 
 
-def _qwen3_moe_spec(cfg: dict) -> ModelSpec:
+def _qwen3_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     # Qwen3-MoE = Qwen3 attention + a sparse MoE block on layer i when i is not in mlp_only_layers and
     # (i + 1) % decoder_sparse_step == 0 (transformers modeling_qwen3_moe.Qwen3MoeDecoderLayer); the other layers
     # keep a dense MLP of intermediate_size.
@@ -182,7 +187,7 @@ def _qwen3_moe_spec(cfg: dict) -> ModelSpec:
     )
 
 
-def _glm_spec(cfg: dict) -> ModelSpec:
+def _glm_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     # HF-native GLM-4 (GlmConfig): q/k/v bias, fused [gate; up], rotary on the first half of each head in
     # interleaved pairs (modeling_glm.py apply_rotary_pos_emb), like ChatGLM3.
     rp = cfg.get("rope_parameters") or {}
@@ -196,7 +201,7 @@ def _glm_spec(cfg: dict) -> ModelSpec:
     )
 
 
-def _chatglm_spec(cfg: dict) -> ModelSpec:
+def _chatglm_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     nh = int(cfg["num_attention_heads"])
     groups = int(cfg["multi_query_group_num"]) if cfg.get("multi_query_attention") else nh
     return ModelSpec(
@@ -220,7 +225,76 @@ def _chatglm_spec(cfg: dict) -> ModelSpec:
     )
 
 
-def _baichuan_spec(cfg: dict) -> ModelSpec:
+# Names the Baichuan2 modeling files define (facts of baichuan-inc's published modeling_baichuan.py): 7B's RoPE
+# (`RotaryEmbedding`, `rotate_half`, `apply_rotary_pos_emb`), 13B's ALiBi (`_get_interleave` slopes, `_gen_alibi_mask`,
+# `BaichuanModel.get_alibi_mask`).
+_ROPE_NAMES = ("RotaryEmbedding", "rotate_half", "apply_rotary_pos_emb")
+_ALIBI_NAMES = ("_get_interleave", "_gen_alibi_mask", "get_alibi_mask", "_buffered_future_mask")
+
+
+def _modeling_file(cfg: dict, folder: Optional[PathLike]) -> Optional[Path]:
+    """The folder's own modeling code: auto_map's module for AutoModelForCausalLM, else modeling_baichuan.py; None when
+    there is no folder, or auto_map names another repository's code (`repo--module.Class`) and no file is here."""
+    if folder is None:
+        return None
+    target = (cfg.get("auto_map") or {}).get("AutoModelForCausalLM") or ""
+    module = target.rsplit(".", 1)[0] if target and "--" not in target else "modeling_baichuan"
+    path = Path(folder) / f"{module}.py"
+    return path if path.is_file() else None
+
+
+def _defined_names(path: Path) -> set:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(
+            f"{path} is not readable Python ({type(exc).__name__}: {exc}); the kit reads it to tell Baichuan2's "
+            f"RoPE (7B) from ALiBi (13B): copy the model's own modeling_baichuan.py again."
+        ) from None
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {node.name for node in ast.walk(tree) if isinstance(node, kinds)}
+
+
+def baichuan_position(cfg: dict, folder: Optional[PathLike] = None) -> Tuple[str, str]:
+    """("rope" | "alibi", why) of a Baichuan2 model: the one rule convert, verify and the preflight share.
+
+    The modeling code that ships with the checkpoint decides (it is what transformers runs with trust_remote_code):
+    one that defines the RoPE functions is 7B-style, one that defines the ALiBi mask is 13B-style; one with both or
+    neither is refused. Without a modeling file (a bare config dict, or auto_map pointing at another repository) the
+    fallback is the released sizes: hidden_size 4096 is Baichuan2-7B (RoPE), anything else ALiBi.
+    """
+    path = _modeling_file(cfg, folder)
+    if path is None:
+        h = int(cfg["hidden_size"])
+        if h == 4096:
+            return (
+                "rope",
+                "no modeling file beside config.json: hidden_size 4096 taken as Baichuan2-7B's RoPE",
+            )
+        return (
+            "alibi",
+            f"no modeling file beside config.json: hidden_size {h} is not Baichuan2-7B's 4096, so ALiBi",
+        )
+    names = _defined_names(path)
+    rope = sorted(n for n in names if n in _ROPE_NAMES)
+    alibi = sorted(n for n in names if n in _ALIBI_NAMES)
+    if rope and not alibi:
+        return "rope", f"{path.name} defines {', '.join(rope)}: Baichuan2-7B's RoPE"
+    if alibi and not rope:
+        return "alibi", f"{path.name} defines {', '.join(alibi)}: Baichuan2-13B's ALiBi"
+    found = (
+        f"both RoPE ({', '.join(rope)}) and ALiBi ({', '.join(alibi)}) code"
+        if rope
+        else "neither RoPE nor ALiBi code"
+    )
+    raise InputError(
+        f"{path} defines {found}, so the kit cannot tell which position encoding this Baichuan model was trained "
+        f"with; put the model's own modeling file there (Baichuan2-7B's defines {_ROPE_NAMES[0]}, 13B's "
+        f"{_ALIBI_NAMES[1]})."
+    )
+
+
+def _baichuan_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     nh, h = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
     return ModelSpec(
         family="baichuan",
@@ -234,14 +308,19 @@ def _baichuan_spec(cfg: dict) -> ModelSpec:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tied=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=False,
-        # Baichuan2-7B (hidden 4096) uses RoPE; 13B uses ALiBi, which only MindSpeed/ModelLink can train.
-        position="rope" if h == 4096 else "alibi",
+        # 7B RoPE, 13B ALiBi (which only MindSpeed/ModelLink can train): the folder's modeling code decides
+        position=baichuan_position(cfg, folder)[0],
         rotary_base=10000.0,
         rotary_percent=1.0,
         rotary_interleaved=False,
         max_position_embeddings=int(cfg.get("model_max_length", 4096)),
         norm_head=True,
     )
+
+
+def position_reason(family: str, cfg: dict, folder: Optional[PathLike] = None) -> str:
+    """Why the family's position encoding is what it is, when a rule (not the architecture) decided it; else ''."""
+    return baichuan_position(cfg, folder)[1] if family == "baichuan" else ""
 
 
 _LLAMA_LAYER = {

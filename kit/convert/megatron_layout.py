@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
-from kit.convert.spec import split_role
+from kit.convert.spec import split_group, split_role
 
 FLAVORS = ("local", "legacy", "te")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -73,6 +73,13 @@ _TE_GROUPED = dict(
 )
 
 
+# megatron-core's legacy GroupedMLP (local spec + --moe-grouped-gemm, what MindSpeed-LLM's qwen3_moe scripts train):
+# all local experts of one EP rank in one tensor each, weight1 [hidden, experts x 2 x ffn/TP] whose bytes are the
+# experts' fc1.T blocks [hidden, 2 x ffn/TP] one after another, weight2 [experts x ffn/TP, hidden] = the fc2.T
+# blocks stacked (experts.py GroupedMLP.forward views them as [experts, hidden, -1] / [experts, -1, hidden]).
+_LEGACY_GROUPED = {"fc1.weight": "mlp.experts.weight1", "fc2.weight": "mlp.experts.weight2"}
+
+
 def key_path(
     flavor: str,
     role: str,
@@ -99,6 +106,9 @@ def key_path(
         return _MCORE_GLOBAL[role]
     if flavor == "legacy":
         return ("language_model", "encoder", f"layers.{local_layer}.{_LEGACY_LAYER[role]}")
+    group = split_group(role)
+    if group is not None:  # GroupedMLP's one tensor for the EP rank's experts (flavor local)
+        return (f"decoder.layers.{local_layer}.{_LEGACY_GROUPED[group[0]]}",)
     base, k = split_role(role)
     if moe and base in _MOE_LAYER:
         names = _TE_GROUPED if (grouped_gemm and flavor == "te") else _MOE_LAYER

@@ -10,11 +10,11 @@ from typing import Callable, List, Optional, Union
 
 from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError, role_kind
-from kit.convert.families import Family, family_for_config
+from kit.convert.families import Family, family_for_config, position_reason
 from kit.convert.file_slices import FileSlice
 from kit.convert.hf_io import read_json
 from kit.convert.megatron_io import HF_META_DIR, MegatronReader
-from kit.convert.spec import ModelSpec, expert_role, split_role
+from kit.convert.spec import ModelSpec, expert_role, group_role, split_group, split_role
 from kit.convert.tensor_ops import merge_tp
 from kit.convert.torch_zip import TensorRef
 from kit.parallel import pipeline_problems, stage_layers
@@ -30,26 +30,34 @@ def rank_entries(
     s: int,
     ep_rank: int = 0,
     ep: int = 1,
-    grouped_gemm: bool = False,
+    grouped: str = "",
 ):
     """(key path, source role, global layer) of every tensor in the rank file of stage s and EP rank ep_rank, in
     writing order. Every EP rank holds the dense tensors and the router; its experts are the contiguous run
-    layout.local_experts names, keyed by their local index."""
+    layout.local_experts names, keyed by their local index (grouped "te": TEGroupedMLP names), or, grouped
+    "legacy", one group role per MoE layer for fc1 and for fc2 (GroupedMLP weight1 / weight2)."""
     pp = len(stages)
     mine = layout.local_experts(spec.num_experts, ep, ep_rank) if spec.num_experts else range(0)
+    te_grouped = grouped == "te"
     if s == 0:
         yield layout.key_path(flavor, "embedding"), "embedding", None
     for local, g in enumerate(stages[s]):
         moe = spec.is_moe_layer(g)
         for role in fam.layer_roles(spec, g):
             base, e = split_role(role)
+            if e is not None and grouped == "legacy":
+                if e == mine.start:  # the group stands for all of this rank's experts
+                    for part in ("fc1.weight", "fc2.weight"):
+                        group = group_role(mine.start, len(mine), part)
+                        yield layout.key_path(flavor, group, local, moe), group, g
+                continue
             if e is not None:
                 if e not in mine:
                     continue
                 key_role = expert_role(e - mine.start, base.split(".", 1)[1])
             else:
                 key_role = role
-            yield layout.key_path(flavor, key_role, local, moe, grouped_gemm), role, g
+            yield layout.key_path(flavor, key_role, local, moe, te_grouped), role, g
     if s == pp - 1:
         yield layout.key_path(flavor, "final_norm"), "final_norm", None
         if not spec.tied:
@@ -69,7 +77,7 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
         )
     hf_cfg = read_json(cfg_dir / "config.json")
     fam = family_for_config(hf_cfg, family or (mr.meta or {}).get("family"))
-    spec = fam.read_config(hf_cfg)
+    spec = fam.read_config(hf_cfg, cfg_dir)
     a = mr.args
     groups = getattr(a, "num_query_groups", None) if getattr(a, "group_query_attention", True) else None
     if groups is None and getattr(a, "group_query_attention", None) is False:
@@ -105,6 +113,15 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
         for name, have, want in wanted
         if have is not None and have != want
     ]
+    position = getattr(
+        a, "position_embedding_type", None
+    )  # older Megatron-LM says learned_absolute beside RoPE
+    if position in ("rope", "alibi") and position != spec.position:
+        why = position_reason(fam.name, hf_cfg, cfg_dir)
+        wrong.append(
+            f"position_embedding_type: checkpoint args say {position}, {cfg_dir} implies {spec.position}"
+            + (f" ({why})" if why else "")
+        )
     padded = getattr(a, "padded_vocab_size", None)
     if padded is not None and padded < spec.vocab_size:
         wrong.append(
@@ -118,6 +135,10 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
 
 def rank_shape(spec: ModelSpec, role: str, tp: int) -> Optional[tuple]:
     """The shape one TP rank holds of a role (None: the vocabulary rows, checked in total)."""
+    group = split_group(role)
+    if group is not None:  # GroupedMLP weight1 [h, n x 2f/TP] / weight2 [n x f/TP, h]
+        n, f, h = len(group[1]), spec.moe_ffn_hidden_size // tp, spec.hidden_size
+        return (h, n * 2 * f) if group[0] == "fc1.weight" else (n * f, h)
     full, kind = spec.full_shape(role if role != "tied_head" else "embedding"), role_kind(role)
     if kind == "replicated":
         return full
@@ -181,7 +202,7 @@ def check_megatron_keys(mr: MegatronReader, fam: Family, spec: ModelSpec, stages
     problems = []
     for s in range(mr.pp):
         for e in range(mr.ep):
-            entries = list(rank_entries(fam, spec, mr.flavor, stages, s, e, mr.ep, mr.grouped_gemm == "te"))
+            entries = list(rank_entries(fam, spec, mr.flavor, stages, s, e, mr.ep, mr.grouped_gemm))
             for r in range(mr.tp):
                 problems += _rank_file_problems(mr, fam, spec, stages, entries, r, s, e)
     if problems:
@@ -215,7 +236,38 @@ def locate(
     if e is not None:
         per = spec.num_experts // mr.ep
         ep_rank, role = e // per, expert_role(e % per, base.split(".", 1)[1])
+        if mr.grouped_gemm == "legacy":
+            role = group_role(ep_rank * per, per, base.split(".", 1)[1])
     return s, layout.key_path(mr.flavor, role, local, moe, mr.grouped_gemm == "te"), ep_rank
+
+
+def role_pieces(
+    mr: MegatronReader, stages: List[List[int]], role: str, layer: Optional[int], spec: ModelSpec
+) -> tuple:
+    """(stage, key path, EP rank, the TP ranks' pieces) of a role's tensor: byte ranges on disk, or for an expert
+    of a GroupedMLP checkpoint its block cut out of weight1 / weight2 (a tensor; only that block is read)."""
+    s, path, e = locate(mr, stages, role, layer, spec)
+    pieces = mr.pieces(path, s, e)
+    base, k = split_role(role)
+    if k is not None and mr.grouped_gemm == "legacy":
+        from kit.convert.file_slices import as_tensor
+        from kit.convert.tensor_ops import grouped_block
+
+        per, part = spec.num_experts // mr.ep, base.split(".", 1)[1]
+        pieces = [
+            grouped_block(part, p, k % per, per)
+            if isinstance(p, FileSlice)
+            else _cut(as_tensor(p), part, k % per, per)
+            for p in pieces
+        ]
+    return s, path, e, pieces
+
+
+def _cut(whole, part: str, local: int, count: int):
+    """Local expert `local`'s fc1 / fc2 out of a GroupedMLP tensor already in memory."""
+    if part == "fc1.weight":
+        return whole.reshape(count, whole.shape[0], -1)[local].T.contiguous()
+    return whole.reshape(count, -1, whole.shape[1])[local].T.contiguous()
 
 
 def merged_tensor_fn(
@@ -226,8 +278,10 @@ def merged_tensor_fn(
     check_megatron_keys(mr, fam, spec, stages)
 
     def full(role: str, layer: Optional[int]):
-        s, path, e = locate(mr, stages, role, layer, spec)
-        return merge_tp(role_kind(role), mr.parts(path, s, e), what=".".join(path))
+        _, path, _, pieces = role_pieces(mr, stages, role, layer, spec)
+        from kit.convert.file_slices import as_tensor
+
+        return merge_tp(role_kind(role), [as_tensor(p) for p in pieces], what=".".join(path))
 
     return full
 

@@ -196,6 +196,14 @@ def hf_forward(
     return x @ head.float().T
 
 
+def _expert_parts(mr: MegatronReader, stages, role: str, layer: int, spec: ModelSpec) -> List[torch.Tensor]:
+    """The TP ranks' fp32 parts of global expert role `role` (found on its EP rank, in any experts' layout)."""
+    from kit.convert.file_slices import as_tensor
+    from kit.convert.megatron_source import role_pieces
+
+    return [as_tensor(p).float() for p in role_pieces(mr, stages, role, layer, spec)[3]]
+
+
 def _tp_mlp(h: torch.Tensor, fc1: List[torch.Tensor], fc2: List[torch.Tensor]) -> torch.Tensor:
     """A SwiGLU MLP from its TP ranks' fc1 / fc2: mcore chunks each rank's fc1 output into (gate, up), and the
     row-parallel fc2 outputs are summed (the all-reduce)."""
@@ -208,7 +216,7 @@ def _tp_mlp(h: torch.Tensor, fc1: List[torch.Tensor], fc2: List[torch.Tensor]) -
 
 def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
-    tp, fl, grouped = mr.tp, mr.flavor, mr.grouped_gemm == "te"
+    tp, fl = mr.tp, mr.flavor
     stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
     f32 = [t.float() for t in mr.parts(layout.key_path(fl, "embedding"), 0)]
     per = f32[0].shape[0]
@@ -223,8 +231,8 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
         for li, g_layer in enumerate(layers):
             moe = spec.num_experts and spec.is_moe_layer(g_layer)
 
-            def w(role, s=s, li=li, moe=moe, ep_rank=0):
-                return [t.float() for t in mr.parts(layout.key_path(fl, role, li, moe, grouped), s, ep_rank)]
+            def w(role, s=s, li=li, moe=moe):
+                return [t.float() for t in mr.parts(layout.key_path(fl, role, li, moe), s)]
 
             h = rms_norm(x, w("input_norm")[0], spec.norm_eps)
             qkv_w, proj = w("qkv.weight"), w("proj.weight")
@@ -255,12 +263,13 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
             if moe:  # router replicated; expert e on EP rank e // per as local expert e % per, split over TP
                 weights, idx = route(h @ w("router.weight")[0].T, spec, megatron=True)
-                per = spec.num_experts // mr.ep
 
-                def expert(e, rows, w=w, per=per):
-                    k, rank = e % per, e // per
-                    fc1 = w(expert_role(k, "fc1.weight"), ep_rank=rank)
-                    return _tp_mlp(rows, fc1, w(expert_role(k, "fc2.weight"), ep_rank=rank))
+                def expert(e, rows, g=g_layer):
+                    fc1, fc2 = (
+                        _expert_parts(mr, stages, expert_role(e, n), g, spec)
+                        for n in ("fc1.weight", "fc2.weight")
+                    )
+                    return _tp_mlp(rows, fc1, fc2)
 
                 x = x + moe_mix(h, weights, idx, expert)
             else:

@@ -11,7 +11,7 @@ from kit.manifest import Manifest, read_manifest
 
 
 def in_workspace(cfg: ConvertConfig, ws) -> ConvertConfig:
-    """cfg with its target filled in when None: the workspace's converted_weights/tp<TP>pp<PP>_<flavor>/ (the
+    """cfg with its target filled in when None: the workspace's converted_weights/tp<TP>pp<PP>[ep<EP>]_<flavor>/ (the
     folder the ModelArts training scripts read) or converted_weights/hf_from_megatron/ (Megatron -> HF)."""
     if cfg.target:
         return cfg
@@ -19,7 +19,8 @@ def in_workspace(cfg: ConvertConfig, ws) -> ConvertConfig:
         raise ValueError("the conversion needs a target folder or a workspace to put the output in.")
     if cfg.direction == "megatron_to_hf":
         return replace(cfg, target=str(ws.converted_weights / "hf_from_megatron"))
-    return replace(cfg, target=str(ws.converted_weights / f"tp{cfg.tp}pp{cfg.pp}_{cfg.flavor}"))
+    ep = f"ep{cfg.ep}" if cfg.ep > 1 else ""
+    return replace(cfg, target=str(ws.converted_weights / f"tp{cfg.tp}pp{cfg.pp}{ep}_{cfg.flavor}"))
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ConversionResult:
                 flavor=m["flavor"],
                 tp=m["tp"],
                 pp=m["pp"],
+                ep=m.get("ep", 1),
                 num_layer_list=m["num_layer_list"],
                 padded_vocab_size=m["padded_vocab_size"],
                 dtype=m["dtype"],

@@ -16,7 +16,7 @@ from kit.convert.families import family_for_config
 from kit.convert.hf_io import INDEX_NAMES, read_json
 from kit.convert.megatron_io import HF_META_DIR, META_FILE
 from kit.convert.megatron_layout import TRACKER
-from kit.errors import InputError, IntegrityError, MissingInputError
+from kit.errors import InputError, IntegrityError, KitError, MissingInputError
 from kit.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
@@ -39,12 +39,15 @@ SOURCE_KINDS = {
 
 
 def facts_from_config(
-    config: dict, family: Optional[str] = None, where: str = "config.json"
+    config: dict, family: Optional[str] = None, where: str = "config.json", folder: Optional[PathLike] = None
 ) -> Dict[str, Any]:
-    """Model facts of an HF config dict, read through its family's map (`family` overrides config model_type)."""
+    """Model facts of an HF config dict, read through its family's map (`family` overrides config model_type);
+    `folder` holds the config and its remote code (Baichuan2's modeling file decides its position encoding)."""
     fam = family_for_config(config, family)
     try:
-        spec = fam.read_config(config)
+        spec = fam.read_config(config, folder)
+    except KitError:  # the map's own one-line refusal (a rope_scaling type, an unreadable modeling file)
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(
             f"{where} lacks or garbles {exc} that the {fam.name} family map reads; is it this family's config?"
@@ -80,7 +83,9 @@ def model_facts(folder: PathLike, family: Optional[str] = None) -> Dict[str, Any
             )
     for cfg_dir in (folder, folder / HF_META_DIR):
         if (cfg_dir / "config.json").is_file():
-            return facts_from_config(read_json(cfg_dir / "config.json"), family, str(cfg_dir / "config.json"))
+            return facts_from_config(
+                read_json(cfg_dir / "config.json"), family, str(cfg_dir / "config.json"), cfg_dir
+            )
     raise MissingInputError(
         f"{str(folder)!r} has no config.json (nor {HF_META_DIR}/config.json) and no converted-checkpoint manifest; "
         f"give an HF model folder or a folder converted by notebook 03."

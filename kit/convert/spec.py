@@ -16,6 +16,21 @@ def expert_role(e: int, role: str) -> str:
     return f"{EXPERT_PREFIX}{e}.{role}"
 
 
+def group_role(first: int, count: int, role: str) -> str:
+    """The role of `count` experts' tensors from expert `first` on, held as one tensor (megatron-core's GroupedMLP
+    weight1 / weight2 of one EP rank): `experts2+2.fc1.weight`."""
+    return f"{EXPERT_PREFIX}s{first}+{count}.{role}"
+
+
+def split_group(role: str) -> Optional[Tuple[str, range]]:
+    """(role, global experts) of a group role, None for any other role."""
+    head, _, rest = role.partition(".")
+    if not head.startswith(EXPERT_PREFIX + "s") or "+" not in head:
+        return None
+    first, count = (int(x) for x in head[len(EXPERT_PREFIX) + 1 :].split("+"))
+    return rest, range(first, first + count)
+
+
 def split_role(role: str) -> Tuple[str, Optional[int]]:
     """(base role, expert index or None): `expert3.fc1.weight` -> (`expert.fc1.weight`, 3)."""
     head, _, rest = role.partition(".")

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 from kit.convert import megatron_layout as layout
 from kit.convert.config import ConvertConfig
-from kit.convert.families import family_for_config
+from kit.convert.families import family_for_config, position_reason
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.sources import source_manifest
@@ -23,11 +23,12 @@ def describe(cfg: ConvertConfig):
     src_man = source_manifest(cfg.source, cfg.direction)
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
-    spec = fam.read_config(reader.config)
+    spec = fam.read_config(reader.config, reader.folder)
     padded = padded_vocab_size(
         spec.vocab_size, cfg.tp, cfg.make_vocab_size_divisible_by, cfg.padded_vocab_size
     )
     stages = stage_layers(spec.num_layers, cfg.pp, cfg.num_layer_list)
+    why = position_reason(fam.name, reader.config, reader.folder)  # Baichuan2: which file or size decided
     rows = [
         ("family", f"{fam.name} ({fam.notes})"),
         ("layers", spec.num_layers),
@@ -50,9 +51,22 @@ def describe(cfg: ConvertConfig):
                 f"{spec.original_max_position_embeddings} positions"
                 if spec.rope_scaling
                 else ""
-            ),
+            )
+            + (f" ({why})" if why else ""),
         ),
         ("q/k norm (per head, before rotary)", spec.qk_norm),
+        *(
+            [
+                (
+                    "experts",
+                    f"{spec.num_experts} of FFN {spec.moe_ffn_hidden_size}, top-{spec.moe_router_topk}"
+                    f"{' renormalised' if spec.moe_norm_topk_prob else ''}, aux-loss coefficient "
+                    f"{spec.moe_aux_loss_coeff}, MoE layers {sum(spec.moe_layer_freq)}/{spec.num_layers}",
+                )
+            ]
+            if spec.num_experts
+            else []
+        ),
         (
             "source weights",
             f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",
@@ -64,7 +78,13 @@ def describe(cfg: ConvertConfig):
             if src_man is not None
             else "none (a folder from outside the kit: identified by a hash of its config and shard headers)",
         ),
-        ("target layout", f"TP{cfg.tp} x PP{cfg.pp}, {cfg.flavor} key names"),
+        (
+            "target layout",
+            f"TP{cfg.tp} x PP{cfg.pp}"
+            + (f" x EP{cfg.ep}" if cfg.ep > 1 else "")
+            + f", {cfg.flavor} key names"
+            + (", grouped GEMM" if cfg.moe_grouped_gemm else ""),
+        ),
         ("layers per stage", [len(s) for s in stages] if stages else "invalid"),
     ]
     return pd.DataFrame(rows, columns=["item", "value"]).set_index("item")

@@ -17,7 +17,17 @@ if TYPE_CHECKING:  # torch is imported by the functions that compute; byte moves
 Reader = Callable[
     ..., "torch.Tensor"
 ]  # read(key, rows=(a, b) | None, cols=(a, b) | None, copy=True) -> tensor
-__all__ = ["Rows", "as_tensor", "read_rank", "hf_parts", "split_tp", "merge_tp", "full_to_parts"]
+__all__ = [
+    "Rows",
+    "as_tensor",
+    "read_rank",
+    "hf_parts",
+    "split_tp",
+    "merge_tp",
+    "full_to_parts",
+    "grouped_weight",
+    "grouped_block",
+]
 
 
 def part_offsets(keys: Sequence[str], rows: Sequence[int]) -> List[int]:
@@ -226,3 +236,26 @@ def hf_parts(
             v += _span(parts, base + nq + head_dim, base + per)
         return [q, k, v]
     raise ValueError(f"unknown merge kind {kind!r}")
+
+
+def grouped_weight(role: str, parts: Sequence) -> torch.Tensor:
+    """GroupedMLP's weight1 / weight2 of one TP rank from its experts' fc1 [2f, h] / fc2 [h, f] parts, in order:
+    each transposed, stacked, and the bytes read as [h, n x 2f] / [n x f, h] (megatron-core experts.py)."""
+    import torch
+
+    blocks = torch.stack([as_tensor(p).T for p in parts])  # [n, h, 2f] or [n, f, h], contiguous
+    h = blocks.shape[1] if role == "fc1.weight" else blocks.shape[2]
+    return blocks.reshape(h, -1) if role == "fc1.weight" else blocks.reshape(-1, h)
+
+
+def grouped_block(role: str, whole: FileSlice, local: int, count: int) -> torch.Tensor:
+    """Local expert `local`'s fc1 [2f, h] / fc2 [h, f] (this TP rank's part) out of GroupedMLP's weight1 / weight2
+    on disk, reading only that expert's bytes (its block is contiguous in both)."""
+    if role == "fc1.weight":
+        h, width = whole.shape[0], whole.shape[1] // count
+        size = h * width * (whole.nbytes // (whole.shape[0] * whole.shape[1]))
+        blk = FileSlice(whole.fd, whole.offset + local * size, (h, width), whole.dtype, 0, whole.what)
+    else:
+        rows = whole.shape[0] // count
+        blk = whole.rows(local * rows, (local + 1) * rows)
+    return blk.tensor().T.contiguous()

@@ -110,7 +110,7 @@ def round_trip(
         json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")), options.get("family")
     )
     result = compare_hf(hf_dir, back, fam.ignore_suffixes)
-    if fam.read_config(HFReader(hf_dir).config).norm_head and result["different"] == list(
+    if fam.read_config(HFReader(hf_dir).config, hf_dir).norm_head and result["different"] == list(
         fam.hf_keys("output")
     ):
         # Baichuan2 NormHead: rows are normalised on the way in (same logits), so lm_head comes back normalised.
@@ -168,7 +168,7 @@ def hf_logits(hf_dir: PathLike, ids: torch.Tensor, spec=None) -> torch.Tensor:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **dtype_kw(torch.float32)).eval()
         with torch.no_grad():
             return model(ids[None]).logits[0]
-    spec = spec or family_for_config(cfg).read_config(cfg)
+    spec = spec or family_for_config(cfg).read_config(cfg, hf_dir)
     reader = HFReader(hf_dir)
     sd = {k: reader.read(k).float() for k in reader.keys()}  # reference path: small models only
     with torch.no_grad():
@@ -269,7 +269,7 @@ def verify_conversion(
         fam = family_for_config(HFReader(source).config, (mr.meta or {}).get("family"))
         cmp = compare_hf(source, back, fam.ignore_suffixes)
         transformed = []
-        if fam.read_config(HFReader(source).config).norm_head and cmp["different"] == list(
+        if fam.read_config(HFReader(source).config, source).norm_head and cmp["different"] == list(
             fam.hf_keys("output")
         ):
             transformed, cmp["different"] = cmp["different"], []

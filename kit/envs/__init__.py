@@ -1,9 +1,6 @@
-"""Environments on persistent storage: clone, pack, unpack, register as Jupyter kernels with CANN, restore.
-
-On ModelArts only /home/ma-user/work survives a restart: envs, .condarc and Jupyter kernels elsewhere vanish.
-Conda envs go through the conda-pack library (offline, prefixes relocated); virtualenvs are copied with their
-prefix rewritten. Kernels carry the variables CANN's set_env.sh exports, so `import torch_npu` works in them.
-"""
+"""Environments on persistent storage (on ModelArts only /home/ma-user/work survives a restart): clone, pack and
+unpack conda envs (through the conda-pack library) and virtualenvs, register them as Jupyter kernels that carry
+CANN's set_env.sh variables, restore all of it after a restart."""
 
 from kit.envs.conda import conda_executable, register_envs_dir, register_envs_root
 from kit.envs.config import EnvsConfig, activation_commands, default_envs_root, get_layout

@@ -1,14 +1,11 @@
 """Writing env archives: tar (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
-Hand-written here only what buys safety or measured speed: a manifest read first, a member list with sizes and hashes
-last, and the tar headers (byte for byte tarfile's, GNU long names included, in one struct call: tarfile's own path
-costs 12 us per member, a sixth of pack's CPU on an env of small files; numbers too big for octal are left to it).
+Hand-written only what buys safety or measured speed: a manifest first, a member list with sizes and hashes last,
+and the tar headers in one struct call each (byte for byte tarfile's, GNU long names included: tarfile's own path
+costs 12 us a member, a sixth of pack's CPU on small files; numbers too big for octal are left to it).
 
-Layout of an archive the kit writes (any tar reads it):
-  1. `.kit-env.json`          what it is (kit_archive=2, kind, name, old prefix, hash algorithm): read first;
-  2. the env's members         folders, files, links, in walk order;
-  3. `.kit-env-members.json`  every member as [name, type, size, hash or link target], and the prefix fixes.
-A copy cut anywhere (even exactly between two members, where a tar reader sees a clean end) lacks the member list
-or some of its members, so unpacking refuses it (kit/envs/extraction.py).
+Layout (any tar reads it): `.kit-env.json` (kit_archive=2, kind, name, old prefix, hash algorithm), the env's
+members in walk order, `.kit-env-members.json` (every member as [name, type, size, hash or link target], and the
+prefix fixes). A copy cut anywhere lacks the member list or some members, so unpacking refuses it.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from kit.envs.prefix import (
     EnvArchiveError,
     EnvError,
     read_scanned,
-    read_whole,
     scan_prefix,
     special_file_error,
 )
@@ -131,11 +127,9 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
         return ParallelGzipFileWriter(fileobj, compresslevel=level, n_threads=threads)
     if fmt == "tar.gz":
         return gzip.GzipFile(fileobj=fileobj, mode="wb", compresslevel=level)
-    if fmt == "tar":
-        return _Plain(fileobj)
-    raise EnvArchiveError(
-        f"archive format {fmt!r} is not one of {', '.join(FORMATS)}."
-    )  # pack() said so before
+    if fmt != "tar":  # pack() said so before
+        raise EnvArchiveError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    return _Plain(fileobj)
 
 
 class _Plain:
@@ -226,12 +220,8 @@ class ArchiveWriter:
         self._buf = bytearray()
 
     def _header(self, name: str, kind: bytes, st=None, mode=None, size: int = 0, link: str = "") -> None:
-        if st is None:
-            uid = gid = 0
-            mtime, mode = self.mtime, 0o644 if mode is None else mode
-        else:
-            uid, gid, mtime = st.st_uid, st.st_gid, int(st.st_mtime)
-            mode = stat.S_IMODE(st.st_mode) if mode is None else mode
+        uid, gid, mtime = (st.st_uid, st.st_gid, int(st.st_mtime)) if st is not None else (0, 0, self.mtime)
+        mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
         self._write(tar_header(name, kind, mode, uid, gid, size, mtime, link))
 
     def add_bytes(self, name: str, data: bytes, mode: int = 0o644, st=None, record: bool = True) -> None:
@@ -269,22 +259,16 @@ class ArchiveWriter:
             raise special_file_error(path, "remove it and pack again", EnvArchiveError)
 
     def _add_file(self, path: str, name: str, st) -> None:
-        """The file's header and data, hashed on the way; a file whose size is not the scan's is an error."""
+        """The file's header and data, hashed on the way (a small file read whole and scanned for the old prefix);
+        a file whose size is not the scan's is an error."""
         self._header(name, tarfile.REGTYPE, st, size=st.st_size)
-        h = new_hasher(self.hash_name)
-        if st.st_size <= SMALL:
-            data = read_whole(path, st, "packed")
+        h, small = new_hasher(self.hash_name), st.st_size <= SMALL
+        for data in read_scanned(path, st, "packed", max(st.st_size, 1) if small else CHUNK):
             h.update(data)
-            if self.scan and scan_prefix(data, self.scan):  # text that holds the old prefix
+            self._write(data)
+            if small and self.scan and scan_prefix(data, self.scan):  # text that holds the old prefix
                 self.prefix_files.append(name)
-            self._write(data, pad=True)
-        else:  # in pieces, straight into the compressor
-            self._flush()
-            for data in read_scanned(path, st, "packed", CHUNK):
-                h.update(data)
-                self.out.write(data)
-            self._offset += st.st_size
-            self._write(bytes(-st.st_size % 512))
+        self._write(bytes(-st.st_size % 512))
         self._file(name, st.st_size, h.hexdigest())
 
     def add_entries(self, entries, skip=(), progress=None) -> None:

@@ -1,10 +1,6 @@
-"""Conda envs: the conda-pack library (clone with relocated prefixes, pack, finish an unpacked env), the few
-conda commands the kit runs, and `envs_dirs` in the user's .condarc.
-
-conda-pack rewrites the build-time placeholder of each conda-managed file, so a clone or an unpacked archive works
-at its new path without the network. conda is not on PyPI: its output parser is tested on recorded real output
-(tests/fixtures/envs/); the commands run only where conda exists.
-"""
+"""Conda envs: the conda-pack library (clone with prefixes relocated offline, pack, finish an unpacked env), the few
+conda commands the kit runs, and `envs_dirs` in the user's .condarc. conda is not on PyPI: its output parser is tested
+on recorded real output (tests/fixtures/envs/); the commands run only where conda exists."""
 
 from __future__ import annotations
 
@@ -236,35 +232,24 @@ def _load_condarc(text: str, path: Path) -> dict:
 
 def register_envs_dir(folder: os.PathLike | str, condarc: Optional[os.PathLike | str] = None) -> dict:
     """Append `folder` to envs_dirs in .condarc (default $CONDARC, else ~/.condarc, as `conda config --append
-    envs_dirs` does) unless present; edited as text, so comments stay, and checked by re-reading it."""
+    envs_dirs` does) unless present. Edited as text, so other lines and comments stay: the envs_dirs entry is
+    written again at the end, and the file re-read to check that nothing else changed."""
     path = Path(condarc or os.environ.get("CONDARC") or Path.home() / ".condarc").expanduser()
     folder = str(Path(folder).expanduser().absolute())
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     before = _load_condarc(text, path)
     current = before.get("envs_dirs") or []
-    if isinstance(current, str):
-        current = [current]
+    current = [current] if isinstance(current, str) else list(current)
     if folder in [str(Path(p).expanduser()) for p in current]:
-        return {"condarc": str(path), "added": False, "envs_dirs": list(current)}
-    lines = text.splitlines()
-    key = [i for i, line in enumerate(lines) if line.split(":", 1)[0] == "envs_dirs"]
-    if key and lines[key[0]].split(":", 1)[1].strip() == "":
-        i = key[0] + 1
-        while i < len(lines) and (lines[i].startswith((" ", "\t", "- ")) or not lines[i].strip()):
-            i += 1
-        while i > key[0] + 1 and not lines[i - 1].strip():
-            i -= 1
-        item = lines[key[0] + 1] if key[0] + 1 < len(lines) else ""
-        indent = item[: len(item) - len(item.lstrip())] if item.lstrip().startswith("-") else "  "
-        lines.insert(i, f"{indent}- {folder}")
-    elif key:  # flow style `envs_dirs: [a, b]` or a scalar: rewrite that one line in block style
-        lines[key[0] : key[0] + 1] = ["envs_dirs:"] + [f"  - {p}" for p in [*current, folder]]
-    else:
-        lines += ["envs_dirs:", f"  - {folder}"]
-    new_text = "\n".join(lines) + "\n"
+        return {"condarc": str(path), "added": False, "envs_dirs": current}
+    kept, in_entry = [], False
+    for line in text.splitlines():  # the entry: its key line and the indented or `- ` lines after it
+        in_entry = line.split(":", 1)[0] == "envs_dirs" or (in_entry and line[:1] in ("", " ", "\t", "-"))
+        if not in_entry:
+            kept.append(line)
+    new_text = "\n".join([*kept, "envs_dirs:", *(f"  - {p}" for p in [*current, folder])]) + "\n"
     after = _load_condarc(new_text, path)
-    expected = dict(before, envs_dirs=[*current, folder])
-    if after != expected:
+    if after != dict(before, envs_dirs=[*current, folder]):
         raise EnvError(
             f"could not add {folder} to envs_dirs in {path} without changing other settings; "
             f"run `conda config --append envs_dirs {folder}` instead."
@@ -278,8 +263,10 @@ def register_envs_root(
 ) -> dict:
     """Make conda envs under <envs_root>/user_conda usable by name (`conda activate <name>`), now and after
     every restore(): the registration is recorded on persistent storage and re-applied there."""
+    from kit.envs.kernels import read_json_object
+
     layout = get_layout(envs_root)
-    state = json.loads(layout.state.read_text(encoding="utf-8")) if layout.state.exists() else {}
+    state = read_json_object(layout.state) if layout.state.exists() else {}
     dirs = state.setdefault("envs_dirs", [])
     if str(layout.conda) not in dirs:
         dirs.append(str(layout.conda))

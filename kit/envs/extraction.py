@@ -1,7 +1,6 @@
-"""Safe extraction, one path for every archive: GNU tar writes into an empty temporary folder (it refuses `..`,
-strips a leading `/`, makes links that point up or out only at its end), then the tree must match a member list
-(type, size, hash, link target): a kit archive's last member, or for another tool's archive the one tarfile reads
-from it first, member by member. tarfile extracts nothing, so its 'data' filter is not used."""
+"""Safe extraction, one path for every archive: GNU tar writes into an empty temporary folder, then the tree must
+match a member list (type, size, hash, link target): a kit archive's last member, or for another tool's archive the
+one tarfile reads from it first, member by member (tarfile extracts nothing: its 'data' filter is not used)."""
 
 from __future__ import annotations
 
@@ -298,12 +297,12 @@ def _feed(archive: str, pipe) -> None:
 def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
     """Hash the file each line of `tar -v` names once the next line came (tar prints a name as it starts it);
     only a hint: _check_tree takes the hash recorded for an inode, else hashes the file itself."""
-    careful, previous, top = _makes_devices(), None, os.fsencode(root) + b"/"
+    previous, top = None, os.fsencode(root) + b"/"
     for line in itertools.chain(lines, [None]):
         if previous is not None and not previous.endswith(b"/\n"):
             path = top + previous[:-1]
             try:
-                if not careful or stat.S_ISREG(os.lstat(path).st_mode):  # never open a device file
+                if stat.S_ISREG(os.lstat(path).st_mode):  # never open a device file tar made as root
                     st, digest = _hash(path, hash_name)
                     if stat.S_ISREG(st.st_mode):
                         hashes[st.st_ino] = (st.st_size, digest)
@@ -312,17 +311,6 @@ def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> No
             except OSError:  # not there (a name tar quoted, a link on the way): hashed by _check_tree
                 pass
         previous = line
-
-
-def _makes_devices() -> bool:
-    """Whether tar may still make device files: as root without CAP_SETPCAP, which dropping CAP_MKNOD needs."""
-    if os.geteuid() != 0:
-        return False
-    try:
-        with open("/proc/self/status") as fh:
-            return not next(int(x.split()[1], 16) for x in fh if x.startswith("CapEff:")) & (1 << 8)
-    except (OSError, StopIteration, ValueError):
-        return True
 
 
 def _hash(path: str, hash_name: str) -> tuple:

@@ -1,9 +1,6 @@
-"""Jupyter kernels for envs, carrying the CANN environment from set_env.sh, kept on persistent storage.
-
-A kernel does not run a login shell, so `source set_env.sh` in .bashrc never reaches it, and LD_LIBRARY_PATH
-is read by the loader at process start (setting it in a cell is too late for libascendcl.so). The variables
-set_env.sh exports are therefore captured once with bash and written, fully expanded, into kernel.json's env.
-"""
+"""Jupyter kernels for envs, kept on persistent storage, carrying the CANN environment: a kernel runs no login shell
+and the loader reads LD_LIBRARY_PATH at process start, so what set_env.sh exports is captured once with bash and
+written, fully expanded, into kernel.json's env."""
 
 from __future__ import annotations
 
@@ -128,11 +125,8 @@ def register_kernel(
     set_env_scripts: Union[str, Sequence[Union[str, Path]], None] = "auto",
     envs_root: Optional[Union[str, Path]] = None,
 ) -> dict:
-    """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user.
-
-    set_env_scripts: "auto" finds CANN's set_env.sh (none found: no CANN variables), a list of scripts, or None.
-    Only CANN's variables are copied (see select_cann); the names of the others are returned under "not_copied".
-    """
+    """Write a kernelspec for the env at `prefix` to <envs_root>/kernels/<name> and install it for the user, with
+    CANN's variables from set_env_scripts ("auto": found, a list, or None); other variables' names: "not_copied"."""
     check_name(name, "kernel name")
     prefix = Path(prefix).expanduser().absolute()
     python = prefix / "bin" / "python"
@@ -180,11 +174,12 @@ def stored_kernels(envs_root: Optional[Union[str, Path]] = None) -> dict:
     folder = get_layout(envs_root).kernels
     out = {}
     for spec in sorted(folder.glob("*/kernel.json")) if folder.is_dir() else []:
-        out[spec.parent.name] = _read_spec(spec)
+        out[spec.parent.name] = read_json_object(spec)
     return out
 
 
-def _read_spec(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path` (a kernel.json, or the envs root's kit-envs.json); EnvError saying how to mend it."""
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -193,7 +188,7 @@ def _read_spec(path: Path) -> dict:
             f"with `python -m kit env kernel`) and run the command again."
         ) from exc
     if not isinstance(spec, dict):
-        raise EnvError(f"{path} does not hold a kernelspec object; delete it and register the kernel again.")
+        raise EnvError(f"{path} does not hold a JSON object; delete or fix it (a kernel: register it again).")
     return spec
 
 
@@ -211,7 +206,7 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
             report["skipped"][name] = f"env python {python} is missing (env removed or not unpacked yet)"
             continue
         try:  # a missing or damaged installed copy is replaced by the stored one
-            if _read_spec(target_root / name / "kernel.json") == spec:
+            if read_json_object(target_root / name / "kernel.json") == spec:
                 report["unchanged"].append(name)
                 continue
         except (OSError, EnvError):
@@ -219,7 +214,7 @@ def restore(envs_root: Optional[Union[str, Path]] = None, condarc: Optional[Unio
         install_stored(layout.kernels / name)
         report["installed"].append(name)
     if layout.state.exists():
-        for folder in _read_spec(layout.state).get("envs_dirs", []):
+        for folder in read_json_object(layout.state).get("envs_dirs", []):
             result = register_envs_dir(folder, condarc)
             report["condarc"] = result["condarc"]
             if result["added"]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-from kit.atomic import atomic_dir, atomic_file, atomic_write_text, refuse_existing
+from kit.atomic import aside_name, atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
@@ -108,12 +108,9 @@ def clone(
     verify_env: Optional[dict] = None,
     clean_partial: bool = False,
 ) -> dict:
-    """Clone an env to `target` (default <envs_root>/{venvs,user_conda}/<name>), ready to use at its new path.
-
-    method: 'auto' (conda-pack for conda envs, copy for venvs), 'copy', 'conda-pack' (offline, relocates
-    prefixes), 'conda-clone' (`conda create --clone`, needs conda and its package cache or the network).
-    Built under a temporary name once space is checked, then verified by running its python (verify_imports).
-    """
+    """Clone an env to `target` (default <envs_root>/{venvs,user_conda}/<name>), ready to use at its new path and
+    verified by running its python; method: 'auto' (conda-pack for conda envs, copy for venvs), 'copy', 'conda-pack'
+    (offline, relocates prefixes), 'conda-clone' (`conda create --clone`: needs conda and its package cache)."""
     check_choice(method, CLONE_METHODS, "clone method")
     src = resolve_env(source, envs_root)
     dest = _target_for(src, name, target, envs_root)
@@ -131,31 +128,26 @@ def clone(
     if method.startswith("conda") and src.kind != "conda":
         raise EnvError(f"method {method!r} needs a conda env, but {src.prefix} is a {src.kind}; use 'copy'.")
     partial = handle_partials(dest.parent, clean_partial)
-    check = space_checker(dest.parent, f"a clone of {src.prefix}")
+    check, totals = space_checker(dest.parent, f"a clone of {src.prefix}"), []
     start = time.perf_counter()
-    if method == "copy":
-        # the source is scanned (sizes summed, space checked) inside copy_tree: beside GNU cp where it copies
-        totals: list = []
+    if method == "conda-clone":  # conda writes into the target itself: no temporary name, the target's lock
+        totals[:] = check(scan_tree(src.prefix))
+        with hold(dest, "target env"):
+            counts = _conda_create_clone(src.prefix, dest, overwrite)
+    else:
         with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(None, "clone") as bar:
 
-            def scanned(entries: list) -> None:
+            def scanned(entries: list) -> None:  # sizes summed, space checked
                 totals[:] = check(entries)
                 bar.total = totals[0]
                 bar.refresh()
 
-            counts = copy_tree(src.prefix, tmp, str(dest), bar.update, on_scanned=scanned)
-        n_files, size = totals
-    else:
-        n_files, size = check(scan_tree(src.prefix))
-        if method == "conda-clone":  # no temporary name to lock through atomic_dir: the target's lock
-            with hold(dest, "target env"):
-                counts = _conda_create_clone(src.prefix, dest, overwrite)
-        else:
-            with (
-                atomic_dir(dest, overwrite=overwrite, what="target env") as tmp,
-                _bar(n_files, "clone") as bar,
-            ):
+            if method == "copy":  # the scan runs beside GNU cp's copy
+                counts = copy_tree(src.prefix, tmp, str(dest), bar.update, on_scanned=scanned)
+            else:
+                scanned(scan_tree(src.prefix))
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
+    n_files, size = totals
     seconds = time.perf_counter() - start
     report = _verify(dest, verify_imports, verify_env)
     return {
@@ -182,7 +174,7 @@ def _conda_create_clone(source: Path, dest: Path, overwrite: bool) -> dict:
     old = None
     dest.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(dest) and overwrite:
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        old = aside_name(dest)  # a `.partial-` name: a killed run's leftover is reported
         os.replace(dest, old)
     try:
         run_conda(clone_command(str(source), str(dest)))
@@ -207,11 +199,8 @@ def pack(
     overwrite: bool = False,
     clean_partial: bool = False,
 ) -> dict:
-    """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>) that unpack() checks member by member.
-
-    fmt: 'tar.zst' (default), 'tar.gz' (parallel gzip unless threads=1) or 'tar'; the file name's suffix must
-    agree. threads=0 uses every core.
-    """
+    """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>) that unpack() checks member by member;
+    fmt: 'tar.zst' (default), 'tar.gz' (parallel gzip unless threads=1) or 'tar', as the suffix says; 0 threads: all."""
     if fmt is not None:
         check_choice(fmt, FORMATS, "archive format")
     src = resolve_env(source, envs_root)

@@ -1,6 +1,5 @@
-"""What an env folder is, its size and python; clone = GNU cp plus what no copier does:
-the old prefix rewritten in text files, links into the env re-pointed, every file checked against its scanned size.
-"""
+"""What an env folder is; clone = GNU cp plus what no copier does: the old prefix rewritten in text files, links into
+the env re-pointed, every file checked against its scanned size."""
 
 from __future__ import annotations
 
@@ -82,17 +81,6 @@ def inside(root: str, path: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
 
-def program_error(message: list, code: int, what: str, error=EnvError, hint: str = "") -> Exception:
-    """The error for a helper program (cp, tar) that failed, from its stderr lines: OSError ENOSPC when the disk
-    filled up (the CLI prints that in one line), else `error` naming its last message."""
-    generic = ("Exiting with failure status", "Error is not recoverable", "Child returned status")
-    message = [line for line in message if not any(g in line for g in generic)]
-    last = message[-1] if message else f"exit status {code}"
-    if any("No space left" in line for line in message):
-        return OSError(errno.ENOSPC, "No space left on device", last)
-    return error(f"{what} failed: {last}" + (f"; {hint}." if hint else ""))
-
-
 def check_name(name: str, what: str = "environment name") -> str:
     """Return `name` if it is a plain folder name, else raise EnvError saying what is allowed."""
     if not isinstance(name, str) or not _NAME.match(name):
@@ -112,7 +100,7 @@ def check_choice(value, allowed: Sequence[str], what: str) -> str:
 
 @dataclass(frozen=True)
 class EnvInfo:
-    """One environment: name, folder, kind ('conda' or 'venv') and its python."""
+    """One environment: name, folder and kind ('conda' or 'venv')."""
 
     name: str
     prefix: Path
@@ -143,11 +131,10 @@ def env_info(prefix: os.PathLike | str, name: Optional[str] = None) -> EnvInfo:
 
 def scan_tree(root: os.PathLike | str) -> list:
     """[(relative name, path, lstat)] of everything under `root`: each folder before its contents, names sorted,
-    links not followed. One lstat per entry; pack and clone work from this list (no second walk)."""
-    out: list = []
-    root = os.fspath(root)
-
-    def walk(folder: str, rel: str) -> None:
+    links not followed. One lstat per entry; pack, clone and the unpack check work from this list."""
+    out, folders = [], [(os.fspath(root), "")]
+    while folders:  # depth first without recursion: an archive's tree may be deeper than Python's stack
+        folder, rel = folders.pop()
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
         subdirs = []
@@ -157,10 +144,7 @@ def scan_tree(root: os.PathLike | str) -> list:
             out.append((name, entry.path, st))
             if stat.S_ISDIR(st.st_mode):
                 subdirs.append((entry.path, name))
-        for path, name in subdirs:
-            walk(path, name)
-
-    walk(root, "")
+        folders += reversed(subdirs)
     return out
 
 
@@ -285,11 +269,6 @@ def read_scanned(path: str, st, doing: str = "copied", step: int = 1 << 20) -> I
         raise changed_error(path, st.st_size, st.st_size - left if left else now, doing)
 
 
-def read_whole(path: str, st, doing: str = "copied") -> bytes:
-    """read_scanned() in one piece."""
-    return b"".join(read_scanned(path, st, doing, max(st.st_size, 1)))
-
-
 def special_file_error(what: str, then: str, error=EnvError) -> Exception:
     """The one error for a device, socket or FIFO, which no environment holds."""
     return error(
@@ -305,22 +284,26 @@ def _special(entries: list) -> None:
 
 @contextlib.contextmanager
 def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extracting: bool = False, **popen):
-    """Run a helper program (cp, tar) beside the block, killed if the block fails; when it fails, program_error()
-    from its stderr. Linux kills it if this process dies (dies_with_parent)."""
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting), **popen)
-    try:
-        yield proc
-        code = proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    """Run a helper program (cp, tar) beside the block, killed if the block fails or this process dies. Its failure
+    is `error` naming its last message, or OSError ENOSPC on a full disk (the CLI prints that in one line)."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting), **popen)
+        try:
+            yield proc
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         err.seek(0)
-        message = err.read().decode("utf-8", "replace").strip().splitlines()
-        err.close()
+        text = err.read().decode("utf-8", "replace").strip()
     if code != 0:
-        raise program_error(message, code, what, error, hint)
+        generic = ("Exiting with failure status", "Error is not recoverable", "Child returned status")
+        lines = [line for line in text.splitlines() if not any(g in line for g in generic)]
+        last = lines[-1] if lines else f"exit status {code}"
+        if any("No space left" in line for line in lines):
+            raise OSError(errno.ENOSPC, "No space left on device", last)
+        raise error(f"{what} failed: {last}" + (f"; {hint}." if hint else ""))
 
 
 def copy_tree(

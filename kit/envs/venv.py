@@ -106,16 +106,10 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
             )
     links, missing = [], []
     for rel, dest in (manifest.get("abs_links") or {}).items():
-        link = os.path.join(target, str(rel))
-        if (
-            not (isinstance(rel, str) and isinstance(dest, str))
-            or ".." in Path(rel).parts
-            or os.path.isabs(rel)
-        ):
-            raise EnvArchiveError(f"archive manifest has a link named {rel!r}; refusing the archive.")
-        if not inside(root, os.path.realpath(os.path.dirname(link))):
+        link = os.path.join(target, rel)  # a JSON key: always text; `..` or an absolute name lands outside
+        if not isinstance(dest, str) or not inside(root, os.path.realpath(os.path.dirname(link))):
             raise EnvArchiveError(
-                f"archive manifest has a link {rel!r} outside the target; refusing the archive."
+                f"archive manifest has a link {rel!r} ({dest!r}) outside the target or to no path; refusing it."
             )
         if inside(old, dest):
             dest = os.path.normpath(target + dest[len(old) :])

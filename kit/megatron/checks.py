@@ -135,7 +135,7 @@ def compare(job: dict, results: List[dict], work: Path):
             back_problems[0]
             if back_problems
             else f"checkpoint/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}{ep_text}) -> HF -> the same "
-            f"rank files again, every trained tensor equal",
+            f"rank files again, every trained tensor equal" + _norm_head_detail(job, work),
         )
     )
     moe_facts = {}
@@ -247,6 +247,7 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
         return [f"{type(exc).__name__}: {str(exc).splitlines()[0]}"]
     a, b = MegatronReader(ckpt), MegatronReader(again)
     problems = []
+    norm_head = bool(job["spec"].get("norm_head"))
     vocab, per = job["vocab_size"], job["padded_vocab_size"] // job["tp"]
     ep = job.get("ep", 1)
     for t, p, e in [(t, p, e) for t in range(job["tp"]) for p in range(job["pp"]) for e in range(ep)]:
@@ -260,12 +261,34 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
             if va.shape and va.shape[0] == per and ("embedding" in k or "output_layer" in k):
                 keep = max(0, min(per, vocab - t * per))  # padded rows are not weights of the HF model
                 va, vb = va[:keep], vb[:keep]
+            if norm_head and "output_layer" in k:  # 03's way in normalises NormHead rows, as at conversion
+                va = torch.nn.functional.normalize(va.float(), dim=-1).to(va.dtype)
             if not torch.equal(va, vb):
                 problems.append(
                     f"{k} ({where}) differs after the way back by {float((va - vb).abs().max()):.1e}"
                 )
     shutil.rmtree(again, ignore_errors=True)
     return problems
+
+
+def _norm_head_detail(job: dict, work: Path) -> str:
+    """Baichuan2 NormHead: how far the trained output rows left unit norm (HF's NormHead computes with them
+    normalised, megatron-core trained them as they are); '' for other models."""
+    if not job["spec"].get("norm_head") or job["spec"].get("tied"):
+        return ""
+    import torch
+
+    from kit.convert import megatron_layout as layout
+    from kit.convert.megatron_io import MegatronReader
+
+    mr = MegatronReader(work / "checkpoint")
+    rows = mr.parts(layout.key_path(mr.flavor, "output"), mr.pp - 1)
+    norms = [r.float().norm(dim=-1) for r in rows]
+    drift = float((torch.cat(norms)[: job["vocab_size"]] - 1).abs().max())
+    return (
+        f"; the output layer comes back row-normalised (NormHead), as 03 converts it: the trained rows are up to "
+        f"{drift:.1e} off unit norm, which HF's NormHead normalises away"
+    )
 
 
 def _param_diff(trained_dir: Path, ref) -> tuple:

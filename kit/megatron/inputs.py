@@ -93,6 +93,12 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
         raise InputError(
             f"{reader.folder} is a {spec.family} model with {spec.position} positions; megatron-core has no "
             f"{spec.position} (only MindSpeed-LLM trains it): the preflight covers RoPE models."
+            + (
+                " (Convert decided from the HF folder's modeling_baichuan.py, or from the hidden size when it had "
+                "none: a RoPE Baichuan2-7B-style model needs its own modeling file there.)"
+                if spec.family == "baichuan"
+                else ""
+            )
         )
     args = reader.args
     kind = "sft" if facts.get("data_kind") == "sft" else "pretrain"

@@ -119,6 +119,14 @@ class PreflightResult:
         }
 
 
+# Baichuan2's NormHead normalises lm_head's rows at every forward; megatron-core's GPTModel has a plain output layer
+NORM_HEAD_NOTE = (
+    "Baichuan2 NormHead: the output rows were normalised at conversion, so the first loss is HF's NormHead loss; "
+    "megatron-core trains a plain output layer, and the grad norm, steps and params are checked against HF with "
+    "that plain head, not against NormHead training (which renormalises the rows every step)"
+)
+
+
 def mindspeed_refusal() -> str:
     """Why `--engine mindspeed` cannot run here (it needs MindSpeed-LLM and NPUs), in one line."""
     import importlib.util
@@ -259,6 +267,8 @@ def run(cfg: PreflightConfig) -> PreflightResult:
             "what this does not prove: NPU kernels (flash attention, fused RMSNorm/SwiGLU/RoPE), HCCL, "
             "MindSpeed-LLM's own patches",
         ]
+        if job["spec"].get("norm_head"):
+            notes.append(NORM_HEAD_NOTE)
         # kept: the report, the ranks' logs and the trained Megatron checkpoint; the rest was the checks' scratch
         (work / "batches.pt").unlink(missing_ok=True)
         for scratch in [*work.glob("cache_*"), work / "reference_hf", work / "trained_hf"]:
