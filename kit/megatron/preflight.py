@@ -31,7 +31,8 @@ class PreflightConfig:
     dataset_path: Optional[str] = None
     """Notebook 02's prepared-data folder with Megatron files; None: the newest in the workspace."""
     dp: int = 1
-    """Data-parallel ranks (world size = TP x PP x DP); 2 or more shards the distributed optimizer."""
+    """Data-parallel ranks (world size = TP x PP x DP); 2 or more shards the distributed optimizer; an MoE checkpoint's
+    EP lives inside DP x TP (EP2 at TP1 needs DP 2)."""
     steps: int = 2
     """Optimizer steps of megatron-core's DistributedOptimizer held against the same steps on the HF weights."""
     micro_batches: int = 1
