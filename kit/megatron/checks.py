@@ -34,7 +34,9 @@ def compare(job: dict, results: List[dict], work: Path):
         for r in results
         for p in r.get("load_problems", [])
     ]
-    tensors = sum(r.get("tensors", 0) for r in results if r.get("dp_rank") == 0)
+    # one count per rank file: its (TP, PP, EP) coordinates repeat over the (expert) data-parallel ranks
+    files = {(r.get("tp_rank"), r.get("pp_rank"), r.get("ep_rank", 0)): r.get("tensors", 0) for r in results}
+    tensors = sum(files.values())
     if errors and not any("load_problems" in r for r in results):  # stopped before any file was loaded
         return [_check("ranks ran", False, len(errors), 0, errors[0])], {}
     checks.append(
@@ -45,7 +47,7 @@ def compare(job: dict, results: List[dict], work: Path):
             0,
             load[0] + (f" (+{len(load) - 1} more)" if len(load) > 1 else "")
             if load
-            else f"{tensors} tensors in {job['tp'] * job['pp']} rank files, keys and shapes exact",
+            else f"{tensors} tensors in {len(files)} rank files, keys and shapes exact",
         )
     )
     if load or errors:
@@ -86,6 +88,8 @@ def compare(job: dict, results: List[dict], work: Path):
             f"megatron-core's own fp32 norm {mg_norms[0]:.7f})",
         )
     )
+    if job.get("moe"):
+        checks.append(_aux_check(last[0].get("aux_losses") or [], ref_run, job))
     worst = max(_rel(a, b) for a, b in zip(mg_losses, ref_run["losses"]))
     lr_off = max(abs(a - b) for a, b in zip(results[0]["lrs"], ref_run["lrs"]))
     checks.append(
@@ -102,6 +106,7 @@ def compare(job: dict, results: List[dict], work: Path):
     model_numel = [r["model_numel"] for r in results]
     sharded = job["dp"] == 1 or all(s < m for s, m in zip(shards, model_numel))
     trained_dir = work / "trained_hf"
+    ep_text = f" x EP{job['ep']}" if job.get("ep", 1) > 1 else ""
     t = time.monotonic()
     back_problems = _checkpoint_back(job, work, trained_dir)
     seconds["checkpoint there and back"] = round(time.monotonic() - t, 1)
@@ -129,11 +134,19 @@ def compare(job: dict, results: List[dict], work: Path):
             0,
             back_problems[0]
             if back_problems
-            else f"checkpoint/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}) -> HF -> the same "
+            else f"checkpoint/iter_{job['steps']:07d} (TP{job['tp']} x PP{job['pp']}{ep_text}) -> HF -> the same "
             f"rank files again, every trained tensor equal" + _norm_head_detail(job, work),
         )
     )
+    moe_facts = {}
+    if job.get("moe"):
+        moe_facts = {
+            "aux_losses": last[0].get("aux_losses"),
+            "hf_side_aux_losses": ref_run.get("aux_losses"),
+            "hf_load_balancing_loss": ref_run.get("hf_aux_losses"),
+        }
     return checks, {
+        **moe_facts,
         "losses": mg_losses,
         "hf_losses": ref_run["losses"],
         "grad_norms": mg_norms64,
@@ -144,6 +157,28 @@ def compare(job: dict, results: List[dict], work: Path):
         "model_numel": model_numel,
         "seconds": {**{f"ranks: {k}": v for k, v in _slowest(results).items()}, **seconds},
     }
+
+
+def _aux_check(mg: List[List[float]], ref_run: dict, job: dict) -> dict:
+    """megatron-core's per-layer load-balancing losses of every step against the same definition on HF's router
+    logits (kit.megatron.moe_reference explains the two definitions)."""
+    hf = ref_run.get("aux_losses") or []
+    pairs = [(a, b) for ma, ha in zip(mg, hf) for a, b in zip(ma, ha)]
+    if not pairs or len(mg) != len(hf) or any(len(a) != len(b) for a, b in zip(mg, hf)):
+        return _check("aux loss vs HF", False, None, LOSS_RTOL,
+                      f"megatron reported {len(mg)} steps of aux losses, the HF side {len(hf)}")  # fmt: skip
+    worst = max(_rel(a, b) for a, b in pairs)
+    first_mg, first_hf = sum(mg[0]), sum(hf[0])
+    return _check(
+        "aux loss vs HF",
+        worst <= LOSS_RTOL,
+        worst,
+        LOSS_RTOL,
+        f"megatron-core's load-balancing loss per layer, {len(mg)} steps x {len(mg[0])} layers; first step's sum "
+        f"megatron {first_mg:.7f}, HF router logits {first_hf:.7f} (coefficient {job['moe']['aux_loss_coeff']:g} "
+        f"in both objectives); transformers' own load_balancing_loss_func {ref_run['hf_aux_losses'][0]:.7f} "
+        f"(pooled over layers, another definition: not compared)",
+    )
 
 
 def _slowest(results: List[dict]) -> dict:
@@ -164,6 +199,10 @@ def _back_to_hf(megatron_dir: str, target: Path) -> Path:
 
 
 def _reference(hf_dir: Path, job: dict):
+    if job.get("moe"):  # transformers' own MoE model (kit.megatron.moe_reference)
+        from kit.megatron.moe_reference import MoEReference
+
+        return MoEReference(hf_dir, job["padded_vocab_size"])
     from kit.convert.hf_io import HFReader
     from kit.convert.spec import ModelSpec
     from kit.megatron.reference import Reference
@@ -200,6 +239,7 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
                 pp=job["pp"],
                 num_layer_list=job["layer_list"] if job["pp"] > 1 else None,
                 padded_vocab_size=job["padded_vocab_size"],
+                ep=job.get("ep", 1),
             ),
             progress=False,
         )
@@ -209,25 +249,24 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
     problems = []
     norm_head = bool(job["spec"].get("norm_head"))
     vocab, per = job["vocab_size"], job["padded_vocab_size"] // job["tp"]
-    for t in range(job["tp"]):
-        for p in range(job["pp"]):
-            sa, sb = a.state(t, p)["model"], b.state(t, p)["model"]
-            for k, va in sa.items():
-                vb = sb.get(k)
-                if vb is None or tuple(vb.shape) != tuple(va.shape):
-                    problems.append(f"{k} (tp {t}, pp {p}) missing or reshaped on the way back")
-                    continue
-                if va.shape and va.shape[0] == per and ("embedding" in k or "output_layer" in k):
-                    keep = max(0, min(per, vocab - t * per))  # padded rows are not weights of the HF model
-                    va, vb = va[:keep], vb[:keep]
-                if (
-                    norm_head and "output_layer" in k
-                ):  # 03's way in normalises NormHead rows, as at conversion
-                    va = torch.nn.functional.normalize(va.float(), dim=-1).to(va.dtype)
-                if not torch.equal(va, vb):
-                    problems.append(
-                        f"{k} (tp {t}, pp {p}) differs after the way back by {float((va - vb).abs().max()):.1e}"
-                    )
+    ep = job.get("ep", 1)
+    for t, p, e in [(t, p, e) for t in range(job["tp"]) for p in range(job["pp"]) for e in range(ep)]:
+        where = f"tp {t}, pp {p}" + (f", ep {e}" if ep > 1 else "")
+        sa, sb = a.state(t, p, e)["model"], b.state(t, p, e)["model"]
+        for k, va in sa.items():
+            vb = sb.get(k)
+            if vb is None or tuple(vb.shape) != tuple(va.shape):
+                problems.append(f"{k} ({where}) missing or reshaped on the way back")
+                continue
+            if va.shape and va.shape[0] == per and ("embedding" in k or "output_layer" in k):
+                keep = max(0, min(per, vocab - t * per))  # padded rows are not weights of the HF model
+                va, vb = va[:keep], vb[:keep]
+            if norm_head and "output_layer" in k:  # 03's way in normalises NormHead rows, as at conversion
+                va = torch.nn.functional.normalize(va.float(), dim=-1).to(va.dtype)
+            if not torch.equal(va, vb):
+                problems.append(
+                    f"{k} ({where}) differs after the way back by {float((va - vb).abs().max()):.1e}"
+                )
     shutil.rmtree(again, ignore_errors=True)
     return problems
 
@@ -256,13 +295,17 @@ def _param_diff(trained_dir: Path, ref) -> tuple:
     """max |trained (Megatron, via HF) - reference| over every HF tensor, and the worst tensor's name."""
     from kit.convert.hf_io import HFReader
 
-    reader = HFReader(trained_dir)
     mine = ref.unpadded()
+    if hasattr(ref, "read_hf"):  # MoE: transformers' loader names the tensors as the reference does
+        theirs = iter(ref.read_hf(trained_dir).items())
+    else:
+        reader = HFReader(trained_dir)
+        theirs = ((k, reader.read(k)) for k in reader.keys() if k in mine)  # one tensor at a time
     worst, name = 0.0, ""
-    for k in reader.keys():
+    for k, v in theirs:
         if k not in mine:
             continue
-        d = float((reader.read(k).float() - mine[k]).abs().max())
+        d = float((v.float() - mine[k]).abs().max())
         if d > worst:
             worst, name = d, k
     return worst, name

@@ -124,11 +124,15 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
             f"they were not made for each other (tokenizer of notebook 02 vs model of notebook 03)."
         )
     tp, pp = reader.tp, reader.pp
+    ep, etp, moe = moe_job(spec, args, reader, int(cfg.dp))
     return {
         "checkpoint": str(reader.folder),
         "tp": tp,
         "pp": pp,
         "dp": int(cfg.dp),
+        "ep": ep,
+        "etp": etp,
+        "moe": moe,
         "world": tp * pp * int(cfg.dp),
         "layer_list": reader.layer_list(spec.num_layers),
         "data": {
@@ -182,3 +186,32 @@ def _refuse_rope_scaling(spec, folder) -> None:
             f"{folder} uses llama3 rope scaling with {', '.join(differ)}; megatron-core 0.16's GPTModel takes only "
             f"the factor, so it would train other positions than the checkpoint's."
         )
+
+
+def moe_job(spec, args, reader, dp: int):
+    """(EP, expert TP, the MoE facts the ranks and the checks need or None) of a checkpoint; one line when its EP does
+    not fit the preflight's TP x PP x DP ranks (kit.parallel's rule, the one conversion and training apply)."""
+    if not spec.num_experts:
+        return 1, reader.tp, None
+    from kit.parallel import expert_parallel_problems
+
+    world = reader.tp * reader.pp * dp
+    problems = expert_parallel_problems(spec.num_experts, reader.ep, reader.tp, reader.pp, world)
+    if problems:
+        raise InputError(
+            f"{reader.folder} is TP{reader.tp} x PP{reader.pp} x EP{reader.ep}; with DP={dp} (--dp) the preflight "
+            f"has {world} ranks: {' '.join(problems)}"
+        )
+    if getattr(args, "moe_grouped_gemm", False):
+        raise InputError(
+            f"{reader.folder} holds grouped-GEMM experts (TEGroupedMLP keys); the preflight builds megatron-core's "
+            f"local SequentialMLP experts (no Transformer Engine on CPU): convert without grouped GEMM."
+        )
+    moe = {
+        "num_experts": int(spec.num_experts),
+        "topk": int(spec.moe_router_topk),
+        "aux_loss_coeff": float(spec.moe_aux_loss_coeff),
+        # the checkpoint's own (alltoall, as MindSpeed-LLM's MoE recipes); kit.megatron.cpu_patches runs it on gloo
+        "dispatcher": getattr(args, "moe_token_dispatcher_type", None) or "alltoall",
+    }
+    return reader.ep, int(getattr(args, "expert_tensor_parallel_size", None) or reader.tp), moe

@@ -31,7 +31,8 @@ class PreflightConfig:
     dataset_path: Optional[str] = None
     """Notebook 02's prepared-data folder with Megatron files; None: the newest in the workspace."""
     dp: int = 1
-    """Data-parallel ranks (world size = TP x PP x DP); 2 or more shards the distributed optimizer."""
+    """Data-parallel ranks (world size = TP x PP x DP); 2 or more shards the distributed optimizer; an MoE checkpoint's
+    EP lives inside DP x TP (EP2 at TP1 needs DP 2)."""
     steps: int = 2
     """Optimizer steps of megatron-core's DistributedOptimizer held against the same steps on the HF weights."""
     micro_batches: int = 1
@@ -239,6 +240,7 @@ def run(cfg: PreflightConfig) -> PreflightResult:
             "tp": job["tp"],
             "pp": job["pp"],
             "dp": job["dp"],
+            **({"ep": job["ep"], "etp": job["etp"], "moe": job["moe"]} if job.get("moe") else {}),
             "layer_list": job["layer_list"],
             "vocab_size": job["vocab_size"],
             "padded_vocab_size": job["padded_vocab_size"],
@@ -254,7 +256,15 @@ def run(cfg: PreflightConfig) -> PreflightResult:
             f"columns"
             if job["padded_vocab_size"] > job["vocab_size"]
             else "vocabulary not padded",
-            "HF side: kit.convert.reference.hf_forward on the checkpoint converted back by notebook 03's code, fp32",
+            (
+                "HF side: transformers' own MoE model on the checkpoint converted back by notebook 03's code, fp32; "
+                "its objective adds megatron-core's per-layer load-balancing loss (computed from HF's router logits) "
+                "so the grad norms compare like for like; transformers' own load_balancing_loss_func is reported "
+                "beside it (facts.hf_load_balancing_loss), a different definition"
+                if job.get("moe")
+                else "HF side: kit.convert.reference.hf_forward on the checkpoint converted back by notebook 03's "
+                "code, fp32"
+            ),
             "what this does not prove: NPU kernels (flash attention, fused RMSNorm/SwiGLU/RoPE), HCCL, "
             "MindSpeed-LLM's own patches",
         ]

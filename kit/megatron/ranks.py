@@ -21,13 +21,40 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def moe_fields(args, job: dict) -> dict:
+    """TransformerConfig's MoE fields from the checkpoint's args ({} for a dense model): SequentialMLP experts (no
+    grouped GEMM on CPU), the router as converted, expert parallelism as the job's EP, and sequence parallelism with
+    TP > 1 (megatron-core's MoELayer refuses to train at TP > 1 without it, moe_layer.py `forward`)."""
+    experts = int(getattr(args, "num_experts", None) or 0)
+    if not experts:
+        return {}
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=int(args.moe_ffn_hidden_size),
+        moe_router_topk=int(args.moe_router_topk),
+        # HF's norm_topk_prob=True is softmax over the top-k logits (pre_softmax False); False: softmax, then top-k
+        moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+        moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", None) or "aux_loss",
+        moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
+        moe_token_dispatcher_type=job["moe"]["dispatcher"],
+        moe_grouped_gemm=False,
+        moe_layer_freq=list(getattr(args, "moe_layer_freq", None) or [1] * int(args.num_layers)),
+        expert_model_parallel_size=job["ep"],
+        expert_tensor_parallel_size=job["etp"],
+        sequence_parallel=job["tp"] > 1,
+    )
+
+
 def build_model(args, job: dict):
     """GPTModel of this pipeline stage from the checkpoint's own args (fp32, dropout 0, local spec)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     pp, layers = job["pp"], job["layer_list"]
@@ -37,7 +64,9 @@ def build_model(args, job: dict):
             (["embedding"] if i == 0 else []) + ["decoder"] * n + (["loss"] if i == pp - 1 else [])
             for i, n in enumerate(layers)
         ]
+    moe = moe_fields(args, job)
     cfg = TransformerConfig(
+        **moe,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -73,11 +102,13 @@ def build_model(args, job: dict):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if moe:  # per layer (MoE block or dense MLP, moe_layer_freq), this stage's layers only
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
-        ),
+        transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -147,7 +178,12 @@ def _run(rank: int, job: dict, result: dict) -> None:
         timeout=timedelta(seconds=job["timeout_s"]),
     )
     try:
-        ps.initialize_model_parallel(job["tp"], job["pp"])
+        ps.initialize_model_parallel(
+            job["tp"],
+            job["pp"],
+            expert_model_parallel_size=job.get("ep", 1),
+            expert_tensor_parallel_size=job.get("etp") or job["tp"],
+        )
         _train(rank, job, result, batches)
     finally:
         ps.destroy_model_parallel()
@@ -172,8 +208,10 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    result.update(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
-    state = MegatronReader(job["checkpoint"]).state(tp_rank, pp_rank)
+    ep = job.get("ep", 1)
+    ep_rank = ps.get_expert_model_parallel_rank() if ep > 1 else 0
+    result.update(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank)
+    state = MegatronReader(job["checkpoint"]).state(tp_rank, pp_rank, ep_rank)
     args = state["args"]
     model, tcfg = build_model(args, job)
     file_model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
@@ -241,7 +279,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
 
         return output, loss_func
 
-    losses, norms, norms64, lrs = [], [], [], []
+    losses, norms, norms64, lrs, aux = [], [], [], [], []
     for step in range(job["steps"]):
         first = (step * dp + dp_rank) * m * mbs
         micro = [
@@ -259,6 +297,8 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
             micro_batch_size=mbs,
             forward_only=False,
         )
+        if job.get("moe"):
+            aux.append(_aux_losses(m))
         ok, norm, _ = opt.step()
         norms64.append(_norm64(opt, norm, job["clip_grad"]))
         sched.step(increment=1)
@@ -268,9 +308,13 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
             dist.all_reduce(mean, group=ps.get_data_parallel_group())
             losses.append(float(mean) / dp)
     result.update(losses=losses, grad_norms=norms, grad_norms_fp64=norms64, lrs=lrs)
+    if job.get("moe"):
+        result["aux_losses"] = aux
     _lap(result, "steps")
-    if dp_rank == 0:
-        _save(job, args, state, model, tp_rank, pp_rank)
+    # one writer per rank file: the (TP, PP[, EP]) coordinates repeat over the (expert) data-parallel ranks
+    writer = (ps.get_expert_data_parallel_rank() if ep > 1 else dp_rank) == 0
+    if writer:
+        _save(job, args, state, model, tp_rank, pp_rank, ep_rank)
     _lap(result, "save")
     dist.barrier()
 
@@ -286,6 +330,25 @@ def _lap(result: dict, name: str) -> None:
     result["_t"] = now
 
 
+def _aux_losses(micro_batches: int) -> list:
+    """Per layer, megatron-core's load-balancing loss of this step (mean over its micro-batches, no coefficient):
+    its own tracker (router.py `attach_and_log_load_balancing_loss`), reduced by its own
+    `reduce_aux_losses_tracker_across_ranks` (PP and TP sums, DP mean), as its training loop logs it."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if "load_balancing_loss" not in tracker:  # no aux loss configured
+        return []
+    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+    values = [float(v) / micro_batches for v in tracker["load_balancing_loss"]["values"]]
+    clear_aux_losses_tracker()
+    return values
+
+
 def _norm64(opt, norm, clip: float) -> float:
     """The global grad norm over megatron-core's own selection of grads (TP duplicates and shared weights once),
     summed in float64: its fp32 norm drifts by up to ~1e-5 relative on CPU for large tensors. Called after the
@@ -294,10 +357,14 @@ def _norm64(opt, norm, clip: float) -> float:
     import torch.distributed as dist
 
     total = torch.zeros(1, dtype=torch.float64)
+    # each optimizer of the chain over its own group (MoE: the expert parameters' optimizer reduces over the expert
+    # grid), as megatron-core's ChainedOptimizer.get_grad_norm does when the groups differ
     for o in getattr(opt, "chained_optimizers", [opt]):
+        part = torch.zeros(1, dtype=torch.float64)
         for g in o.get_main_grads_for_grad_norm():
-            total += g.double().pow(2).sum()
-    dist.all_reduce(total, group=opt.get_grad_stats_parallel_group())
+            part += g.double().pow(2).sum()
+        dist.all_reduce(part, group=o.get_grad_stats_parallel_group())
+        total += part
     coeff = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
     return float(total.sqrt()) / coeff
 
@@ -310,7 +377,7 @@ def _shard_params(opt):
             yield from group["params"]
 
 
-def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int) -> None:
+def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> None:
     """This rank's trained weights in the layout Megatron / MindSpeed-LLM load (`iter_XXXXXXX/mp_rank_../`)."""
     import argparse
 
@@ -320,7 +387,10 @@ def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int) -> No
 
     steps = job["steps"]
     folder = (
-        Path(job["out"]) / "checkpoint" / f"iter_{steps:07d}" / layout.rank_dir(tp_rank, pp_rank, job["pp"])
+        Path(job["out"])
+        / "checkpoint"
+        / f"iter_{steps:07d}"
+        / layout.rank_dir(tp_rank, pp_rank, job["pp"], ep_rank, job.get("ep", 1))
     )
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

@@ -94,19 +94,38 @@ def train(ref: Reference, batches: dict, job: dict) -> dict:
     losses: List[float] = []
     norms: List[float] = []
     lrs: List[float] = []
+    aux_steps: List[
+        List[float]
+    ] = []  # MoE: per step, per layer, megatron-core's aux loss (mean of micro-batches)
+    hf_aux_steps: List[float] = []  # MoE: per step, transformers' own aux loss (mean of micro-batches)
     params = list(ref.params.values())
+    moe = hasattr(ref, "terms")
     for step in range(job["steps"]):
         rate = lr_at(step, job["lr"], job["min_lr"], job["warmup_iters"], job["steps"])
         for g in opt.param_groups:
             g["lr"] = rate
         opt.zero_grad()
         total = 0.0
+        aux_sum: List[float] = []
+        hf_aux = 0.0
         for i in range(per_step):
             first = (step * per_step + i) * mbs
             b = {k: v[first : first + mbs] for k, v in batches.items()}
-            loss = ref.loss(b) / per_step
-            loss.backward()
+            if (
+                moe
+            ):  # the objective megatron-core differentiates: LM loss + coefficient x each layer's aux loss
+                t = ref.terms(b)
+                loss = t["lm"] / per_step
+                (loss + ref.aux_coef * torch.stack(t["aux"]).sum() / per_step).backward()
+                aux_sum = [a + float(x.detach()) for a, x in zip(aux_sum or [0.0] * len(t["aux"]), t["aux"])]
+                hf_aux += t["hf_aux"]
+            else:
+                loss = ref.loss(b) / per_step
+                loss.backward()
             total += float(loss.detach())
+        if moe:
+            aux_steps.append([a / per_step for a in aux_sum])
+            hf_aux_steps.append(hf_aux / per_step)
         # the norm in float64: torch's fp32 CPU norm of a large tensor is off by ~1e-5 relative, the size of the
         # tolerance; clipped as megatron-core's clip_grad_norm_fp32 does (coefficient max / (norm + 1e-6))
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None))
@@ -121,4 +140,7 @@ def train(ref: Reference, batches: dict, job: dict) -> dict:
         lrs.append(rate)
         if not math.isfinite(total):
             break
-    return {"losses": losses, "grad_norms": norms, "lrs": lrs}
+    out = {"losses": losses, "grad_norms": norms, "lrs": lrs}
+    if moe:
+        out.update(aux_losses=aux_steps, hf_aux_losses=hf_aux_steps)
+    return out
