@@ -140,6 +140,15 @@ def test_convert_refuses_nan_weights_in_both_directions(
         ConvertConfig(source=str(nan_model), target=str(target), direction="hf_to_megatron"), progress=False
     )
     monkeypatch.undo()
+    with pytest.raises(
+        NonFiniteWeights, match=rf"{target} re-sharded \(iter_.*\): tensor '.*layers\.0\.mlp\."
+    ):
+        convert(
+            ConvertConfig(
+                source=str(target), target=str(tmp_path / "tp2"), tp=2, direction="megatron_to_megatron"
+            ),
+            progress=False,
+        )
     back = tmp_path / "hf"
     with pytest.raises(NonFiniteWeights, match=rf"{target}, converted \(.*\): tensor '{BROKEN}'"):
         convert(

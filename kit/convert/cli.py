@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -70,6 +71,16 @@ def _direction(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Start-up of a one-conversion process, measured in benchmarks/bench_convert.py. numpy is imported only to
+    # count NaN / inf (kit.weights_check): without its OpenBLAS worker threads (nothing here does linear algebra
+    # in numpy), which would take CPU from the writer threads. Then every object imported so far is frozen: it
+    # lives as long as the process, and the garbage collections during the conversion need not walk it again.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    import gc
+
+    import numpy  # noqa: F401
+
+    gc.freeze()
     from kit.configs import explicit_values
     from kit.convert.config import ConvertConfig
     from kit.convert.result import run as run_conversion

@@ -137,7 +137,7 @@ def _write_megatron(
 
     _, layer_roles = fam.roles(spec)
     pp = len(stages)
-    nonfinite = nonfinite or (lambda check, rank_file: check.error(f"{tmp.name}, converted"))
+    nonfinite = nonfinite or (lambda check, rank_file: check.error(f"{tmp.name}, written"))
     check_seconds = [] if check_seconds is None else check_seconds
     bar = _LockedBar(_progress(tp * spec.num_layers, f"->Megatron TP{tp} PP{pp}", not progress))
     ctx = dict(stages=stages, layer_roles=layer_roles, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn)
@@ -531,6 +531,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         cfg_dir,
         "re-sharded weights folder",
         (src_man, src_hash),
+        nonfinite=lambda check, rank_file: check.error(f"{cfg.source} re-sharded"),
     )
     mr.close()
     return dict(
