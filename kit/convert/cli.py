@@ -4,6 +4,8 @@ ModelLink `util.py` flags of the ModelArts user manual."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -70,17 +72,29 @@ def _direction(args: argparse.Namespace) -> str:
     return "hf_to_megatron"
 
 
-def run(args: argparse.Namespace) -> int:
-    # Start-up of a one-conversion process, measured in benchmarks/bench_convert.py. numpy is imported only to
-    # count NaN / inf (kit.weights_check): without its OpenBLAS worker threads (nothing here does linear algebra
-    # in numpy), which would take CPU from the writer threads. Then every object imported so far is frozen: it
-    # lives as long as the process, and the garbage collections during the conversion need not walk it again.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    import gc
-
-    import numpy  # noqa: F401
-
+@contextlib.contextmanager
+def _lean_process():
+    """Less start-up work for the conversion (its wall time is benchmarked against a copy): numpy, imported only to
+    count NaN / inf (kit.weights_check), comes without OpenBLAS worker threads (nothing here does linear algebra in
+    numpy; they would take CPU from the writer threads), and the objects imported so far are frozen for the
+    garbage collector, so its collections during the conversion do not walk them again (unfrozen after)."""
+    if "numpy" not in sys.modules:
+        unset = "OPENBLAS_NUM_THREADS" not in os.environ
+        if unset:
+            os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read once, when OpenBLAS loads
+        try:
+            import numpy  # noqa: F401
+        finally:
+            if unset:
+                del os.environ["OPENBLAS_NUM_THREADS"]  # not passed on to anything this process starts
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def run(args: argparse.Namespace) -> int:
     from kit.configs import explicit_values
     from kit.convert.config import ConvertConfig
     from kit.convert.result import run as run_conversion
@@ -105,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = ConvertConfig(**values)
     # Expected failures (ConversionError, ConfigError, an existing output, ...) propagate to `python -m kit`,
     # which prints them as one `error: ...` line with exit code 2. A SIGTERM cleans up like Ctrl-C.
-    with sigterm_as_interrupt():
+    with sigterm_as_interrupt(), _lean_process():
         result = run_conversion(cfg, progress=not args.no_progress)
     summary = result.summary()
     for item in summary.get("leftover_partials", []):
