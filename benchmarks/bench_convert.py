@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -75,13 +76,16 @@ def cli(*args: str) -> list:
 
 
 def timed_cli(args: list) -> tuple:
-    """(wall seconds, the CLI's JSON summary) of one run."""
+    """(wall seconds, the CLI's JSON summary, CPU seconds of all its threads) of one run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     res = subprocess.run(args, capture_output=True, text=True, cwd=str(ROOT))
     dt = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode:
         raise RuntimeError(f"{' '.join(args)} failed:\n{res.stderr[-3000:]}")
-    return dt, json.loads(res.stdout)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return dt, json.loads(res.stdout), cpu
 
 
 def timed_copy(src: Path, dst: Path) -> float:
@@ -163,19 +167,21 @@ def main() -> int:
         )
 
         # 1. HF -> Megatron TP2 PP2 through the CLI vs copying the shards, alternated, at both sizes.
-        checks, in_cli, cli_s = {}, {}, {}
+        checks, in_cli, cli_s, cli_cpu = {}, {}, {}, {}
         for name, src in (("small", small), ("large", large)):
-            times = {"copy": [], "cli": [], "check": []}
+            times = {"copy": [], "cli": [], "check": [], "cpu": []}
             convert_args = cli("--source", str(src), "--target", str(work / "mg"), "--tp", "2", "--pp", "2")
             timed_copy(src, work / "copy")  # warm the page cache for both
             for _ in range(a.repeats):
                 times["copy"].append(timed_copy(src, work / "copy"))
-                wall, summary = timed_cli(convert_args)
+                wall, summary, cpu = timed_cli(convert_args)
                 times["cli"].append(wall)
+                times["cpu"].append(cpu)
                 times["check"].append(summary["weights_check_seconds"])
                 shutil.rmtree(work / "mg")
             c, v = min(times["copy"]), min(times["cli"])
             in_cli[name] = min(times["check"])
+            cli_cpu[name] = min(times["cpu"])
             checks[name] = min(timed_check(src) for _ in range(a.repeats))
             print(
                 f"HF -> Megatron TP2 PP2, {size[name]:.0f} MiB: copy {c:.2f} s ({size[name] / c:.0f} MiB/s), "
@@ -196,8 +202,8 @@ def main() -> int:
             share = in_cli[name] / cli_s[name]
             print(
                 f"NaN/inf weights check, {size[name]:.0f} MiB: {in_cli[name]:.3f} s (summed over the writer "
-                f"threads) of the CLI's {cli_s[name]:.2f} s; the file check alone (check_hf_weights, what "
-                f"evaluate and serve run): {checks[name]:.2f} s"
+                f"threads) of the CLI's {cli_s[name]:.2f} s wall, {cli_cpu[name]:.2f} s CPU (all threads); the file "
+                f"check alone (check_hf_weights, what evaluate and serve run): {checks[name]:.2f} s"
             )
             row(
                 f"weights check / HF->Megatron CLI wall ({size[name]:.0f} MiB)",
