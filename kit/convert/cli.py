@@ -78,17 +78,18 @@ def _lean_process():
     count NaN / inf (kit.weights_check), comes without OpenBLAS worker threads (nothing here does linear algebra in
     numpy; they would take CPU from the writer threads), and the objects imported so far are frozen for the
     garbage collector, so its collections during the conversion do not walk them again (unfrozen after)."""
-    if "numpy" not in sys.modules:
-        unset = "OPENBLAS_NUM_THREADS" not in os.environ
-        if unset:
-            os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read once, when OpenBLAS loads
-        try:
-            import numpy  # noqa: F401
-        finally:
-            if unset:
-                del os.environ["OPENBLAS_NUM_THREADS"]  # not passed on to anything this process starts
-    gc.freeze()
+    gc.freeze()  # before numpy's import too: the collections it triggers then skip what was imported before
     try:
+        if "numpy" not in sys.modules:
+            unset = "OPENBLAS_NUM_THREADS" not in os.environ
+            if unset:
+                os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read once, when OpenBLAS loads
+            try:
+                import numpy  # noqa: F401
+            finally:
+                if unset:
+                    del os.environ["OPENBLAS_NUM_THREADS"]  # not passed on to anything this process starts
+        gc.freeze()  # and numpy's objects
         yield
     finally:
         gc.unfreeze()
