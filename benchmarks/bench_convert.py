@@ -6,7 +6,10 @@ Megatron -> HF as the model grows.
    every byte read once and written once), at both model sizes. Min of >= 3 alternated repeats, warm page cache
    for both; the kit's modules byte-compiled first, as an installed package has them. Goal: CLI wall <= 1.5x the
    copy. The CLI writes the rank files on one thread per core (`--workers`); `cp` uses one.
-   The NaN / inf weights check inside it, timed alone: goal <= 10% of the CLI's wall time.
+   The NaN / inf weights check inside it (kit.weights_check.StreamCheck, run on the bytes as the writers pass
+   them): the seconds the CLI reports spending in it (`weights_check_seconds`, summed over its writer threads, so
+   at least its share of the wall time), goal <= 10% of the CLI's wall time. The file check that evaluate and
+   serve run (`check_hf_weights`, a read of every shard) is timed alone for reference.
 2. Memory: peak RSS (VmHWM) of `python -m kit convert --direction megatron_to_hf` above the same process after its
    imports, at two model sizes. Goal: < 10% of the model and flat with size (growth < 10% of the model growth).
 
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -70,13 +75,17 @@ def cli(*args: str) -> list:
     return [sys.executable, "-m", "kit", "convert", *args, "--no-progress"]
 
 
-def timed_cli(args: list) -> float:
+def timed_cli(args: list) -> tuple:
+    """(wall seconds, the CLI's JSON summary, CPU seconds of all its threads) of one run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     res = subprocess.run(args, capture_output=True, text=True, cwd=str(ROOT))
     dt = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode:
         raise RuntimeError(f"{' '.join(args)} failed:\n{res.stderr[-3000:]}")
-    return dt
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return dt, json.loads(res.stdout), cpu
 
 
 def timed_copy(src: Path, dst: Path) -> float:
@@ -90,7 +99,8 @@ def timed_copy(src: Path, dst: Path) -> float:
 
 
 def timed_check(src: Path) -> float:
-    """Seconds of kit.weights_check.check_hf_weights over the folder (every float tensor's exponent bits)."""
+    """Seconds of kit.weights_check.check_hf_weights over the folder (every float tensor's exponent bits, read
+    from the files: what evaluate and serve run; the converter checks in its writers instead)."""
     from kit.weights_check import check_hf_weights
 
     t = time.perf_counter()
@@ -157,16 +167,21 @@ def main() -> int:
         )
 
         # 1. HF -> Megatron TP2 PP2 through the CLI vs copying the shards, alternated, at both sizes.
-        checks, cli_s = {}, {}
+        checks, in_cli, cli_s, cli_cpu = {}, {}, {}, {}
         for name, src in (("small", small), ("large", large)):
-            times = {"copy": [], "cli": []}
+            times = {"copy": [], "cli": [], "check": [], "cpu": []}
             convert_args = cli("--source", str(src), "--target", str(work / "mg"), "--tp", "2", "--pp", "2")
             timed_copy(src, work / "copy")  # warm the page cache for both
             for _ in range(a.repeats):
                 times["copy"].append(timed_copy(src, work / "copy"))
-                times["cli"].append(timed_cli(convert_args))
+                wall, summary, cpu = timed_cli(convert_args)
+                times["cli"].append(wall)
+                times["cpu"].append(cpu)
+                times["check"].append(summary["weights_check_seconds"])
                 shutil.rmtree(work / "mg")
             c, v = min(times["copy"]), min(times["cli"])
+            in_cli[name] = min(times["check"])
+            cli_cpu[name] = min(times["cpu"])
             checks[name] = min(timed_check(src) for _ in range(a.repeats))
             print(
                 f"HF -> Megatron TP2 PP2, {size[name]:.0f} MiB: copy {c:.2f} s ({size[name] / c:.0f} MiB/s), "
@@ -182,11 +197,13 @@ def main() -> int:
             )
 
             cli_s[name] = v
-        # 1b. The NaN / inf weights check the CLI runs first (kit.weights_check), timed on its own, warm cache.
+        # 1b. The NaN / inf weights check inside the CLI (in its writer threads), as the CLI reports it.
         for name in ("small", "large"):
-            share = checks[name] / cli_s[name]
+            share = in_cli[name] / cli_s[name]
             print(
-                f"NaN/inf weights check, {size[name]:.0f} MiB: {checks[name]:.2f} s of the CLI's {cli_s[name]:.2f} s"
+                f"NaN/inf weights check, {size[name]:.0f} MiB: {in_cli[name]:.3f} s (summed over the writer "
+                f"threads) of the CLI's {cli_s[name]:.2f} s wall, {cli_cpu[name]:.2f} s CPU (all threads); the file "
+                f"check alone (check_hf_weights, what evaluate and serve run): {checks[name]:.2f} s"
             )
             row(
                 f"weights check / HF->Megatron CLI wall ({size[name]:.0f} MiB)",
@@ -200,7 +217,9 @@ def main() -> int:
         above = {}
         for name, src in (("small", small), ("large", large)):
             mg = work / f"mg-{name}"
-            timed_cli(cli("--source", str(src), "--target", str(mg), "--tp", "2", "--pp", "2"))
+            timed_cli(
+                cli("--source", str(src), "--target", str(mg), "--tp", "2", "--pp", "2")
+            )  # (wall, summary)
             runs = [rss_above_imports(mg, work / "hf") for _ in range(a.repeats)]
             above[name] = min(runs)
             print(

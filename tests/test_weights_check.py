@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from kit.errors import IntegrityError
-from kit.weights_check import NonFiniteWeights, check_hf_weights, check_model, count_nonfinite, weight_files
+from kit.weights_check import (
+    NonFiniteWeights,
+    StreamCheck,
+    check_hf_weights,
+    check_model,
+    count_nonfinite,
+    weight_files,
+)
 
 BROKEN = "model.layers.0.mlp.down_proj.weight"
 
@@ -55,6 +62,39 @@ def test_count_nonfinite_reads_the_exponent_bits_of_every_float_dtype(dtype):
     assert count_nonfinite(torch.arange(5, dtype=torch.int32).view(torch.uint8).numpy(), "int32") == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_stream_check_counts_what_passes_in_writes_of_any_size(dtype):
+    """The converters' check: the bytes reach the sink unchanged, and the count is the file check's whatever the
+    writes' sizes (elements split between writes included)."""
+    import torch
+
+    t = torch.linspace(-3, 3, 1001, dtype=torch.float64).to(getattr(torch, dtype))
+    t[[0, 500, 1000]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=t.dtype)
+    raw = bytes(t.view(torch.uint8).numpy())
+    got = []
+
+    class Sink:
+        def write(self, mv):
+            got.append(bytes(mv))
+
+    check = StreamCheck("f.pt")
+    watched = check.watch(Sink(), dtype)
+    at = 0
+    for n in [3, 1, 5, 64, 7, 1000, 2]:  # odd sizes: elements cross the writes
+        watched.write(memoryview(raw[at : at + n]))
+        at += n
+    watched.write(memoryview(raw[at:]))
+    assert b"".join(got) == raw and check.done("w", watched) == 3 == count_nonfinite(
+        t.view(torch.uint8).numpy(), dtype
+    )
+    assert check.bad == [("f.pt", "w", 3, 1001)]
+    assert check.watch(Sink(), "int64").__class__ is Sink  # integers are not counted
+    with pytest.raises(
+        NonFiniteWeights, match=r"^out \(f\.pt\): tensor 'w' holds 3 NaN/inf value\(s\) of 1001"
+    ):
+        raise check.error("out")
+
+
 def test_one_nan_or_inf_is_named_with_its_tensor_and_file(tmp_path, tiny_llama_dir, nan_model):
     assert check_hf_weights(tiny_llama_dir) > 0
     shard = _shard_of(nan_model, BROKEN)
@@ -95,17 +135,63 @@ def test_convert_refuses_nan_weights_in_both_directions(
     )
     assert not target.exists()
     # a Megatron checkpoint that holds the NaN (written with the check switched off) is refused on the way back
-    monkeypatch.setattr(conv, "check_hf_weights", lambda *a, **k: 0)
+    monkeypatch.setattr(conv.StreamCheck, "watch", lambda self, sink, dtype: sink)
     convert(
         ConvertConfig(source=str(nan_model), target=str(target), direction="hf_to_megatron"), progress=False
     )
     monkeypatch.undo()
+    with pytest.raises(
+        NonFiniteWeights, match=rf"{target} re-sharded \(iter_.*\): tensor '.*layers\.0\.mlp\."
+    ):
+        convert(
+            ConvertConfig(
+                source=str(target), target=str(tmp_path / "tp2"), tp=2, direction="megatron_to_megatron"
+            ),
+            progress=False,
+        )
     back = tmp_path / "hf"
     with pytest.raises(NonFiniteWeights, match=rf"{target}, converted \(.*\): tensor '{BROKEN}'"):
         convert(
             ConvertConfig(source=str(target), target=str(back), direction="megatron_to_hf"), progress=False
         )
     assert not back.exists()
+
+
+def test_convert_names_what_a_cast_made_infinite_and_checks_the_tensors_it_leaves_out(
+    tmp_path, tiny_llama_dir
+):
+    """The conversion checks the bytes it writes: a value finite in the source that a cast to float16 makes
+    infinite is refused, naming the Megatron tensor; a tensor the key map leaves out is still checked."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kit.convert import ConvertConfig
+    from kit.convert import run as convert
+
+    big = tmp_path / "big"
+    _poison(tiny_llama_dir, big, 1.0e5)  # above float16's largest finite value (65504)
+    target = tmp_path / "mg16"
+    with pytest.raises(
+        NonFiniteWeights,
+        match=r"converted to iter_0000001/mp_rank_00/model_optim_rng\.pt \(.*\): tensor '.*layers\.0\.mlp\.\S+' "
+        r"holds 1 NaN/inf value.* casting to float16 overflows",
+    ):
+        convert(ConvertConfig(source=str(big), target=str(target), dtype="float16"), progress=False)
+    assert not target.exists()
+    convert(
+        ConvertConfig(source=str(big), target=str(target), dtype="bfloat16"), progress=False
+    )  # finite there
+
+    dropped = tmp_path / "dropped"
+    shutil.copytree(tiny_llama_dir, dropped)
+    shard = _shard_of(dropped, BROKEN)
+    tensors = load_file(str(shard))
+    key = "model.layers.0.self_attn.rotary_emb.inv_freq"  # a buffer the llama map ignores, not converted
+    tensors[key] = torch.tensor([1.0, float("nan"), 0.5])
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeights, match=rf"{shard}: tensor '{key}' holds 1 NaN/inf value"):
+        convert(ConvertConfig(source=str(dropped), target=str(tmp_path / "mg")), progress=False)
+    assert not (tmp_path / "mg").exists()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,14 @@ from typing import Callable, Dict, List, Optional, Union
 from kit.atomic import atomic_dir
 from kit.configs import check, save_config
 from kit.convert import megatron_layout as layout
-from kit.convert.checks import ConversionError, check_disk, hf_problems, layout_plan_problems, role_kind
+from kit.convert.checks import (
+    ConversionError,
+    check_disk,
+    expected_hf_shapes,
+    hf_problems,
+    layout_plan_problems,
+    role_kind,
+)
 from kit.convert.config import ConvertConfig
 from kit.convert.families import Family, family_for_config
 from kit.convert.file_slices import (
@@ -41,7 +48,7 @@ from kit.convert.spec import ModelSpec, expert_role, megatron_args, split_group
 from kit.convert.tensor_ops import full_to_parts, grouped_weight, hf_parts, merge_tp, read_rank, split_tp
 from kit.convert.torch_zip import StreamingTorchFile
 from kit.parallel import padded_vocab_size, stage_layers
-from kit.weights_check import check_hf_weights
+from kit.weights_check import StreamCheck, check_hf_weights
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
@@ -83,24 +90,32 @@ def _write_rank_file(tmp: Path, s: int, r: int, e: int, ctx: dict) -> int:
     path = tmp / layout.ITER_DIR / layout.rank_dir(r, s, pp, e, ep) / "model_optim_rng.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.partial")
-    out, model = StreamingTorchFile(part, ctx["scratch"]()), {}
+    check = StreamCheck(str(path.relative_to(tmp)))  # NaN / inf counted as the bytes are written
+    out, model = StreamingTorchFile(part, ctx["scratch"](), check), {}
     entries = rank_entries(ctx["fam"], ctx["spec"], ctx["flavor"], ctx["stages"], s, e, ep, ctx["grouped"])
     done = None
-    for key_path, role, layer in entries:
-        if stop.is_set():  # another file failed: stop early, the temporary folder is removed
-            return 0
-        if layer != done and done is not None:
+    try:
+        for key_path, role, layer in entries:
+            if stop.is_set():  # another file failed: stop early, the temporary folder is removed
+                return 0
+            if layer != done and done is not None:
+                bar.update(1)
+            done = layer
+            group = split_group(role)
+            if group is None:
+                value = ctx["rank_fn"](role, layer, r)
+            else:  # GroupedMLP: this rank's experts in one tensor
+                which, experts = group
+                value = grouped_weight(
+                    which, [ctx["rank_fn"](expert_role(x, which), layer, r) for x in experts]
+                )
+            layout.put(model, key_path, out.store(value, ".".join(key_path)))
+            if check.bad:
+                raise ctx["nonfinite"](check, check.file)
+        if done is not None:
             bar.update(1)
-        done = layer
-        group = split_group(role)
-        if group is None:
-            value = ctx["rank_fn"](role, layer, r)
-        else:  # GroupedMLP: this rank's experts in one tensor
-            which, experts = group
-            value = grouped_weight(which, [ctx["rank_fn"](expert_role(x, which), layer, r) for x in experts])
-        layout.put(model, key_path, out.store(value))
-    if done is not None:
-        bar.update(1)
+    finally:
+        ctx["check_seconds"].append(check.seconds)
     out.finish(
         {
             "args": ctx["args"],
@@ -126,9 +141,13 @@ def _write_megatron(
     workers: int = 1,
     ep: int = 1,
     grouped_gemm: bool = False,
+    nonfinite: Optional[Callable] = None,
+    check_seconds: Optional[list] = None,
 ) -> int:
     """Write every rank file of the layout (TP x PP x EP), `workers` files at a time (rank_fn must then be
-    thread-safe); returns bytes written. The first error stops the other files and is raised."""
+    thread-safe); returns bytes written. The first error stops the other files and is raised: NaN / inf in a tensor
+    raise `nonfinite(check, rank file)` (default: the check's own error naming the Megatron tensor). The seconds
+    spent checking are appended to `check_seconds`, one entry per file."""
     import threading
 
     pp = len(stages)
@@ -136,6 +155,9 @@ def _write_megatron(
     bar = _LockedBar(_progress(tp * ep * spec.num_layers, name, not progress))
     ctx = dict(stages=stages, fam=fam, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn, ep=ep)
     ctx["grouped"] = ("te" if flavor == "te" else "legacy") if grouped_gemm and spec.num_experts else ""
+    nonfinite = nonfinite or (lambda check, rank_file: check.error(f"{tmp.name}, written"))
+    check_seconds = [] if check_seconds is None else check_seconds
+    ctx.update(nonfinite=nonfinite, check_seconds=check_seconds)
     local = threading.local()  # one set of copy buffers per thread, reused file after file
 
     def scratch() -> Scratch:
@@ -279,8 +301,11 @@ def _save_megatron(
     what: str,
     source: tuple,
     workers: int = 1,
+    nonfinite=None,
+    check_seconds: Optional[list] = None,
 ) -> tuple:
-    """Write a whole Megatron folder atomically (rank files, metadata, tracker last); returns (meta, bytes written)."""
+    """Write a whole Megatron folder atomically (rank files, metadata, tracker last); returns (meta, bytes written).
+    `nonfinite` and `check_seconds`: as in _write_megatron."""
     num_layer_list = [len(s) for s in stages]
     args = megatron_args(
         spec,
@@ -308,6 +333,8 @@ def _save_megatron(
             workers,
             ep=cfg.ep,
             grouped_gemm=cfg.moe_grouped_gemm,
+            nonfinite=nonfinite,
+            check_seconds=check_seconds,
         )
         meta = _meta(
             direction,
@@ -335,10 +362,26 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     reader = HFReader(cfg.source)
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config, reader.folder)
-    check_hf_weights(cfg.source)  # NaN / inf weights: nothing converted from them is usable
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
+    # NaN / inf weights: nothing converted from them is usable. The tensors converted are checked as their bytes
+    # are written (StreamCheck, in the writer threads); the others (a tied model's lm_head copy, rotary buffers,
+    # tensors the index does not list) here.
+    check_hf_weights(cfg.source, skip=set(expected_hf_shapes(fam, spec)))
+    check_seconds: List[float] = []
+
+    def nonfinite(stream, rank_file: Path):
+        check_hf_weights(cfg.source)  # in the source (the usual case): named there, tensor and shard
+        # else this conversion made them: a cast that overflows (float16 ends at 65504)
+        how = (
+            f"casting to {cfg.dtype} overflows; convert without --dtype, or to bfloat16" if cfg.dtype else ""
+        )
+        return stream.error(
+            f"{cfg.source} converted to {rank_file}",
+            f"The source's weights are finite: {how or 'the conversion made them; please report it'}.",
+        )
+
     padded, stages = _plan(spec, cfg)
     cast = cfg.dtype
     src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
@@ -385,6 +428,8 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
             (src_man, src_hash),
             # rank_fn only reads (pread, or slices of a mapped .bin), so it is thread-safe
             _workers(cfg, cfg.tp * cfg.pp * cfg.ep),
+            nonfinite,
+            check_seconds,
         )
     finally:
         reader.close()
@@ -395,6 +440,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         bytes_written=written,
         rank_files=cfg.tp * cfg.pp * cfg.ep,
         seconds=round(time.perf_counter() - t0, 3),
+        weights_check_seconds=round(sum(check_seconds), 4),
         **_provenance(src_man, src_hash),
     )
 
@@ -454,7 +500,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
             writer.add(key, Rows(ps) if len(ps) > 1 else ps[0])
 
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="HF output folder") as tmp:
-        writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2)
+        writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2, check=StreamCheck())
         emit(writer, "embedding", -1)
         bar = _progress(spec.num_layers, f"Megatron TP{mr.tp} PP{mr.pp} EP{mr.ep}->HF", not progress)
         for g in range(spec.num_layers):
@@ -465,7 +511,8 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         for role in glob[1:]:
             emit(writer, role, -1)
         writer.close()
-        check_hf_weights(tmp, source=f"{cfg.source}, converted")  # NaN / inf weights are not published
+        if writer.check.bad:  # NaN / inf weights are not published (counted as the shards were written)
+            raise writer.check.error(f"{cfg.source}, converted")
         copy_side_files(cfg_dir, tmp)
         save_config(cfg, tmp, "convert_config.json")
         source_layout = {"tp": mr.tp, "pp": mr.pp, "ep": mr.ep, "flavor": mr.flavor}
@@ -484,6 +531,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         "bytes_written": writer.total_bytes,
         "crc_unverified": unverified,
         "seconds": round(time.perf_counter() - t0, 3),
+        "weights_check_seconds": round(writer.check.seconds, 4),
         **_provenance(src_man, src_hash),
     }
 
@@ -523,6 +571,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         cfg_dir,
         "re-sharded weights folder",
         (src_man, src_hash),
+        nonfinite=lambda check, rank_file: check.error(f"{cfg.source} re-sharded"),
     )
     mr.close()
     return dict(

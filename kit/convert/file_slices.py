@@ -409,8 +409,11 @@ class _FileSink:
         write_all(self.fd, mv, self.path)
 
 
-def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None) -> int:
-    """Write (key, tensor | piece | Rows) items as one safetensors file, streaming each; returns bytes of data."""
+def write_safetensors(
+    path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None, check=None
+) -> int:
+    """Write (key, tensor | piece | Rows) items as one safetensors file, streaming each; returns bytes of data.
+    `check` (a kit.weights_check.StreamCheck) counts NaN / inf in the bytes as they go by."""
     items = list(items)
     header: Dict[str, dict] = {"__metadata__": metadata} if metadata else {}
     at = 0
@@ -426,8 +429,13 @@ def write_safetensors(path: str, items: Iterable[Tuple[str, object]], metadata: 
         reserve(fd, 0, 8 + len(raw) + at, path)
         sink, scratch = _FileSink(fd, path), Scratch()
         sink.write(struct.pack("<Q", len(raw)) + raw)
-        for _, x in items:
-            write_piece(x, sink, scratch)
+        for key, x in items:
+            if check is None:
+                write_piece(x, sink, scratch)
+                continue
+            watched = check.watch(sink, piece_info(x)[1])
+            write_piece(x, watched, scratch)
+            check.done(key, watched)
         # No fsync (as safetensors.save_file): the output folder is renamed into place only when complete.
     finally:
         os.close(fd)

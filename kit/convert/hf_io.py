@@ -168,7 +168,8 @@ class HFWriter:
     """Collects tensors (or pieces still on disk) into safetensors shards of at most `max_shard_bytes`, then writes
     the index. Pieces are streamed when their shard is written, so memory holds descriptions, not weights."""
 
-    def __init__(self, folder: PathLike, max_shard_bytes: int = 2 * 1024**3):
+    def __init__(self, folder: PathLike, max_shard_bytes: int = 2 * 1024**3, check=None):
+        self.check = check  # a kit.weights_check.StreamCheck: NaN / inf counted as the shards are written
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
@@ -193,7 +194,9 @@ class HFWriter:
 
     def _flush(self) -> None:
         name = f".shard-{len(self._shards) + 1:05d}.safetensors"
-        write_safetensors(str(self.folder / name), self._buf, metadata={"format": "pt"})
+        if self.check is not None:
+            self.check.file = name
+        write_safetensors(str(self.folder / name), self._buf, metadata={"format": "pt"}, check=self.check)
         self._shards.append((name, [k for k, _ in self._buf]))
         self._buf, self._buf_bytes = [], 0
 
@@ -202,11 +205,13 @@ class HFWriter:
         if self._buf:
             self._flush()
         n = len(self._shards)
-        weight_map = {}
+        weight_map, names = {}, {}
         for i, (tmp, keys) in enumerate(self._shards, 1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            final = names[tmp] = f"model-{i:05d}-of-{n:05d}.safetensors"
             os.replace(self.folder / tmp, self.folder / final)
             weight_map.update({k: final for k in keys})
+        if self.check is not None:  # what it found, under the shards' final names
+            self.check.bad = [(names.get(f, f), *rest) for f, *rest in self.check.bad]
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         path = self.folder / "model.safetensors.index.json"
         path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")

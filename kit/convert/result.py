@@ -71,6 +71,9 @@ class ConversionResult:
             "family": m["family"],
             "bytes_written": d.get("bytes_written"),
             "convert_seconds": d.get("seconds"),
+            "weights_check_seconds": d.get(
+                "weights_check_seconds"
+            ),  # NaN / inf counting, summed over threads
         }
         if m.kind != "hf-model":
             out.update(

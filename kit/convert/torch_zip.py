@@ -216,26 +216,31 @@ class _Pickler(pickle._Pickler):  # the Python pickler: it lets a type choose it
 class StreamingTorchFile:
     """`store(tensor)` writes its bytes now and returns a stub; `finish(obj)` pickles obj (with stubs) and closes."""
 
-    def __init__(self, path, scratch: Scratch = None):
+    def __init__(self, path, scratch: Scratch = None, check=None):
         self.path = Path(path)
         self._zip = ZipWriter(self.path)
         self._scratch = scratch or Scratch()
+        self._check = check  # a kit.weights_check.StreamCheck: NaN / inf counted as the bytes go by
         self._count = 0
         self.bytes = 0
 
-    def store(self, x) -> _TensorStub:
-        """Write the next storage: a torch tensor, a piece (bytes still on disk) or a Rows list of them."""
-        shape, name = piece_info(x)
+    def store(self, x, name: str = "") -> _TensorStub:
+        """Write the next storage: a torch tensor, a piece (bytes still on disk) or a Rows list of them. With a
+        check, its NaN / inf are counted on the way (`name` is what check.bad calls the tensor)."""
+        shape, dtype = piece_info(x)
         n = 1
         for d in shape:
             n *= d
         key = str(self._count)
         self._count += 1
-        self._zip.begin(f"data/{key}", n * itemsize(name))
-        write_piece(x, self._zip, self._scratch)
+        self._zip.begin(f"data/{key}", n * itemsize(dtype))
+        sink = self._zip if self._check is None else self._check.watch(self._zip, dtype)
+        write_piece(x, sink, self._scratch)
+        if self._check is not None:
+            self._check.done(name or f"data/{key}", sink)
         self._zip.end()
-        self.bytes += n * itemsize(name)
-        return _TensorStub(StorageRef(key, name, n), shape)
+        self.bytes += n * itemsize(dtype)
+        return _TensorStub(StorageRef(key, dtype, n), shape)
 
     def finish(self, obj) -> None:
         buf = io.BytesIO()
