@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
 
 import pytest
 import torch
-import torch.nn.functional as F
 from fixtures.convert import families as fam_models
 from fixtures.convert import models as convert_models
 
@@ -49,82 +47,29 @@ def mcore_world():
 
 
 @pytest.fixture
-def cpu_patches(monkeypatch):
-    """The two CPU patches of ckpt_data_formats.md 5.1: RoPE asks torch.cuda for a device; attention forks the
-    CUDA RNG tracker (dropout is 0 here, so no RNG state is used); and one for MoE without TransformerEngine."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.moe import moe_utils
+def cpu_patches():
+    """kit.megatron.cpu_patches, the preflight ranks' CPU patches of megatron-core's CUDA assumptions, for one test."""
+    from kit.megatron.cpu_patches import cpu_patched
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    # megatron-core 0.16.1's router gating reads te_general_gemm, defined only when TransformerEngine imports
-    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    monkeypatch.setattr(tracker, "fork", lambda *a, **k: contextlib.nullcontext())
+    with cpu_patched():
+        yield
 
 
 def build_gpt(args):
-    """A GPTModel from the checkpoint's own `args` (what a Megatron training run would be started with)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """The preflight's GPTModel (kit.megatron.ranks.build_model) from the checkpoint's own `args`, one stage; MoE
+    models with the checkpoint's EP and token dispatcher."""
+    from kit.megatron.ranks import build_model
 
-    experts = getattr(args, "num_experts", None)
-    moe = {}
-    if experts:  # the MoE arguments the checkpoint states (Megatron-LM's names -> TransformerConfig's)
-        moe = dict(
-            num_moe_experts=experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-            moe_router_pre_softmax=args.moe_router_pre_softmax,
-            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_layer_freq=args.moe_layer_freq,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-            # the args' alltoall dispatcher makes a CUDA stream when built; allgather routes the same on one CPU rank
-            moe_token_dispatcher_type="allgather",
-        )
-    cfg = TransformerConfig(
-        **moe,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        layernorm_epsilon=args.norm_epsilon,
-        normalization="RMSNorm",
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        rotary_interleaved=args.rotary_interleaved,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-    )
-    return GPTModel(
-        config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=experts,
-            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
-            normalization="RMSNorm",
-            qk_layernorm=getattr(args, "qk_layernorm", False),
-        ),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
-        rotary_percent=args.rotary_percent,
-        rotary_base=int(args.rotary_base),
-        rope_scaling=getattr(args, "use_rope_scaling", False),  # llama3 (mcore: factor only, 1 / 4 / 8192)
-        rope_scaling_factor=getattr(args, "rotary_scaling_factor", 8.0),
-    ).eval()
+    tp = args.tensor_model_parallel_size
+    job = {
+        "tp": tp,
+        "pp": 1,
+        "layer_list": [args.num_layers],
+        "ep": getattr(args, "expert_model_parallel_size", 1) or 1,
+        "etp": tp,
+        "moe": {"dispatcher": getattr(args, "moe_token_dispatcher_type", None) or "alltoall"},
+    }
+    return build_model(args, job)[0].eval()
 
 
 @pytest.mark.slow
@@ -188,27 +133,25 @@ def test_gptmodel_logits_catch_a_wrong_qkv_layout(tiny_llama_dir, tmp_path, mcor
 def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str, ep: int = 1) -> None:
     """One TP (x EP) rank: megatron-core loads its own rank file strictly and writes its vocab slice of the logits."""
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core import parallel_state
 
-    torch.cuda.current_device = lambda: "cpu"  # the CPU patches (see cpu_patches), in this child process
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()
-    moe_utils.te_general_gemm = None
+    from kit.megatron.cpu_patches import cpu_patched
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(world // ep, 1, expert_model_parallel_size=ep)
     try:  # the rank file of this process's TP and EP ranks (megatron-core's rank order, not the kit's)
-        t, e = (
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_expert_model_parallel_rank(),
-        )
-        state = MegatronReader(ckpt).state(t, 0, e)
-        model = build_gpt(state["args"])
-        model.load_state_dict(state["model"], strict=True)
-        ids = sample_tokens(2522, 12)
-        mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)[None, None]
-        with torch.no_grad():
-            logits = model(ids[None], torch.arange(12)[None], mask)[0]  # this rank's vocab columns
+        with cpu_patched():  # the preflight ranks' patches, in this child process
+            t, e = (
+                parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_expert_model_parallel_rank(),
+            )
+            state = MegatronReader(ckpt).state(t, 0, e)
+            model = build_gpt(state["args"])
+            model.load_state_dict(state["model"], strict=True)
+            ids = sample_tokens(2522, 12)
+            mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)[None, None]
+            with torch.no_grad():
+                logits = model(ids[None], torch.arange(12)[None], mask)[0]  # this rank's vocab columns
         torch.save(logits, f"{out}/logits_{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
