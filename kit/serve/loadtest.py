@@ -4,7 +4,8 @@ Every (prompt length, output length) pair of the grid is run at each closed-loop
 Poisson rate; `warmup` requests before each point are left out. Per point: TTFT, TPOT, ITL and E2E latency (mean,
 median, std, P90, P99, max, in ms), request / output / total token throughput and goodput (requests meeting both
 the TTFT and TPOT targets, per second), under vLLM's result-JSON keys (`mean_ttft_ms`, `p99_tpot_ms`,
-`request_throughput`, `output_throughput`, ...). The folder is written under a temporary name, renamed when complete.
+`request_throughput`, `output_throughput`, ...), each figure defined as GuideLLM 0.8.1 defines it (docs/serve.md,
+"Definitions"). The folder is written under a temporary name, renamed when complete.
 """
 
 from __future__ import annotations
@@ -43,25 +44,46 @@ ASCEND_COLUMNS = {
 }
 
 
-def stats(values: List[float], prefix: str) -> Dict[str, float]:
-    """{mean_<prefix>_ms, median_..., std_..., p90_..., p99_..., max_...} of `values` (seconds) in ms."""
+def stats(values: List[float], prefix: str, weights: Optional[List[float]] = None) -> Dict[str, float]:
+    """{mean_<prefix>_ms, median_..., std_..., p90_..., p99_..., max_...} of `values` (seconds) in ms.
+
+    As GuideLLM 0.8.1 summarises a distribution (guidellm/schemas/base/statistics.py, `DistributionSummary`): each
+    value has a weight (1 unless given), a percentile is the smallest value whose cumulative weight share reaches it
+    (`Percentiles.from_pdf`: for 8 equal values the median is the 4th smallest), mean and std are weighted.
+    """
     import numpy as np
 
-    a = np.asarray(values, dtype=float) * 1000.0 if values else np.zeros(1)
+    v = np.asarray(values, dtype=float) * 1000.0
+    w = np.ones_like(v) if weights is None else np.asarray(weights, dtype=float)
+    keep = w > 0
+    v, w = v[keep], w[keep]
+    if not len(v):
+        v, w = np.zeros(1), np.ones(1)
+    order = np.argsort(v, kind="stable")
+    v, w = v[order], w[order] / w.sum()
+    cdf = np.cumsum(w)
+
+    def pct(q: float) -> float:
+        return float(v[min(int(np.searchsorted(cdf, q, side="left")), len(v) - 1)])
+
+    mean = float(np.sum(v * w))
     return {
-        f"mean_{prefix}_ms": float(a.mean()),
-        f"median_{prefix}_ms": float(np.median(a)),
-        f"std_{prefix}_ms": float(a.std()),
-        f"p90_{prefix}_ms": float(np.percentile(a, 90)),
-        f"p99_{prefix}_ms": float(np.percentile(a, 99)),
-        f"max_{prefix}_ms": float(a.max()),
+        f"mean_{prefix}_ms": mean,
+        f"median_{prefix}_ms": pct(0.5),
+        f"std_{prefix}_ms": float(np.sqrt(np.sum((v - mean) ** 2 * w))),
+        f"p90_{prefix}_ms": pct(0.9),
+        f"p99_{prefix}_ms": pct(0.99),
+        f"max_{prefix}_ms": float(v[-1]),
     }
 
 
 def point_metrics(records, duration: float, ttft_target_ms: float, tpot_target_ms: float) -> Dict[str, Any]:
-    """vLLM's result keys for one load point (failed requests count in `failed`, not in the figures)."""
+    """vLLM's result keys for one load point (failed requests count in `failed`, not in the figures).
+
+    `duration` is `kit.serve.loadgen.span(records)`; the definitions are GuideLLM's (docs/serve.md, "Definitions").
+    """
     ok = [r for r in records if r.ok]
-    tpots = [r.tpot for r in ok if r.tpot is not None]
+    timed = [r for r in ok if r.tpot is not None]
     good = [
         r
         for r in ok
@@ -81,7 +103,8 @@ def point_metrics(records, duration: float, ttft_target_ms: float, tpot_target_m
         "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
     }
     out.update(stats([r.ttft for r in ok], "ttft"))
-    out.update(stats(tpots, "tpot"))
+    # one value per request, weighted by the tokens after the first (GuideLLM's inter_token_latency_ms)
+    out.update(stats([r.tpot for r in timed], "tpot", [r.output_tokens - 1 for r in timed]))
     out.update(stats([x for r in ok for x in r.itls], "itl"))
     out.update(stats([r.e2e for r in ok], "e2el"))
     out.update(
