@@ -147,15 +147,6 @@ class Store:
             return None
         return self._check(resp, "download of", key).body.buffer
 
-    def get_file(self, key: str, path: Path) -> None:
-        """Download one file (the SDK writes a temporary and renames it; a cut download resumes)."""
-        path = Path(path).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        resp = self.client.downloadFile(
-            self.bucket, key, str(path), partSize=self.part_size, taskNum=self.threads, enableCheckpoint=True
-        )
-        self._check(resp, "download of", key)
-
     def delete(self, key: str) -> None:
         self._check(self.client.deleteObject(self.bucket, key), "delete of", key)
 
@@ -216,36 +207,30 @@ def read_listing(store: Store, prefix: str) -> Optional[dict]:
 def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path) -> list:
     """Fetch the listed files into `dest` (kept where size and CRC already match); return those OBS lacks.
 
-    Every file is verified against its listed CRC-32 after the download (in a thread, while the next file
-    downloads: zlib releases the GIL); a mismatch removes the file and is an IntegrityError."""
+    Parts of `store.part_size` in `store.threads` threads (kit.obs_download: each byte CRC'd once, as it arrives);
+    a file that does not match its listed size and CRC-32 is not left behind and is an IntegrityError."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from kit.errors import IntegrityError
+    from kit.obs_download import fetch
 
     dest = Path(dest)
     present = store.list(prefix + "/")
-    missing, checks = [], []
-    with ThreadPoolExecutor(max_workers=1) as verifier:
+    missing = []
+    with ThreadPoolExecutor(max_workers=max(1, store.threads), thread_name_prefix="kit-obs-get") as pool:
         for rel, want in sorted(files.items()):
-            path = dest / rel
+            path, key = dest / rel, f"{prefix}/{rel}"
             if path.is_file() and path.stat().st_size == want["bytes"] and hash_file(path) == want:
                 continue  # already here (an earlier, interrupted download got this far)
-            if f"{prefix}/{rel}" not in present:
+            if key not in present:
                 missing.append(rel)
                 continue
-            store.get_file(f"{prefix}/{rel}", path)
-            checks.append(verifier.submit(_verify, store, f"{prefix}/{rel}", path, want))
-        for done in checks:
-            done.result()
+            if present[key] != want["bytes"] or not fetch(store, key, path, want, pool):
+                path.unlink(missing_ok=True)
+                raise IntegrityError(
+                    f"obs://{store.bucket}/{key} does not match its size/CRC-32 in {LISTING}; upload it again."
+                )
     return missing
-
-
-def _verify(store: Store, key: str, path: Path, want: dict) -> None:
-    from kit.errors import IntegrityError
-
-    if hash_file(path) != want:
-        path.unlink()
-        raise IntegrityError(
-            f"obs://{store.bucket}/{key} does not match its size/CRC-32 in {LISTING}; upload it again."
-        )
 
 
 def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:
