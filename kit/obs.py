@@ -1,10 +1,11 @@
 """OBS (Huawei Cloud object storage) through its official SDK, `esdk-obs-python` (the optional extra `obs`).
 
-Glue, not a client: the SDK signs requests and does multipart, threaded and resumable transfers (`uploadFile` /
-`downloadFile` with `enableCheckpoint`). This module adds what the SDK has no notion of: a folder is complete in
-OBS only when its listing (`kit_obs_files.json`: size and CRC-32 of every file) is uploaded, last; a download is
-resumable (files already here with the listed size and CRC are kept) and verified against that listing before
-it is used. Credentials come only from the environment and are never written anywhere.
+Glue, not a client: the SDK signs requests and does multipart, threaded and resumable uploads (`uploadFile` with
+`enableCheckpoint`); downloads are the SDK's ranged GETs, CRC'd as they arrive (kit.obs_download). This module adds
+what the SDK has no notion of: a folder is complete in OBS only when its listing (`kit_obs_files.json`: size and
+CRC-32 of every file) is uploaded, last; a download is resumable (files already here with the listed size and CRC
+are kept, a cut file resumes at its next part) and verified against that listing before it is used. Credentials
+come only from the environment and are never written anywhere.
 """
 
 from __future__ import annotations
@@ -130,12 +131,27 @@ class Store:
                 return out
             marker = resp.body.next_marker or resp.body.contents[-1].key
 
-    def put_file(self, key: str, path: Path) -> None:
-        """Upload one file: the SDK's multipart, threaded upload; a cut upload resumes from its record."""
-        resp = self.client.uploadFile(
-            self.bucket, key, str(path), partSize=self.part_size, taskNum=self.threads, enableCheckpoint=True
-        )
-        self._check(resp, "upload of", key)
+    def put_file(self, key: str, path: Path, tries: int = 3) -> None:
+        """Upload one file: the SDK's multipart, threaded upload; a cut upload resumes from its record (here up to
+        `tries` times: parts time out when a busy host leaves the low-priority uploader no CPU for a while)."""
+        for attempt in range(tries):
+            try:
+                resp = self.client.uploadFile(
+                    self.bucket,
+                    key,
+                    str(path),
+                    partSize=self.part_size,
+                    taskNum=self.threads,
+                    enableCheckpoint=True,
+                )
+            except (
+                Exception
+            ) as exc:  # the SDK raises when parts failed; its record keeps the ones that did not
+                if attempt == tries - 1:
+                    raise ObsError(f"OBS upload of obs://{self.bucket}/{key} failed: {exc}") from None
+                continue
+            self._check(resp, "upload of", key)
+            return
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._check(self.client.putContent(self.bucket, key, data), "upload of", key)

@@ -2,7 +2,7 @@
 
 Hand-written over the SDK's `getObject` with a byte range, instead of its `downloadFile`, for one measurable gain:
 each byte is CRC-32'd once, as it arrives, in the part threads (zlib releases the GIL), and the part CRCs are
-combined; `downloadFile` followed by a CRC pass read every file twice (bench_obs: 0.80x of `downloadFile` alone).
+combined; `downloadFile` followed by a CRC pass read every file twice (benchmarks/bench_obs.py measures both).
 The parts go into `.partial-<name>` (renamed when the whole file matches the listing); a record beside it
 (`.partial-<name>.parts.json`: the CRC of every finished part) lets a cut download resume at the next part, as
 `downloadFile`'s `enableCheckpoint` does.

@@ -3,10 +3,10 @@
 Layout under OBS_HOME (obs://bucket/prefix): `inputs/<name>/` (DATASET_PATH / MODEL_PATH given as obs:// are
 downloaded from wherever they are), `<model_name>/<run>/config.json` and `<model_name>/<run>/checkpoints/iter_N/`.
 Every checkpoint is saved locally as before; then each node's local rank 0 uploads the files its node holds in a
-background thread (training goes on), and records them in `iter_N/.kit-node-<node>.json`. Node 0, once every
-node's record is there, uploads `iter_N/kit_obs_complete.json` last: only a checkpoint with that marker is
-complete in OBS, and only such a checkpoint is resumed. `retrain` downloads, on each node, node 0's files (model,
-optimizer, trainer state) and its own (its ranks' RNG / optimizer shards) of the newest complete checkpoint.
+background process at the lowest CPU priority (training goes on), and records them in `iter_N/.kit-node-<node>.json`.
+Node 0, once every node's record is there, uploads `iter_N/kit_obs_complete.json` last: only a checkpoint with that
+marker is complete in OBS, and only such a checkpoint is resumed. `retrain` downloads, on each node, node 0's files
+(model, optimizer, trainer state) and its own (its ranks' RNG / optimizer shards) of the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class CheckpointUploads:
     """The trainer's OBS hook: after_save() queues a saved checkpoint for upload, finish() waits for the queue.
 
     The uploads run in a child process at the lowest CPU priority (SCHED_IDLE): in a thread of the trainer they
-    took the GIL and the CPU from the training steps (a step took 4.5x as long while a checkpoint uploaded)."""
+    took the GIL and the CPU from the training steps (benchmarks/bench_obs.py)."""
 
     def __init__(self, cfg, out: Path, inputs: Optional[dict] = None):
         self.url = run_url(cfg, out)
