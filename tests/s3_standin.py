@@ -101,7 +101,7 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=5)  # weed's graceful stop takes over 20 s; its data is throwaway
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
