@@ -6,9 +6,10 @@
 2. Step time while checkpoints upload in the background (the trainer's hook, CheckpointUploads: its uploader child
    process) vs no upload (same engine, same steps, alternated).
 Ratios: the SDK's time / the kit's, and the step time without upload / with it (1.0 means no cost). The server runs
-on the training's CPUs here, which a real OBS endpoint does not, so the step time is measured twice: with the
-server's CPU counted (niced 10, as the tests run it: a lower bound, no goal) and excluded (the server at SCHED_IDLE
-gets only the CPU the training leaves idle; the goal). Both print the server's and the uploader's CPU meanwhile.
+on the training's CPUs here, which a real OBS endpoint does not: its CPU is counted, not excluded, and the step time
+is measured twice: with the server niced 10 (as the tests run it; no goal) and niced 19 (as the uploader: as near a
+remote server as one host allows; the goal, still a lower bound). Both print the uploads finished during the steps
+and the server's and the uploader's CPU meanwhile.
 
 Run: .venv/bin/python benchmarks/bench_obs.py [--quick] [--hidden 512 --layers 4 --repeats 3]
 """
@@ -65,8 +66,8 @@ def _children_cpu() -> dict:
     return out
 
 
-def _server_idle() -> None:
-    """Every thread of the S3 server (this process's child `weed`) to SCHED_IDLE; the threads it starts inherit it."""
+def _server_nice19() -> None:
+    """Every thread of the S3 server (this process's child `weed`) to nice 19; the threads it starts inherit it."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             raw = stat.read_text()
@@ -77,7 +78,7 @@ def _server_idle() -> None:
             and int(raw[raw.rindex(")") + 2 :].split()[1]) == os.getpid()
         ):
             for task in (stat.parent / "task").iterdir():
-                os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
             return
     raise RuntimeError("no S3 server (weed) among this process's children")
 
@@ -102,7 +103,8 @@ def main() -> int:
     engine, params = engine_for(args.hidden, args.layers)
     root = Path(tempfile.mkdtemp(prefix="bench-obs-"))
     try:
-        with s3_standin.seaweed(root / "server", "bench-" + secrets.token_hex(8)) as env:
+        # 64 volumes (16 GiB): a deleted object frees no space, and every upload of the step-time loop stores 210 MiB
+        with s3_standin.seaweed(root / "server", "bench-" + secrets.token_hex(8), volumes=64) as env:
             os.environ.update(env)
             folder = ck.save(engine, root / "run" / "checkpoints", 1, {"iteration": 1, "consumed_samples": 1})
             (root / "run" / "config.json").write_text("{}")
@@ -184,22 +186,23 @@ def main() -> int:
                     th = threading.Thread(target=uploading, args=(up, done), daemon=True)
                     th.start()
                     time.sleep(0.2)
-                    before, t = _children_cpu(), time.perf_counter()
+                    before, t, n0 = _children_cpu(), time.perf_counter(), len(done)
                     busy.append(_steps(engine, args.steps))
-                    after, seconds = _children_cpu(), time.perf_counter() - t
+                    after, seconds, n1 = _children_cpu(), time.perf_counter() - t, len(done)
                     stop.set()
                     th.join()
                     for key in store.list("bench/m/run/checkpoints/"):  # keep the server's disk small
                         store.delete(key)
                     if busy[-1] == min(busy):
                         cpu = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / seconds for k in after}
+                        cpu["uploads"] = n1 - n0
                 return quiet, busy, cpu
 
             up, done = CheckpointUploads(Cfg, root / "run"), []
             _steps(engine, 3)  # warm-up
-            steps = {"counted": measure()}  # the server as the tests run it (niced 10)
-            _server_idle()  # as a remote OBS: the server only gets the CPU the training leaves idle
-            steps["excluded"] = measure()
+            steps = {"niced 10": measure()}  # the server as the tests run it
+            _server_nice19()  # as close to a remote OBS as one host allows: it yields as the uploader does
+            steps["niced 19"] = measure()
             up.finish()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -233,22 +236,18 @@ def main() -> int:
         print(f"    baseline: {code}")
     for how, (quiet, busy, cpu) in steps.items():
         ratio = min(quiet) / min(busy)
-        goal, verdict = ("-", "-")  # the server's CPU counted: a lower bound, no goal
-        if how == "excluded":  # the goal is the kit's: a remote OBS takes none of these CPUs
+        goal, verdict = ("-", "-")  # the server as the tests run it: a lower bound, no goal
+        if how == "niced 19":
             goal, verdict = f">= {STEP_GOAL}x", "MET" if ratio >= STEP_GOAL else "MISSED"
         print(
-            f"train | step time while a checkpoint uploads, S3 server's CPU {how} | {ratio:.2f}x | goal {goal} | "
-            f"{verdict}"
+            f"train | step time while a checkpoint uploads, S3 server {how} on the same CPUs | {ratio:.2f}x | "
+            f"goal {goal} | {verdict}"
         )
         print(
             f"    {min(busy) * 1000:.0f} ms with a background upload vs {min(quiet) * 1000:.0f} ms without (median "
-            f"of {args.steps} steps, best of {args.repeats}); CPU used meanwhile (of {os.cpu_count()}): S3 server "
-            f"{cpu.get('weed', 0.0):.2f}, uploader process {cpu.get('python', 0.0):.2f}"
-        )
-        print(
-            "    server: niced 10 on the training's CPUs (counted)"
-            if how == "counted"
-            else "    server: SCHED_IDLE on the training's CPUs, as a remote OBS takes none of them (excluded)"
+            f"of {args.steps} steps, best of {args.repeats}); meanwhile {cpu.get('uploads', 0)} upload(s) of "
+            f"{size / 2**20:.0f} MiB finished and of {os.cpu_count()} CPUs the S3 server used "
+            f"{cpu.get('weed', 0.0):.2f}, the uploader process {cpu.get('python', 0.0):.2f} (counted)"
         )
     print(f"    {len(done)} checkpoint uploads in all; baseline: the same steps with no upload running")
     return 0

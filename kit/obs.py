@@ -133,7 +133,7 @@ class Store:
 
     def put_file(self, key: str, path: Path, tries: int = 3) -> None:
         """Upload one file: the SDK's multipart, threaded upload; a cut upload resumes from its record (here up to
-        `tries` times: parts time out when a busy host leaves the low-priority uploader no CPU for a while)."""
+        `tries` times: a part that failed on a transient error is sent again, the others are kept)."""
         for attempt in range(tries):
             try:
                 resp = self.client.uploadFile(
@@ -144,9 +144,7 @@ class Store:
                     taskNum=self.threads,
                     enableCheckpoint=True,
                 )
-            except (
-                Exception
-            ) as exc:  # the SDK raises when parts failed; its record keeps the ones that did not
+            except Exception as exc:  # the SDK raises when parts failed; its record keeps the others
                 if attempt == tries - 1:
                     raise ObsError(f"OBS upload of obs://{self.bucket}/{key} failed: {exc}") from None
                 continue
