@@ -3,9 +3,13 @@
 1. Checkpoint upload / download: the kit's OBS_HOME transfer of a real DeepSpeed checkpoint folder (kit.train.obs_home:
    CRC-32 of every file, a node record and the complete marker last; kit.obs.download_files: verified) against the
    OBS SDK's own `uploadFile` / `downloadFile` of the same files with the same part size and threads.
-2. Step time while a checkpoint uploads in the background vs no upload (same engine, same steps, alternated).
+2. Step time while checkpoints upload in the background (the trainer's hook, CheckpointUploads: its uploader child
+   process) vs no upload (same engine, same steps, alternated).
 Ratios: the SDK's time / the kit's, and the step time without upload / with it (1.0 means no cost). The server runs
-on the same CPUs as the training here, which a real OBS endpoint does not: the second ratio is a lower bound.
+on the training's CPUs here, which a real OBS endpoint does not: its CPU is counted, not excluded, and the step time
+is measured twice: with the server niced 10 (as the tests run it; no goal) and niced 19 (as the uploader: as near a
+remote server as one host allows; the goal, still a lower bound). Both print the uploads finished during the steps
+and the server's and the uploader's CPU meanwhile.
 
 Run: .venv/bin/python benchmarks/bench_obs.py [--quick] [--hidden 512 --layers 4 --repeats 3]
 """
@@ -46,6 +50,39 @@ def _steps(engine, n: int) -> float:
     return statistics.median(out)
 
 
+def _children_cpu() -> dict:
+    """{command name: CPU seconds} of this process's children (Linux /proc; {} elsewhere): the S3 server, the
+    uploader process."""
+    out: dict = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            raw = stat.read_text()
+        except OSError:
+            continue
+        comm, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :].split()
+        if int(rest[1]) == os.getpid():  # ppid
+            out[comm] = out.get(comm, 0.0) + (int(rest[11]) + int(rest[12])) / tick  # utime + stime
+    return out
+
+
+def _server_nice19() -> None:
+    """Every thread of the S3 server (this process's child `weed`) to nice 19; the threads it starts inherit it."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            raw = stat.read_text()
+        except OSError:
+            continue
+        if (
+            raw[raw.index("(") + 1 : raw.rindex(")")] == "weed"
+            and int(raw[raw.rindex(")") + 2 :].split()[1]) == os.getpid()
+        ):
+            for task in (stat.parent / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+            return
+    raise RuntimeError("no S3 server (weed) among this process's children")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model (about 10M parameters), fewer steps")
@@ -66,7 +103,8 @@ def main() -> int:
     engine, params = engine_for(args.hidden, args.layers)
     root = Path(tempfile.mkdtemp(prefix="bench-obs-"))
     try:
-        with s3_standin.seaweed(root / "server", "bench-" + secrets.token_hex(8)) as env:
+        # 64 volumes (16 GiB): a deleted object frees no space, and every upload of the step-time loop stores 210 MiB
+        with s3_standin.seaweed(root / "server", "bench-" + secrets.token_hex(8), volumes=64) as env:
             os.environ.update(env)
             folder = ck.save(engine, root / "run" / "checkpoints", 1, {"iteration": 1, "consumed_samples": 1})
             (root / "run" / "config.json").write_text("{}")
@@ -95,8 +133,8 @@ def main() -> int:
 
             def kit_up(r):
                 up = CheckpointUploads(Cfg, root / "run")
-                up.prefix = f"bench/kit{r}"
-                up._upload(folder, 1)  # what the background thread runs for one checkpoint
+                up.url = f"obs://{s3_standin.BUCKET}/bench/kit{r}"
+                up._upload(folder, 1)  # what the uploader child runs for one checkpoint
                 up.finish()
 
             def sdk_down(r):
@@ -125,33 +163,47 @@ def main() -> int:
                         times[name].append(time.perf_counter() - t)
                 shutil.rmtree(root / f"sdk-down{r}"), shutil.rmtree(root / f"kit-down{r}")
             best = {k: min(v) for k, v in times.items()}
-            # step time with a checkpoint upload running in the background (uploads repeated until the steps end)
+            # step time with checkpoint uploads running in the background, through the trainer's own hook
+            # (CheckpointUploads: its uploader child process), one after another until the steps end
             stop = threading.Event()
 
-            def uploading():
-                from kit.train.obs_home import _lower_priority
-
-                _lower_priority()  # as the trainer's upload thread does
-                n = 0
+            def uploading(up, done):
+                n = len(done)
                 while not stop.is_set():
-                    up = CheckpointUploads(Cfg, root / "run")
-                    up.prefix = f"bench/bg{n}"
-                    up._upload(folder, 1)
                     n += 1
-                    for key in store.list(f"bench/bg{n - 1}/"):  # keep the server's disk small
-                        store.delete(key)
+                    up.after_save(folder, n)
+                    while len(up.uploaded) + len(up.errors) < n:
+                        time.sleep(0.05)
+                    assert not up.errors, up.errors
+                    done.append(n)
 
+            def measure():
+                """(step times without, with uploads running, CPU shares of the children meanwhile)."""
+                quiet, busy, cpu = [], [], {}
+                for _ in range(args.repeats):
+                    quiet.append(_steps(engine, args.steps))
+                    stop.clear()
+                    th = threading.Thread(target=uploading, args=(up, done), daemon=True)
+                    th.start()
+                    time.sleep(0.2)
+                    before, t, n0 = _children_cpu(), time.perf_counter(), len(done)
+                    busy.append(_steps(engine, args.steps))
+                    after, seconds, n1 = _children_cpu(), time.perf_counter() - t, len(done)
+                    stop.set()
+                    th.join()
+                    for key in store.list("bench/m/run/checkpoints/"):  # keep the server's disk small
+                        store.delete(key)
+                    if busy[-1] == min(busy):
+                        cpu = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / seconds for k in after}
+                        cpu["uploads"] = n1 - n0
+                return quiet, busy, cpu
+
+            up, done = CheckpointUploads(Cfg, root / "run"), []
             _steps(engine, 3)  # warm-up
-            quiet, busy = [], []
-            for _ in range(args.repeats):
-                quiet.append(_steps(engine, args.steps))
-                stop.clear()
-                th = threading.Thread(target=uploading, daemon=True)
-                th.start()
-                time.sleep(0.2)
-                busy.append(_steps(engine, args.steps))
-                stop.set()
-                th.join()
+            steps = {"niced 10": measure()}  # the server as the tests run it
+            _server_nice19()  # as close to a remote OBS as one host allows: it yields as the uploader does
+            steps["niced 19"] = measure()
+            up.finish()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
@@ -182,14 +234,22 @@ def main() -> int:
             f"{part >> 20} MiB x {threads} threads, local SeaweedFS (best of {args.repeats})"
         )
         print(f"    baseline: {code}")
-    ratio = min(quiet) / min(busy)
-    verdict = "MET" if ratio >= STEP_GOAL else "MISSED"
-    print(f"train | step time while a checkpoint uploads | {ratio:.2f}x | goal >= {STEP_GOAL}x | {verdict}")
-    print(
-        f"    {min(busy) * 1000:.0f} ms with a background upload vs {min(quiet) * 1000:.0f} ms without (median of "
-        f"{args.steps} steps, best of {args.repeats}; {os.cpu_count()} CPUs shared with the S3 server)"
-    )
-    print("    baseline: the same steps with no upload running")
+    for how, (quiet, busy, cpu) in steps.items():
+        ratio = min(quiet) / min(busy)
+        goal, verdict = ("-", "-")  # the server as the tests run it: a lower bound, no goal
+        if how == "niced 19":
+            goal, verdict = f">= {STEP_GOAL}x", "MET" if ratio >= STEP_GOAL else "MISSED"
+        print(
+            f"train | step time while a checkpoint uploads, S3 server {how} on the same CPUs | {ratio:.2f}x | "
+            f"goal {goal} | {verdict}"
+        )
+        print(
+            f"    {min(busy) * 1000:.0f} ms with a background upload vs {min(quiet) * 1000:.0f} ms without (median "
+            f"of {args.steps} steps, best of {args.repeats}); meanwhile {cpu.get('uploads', 0)} upload(s) of "
+            f"{size / 2**20:.0f} MiB finished and of {os.cpu_count()} CPUs the S3 server used "
+            f"{cpu.get('weed', 0.0):.2f}, the uploader process {cpu.get('python', 0.0):.2f} (counted)"
+        )
+    print(f"    {len(done)} checkpoint uploads in all; baseline: the same steps with no upload running")
     return 0
 
 

@@ -1,10 +1,11 @@
 """OBS (Huawei Cloud object storage) through its official SDK, `esdk-obs-python` (the optional extra `obs`).
 
-Glue, not a client: the SDK signs requests and does multipart, threaded and resumable transfers (`uploadFile` /
-`downloadFile` with `enableCheckpoint`). This module adds what the SDK has no notion of: a folder is complete in
-OBS only when its listing (`kit_obs_files.json`: size and CRC-32 of every file) is uploaded, last; a download is
-resumable (files already here with the listed size and CRC are kept) and verified against that listing before
-it is used. Credentials come only from the environment and are never written anywhere.
+Glue, not a client: the SDK signs requests and does multipart, threaded and resumable uploads (`uploadFile` with
+`enableCheckpoint`); downloads are the SDK's ranged GETs, CRC'd as they arrive (kit.obs_download). This module adds
+what the SDK has no notion of: a folder is complete in OBS only when its listing (`kit_obs_files.json`: size and
+CRC-32 of every file) is uploaded, last; a download is resumable (files already here with the listed size and CRC
+are kept, a cut file resumes at its next part) and verified against that listing before it is used. Credentials
+come only from the environment and are never written anywhere.
 """
 
 from __future__ import annotations
@@ -130,12 +131,25 @@ class Store:
                 return out
             marker = resp.body.next_marker or resp.body.contents[-1].key
 
-    def put_file(self, key: str, path: Path) -> None:
-        """Upload one file: the SDK's multipart, threaded upload; a cut upload resumes from its record."""
-        resp = self.client.uploadFile(
-            self.bucket, key, str(path), partSize=self.part_size, taskNum=self.threads, enableCheckpoint=True
-        )
-        self._check(resp, "upload of", key)
+    def put_file(self, key: str, path: Path, tries: int = 3) -> None:
+        """Upload one file: the SDK's multipart, threaded upload; a cut upload resumes from its record (here up to
+        `tries` times: a part that failed on a transient error is sent again, the others are kept)."""
+        for attempt in range(tries):
+            try:
+                resp = self.client.uploadFile(
+                    self.bucket,
+                    key,
+                    str(path),
+                    partSize=self.part_size,
+                    taskNum=self.threads,
+                    enableCheckpoint=True,
+                )
+            except Exception as exc:  # the SDK raises when parts failed; its record keeps the others
+                if attempt == tries - 1:
+                    raise ObsError(f"OBS upload of obs://{self.bucket}/{key} failed: {exc}") from None
+                continue
+            self._check(resp, "upload of", key)
+            return
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._check(self.client.putContent(self.bucket, key, data), "upload of", key)
@@ -146,15 +160,6 @@ class Store:
         if resp.status == 404:
             return None
         return self._check(resp, "download of", key).body.buffer
-
-    def get_file(self, key: str, path: Path) -> None:
-        """Download one file (the SDK writes a temporary and renames it; a cut download resumes)."""
-        path = Path(path).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        resp = self.client.downloadFile(
-            self.bucket, key, str(path), partSize=self.part_size, taskNum=self.threads, enableCheckpoint=True
-        )
-        self._check(resp, "download of", key)
 
     def delete(self, key: str) -> None:
         self._check(self.client.deleteObject(self.bucket, key), "delete of", key)
@@ -216,36 +221,30 @@ def read_listing(store: Store, prefix: str) -> Optional[dict]:
 def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path) -> list:
     """Fetch the listed files into `dest` (kept where size and CRC already match); return those OBS lacks.
 
-    Every file is verified against its listed CRC-32 after the download (in a thread, while the next file
-    downloads: zlib releases the GIL); a mismatch removes the file and is an IntegrityError."""
+    Parts of `store.part_size` in `store.threads` threads (kit.obs_download: each byte CRC'd once, as it arrives);
+    a file that does not match its listed size and CRC-32 is not left behind and is an IntegrityError."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from kit.errors import IntegrityError
+    from kit.obs_download import fetch
 
     dest = Path(dest)
     present = store.list(prefix + "/")
-    missing, checks = [], []
-    with ThreadPoolExecutor(max_workers=1) as verifier:
+    missing = []
+    with ThreadPoolExecutor(max_workers=max(1, store.threads), thread_name_prefix="kit-obs-get") as pool:
         for rel, want in sorted(files.items()):
-            path = dest / rel
+            path, key = dest / rel, f"{prefix}/{rel}"
             if path.is_file() and path.stat().st_size == want["bytes"] and hash_file(path) == want:
                 continue  # already here (an earlier, interrupted download got this far)
-            if f"{prefix}/{rel}" not in present:
+            if key not in present:
                 missing.append(rel)
                 continue
-            store.get_file(f"{prefix}/{rel}", path)
-            checks.append(verifier.submit(_verify, store, f"{prefix}/{rel}", path, want))
-        for done in checks:
-            done.result()
+            if present[key] != want["bytes"] or not fetch(store, key, path, want, pool):
+                path.unlink(missing_ok=True)
+                raise IntegrityError(
+                    f"obs://{store.bucket}/{key} does not match its size/CRC-32 in {LISTING}; upload it again."
+                )
     return missing
-
-
-def _verify(store: Store, key: str, path: Path, want: dict) -> None:
-    from kit.errors import IntegrityError
-
-    if hash_file(path) != want:
-        path.unlink()
-        raise IntegrityError(
-            f"obs://{store.bucket}/{key} does not match its size/CRC-32 in {LISTING}; upload it again."
-        )
 
 
 def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:

@@ -49,8 +49,10 @@ def _ports(n: int) -> list:
 
 
 @contextlib.contextmanager
-def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterator[dict]:
-    """Run `weed server -s3` in `data_dir` until the block ends; yields the environment the OBS SDK needs."""
+def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0, volumes: int = 16) -> Iterator[dict]:
+    """Run `weed server -s3` in `data_dir` until the block ends; yields the environment the OBS SDK needs.
+
+    `volumes` of 256 MiB hold what it stores; deleting an object frees no space (until a vacuum, every 15 min)."""
     data_dir = Path(data_dir)
     (data_dir / "data").mkdir(parents=True, exist_ok=True)
     config = data_dir / "s3.json"
@@ -76,7 +78,7 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
         "-s3.port.lance=0",
         "-webdav=false",
         "-master.volumeSizeLimitMB=256",
-        "-volume.max=16",
+        f"-volume.max={volumes}",
     ]
     log = open(data_dir / "weed.log", "wb")
     # niced: it stands in for a remote service, so it should not take CPU from the training it serves
@@ -101,7 +103,7 @@ def seaweed(data_dir: Path, secret_key: str, timeout_s: float = 90.0) -> Iterato
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=5)  # weed's graceful stop takes over 20 s; its data is throwaway
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)

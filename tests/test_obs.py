@@ -10,6 +10,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,42 @@ def test_a_folder_goes_up_and_comes_back_resumably_and_verified(env, tmp_path):
     assert not (dest / "sub" / "small.json").exists()
 
 
+def test_a_cut_download_resumes_at_its_next_part_and_checks_the_parts_it_keeps(env, tmp_path, monkeypatch):
+    from kit import obs_download
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(20 * 1024 * 1024)  # three parts: 9 + 9 + 2 MiB
+    (src / "w.bin").write_bytes(data)
+    url = _url("unit", secrets.token_hex(4), "resume")
+    listing = obs.upload_folder(src, url)
+    store, prefix = obs.store_for(url)
+    real, asked, cut = obs_download._get_part, [], {9 << 20}
+
+    def get_part(store_, key, fd, start, end):
+        asked.append(start)
+        if start in cut:
+            raise obs.ObsError("connection reset")
+        return real(store_, key, fd, start, end)
+
+    monkeypatch.setattr(obs_download, "_get_part", get_part)
+    with pytest.raises(obs.ObsError, match="connection reset"):
+        obs.download_files(store, prefix, listing, tmp_path / "d")
+    assert sorted(asked) == [0, 9 << 20, 18 << 20]
+    assert not (tmp_path / "d" / "w.bin").exists()  # never looks complete
+    assert obs.local_files(tmp_path / "d") == []  # the partial file and its record are not listed
+    # the kept part 3 was damaged meanwhile: read back, it no longer matches its recorded CRC and is fetched again
+    with open(tmp_path / "d" / ".partial-w.bin", "r+b") as fh:
+        fh.seek((18 << 20) + 5)
+        fh.write(b"X")
+    asked.clear()
+    cut.clear()
+    assert obs.download_files(store, prefix, listing, tmp_path / "d") == []
+    assert sorted(asked) == [9 << 20, 18 << 20]  # part 1 kept, parts 2 and 3 fetched
+    assert (tmp_path / "d" / "w.bin").read_bytes() == data
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["w.bin"]
+
+
 def test_an_upload_without_its_listing_is_not_a_folder(env, tmp_path):
     url = _url("unit", secrets.token_hex(4), "cut")
     store, prefix = obs.store_for(url)
@@ -107,6 +144,51 @@ def test_obs_home_must_be_an_obs_prefix():
     problems = TrainConfig(obs_home="/mnt/bucket").problems(paths=False)
     assert any("OBS_HOME='/mnt/bucket'" in p for p in problems)
     assert not any("OBS_HOME" in p for p in TrainConfig(obs_home="obs://b/p").problems(paths=False))
+
+
+def test_checkpoint_uploads_run_in_a_niced_child_process_that_leaves_sigterm_to_the_trainer(env, tmp_path):
+    import signal
+
+    from kit.train.obs_home import COMPLETE, CheckpointUploads
+
+    class Cfg:  # the fields CheckpointUploads reads
+        obs_home, model_name, node_rank, nnodes = _url("child", secrets.token_hex(4)), "m", 0, 1
+
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / "iter_0000001"
+    folder.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (folder / "model.pt").write_bytes(os.urandom(1000))
+    up = CheckpointUploads(Cfg, run)
+    up.after_save(folder, 1)
+    deadline = time.monotonic() + 120
+    while not up.uploaded and not up.errors and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert up.uploaded == [1]
+    if sys.platform == "linux":  # what the killed run's test below looks for, once its trainer is gone
+        assert _uploaders_with(SECRET) == [up.child.pid]
+    assert os.getpriority(os.PRIO_PROCESS, up.child.pid) == 19  # behind every training thread on the CPU
+    os.kill(up.child.pid, signal.SIGTERM)  # a launcher's SIGTERM to the process group: the trainer handles it
+    up.after_save(folder, 2)
+    assert up.finish() == [] and up.uploaded == [1, 2] and up.child.returncode == 0
+    store, prefix = obs.store_for(up.url)
+    marker = json.loads(store.get_bytes(f"{prefix}/checkpoints/iter_0000002/{COMPLETE}"))
+    assert marker["nodes"]["0"]["model.pt"]["bytes"] == 1000
+
+
+def _uploaders_with(secret: str) -> list:
+    """Pids of uploader processes (kit.train.obs_home._serve) whose environment holds `secret` (this test's)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (
+                b"_serve" in (proc / "cmdline").read_bytes()
+                and secret.encode() in (proc / "environ").read_bytes()
+            ):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
 # ---- OBS as the only shared storage of a run ----------------------------------------------------------------------
@@ -161,6 +243,13 @@ def test_a_killed_run_resumes_elsewhere_from_the_newest_checkpoint_complete_in_o
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
+    if (
+        sys.platform == "linux"
+    ):  # its uploader process died with it (and so could not mark a cut upload complete)
+        deadline = time.monotonic() + 30
+        while _uploaders_with(SECRET) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _uploaders_with(SECRET) == []
     store, _ = obs.store_for(home)
     assert store.get_bytes(_ckpt_key(home, 2, COMPLETE)) is not None
     # checkpoint 4's upload "cut" before its marker: its files are in OBS, the marker is not

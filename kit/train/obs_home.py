@@ -3,10 +3,10 @@
 Layout under OBS_HOME (obs://bucket/prefix): `inputs/<name>/` (DATASET_PATH / MODEL_PATH given as obs:// are
 downloaded from wherever they are), `<model_name>/<run>/config.json` and `<model_name>/<run>/checkpoints/iter_N/`.
 Every checkpoint is saved locally as before; then each node's local rank 0 uploads the files its node holds in a
-background thread (training goes on), and records them in `iter_N/.kit-node-<node>.json`. Node 0, once every
-node's record is there, uploads `iter_N/kit_obs_complete.json` last: only a checkpoint with that marker is
-complete in OBS, and only such a checkpoint is resumed. `retrain` downloads, on each node, node 0's files (model,
-optimizer, trainer state) and its own (its ranks' RNG / optimizer shards) of the newest complete checkpoint.
+background process at the lowest CPU priority (training goes on), and records them in `iter_N/.kit-node-<node>.json`.
+Node 0, once every node's record is there, uploads `iter_N/kit_obs_complete.json` last: only a checkpoint with that
+marker is complete in OBS, and only such a checkpoint is resumed. `retrain` downloads, on each node, node 0's files
+(model, optimizer, trainer state) and its own (its ranks' RNG / optimizer shards) of the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -184,26 +184,105 @@ def _sealed(folder: Path) -> dict:
 
 
 def _lower_priority() -> None:
-    """Give this (uploading) thread, and the SDK's part threads it starts, a lower CPU priority than the training:
-    on Linux the nice value is per thread and inherited by the threads it creates."""
+    """Put the calling process (the uploader child) behind the training on the CPU: nice 19, inherited by the
+    threads it starts (a nice-0 training thread gets about 70 times its share of a contended CPU). Not SCHED_IDLE
+    (a fifth of that share): uploads must still progress where the training keeps every CPU busy (training on CPU)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.nice(19 - os.nice(0))
     except (AttributeError, OSError):
-        pass  # not Linux, or not allowed: uploads still run, at the training's priority
+        pass  # not allowed: uploads still run, at the training's priority
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when the thread that started it ends (a SIGKILLed trainer leaves no
+    uploader behind; a cut upload never gets its marker)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the uploader still ends on EOF of its job pipe
+
+
+def upload_checkpoint(job: dict) -> None:
+    """One checkpoint's upload (what the uploader child runs): this node's files, its node record, and on node 0,
+    once every node's record is there, the complete marker last. `job`: url, out, node, nnodes, inputs, folder,
+    iteration (plain values: it crosses a pipe)."""
+    store, prefix = obs.store_for(job["url"])
+    node, nnodes, iteration, folder = job["node"], job["nnodes"], job["iteration"], Path(job["folder"])
+    key = f"{prefix}/checkpoints/{checkpoint.tag_of(iteration)}"
+    for stale in (COMPLETE, NODE_RECORD.format(node=node)):
+        if node == 0 or stale != COMPLETE:
+            store.delete(f"{key}/{stale}")  # a re-save of the same iteration is incomplete until done
+    if node == 0:
+        store.put_file(f"{prefix}/config.json", Path(job["out"]) / "config.json")
+        store.put_bytes(f"{prefix}/{INPUTS}", json.dumps(job["inputs"], indent=1).encode())
+    files = {}
+    sealed = _sealed(folder)  # the CRCs checkpoint.save computed: no second read of the files
+    for rel in obs.local_files(folder):
+        files[rel] = sealed.get(rel) or obs.hash_file(folder / rel)
+        store.put_file(f"{key}/{rel}", folder / rel)
+    record = json.dumps({"node": node, "files": files}, indent=1).encode()
+    store.put_bytes(f"{key}/{NODE_RECORD.format(node=node)}", record)
+    if node != 0:
+        return
+    nodes = {"0": files}
+    deadline = time.monotonic() + NODES_WAIT_S
+    for other in range(1, nnodes):
+        raw = store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
+        while raw is None:
+            if time.monotonic() > deadline:
+                raise MissingInputError(
+                    f"node {other} did not upload its part of {checkpoint.tag_of(iteration)} within "
+                    f"{NODES_WAIT_S:.0f} s; that checkpoint stays incomplete in OBS"
+                )
+            time.sleep(1.0)
+            raw = store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
+        nodes[str(other)] = json.loads(raw)["files"]
+    marker = {"iteration": iteration, "nnodes": nnodes, "nodes": nodes}
+    store.put_bytes(f"{key}/{COMPLETE}", json.dumps(marker, indent=1).encode())
+
+
+def _serve() -> None:
+    """The uploader child's loop: one JSON job a line on stdin, one JSON reply a line on the original stdout (the
+    SDK's and anyone's prints go to stderr); ends on EOF. SIGTERM/SIGINT (a launcher's, to the process group) are
+    the trainer's to handle: it checkpoints, then waits here for the uploads."""
+    import signal
+    import sys
+
+    _die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    _lower_priority()
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        try:
+            upload_checkpoint(json.loads(line))
+            reply = {"ok": True}
+        except Exception as exc:  # reported to the trainer, which warns; this checkpoint stays incomplete
+            reply = {"ok": False, "error": str(exc) or type(exc).__name__}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 class CheckpointUploads:
-    """The trainer's OBS hook: after_save() queues a saved checkpoint for upload, finish() waits for the queue."""
+    """The trainer's OBS hook: after_save() queues a saved checkpoint for upload, finish() waits for the queue.
+
+    The uploads run in a child process at the lowest CPU priority (nice 19): in a thread of the trainer they
+    took the GIL and the CPU from the training steps (benchmarks/bench_obs.py)."""
 
     def __init__(self, cfg, out: Path, inputs: Optional[dict] = None):
         self.url = run_url(cfg, out)
         self.inputs = dict(inputs or {})
-        self.store, self.prefix = obs.store_for(self.url)
+        self.store, self.prefix = obs.store_for(self.url)  # no credentials or no SDK: fails here, in one line
         self.out, self.node, self.nnodes = Path(out), node_rank(cfg), max(1, int(cfg.nnodes))
         self.enabled = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one uploader per node
         self.queue: queue.Queue[Optional[tuple]] = queue.Queue()
         self.errors: List[str] = []
         self.uploaded: List[int] = []
+        self.child = None  # the uploader process (subprocess.Popen), once the first checkpoint is queued
         self.thread = threading.Thread(target=self._work, name="kit-obs-upload", daemon=True)
         if self.enabled:
             self.thread.start()
@@ -215,54 +294,61 @@ class CheckpointUploads:
                 folder = folder.parent / f".partial-{folder.name}"
             self.queue.put((folder, iteration))
 
-    def _work(self) -> None:
-        _lower_priority()
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            try:
-                self._upload(*item)
-                self.uploaded.append(item[1])
-            except (
-                Exception
-            ) as exc:  # reported by finish(); training goes on, the checkpoint stays incomplete
-                self.errors.append(f"upload of checkpoint {item[1]} to {self.url} failed: {exc}")
+    def _job(self, folder: Path, iteration: int) -> dict:
+        return {
+            "url": self.url,
+            "out": str(self.out),
+            "node": self.node,
+            "nnodes": self.nnodes,
+            "inputs": self.inputs,
+            "folder": str(folder),
+            "iteration": iteration,
+        }
 
     def _upload(self, folder: Path, iteration: int) -> None:
-        key = f"{self.prefix}/checkpoints/{checkpoint.tag_of(iteration)}"
-        for stale in (COMPLETE, NODE_RECORD.format(node=self.node)):
-            if self.node == 0 or stale != COMPLETE:
-                self.store.delete(
-                    f"{key}/{stale}"
-                )  # a re-save of the same iteration is incomplete until done
-        if self.node == 0:
-            self.store.put_file(f"{self.prefix}/config.json", self.out / "config.json")
-            self.store.put_bytes(f"{self.prefix}/{INPUTS}", json.dumps(self.inputs, indent=1).encode())
-        files = {}
-        sealed = _sealed(folder)  # the CRCs checkpoint.save computed: no second read of the files
-        for rel in obs.local_files(folder):
-            files[rel] = sealed.get(rel) or obs.hash_file(folder / rel)
-            self.store.put_file(f"{key}/{rel}", folder / rel)
-        record = json.dumps({"node": self.node, "files": files}, indent=1).encode()
-        self.store.put_bytes(f"{key}/{NODE_RECORD.format(node=self.node)}", record)
-        if self.node != 0:
-            return
-        nodes = {"0": files}
-        deadline = time.monotonic() + NODES_WAIT_S
-        for other in range(1, self.nnodes):
-            raw = self.store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
-            while raw is None:
-                if time.monotonic() > deadline:
-                    raise MissingInputError(
-                        f"node {other} did not upload its part of {checkpoint.tag_of(iteration)} within "
-                        f"{NODES_WAIT_S:.0f} s; that checkpoint stays incomplete in OBS"
-                    )
-                time.sleep(1.0)
-                raw = self.store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
-            nodes[str(other)] = json.loads(raw)["files"]
-        marker = {"iteration": iteration, "nnodes": self.nnodes, "nodes": nodes}
-        self.store.put_bytes(f"{key}/{COMPLETE}", json.dumps(marker, indent=1).encode())
+        """One checkpoint's upload in this process (what the child runs for each queued one)."""
+        upload_checkpoint(self._job(folder, iteration))
+
+    def _child(self):
+        """The uploader process (started by this thread: it dies with it), or None where it cannot start."""
+        import subprocess
+        import sys
+
+        import kit
+
+        env = dict(os.environ)  # credentials pass in memory, as the trainer got them
+        root = str(Path(kit.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        code = "from kit.train.obs_home import _serve; _serve()"
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+        )
+
+    def _work(self) -> None:
+        child = None
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                try:
+                    if child is None or child.poll() is not None:
+                        child = self.child = self._child()  # the first, or one after the last died
+                    child.stdin.write(json.dumps(self._job(*item)) + "\n")
+                    child.stdin.flush()
+                    line = child.stdout.readline()
+                    reply = json.loads(line) if line else {"ok": False, "error": "the uploader process died"}
+                    if not reply["ok"]:
+                        raise RuntimeError(reply["error"])
+                    self.uploaded.append(item[1])
+                except (
+                    Exception
+                ) as exc:  # reported by finish(); training goes on, the checkpoint stays incomplete
+                    self.errors.append(f"upload of checkpoint {item[1]} to {self.url} failed: {exc}")
+        finally:
+            if child is not None:
+                child.stdin.close()
+                child.wait()
 
     def finish(self) -> List[str]:
         """Wait for the queued uploads (the job must not end before them); return what failed."""
