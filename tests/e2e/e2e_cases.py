@@ -128,7 +128,7 @@ EXPECT = {
     "03": Expect(
         tables=3,
         images=1,
-        texts=("mp_rank_01_001", "rank files (TP x PP)", "bit-identical", "max |logits - HF|"),
+        texts=("mp_rank_01_001", "rank files (TP x PP x EP)", "bit-identical", "max |logits - HF|"),
     ),
     # the trainer's step bar and the launched run's bar, the loss/throughput plot, the curves and the runs side by
     # side, the Megatron plan
