@@ -23,14 +23,40 @@ tiny_qwen3_dir = fam_models.tiny_qwen3_dir  # shared session fixture
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def _prepare_dialogs(src: str, ws):
+    """02: alpaca dialogs with the folder's tokenizer and the kit's qwen3 template, 4 held out."""
+    from kit.data import DataConfig, prepare
+
+    cfg = DataConfig(
+        kind="sft",
+        name="alpaca",
+        tokenizer=src,
+        template="qwen3",
+        max_length=64,
+        max_records=48,
+        heldout_records=4,
+    )
+    return prepare(cfg, ws, progress=False).hf_dir
+
+
+def _lora_config(name: str, src: str, data, ws, targets):
+    """04: 8 LoRA iterations with the kit's adapted ops, merged HF export."""
+    from kit.train import TrainConfig
+
+    return TrainConfig(
+        run_type="lora", model_name=name, model_path=src, dataset_path=str(data), work_dir=str(ws.root),
+        train_iters=8, mbs=2, gbs=4, lr=1e-2, warmup_iters=1, lora_r=8, lora_alpha=32, lora_targets=targets,
+        save_hf=True,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     from kit.convert import ConvertConfig
     from kit.convert.result import run as convert_run
-    from kit.data import DataConfig, prepare
     from kit.evaluate import EvalConfig
     from kit.evaluate import run as evaluate
-    from kit.train import TrainConfig, train
+    from kit.train import train
     from kit.train.config import replace
     from kit.train.megatron import build
     from kit.workspace import get_workspace
@@ -38,19 +64,7 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     ws = get_workspace(tmp_path / "ws", model="tiny")
     src = str(tiny_qwen3_dir)
     # 02: the Qwen3 folder's tokenizer, the kit's qwen3 template (MindSpeed-LLM --prompt-type qwen3)
-    data = prepare(
-        DataConfig(
-            kind="sft",
-            name="alpaca",
-            tokenizer=src,
-            template="qwen3",
-            max_length=64,
-            max_records=48,
-            heldout_records=4,
-        ),
-        ws,
-        progress=False,
-    ).hf_dir
+    data = _prepare_dialogs(src, ws)
     data_man = read_manifest(data, expect=PREPARED_DATA)
     assert data_man["template"] == "qwen3" and "--prompt-type" in data_man["megatron_flags"]
 
@@ -62,22 +76,7 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     assert converted["family"] == "qwen3" and converted["model"]["head_dim"] == 32
 
     # 04: LoRA with the kit's fused ops
-    cfg = TrainConfig(
-        run_type="lora",
-        model_name="tiny",
-        model_path=src,
-        dataset_path=str(data),
-        work_dir=str(ws.root),
-        train_iters=8,
-        mbs=2,
-        gbs=4,
-        lr=1e-2,
-        warmup_iters=1,
-        lora_r=8,
-        lora_alpha=32,
-        lora_targets=LORA_TARGETS,
-        save_hf=True,
-    )
+    cfg = _lora_config("tiny", src, data, ws, LORA_TARGETS)
     result = train(cfg, ws, progress=False)
     assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
     with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
@@ -122,29 +121,16 @@ def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_
     blocks and the router's aux loss; the Megatron plan at EP2) -> 06, and the trained model back through 03."""
     from kit.convert import ConvertConfig
     from kit.convert.result import run as convert_run
-    from kit.data import DataConfig, prepare
     from kit.evaluate import EvalConfig
     from kit.evaluate import run as evaluate
-    from kit.train import TrainConfig, train
+    from kit.train import train
     from kit.train.config import replace
     from kit.train.megatron import build
     from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny-moe")
     src = str(tiny_qwen3_moe_dir)
-    data = prepare(
-        DataConfig(
-            kind="sft",
-            name="alpaca",
-            tokenizer=src,
-            template="qwen3",
-            max_length=64,
-            max_records=48,
-            heldout_records=4,
-        ),
-        ws,
-        progress=False,
-    ).hf_dir
+    data = _prepare_dialogs(src, ws)
     data_man = read_manifest(data, expect=PREPARED_DATA)
 
     # 03: experts split over two EP ranks, layers over two pipeline stages, verified both ways
@@ -156,22 +142,7 @@ def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_
     assert converted["model"]["num_experts"] == 4 and converted["model"]["moe_router_topk"] == 2
 
     # 04: LoRA on the attention projections; every MoE block runs through kit.ops.moe, the aux loss is in the loss
-    cfg = TrainConfig(
-        run_type="lora",
-        model_name="tiny-moe",
-        model_path=src,
-        dataset_path=str(data),
-        work_dir=str(ws.root),
-        train_iters=8,
-        mbs=2,
-        gbs=4,
-        lr=1e-2,
-        warmup_iters=1,
-        lora_r=8,
-        lora_alpha=32,
-        lora_targets=ATTENTION_TARGETS,
-        save_hf=True,
-    )
+    cfg = _lora_config("tiny-moe", src, data, ws, ATTENTION_TARGETS)
     result = train(cfg, ws, progress=False)
     assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
     with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
