@@ -29,15 +29,13 @@ tiny_llama31_dir = fam_models.tiny_llama31_dir
 tiny_glm4_dir = fam_models.tiny_glm4_dir
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory, tiny_llama_dir):
-    """A workspace with notebook 02's pretraining data and packed fine-tuning data (Megatron files written)."""
+def data_workspace(root: Path, tok: str) -> dict:
+    """A workspace at `root` with notebook 02's pretraining data and packed fine-tuning data (Megatron files
+    written) made with tokenizer `tok`; shared with the MoE preflight's tests."""
     from kit.data import DataConfig, prepare
     from kit.workspace import get_workspace
 
-    root = tmp_path_factory.mktemp("pf") / "ws"
     w = get_workspace(root, model="tiny")
-    tok = str(tiny_llama_dir)
     pre = prepare(
         DataConfig(kind="pretrain", name="corpus", tokenizer=tok, max_length=32, max_records=40),
         w,
@@ -51,6 +49,12 @@ def ws(tmp_path_factory, tiny_llama_dir):
         progress=False,
     )
     return {"root": root, "pretrain": Path(pre.hf_dir), "sft": Path(sft.hf_dir)}
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, tiny_llama_dir):
+    """A workspace with notebook 02's pretraining data and packed fine-tuning data (Megatron files written)."""
+    return data_workspace(tmp_path_factory.mktemp("pf") / "ws", str(tiny_llama_dir))
 
 
 def _convert(src, out: Path, tp: int, pp: int, layers=None) -> Path:

@@ -31,25 +31,9 @@ CHECKS = ["shards loaded", "loss vs HF", "grad norm vs HF", "aux loss vs HF", "l
 def ws(tmp_path_factory, tiny_qwen3_moe_dir):
     """A workspace with notebook 02's pretraining data and packed fine-tuning data, the MoE model's tokenizer."""
     fam_models.require("qwen3_moe")
-    from kit.data import DataConfig, prepare
-    from kit.workspace import get_workspace
+    from test_megatron_preflight import data_workspace
 
-    root = tmp_path_factory.mktemp("pfmoe") / "ws"
-    w = get_workspace(root, model="tiny")
-    tok = str(tiny_qwen3_moe_dir)
-    pre = prepare(
-        DataConfig(kind="pretrain", name="corpus", tokenizer=tok, max_length=32, max_records=40),
-        w,
-        progress=False,
-    )
-    sft = prepare(
-        DataConfig(
-            kind="sft", name="alpaca", tokenizer=tok, max_length=48, max_records=24, template="tokenizer"
-        ),
-        w,
-        progress=False,
-    )
-    return {"root": root, "pretrain": Path(pre.hf_dir), "sft": Path(sft.hf_dir)}
+    return data_workspace(tmp_path_factory.mktemp("pfmoe") / "ws", str(tiny_qwen3_moe_dir))
 
 
 def _convert(src, out: Path, tp: int, pp: int, ep: int) -> Path:
