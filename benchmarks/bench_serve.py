@@ -82,21 +82,11 @@ def guidellm_point(
 
 def kit_point(url: str, model: str, prompts: list, c: int, out: int) -> dict:
     from kit.serve.loadgen import run_point
-    from kit.serve.loadtest import point_metrics
+    from kit.serve.loadtest import completion_payloads, point_metrics
 
-    # the payload of kit.serve.loadtest.bench
-    payloads = [
-        {
-            "model": model,
-            "prompt": p,
-            "max_tokens": out,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for p in prompts
-    ]
-    records, duration = run_point(url + "/v1/completions", payloads, concurrency=c)
+    records, duration = run_point(
+        url + "/v1/completions", completion_payloads(model, prompts, out), concurrency=c
+    )
     m = point_metrics(records, duration, 1e9, 1e9)
     return {
         "completed": m["completed"],

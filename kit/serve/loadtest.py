@@ -77,6 +77,21 @@ def stats(values: List[float], prefix: str, weights: Optional[List[float]] = Non
     }
 
 
+def completion_payloads(model: str, prompts: List[str], max_tokens: int) -> List[Dict[str, Any]]:
+    """The streamed /v1/completions requests of a load-test point (greedy; the server's usage in the last chunk)."""
+    return [
+        {
+            "model": model,
+            "prompt": p,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for p in prompts
+    ]
+
+
 def point_metrics(records, duration: float, ttft_target_ms: float, tpot_target_ms: float) -> Dict[str, Any]:
     """vLLM's result keys for one load point (failed requests count in `failed`, not in the figures).
 
@@ -215,17 +230,7 @@ def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
                 for k, (load, conc, rate) in enumerate(loads):
                     seed = cfg.seed + 1000 * k + n_in + 7 * n_out
                     prompts = make_prompts(tok, cfg.warmup + cfg.num_prompts, n_in, seed)
-                    payloads = [
-                        {
-                            "model": model,
-                            "prompt": p,
-                            "max_tokens": n_out,
-                            "temperature": 0.0,
-                            "stream": True,
-                            "stream_options": {"include_usage": True},
-                        }
-                        for p in prompts
-                    ]
+                    payloads = completion_payloads(model, prompts, n_out)
                     if cfg.warmup:
                         run_point(
                             endpoint, payloads[: cfg.warmup], concurrency=conc or 1, timeout=cfg.timeout
