@@ -383,8 +383,9 @@ def _parquet(
     bulk = text_column is not None and wanted == [text_column]
     row = 0
     for batch in _parquet_batches(pf, path, wanted, batch_rows):
-        # a batch is as large as the file's row groups make it; rows over the limit go no further than here
-        sizes = _row_bytes(batch) if limit is not None else None
+        # a batch is as large as the file's row groups make it; rows over the limit go no further than here. A
+        # batch whose buffers (text, offsets, validity) fit in the limit holds no row over it: no per-row sizes
+        sizes = _row_bytes(batch) if limit is not None and batch.nbytes > limit else None
         over = sizes is not None and bool((sizes > limit).any())
         col = batch.column(0) if bulk else None
         if (
