@@ -129,9 +129,9 @@ def env_info(prefix: os.PathLike | str, name: Optional[str] = None) -> EnvInfo:
     return EnvInfo(name or p.name, p, kind)
 
 
-def scan_tree(root: os.PathLike | str) -> list:
-    """[(relative name, path, lstat)] of everything under `root`: each folder before its contents, names sorted,
-    links not followed. One lstat per entry; pack, clone and the unpack check work from this list."""
+def walk_tree(root: os.PathLike | str) -> list:
+    """[(relative name, os.DirEntry)] of everything under `root`: each folder before its contents, names sorted,
+    links not followed; types and inodes come with the folder listings (no stat per entry)."""
     out, folders = [], [(os.fspath(root), "")]
     while folders:  # depth first without recursion: an archive's tree may be deeper than Python's stack
         folder, rel = folders.pop()
@@ -140,12 +140,16 @@ def scan_tree(root: os.PathLike | str) -> list:
         subdirs = []
         for entry in entries:
             name = f"{rel}/{entry.name}" if rel else entry.name
-            st = entry.stat(follow_symlinks=False)
-            out.append((name, entry.path, st))
-            if stat.S_ISDIR(st.st_mode):
+            out.append((name, entry))
+            if entry.is_dir(follow_symlinks=False):
                 subdirs.append((entry.path, name))
         folders += reversed(subdirs)
     return out
+
+
+def scan_tree(root: os.PathLike | str) -> list:
+    """[(relative name, path, lstat)] of walk_tree(root), one lstat per entry: what pack and clone work from."""
+    return [(name, e.path, e.stat(follow_symlinks=False)) for name, e in walk_tree(root)]
 
 
 def tree_totals(entries: list) -> tuple[int, int]:
