@@ -31,9 +31,9 @@ from kit.envs.prefix import (
     copy_tree,
     env_info,
     find_editable,
+    free_bytes,
     kind_of,
     scan_tree,
-    space_checker,
     tree_totals,
     verify,
 )
@@ -128,23 +128,27 @@ def clone(
     if method.startswith("conda") and src.kind != "conda":
         raise EnvError(f"method {method!r} needs a conda env, but {src.prefix} is a {src.kind}; use 'copy'.")
     partial = handle_partials(dest.parent, clean_partial)
-    check, totals = space_checker(dest.parent, f"a clone of {src.prefix}"), []
+    free, totals = free_bytes(dest.parent), []  # measured before cp, which copies beside the scan
+
+    def scanned(entries: list, bar=None) -> None:  # sizes summed, space checked
+        totals[:] = tree_totals(entries)
+        check_space(dest.parent, totals[1], f"a clone of {src.prefix}", free)
+        if bar is not None:
+            bar.total = totals[0]
+            bar.refresh()
+
     start = time.perf_counter()
     if method == "conda-clone":  # conda writes into the target itself: no temporary name, the target's lock
-        totals[:] = check(scan_tree(src.prefix))
+        scanned(scan_tree(src.prefix))
         with hold(dest, "target env"):
             counts = _conda_create_clone(src.prefix, dest, overwrite)
     else:
         with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(None, "clone") as bar:
-
-            def scanned(entries: list) -> None:  # sizes summed, space checked
-                totals[:] = check(entries)
-                bar.total = totals[0]
-                bar.refresh()
-
             if method == "copy":  # the scan runs beside GNU cp's copy
-                counts = copy_tree(src.prefix, tmp, str(dest), bar.update, on_scanned=scanned)
-            else:
+                counts = copy_tree(
+                    src.prefix, tmp, str(dest), bar.update, on_scanned=lambda e: scanned(e, bar)
+                )
+            else:  # conda-pack's packer sets the bar's total
                 scanned(scan_tree(src.prefix))
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     n_files, size = totals

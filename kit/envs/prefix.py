@@ -168,7 +168,7 @@ def free_bytes(path: os.PathLike | str) -> int:
 
 def check_space(target: os.PathLike | str, needed: int, what: str, free: Optional[int] = None) -> None:
     """Raise EnvError before starting if the target filesystem cannot hold `needed` bytes (+5%, +64 MiB);
-    `free`: the free bytes measured before a copy started (default: measured now)."""
+    `free`: the free bytes measured before a copy started beside the scan (default: measured now)."""
     want = int(needed * 1.05) + (64 << 20)
     free = free_bytes(target) if free is None else free
     if free < want:
@@ -177,19 +177,6 @@ def check_space(target: os.PathLike | str, needed: int, what: str, free: Optiona
             f"{free / 2**30:.2f} GiB free; free space there or choose another target "
             f"(on ModelArts, /home/ma-user/work is the persistent one; EVS can be expanded)."
         )
-
-
-def space_checker(target: os.PathLike | str, what: str) -> Callable[[list], tuple]:
-    """check(entries) -> tree_totals(entries), raising check_space's EnvError when the target cannot hold them;
-    free space is measured now, so a copy that starts beside the scan (copy_tree) does not count against itself."""
-    free = free_bytes(target)
-
-    def check(entries: list) -> tuple:
-        totals = tree_totals(entries)
-        check_space(target, totals[1], what, free=free)
-        return totals
-
-    return check
 
 
 def scan_prefix(data: bytes, old: bytes) -> bool:
