@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -352,10 +351,8 @@ def _verify(prefix: Path, imports: Optional[Sequence[str]], env: Optional[dict])
 def _staged(tmp: Path, final: Path) -> Iterator[None]:
     """`final` points at the staging folder meanwhile, so that fix-up scripts that derive the prefix from their
     own location (conda-unpack) write the final path."""
-    moved = None
-    if os.path.lexists(final):  # overwrite=True: keep the old env aside until atomic_dir swaps
-        moved = Path(tempfile.mkdtemp(prefix=f".{final.name}.prev-", dir=final.parent))
-        os.rmdir(moved)
+    moved = aside_name(final) if os.path.lexists(final) else None  # overwrite=True: the old env waits there
+    if moved is not None:
         os.replace(final, moved)
     os.symlink(tmp, final)
     try:
