@@ -1,7 +1,7 @@
 """Writing env archives: tar (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
-Hand-written only what buys safety or measured speed: a manifest first, a member list with sizes and hashes last,
-and the tar headers in one struct call each (byte for byte tarfile's, GNU long names included: tarfile's own path
-costs 12 us a member, a sixth of pack's CPU on small files; numbers too big for octal are left to it).
+tarfile builds each member's header; the kit writes the members itself (not TarFile.addfile) for what that buys: a
+manifest first, every file hashed as it is read and checked against its scanned size, a member list with sizes and
+hashes last, and the stream handed to the compressor in 1 MiB writes.
 
 Layout (any tar reads it): `.kit-env.json` (kit_archive=2, kind, name, old prefix, hash algorithm), the env's
 members in walk order, `.kit-env-members.json` (every member as [name, type, size, hash or link target], and the
@@ -11,11 +11,9 @@ prefix fixes). A copy cut anywhere lacks the member list or some members, so unp
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import stat
-import struct
 import tarfile
 import zlib
 from typing import IO, Iterator, Optional
@@ -111,8 +109,8 @@ def json_bytes(obj: dict) -> bytes:
 
 
 def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int = 0):
-    """Wrap `fileobj` in the compressor for `fmt` (the level checked by check_level); the caller closes the
-    wrapper, then the file."""
+    """Wrap `fileobj` in the compressor for `fmt` (the level checked by check_level), or return it for plain tar;
+    the caller closes a wrapper, then the file."""
     threads = n_threads(threads)
     if fmt == "tar.zst":  # libzstd's worker threads; each frame carries a checksum zstd checks on unpack
         import zstandard
@@ -121,22 +119,13 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
             level=level, threads=threads if threads > 1 else 0, write_checksum=True
         )
         return cctx.stream_writer(fileobj, closefd=False)
-    if fmt == "tar.gz" and threads > 1:  # gzip members compressed on a thread pool; gunzip reads it
+    if fmt == "tar.gz":  # one gzip member, its blocks compressed on a thread pool; gunzip reads it
         from conda_pack.formats import ParallelGzipFileWriter
 
         return ParallelGzipFileWriter(fileobj, compresslevel=level, n_threads=threads)
-    if fmt == "tar.gz":
-        return gzip.GzipFile(fileobj=fileobj, mode="wb", compresslevel=level)
     if fmt != "tar":  # pack() said so before
         raise EnvArchiveError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
-    return _Plain(fileobj)
-
-
-class _Plain:
-    """No compression: writes pass through; close() leaves the file to its owner."""
-
-    def __init__(self, fileobj: IO[bytes]):
-        self.write, self.close = fileobj.write, fileobj.flush
+    return fileobj
 
 
 class EarlyWriteback:
@@ -154,45 +143,6 @@ class EarlyWriteback:
             self._fh.flush()
             os.posix_fadvise(self._fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         return n
-
-
-# name, mode, uid, gid, size, mtime, checksum, type, link, magic+version, uname, gname, devmajor, devminor, prefix
-_HEADER = struct.Struct("100s8s8s8s12s12s8sc100s8s32s32s8s8s155s12x")
-_FIXED = sum(b" " * 8 + tarfile.GNU_MAGIC)  # the checksum field counts as spaces
-
-
-def _block(
-    name: bytes, kind: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, link: bytes
-) -> bytes:
-    numbers = (b"%07o" % mode, b"%07o" % uid, b"%07o" % gid, b"%011o" % size, b"%011o" % mtime)
-    chk = _FIXED + kind[0] + sum(name) + sum(link) + sum(map(sum, numbers))  # NUL padding adds nothing
-    return _HEADER.pack(
-        name, *numbers, b"%06o\0 " % chk, kind, link, tarfile.GNU_MAGIC, b"", b"", b"", b"", b""
-    )
-
-
-def _long(data: bytes, kind: bytes) -> bytes:
-    """GNU's member that carries a name or link target over 100 bytes, before the header that uses it."""
-    data += b"\0"
-    return _block(b"././@LongLink", kind, 0, 0, 0, len(data), 0, b"") + data + bytes(-len(data) % 512)
-
-
-def tar_header(
-    name: str, kind: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, link: str = ""
-) -> bytes:
-    """The header block(s) tarfile writes for this member in GNU format (tests compare them byte for byte)."""
-    if kind == tarfile.DIRTYPE and not name.endswith("/"):
-        name += "/"
-    if not (0 <= min(uid, gid, size, mtime) and max(uid, gid) < 1 << 21 and max(size, mtime) < 1 << 33):
-        info = tarfile.TarInfo(name)  # numbers in base-256: left to tarfile
-        info.type, info.mode, info.uid, info.gid = kind, mode, uid, gid
-        info.size, info.mtime, info.linkname = size, mtime, link
-        return info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
-    raw, target = name.encode("utf-8", "surrogateescape"), link.encode("utf-8", "surrogateescape")
-    out = _long(target, tarfile.GNUTYPE_LONGLINK) if len(target) > 100 else b""
-    if len(raw) > 100:
-        out += _long(raw, tarfile.GNUTYPE_LONGNAME)
-    return out + _block(raw[:100], kind, mode & 0o7777, uid, gid, size, mtime, target[:100])
 
 
 class ArchiveWriter:
@@ -220,9 +170,12 @@ class ArchiveWriter:
         self._buf = bytearray()
 
     def _header(self, name: str, kind: bytes, st=None, mode=None, size: int = 0, link: str = "") -> None:
-        uid, gid, mtime = (st.st_uid, st.st_gid, int(st.st_mtime)) if st is not None else (0, 0, self.mtime)
-        mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
-        self._write(tar_header(name, kind, mode, uid, gid, size, mtime, link))
+        info = tarfile.TarInfo(name)
+        info.type, info.size, info.linkname, info.mtime = kind, size, link, self.mtime
+        if st is not None:
+            info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
+        info.mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
+        self._write(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
 
     def add_bytes(self, name: str, data: bytes, mode: int = 0o644, st=None, record: bool = True) -> None:
         self._header(name, tarfile.REGTYPE, st, mode, len(data))
@@ -302,4 +255,5 @@ def archive_writer(
         writer.add_bytes(MANIFEST, json_bytes(head), record=False)
         yield writer
     finally:
-        comp.close()
+        if comp is not raw:
+            comp.close()

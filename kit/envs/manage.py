@@ -203,7 +203,7 @@ def pack(
     clean_partial: bool = False,
 ) -> dict:
     """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>) that unpack() checks member by member;
-    fmt: 'tar.zst' (default), 'tar.gz' (parallel gzip unless threads=1) or 'tar', as the suffix says; 0 threads: all."""
+    fmt: 'tar.zst' (default), 'tar.gz' (gzip on a thread pool) or 'tar', as the suffix says; 0 threads: all."""
     if fmt is not None:
         check_choice(fmt, FORMATS, "archive format")
     src = resolve_env(source, envs_root)
