@@ -147,11 +147,11 @@ class EarlyWriteback:
 
 class ArchiveWriter:
     """A tar stream into `out` (a compressor), written in pieces of 1 MiB, recording [name, type, size, hash|link]
-    for every member; `scan`: text files that hold these bytes (the old prefix) are listed in prefix_files."""
+    for every member; `scan`: text files that hold these bytes (the old prefix) are listed in prefix_files. Its
+    add() and add_bytes() are the archive interface conda-pack's Packer writes into."""
 
-    def __init__(self, out, hash_name: Optional[str] = None, scan: Optional[bytes] = None, mtime=None):
-        self.out, self.scan, self.mtime = out, scan, int(mtime or 0)
-        self.hash_name = hash_name or default_hash()
+    def __init__(self, out, scan: Optional[bytes] = None):
+        self.out, self.scan, self.hash_name = out, scan, default_hash()
         self.members: list = []
         self.prefix_files: list = []
         self.bytes = 0
@@ -171,25 +171,28 @@ class ArchiveWriter:
 
     def _header(self, name: str, kind: bytes, st=None, mode=None, size: int = 0, link: str = "") -> None:
         info = tarfile.TarInfo(name)
-        info.type, info.size, info.linkname, info.mtime = kind, size, link, self.mtime
+        info.type, info.size, info.linkname = kind, size, link
         if st is not None:
             info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
         info.mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
         self._write(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
 
-    def add_bytes(self, name: str, data: bytes, mode: int = 0o644, st=None, record: bool = True) -> None:
-        self._header(name, tarfile.REGTYPE, st, mode, len(data))
+    def add_bytes(self, source: Optional[str], data: bytes, target: str) -> None:
+        """The member `target` holding `data`: a file conda-pack rewrote, with the mode and times of `source`, or
+        (source None) one of the kit's own JSON members, mode 0644 and not in the member list."""
+        st = os.lstat(source) if source is not None else None
+        self._header(target, tarfile.REGTYPE, st, 0o644 if st is None else st.st_mode & 0o777, len(data))
         self._write(data, pad=True)
-        if record:
+        if st is not None:
             h = new_hasher(self.hash_name)
             h.update(data)
-            self._file(name, len(data), h.hexdigest())
+            self._file(target, len(data), h.hexdigest())
 
     def _file(self, name: str, size: int, digest: str) -> None:
         self.members.append([name, "f", size, digest])
         self.bytes += size
 
-    def add_path(self, path: str, name: str, st=None) -> None:
+    def add(self, path: str, name: str, st=None) -> None:
         """Add the file, folder or link at `path` (links not followed) under the member name `name`."""
         st = st or os.lstat(path)
         if stat.S_ISDIR(st.st_mode):
@@ -225,18 +228,18 @@ class ArchiveWriter:
         self._file(name, st.st_size, h.hexdigest())
 
     def add_entries(self, entries, skip=(), progress=None) -> None:
-        """add_path() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link."""
+        """add() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link."""
         for name, path, st in entries:
             if progress and not stat.S_ISDIR(st.st_mode):
                 progress(1)
             if name not in skip:
-                self.add_path(path, name, st)
+                self.add(path, name, st)
 
     def finish(self, extra: dict) -> None:
         """Write the member list (with `extra`, e.g. prefix fixes) and tar's end: two zero blocks, then zeros to a
         whole record of 10 KiB, as tarfile and tar end theirs."""
         trailer = dict(extra, members=self.members, hash=self.hash_name, prefix_files=self.prefix_files)
-        self.add_bytes(TRAILER, json_bytes(trailer), record=False)
+        self.add_bytes(None, json_bytes(trailer), TRAILER)
         self._write(bytes(1024))
         self._write(bytes(-(self._offset + len(self._buf)) % tarfile.RECORDSIZE))
         self._flush()
@@ -244,15 +247,15 @@ class ArchiveWriter:
 
 @contextlib.contextmanager
 def archive_writer(
-    raw: IO[bytes], fmt: str, level: int, threads: int, head: dict, **kw
+    raw: IO[bytes], fmt: str, level: int, threads: int, head: dict, scan: Optional[bytes] = None
 ) -> Iterator[ArchiveWriter]:
     """An ArchiveWriter into the open file `raw` that has written `head` (+ kit_archive, hash) as the first
     member; the caller adds the members and calls finish()."""
     comp = compressed_writer(raw, fmt, level, threads)
     try:
-        writer = ArchiveWriter(comp, **kw)
+        writer = ArchiveWriter(comp, scan)
         head = dict(head, kit_archive=ARCHIVE_VERSION, hash=writer.hash_name)
-        writer.add_bytes(MANIFEST, json_bytes(head), record=False)
+        writer.add_bytes(None, json_bytes(head), MANIFEST)
         yield writer
     finally:
         if comp is not raw:

@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence, Union
 from kit.atomic import aside_name, atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
+from kit.envs.archive import FORMATS, EarlyWriteback, archive_writer, check_level, format_of, suffix_format
 from kit.envs.conda import clone_command, conda_envs, run_conda
 from kit.envs.config import get_layout
 from kit.envs.extraction import extract
@@ -230,20 +230,19 @@ def pack(
     n_files, size = tree_totals(entries)
     check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    prefix = os.path.abspath(src.prefix)
+    head = dict(manifest, prefix=prefix)
+    scan = None if src.kind == "conda" else prefix.encode()  # conda-pack finds a conda env's prefixes itself
     start = time.perf_counter()
     with (
         atomic_file(output, "wb", overwrite=overwrite) as final,
         _bar(n_files, f"pack {fmt}") as bar,
+        archive_writer(EarlyWriteback(final), fmt, level, threads, head, scan) as writer,
     ):
-        fh = EarlyWriteback(final)
         if src.kind == "conda":
-            counts = conda_backend.pack_conda(
-                src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar
-            )
+            counts = conda_backend.pack_conda(prefix, writer, ignore_editable, bar)
         else:
-            counts = venv_backend.pack_tree(
-                src.prefix, fh, fmt, level, threads, manifest, entries, bar.update
-            )
+            counts = venv_backend.pack_tree(prefix, writer, entries, bar.update)
     seconds = time.perf_counter() - start
     result = {
         "source": str(src.prefix),
