@@ -33,6 +33,7 @@ ARCHIVE_VERSION = 2
 LEVELS = {"tar.zst": (1, 19), "tar.gz": (1, 9)}  # zstd 20-22 need ~GBs of memory to unpack; gzip stops at 9
 SMALL = 2 << 20  # files up to this size are read whole (and scanned for the old prefix)
 CHUNK = 1 << 20
+HASH = "xxh3_64"  # the member hash pack writes: xxhash keeps hashing off the critical path
 _SUFFIXES = {".tar.zst": "tar.zst", ".tzst": "tar.zst", ".tar.gz": "tar.gz", ".tgz": "tar.gz", ".tar": "tar"}
 
 
@@ -68,17 +69,8 @@ def format_of(path: os.PathLike | str) -> str:
     return fmt
 
 
-def default_hash() -> str:
-    """xxh3_64 (hashing stays off the critical path), else crc32 where xxhash is not installed."""
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "crc32"
-    return "xxh3_64"
-
-
 class _Crc32:
-    """zlib.crc32 behind the hashlib interface."""
+    """zlib.crc32 behind the hashlib interface (the member hash of archives packed where xxhash was missing)."""
 
     value = 0
 
@@ -90,17 +82,13 @@ class _Crc32:
 
 
 def new_hasher(name: str):
-    """A fresh hasher for the algorithm an archive names; EnvArchiveError when it is not available here."""
+    """A fresh hasher for the algorithm an archive names; EnvArchiveError when the kit does not know it."""
     if name == "crc32":
         return _Crc32()
-    if name != "xxh3_64":
+    if name != HASH:
         raise EnvArchiveError(f"archive member hash {name!r} is not one the kit knows (xxh3_64, crc32).")
-    try:
-        import xxhash
-    except ImportError as exc:
-        raise EnvArchiveError(
-            "this archive's member hashes are xxh3_64; install xxhash (`pip install xxhash`) to unpack it."
-        ) from exc
+    import xxhash
+
     return xxhash.xxh3_64()
 
 
@@ -151,7 +139,7 @@ class ArchiveWriter:
     add() and add_bytes() are the archive interface conda-pack's Packer writes into."""
 
     def __init__(self, out, scan: Optional[bytes] = None):
-        self.out, self.scan, self.hash_name = out, scan, default_hash()
+        self.out, self.scan, self.hash_name = out, scan, HASH
         self.members: list = []
         self.prefix_files: list = []
         self.bytes = 0

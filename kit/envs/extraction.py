@@ -19,7 +19,7 @@ import zlib
 from typing import Callable, Iterator, Optional
 
 from kit.atomic import current_umask
-from kit.envs.archive import ARCHIVE_VERSION, CHUNK, MANIFEST, TRAILER, default_hash, new_hasher
+from kit.envs.archive import ARCHIVE_VERSION, CHUNK, HASH, MANIFEST, TRAILER, new_hasher
 from kit.envs.prefix import (
     ArchiveDamagedError,
     EnvArchiveError,
@@ -404,11 +404,11 @@ def extract(
                 f"archive {str(archive)!r} was written by a newer kit (format {head['kit_archive']}); update "
                 f"the kit to unpack it."
             )
-        new_hasher(head.get("hash"))  # an unknown hash, or xxhash missing: one clear line before any write
+        new_hasher(head.get("hash"))  # an unknown hash: one clear line before any write
     exe = gnu_program("tar")
     if exe is None:
         raise EnvArchiveError("GNU tar is needed to unpack archives: install it (apt-get install tar).")
-    hash_name = head["hash"] if head is not None else default_hash()
+    hash_name = head["hash"] if head is not None else HASH
     members = _listed(archive, hash_name) if head is None else None  # a kit archive's: its last member
     tmp = tempfile.mkdtemp(prefix=".kit-extract-", dir=root)  # tar follows links it finds: only in its own
     try:
