@@ -18,22 +18,17 @@ from kit.envs.config import get_layout
 from kit.envs.prefix import EDITABLE_HINT, EnvError
 
 
-def _load(prefix: str, ignore_editable: bool):
-    import conda_pack
-
-    try:
-        return conda_pack.CondaEnv.from_prefix(prefix, ignore_editable_packages=ignore_editable)
-    except conda_pack.CondaPackException as exc:
-        hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
-        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
-
-
 def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):
     """(files, packer): conda-pack's Packer (internal in conda-pack 0.8-0.9) over the env's files into `archive`
     (add(source, target), add_bytes(source, data, target)); the bar counts conda-pack's records."""
+    import conda_pack
     from conda_pack.core import Packer
 
-    env = _load(prefix, ignore_editable)
+    try:
+        env = conda_pack.CondaEnv.from_prefix(prefix, ignore_editable_packages=ignore_editable)
+    except conda_pack.CondaPackException as exc:
+        hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
+        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
     if bar is not None:
         bar.total = len(env.files)
         bar.refresh()

@@ -85,16 +85,6 @@ def resolve_env(source: PathLike, envs_root: Optional[PathLike] = None) -> EnvIn
     )
 
 
-def _target_for(
-    source: EnvInfo, name: Optional[str], target: Optional[PathLike], envs_root: Optional[PathLike]
-) -> Path:
-    if target is not None:
-        path = Path(target).expanduser().absolute()
-        check_name(path.name, "target folder name")
-        return path
-    return get_layout(envs_root).folder_for(source.kind) / check_name(source.name if name is None else name)
-
-
 def clone(
     source: PathLike,
     name: Optional[str] = None,
@@ -112,7 +102,11 @@ def clone(
     (offline, relocates prefixes), 'conda-clone' (`conda create --clone`: needs conda and its package cache)."""
     check_choice(method, CLONE_METHODS, "clone method")
     src = resolve_env(source, envs_root)
-    dest = _target_for(src, name, target, envs_root)
+    if target is not None:
+        dest = Path(target).expanduser().absolute()
+        check_name(dest.name, "target folder name")
+    else:
+        dest = get_layout(envs_root).folder_for(src.kind) / check_name(src.name if name is None else name)
     source_real, dest_real = os.path.realpath(src.prefix), os.path.realpath(dest)
     if dest_real == source_real:
         raise EnvError(f"target {dest} is the source env itself; choose another name or folder.")
