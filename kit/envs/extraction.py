@@ -266,23 +266,15 @@ def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dic
                 target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress)
             )
             names.start()
-            if fed:
-                with damage_named(archive):
-                    _feed(archive, proc.stdin)
+            if fed:  # until the end, or until tar stops (its message says why)
+                with damage_named(archive), contextlib.suppress(BrokenPipeError):
+                    for chunk in _decompressed(archive):
+                        proc.stdin.write(chunk)
+                    proc.stdin.close()
     finally:
         if names is not None:
             names.join()
     return hashes
-
-
-def _feed(archive: str, pipe) -> None:
-    """The decompressed archive into tar's stdin, until the end or until tar stops (its message says why)."""
-    try:
-        for chunk in _decompressed(archive):
-            pipe.write(chunk)
-        pipe.close()
-    except BrokenPipeError:
-        pass
 
 
 def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
