@@ -267,12 +267,6 @@ def special_file_error(what: str, then: str, error=EnvError) -> Exception:
     )
 
 
-def _special(entries: list) -> None:
-    for _rel, s, st in entries:
-        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
-            raise special_file_error(s, "remove it first")
-
-
 @contextlib.contextmanager
 def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extracting: bool = False, **popen):
     """Run a helper program (cp, tar) beside the block, killed if the block fails or this process dies. Its failure
@@ -309,7 +303,6 @@ def copy_tree(
     files and absolute links; every file must have the size the scan saw. The scan (unless `entries` is given)
     runs while cp copies, then on_scanned(entries), e.g. a space check that stops the copy."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
-    _special(entries or [])
     exe = gnu_program("cp")
     if exe is None:
         raise EnvError("GNU cp is needed to clone envs: install it (apt-get install coreutils).")
@@ -317,7 +310,6 @@ def copy_tree(
     with helper_program(cmd, f"copying {src}", stdout=subprocess.DEVNULL):
         if entries is None:  # the scan that would otherwise come first runs beside cp's copy
             entries = scan_tree(src)
-            _special(entries)
             if on_scanned is not None:
                 on_scanned(entries)
         counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
@@ -330,8 +322,10 @@ def copy_tree(
                 counts["bytes"] += st.st_size
                 if 0 < st.st_size <= SCAN_LIMIT and holds_prefix(s, st.st_size, src.encode()):
                     texts.append(rel)
-            else:
+            elif stat.S_ISDIR(st.st_mode):
                 continue
+            else:  # a FIFO, socket or device: the error stops cp
+                raise special_file_error(s, "remove it first")
             if progress:
                 progress(1)
     for rel, s, st in entries:  # cp copied what it found: a file changed since the scan differs in size
@@ -348,7 +342,7 @@ def copy_tree(
             if os.path.isabs(target) and inside(src, target):
                 os.unlink(d)
                 os.symlink(new_prefix + target[len(src) :], d)
-        elif st.st_mode & 0o700 != 0o700:  # a folder (_special refused anything else)
+        elif st.st_mode & 0o700 != 0o700:  # a folder (anything else was refused above)
             os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
     counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
     counts["bytes"] += grown
