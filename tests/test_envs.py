@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import kit.envs as envs
-from kit.envs import prefix as prefix_mod
 
 FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 OLD_LAYOUT = FIXTURES / "ascend_toolkit"
@@ -97,7 +96,7 @@ def test_clone_refuses_bad_input_and_leaves_nothing(source_env, tmp_path, monkey
         envs.clone(tmp_path / "missing" / "env", name="x", envs_root=root, verify_imports=None)
     with pytest.raises(envs.EnvError, match="not an environment"):
         envs.clone(tmp_path, name="x", envs_root=root, verify_imports=None)
-    monkeypatch.setattr(prefix_mod, "free_bytes", lambda path: 10 << 20)  # a nearly full disk
+    monkeypatch.setattr("kit.envs.manage.free_bytes", lambda path: 10 << 20)  # a nearly full disk
     with pytest.raises(envs.EnvError, match="not enough space"):
         envs.clone(source_env, name="full", envs_root=root, verify_imports=None)
     monkeypatch.undo()

@@ -1,7 +1,7 @@
 """Writing env archives: tar (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
-Hand-written only what buys safety or measured speed: a manifest first, a member list with sizes and hashes last,
-and the tar headers in one struct call each (byte for byte tarfile's, GNU long names included: tarfile's own path
-costs 12 us a member, a sixth of pack's CPU on small files; numbers too big for octal are left to it).
+tarfile builds each member's header; the kit writes the members itself (not TarFile.addfile) for what that buys: a
+manifest first, every file hashed as it is read and checked against its scanned size, a member list with sizes and
+hashes last, and the stream handed to the compressor in 1 MiB writes.
 
 Layout (any tar reads it): `.kit-env.json` (kit_archive=2, kind, name, old prefix, hash algorithm), the env's
 members in walk order, `.kit-env-members.json` (every member as [name, type, size, hash or link target], and the
@@ -11,11 +11,9 @@ prefix fixes). A copy cut anywhere lacks the member list or some members, so unp
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
 import stat
-import struct
 import tarfile
 import zlib
 from typing import IO, Iterator, Optional
@@ -35,6 +33,7 @@ ARCHIVE_VERSION = 2
 LEVELS = {"tar.zst": (1, 19), "tar.gz": (1, 9)}  # zstd 20-22 need ~GBs of memory to unpack; gzip stops at 9
 SMALL = 2 << 20  # files up to this size are read whole (and scanned for the old prefix)
 CHUNK = 1 << 20
+HASH = "xxh3_64"  # the member hash pack writes: xxhash keeps hashing off the critical path
 _SUFFIXES = {".tar.zst": "tar.zst", ".tzst": "tar.zst", ".tar.gz": "tar.gz", ".tgz": "tar.gz", ".tar": "tar"}
 
 
@@ -70,17 +69,8 @@ def format_of(path: os.PathLike | str) -> str:
     return fmt
 
 
-def default_hash() -> str:
-    """xxh3_64 (hashing stays off the critical path), else crc32 where xxhash is not installed."""
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "crc32"
-    return "xxh3_64"
-
-
 class _Crc32:
-    """zlib.crc32 behind the hashlib interface."""
+    """zlib.crc32 behind the hashlib interface (the member hash of archives packed where xxhash was missing)."""
 
     value = 0
 
@@ -92,17 +82,13 @@ class _Crc32:
 
 
 def new_hasher(name: str):
-    """A fresh hasher for the algorithm an archive names; EnvArchiveError when it is not available here."""
+    """A fresh hasher for the algorithm an archive names; EnvArchiveError when the kit does not know it."""
     if name == "crc32":
         return _Crc32()
-    if name != "xxh3_64":
+    if name != HASH:
         raise EnvArchiveError(f"archive member hash {name!r} is not one the kit knows (xxh3_64, crc32).")
-    try:
-        import xxhash
-    except ImportError as exc:
-        raise EnvArchiveError(
-            "this archive's member hashes are xxh3_64; install xxhash (`pip install xxhash`) to unpack it."
-        ) from exc
+    import xxhash
+
     return xxhash.xxh3_64()
 
 
@@ -111,8 +97,8 @@ def json_bytes(obj: dict) -> bytes:
 
 
 def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int = 0):
-    """Wrap `fileobj` in the compressor for `fmt` (the level checked by check_level); the caller closes the
-    wrapper, then the file."""
+    """Wrap `fileobj` in the compressor for `fmt` (the level checked by check_level), or return it for plain tar;
+    the caller closes a wrapper, then the file."""
     threads = n_threads(threads)
     if fmt == "tar.zst":  # libzstd's worker threads; each frame carries a checksum zstd checks on unpack
         import zstandard
@@ -121,22 +107,13 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
             level=level, threads=threads if threads > 1 else 0, write_checksum=True
         )
         return cctx.stream_writer(fileobj, closefd=False)
-    if fmt == "tar.gz" and threads > 1:  # gzip members compressed on a thread pool; gunzip reads it
+    if fmt == "tar.gz":  # one gzip member, its blocks compressed on a thread pool; gunzip reads it
         from conda_pack.formats import ParallelGzipFileWriter
 
         return ParallelGzipFileWriter(fileobj, compresslevel=level, n_threads=threads)
-    if fmt == "tar.gz":
-        return gzip.GzipFile(fileobj=fileobj, mode="wb", compresslevel=level)
     if fmt != "tar":  # pack() said so before
         raise EnvArchiveError(f"archive format {fmt!r} is not one of {', '.join(FORMATS)}.")
-    return _Plain(fileobj)
-
-
-class _Plain:
-    """No compression: writes pass through; close() leaves the file to its owner."""
-
-    def __init__(self, fileobj: IO[bytes]):
-        self.write, self.close = fileobj.write, fileobj.flush
+    return fileobj
 
 
 class EarlyWriteback:
@@ -156,52 +133,13 @@ class EarlyWriteback:
         return n
 
 
-# name, mode, uid, gid, size, mtime, checksum, type, link, magic+version, uname, gname, devmajor, devminor, prefix
-_HEADER = struct.Struct("100s8s8s8s12s12s8sc100s8s32s32s8s8s155s12x")
-_FIXED = sum(b" " * 8 + tarfile.GNU_MAGIC)  # the checksum field counts as spaces
-
-
-def _block(
-    name: bytes, kind: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, link: bytes
-) -> bytes:
-    numbers = (b"%07o" % mode, b"%07o" % uid, b"%07o" % gid, b"%011o" % size, b"%011o" % mtime)
-    chk = _FIXED + kind[0] + sum(name) + sum(link) + sum(map(sum, numbers))  # NUL padding adds nothing
-    return _HEADER.pack(
-        name, *numbers, b"%06o\0 " % chk, kind, link, tarfile.GNU_MAGIC, b"", b"", b"", b"", b""
-    )
-
-
-def _long(data: bytes, kind: bytes) -> bytes:
-    """GNU's member that carries a name or link target over 100 bytes, before the header that uses it."""
-    data += b"\0"
-    return _block(b"././@LongLink", kind, 0, 0, 0, len(data), 0, b"") + data + bytes(-len(data) % 512)
-
-
-def tar_header(
-    name: str, kind: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, link: str = ""
-) -> bytes:
-    """The header block(s) tarfile writes for this member in GNU format (tests compare them byte for byte)."""
-    if kind == tarfile.DIRTYPE and not name.endswith("/"):
-        name += "/"
-    if not (0 <= min(uid, gid, size, mtime) and max(uid, gid) < 1 << 21 and max(size, mtime) < 1 << 33):
-        info = tarfile.TarInfo(name)  # numbers in base-256: left to tarfile
-        info.type, info.mode, info.uid, info.gid = kind, mode, uid, gid
-        info.size, info.mtime, info.linkname = size, mtime, link
-        return info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
-    raw, target = name.encode("utf-8", "surrogateescape"), link.encode("utf-8", "surrogateescape")
-    out = _long(target, tarfile.GNUTYPE_LONGLINK) if len(target) > 100 else b""
-    if len(raw) > 100:
-        out += _long(raw, tarfile.GNUTYPE_LONGNAME)
-    return out + _block(raw[:100], kind, mode & 0o7777, uid, gid, size, mtime, target[:100])
-
-
 class ArchiveWriter:
     """A tar stream into `out` (a compressor), written in pieces of 1 MiB, recording [name, type, size, hash|link]
-    for every member; `scan`: text files that hold these bytes (the old prefix) are listed in prefix_files."""
+    for every member; `scan`: text files that hold these bytes (the old prefix) are listed in prefix_files. Its
+    add() and add_bytes() are the archive interface conda-pack's Packer writes into."""
 
-    def __init__(self, out, hash_name: Optional[str] = None, scan: Optional[bytes] = None, mtime=None):
-        self.out, self.scan, self.mtime = out, scan, int(mtime or 0)
-        self.hash_name = hash_name or default_hash()
+    def __init__(self, out, scan: Optional[bytes] = None):
+        self.out, self.scan, self.hash_name = out, scan, HASH
         self.members: list = []
         self.prefix_files: list = []
         self.bytes = 0
@@ -220,23 +158,29 @@ class ArchiveWriter:
         self._buf = bytearray()
 
     def _header(self, name: str, kind: bytes, st=None, mode=None, size: int = 0, link: str = "") -> None:
-        uid, gid, mtime = (st.st_uid, st.st_gid, int(st.st_mtime)) if st is not None else (0, 0, self.mtime)
-        mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
-        self._write(tar_header(name, kind, mode, uid, gid, size, mtime, link))
+        info = tarfile.TarInfo(name)
+        info.type, info.size, info.linkname = kind, size, link
+        if st is not None:
+            info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
+        info.mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
+        self._write(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
 
-    def add_bytes(self, name: str, data: bytes, mode: int = 0o644, st=None, record: bool = True) -> None:
-        self._header(name, tarfile.REGTYPE, st, mode, len(data))
+    def add_bytes(self, source: Optional[str], data: bytes, target: str) -> None:
+        """The member `target` holding `data`: a file conda-pack rewrote, with the mode and times of `source`, or
+        (source None) one of the kit's own JSON members, mode 0644 and not in the member list."""
+        st = os.lstat(source) if source is not None else None
+        self._header(target, tarfile.REGTYPE, st, 0o644 if st is None else st.st_mode & 0o777, len(data))
         self._write(data, pad=True)
-        if record:
+        if st is not None:
             h = new_hasher(self.hash_name)
             h.update(data)
-            self._file(name, len(data), h.hexdigest())
+            self._file(target, len(data), h.hexdigest())
 
     def _file(self, name: str, size: int, digest: str) -> None:
         self.members.append([name, "f", size, digest])
         self.bytes += size
 
-    def add_path(self, path: str, name: str, st=None) -> None:
+    def add(self, path: str, name: str, st=None) -> None:
         """Add the file, folder or link at `path` (links not followed) under the member name `name`."""
         st = st or os.lstat(path)
         if stat.S_ISDIR(st.st_mode):
@@ -272,18 +216,18 @@ class ArchiveWriter:
         self._file(name, st.st_size, h.hexdigest())
 
     def add_entries(self, entries, skip=(), progress=None) -> None:
-        """add_path() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link."""
+        """add() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link."""
         for name, path, st in entries:
             if progress and not stat.S_ISDIR(st.st_mode):
                 progress(1)
             if name not in skip:
-                self.add_path(path, name, st)
+                self.add(path, name, st)
 
     def finish(self, extra: dict) -> None:
         """Write the member list (with `extra`, e.g. prefix fixes) and tar's end: two zero blocks, then zeros to a
         whole record of 10 KiB, as tarfile and tar end theirs."""
         trailer = dict(extra, members=self.members, hash=self.hash_name, prefix_files=self.prefix_files)
-        self.add_bytes(TRAILER, json_bytes(trailer), record=False)
+        self.add_bytes(None, json_bytes(trailer), TRAILER)
         self._write(bytes(1024))
         self._write(bytes(-(self._offset + len(self._buf)) % tarfile.RECORDSIZE))
         self._flush()
@@ -291,15 +235,16 @@ class ArchiveWriter:
 
 @contextlib.contextmanager
 def archive_writer(
-    raw: IO[bytes], fmt: str, level: int, threads: int, head: dict, **kw
+    raw: IO[bytes], fmt: str, level: int, threads: int, head: dict, scan: Optional[bytes] = None
 ) -> Iterator[ArchiveWriter]:
     """An ArchiveWriter into the open file `raw` that has written `head` (+ kit_archive, hash) as the first
     member; the caller adds the members and calls finish()."""
     comp = compressed_writer(raw, fmt, level, threads)
     try:
-        writer = ArchiveWriter(comp, **kw)
+        writer = ArchiveWriter(comp, scan)
         head = dict(head, kit_archive=ARCHIVE_VERSION, hash=writer.hash_name)
-        writer.add_bytes(MANIFEST, json_bytes(head), record=False)
+        writer.add_bytes(None, json_bytes(head), MANIFEST)
         yield writer
     finally:
-        comp.close()
+        if comp is not raw:
+            comp.close()

@@ -19,21 +19,27 @@ _FIELDS = {
 }
 
 
-def _config_options(p: argparse.ArgumentParser, action: str) -> None:
+def _command(
+    s: argparse._SubParsersAction, name: str, help: str, *positional: str
+) -> argparse.ArgumentParser:
+    """A sub-command with its positional arguments, its EnvsConfig options (_FIELDS) and, where it writes an
+    output, --clean-partial."""
     from kit.configs import add_config_arguments
     from kit.envs.config import EnvsConfig
 
-    wanted = _FIELDS.get(action, ())
+    c = s.add_parser(name, help=help)
+    for arg in positional:
+        c.add_argument(arg)
+    wanted = _FIELDS.get(name, ())
     skip = [f for f in EnvsConfig.__dataclass_fields__ if f not in wanted]
-    add_config_arguments(p, EnvsConfig, skip=skip, positional=["source"] if "source" in wanted else [])
-
-
-def _clean(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--clean-partial",
-        action="store_true",
-        help="remove leftovers of interrupted runs (.NAME.partial-*) beside the output; they are always reported",
-    )
+    add_config_arguments(c, EnvsConfig, skip=skip, positional=["source"] if "source" in wanted else [])
+    if name in ("clone", "pack", "unpack"):
+        c.add_argument(
+            "--clean-partial",
+            action="store_true",
+            help="remove leftovers of interrupted runs (.NAME.partial-*) beside the output; they are always reported",
+        )
+    return c
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,47 +47,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         "env", help="clone / pack / unpack envs on persistent storage, register Jupyter kernels"
     )
     s = p.add_subparsers(dest="action", required=True)
-    _config_options(s.add_parser("list", help="envs under the envs root and those conda knows"), "list")
-    c = s.add_parser("create-venv", help="make a virtualenv (inheriting this python's packages)")
-    c.add_argument("target")
+    _command(s, "list", "envs under the envs root and those conda knows")
+    c = _command(s, "create-venv", "make a virtualenv (inheriting this python's packages)", "target")
     c.add_argument("--python", default=None)
     c.add_argument("--no-inherit", action="store_true", help="do not see the base interpreter's packages")
-    c = s.add_parser("clone", help="clone an env to <envs-root>/{venvs,user_conda}/<name> or --target")
-    _config_options(c, "clone")
+    c = _command(s, "clone", "clone an env to <envs-root>/{venvs,user_conda}/<name> or --target")
     c.add_argument("--target", default=None, help="clone to this folder instead of <envs-root>/.../<name>")
     c.add_argument("--ignore-editable-packages", action="store_true")
-    _clean(c)
-    c = s.add_parser("pack", help="pack an env to one archive (tar.zst multithreaded by default)")
-    _config_options(c, "pack")
+    c = _command(s, "pack", "pack an env to one archive (tar.zst multithreaded by default)")
     c.add_argument("-o", "--output", default=None, help="archive path (its suffix sets the format)")
     c.add_argument(
         "--ignore-editable-packages",
         action="store_true",
         help="pack although `pip install -e` packages are present (their sources are not shipped)",
     )
-    _clean(c)
-    c = s.add_parser("unpack", help="safely extract an archive into TARGET and fix its prefixes")
-    c.add_argument("archive")
-    c.add_argument("target")
-    _config_options(c, "unpack")
-    _clean(c)
-    c = s.add_parser("remove", help="delete an env folder and its kernels")
-    c.add_argument("target")
-    _config_options(c, "remove")
-    c = s.add_parser("kernel", help="register an env as a Jupyter kernel with the CANN environment")
-    c.add_argument("prefix")
-    _config_options(c, "kernel")
-    c = s.add_parser(
-        "check-kernel", help="start a kernel, run code in it, print its sys.prefix and variables"
+    _command(s, "unpack", "safely extract an archive into TARGET and fix its prefixes", "archive", "target")
+    _command(s, "remove", "delete an env folder and its kernels", "target")
+    _command(s, "kernel", "register an env as a Jupyter kernel with the CANN environment", "prefix")
+    c = _command(
+        s, "check-kernel", "start a kernel, run code in it, print its sys.prefix and variables", "name"
     )
-    c.add_argument("name")
     c.add_argument("--code", default="")
-    c = s.add_parser("restore", help="after a restart: reinstall stored kernels, re-register envs_dirs")
+    c = _command(s, "restore", "after a restart: reinstall stored kernels, re-register envs_dirs")
     c.add_argument("--condarc", default=None)
-    _config_options(c, "restore")
-    c = s.add_parser("condarc", help="add <envs-root>/user_conda to envs_dirs in .condarc (idempotent)")
+    c = _command(s, "condarc", "add <envs-root>/user_conda to envs_dirs in .condarc (idempotent)")
     c.add_argument("--condarc", default=None)
-    _config_options(c, "condarc")
     p.set_defaults(func=run)
 
 

@@ -10,35 +10,25 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Optional, Union
+from typing import Optional, Union
 
 from kit.atomic import atomic_write_text
-from kit.envs.archive import ArchiveWriter, archive_writer
+from kit.envs.archive import ArchiveWriter
 from kit.envs.config import get_layout
 from kit.envs.prefix import EDITABLE_HINT, EnvError
-
-
-def _load(prefix: str, ignore_editable: bool):
-    import conda_pack
-
-    try:
-        return conda_pack.CondaEnv.from_prefix(prefix, ignore_editable_packages=ignore_editable)
-    except conda_pack.CondaPackException as exc:
-        hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
-        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
-
-
-def _mtime(prefix: str) -> Optional[float]:
-    history = Path(prefix, "conda-meta", "history")
-    return history.lstat().st_mtime if history.exists() else None
 
 
 def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):
     """(files, packer): conda-pack's Packer (internal in conda-pack 0.8-0.9) over the env's files into `archive`
     (add(source, target), add_bytes(source, data, target)); the bar counts conda-pack's records."""
+    import conda_pack
     from conda_pack.core import Packer
 
-    env = _load(prefix, ignore_editable)
+    try:
+        env = conda_pack.CondaEnv.from_prefix(prefix, ignore_editable_packages=ignore_editable)
+    except conda_pack.CondaPackException as exc:
+        hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
+        raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
     if bar is not None:
         bar.total = len(env.files)
         bar.refresh()
@@ -60,37 +50,11 @@ def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: O
     return len(env.files), packer
 
 
-class _KitTarArchive:
-    """conda-pack archive target that writes through the kit's ArchiveWriter (member list with sizes and hashes)."""
-
-    def __init__(self, writer: ArchiveWriter):
-        self.writer = writer
-
-    def add(self, source: str, target: str) -> None:
-        self.writer.add_path(source, target)
-
-    def add_bytes(self, source: str, data: bytes, target: str) -> None:
-        st = os.lstat(source)
-        self.writer.add_bytes(target, data, mode=st.st_mode & 0o777, st=st)
-
-
-def pack_conda(
-    prefix: os.PathLike | str,
-    raw: IO[bytes],
-    fmt: str,
-    level: int,
-    threads: int,
-    ignore_editable: bool = False,
-    manifest: Optional[dict] = None,
-    bar=None,
-) -> dict:
-    """What `conda pack` writes (conda-pack's files and bin/conda-unpack) as a kit archive, whose compressor
-    gives tar.zst the level and threads conda-pack's own tar.zst ignores."""
-    prefix = os.path.abspath(prefix)
-    head = dict(manifest or {}, kind="conda", prefix=prefix)
-    with archive_writer(raw, fmt, level, threads, head, mtime=_mtime(prefix)) as writer:
-        files, packer = _run_packer(prefix, _KitTarArchive(writer), ignore_editable, bar)
-        writer.finish({})
+def pack_conda(prefix: str, writer: ArchiveWriter, ignore_editable: bool = False, bar=None) -> dict:
+    """What `conda pack` writes for the env at the absolute `prefix` (conda-pack's files and bin/conda-unpack) into
+    the kit archive `writer`, whose compressor gives tar.zst the level and threads conda-pack's own ignores."""
+    files, packer = _run_packer(prefix, writer, ignore_editable, bar)
+    writer.finish({})
     return {"files": files, "prefix_records": len(packer.prefixes)}
 
 

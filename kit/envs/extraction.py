@@ -19,7 +19,7 @@ import zlib
 from typing import Callable, Iterator, Optional
 
 from kit.atomic import current_umask
-from kit.envs.archive import ARCHIVE_VERSION, CHUNK, MANIFEST, TRAILER, default_hash, new_hasher
+from kit.envs.archive import ARCHIVE_VERSION, CHUNK, HASH, MANIFEST, TRAILER, new_hasher
 from kit.envs.prefix import (
     ArchiveDamagedError,
     EnvArchiveError,
@@ -27,6 +27,7 @@ from kit.envs.prefix import (
     helper_program,
     inside,
     special_file_error,
+    walk_tree,
 )
 
 _END = bytes(512)  # tar's end-of-archive block
@@ -237,16 +238,6 @@ def _list_member(tar: tarfile.TarFile, m: tarfile.TarInfo, rows: dict, hash_name
         raise special_file_error(f"archive member {m.name!r}", "refusing to extract it", EnvArchiveError)
 
 
-def _links_stay_inside(root: str, links: list) -> None:
-    """Chains of links can climb out although each one looks inside on its own (a -> ., b -> a/..)."""
-    for path in links:
-        if os.path.isabs(os.readlink(path)) or not inside(root, os.path.realpath(path)):
-            raise EnvArchiveError(
-                f"link {os.path.relpath(path, root)!r} -> {os.readlink(path)!r} leads outside the target; "
-                f"refusing the archive."
-            )
-
-
 def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dict:
     """GNU tar extracts (no owners, no setuid/setgid, no device files, folder modes at the end), running
     `zstd` / `gzip` where installed, else fed from here; returns {inode: (size, hash)} of the files hashed."""
@@ -275,23 +266,15 @@ def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dic
                 target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress)
             )
             names.start()
-            if fed:
-                with damage_named(archive):
-                    _feed(archive, proc.stdin)
+            if fed:  # until the end, or until tar stops (its message says why)
+                with damage_named(archive), contextlib.suppress(BrokenPipeError):
+                    for chunk in _decompressed(archive):
+                        proc.stdin.write(chunk)
+                    proc.stdin.close()
     finally:
         if names is not None:
             names.join()
     return hashes
-
-
-def _feed(archive: str, pipe) -> None:
-    """The decompressed archive into tar's stdin, until the end or until tar stops (its message says why)."""
-    try:
-        for chunk in _decompressed(archive):
-            pipe.write(chunk)
-        pipe.close()
-    except BrokenPipeError:
-        pass
 
 
 def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
@@ -331,29 +314,18 @@ def _hash(path: str, hash_name: str) -> tuple:
     return st, h.hexdigest()
 
 
-def _entries(root: str) -> dict:
-    """{name: os.DirEntry} of everything under `root`, links not followed; types and inodes come with the folder
-    listings (no stat per entry)."""
-    out, folders = {}, [(root, "")]
-    while folders:
-        folder, rel = folders.pop()
-        with os.scandir(folder) as it:
-            for entry in it:
-                out[rel + entry.name] = entry
-                if entry.is_dir(follow_symlinks=False):
-                    folders.append((entry.path, f"{rel}{entry.name}/"))
-    return out
-
-
-def _check_tree(archive, root: str, trailer: dict, hash_name: str, hashes: dict) -> dict:
+def _check_tree(archive, root: str, members, hash_name: str, hashes: dict) -> dict:
     """The tree under `root` must be the member list (types, sizes, hashes, link targets; nothing else but the
     folders that hold them); folders become owner-writable, those tar made unlisted get the usual mode."""
-    found = _entries(root)
+    found = dict(walk_tree(root))
     for name, e in found.items():
-        if not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False) or e.is_symlink()):
+        if e.is_symlink():  # a chain of links can climb out although each looks inside (a -> ., b -> a/..)
+            if os.path.isabs(os.readlink(e.path)) or not inside(root, os.path.realpath(e.path)):
+                raise EnvArchiveError(
+                    f"link {name!r} -> {os.readlink(e.path)!r} leads outside the target; refusing the archive."
+                )
+        elif not (e.is_dir(follow_symlinks=False) or e.is_file(follow_symlinks=False)):
             raise special_file_error(f"archive member {name!r}", "refusing the archive", EnvArchiveError)
-    _links_stay_inside(root, [e.path for e in found.values() if e.is_symlink()])
-    members = trailer.get("members")
     if not isinstance(members, list) or not all(isinstance(m, list) and len(m) == 4 for m in members):
         raise _damaged(archive, "its member list is not a list of [name, type, size, hash or link]")
     missing = [m[0] for m in members if m[0] not in found]
@@ -424,12 +396,12 @@ def extract(
                 f"archive {str(archive)!r} was written by a newer kit (format {head['kit_archive']}); update "
                 f"the kit to unpack it."
             )
-        new_hasher(head.get("hash"))  # an unknown hash, or xxhash missing: one clear line before any write
+        new_hasher(head.get("hash"))  # an unknown hash: one clear line before any write
     exe = gnu_program("tar")
     if exe is None:
         raise EnvArchiveError("GNU tar is needed to unpack archives: install it (apt-get install tar).")
-    hash_name = head["hash"] if head is not None else default_hash()
-    listed = _listed(archive, hash_name) if head is None else None
+    hash_name = head["hash"] if head is not None else HASH
+    members = _listed(archive, hash_name) if head is None else None  # a kit archive's: its last member
     tmp = tempfile.mkdtemp(prefix=".kit-extract-", dir=root)  # tar follows links it finds: only in its own
     try:
         hashes = _with_gnu_tar(exe, archive, tmp, progress, hash_name)
@@ -439,10 +411,9 @@ def extract(
             trailer = _take_json(archive, tmp, TRAILER)
             if trailer is None:
                 raise _damaged(archive, "it stops before its member list")
-            manifest = dict(head, **{k: v for k, v in trailer.items() if k != "members"})
-        counts = _check_tree(
-            archive, tmp, trailer if head is not None else {"members": listed}, hash_name, hashes
-        )
+            members = trailer.pop("members", None)
+            manifest = dict(head, **trailer)
+        counts = _check_tree(archive, tmp, members, hash_name, hashes)
         names = os.listdir(tmp)
         clash = next((n for n in names if os.path.lexists(os.path.join(root, n))), None)
         if clash is not None:

@@ -171,11 +171,8 @@ def install_stored(store_dir: Union[str, Path]) -> str:
 
 def stored_kernels(envs_root: Optional[Union[str, Path]] = None) -> dict:
     """{name: kernel.json dict} of the kernelspecs kept under <envs_root>/kernels."""
-    folder = get_layout(envs_root).kernels
-    out = {}
-    for spec in sorted(folder.glob("*/kernel.json")) if folder.is_dir() else []:
-        out[spec.parent.name] = read_json_object(spec)
-    return out
+    specs = sorted(get_layout(envs_root).kernels.glob("*/kernel.json"))  # none while the folder is absent
+    return {spec.parent.name: read_json_object(spec) for spec in specs}
 
 
 def read_json_object(path: Path) -> dict:

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
@@ -15,7 +14,7 @@ from typing import Iterator, Optional, Sequence, Union
 from kit.atomic import aside_name, atomic_dir, atomic_file, atomic_write_text, refuse_existing
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
-from kit.envs.archive import FORMATS, EarlyWriteback, check_level, format_of, suffix_format
+from kit.envs.archive import FORMATS, EarlyWriteback, archive_writer, check_level, format_of, suffix_format
 from kit.envs.conda import clone_command, conda_envs, run_conda
 from kit.envs.config import get_layout
 from kit.envs.extraction import extract
@@ -31,9 +30,9 @@ from kit.envs.prefix import (
     copy_tree,
     env_info,
     find_editable,
+    free_bytes,
     kind_of,
     scan_tree,
-    space_checker,
     tree_totals,
     verify,
 )
@@ -86,16 +85,6 @@ def resolve_env(source: PathLike, envs_root: Optional[PathLike] = None) -> EnvIn
     )
 
 
-def _target_for(
-    source: EnvInfo, name: Optional[str], target: Optional[PathLike], envs_root: Optional[PathLike]
-) -> Path:
-    if target is not None:
-        path = Path(target).expanduser().absolute()
-        check_name(path.name, "target folder name")
-        return path
-    return get_layout(envs_root).folder_for(source.kind) / check_name(source.name if name is None else name)
-
-
 def clone(
     source: PathLike,
     name: Optional[str] = None,
@@ -113,7 +102,11 @@ def clone(
     (offline, relocates prefixes), 'conda-clone' (`conda create --clone`: needs conda and its package cache)."""
     check_choice(method, CLONE_METHODS, "clone method")
     src = resolve_env(source, envs_root)
-    dest = _target_for(src, name, target, envs_root)
+    if target is not None:
+        dest = Path(target).expanduser().absolute()
+        check_name(dest.name, "target folder name")
+    else:
+        dest = get_layout(envs_root).folder_for(src.kind) / check_name(src.name if name is None else name)
     source_real, dest_real = os.path.realpath(src.prefix), os.path.realpath(dest)
     if dest_real == source_real:
         raise EnvError(f"target {dest} is the source env itself; choose another name or folder.")
@@ -128,23 +121,27 @@ def clone(
     if method.startswith("conda") and src.kind != "conda":
         raise EnvError(f"method {method!r} needs a conda env, but {src.prefix} is a {src.kind}; use 'copy'.")
     partial = handle_partials(dest.parent, clean_partial)
-    check, totals = space_checker(dest.parent, f"a clone of {src.prefix}"), []
+    free, totals = free_bytes(dest.parent), []  # measured before cp, which copies beside the scan
+
+    def scanned(entries: list, bar=None) -> None:  # sizes summed, space checked
+        totals[:] = tree_totals(entries)
+        check_space(dest.parent, totals[1], f"a clone of {src.prefix}", free)
+        if bar is not None:
+            bar.total = totals[0]
+            bar.refresh()
+
     start = time.perf_counter()
     if method == "conda-clone":  # conda writes into the target itself: no temporary name, the target's lock
-        totals[:] = check(scan_tree(src.prefix))
+        scanned(scan_tree(src.prefix))
         with hold(dest, "target env"):
             counts = _conda_create_clone(src.prefix, dest, overwrite)
     else:
         with atomic_dir(dest, overwrite=overwrite, what="target env") as tmp, _bar(None, "clone") as bar:
-
-            def scanned(entries: list) -> None:  # sizes summed, space checked
-                totals[:] = check(entries)
-                bar.total = totals[0]
-                bar.refresh()
-
             if method == "copy":  # the scan runs beside GNU cp's copy
-                counts = copy_tree(src.prefix, tmp, str(dest), bar.update, on_scanned=scanned)
-            else:
+                counts = copy_tree(
+                    src.prefix, tmp, str(dest), bar.update, on_scanned=lambda e: scanned(e, bar)
+                )
+            else:  # conda-pack's packer sets the bar's total
                 scanned(scan_tree(src.prefix))
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     n_files, size = totals
@@ -200,7 +197,7 @@ def pack(
     clean_partial: bool = False,
 ) -> dict:
     """Pack an env into one archive (default <envs_root>/packs/<name>.<fmt>) that unpack() checks member by member;
-    fmt: 'tar.zst' (default), 'tar.gz' (parallel gzip unless threads=1) or 'tar', as the suffix says; 0 threads: all."""
+    fmt: 'tar.zst' (default), 'tar.gz' (gzip on a thread pool) or 'tar', as the suffix says; 0 threads: all."""
     if fmt is not None:
         check_choice(fmt, FORMATS, "archive format")
     src = resolve_env(source, envs_root)
@@ -227,20 +224,19 @@ def pack(
     n_files, size = tree_totals(entries)
     check_space(output.parent, size if fmt == "tar" else size // 2, f"an archive of {src.prefix}")
     manifest = {"kind": src.kind, "name": src.name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    prefix = os.path.abspath(src.prefix)
+    head = dict(manifest, prefix=prefix)
+    scan = None if src.kind == "conda" else prefix.encode()  # conda-pack finds a conda env's prefixes itself
     start = time.perf_counter()
     with (
         atomic_file(output, "wb", overwrite=overwrite) as final,
         _bar(n_files, f"pack {fmt}") as bar,
+        archive_writer(EarlyWriteback(final), fmt, level, threads, head, scan) as writer,
     ):
-        fh = EarlyWriteback(final)
         if src.kind == "conda":
-            counts = conda_backend.pack_conda(
-                src.prefix, fh, fmt, level, threads, ignore_editable, manifest, bar
-            )
+            counts = conda_backend.pack_conda(prefix, writer, ignore_editable, bar)
         else:
-            counts = venv_backend.pack_tree(
-                src.prefix, fh, fmt, level, threads, manifest, entries, bar.update
-            )
+            counts = venv_backend.pack_tree(prefix, writer, entries, bar.update)
     seconds = time.perf_counter() - start
     result = {
         "source": str(src.prefix),
@@ -348,10 +344,8 @@ def _verify(prefix: Path, imports: Optional[Sequence[str]], env: Optional[dict])
 def _staged(tmp: Path, final: Path) -> Iterator[None]:
     """`final` points at the staging folder meanwhile, so that fix-up scripts that derive the prefix from their
     own location (conda-unpack) write the final path."""
-    moved = None
-    if os.path.lexists(final):  # overwrite=True: keep the old env aside until atomic_dir swaps
-        moved = Path(tempfile.mkdtemp(prefix=f".{final.name}.prev-", dir=final.parent))
-        os.rmdir(moved)
+    moved = aside_name(final) if os.path.lexists(final) else None  # overwrite=True: the old env waits there
+    if moved is not None:
         os.replace(final, moved)
     os.symlink(tmp, final)
     try:

@@ -129,9 +129,9 @@ def env_info(prefix: os.PathLike | str, name: Optional[str] = None) -> EnvInfo:
     return EnvInfo(name or p.name, p, kind)
 
 
-def scan_tree(root: os.PathLike | str) -> list:
-    """[(relative name, path, lstat)] of everything under `root`: each folder before its contents, names sorted,
-    links not followed. One lstat per entry; pack, clone and the unpack check work from this list."""
+def walk_tree(root: os.PathLike | str) -> list:
+    """[(relative name, os.DirEntry)] of everything under `root`: each folder before its contents, names sorted,
+    links not followed; types and inodes come with the folder listings (no stat per entry)."""
     out, folders = [], [(os.fspath(root), "")]
     while folders:  # depth first without recursion: an archive's tree may be deeper than Python's stack
         folder, rel = folders.pop()
@@ -140,12 +140,16 @@ def scan_tree(root: os.PathLike | str) -> list:
         subdirs = []
         for entry in entries:
             name = f"{rel}/{entry.name}" if rel else entry.name
-            st = entry.stat(follow_symlinks=False)
-            out.append((name, entry.path, st))
-            if stat.S_ISDIR(st.st_mode):
+            out.append((name, entry))
+            if entry.is_dir(follow_symlinks=False):
                 subdirs.append((entry.path, name))
         folders += reversed(subdirs)
     return out
+
+
+def scan_tree(root: os.PathLike | str) -> list:
+    """[(relative name, path, lstat)] of walk_tree(root), one lstat per entry: what pack and clone work from."""
+    return [(name, e.path, e.stat(follow_symlinks=False)) for name, e in walk_tree(root)]
 
 
 def tree_totals(entries: list) -> tuple[int, int]:
@@ -164,7 +168,7 @@ def free_bytes(path: os.PathLike | str) -> int:
 
 def check_space(target: os.PathLike | str, needed: int, what: str, free: Optional[int] = None) -> None:
     """Raise EnvError before starting if the target filesystem cannot hold `needed` bytes (+5%, +64 MiB);
-    `free`: the free bytes measured before a copy started (default: measured now)."""
+    `free`: the free bytes measured before a copy started beside the scan (default: measured now)."""
     want = int(needed * 1.05) + (64 << 20)
     free = free_bytes(target) if free is None else free
     if free < want:
@@ -173,19 +177,6 @@ def check_space(target: os.PathLike | str, needed: int, what: str, free: Optiona
             f"{free / 2**30:.2f} GiB free; free space there or choose another target "
             f"(on ModelArts, /home/ma-user/work is the persistent one; EVS can be expanded)."
         )
-
-
-def space_checker(target: os.PathLike | str, what: str) -> Callable[[list], tuple]:
-    """check(entries) -> tree_totals(entries), raising check_space's EnvError when the target cannot hold them;
-    free space is measured now, so a copy that starts beside the scan (copy_tree) does not count against itself."""
-    free = free_bytes(target)
-
-    def check(entries: list) -> tuple:
-        totals = tree_totals(entries)
-        check_space(target, totals[1], what, free=free)
-        return totals
-
-    return check
 
 
 def scan_prefix(data: bytes, old: bytes) -> bool:
@@ -276,12 +267,6 @@ def special_file_error(what: str, then: str, error=EnvError) -> Exception:
     )
 
 
-def _special(entries: list) -> None:
-    for _rel, s, st in entries:
-        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
-            raise special_file_error(s, "remove it first")
-
-
 @contextlib.contextmanager
 def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extracting: bool = False, **popen):
     """Run a helper program (cp, tar) beside the block, killed if the block fails or this process dies. Its failure
@@ -318,7 +303,6 @@ def copy_tree(
     files and absolute links; every file must have the size the scan saw. The scan (unless `entries` is given)
     runs while cp copies, then on_scanned(entries), e.g. a space check that stops the copy."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
-    _special(entries or [])
     exe = gnu_program("cp")
     if exe is None:
         raise EnvError("GNU cp is needed to clone envs: install it (apt-get install coreutils).")
@@ -326,7 +310,6 @@ def copy_tree(
     with helper_program(cmd, f"copying {src}", stdout=subprocess.DEVNULL):
         if entries is None:  # the scan that would otherwise come first runs beside cp's copy
             entries = scan_tree(src)
-            _special(entries)
             if on_scanned is not None:
                 on_scanned(entries)
         counts = {"files": 0, "links": 0, "rewritten": 0, "bytes": 0}
@@ -339,8 +322,10 @@ def copy_tree(
                 counts["bytes"] += st.st_size
                 if 0 < st.st_size <= SCAN_LIMIT and holds_prefix(s, st.st_size, src.encode()):
                     texts.append(rel)
-            else:
+            elif stat.S_ISDIR(st.st_mode):
                 continue
+            else:  # a FIFO, socket or device: the error stops cp
+                raise special_file_error(s, "remove it first")
             if progress:
                 progress(1)
     for rel, s, st in entries:  # cp copied what it found: a file changed since the scan differs in size
@@ -357,7 +342,7 @@ def copy_tree(
             if os.path.isabs(target) and inside(src, target):
                 os.unlink(d)
                 os.symlink(new_prefix + target[len(src) :], d)
-        elif st.st_mode & 0o700 != 0o700:  # a folder (_special refused anything else)
+        elif st.st_mode & 0o700 != 0o700:  # a folder (anything else was refused above)
             os.chmod(d, stat.S_IMODE(st.st_mode) | 0o700)
     counts["rewritten"], grown = rewrite_prefix_files(dst, texts, src, new_prefix)
     counts["bytes"] += grown

@@ -1,4 +1,4 @@
-"""Virtualenv backend: create, clone (copy + prefix rewrite), pack to an archive, finish an unpacked one."""
+"""Virtualenv backend: create, pack into a kit archive, finish an unpacked one, and a demo env to practise on."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Optional, Union
+from typing import Optional, Union
 
 from kit.atomic import atomic_dir
-from kit.envs.archive import archive_writer
+from kit.envs.archive import ArchiveWriter
 from kit.envs.config import get_layout
 from kit.envs.prefix import (
     EnvArchiveError,
@@ -55,20 +55,10 @@ def _outside_link_ok(rel: str, dest: str) -> bool:
     return folder == "bin" and all(_INTERPRETER.match(n) for n in (name, os.path.basename(dest)))
 
 
-def pack_tree(
-    prefix: os.PathLike | str,
-    raw: IO[bytes],
-    fmt: str,
-    level: int,
-    threads: int,
-    manifest: dict,
-    entries: list,
-    progress=None,
-) -> dict:
-    """Write the scan_tree() `entries` of `prefix` as a kit archive into the open file `raw`. Absolute links (bin/
-    python3.X -> the base interpreter) go to the member list's `abs_links`, not the tar, so that extraction never
-    creates a link that leaves the target."""
-    prefix = os.path.abspath(prefix)
+def pack_tree(prefix: str, writer: ArchiveWriter, entries: list, progress=None) -> dict:
+    """Write the scan_tree() `entries` of the absolute `prefix` into the kit archive `writer`; progress(1) per file
+    or link. Absolute links (bin/python3.X -> the base interpreter) go to the member list's `abs_links`, not the
+    tar, so that extraction never creates a link that leaves the target."""
     abs_links, outside = {}, []
     for rel, path, st in entries:
         if stat.S_ISLNK(st.st_mode) and os.path.isabs(os.readlink(path)):
@@ -81,11 +71,8 @@ def pack_tree(
             f"cannot pack {prefix}: {len(outside)} link(s) point outside the env ({', '.join(outside[:5])}); an "
             f"unpacked env could not have them. Replace them with copies or relative links, then pack again."
         )
-    head = dict(manifest, prefix=prefix)
-    with archive_writer(raw, fmt, level, threads, head, scan=prefix.encode()) as writer:
-        # progress: a tick per file or link, what tree_totals() counts
-        writer.add_entries(entries, skip=abs_links, progress=progress)
-        writer.finish({"abs_links": abs_links})
+    writer.add_entries(entries, skip=abs_links, progress=progress)
+    writer.finish({"abs_links": abs_links})
     files = sum(1 for m in writer.members if m[1] == "f")
     return {"files": files, "bytes": writer.bytes, "prefix_files": len(writer.prefix_files)}
 
