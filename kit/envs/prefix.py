@@ -11,13 +11,13 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from kit.errors import IntegrityError, KitError
+from kit.lifetime import dies_with_parent
 
 
 class EnvError(KitError, ValueError):
@@ -37,30 +37,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SCAN_LIMIT = 2 << 20  # text files with a prefix are scripts and configs; bigger ones are binaries
 _HEAD = 8192  # a file with a NUL byte in its first 8 KiB is binary
 _GNU: dict = {}
-
-
-def dies_with_parent(extracting: bool = False):
-    """A preexec_fn that has Linux kill a helper program (cp, tar) when this process dies, so nothing writes on
-    into a partial output; extracting: umask 0 (modes as archived) and no CAP_MKNOD (no device files)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def setup() -> None:
-        prctl(1, 9)  # PR_SET_PDEATHSIG (1), SIGKILL (9)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-        if extracting:
-            prctl(24, 27)  # PR_CAPBSET_DROP (24) CAP_MKNOD (27); a no-op error where it is not held
-            os.umask(0)
-
-    return setup
 
 
 def gnu_program(name: str) -> Optional[str]:
@@ -272,7 +248,7 @@ def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extract
     """Run a helper program (cp, tar) beside the block, killed if the block fails or this process dies. Its failure
     is `error` naming its last message, or OSError ENOSPC on a full disk (the CLI prints that in one line)."""
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting), **popen)
+        proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting=extracting), **popen)
         try:
             yield proc
             code = proc.wait()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from kit.errors import KitError
+from kit.lifetime import dies_with_parent
 
 _LIVE: List[Server] = []
 
@@ -56,16 +57,6 @@ def check_port(host: str, port: int) -> None:
             f"port {port} on {host} is already in use (another server?); choose another PORT (0: a free one) or stop "
             f"the process holding it (`ss -ltnp | grep :{port}` shows it)."
         )
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def _reason(tail: List[str], model: str) -> str:
@@ -119,7 +110,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: stop() ends the engine and every child
-                preexec_fn=_die_with_parent,
+                preexec_fn=dies_with_parent(signal.SIGTERM),
                 env=env,
             )
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kit.configs import check, save_config
+from kit.lifetime import dies_with_parent
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
-from kit.train.procs import STOP_GRACE_S, Job, Stopper, die_with_parent, stop  # noqa: F401  (stop: re-exported)
+from kit.train.procs import STOP_GRACE_S, Job, Stopper, stop  # noqa: F401  (stop: re-exported)
 from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
@@ -298,7 +300,7 @@ def launch(
             cwd=str(repo_root()),
             start_new_session=True,
             bufsize=1,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=dies_with_parent(signal.SIGTERM),  # torchrun then stops its ranks
         )
         job = Job(proc)
         stopper = Stopper(job, grace_s)

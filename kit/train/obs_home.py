@@ -22,6 +22,7 @@ from typing import List, Optional
 from kit import obs
 from kit.atomic import atomic_write_text
 from kit.errors import MissingInputError
+from kit.lifetime import die_with_parent
 from kit.train import checkpoint
 
 COMPLETE = (
@@ -193,18 +194,6 @@ def _lower_priority() -> None:
         pass  # not allowed: uploads still run, at the training's priority
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when the thread that started it ends (a SIGKILLed trainer leaves no
-    uploader behind; a cut upload never gets its marker)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the uploader still ends on EOF of its job pipe
-
-
 def upload_checkpoint(job: dict) -> None:
     """One checkpoint's upload (what the uploader child runs): this node's files, its node record, and on node 0,
     once every node's record is there, the complete marker last. `job`: url, out, node, nnodes, inputs, folder,
@@ -251,7 +240,7 @@ def _serve() -> None:
     import signal
     import sys
 
-    _die_with_parent()
+    die_with_parent()  # SIGKILL: a killed trainer leaves no uploader behind; a cut upload never gets its marker
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     _lower_priority()

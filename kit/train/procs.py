@@ -93,14 +93,6 @@ def _killpg(pgid: int, sig) -> None:
         pass
 
 
-def die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
-    """Linux: the launcher child gets SIGTERM when the kit's process dies, even by SIGKILL (prctl PR_SET_PDEATHSIG),
-    and torchrun then stops its ranks."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
-
-
 def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
     """Ask the job to stop (SIGTERM to its ranks: they checkpoint and exit), then kill all of it after `grace_s`."""
     job = Job(proc)
