@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kit-installed
 PY39 := $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9*/bin/python3.9) $(shell command -v python3.9 2>/dev/null))
 PYTEST_ARGS ?=
+# pytest-xdist for make unit and the compat stacks: one worker per core (at most 4), each test file whole on one worker
+# (its module fixtures built once, its tests in their order); XDIST="-n 0" (or PYTEST_ARGS="-n 0") runs one process
+XDIST ?= -n auto --maxprocesses=4 --dist loadfile
 
 COMPAT_STACKS := $(sort $(basename $(notdir $(wildcard envs/compat/*.txt))))
 TEST_PARTS := install lint compat39 unit nbval e2e $(addprefix compat-,$(COMPAT_STACKS))
@@ -43,7 +46,7 @@ endif
 
 # every unit and notebook test (papermill, tiny parameters), dev_stack ones included: this is their one run
 unit: install
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e" $(XDIST) $(PYTEST_ARGS)
 
 # every notebook on its defaults under nbval (outputs are not compared: --nbval-lax), in a workspace of its own:
 # the notebooks as a user runs them, once, on the dev stack
@@ -67,10 +70,10 @@ bench: install
 # break (tests/compat/run_compat.sh says which); make test runs each stack as a part of its own, compat-<STACK>
 STACK ?= all
 test-compat:
-	tests/compat/run_compat.sh $(STACK)
+	KIT_XDIST="$(XDIST)" tests/compat/run_compat.sh $(STACK)
 
 $(addprefix compat-,$(COMPAT_STACKS)): compat-%:
-	tests/compat/run_compat.sh $*
+	KIT_XDIST="$(XDIST)" tests/compat/run_compat.sh $*
 
 clean:
 	rm -rf runs/demo runs/ws runs/e2e runs/nbval-ws

@@ -144,12 +144,14 @@ def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_pa
     (torchrun gets SIGTERM when its parent dies)."""
     import psutil
 
-    from kit.train.engine import free_port
+    from kit.train.engine import free_port, without_in_process_rendezvous
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", nnodes=2, master_addr="127.0.0.1")
     config_path = save_config(cfg, tmp_path, "job.json")
-    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    # without an earlier in-process training's rendezvous (its marker would make the job take port 6000, not this
+    # free one, and a job of a test on another worker may hold 6000)
+    env = dict(without_in_process_rendezvous(dict(os.environ)), MASTER_PORT=str(free_port()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kit", "train", "launch", "--config", str(config_path)],
         env=env,

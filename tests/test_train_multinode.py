@@ -17,7 +17,7 @@ from kit.configs import save_config
 from kit.errors import InputError
 from kit.manifest import read_manifest
 from kit.train import TrainConfig, train
-from kit.train.engine import free_port
+from kit.train.engine import free_port, without_in_process_rendezvous
 from kit.train.jobenv import launching_card, modelarts_env
 from kit.train.launch import hostfile_text, job_config, launch, launch_command
 from kit.train.metrics import read_metrics
@@ -30,7 +30,13 @@ KIT_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE
 
 
 def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS + KIT_VARS}
+    # without the rendezvous of a training this pytest process ran in-process (another test's): its marker would
+    # make the job ignore the MASTER_PORT given here and take 6000, which a job of a test on another worker may hold
+    env = {
+        k: v
+        for k, v in without_in_process_rendezvous(dict(os.environ)).items()
+        if k not in JOB_VARS + KIT_VARS
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root()), **extra)
     return env
 

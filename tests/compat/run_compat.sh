@@ -16,7 +16,8 @@
 # every clone on a machine (CI's fresh clones too) shares one built venv; the tests always import `kit` from
 # this checkout (PYTHONPATH). torch 2.1/2.5 from PyPI bring CUDA wheels (~2.5 GB per stack): pip keeps them in
 # its cache (~/.cache/pip, or PIP_CACHE_DIR), so a rebuild downloads nothing. Under make test ($KIT_TEST_TIMES
-# set) each stack's install time is noted in the table of part times.
+# set) each stack's install time is noted in the table of part times. KIT_XDIST: pytest-xdist's arguments (make
+# passes its XDIST: a worker per core, each test file whole on one worker); unset, the tests run in one process.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -120,8 +121,10 @@ print(sys.version.split()[0], *(f"{p} {v(p)}" for p in ("torch", "transformers",
             for a in "${FEWER_PARAMS[@]}"; do fewer+=(--deselect "$a"); done
         fi
     fi
+    local xdist=()
+    read -r -a xdist <<< "${KIT_XDIST:-}"
     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" KIT_COMPAT_STACK="$stack" "$venv/bin/python" -m pytest ${targets[@]+"${targets[@]}"} -m "$marks" --ignore=tests/e2e -p no:cacheprovider \
-        ${fewer[@]+"${fewer[@]}"} -q "$@" || rc=$?
+        ${fewer[@]+"${fewer[@]}"} ${xdist[@]+"${xdist[@]}"} -q "$@" || rc=$?
     echo "== $stack: tests took $((SECONDS - t0)) s (exit $rc)"
     return $rc
 }
