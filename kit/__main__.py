@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Optional
 
-from kit.errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, debug_enabled, user_message
+from kit.errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, INSTALL_EXTRAS, debug_enabled, user_message
 
 # sub-command -> (module with `register(subparsers)`, one-line help shown by `python -m kit --help`)
 STAGES = {
@@ -41,8 +41,7 @@ STAGES = {
 def _unavailable(name: str, exc: ImportError):
     def run(_args) -> int:
         print(
-            f"error: `python -m kit {name}` cannot run here: {exc} — install the kit with its extras "
-            f"(`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`) and retry.",
+            f"error: `python -m kit {name}` cannot run here: {exc} — {INSTALL_EXTRAS} and retry.",
             file=sys.stderr,
         )
         return EXIT_USER_ERROR

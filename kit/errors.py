@@ -154,10 +154,19 @@ def writing(path: PathLike) -> Iterator[None]:
         raise OutputError(code, f"cannot write {os.fspath(path)!r}: {hint}") from exc
 
 
+# what to do when an optional dependency (a stage's extra) is missing: at start-up (kit.__main__) or when a stage
+# imports it lazily (user_message)
+INSTALL_EXTRAS = (
+    "install the kit with its extras (`pip install -e .[data,convert,train,profile,envs,samples,notebooks]`)"
+)
+
+
 def user_message(exc: BaseException) -> Optional[str]:
     """The one-line message for an expected failure, or None for an unexpected one."""
     if isinstance(exc, KitError):
         return one_line(exc)
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return f"the package {exc.name!r} is not installed: {INSTALL_EXTRAS} and retry."
     if isinstance(exc, OSError):
         described = describe_os_error(exc)
         if described:

@@ -124,3 +124,18 @@ def test_notebook_shows_kit_and_disk_errors_as_one_line(tmp_path):
     assert len(outputs["other"]) > 1 and "OSError" in "".join(
         outputs["other"]
     )  # not ours: the usual traceback
+
+
+def test_a_missing_optional_package_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """A stage that imports an extra's package only when it needs it (pack's xxhash) says which one is missing."""
+    from kit import envs
+
+    env = envs.create_venv(tmp_path / "env", inherit=False)
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash -> ModuleNotFoundError(name='xxhash')
+    out = tmp_path / "env.tar.zst"
+    assert cli.main(["env", "pack", str(env), "-o", str(out)]) == 2
+    lines = capsys.readouterr().err.split("\r")[-1].splitlines()  # after the progress bar's redraws
+    assert lines[-1].startswith(
+        "error: the package 'xxhash' is not installed: install the kit with its extras"
+    )
+    assert len(lines) == 1 and not out.exists()
