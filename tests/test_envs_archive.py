@@ -391,11 +391,12 @@ def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, zstd_reader):
 
 
 def test_awkward_names_sizes_and_modes_round_trip(tmp_path):
-    """Names over 100 bytes, non-ASCII names, empty files, a file of whole blocks, one above the whole-read
-    limit, a link, an odd mode and mtime 0: written by the kit, read back by tarfile and unpacked unchanged."""
-    from kit.envs.archive import SMALL, archive_writer
+    """Names over 100 bytes, non-ASCII, non-UTF-8 and option-like names, a newline and a backslash in a name (tar
+    reads the names from a list), empty files, a file of whole blocks, one above the prefix-scan limit, a link, an
+    odd mode and mtime 0: written by the kit, read back by tarfile and unpacked unchanged."""
+    from kit.envs.archive import archive_writer
     from kit.envs.extraction import extract
-    from kit.envs.prefix import scan_tree
+    from kit.envs.prefix import SCAN_LIMIT, scan_tree
 
     root = tmp_path / "tree"
     deep = root / ("d" * 60) / ("e" * 60)
@@ -405,12 +406,14 @@ def test_awkward_names_sizes_and_modes_round_trip(tmp_path):
     (root / "empty.txt").write_bytes(b"")
     (root / "exact.bin").write_bytes(b"\1" * 1024)
     (root / "naïve.py").write_text("z = 3\n")
-    (root / "big.bin").write_bytes(b"\2" * (SMALL + 5))
+    for odd in ("-C", "--remove-files", "new\nline.py", "back\\slash.py", os.fsdecode(b"latin\xe9.py")):
+        (root / odd).write_text("w = 4\n")
+    (root / "big.bin").write_bytes(b"\2" * (SCAN_LIMIT + 5))
     (root / "link").symlink_to("empty.txt")
     os.chmod(root / "exact.bin", 0o751)
     os.utime(root / "empty.txt", (0, 0))
     archive = tmp_path / "t.tar"
-    with open(archive, "wb") as fh, archive_writer(fh, "tar", 3, 1, {"kind": "test"}) as writer:
+    with open(archive, "wb") as fh, archive_writer(fh, "tar", 3, 1, {"kind": "test"}, str(root)) as writer:
         writer.add_entries(scan_tree(root))
         writer.finish({})
     with tarfile.open(archive) as tar:  # checksums are checked as tarfile reads
@@ -418,11 +421,11 @@ def test_awkward_names_sizes_and_modes_round_trip(tmp_path):
     long_name = f"{'d' * 60}/{'e' * 60}/{'f' * 99}"
     assert names[long_name].size == 6 and names["exact.bin"].mode == 0o751
     assert names["empty.txt"].mtime == 0 and names["naïve.py"].size == 6
-    assert names["big.bin"].size == SMALL + 5 and names["link"].linkname == "empty.txt"
+    assert names["big.bin"].size == SCAN_LIMIT + 5 and names["link"].linkname == "empty.txt"
     out = tmp_path / "out"
     out.mkdir()
     counts, manifest = extract(archive, out)
-    assert manifest["kind"] == "test" and counts["files"] == 6 and counts["symlinks"] == 1
+    assert manifest["kind"] == "test" and counts["files"] == 11 and counts["symlinks"] == 1
 
     def tree(top: Path) -> dict:
         return {
@@ -437,15 +440,15 @@ def test_awkward_names_sizes_and_modes_round_trip(tmp_path):
 
 @pytest.mark.parametrize("change", ["shrunk", "grown", "removed"])
 def test_a_file_that_changed_since_the_scan_stops_the_pack(tmp_path, change):
-    """Read whole (small) or in pieces into the compressor (big): a file whose size is not the scan's is named."""
-    from kit.envs.archive import SMALL, archive_writer
-    from kit.envs.prefix import scan_tree
+    """GNU tar reads each file after the scan: one whose size is not the scan's is named, small or big."""
+    from kit.envs.archive import archive_writer
+    from kit.envs.prefix import SCAN_LIMIT, scan_tree
 
     root = tmp_path / "tree"
     root.mkdir()
-    for name, size in (("small.py", 100), ("big.bin", SMALL + 100)):
+    for name, size in (("small.py", 100), ("big.bin", SCAN_LIMIT + 100)):
         (root / name).write_bytes(b"a" * size)
-    for name, size in (("small.py", 100), ("big.bin", SMALL + 100)):
+    for name, size in (("small.py", 100), ("big.bin", SCAN_LIMIT + 100)):
         entries = scan_tree(root)
         victim = root / name
         if change == "removed":
@@ -454,8 +457,9 @@ def test_a_file_that_changed_since_the_scan_stops_the_pack(tmp_path, change):
             victim.write_bytes(b"a" * (size // 2 if change == "shrunk" else size + 4))
         now = {"shrunk": f"{size // 2} now", "grown": f"{size + 4} now", "removed": "gone now"}[change]
         with open(tmp_path / "t.tar", "wb") as fh, pytest.raises(envs.EnvError) as err:
-            with archive_writer(fh, "tar", 3, 1, {"kind": "test"}) as writer:
+            with archive_writer(fh, "tar", 3, 1, {"kind": "test"}, str(root)) as writer:
                 writer.add_entries(entries)
+                writer.finish({})
         assert f"{victim} changed while it was packed ({size} bytes when the env was scanned, {now})" in str(
             err.value
         )
@@ -482,12 +486,31 @@ def test_a_full_disk_while_unpacking_is_one_clear_error_and_no_env(small_env, tm
     assert "\n" not in line and "disk is full" in line
 
 
-def test_without_gnu_tar_unpack_says_to_install_it(small_env, tmp_path, monkeypatch):
+def test_without_gnu_tar_pack_and_unpack_say_to_install_it(small_env, tmp_path, monkeypatch):
     archive = envs.pack(small_env, tmp_path / "env.tar.zst")["archive"]
     monkeypatch.setattr("kit.envs.extraction.gnu_program", lambda name: None)
+    monkeypatch.setattr("kit.envs.archive.gnu_program", lambda name: None)
     with pytest.raises(envs.EnvArchiveError, match=r"GNU tar is needed .*apt-get install tar"):
         envs.unpack(archive, tmp_path / "out" / "env", verify_imports=None)
     assert [p.name for p in (tmp_path / "out").iterdir()] == []
+    with pytest.raises(envs.EnvError, match=r"GNU tar is needed .*apt-get install tar"):
+        envs.pack(small_env, tmp_path / "out" / "again.tar.zst")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []
+
+
+def test_tar_read_in_small_pieces_gives_the_same_member_list(small_env, tmp_path, monkeypatch):
+    """GNU tar's stream reaches the kit in pieces of any size: headers, file data and the prefix scan of text files
+    cut across pieces give the member list (hashes included) and prefix files of whole reads."""
+
+    def trailer(path: Path) -> dict:
+        with tarfile.open(path) as tar:
+            return json.loads(tar.extractfile(tar.getmember(".kit-env-members.json")).read())
+
+    whole = trailer(Path(envs.pack(small_env, tmp_path / "whole.tar")["archive"]))
+    monkeypatch.setattr("kit.envs.archive.CHUNK", 700)
+    pieces = trailer(Path(envs.pack(small_env, tmp_path / "pieces.tar")["archive"]))
+    assert pieces == whole and len(whole["prefix_files"]) >= 3
+    assert any(m[1] == "h" for m in whole["members"]) and any(m[2] > 1 << 20 for m in whole["members"])
 
 
 def test_links_already_in_the_target_are_never_written_through(box):

@@ -1,7 +1,6 @@
-"""Writing env archives: tar (GNU format, as `tar -c` writes) compressed by python-zstandard on every core, or gzip.
-tarfile builds each member's header; the kit writes the members itself (not TarFile.addfile) for what that buys: a
-manifest first, every file hashed as it is read and checked against its scanned size, a member list with sizes and
-hashes last, and the stream handed to the compressor in 1 MiB writes.
+"""Writing env archives: tar (GNU format) compressed by python-zstandard on every core, or gzip. GNU tar writes the
+env's members from a list of names; the stream passes through here, where every file is hashed and checked against
+its scanned size; the kit's own members (manifest first, member list last) get their headers from tarfile.
 
 Layout (any tar reads it): `.kit-env.json` (kit_archive=2, kind, name, old prefix, hash algorithm), the env's
 members in walk order, `.kit-env-members.json` (every member as [name, type, size, hash or link target], and the
@@ -11,17 +10,23 @@ prefix fixes). A copy cut anywhere lacks the member list or some members, so unp
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
+import subprocess
 import tarfile
+import tempfile
 import zlib
 from typing import IO, Iterator, Optional
 
 from kit.envs.prefix import (
+    SCAN_LIMIT,
     EnvArchiveError,
     EnvError,
-    read_scanned,
+    changed_error,
+    gnu_program,
+    helper_program,
     scan_prefix,
     special_file_error,
 )
@@ -31,9 +36,9 @@ MANIFEST = ".kit-env.json"
 TRAILER = ".kit-env-members.json"
 ARCHIVE_VERSION = 2
 LEVELS = {"tar.zst": (1, 19), "tar.gz": (1, 9)}  # zstd 20-22 need ~GBs of memory to unpack; gzip stops at 9
-SMALL = 2 << 20  # files up to this size are read whole (and scanned for the old prefix)
 CHUNK = 1 << 20
 HASH = "xxh3_64"  # the member hash pack writes: xxhash keeps hashing off the critical path
+_END = bytes(512)  # tar's end-of-archive block
 _SUFFIXES = {".tar.zst": "tar.zst", ".tzst": "tar.zst", ".tar.gz": "tar.gz", ".tgz": "tar.gz", ".tar": "tar"}
 
 
@@ -133,44 +138,72 @@ class EarlyWriteback:
         return n
 
 
-class ArchiveWriter:
-    """A tar stream into `out` (a compressor), written in pieces of 1 MiB, recording [name, type, size, hash|link]
-    for every member; `scan`: text files that hold these bytes (the old prefix) are listed in prefix_files. Its
-    add() and add_bytes() are the archive interface conda-pack's Packer writes into."""
+class _TarPipe:
+    """What GNU tar writes into a pipe, read in pieces of up to CHUNK bytes; what was consumed goes to `send` when
+    the next piece is read, and by send_consumed() at the end."""
 
-    def __init__(self, out, scan: Optional[bytes] = None):
-        self.out, self.scan, self.hash_name = out, scan, HASH
+    def __init__(self, fd: int, send):
+        self.fd, self.send, self.buf, self.pos = fd, send, b"", 0
+
+    def _more(self) -> None:
+        data = os.read(self.fd, CHUNK)
+        if not data:
+            raise EOFError
+        self.send_consumed()
+        self.buf, self.pos = self.buf[self.pos :] + data, 0
+
+    def send_consumed(self) -> None:
+        if self.pos:
+            self.send(memoryview(self.buf)[: self.pos])
+
+    def take(self, n: int) -> bytes:
+        while len(self.buf) - self.pos < n:
+            self._more()
+        self.pos += n
+        return self.buf[self.pos - n : self.pos]
+
+    def spans(self, n: int) -> Iterator[tuple]:
+        """The next `n` bytes as (buffer, start, end) pieces, consumed."""
+        while n > 0:
+            if self.pos == len(self.buf):
+                self._more()
+            take = min(n, len(self.buf) - self.pos)
+            yield self.buf, self.pos, self.pos + take
+            self.pos, n = self.pos + take, n - take
+
+
+class ArchiveWriter:
+    """A tar stream into `out` (a compressor) of files under the folder `root`, recording [name, type, size,
+    hash|link] for every member; `scan`: text files that hold these bytes (the old prefix) are listed in
+    prefix_files. The members given to add() are written by GNU tar at finish(); their stream passes through here,
+    where each member is checked against its scanned size, hashed and recorded. add() and add_bytes() are the
+    archive interface conda-pack's Packer writes into."""
+
+    def __init__(self, out, root: str, scan: Optional[bytes] = None):
+        self.out, self.root, self.scan, self.hash_name = out, root, scan, HASH
         self.members: list = []
         self.prefix_files: list = []
-        self.bytes = 0
-        self._buf, self._offset, self._inodes = bytearray(), 0, {}
+        self.bytes = self._offset = 0
+        self._listed: list = []  # (name, lstat) for tar, in order
+        self._progress = None
 
-    def _write(self, data, pad: bool = False) -> None:
-        self._buf += data
-        if pad:  # to a whole 512-byte block
-            self._buf += bytes(-len(data) % 512)
-        if len(self._buf) >= CHUNK:
-            self._flush()
+    def _write(self, data) -> None:
+        self.out.write(data)
+        self._offset += len(data)
 
-    def _flush(self) -> None:
-        self.out.write(self._buf)
-        self._offset += len(self._buf)
-        self._buf = bytearray()
-
-    def _header(self, name: str, kind: bytes, st=None, mode=None, size: int = 0, link: str = "") -> None:
+    def _header(self, name: str, st, mode: int, size: int) -> None:
         info = tarfile.TarInfo(name)
-        info.type, info.size, info.linkname = kind, size, link
+        info.size, info.mode = size, mode
         if st is not None:
             info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
-        info.mode = stat.S_IMODE(st.st_mode) if mode is None else mode  # add_bytes() always gives one
         self._write(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
 
     def add_bytes(self, source: Optional[str], data: bytes, target: str) -> None:
         """The member `target` holding `data`: a file conda-pack rewrote, with the mode and times of `source`, or
         (source None) one of the kit's own JSON members, mode 0644 and not in the member list."""
         st = os.lstat(source) if source is not None else None
-        self._header(target, tarfile.REGTYPE, st, 0o644 if st is None else st.st_mode & 0o777, len(data))
-        self._write(data, pad=True)
+        self._header(target, st, 0o644 if st is None else st.st_mode & 0o777, len(data))
+        self._write(data + bytes(-len(data) % 512))
         if st is not None:
             h = new_hasher(self.hash_name)
             h.update(data)
@@ -181,67 +214,137 @@ class ArchiveWriter:
         self.bytes += size
 
     def add(self, path: str, name: str, st=None) -> None:
-        """Add the file, folder or link at `path` (links not followed) under the member name `name`."""
+        """List the file, folder or link at `path` (links not followed) as the member `name`; a file outside
+        `root` (a script conda-pack wrote to a temporary file) is read now."""
         st = st or os.lstat(path)
-        if stat.S_ISDIR(st.st_mode):
-            self._header(name, tarfile.DIRTYPE, st)
-            self.members.append([name, "d", 0, ""])
-        elif stat.S_ISLNK(st.st_mode):
-            target = os.readlink(path)
-            self._header(name, tarfile.SYMTYPE, st, link=target)
-            self.members.append([name, "l", 0, target])
-        elif stat.S_ISREG(st.st_mode):
-            first = self._inodes.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
-            if first is not None:
-                self._header(name, tarfile.LNKTYPE, st, link=first)
-                self.members.append([name, "h", 0, first])
-                return
-            if st.st_nlink > 1:
-                self._inodes[(st.st_dev, st.st_ino)] = name
-            self._add_file(path, name, st)
-        else:
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
             raise special_file_error(path, "remove it and pack again", EnvArchiveError)
-
-    def _add_file(self, path: str, name: str, st) -> None:
-        """The file's header and data, hashed on the way (a small file read whole and scanned for the old prefix);
-        a file whose size is not the scan's is an error."""
-        self._header(name, tarfile.REGTYPE, st, size=st.st_size)
-        h, small = new_hasher(self.hash_name), st.st_size <= SMALL
-        for data in read_scanned(path, st, "packed", max(st.st_size, 1) if small else CHUNK):
-            h.update(data)
-            self._write(data)
-            if small and self.scan and scan_prefix(data, self.scan):  # text that holds the old prefix
-                self.prefix_files.append(name)
-        self._write(bytes(-st.st_size % 512))
-        self._file(name, st.st_size, h.hexdigest())
+        if path == os.path.join(self.root, name):
+            self._listed.append((name, st))
+        else:
+            with open(path, "rb") as fh:
+                self.add_bytes(path, fh.read(), name)
 
     def add_entries(self, entries, skip=(), progress=None) -> None:
         """add() for every (name, path, lstat) of scan_tree() not in `skip`; progress(1) per file or link."""
+        self._progress = progress
         for name, path, st in entries:
-            if progress and not stat.S_ISDIR(st.st_mode):
-                progress(1)
             if name not in skip:
                 self.add(path, name, st)
+            elif progress and not stat.S_ISDIR(st.st_mode):
+                progress(1)
+
+    def _tar_listed(self) -> None:
+        """GNU tar writes the listed members into a pipe (its headers, hard links as it finds them, no end) and
+        this process passes them on to `out`."""
+        exe = gnu_program("tar")
+        if exe is None:
+            raise EnvError("GNU tar is needed to pack environments: install it (apt-get install tar).")
+        cmd = [exe, "-c", "-f", "-", "--format=gnu", "--numeric-owner", "--no-recursion", "-b", "2048"]
+        cmd += ["-C", self.root, "--null", "--no-unquote", "-T", "-"]
+        with tempfile.TemporaryFile() as names:
+            names.write(b"".join(os.fsencode(name) + b"\0" for name, _st in self._listed))
+            names.seek(0)
+            with helper_program(
+                cmd,
+                f"packing {self.root}",
+                EnvError,
+                stdin=names,
+                stdout=subprocess.PIPE,
+                env=dict(os.environ, LC_ALL="C"),
+            ) as proc:
+                with contextlib.suppress(OSError):  # 1 MiB reads, not 64 KiB (Linux's F_SETPIPE_SZ)
+                    fcntl.fcntl(proc.stdout.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), CHUNK)
+                pipe, ended = _TarPipe(proc.stdout.fileno(), self._write), False
+                try:
+                    self._pass_on(pipe)
+                    ended = True
+                except EOFError:  # tar stopped early: its message says why
+                    pass
+                else:
+                    pipe.send_consumed()
+                    while os.read(pipe.fd, CHUNK):  # tar's end blocks and record padding
+                        pass
+        if not ended:
+            raise EnvError(f"packing {self.root} failed: tar's stream stopped before its end")
+
+    def _pass_on(self, pipe: _TarPipe) -> None:
+        """Check, hash and record each member tar writes until its end block, which is left unconsumed."""
+        listed, i, long = self._listed, 0, {}
+        while True:
+            hdr = pipe.take(512)
+            if hdr == _END:
+                pipe.pos -= 512
+                break
+            kind, size = hdr[156:157], tarfile.nti(hdr[124:136])
+            if kind in (b"L", b"K"):  # a GNU long name or link target, for the header that follows
+                long[kind] = pipe.take(size + -size % 512)[:size].rstrip(b"\0")
+                continue
+            name = os.fsdecode(long.pop(b"L", None) or hdr[:100].split(b"\0", 1)[0]).rstrip("/")
+            link = os.fsdecode(long.pop(b"K", None) or hdr[157:257].split(b"\0", 1)[0])
+            want, st = listed[i] if i < len(listed) else (None, None)
+            if name != want:  # tar skips a listed file that is gone since the scan
+                raise self._changed(want)
+            i += 1
+            if kind in (b"0", b"\0"):
+                if size != st.st_size:
+                    raise changed_error(os.path.join(self.root, name), st.st_size, size, "packed")
+                self._file(name, size, self._data(pipe, name, size))
+            elif kind in (b"1", b"2"):
+                self.members.append([name, "h" if kind == b"1" else "l", 0, link])
+            elif kind == b"5":
+                self.members.append([name, "d", 0, ""])
+                continue
+            else:
+                raise special_file_error(
+                    os.path.join(self.root, name), "remove it and pack again", EnvArchiveError
+                )
+            if self._progress:
+                self._progress(1)
+        if i < len(listed):
+            raise self._changed(listed[i][0])
+
+    def _changed(self, name: Optional[str]) -> Exception:
+        if name is None:
+            return EnvError(f"packing {self.root} failed: tar wrote a member the kit did not list")
+        path = os.path.join(self.root, name)
+        now = os.lstat(path).st_size if os.path.lexists(path) else None
+        return changed_error(path, dict(self._listed)[name].st_size, now, "packed")
+
+    def _data(self, pipe: _TarPipe, name: str, size: int) -> str:
+        """The hash of a file's data (a small file also scanned for the old prefix), its padding consumed."""
+        h, kept = new_hasher(self.hash_name), []
+        for buf, start, end in pipe.spans(size):
+            h.update(memoryview(buf)[start:end])
+            if self.scan and size <= SCAN_LIMIT:
+                kept.append((buf, start, end))
+        if kept:
+            whole = kept[0] if len(kept) == 1 else (b"".join(b[s:e] for b, s, e in kept), 0, size)
+            if scan_prefix(*whole, old=self.scan):  # text that holds the old prefix
+                self.prefix_files.append(name)
+        pipe.take(-size % 512)
+        return h.hexdigest()
 
     def finish(self, extra: dict) -> None:
-        """Write the member list (with `extra`, e.g. prefix fixes) and tar's end: two zero blocks, then zeros to a
-        whole record of 10 KiB, as tarfile and tar end theirs."""
+        """Have tar write the listed members, then write the member list (with `extra`, e.g. prefix fixes) and
+        tar's end: two zero blocks, then zeros to a whole record of 10 KiB, as tarfile and tar end theirs."""
+        if self._listed:
+            self._tar_listed()
         trailer = dict(extra, members=self.members, hash=self.hash_name, prefix_files=self.prefix_files)
         self.add_bytes(None, json_bytes(trailer), TRAILER)
         self._write(bytes(1024))
-        self._write(bytes(-(self._offset + len(self._buf)) % tarfile.RECORDSIZE))
-        self._flush()
+        self._write(bytes(-self._offset % tarfile.RECORDSIZE))
 
 
 @contextlib.contextmanager
 def archive_writer(
-    raw: IO[bytes], fmt: str, level: int, threads: int, head: dict, scan: Optional[bytes] = None
+    raw: IO[bytes], fmt: str, level: int, threads: int, head: dict, root: str, scan: Optional[bytes] = None
 ) -> Iterator[ArchiveWriter]:
-    """An ArchiveWriter into the open file `raw` that has written `head` (+ kit_archive, hash) as the first
-    member; the caller adds the members and calls finish()."""
+    """An ArchiveWriter of files under `root` into the open file `raw` that has written `head` (+ kit_archive,
+    hash) as the first member; the caller adds the members and calls finish()."""
     comp = compressed_writer(raw, fmt, level, threads)
     try:
-        writer = ArchiveWriter(comp, scan)
+        writer = ArchiveWriter(comp, root, scan)
         head = dict(head, kit_archive=ARCHIVE_VERSION, hash=writer.hash_name)
         writer.add_bytes(None, json_bytes(head), MANIFEST)
         yield writer

@@ -231,7 +231,7 @@ def pack(
     with (
         atomic_file(output, "wb", overwrite=overwrite) as final,
         _bar(n_files, f"pack {fmt}") as bar,
-        archive_writer(EarlyWriteback(final), fmt, level, threads, head, scan) as writer,
+        archive_writer(EarlyWriteback(final), fmt, level, threads, head, prefix, scan) as writer,
     ):
         if src.kind == "conda":
             counts = conda_backend.pack_conda(prefix, writer, ignore_editable, bar)

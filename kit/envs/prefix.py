@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from kit.errors import IntegrityError, KitError
 from kit.lifetime import dies_with_parent
@@ -155,10 +155,10 @@ def check_space(target: os.PathLike | str, needed: int, what: str, free: Optiona
         )
 
 
-def scan_prefix(data: bytes, old: bytes) -> bool:
-    """True when `data` is text (no NUL in its first 8 KiB) that mentions the old prefix (and so must be rewritten
-    on relocation). The cheap test first: binaries (most of an env's bytes) are never searched."""
-    return data.find(b"\0", 0, _HEAD) < 0 and old in data
+def scan_prefix(data: bytes, start: int, end: int, old: bytes) -> bool:
+    """True when data[start:end] is text (no NUL in its first 8 KiB) that mentions the old prefix (and so must be
+    rewritten on relocation). The cheap test first: binaries (most of an env's bytes) are never searched."""
+    return data.find(b"\0", start, min(end, start + _HEAD)) < 0 and data.find(old, start, end) >= 0
 
 
 def holds_prefix(path: str, size: int, old: bytes) -> bool:
@@ -216,24 +216,6 @@ def open_source(path: str, size: int, doing: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:  # removed since the scan saw it
         raise changed_error(path, size, None, doing) from None
-
-
-def read_scanned(path: str, st, doing: str = "copied", step: int = 1 << 20) -> Iterator[bytes]:
-    """The file in pieces of `step` bytes, checked to have the size the scan saw: read whole at that size and not
-    grown since (its copy would be cut, or a mix of two versions)."""
-    fd, left = open_source(path, st.st_size, doing), st.st_size
-    try:
-        while left > 0:
-            data = os.read(fd, min(left, step))
-            if not data:  # shrunk
-                break
-            left -= len(data)
-            yield data
-        now = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if left or now != st.st_size:
-        raise changed_error(path, st.st_size, st.st_size - left if left else now, doing)
 
 
 def special_file_error(what: str, then: str, error=EnvError) -> Exception:
