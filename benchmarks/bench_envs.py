@@ -6,9 +6,10 @@ Baselines (measured in the same run, in the same folder, alternating with the ki
   clone   `cp -a ENV DIR`                               vs kit.envs.clone(ENV, target=DIR, verify_imports=None)
 The kit does more than each baseline (a member list with sizes and hashes, every member verified on unpack,
 prefixes rewritten in scripts, the archive fsync'ed and renamed when complete); the ratios include that work.
-The kit writes the tar itself (headers from tarfile, hashing every file as it reads it) and compresses with
-python-zstandard (libzstd's worker threads, same level); it unpacks with GNU tar (running `zstd -d`, as the baseline
-does) and hashes every file back against the member list; clone is GNU cp plus the kit's prefix fix-ups.
+GNU tar writes the env's members from the kit's name list into a pipe; the kit hashes every file in that stream and
+compresses it with python-zstandard (libzstd's worker threads, same level); it unpacks with GNU tar (running
+`zstd -d`, as the baseline does) and hashes every file back against the member list; clone is GNU cp plus the kit's
+prefix fix-ups.
 Goals: each at least 0.8x its baseline (the kit may be slower by what its checks cost, no more).
 The env: a virtualenv holding copies of torch, transformers, deepspeed and pandas from this checkout's .venv
 (about 1 GB, 25 000 files); --quick uses transformers, deepspeed and pandas (about 0.25 GB) for `make bench`.

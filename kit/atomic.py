@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
-from kit.errors import KitError
+from kit.errors import KitError, OutputError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -22,6 +24,28 @@ def refuse_existing(path: PathLike, overwrite: bool, what: str = "output") -> No
         raise OutputExistsError(
             f"{what} {str(path)!r} already exists; choose another path or pass overwrite=True "
             f"(OVERWRITE = True in the notebook, --overwrite on the command line) to replace it."
+        )
+
+
+def free_bytes(path: PathLike) -> int:
+    """Free bytes this user may write on the filesystem that holds `path` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def check_space(target: PathLike, needed: int, what: str, free: Optional[int] = None) -> None:
+    """Refuse to start (OutputError, ENOSPC) when the filesystem of `target` cannot hold `needed` bytes (+5 %,
+    +64 MiB); `free`: the free bytes measured before a copy started beside the scan (default: measured now)."""
+    want = int(needed * 1.05) + (64 << 20)
+    free = free_bytes(target) if free is None else free
+    if free < want:
+        raise OutputError(
+            errno.ENOSPC,
+            f"not enough space for {what} at {str(target)!r}: about {want / 2**30:.2f} GiB needed, "
+            f"{free / 2**30:.2f} GiB free; free space there or choose another folder (on ModelArts, "
+            f"/home/ma-user/work is the persistent volume; EVS can be expanded).",
         )
 
 

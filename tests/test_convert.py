@@ -10,13 +10,13 @@ import pytest
 import torch
 from fixtures.convert import models as convert_models
 
-from kit.atomic import OutputExistsError
+from kit.atomic import OutputExistsError, check_space
 from kit.configs import ConfigError
 from kit.convert import ConversionError, ConvertConfig, hf_to_megatron, megatron_to_hf, megatron_to_megatron
-from kit.convert.checks import check_disk
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader, load_rank_file
 from kit.convert.verify import compare_hf, hf_checksums, megatron_checksums, round_trip
+from kit.errors import OutputError
 from kit.hf_compat import dtype_kw
 
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir  # shared session fixtures
@@ -306,8 +306,8 @@ def test_existing_output_refused_and_disk_space_checked(tiny_llama_dir, tmp_path
     assert megatron_checksums(tmp_path / "m") == before
     to_megatron(tiny_llama_dir, tmp_path / "m", tp=2, overwrite=True)
     assert MegatronReader(tmp_path / "m").tp == 2
-    with pytest.raises(ConversionError, match="GiB free"):
-        check_disk(tmp_path / "new", 1 << 60)
+    with pytest.raises(OutputError, match=r"not enough space for .* GiB free"):
+        check_space(tmp_path / "new", 1 << 60, "the converted checkpoint")
 
 
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(tiny_llama_dir, tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import kit.envs as envs
+from kit.errors import OutputError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 OLD_LAYOUT = FIXTURES / "ascend_toolkit"
@@ -97,7 +98,7 @@ def test_clone_refuses_bad_input_and_leaves_nothing(source_env, tmp_path, monkey
     with pytest.raises(envs.EnvError, match="not an environment"):
         envs.clone(tmp_path, name="x", envs_root=root, verify_imports=None)
     monkeypatch.setattr("kit.envs.manage.free_bytes", lambda path: 10 << 20)  # a nearly full disk
-    with pytest.raises(envs.EnvError, match="not enough space"):
+    with pytest.raises(OutputError, match="not enough space"):
         envs.clone(source_env, name="full", envs_root=root, verify_imports=None)
     monkeypatch.undo()
     assert not (root / "venvs").exists() or list((root / "venvs").iterdir()) == []

@@ -466,6 +466,15 @@ def test_a_file_that_changed_since_the_scan_stops_the_pack(tmp_path, change):
         victim.write_bytes(b"a" * size)
 
 
+def test_a_fifo_in_the_env_stops_the_pack_and_writes_nothing(tmp_path):
+    """A FIFO (or device, socket) in an env: refused by name before tar runs, no archive left behind."""
+    prefix = envs.create_venv(tmp_path / "env", inherit=False)
+    os.mkfifo(prefix / "pipe")
+    with pytest.raises(envs.EnvArchiveError, match=r"pipe is a device, socket, FIFO"):
+        envs.pack(prefix, tmp_path / "out" / "env.tar.zst")
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
 def test_a_full_disk_while_unpacking_is_one_clear_error_and_no_env(small_env, tmp_path, monkeypatch):
     """GNU tar writes the files (here a stand-in that fails as tar does on a full disk): one line, no env left."""
     from kit.errors import user_message

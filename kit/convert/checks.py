@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kit.convert.families import ROLE_KIND, Family
@@ -101,23 +99,6 @@ def layout_plan_problems(
         problems.append("moe_grouped_gemm is set but this model has no experts; leave it False.")
 
     return problems
-
-
-def check_disk(target: Path, need_bytes: int) -> None:
-    """Refuse to start when the target's file system has less free space than the output needs."""
-    probe = Path(target).resolve()
-    while not probe.exists():
-        probe = probe.parent
-    st = os.statvfs(probe)  # what shutil.disk_usage reports as free: blocks available to this user
-    free = st.f_bavail * st.f_frsize
-    if free < need_bytes * 1.02 + 64 * 1024**2:
-        raise ConversionError(
-            [
-                f"the output needs about {need_bytes / 1024**3:.2f} GiB but {probe} has only "
-                f"{free / 1024**3:.2f} GiB free; free space or choose another target folder."
-            ],
-            "disk space check",
-        )
 
 
 def role_kind(role: str) -> str:

@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
-from kit.atomic import atomic_dir
+from kit.atomic import atomic_dir, check_space
 from kit.configs import check, save_config
 from kit.convert import megatron_layout as layout
 from kit.convert.checks import (
     ConversionError,
-    check_disk,
     expected_hf_shapes,
     hf_problems,
     layout_plan_problems,
@@ -386,7 +385,11 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     cast = cfg.dtype
     src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
     scale = itemsize(cast) / itemsize(src_dtype) if cast else 1
-    check_disk(Path(cfg.target), int(reader.weight_bytes() * scale * (padded / spec.vocab_size)))
+    check_space(
+        cfg.target,
+        int(reader.weight_bytes() * scale * (padded / spec.vocab_size)),
+        "the converted checkpoint",
+    )
 
     def rank_fn(role: str, layer: Optional[int], r: int):
         kind = role_kind(role)
@@ -459,7 +462,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     stages = stages_of(mr, spec)
     check_megatron_keys(mr, fam, spec, stages)
     glob, _ = fam.roles(spec)
-    check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
+    check_space(cfg.target, sum(p.stat().st_size for p in mr.files.values()), "the converted checkpoint")
 
     def emit(writer: HFWriter, role: str, layer: int) -> None:
         kind = role_kind(role)
@@ -546,7 +549,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     fam, spec, cfg_dir = source_spec(mr, cfg.hf_config_dir, cfg.family)
     padded, stages = _plan(spec, cfg)
     full = merged_tensor_fn(mr, spec, fam)
-    check_disk(Path(cfg.target), sum(p.stat().st_size for p in mr.files.values()))
+    check_space(cfg.target, sum(p.stat().st_size for p in mr.files.values()), "the converted checkpoint")
     cast = cfg.dtype
 
     def rank_fn(role: str, layer: Optional[int], r: int):

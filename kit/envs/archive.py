@@ -39,6 +39,8 @@ LEVELS = {"tar.zst": (1, 19), "tar.gz": (1, 9)}  # zstd 20-22 need ~GBs of memor
 CHUNK = 1 << 20
 HASH = "xxh3_64"  # the member hash pack writes: xxhash keeps hashing off the critical path
 _END = bytes(512)  # tar's end-of-archive block
+_KINDS = (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK)  # what an env holds; pack refuses the rest
+_ROWS = {b"0": "f", b"\0": "f", b"1": "h", b"2": "l", b"5": "d"}  # tar type flag -> member list type
 _SUFFIXES = {".tar.zst": "tar.zst", ".tzst": "tar.zst", ".tar.gz": "tar.gz", ".tgz": "tar.gz", ".tar": "tar"}
 
 
@@ -217,7 +219,7 @@ class ArchiveWriter:
         """List the file, folder or link at `path` (links not followed) as the member `name`; a file outside
         `root` (a script conda-pack wrote to a temporary file) is read now."""
         st = st or os.lstat(path)
-        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        if stat.S_IFMT(st.st_mode) not in _KINDS:
             raise special_file_error(path, "remove it and pack again", EnvArchiveError)
         if path == os.path.join(self.root, name):
             self._listed.append((name, st))
@@ -270,7 +272,7 @@ class ArchiveWriter:
 
     def _pass_on(self, pipe: _TarPipe) -> None:
         """Check, hash and record each member tar writes until its end block, which is left unconsumed."""
-        listed, i, long = self._listed, 0, {}
+        listed, long = iter(self._listed), {}
         while True:
             hdr = pipe.take(512)
             if hdr == _END:
@@ -282,34 +284,27 @@ class ArchiveWriter:
                 continue
             name = os.fsdecode(long.pop(b"L", None) or hdr[:100].split(b"\0", 1)[0]).rstrip("/")
             link = os.fsdecode(long.pop(b"K", None) or hdr[157:257].split(b"\0", 1)[0])
-            want, st = listed[i] if i < len(listed) else (None, None)
-            if name != want:  # tar skips a listed file that is gone since the scan
-                raise self._changed(want)
-            i += 1
-            if kind in (b"0", b"\0"):
-                if size != st.st_size:
-                    raise changed_error(os.path.join(self.root, name), st.st_size, size, "packed")
+            row = _ROWS.get(kind, "?")
+            want, st = next(listed, (None, None))
+            if name != want or (row == "f" and size != st.st_size) or row == "?":
+                raise self._changed(want or name)  # tar skips a file gone since the scan
+            if row == "f":
                 self._file(name, size, self._data(pipe, name, size))
-            elif kind in (b"1", b"2"):
-                self.members.append([name, "h" if kind == b"1" else "l", 0, link])
-            elif kind == b"5":
-                self.members.append([name, "d", 0, ""])
-                continue
             else:
-                raise special_file_error(
-                    os.path.join(self.root, name), "remove it and pack again", EnvArchiveError
-                )
-            if self._progress:
+                self.members.append([name, row, 0, link if row in "hl" else ""])
+            if self._progress and row != "d":
                 self._progress(1)
-        if i < len(listed):
-            raise self._changed(listed[i][0])
+        gone = next(listed, None)
+        if gone is not None:
+            raise self._changed(gone[0])
 
-    def _changed(self, name: Optional[str]) -> Exception:
-        if name is None:
-            return EnvError(f"packing {self.root} failed: tar wrote a member the kit did not list")
-        path = os.path.join(self.root, name)
-        now = os.lstat(path).st_size if os.path.lexists(path) else None
-        return changed_error(path, dict(self._listed)[name].st_size, now, "packed")
+    def _changed(self, name: str) -> Exception:
+        """The error for a listed member tar found gone, changed in size, or not a file, folder or link."""
+        path, scanned = os.path.join(self.root, name), dict(self._listed).get(name)
+        st = os.lstat(path) if os.path.lexists(path) else None
+        if st is not None and stat.S_IFMT(st.st_mode) not in _KINDS:
+            return special_file_error(path, "remove it and pack again", EnvArchiveError)
+        return changed_error(path, scanned.st_size if scanned else 0, st and st.st_size, "packed")
 
     def _data(self, pipe: _TarPipe, name: str, size: int) -> str:
         """The hash of a file's data (a small file also scanned for the old prefix), its padding consumed."""

@@ -11,7 +11,15 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-from kit.atomic import aside_name, atomic_dir, atomic_file, atomic_write_text, refuse_existing
+from kit.atomic import (
+    aside_name,
+    atomic_dir,
+    atomic_file,
+    atomic_write_text,
+    check_space,
+    free_bytes,
+    refuse_existing,
+)
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, EarlyWriteback, archive_writer, check_level, format_of, suffix_format
@@ -26,11 +34,9 @@ from kit.envs.prefix import (
     EnvInfo,
     check_choice,
     check_name,
-    check_space,
     copy_tree,
     env_info,
     find_editable,
-    free_bytes,
     kind_of,
     scan_tree,
     tree_totals,

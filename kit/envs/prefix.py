@@ -134,27 +134,6 @@ def tree_totals(entries: list) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
-def free_bytes(path: os.PathLike | str) -> int:
-    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def check_space(target: os.PathLike | str, needed: int, what: str, free: Optional[int] = None) -> None:
-    """Raise EnvError before starting if the target filesystem cannot hold `needed` bytes (+5%, +64 MiB);
-    `free`: the free bytes measured before a copy started beside the scan (default: measured now)."""
-    want = int(needed * 1.05) + (64 << 20)
-    free = free_bytes(target) if free is None else free
-    if free < want:
-        raise EnvError(
-            f"not enough space for {what} at {str(target)!r}: about {want / 2**30:.2f} GiB needed, "
-            f"{free / 2**30:.2f} GiB free; free space there or choose another target "
-            f"(on ModelArts, /home/ma-user/work is the persistent one; EVS can be expanded)."
-        )
-
-
 def scan_prefix(data: bytes, start: int, end: int, old: bytes) -> bool:
     """True when data[start:end] is text (no NUL in its first 8 KiB) that mentions the old prefix (and so must be
     rewritten on relocation). The cheap test first: binaries (most of an env's bytes) are never searched."""
