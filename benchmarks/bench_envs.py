@@ -10,7 +10,8 @@ GNU tar writes the env's members from the kit's name list into a pipe; the kit h
 compresses it with python-zstandard (libzstd's worker threads, same level); it unpacks with GNU tar (running
 `zstd -d`, as the baseline does) and hashes every file back against the member list; clone is GNU cp plus the kit's
 prefix fix-ups.
-Goals: each at least 0.8x its baseline (the kit may be slower by what its checks cost, no more).
+Goals: each at least 0.8x its baseline (the kit may be slower by what its checks cost, no more), and kit/envs at
+most MAX_LINES lines of Python.
 The env: a virtualenv holding copies of torch, transformers, deepspeed and pandas from this checkout's .venv
 (about 1 GB, 25 000 files); --quick uses transformers, deepspeed and pandas (about 0.25 GB) for `make bench`.
 Ratio = baseline seconds / kit seconds (above 1: the kit is faster). Each figure prints one line
@@ -37,6 +38,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars would only add noise
 import kit.envs as envs  # noqa: E402
 from kit.envs.prefix import scan_tree, tree_totals  # noqa: E402
 
+MAX_LINES = 2500  # kit/envs: glue over conda-pack, tarfile, GNU tar and python-zstandard, not a tar library
 FULL = "torch,transformers,deepspeed,pandas"
 QUICK = "transformers,deepspeed,pandas"
 # figure -> (baseline command shown next to it, goal as kit speed / baseline speed)
@@ -187,6 +189,11 @@ def main() -> int:
             ratio = min(b[0] for b in base) / min(k[0] for k in kit)
             label = f"{name} vs `{command}`" + (" (tar.zst, level 3)" if name == "pack" else "")
             print(f"envs | {label} | {ratio:.2f}x | goal >= {goal}x | {'MET' if ratio >= goal else 'MISSED'}")
+        lines = sum(len(p.read_text().splitlines()) for p in Path(envs.__file__).parent.glob("*.py"))
+        print(
+            f"envs | kit/envs size, lines of Python | {lines} | goal <= {MAX_LINES} | "
+            f"{'MET' if lines <= MAX_LINES else 'MISSED'}"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
