@@ -16,7 +16,7 @@ The env: a virtualenv holding copies of torch, transformers, deepspeed and panda
 (about 1 GB, 25 000 files); --quick uses transformers, deepspeed and pandas (about 0.25 GB) for `make bench`.
 Ratio = baseline seconds / kit seconds (above 1: the kit is faster). Each figure prints one line
 `envs | <figure> | <ratio>x | goal <goal> | MET/MISSED`, which benchmarks/run_all.py collects.
-Run: .venv/bin/python benchmarks/bench_envs.py [--quick] [--repeats 3] [--packages torch,pandas] [--dir DIR]
+Run: .venv/bin/python benchmarks/bench_envs.py [--quick] [--repeats 5] [--packages torch,pandas] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -149,7 +149,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"short configuration for make bench ({QUICK})")
     ap.add_argument("--packages", default=None, help=f"packages copied into the env (default {FULL})")
-    ap.add_argument("--repeats", type=int, default=3, help="alternated repeats; the minimum counts (>= 3)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="alternated repeats; the minimum counts (>= 3: one repeat of 1 s varies by 10-20 %% here)",
+    )
     ap.add_argument(
         "--dir",
         default=None,

@@ -238,8 +238,16 @@ def test_resolve_takes_the_job_environment_and_refuses_contradictions(tmp_path):
     assert (kit.master_port, kit.nproc_per_node) == (29511, 4)
     assert kit.sources["master_port"] == "environment MASTER_PORT"
     # ... except the ones the kit wrote itself for a world of one in this process (a notebook that trained)
-    own = resolve(TrainConfig(**base), environ={"MASTER_PORT": "29511", "KIT_IN_PROCESS_LOCAL_SIZE": "1"})
+    kit_set = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "KIT_IN_PROCESS_LOCAL_SIZE": "29511"}
+    own = resolve(TrainConfig(**base), environ=kit_set)
     assert own.master_port == 0 and own.sources["master_port"] == "default"
+    assert without_in_process_rendezvous(dict(kit_set, PATH="/bin")) == {"PATH": "/bin"}
+    # a port the user set since in that process (os.environ, `!MASTER_PORT=... python -m kit ...`) is the user's
+    changed = dict(kit_set, MASTER_PORT="29600")
+    mine = resolve(TrainConfig(**base), environ=changed)
+    assert (mine.master_port, mine.sources["master_port"]) == (29600, "environment MASTER_PORT")
+    assert mine.sources["master_addr"] == "default"  # still the kit's own 127.0.0.1
+    assert without_in_process_rendezvous(changed) == {"MASTER_PORT": "29600"}
 
 
 def test_loopback_master_is_a_rehearsal_not_an_error():

@@ -42,9 +42,22 @@ MANUAL_ENV = {
     "MASTER_PORT": "master_port",
     "NPROC_PER_NODE": "nproc_per_node",
 }
-# Written by the kit itself for a process that trained without a launcher (kit.train.engine.init_distributed): not
-# the user's settings, so they are not read as MASTER_ADDR / MASTER_PORT when that process launches a job.
+# Written by the kit itself for a process that trained without a launcher (kit.train.engine.init_distributed), with
+# the port it chose: the rendezvous variables that still hold the kit's values are not the user's settings (not read
+# as MASTER_ADDR / MASTER_PORT when that process launches a job); one the user changed since is.
 IN_PROCESS_MARKER = "KIT_IN_PROCESS_LOCAL_SIZE"
+
+
+def in_process_rendezvous(environ: Mapping[str, str]) -> dict:
+    """The variables of `environ` that still hold what init_distributed set for a world of one in this process."""
+    port = environ.get(IN_PROCESS_MARKER)
+    if not port:
+        return {}
+    kit = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}
+    kit.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    return {k: v for k, v in kit.items() if environ.get(k) == v}
+
+
 # inherited from the prepared-data manifest (field -> manifest field) and the converted-checkpoint manifest
 FROM_DATA = {"seq_len": "max_length", "tokenizer_path": "tokenizer", "template": "template", "pack": "pack"}
 FROM_CHECKPOINT = {

@@ -20,29 +20,19 @@ def resolve_dtype(cfg, info) -> str:
     return info.dtype if cfg.dtype == "auto" else cfg.dtype
 
 
-# Marks the LOCAL_SIZE the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike. It is an
-# environment variable, not a module flag, because the kernels and workers such a process starts inherit
-# LOCAL_SIZE too and must not take it for a launcher's.
+# Marks the rendezvous the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike, with the
+# port it chose. It is an environment variable, not a module flag, because the kernels and workers such a process
+# starts inherit LOCAL_SIZE too and must not take it for a launcher's.
 from kit.train.config import IN_PROCESS_MARKER as _IN_PROCESS  # noqa: E402  (one name, read by both)
-
-# what init_distributed() sets for a training in this process (not a launcher's)
-_IN_PROCESS_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "LOCAL_SIZE",
-    _IN_PROCESS,
-)
+from kit.train.config import in_process_rendezvous  # noqa: E402
 
 
 def without_in_process_rendezvous(env: dict) -> dict:
     """`env` for a child process (a kernel, a server) without the rendezvous this process set for training in
-    it: the child would take them for a launcher's, and MASTER_PORT is still held by this process."""
-    if env.get(_IN_PROCESS) != env.get("LOCAL_SIZE"):
-        return dict(env)
-    return {k: v for k, v in env.items() if k not in _IN_PROCESS_ENV}
+    it: the child would take them for a launcher's, and MASTER_PORT is still held by this process. A variable the
+    user set since is kept."""
+    kit = in_process_rendezvous(env)
+    return {k: v for k, v in env.items() if k not in kit and k != _IN_PROCESS}
 
 
 def init_distributed(info) -> tuple:
@@ -62,22 +52,15 @@ def init_distributed(info) -> tuple:
         env = os.environ
         # torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE (not the one the kit set below)
         launched = "LOCAL_WORLD_SIZE" in env or (
-            "LOCAL_SIZE" in env and env.get(_IN_PROCESS) != env["LOCAL_SIZE"]
+            "LOCAL_SIZE" in env and "LOCAL_SIZE" not in in_process_rendezvous(env)
         )
         if not launched:
             # Always a fresh port: a kernel started from a process that trained in-process inherits its
             # MASTER_PORT, which that process still holds.
-            env.update(
-                {
-                    "RANK": "0",
-                    "WORLD_SIZE": "1",
-                    "LOCAL_RANK": "0",
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port()),
-                    "LOCAL_SIZE": "1",  # for DeepSpeed (see below)
-                    _IN_PROCESS: "1",  # so the next run in this process does not take it for a launcher's
-                }
-            )
+            port = str(free_port())
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            env["LOCAL_SIZE"] = "1"  # for DeepSpeed (see below)
+            env[_IN_PROCESS] = port  # so the next run in this process does not take these for a launcher's
         elif "LOCAL_WORLD_SIZE" in env:
             # DeepSpeed's CPU accelerator counts local devices from LOCAL_SIZE (its launcher sets it) and else runs
             # `numactl --hardware` (deepspeed/accelerator/cpu_accelerator.py device_count, 0.15), which ZeRO-3

@@ -18,11 +18,11 @@ from kit.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_man
 from kit.train.config import (
     FROM_CHECKPOINT,
     FROM_DATA,
-    IN_PROCESS_MARKER,
     INHERITED_DEFAULTS,
     MANUAL_ENV,
     TrainConfig,
     coerce,
+    in_process_rendezvous,
 )
 
 EXPLICIT = "explicit"
@@ -40,7 +40,7 @@ def _environment(environ: Mapping[str, str]) -> Dict[str, tuple]:
         raw = environ.get(key)
         if raw is None or str(raw) == "":
             continue
-        if key in ("MASTER_ADDR", "MASTER_PORT") and environ.get(IN_PROCESS_MARKER):
+        if key in in_process_rendezvous(environ):
             continue  # the kit's own world of one in this process (a notebook that trained), not a setting
         try:
             out[name] = (coerce(name, str(raw)), f"environment {key}")
