@@ -507,6 +507,15 @@ def test_without_gnu_tar_pack_and_unpack_say_to_install_it(small_env, tmp_path, 
     assert [p.name for p in (tmp_path / "out").iterdir()] == []
 
 
+def test_a_users_tar_options_do_not_reach_the_kits_tar(small_env, tmp_path, monkeypatch):
+    """TAR_OPTIONS is read by every GNU tar: an --exclude there would drop files from pack and unpack alike."""
+    monkeypatch.setenv("TAR_OPTIONS", "--exclude=*.py --absolute-names")
+    archive = envs.pack(small_env, tmp_path / "env.tar.zst")["archive"]
+    done = envs.unpack(archive, tmp_path / "out" / "env", verify_imports=None)
+    assert done["members_verified"] and (tmp_path / "out" / "env" / "pyvenv.cfg").is_file()
+    assert {p.name for p in (tmp_path / "out" / "env").rglob("mod1*.py")} >= {"mod1.py", "mod1_hard.py"}
+
+
 def test_tar_read_in_small_pieces_gives_the_same_member_list(small_env, tmp_path, monkeypatch):
     """GNU tar's stream reaches the kit in pieces of any size: headers, file data and the prefix scan of text files
     cut across pieces give the member list (hashes included) and prefix files of whole reads."""

@@ -207,7 +207,9 @@ def special_file_error(what: str, then: str, error=EnvError) -> Exception:
 @contextlib.contextmanager
 def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extracting: bool = False, **popen):
     """Run a helper program (cp, tar) beside the block, killed if the block fails or this process dies. Its failure
-    is `error` naming its last message, or OSError ENOSPC on a full disk (the CLI prints that in one line)."""
+    is `error` naming its last message, or OSError ENOSPC on a full disk (the CLI prints that in one line). A
+    user's TAR_OPTIONS never reaches it (`--absolute-names` or `--exclude` there would undo the kit's checks)."""
+    popen["env"] = {k: v for k, v in popen.get("env", os.environ).items() if k != "TAR_OPTIONS"}
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting=extracting), **popen)
         try:
