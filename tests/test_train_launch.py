@@ -283,3 +283,23 @@ def test_task_queue_zero_forced_by_torch_npu_in_a_kernel_is_not_inherited(
     assert launch_env(cfg, "npu")["TASK_QUEUE_ENABLE"] == "0"  # a script: the 0 is the user's
     monkeypatch.setattr(builtins, "__IPYTHON__", True, raising=False)
     assert launch_env(cfg, "npu")["TASK_QUEUE_ENABLE"] == "2"
+
+
+def test_a_signal_while_the_job_starts_stops_it_once_it_exists():
+    """Ctrl-C between the launcher's start and its first line: the Stopper holds it, then stops the job it gets."""
+    from kit.train.procs import Job, Stopper
+
+    stopper = Stopper(None, grace_s=60)
+    stopper(signal.SIGINT)
+    assert stopper.pending == signal.SIGINT and not stopper.stopping and stopper.notes == []
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        stopper.attach(Job(proc))
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+        assert stopper.stopping and stopper.notes == [
+            "SIGINT: sent SIGTERM to the launcher (no rank had started) so the job checkpoints and exits"
+        ]
+    finally:
+        stopper.killer.cancel()
+        if proc.poll() is None:
+            proc.kill()

@@ -291,21 +291,22 @@ def launch(
         log.write(f"$ {' '.join(cmd)}\n")
         if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
             note(f"MASTER_ADDR={cfg.master_addr}: all {cfg.nnodes} nodes run on this host (a rehearsal)")
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=str(repo_root()),
-            start_new_session=True,
-            bufsize=1,
-            preexec_fn=dies_with_parent(signal.SIGTERM),  # torchrun then stops its ranks
-        )
-        job = Job(proc)
-        stopper = Stopper(job, grace_s)
-        try:
-            with stopper.installed():
+        stopper = Stopper(None, grace_s)
+        # installed before the job starts: a signal that comes while it starts acts once it exists (attach)
+        with stopper.installed():
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=str(repo_root()),
+                start_new_session=True,
+                bufsize=1,
+                preexec_fn=dies_with_parent(signal.SIGTERM),  # torchrun then stops its ranks
+            )
+            job = stopper.attach(Job(proc))
+            try:
                 while True:
                     try:
                         line = proc.stdout.readline()
@@ -319,13 +320,13 @@ def launch(
                     job.refresh()
                     _consume(line, log, tail, echo, result, bar)
                 proc.wait()
-        finally:
-            while stopper.notes:
-                note(stopper.notes.pop(0))
-            result.stopped = stopper.stopping
-            job.kill()  # no process of the job survives this call (a no-op when all have exited)
-            proc.wait()
-            bar.close()
+            finally:
+                while stopper.notes:
+                    note(stopper.notes.pop(0))
+                result.stopped = stopper.stopping
+                job.kill()  # no process of the job survives this call (a no-op when all have exited)
+                proc.wait()
+                bar.close()
     result.returncode = proc.returncode
     result.tail = list(tail)
     result.seconds = time.time() - t0

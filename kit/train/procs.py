@@ -116,10 +116,18 @@ class Stopper:
     `notes` for the loop (writing to a file the interrupted code may be writing to is not safe in a handler).
     """
 
-    def __init__(self, job: Job, grace_s: float):
+    def __init__(self, job: Optional[Job], grace_s: float):
         self.job, self.grace_s = job, grace_s
         self.killer: Optional[threading.Timer] = None
         self.notes: list = []
+        self.pending: Optional[int] = None  # a signal that came while the job was starting
+
+    def attach(self, job: Job) -> Job:
+        """The job started: a signal that came meanwhile acts on it now."""
+        self.job = job
+        if self.pending is not None:
+            self(self.pending)
+        return job
 
     @property
     def stopping(self) -> bool:
@@ -127,6 +135,9 @@ class Stopper:
 
     def __call__(self, signum=None, _frame=None) -> None:
         name = signal.Signals(signum).name if signum else "interrupt"
+        if self.job is None:
+            self.pending = signum or signal.SIGINT
+            return
         if self.killer is not None:
             self.notes.append(f"{name} again; killing the job")
             self.job.kill()
