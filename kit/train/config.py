@@ -48,14 +48,27 @@ MANUAL_ENV = {
 IN_PROCESS_MARKER = "KIT_IN_PROCESS_LOCAL_SIZE"
 
 
+def in_process_env(port: str) -> dict:
+    """What init_distributed sets for a world of one in an unlaunched process: LOCAL_SIZE for DeepSpeed (see
+    kit.train.engine), and the marker recording the port."""
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        IN_PROCESS_MARKER: port,
+    }
+
+
 def in_process_rendezvous(environ: Mapping[str, str]) -> dict:
-    """The variables of `environ` that still hold what init_distributed set for a world of one in this process."""
+    """The variables of `environ` that still hold what init_distributed set for a world of one in this process
+    (the marker included)."""
     port = environ.get(IN_PROCESS_MARKER)
     if not port:
         return {}
-    kit = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}
-    kit.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    return {k: v for k, v in kit.items() if environ.get(k) == v}
+    return {k: v for k, v in in_process_env(port).items() if environ.get(k) == v}
 
 
 # inherited from the prepared-data manifest (field -> manifest field) and the converted-checkpoint manifest

@@ -23,8 +23,7 @@ def resolve_dtype(cfg, info) -> str:
 # Marks the rendezvous the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike, with the
 # port it chose. It is an environment variable, not a module flag, because the kernels and workers such a process
 # starts inherit LOCAL_SIZE too and must not take it for a launcher's.
-from kit.train.config import IN_PROCESS_MARKER as _IN_PROCESS  # noqa: E402  (one name, read by both)
-from kit.train.config import in_process_rendezvous  # noqa: E402
+from kit.train.config import in_process_env, in_process_rendezvous  # noqa: E402  (one definition, read by both)
 
 
 def without_in_process_rendezvous(env: dict) -> dict:
@@ -32,7 +31,7 @@ def without_in_process_rendezvous(env: dict) -> dict:
     it: the child would take them for a launcher's, and MASTER_PORT is still held by this process. A variable the
     user set since is kept."""
     kit = in_process_rendezvous(env)
-    return {k: v for k, v in env.items() if k not in kit and k != _IN_PROCESS}
+    return {k: v for k, v in env.items() if k not in kit}
 
 
 def init_distributed(info) -> tuple:
@@ -57,10 +56,9 @@ def init_distributed(info) -> tuple:
         if not launched:
             # Always a fresh port: a kernel started from a process that trained in-process inherits its
             # MASTER_PORT, which that process still holds.
-            port = str(free_port())
-            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            env["LOCAL_SIZE"] = "1"  # for DeepSpeed (see below)
-            env[_IN_PROCESS] = port  # so the next run in this process does not take these for a launcher's
+            env.update(
+                in_process_env(str(free_port()))
+            )  # the marker: the next run here knows these are the kit's
         elif "LOCAL_WORLD_SIZE" in env:
             # DeepSpeed's CPU accelerator counts local devices from LOCAL_SIZE (its launcher sets it) and else runs
             # `numactl --hardware` (deepspeed/accelerator/cpu_accelerator.py device_count, 0.15), which ZeRO-3

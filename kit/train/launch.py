@@ -171,17 +171,9 @@ def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = Non
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    from kit.train.config import IN_PROCESS_MARKER
+    from kit.train.config import in_process_env
 
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        IN_PROCESS_MARKER,
-    ):
+    for key in in_process_env(""):
         env.pop(key, None)  # a notebook that trained in-process has set these for a world of one
     for key in ("ASCEND_DEVICE_ID", "RANK_ID", "RANK_SIZE"):
         env.pop(
@@ -308,11 +300,7 @@ def launch(
             job = stopper.attach(Job(proc))
             try:
                 while True:
-                    try:
-                        line = proc.stdout.readline()
-                    except KeyboardInterrupt:  # raised before the handler was in place
-                        stopper()
-                        continue
+                    line = proc.stdout.readline()
                     while stopper.notes:
                         note(stopper.notes.pop(0))
                     if not line:
