@@ -390,6 +390,32 @@ def test_zstd_archives_carry_a_checked_frame(small_env, tmp_path, zstd_reader):
         envs.unpack(tmp_path / "cut.tar.zst", tmp_path / "out" / "cut", verify_imports=None)
 
 
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/io"), reason="tar's progress comes from Linux's /proc/PID/io"
+)
+def test_unpack_progress_follows_the_bytes_tar_writes(tmp_path):
+    """While tar runs, progress() gets the bytes it has written so far, before it ends (a child that writes
+    3 MiB, then waits until progress has seen them, or a minute)."""
+    import subprocess
+    import sys
+
+    from kit.envs.extraction import _follow
+
+    code = "import select, sys; open(sys.argv[1], 'wb').write(bytes(3 << 20)); select.select([0], [], [], 60)"
+    child = subprocess.Popen(
+        [sys.executable, "-I", "-B", "-c", code, str(tmp_path / "f")], stdin=subprocess.PIPE
+    )
+    seen: list = []
+
+    def progress(n: int) -> None:
+        seen.append(n)
+        if sum(seen) >= 3 << 20:
+            child.stdin.close()
+
+    assert _follow(child, progress) == sum(seen)
+    assert 3 << 20 <= sum(seen) < (3 << 20) + 65536 and child.returncode == 0
+
+
 def test_awkward_names_sizes_and_modes_round_trip(tmp_path):
     """Names over 100 bytes, non-ASCII, non-UTF-8 and option-like names, a newline and a backslash in a name (tar
     reads the names from a list), empty files, a file of whole blocks, one above the prefix-scan limit, a link, an

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import json
 import os
 import shutil
@@ -14,7 +13,6 @@ import stat
 import subprocess
 import tarfile
 import tempfile
-import threading
 import zlib
 from typing import Callable, Iterator, Optional
 
@@ -238,71 +236,62 @@ def _list_member(tar: tarfile.TarFile, m: tarfile.TarInfo, rows: dict, hash_name
         raise special_file_error(f"archive member {m.name!r}", "refusing to extract it", EnvArchiveError)
 
 
-def _with_gnu_tar(exe: str, archive, root: str, progress, hash_name: str) -> dict:
+def _with_gnu_tar(exe: str, archive, root: str, progress) -> int:
     """GNU tar extracts (no owners, no setuid/setgid, no device files, folder modes at the end), running
-    `zstd` / `gzip` where installed, else fed from here; returns {inode: (size, hash)} of the files hashed."""
+    `zstd` / `gzip` where installed, else fed from here; progress(n) gets the bytes tar wrote (returned)."""
     archive = os.path.abspath(archive)
     with open(archive, "rb") as fh:
         program = {"tar.zst": "zstd", "tar.gz": "gzip", "tar": ""}[detect(fh.read(4))]
     fed = bool(program) and shutil.which(program) is None
     source = ["-f", "-"] if fed else ["--force-local", "-f", archive] + (["-I", program] if program else [])
-    cmd = [exe, "-x", "-v", "--quoting-style=literal", *source, "-C", root, "--no-same-owner"]
-    cmd += ["--no-same-permissions", "--delay-directory-restore", "-b", "512"]  # 256 KiB records, not 10 KiB
+    cmd = [exe, "-x", *source, "-C", root, "--no-same-owner", "--no-same-permissions"]
+    cmd += ["--delay-directory-restore", "-b", "512"]  # 256 KiB records, not 10 KiB
     hint = "the archive is truncated, corrupt or unsafe: copy it again or re-create it (`python -m kit env pack`)"
-    hashes: dict = {}
-    names = None
-    try:
-        with helper_program(
-            cmd,
-            f"unpacking {archive}",
-            ArchiveDamagedError,
-            hint,
-            extracting=True,
-            stdin=subprocess.PIPE if fed else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            env=dict(os.environ, LC_ALL="C"),  # its messages in English, so a full disk is recognised
-        ) as proc:
-            names = threading.Thread(
-                target=_hash_behind, args=(proc.stdout, root, hash_name, hashes, progress)
-            )
-            names.start()
-            if fed:  # until the end, or until tar stops (its message says why)
-                with damage_named(archive), contextlib.suppress(BrokenPipeError):
-                    for chunk in _decompressed(archive):
-                        proc.stdin.write(chunk)
-                    proc.stdin.close()
-    finally:
-        if names is not None:
-            names.join()
-    return hashes
+    with helper_program(
+        cmd,
+        f"unpacking {archive}",
+        ArchiveDamagedError,
+        hint,
+        extracting=True,
+        stdin=subprocess.PIPE if fed else subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=dict(os.environ, LC_ALL="C"),  # its messages in English, so a full disk is recognised
+    ) as proc:
+        if not fed:
+            return _follow(proc, progress)
+        shown = 0
+        with damage_named(archive), contextlib.suppress(BrokenPipeError):  # until tar stops (it says why)
+            for chunk in _decompressed(archive):
+                proc.stdin.write(chunk)
+                progress(len(chunk))
+                shown += len(chunk)
+            proc.stdin.close()
+    return shown
 
 
-def _hash_behind(lines, root: str, hash_name: str, hashes: dict, progress) -> None:
-    """Hash the file each line of `tar -v` names once the next line came (tar prints a name as it starts it);
-    only a hint: _check_tree takes the hash recorded for an inode, else hashes the file itself."""
-    previous, top = None, os.fsencode(root) + b"/"
-    for line in itertools.chain(lines, [None]):
-        if previous is not None and not previous.endswith(b"/\n"):
-            path = top + previous[:-1]
-            try:
-                if stat.S_ISREG(os.lstat(path).st_mode):  # never open a device file tar made as root
-                    st, digest = _hash(path, hash_name)
-                    if stat.S_ISREG(st.st_mode):
-                        hashes[st.st_ino] = (st.st_size, digest)
-                        if progress:
-                            progress(st.st_size)
-            except OSError:  # not there (a name tar quoted, a link on the way): hashed by _check_tree
-                pass
-        previous = line
+def _follow(proc: subprocess.Popen, progress) -> int:
+    """Wait for tar, passing the bytes it has written so far to progress() 4 times a second (Linux's
+    /proc/PID/io; elsewhere nothing); return their sum."""
+    done = 0
+    while True:
+        try:
+            proc.wait(timeout=0.25)
+            return done
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            with open(f"/proc/{proc.pid}/io") as fh:
+                written = int(next(line for line in fh if line.startswith("wchar:")).split()[1])
+            progress(written - done)
+            done = written
 
 
 def _hash(path: str, hash_name: str) -> tuple:
-    """(fstat, hash) of the file at `path`, read in big pieces (a small file in one)."""
+    """(size, hash) of the file at `path`, read in big pieces (a small file in one)."""
     h = new_hasher(hash_name)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        left = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        size = left = os.fstat(fd).st_size
         while left > 0:
             data = os.read(fd, min(left, 4 * CHUNK))
             if not data:
@@ -311,10 +300,10 @@ def _hash(path: str, hash_name: str) -> tuple:
             left -= len(data)
     finally:
         os.close(fd)
-    return st, h.hexdigest()
+    return size - left, h.hexdigest()
 
 
-def _check_tree(archive, root: str, members, hash_name: str, hashes: dict) -> dict:
+def _check_tree(archive, root: str, members, hash_name: str) -> dict:
     """The tree under `root` must be the member list (types, sizes, hashes, link targets; nothing else but the
     folders that hold them); folders become owner-writable, those tar made unlisted get the usual mode."""
     found = dict(walk_tree(root))
@@ -343,10 +332,10 @@ def _check_tree(archive, root: str, members, hash_name: str, hashes: dict) -> di
                 os.chmod(e.path, stat.S_IMODE(mode) | 0o700)
             counts["dirs"] += 1
         elif kind == "f" and e.is_file(follow_symlinks=False):
-            got, digest = hashes.get(e.inode()) or (e.stat(follow_symlinks=False).st_size, None)
+            got, digest = _hash(e.path, hash_name)
             if got != size:
                 raise _damaged(archive, f"member {name!r} has {got} bytes where the member list has {size}")
-            if (digest or _hash(e.path, hash_name)[1]) != extra:
+            if digest != extra:
                 raise _damaged(archive, f"member {name!r} differs from its hash (damaged data)")
             files[name] = e.inode()
             counts["files"] += 1
@@ -404,7 +393,7 @@ def extract(
     members = _listed(archive, hash_name) if head is None else None  # a kit archive's: its last member
     tmp = tempfile.mkdtemp(prefix=".kit-extract-", dir=root)  # tar follows links it finds: only in its own
     try:
-        hashes = _with_gnu_tar(exe, archive, tmp, progress, hash_name)
+        shown = _with_gnu_tar(exe, archive, tmp, progress or (lambda n: None))
         os.chmod(tmp, 0o700)  # an archived `.` gave it its mode: its entries must still move out
         manifest = _take_json(archive, tmp, MANIFEST)  # a kit archive's was read from the stream before
         if head is not None:
@@ -413,7 +402,9 @@ def extract(
                 raise _damaged(archive, "it stops before its member list")
             members = trailer.pop("members", None)
             manifest = dict(head, **trailer)
-        counts = _check_tree(archive, tmp, members, hash_name, hashes)
+        counts = _check_tree(archive, tmp, members, hash_name)
+        if progress:
+            progress(max(0, counts["bytes"] - shown))
         names = os.listdir(tmp)
         clash = next((n for n in names if os.path.lexists(os.path.join(root, n))), None)
         if clash is not None:
