@@ -308,14 +308,14 @@ class ArchiveWriter:
 
     def _data(self, pipe: _TarPipe, name: str, size: int) -> str:
         """The hash of a file's data (a small file also scanned for the old prefix), its padding consumed."""
-        h, kept = new_hasher(self.hash_name), []
-        for buf, start, end in pipe.spans(size):
-            h.update(memoryview(buf)[start:end])
-            if self.scan and size <= SCAN_LIMIT:
-                kept.append((buf, start, end))
-        if kept:
-            whole = kept[0] if len(kept) == 1 else (b"".join(b[s:e] for b, s, e in kept), 0, size)
-            if scan_prefix(*whole, old=self.scan):  # text that holds the old prefix
+        h = new_hasher(self.hash_name)
+        if size > SCAN_LIMIT:  # a binary: passed on in pieces
+            for buf, start, end in pipe.spans(size):
+                h.update(memoryview(buf)[start:end])
+        else:
+            data = pipe.take(size)
+            h.update(data)
+            if self.scan and scan_prefix(data, self.scan):  # text that holds the old prefix
                 self.prefix_files.append(name)
         pipe.take(-size % 512)
         return h.hexdigest()

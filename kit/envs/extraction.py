@@ -5,6 +5,7 @@ one tarfile reads from it first, member by member (tarfile extracts nothing: its
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -39,11 +40,8 @@ def _damaged(archive, what: str) -> ArchiveDamagedError:
 
 
 def detect(head: bytes) -> str:
-    if head[:2] == b"\x1f\x8b":
-        return "tar.gz"
-    if head[:4] == b"\x28\xb5\x2f\xfd":
-        return "tar.zst"
-    return "tar"
+    """The format the first bytes of an archive say (gzip's and zstd's magic numbers), else plain tar."""
+    return "tar.gz" if head[:2] == b"\x1f\x8b" else "tar.zst" if head[:4] == b"\x28\xb5\x2f\xfd" else "tar"
 
 
 def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
@@ -60,10 +58,7 @@ def _decompressed(path: str, step: int = CHUNK) -> Iterator[bytes]:
 
             new = zstandard.ZstdDecompressor().decompressobj
         else:
-
-            def new():
-                return zlib.decompressobj(wbits=31)
-
+            new = functools.partial(zlib.decompressobj, wbits=31)
         dobj, started = new(), False
         for data in iter(lambda: raw.read(step), b""):
             while data:
@@ -161,16 +156,18 @@ def _clean_name(name: str) -> str:
     if not name.startswith("/") and "/." not in "/" + name and "//" not in name:
         return name.rstrip("/")  # the common case: nothing to normalise
     if name.startswith("/"):
-        raise EnvArchiveError(f"archive member {name!r} has an absolute path; refusing to extract it.")
+        raise _refused(name, "has an absolute path")
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise EnvArchiveError(
-            f"archive member {name!r} contains '..'; refusing to extract outside the target."
-        )
+        raise _refused(name, "contains '..', a way out of the target")
     return "/".join(parts)
 
 
 _KINDS = {"d": "folder", "f": "file", "l": "symbolic link", "h": "hard link"}
+
+
+def _refused(name: str, why: str) -> EnvArchiveError:
+    return EnvArchiveError(f"archive member {name!r} {why}; refusing to extract it.")
 
 
 def _listed(archive, hash_name: str) -> list:
@@ -198,15 +195,10 @@ def _list_member(tar: tarfile.TarFile, m: tarfile.TarInfo, rows: dict, hash_name
     for i in range(1, len(parts)):
         up = rows.get("/".join(parts[:i]))
         if up is not None and up[1] != "d":
-            raise EnvArchiveError(
-                f"archive member {name!r} goes through {up[0]!r}, a {_KINDS[up[1]]} of the same archive; "
-                f"refusing to extract it."
-            )
+            raise _refused(name, f"goes through {up[0]!r}, a {_KINDS[up[1]]} of the same archive")
     old = rows.get(name)
     if old is not None and (old[1] == "l" or (old[1] == "d") != m.isdir()):
-        raise EnvArchiveError(
-            f"archive has both a {_KINDS[old[1]]} and another member at {name!r}; refusing it."
-        )
+        raise _refused(name, f"comes after a {_KINDS[old[1]]} of the same name")
     if m.isdir():
         rows[name] = [name, "d", 0, ""]
     elif m.isreg():
@@ -216,21 +208,14 @@ def _list_member(tar: tarfile.TarFile, m: tarfile.TarInfo, rows: dict, hash_name
         rows[name] = [name, "f", m.size, h.hexdigest()]
     elif m.issym():
         if os.path.isabs(m.linkname):
-            raise EnvArchiveError(
-                f"archive member {m.name!r} is a link to the absolute path {m.linkname!r}; refusing to extract it."
-            )
+            raise _refused(m.name, f"is a link to the absolute path {m.linkname!r}")
         if not inside("/r", os.path.normpath(os.path.join("/r", os.path.dirname(name), m.linkname))):
-            raise EnvArchiveError(
-                f"archive member {m.name!r} links to {m.linkname!r}, outside the target; refusing to extract it."
-            )
+            raise _refused(m.name, f"links to {m.linkname!r}, outside the target")
         rows[name] = [name, "l", 0, m.linkname]
     elif m.islnk():
         other = _clean_name(m.linkname)
         if rows.get(other, [0, ""])[1] != "f":
-            raise EnvArchiveError(
-                f"archive member {m.name!r} is a hard link to {m.linkname!r}, which is not a file extracted "
-                f"before it; refusing to extract it."
-            )
+            raise _refused(m.name, f"is a hard link to {m.linkname!r}, not to a file extracted before it")
         rows[name] = [name, "h", 0, other]
     else:
         raise special_file_error(f"archive member {m.name!r}", "refusing to extract it", EnvArchiveError)

@@ -134,10 +134,10 @@ def tree_totals(entries: list) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
-def scan_prefix(data: bytes, start: int, end: int, old: bytes) -> bool:
-    """True when data[start:end] is text (no NUL in its first 8 KiB) that mentions the old prefix (and so must be
-    rewritten on relocation). The cheap test first: binaries (most of an env's bytes) are never searched."""
-    return data.find(b"\0", start, min(end, start + _HEAD)) < 0 and data.find(old, start, end) >= 0
+def scan_prefix(data: bytes, old: bytes) -> bool:
+    """True when `data` is text (no NUL in its first 8 KiB) that mentions the old prefix (and so must be rewritten
+    on relocation). The cheap test first: binaries (most of an env's bytes) are never searched."""
+    return data.find(b"\0", 0, _HEAD) < 0 and old in data
 
 
 def holds_prefix(path: str, size: int, old: bytes) -> bool:

@@ -77,6 +77,10 @@ def pack_tree(prefix: str, writer: ArchiveWriter, entries: list, progress=None) 
     return {"files": files, "bytes": writer.bytes, "prefix_files": len(writer.prefix_files)}
 
 
+def _refused(why: str) -> EnvArchiveError:
+    return EnvArchiveError(f"archive manifest {why}; refusing the archive.")
+
+
 def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     """After extraction: rewrite the recorded prefix in text files, then recreate the absolute links. The
     manifest comes from the archive, so it is checked like the members were (only bin/python* may leave the env)."""
@@ -88,31 +92,22 @@ def finish_unpack(target: os.PathLike | str, manifest: dict) -> dict:
     files = manifest.get("prefix_files", [])
     for rel in files:
         if not inside(root, os.path.realpath(os.path.join(target, rel))):
-            raise EnvArchiveError(
-                f"archive manifest lists {rel!r}, which is outside the target; refusing the archive."
-            )
+            raise _refused(f"lists {rel!r}, which is outside the target")
     links, missing = [], []
     for rel, dest in (manifest.get("abs_links") or {}).items():
         link = os.path.join(target, rel)  # a JSON key: always text; `..` or an absolute name lands outside
         if not isinstance(dest, str) or not inside(root, os.path.realpath(os.path.dirname(link))):
-            raise EnvArchiveError(
-                f"archive manifest has a link {rel!r} ({dest!r}) outside the target or to no path; refusing it."
-            )
+            raise _refused(f"has a link {rel!r} ({dest!r}) outside the target or to no path")
         if inside(old, dest):
             dest = os.path.normpath(target + dest[len(old) :])
             if not inside(target, dest):
-                raise EnvArchiveError(
-                    f"archive manifest has a link {rel!r} that leaves the env; refusing the archive."
-                )
+                raise _refused(f"has a link {rel!r} that leaves the env")
         elif not _outside_link_ok(rel, dest):
-            raise EnvArchiveError(
-                f"archive manifest asks for a link {rel!r} -> {dest!r} outside the env; only bin/python* may "
-                f"point at the base interpreter; refusing the archive."
-            )
+            raise _refused(f"has a link {rel!r} -> {dest!r} outside the env (only bin/python* may leave it)")
         elif not os.path.isfile(dest):
             missing.append(dest)
         if os.path.lexists(link):
-            raise EnvArchiveError(f"archive has both a file and a link at {rel!r}; refusing the archive.")
+            raise _refused(f"has a link {rel!r} where the archive has a file")
         links.append((dest, link))
     if missing:
         raise EnvError(
