@@ -90,20 +90,20 @@ def test_unsafe_members_are_refused(box, case):
     assert not Path("/tmp/kit-evil-absolute.txt").exists()
 
 
-KIT_HEAD = {"kind": "venv", "name": "x", "prefix": "/x", "kit_archive": 2, "hash": "crc32"}
+KIT_HEAD = {"kind": "venv", "name": "x", "prefix": "/x", "kit_archive": 2, "hash": "xxh3_64"}
 
 
 def _kit_tar(path: Path, members: list) -> Path:
     """_tar with a kit manifest first and a member list last that names every member (as a bad archive could)."""
-    import zlib
+    import xxhash
 
     listed = []
     for name, kind, payload in members:
         if kind == "file":
-            listed.append([name, "f", len(payload), f"{zlib.crc32(payload.encode()):08x}"])
+            listed.append([name, "f", len(payload), xxhash.xxh3_64(payload.encode()).hexdigest()])
         else:
             listed.append([name, {"dir": "d", "sym": "l", "hard": "h"}.get(kind, "f"), 0, payload or ""])
-    trailer = {"members": listed, "hash": "crc32", "prefix_files": [], "abs_links": {}}
+    trailer = {"members": listed, "hash": "xxh3_64", "prefix_files": [], "abs_links": {}}
     rows = [(".kit-env.json", "file", json.dumps(KIT_HEAD))] + members
     return _tar(path, rows + [(".kit-env-members.json", "file", json.dumps(trailer))])
 
@@ -254,7 +254,7 @@ def test_read_archive_manifest_reads_the_first_member(small_env, tmp_path):
     for fmt in ("tar.zst", "tar.gz", "tar"):
         manifest = envs.read_archive_manifest(envs.pack(small_env, tmp_path / f"e.{fmt}")["archive"])
         assert manifest["kind"] == "venv" and manifest["name"] == "env" and manifest["kit_archive"] == 2
-        assert manifest["prefix"] == str(small_env) and manifest["hash"] in ("xxh3_64", "crc32")
+        assert manifest["prefix"] == str(small_env) and manifest["hash"] == "xxh3_64"
 
 
 def _replace_member(archive: Path, out: Path, name: str, change) -> Path:

@@ -17,7 +17,6 @@ import stat
 import subprocess
 import tarfile
 import tempfile
-import zlib
 from typing import IO, Iterator, Optional
 
 from kit.envs.prefix import (
@@ -76,24 +75,10 @@ def format_of(path: os.PathLike | str) -> str:
     return fmt
 
 
-class _Crc32:
-    """zlib.crc32 behind the hashlib interface (the member hash of archives packed where xxhash was missing)."""
-
-    value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
 def new_hasher(name: str):
     """A fresh hasher for the algorithm an archive names; EnvArchiveError when the kit does not know it."""
-    if name == "crc32":
-        return _Crc32()
     if name != HASH:
-        raise EnvArchiveError(f"archive member hash {name!r} is not one the kit knows (xxh3_64, crc32).")
+        raise EnvArchiveError(f"archive member hash {name!r} is not the one the kit writes ({HASH}).")
     import xxhash
 
     return xxhash.xxh3_64()
@@ -193,18 +178,14 @@ class ArchiveWriter:
         self.out.write(data)
         self._offset += len(data)
 
-    def _header(self, name: str, st, mode: int, size: int) -> None:
-        info = tarfile.TarInfo(name)
-        info.size, info.mode = size, mode
-        if st is not None:
-            info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
-        self._write(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
-
     def add_bytes(self, source: Optional[str], data: bytes, target: str) -> None:
         """The member `target` holding `data`: a file conda-pack rewrote, with the mode and times of `source`, or
         (source None) one of the kit's own JSON members, mode 0644 and not in the member list."""
-        st = os.lstat(source) if source is not None else None
-        self._header(target, st, 0o644 if st is None else st.st_mode & 0o777, len(data))
+        st, info = os.lstat(source) if source is not None else None, tarfile.TarInfo(target)
+        info.size, info.mode = len(data), 0o644 if st is None else st.st_mode & 0o777
+        if st is not None:
+            info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
+        self._write(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
         self._write(data + bytes(-len(data) % 512))
         if st is not None:
             h = new_hasher(self.hash_name)
@@ -257,17 +238,16 @@ class ArchiveWriter:
             ) as proc:
                 with contextlib.suppress(OSError):  # 1 MiB reads, not 64 KiB (Linux's F_SETPIPE_SZ)
                     fcntl.fcntl(proc.stdout.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), CHUNK)
-                pipe, ended = _TarPipe(proc.stdout.fileno(), self._write), False
+                pipe: Optional[_TarPipe] = _TarPipe(proc.stdout.fileno(), self._write)
                 try:
                     self._pass_on(pipe)
-                    ended = True
                 except EOFError:  # tar stopped early: its message says why
-                    pass
+                    pipe = None
                 else:
                     pipe.send_consumed()
                     while os.read(pipe.fd, CHUNK):  # tar's end blocks and record padding
                         pass
-        if not ended:
+        if pipe is None:  # and tar said nothing
             raise EnvError(f"packing {self.root} failed: tar's stream stopped before its end")
 
     def _pass_on(self, pipe: _TarPipe) -> None:

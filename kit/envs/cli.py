@@ -22,8 +22,8 @@ _FIELDS = {
 def _command(
     s: argparse._SubParsersAction, name: str, help: str, *positional: str
 ) -> argparse.ArgumentParser:
-    """A sub-command with its positional arguments, its EnvsConfig options (_FIELDS) and, where it writes an
-    output, --clean-partial."""
+    """A sub-command with its positional arguments, its EnvsConfig options (_FIELDS) and the options some
+    sub-commands share (--clean-partial where it writes an output, --ignore-editable-packages, --condarc)."""
     from kit.configs import add_config_arguments
     from kit.envs.config import EnvsConfig
 
@@ -39,6 +39,13 @@ def _command(
             action="store_true",
             help="remove leftovers of interrupted runs (.NAME.partial-*) beside the output; they are always reported",
         )
+    if name in ("clone", "pack"):
+        editable = "go on although `pip install -e` packages are present (their sources are not shipped)"
+        c.add_argument("--ignore-editable-packages", action="store_true", help=editable)
+    if name in ("restore", "condarc"):
+        c.add_argument(
+            "--condarc", default=None, help="the .condarc to edit (default: $CONDARC, else ~/.condarc)"
+        )
     return c
 
 
@@ -53,14 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--no-inherit", action="store_true", help="do not see the base interpreter's packages")
     c = _command(s, "clone", "clone an env to <envs-root>/{venvs,user_conda}/<name> or --target")
     c.add_argument("--target", default=None, help="clone to this folder instead of <envs-root>/.../<name>")
-    c.add_argument("--ignore-editable-packages", action="store_true")
     c = _command(s, "pack", "pack an env to one archive (tar.zst multithreaded by default)")
     c.add_argument("-o", "--output", default=None, help="archive path (its suffix sets the format)")
-    c.add_argument(
-        "--ignore-editable-packages",
-        action="store_true",
-        help="pack although `pip install -e` packages are present (their sources are not shipped)",
-    )
     _command(s, "unpack", "safely extract an archive into TARGET and fix its prefixes", "archive", "target")
     _command(s, "remove", "delete an env folder and its kernels", "target")
     _command(s, "kernel", "register an env as a Jupyter kernel with the CANN environment", "prefix")
@@ -68,10 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         s, "check-kernel", "start a kernel, run code in it, print its sys.prefix and variables", "name"
     )
     c.add_argument("--code", default="")
-    c = _command(s, "restore", "after a restart: reinstall stored kernels, re-register envs_dirs")
-    c.add_argument("--condarc", default=None)
-    c = _command(s, "condarc", "add <envs-root>/user_conda to envs_dirs in .condarc (idempotent)")
-    c.add_argument("--condarc", default=None)
+    _command(s, "restore", "after a restart: reinstall stored kernels, re-register envs_dirs")
+    _command(s, "condarc", "add <envs-root>/user_conda to envs_dirs in .condarc (idempotent)")
     p.set_defaults(func=run)
 
 

@@ -29,9 +29,8 @@ def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: O
     except conda_pack.CondaPackException as exc:
         hint = f"; {EDITABLE_HINT}" if "editable" in str(exc) else ""
         raise EnvError(f"conda-pack cannot read the env {prefix!r}: {exc}{hint}") from exc
-    if bar is not None:
-        bar.total = len(env.files)
-        bar.refresh()
+    bar.total = len(env.files)
+    bar.refresh()
     packer = Packer(prefix, archive, dest_prefix=dest_prefix)
     for f in env.files:
         try:
@@ -44,13 +43,12 @@ def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: O
                 f"characters) is shorter than the target path {dest_prefix} ({len(str(dest_prefix))}); "
                 f"binary prefixes can only shrink. Choose a shorter target folder, or method='conda-clone'."
             ) from exc
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
     packer.finish()
     return len(env.files), packer
 
 
-def pack_conda(prefix: str, writer: ArchiveWriter, ignore_editable: bool = False, bar=None) -> dict:
+def pack_conda(prefix: str, writer: ArchiveWriter, ignore_editable: bool, bar) -> dict:
     """What `conda pack` writes for the env at the absolute `prefix` (conda-pack's files and bin/conda-unpack) into
     the kit archive `writer`, whose compressor gives tar.zst the level and threads conda-pack's own ignores."""
     files, packer = _run_packer(prefix, writer, ignore_editable, bar)
@@ -84,13 +82,7 @@ class _CopyArchive:
         shutil.copymode(source, dest)
 
 
-def clone_conda(
-    source: os.PathLike | str,
-    tmp_dir: os.PathLike | str,
-    final_prefix: os.PathLike | str,
-    ignore_editable: bool = False,
-    bar=None,
-) -> dict:
+def clone_conda(source: Path, tmp_dir: Path, final_prefix: Path, ignore_editable: bool, bar) -> dict:
     """Copy a conda env into `tmp_dir` with every prefix already rewritten to `final_prefix` (no conda-unpack)."""
     archive = _CopyArchive(str(tmp_dir))
     return {

@@ -100,7 +100,6 @@ def clone(
     overwrite: bool = False,
     ignore_editable: bool = False,
     verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
-    verify_env: Optional[dict] = None,
     clean_partial: bool = False,
 ) -> dict:
     """Clone an env to `target` (default <envs_root>/{venvs,user_conda}/<name>), ready to use at its new path and
@@ -152,7 +151,7 @@ def clone(
                 counts = conda_backend.clone_conda(src.prefix, tmp, dest, ignore_editable, bar)
     n_files, size = totals
     seconds = time.perf_counter() - start
-    report = _verify(dest, verify_imports, verify_env)
+    report = _verify(dest, verify_imports)
     return {
         "source": str(src.prefix),
         "target": str(dest),
@@ -267,7 +266,6 @@ def unpack(
     target: PathLike,
     overwrite: bool = False,
     verify_imports: Optional[Sequence[str]] = DEFAULT_IMPORTS,
-    verify_env: Optional[dict] = None,
     clean_partial: bool = False,
 ) -> dict:
     """Extract an env archive (kit or `conda pack` made) into `target`, every member checked (extract()), then
@@ -305,7 +303,7 @@ def unpack(
                     f"pyvenv.cfg at its top level); nothing was unpacked."
                 )
     seconds = time.perf_counter() - start
-    report = _verify(dest, verify_imports, verify_env)
+    report = _verify(dest, verify_imports)
     return {
         "archive": str(archive),
         "target": str(dest),
@@ -334,16 +332,14 @@ def _expected_bytes(archive: Path) -> int:
     return size if str(archive).endswith(".tar") else size * 5
 
 
-def _verify(prefix: Path, imports: Optional[Sequence[str]], env: Optional[dict]) -> Optional[dict]:
+def _verify(prefix: Path, imports: Optional[Sequence[str]]) -> Optional[dict]:
     """verify() with the CANN variables when a CANN install is found, so torch_npu can import."""
     if imports is None:
         return None
-    if env is None:
-        from kit.envs.kernels import capture_cann, find_set_env_scripts
+    from kit.envs.kernels import capture_cann, find_set_env_scripts
 
-        scripts = find_set_env_scripts() if "torch_npu" in imports else []
-        env = capture_cann(scripts, prefix)[0] if scripts else {}
-    return verify(prefix, imports, env)
+    scripts = find_set_env_scripts() if "torch_npu" in imports else []
+    return verify(prefix, imports, capture_cann(scripts, prefix)[0] if scripts else {})
 
 
 @contextlib.contextmanager

@@ -142,7 +142,10 @@ def scan_prefix(data: bytes, old: bytes) -> bool:
 
 def holds_prefix(path: str, size: int, old: bytes) -> bool:
     """scan_prefix() of the file at `path`; a binary is read no further than its first 8 KiB."""
-    fd = open_source(path, size, "copied")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # removed since the scan saw it
+        raise changed_error(path, size, None) from None
     try:
         data = os.read(fd, min(size, _HEAD))
         if data.find(b"\0") >= 0:
@@ -188,13 +191,6 @@ def changed_error(path: str, size: int, now: Optional[int], doing: str = "copied
         f"{path} changed while it was {doing} ({size} bytes when the env was scanned, {got}); {again} again "
         f"when nothing writes to the source env (a running pip or conda install?)."
     )
-
-
-def open_source(path: str, size: int, doing: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:  # removed since the scan saw it
-        raise changed_error(path, size, None, doing) from None
 
 
 def special_file_error(what: str, then: str, error=EnvError) -> Exception:
