@@ -362,7 +362,7 @@ def extract(
     """Extract into the existing folder `target`; return (counts, manifest or None). GNU tar writes into a
     temporary folder, whose tree must match the member list; only then do its entries move into `target`,
     which must not hold any of their names. progress(n) gets the bytes extracted."""
-    root = os.path.realpath(target)
+    root, progress = os.path.realpath(target), progress or (lambda n: None)
     head = read_archive_manifest(archive)
     if head is not None:
         if int(head.get("kit_archive", 0)) > ARCHIVE_VERSION:
@@ -378,7 +378,7 @@ def extract(
     members = _listed(archive, hash_name) if head is None else None  # a kit archive's: its last member
     tmp = tempfile.mkdtemp(prefix=".kit-extract-", dir=root)  # tar follows links it finds: only in its own
     try:
-        shown = _with_gnu_tar(exe, archive, tmp, progress or (lambda n: None))
+        shown = _with_gnu_tar(exe, archive, tmp, progress)
         os.chmod(tmp, 0o700)  # an archived `.` gave it its mode: its entries must still move out
         manifest = _take_json(archive, tmp, MANIFEST)  # a kit archive's was read from the stream before
         if head is not None:
@@ -388,8 +388,7 @@ def extract(
             members = trailer.pop("members", None)
             manifest = dict(head, **trailer)
         counts = _check_tree(archive, tmp, members, hash_name)
-        if progress:
-            progress(max(0, counts["bytes"] - shown))
+        progress(max(0, counts["bytes"] - shown))  # the rest (tar wrote faster than it was polled)
         names = os.listdir(tmp)
         clash = next((n for n in names if os.path.lexists(os.path.join(root, n))), None)
         if clash is not None:
