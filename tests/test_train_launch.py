@@ -303,3 +303,32 @@ def test_a_signal_while_the_job_starts_stops_it_once_it_exists():
         stopper.killer.cancel()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_output_is_read_until_the_launcher_exits_not_until_every_descendant_closes_it():
+    """A process the launcher left behind keeps the pipe open: the reading ends `drain_s` after the launcher exited
+    (with a note), having passed on every line; killing the leftovers is the caller's (launch: Job.kill)."""
+    import psutil
+
+    from kit.train.launch import _lines_until_exit
+
+    proc = subprocess.Popen(
+        ["sh", "-c", "echo first; sleep 60 & echo $!; echo last"], stdout=subprocess.PIPE, text=True
+    )
+    notes, holder = [], None
+    try:
+        lines = []
+        for line in _lines_until_exit(proc, notes.append, drain_s=1.0):
+            if line and len(lines) == 1:
+                holder = psutil.Process(int(line))
+            lines += [line] if line else []
+        assert lines[0] == "first\n" and lines[2] == "last\n" and len(lines) == 3 and proc.poll() == 0
+        assert holder.name() == "sleep" and holder.is_running()  # it still holds the pipe: no EOF came
+        assert notes == [
+            "the launcher exited (0) but a process it started still holds its output 1 s later: killing what is "
+            "left of the job"
+        ]
+    finally:
+        proc.wait()
+        if holder is not None:
+            holder.kill()

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import test_train_helpers as H
@@ -60,8 +61,16 @@ def _given(cfg: TrainConfig, path) -> str:
     return str(path)
 
 
-def _agents(config_path, envs: list, launcher: str = "torchrun") -> list:
-    """Start one `python -m kit train launch` per node (its environment says which) and wait for all of them."""
+def _agents(config_path, envs: list, launcher: str = "torchrun", timeout_s: float = 600) -> list:
+    """Start one `python -m kit train launch` per node (its environment says which) and wait for all of them.
+
+    Each node's output goes to a file (a pipe nobody reads while another node is waited for would fill and stop
+    that node mid-job). Past `timeout_s` the failure shows every node's output and the processes still running.
+    """
+    import time
+
+    import psutil
+
     cmd = [
         sys.executable,
         "-m",
@@ -73,22 +82,38 @@ def _agents(config_path, envs: list, launcher: str = "torchrun") -> list:
         "--launcher",
         launcher,
     ]
-    procs = [
-        subprocess.Popen(
-            cmd, env=env, cwd=str(repo_root()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for env in envs
-    ]
-    outs = []
+    logs = [Path(f"{config_path}.node{i}.out") for i in range(len(envs))]
+    procs = []
+    for env, log in zip(envs, logs):
+        with open(log, "w", encoding="utf-8") as f:
+            procs.append(
+                subprocess.Popen(cmd, env=env, cwd=str(repo_root()), stdout=f, stderr=subprocess.STDOUT)
+            )
+    deadline = time.monotonic() + timeout_s
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=900)[0])
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        running = [p for p in procs if p.poll() is None]
+        if running:
+            tree = [
+                f"{c.pid} {' '.join(c.cmdline())}"
+                for p in running
+                for c in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+            ]
+            outs = "".join(f"--- node {i}:\n{log.read_text()}" for i, log in enumerate(logs))
+            pytest.fail(
+                f"the job did not end in {timeout_s:.0f} s; still running:\n" + "\n".join(tree) + "\n" + outs
+            )
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
+                p.terminate()  # the kit's launcher stops its job and leaves no process behind
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    return [(p.returncode, log.read_text()) for p, log in zip(procs, logs)]
 
 
 @pytest.mark.slow

@@ -9,13 +9,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from kit.configs import check, save_config
 from kit.lifetime import dies_with_parent
@@ -38,6 +40,8 @@ NPU_ENV = {
     "CPU_AFFINITY_CONF": "1",
 }
 
+
+DRAIN_S = 10.0  # how long after the launcher exits its output may still come (from ranks it left behind)
 
 STATUS_PREFIX = (
     "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
@@ -299,14 +303,13 @@ def launch(
             )
             job = stopper.attach(Job(proc))
             try:
-                while True:
-                    line = proc.stdout.readline()
+                for line in _lines_until_exit(proc, note):
                     while stopper.notes:
                         note(stopper.notes.pop(0))
-                    if not line:
-                        break
-                    job.refresh()
-                    _consume(line, log, tail, echo, result, bar)
+                    if proc.poll() is None:
+                        job.refresh()  # every process it starts, known while they are its descendants
+                    if line:
+                        _consume(line, log, tail, echo, result, bar)
                 proc.wait()
             finally:
                 while stopper.notes:
@@ -319,6 +322,38 @@ def launch(
     result.tail = list(tail)
     result.seconds = time.time() - t0
     return result
+
+
+def _lines_until_exit(proc: subprocess.Popen, note, drain_s: float = DRAIN_S) -> Iterator[str]:
+    """The launcher's output lines ("" every half second while it is quiet) until it has exited and its pipe is
+    drained: at EOF, or `drain_s` after the launcher exited while something it started still holds the pipe open
+    (the caller then kills the rest of the job). Reading until EOF alone would wait as long as any descendant lives.
+    """
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="kit-launch-output", daemon=True).start()
+    exited_at = None
+    while True:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            line = ""
+        if line is None:
+            return
+        yield line
+        if not line and proc.poll() is not None:
+            exited_at = exited_at or time.monotonic()
+            if time.monotonic() - exited_at > drain_s:
+                note(
+                    f"the launcher exited ({proc.returncode}) but a process it started still holds its output "
+                    f"{drain_s:.0f} s later: killing what is left of the job"
+                )
+                return
 
 
 def is_loopback(addr: str) -> bool:
