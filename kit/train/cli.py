@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
         with sigterm_as_interrupt():
             result = train(cfg, progress=not args.no_progress)
         print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # torch's advice for a process that ends: not left to interpreter teardown
         from kit.errors import EXIT_PREEMPTED
 
         # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
