@@ -332,3 +332,25 @@ def test_output_is_read_until_the_launcher_exits_not_until_every_descendant_clos
         proc.wait()
         if holder is not None:
             holder.kill()
+
+
+def test_a_left_behind_process_that_keeps_writing_cannot_hold_the_launcher_either():
+    """The drain is counted from the launcher's exit, not from the last quiet moment."""
+    import psutil
+
+    from kit.train.launch import _lines_until_exit
+
+    writer = "for i in $(seq 600); do echo more; sleep 0.1; done"  # 60 s at most, killed below
+    proc = subprocess.Popen(["sh", "-c", f"({writer}) & echo $!"], stdout=subprocess.PIPE, text=True)
+    notes, holder = [], None
+    try:
+        for line in _lines_until_exit(proc, notes.append, drain_s=1.0):
+            if holder is None and line:
+                holder = psutil.Process(int(line))
+        assert proc.poll() == 0 and holder.is_running()
+        assert len(notes) == 1 and "still holds its output 1 s later" in notes[0]
+    finally:
+        proc.wait()
+        if holder is not None:
+            for p in [holder, *holder.children(recursive=True)]:
+                p.kill()

@@ -95,11 +95,13 @@ def _agents(config_path, envs: list, launcher: str = "torchrun", timeout_s: floa
             time.sleep(0.5)
         running = [p for p in procs if p.poll() is None]
         if running:
-            tree = [
-                f"{c.pid} {' '.join(c.cmdline())}"
-                for p in running
-                for c in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-            ]
+            tree = []
+            for p in running:
+                try:  # one may end while it is listed
+                    top = psutil.Process(p.pid)
+                    tree += [f"{c.pid} {' '.join(c.cmdline())}" for c in [top, *top.children(recursive=True)]]
+                except psutil.Error:
+                    pass
             outs = "".join(f"--- node {i}:\n{log.read_text()}" for i, log in enumerate(logs))
             pytest.fail(
                 f"the job did not end in {timeout_s:.0f} s; still running:\n" + "\n".join(tree) + "\n" + outs

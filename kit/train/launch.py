@@ -325,9 +325,10 @@ def launch(
 
 
 def _lines_until_exit(proc: subprocess.Popen, note, drain_s: float = DRAIN_S) -> Iterator[str]:
-    """The launcher's output lines ("" every half second while it is quiet) until it has exited and its pipe is
-    drained: at EOF, or `drain_s` after the launcher exited while something it started still holds the pipe open
-    (the caller then kills the rest of the job). Reading until EOF alone would wait as long as any descendant lives.
+    """The output lines of torchrun / the DeepSpeed launcher ("" every half second while it is quiet) until it has
+    exited and its pipe is drained: at EOF, or `drain_s` after it exited while something it started still holds the
+    pipe open (the caller then kills the rest of the job). Reading until EOF alone would wait as long as any
+    descendant lives.
     """
     lines: queue.Queue = queue.Queue()
 
@@ -346,7 +347,9 @@ def _lines_until_exit(proc: subprocess.Popen, note, drain_s: float = DRAIN_S) ->
         if line is None:
             return
         yield line
-        if not line and proc.poll() is not None:
+        if (
+            proc.poll() is not None
+        ):  # counted from the exit, quiet or not: a leftover that writes cannot hold it
             exited_at = exited_at or time.monotonic()
             if time.monotonic() - exited_at > drain_s:
                 note(
