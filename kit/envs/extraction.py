@@ -14,6 +14,7 @@ import stat
 import subprocess
 import tarfile
 import tempfile
+import time
 import zlib
 from typing import Callable, Iterator, Optional
 
@@ -256,14 +257,14 @@ def _with_gnu_tar(exe: str, archive, root: str, progress) -> int:
 
 def _follow(proc: subprocess.Popen, progress) -> int:
     """Wait for tar, passing the bytes it has written so far to progress() 4 times a second (Linux's
-    /proc/PID/io; elsewhere nothing); return their sum."""
+    /proc/PID/io; elsewhere nothing); return their sum. It looks every 5 ms whether tar has ended: Popen.wait
+    with a timeout notices up to 50 ms late, 5-10 % of unpacking an env that takes tar half a second."""
     done = 0
     while True:
-        try:
-            proc.wait(timeout=0.25)
-            return done
-        except subprocess.TimeoutExpired:
-            pass
+        for _ in range(50):
+            if proc.poll() is not None:
+                return done
+            time.sleep(0.005)
         with contextlib.suppress(OSError, ValueError, StopIteration):
             with open(f"/proc/{proc.pid}/io") as fh:
                 written = int(next(line for line in fh if line.startswith("wchar:")).split()[1])
