@@ -149,7 +149,7 @@ def main() -> int:
                 obs_home, model_name, node_rank, nnodes = f"obs://{s3_standin.BUCKET}/bench", "m", 0, 1
 
             times = {"sdk_up": [], "kit_up": [], "sdk_down": [], "kit_down": []}
-            listing = {f: obs.hash_file(folder / f) for f in files}
+            listing = {f: obs.crc32_file(folder / f) for f in files}
 
             def sdk_up(r):
                 for f in files:

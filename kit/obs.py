@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 from kit.errors import InputError, KitError, MissingInputError
+from kit.manifest import crc32_file
 
 SCHEME = "obs://"
 LISTING = "kit_obs_files.json"  # uploaded last: the folder above it is complete in OBS
@@ -170,12 +171,6 @@ def store_for(url: str) -> Tuple[Store, str]:
     return Store(bucket), prefix
 
 
-def hash_file(path: Path) -> dict:
-    from kit.train.checkpoint import _hash_file
-
-    return _hash_file(Path(path))
-
-
 def local_files(folder: Path) -> list:
     """Relative names of the files under `folder`, sorted (the listing, temporaries and SDK records left out)."""
     folder = Path(folder)
@@ -199,7 +194,7 @@ def upload_folder(folder: Path, url: str, store: Optional[Store] = None) -> dict
     folder = Path(folder)
     listing = {}
     for rel in local_files(folder):
-        listing[rel] = hash_file(folder / rel)
+        listing[rel] = crc32_file(folder / rel)
         store.put_file(f"{prefix}/{rel}", folder / rel)
     body = {"files": listing, "manifest_sha256": _manifest_sha256(folder)}
     store.put_bytes(f"{prefix}/{LISTING}", (json.dumps(body, indent=1) + "\n").encode())
@@ -234,7 +229,7 @@ def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path
     with ThreadPoolExecutor(max_workers=max(1, store.threads), thread_name_prefix="kit-obs-get") as pool:
         for rel, want in sorted(files.items()):
             path, key = dest / rel, f"{prefix}/{rel}"
-            if path.is_file() and path.stat().st_size == want["bytes"] and hash_file(path) == want:
+            if path.is_file() and path.stat().st_size == want["bytes"] and crc32_file(path) == want:
                 continue  # already here (an earlier, interrupted download got this far)
             if key not in present:
                 missing.append(rel)

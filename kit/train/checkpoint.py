@@ -22,6 +22,7 @@ from typing import Optional
 
 from kit.atomic import atomic_write_text
 from kit.errors import InputError, IntegrityError, MissingInputError, writing
+from kit.manifest import crc32_file
 
 LATEST = "latest"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
@@ -142,23 +143,6 @@ def _finish_on_this_node(ckpt_root: Path, iteration: int, rank: int) -> None:
     _fsync_dir(ckpt_root)
 
 
-def _hash_file(path: Path) -> dict:
-    """{"bytes", "crc32"} of a file read in 4 MiB blocks.
-
-    CRC-32 (zlib), not SHA-256: it catches accidental damage (every burst of up to 32 bits, a flipped bit, a cut) as
-    a zip member's CRC would, and runs about 5x faster here (2.1 vs 0.4 GB/s), which matters for checkpoints of
-    tens of GB; nobody forges a checkpoint to match it (they load with weights_only=True anyway).
-    """
-    import zlib
-
-    crc, size = 0, 0
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    return {"bytes": size, "crc32": f"{crc:08x}"}
-
-
 def _files(folder: Path) -> list:
     """The checkpoint's files (relative names, sorted), its checksum list and atomic temporaries left out."""
     out = []
@@ -185,7 +169,7 @@ def seal(folder: Path) -> dict:
     subdirs = {folder / sub for rel in names for sub in Path(rel).parents if str(sub) != "."}
     with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 1)) as pool:
         syncs = [pool.submit(_fsync_file, folder / rel) for rel in names]
-        hashes = [pool.submit(_hash_file, folder / rel) for rel in names]
+        hashes = [pool.submit(crc32_file, folder / rel) for rel in names]
         sums = {rel: h.result() for rel, h in zip(names, hashes)}
         for done in syncs:
             done.result()  # an fsync error (EIO, ENOSPC on NFS) fails the save
@@ -227,7 +211,7 @@ def verify(folder: Path) -> Optional[str]:
 
     names = sorted(expected)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # zlib releases the GIL
-        got = list(pool.map(lambda rel: _hash_file(folder / rel), names))
+        got = list(pool.map(lambda rel: crc32_file(folder / rel), names))
     for rel, sums in zip(names, got):
         if sums["crc32"] != expected[rel].get("crc32"):
             return f"{folder / rel} does not match its CRC-32 in {CHECKSUMS} (damaged)"
