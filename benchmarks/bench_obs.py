@@ -129,6 +129,7 @@ def main() -> int:
     from bench_checkpoint import engine_for
 
     from kit import obs
+    from kit.manifest import crc32_file
     from kit.train import checkpoint as ck
     from kit.train.obs_home import CheckpointUploads
 
@@ -149,7 +150,7 @@ def main() -> int:
                 obs_home, model_name, node_rank, nnodes = f"obs://{s3_standin.BUCKET}/bench", "m", 0, 1
 
             times = {"sdk_up": [], "kit_up": [], "sdk_down": [], "kit_down": []}
-            listing = {f: obs.crc32_file(folder / f) for f in files}
+            listing = {f: crc32_file(folder / f) for f in files}
 
             def sdk_up(r):
                 for f in files:

@@ -23,6 +23,7 @@ from kit import obs
 from kit.atomic import atomic_write_text
 from kit.errors import MissingInputError
 from kit.lifetime import die_with_parent
+from kit.manifest import crc32_file
 from kit.train import checkpoint
 
 COMPLETE = (
@@ -210,7 +211,7 @@ def upload_checkpoint(job: dict) -> None:
     files = {}
     sealed = _sealed(folder)  # the CRCs checkpoint.save computed: no second read of the files
     for rel in obs.local_files(folder):
-        files[rel] = sealed.get(rel) or obs.crc32_file(folder / rel)
+        files[rel] = sealed.get(rel) or crc32_file(folder / rel)
         store.put_file(f"{key}/{rel}", folder / rel)
     record = json.dumps({"node": node, "files": files}, indent=1).encode()
     store.put_bytes(f"{key}/{NODE_RECORD.format(node=node)}", record)
