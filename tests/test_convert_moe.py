@@ -306,3 +306,30 @@ def test_a_dense_layer_among_moe_layers_and_the_checks_that_catch_a_wrong_expert
         ConversionError, match=r"1 of 8 rank files missing .* TP2 x PP2 x EP2\): mp_rank_01_000_001"
     ):
         MegatronReader(bad)
+
+
+def test_the_free_space_check_counts_what_the_expert_layout_writes(
+    moe_tp2_pp2_ep2, tiny_qwen3_moe_dir, tmp_path
+):
+    """Each EP rank file repeats the embedding, attention, norms and router, and each TP rank the norms: the space
+    asked for is within 5 % of the bytes written (and not below them), both ways."""
+    from kit.convert.convert import _hf_bytes
+    from kit.convert.families import family_for_config
+    from kit.convert.megatron_source import layout_bytes, stages_of
+    from kit.parallel import padded_vocab_size
+
+    hf = HFReader(tiny_qwen3_moe_dir)
+    fam = family_for_config(hf.config, None)
+    spec = fam.read_config(hf.config, hf.folder)
+    mr = MegatronReader(moe_tp2_pp2_ep2)
+    padded = padded_vocab_size(spec.vocab_size, 2, 128, None)
+    need = layout_bytes(fam, spec, "local", stages_of(mr, spec), 2, 2, padded, 4)
+    written = sum(p.stat().st_size for p in mr.files.values())
+    assert written <= need <= 1.05 * written
+    assert need > 1.3 * hf.weight_bytes()  # the HF size alone (what was asked before) falls far short
+    back = tmp_path / "hf"
+    from kit.convert import megatron_to_hf
+
+    megatron_to_hf(ConvertConfig(str(moe_tp2_pp2_ep2), str(back)), progress=False)
+    hf_written = sum(p.stat().st_size for p in back.glob("*.safetensors"))
+    assert hf_written <= _hf_bytes(fam, spec, "float32") <= 1.05 * hf_written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -34,7 +35,9 @@ from kit.convert.hf_io import HFReader, HFWriter, copy_side_files
 from kit.convert.manifests import write_converted_manifest, write_hf_manifest
 from kit.convert.megatron_io import HF_META_DIR, META_FILE, MegatronReader, arg_dtype
 from kit.convert.megatron_source import (
+    TENSOR_FRAMING,
     check_megatron_keys,
+    layout_bytes,
     merged_tensor_fn,
     rank_entries,
     role_pieces,
@@ -255,6 +258,18 @@ def _plan(spec: ModelSpec, cfg: ConvertConfig) -> tuple:
     return padded, stage_layers(spec.num_layers, pp, cfg.num_layer_list)
 
 
+def _layout_bytes(cfg: ConvertConfig, fam, spec: ModelSpec, stages, padded: int, dtype) -> int:
+    """What the target layout's rank files will take (kit.convert.megatron_source.layout_bytes)."""
+    grouped = ("te" if cfg.flavor == "te" else "legacy") if cfg.moe_grouped_gemm and spec.num_experts else ""
+    return layout_bytes(fam, spec, cfg.flavor, stages, cfg.tp, cfg.ep, padded, itemsize(dtype), grouped)
+
+
+def _hf_bytes(fam, spec: ModelSpec, dtype) -> int:
+    """What the HF folder's weights will take: each tensor once, however many rank files repeat it."""
+    shapes = expected_hf_shapes(fam, spec).values()
+    return sum(math.prod(s) * itemsize(dtype) + TENSOR_FRAMING for s in shapes)
+
+
 def _meta(
     direction: str,
     source: PathLike,
@@ -384,10 +399,9 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     padded, stages = _plan(spec, cfg)
     cast = cfg.dtype
     src_dtype = reader.dtype(fam.hf_keys("embedding")[0])
-    scale = itemsize(cast) / itemsize(src_dtype) if cast else 1
     check_space(
         cfg.target,
-        int(reader.weight_bytes() * scale * (padded / spec.vocab_size)),
+        _layout_bytes(cfg, fam, spec, stages, padded, cast or src_dtype),
         "the converted checkpoint",
     )
 
@@ -462,7 +476,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     stages = stages_of(mr, spec)
     check_megatron_keys(mr, fam, spec, stages)
     glob, _ = fam.roles(spec)
-    check_space(cfg.target, sum(p.stat().st_size for p in mr.files.values()), "the converted checkpoint")
+    check_space(cfg.target, _hf_bytes(fam, spec, cfg.dtype or arg_dtype(mr.args)), "the converted checkpoint")
 
     def emit(writer: HFWriter, role: str, layer: int) -> None:
         kind = role_kind(role)
@@ -549,8 +563,9 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     fam, spec, cfg_dir = source_spec(mr, cfg.hf_config_dir, cfg.family)
     padded, stages = _plan(spec, cfg)
     full = merged_tensor_fn(mr, spec, fam)
-    check_space(cfg.target, sum(p.stat().st_size for p in mr.files.values()), "the converted checkpoint")
     cast = cfg.dtype
+    dtype = cast or arg_dtype(mr.args)
+    check_space(cfg.target, _layout_bytes(cfg, fam, spec, stages, padded, dtype), "the converted checkpoint")
 
     def rank_fn(role: str, layer: Optional[int], r: int):
         kind = role_kind(role)
@@ -560,7 +575,6 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         t = split_tp(kind, t, cfg.tp, padded)[r].clone()
         return t.to(torch_dtype(cast)) if cast is not None else t
 
-    dtype = cast or arg_dtype(mr.args)
     meta, written = _save_megatron(
         cfg,
         "megatron_to_megatron",

@@ -66,6 +66,51 @@ def rank_entries(
             yield layout.key_path(flavor, "tied_head"), "embedding", None
 
 
+def rank_elements(spec: ModelSpec, role: str, tp: int, padded_vocab: int) -> int:
+    """Elements of TP rank r's part of a role, as read_rank cuts it (the same for every r)."""
+    group = split_group(role)
+    if group is not None:  # GroupedMLP: this rank's experts in one tensor
+        which, experts = group
+        return len(experts) * rank_elements(spec, expert_role(experts[0], which), tp, padded_vocab)
+    shape = spec.full_shape(role)
+    whole = 1
+    for n in shape:
+        whole *= n
+    kind = role_kind(role)
+    if kind == "replicated":
+        return whole
+    if kind == "vocab":
+        return padded_vocab // tp * (whole // shape[0])
+    return whole // tp
+
+
+# a rank file's bytes beyond its tensors' (torch zip: each tensor's record, zip headers and 64-byte alignment; the
+# file's pickled args), measured on the kit's own files: an upper bound for both, so the estimate never falls short
+TENSOR_FRAMING, FILE_FRAMING = 400, 16 << 10
+
+
+def layout_bytes(
+    fam: Family,
+    spec: ModelSpec,
+    flavor: str,
+    stages: List[List[int]],
+    tp: int,
+    ep: int,
+    padded_vocab: int,
+    itemsize: int,
+    grouped: str = "",
+) -> int:
+    """Bytes the rank files of a TP x PP x EP layout take: every tensor each file holds (EP ranks repeat the dense
+    tensors and the router, TP ranks the norms their kind replicates, the last stage a tied embedding) and framing."""
+    total = 0
+    for s in range(len(stages)):
+        for e in range(ep):
+            entries = [role for _, role, _ in rank_entries(fam, spec, flavor, stages, s, e, ep, grouped)]
+            tensors = sum(rank_elements(spec, role, tp, padded_vocab) for role in entries) * itemsize
+            total += tp * (tensors + len(entries) * TENSOR_FRAMING + FILE_FRAMING)
+    return total
+
+
 def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: Optional[str]) -> tuple:
     """Family and spec of a Megatron checkpoint: from its hf_meta/ (kit-made) or an HF config folder, checked
     against every dimension the checkpoint's own args state."""
