@@ -65,6 +65,12 @@ def test_nothing_usable_with_skip_is_an_error_and_writes_nothing(tmp_path):
     with pytest.raises(DataInputError, match="no usable record"):
         _pretrain(out, [blank])
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
+    # text, but fewer tokens than one sample: no dataset of 0 rows is published (nor its Megatron files)
+    short = tmp_path / "short.txt"
+    short.write_text("hi\n\nyo\n")
+    with pytest.raises(DataInputError, match=r"no sample: \d+ tokens in 2 records .* max_length=\d+"):
+        _pretrain(out, [short])
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
 
 
 def test_cli_nothing_usable_exits_2_with_one_line(tmp_path, capsys):

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from kit.data import DataConfig, IndexedReader, load_prepared, prepare, read_meta
+from kit.data.readers import DataInputError
 from kit.samples import pretrain_corpus, sample_tokenizer_dir
 
 
@@ -191,17 +192,17 @@ def test_text_files_and_column_mapping(tmp_path, tok):
     assert IndexedReader(r1.megatron_prefix)[1].tolist() == tok("second line", add_special_tokens=False)[
         "input_ids"
     ] + [tok.eos_token_id]
-    r2 = prepare(
-        DataConfig(
-            kind="pretrain",
-            inputs=[str(tmp_path / "e.jsonl")],
-            max_length=8,
-            columns={"text": "body"},
-            out_dir=str(tmp_path / "o2"),
-        ),
-        progress=False,
-    )
-    assert r2.report.records_written == 1 and r2.report.samples == 0 and r2.report.warnings
+    with pytest.raises(DataInputError, match="no sample: 5 tokens in 1 records"):  # mapped, read, too short
+        prepare(
+            DataConfig(
+                kind="pretrain",
+                inputs=[str(tmp_path / "e.jsonl")],
+                max_length=8,
+                columns={"text": "body"},
+                out_dir=str(tmp_path / "o2"),
+            ),
+            progress=False,
+        )
 
 
 def test_load_prepared_rejects_damaged_folders(tmp_path, corpus):

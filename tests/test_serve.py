@@ -182,6 +182,27 @@ def test_load_test_at_two_concurrency_levels(served, tmp_path):
     assert read_manifest(result.folder, expect="load-test")["points"] == 3
 
 
+def test_a_load_test_where_no_request_completed_publishes_nothing(served, tmp_path):
+    from kit.serve import BenchConfig, bench
+    from kit.serve.loadtest import LoadTestError
+
+    server, ws, _ = served
+    out = tmp_path / "bench"
+    cfg = BenchConfig(
+        concurrency=[1],
+        request_rates=[],
+        prompt_lengths=[8],
+        output_lengths=[2],
+        num_prompts=2,
+        warmup=0,
+        model_name="no-such-model",  # the engine answers every request with an error status
+        out_dir=str(out),
+    )
+    with pytest.raises(LoadTestError, match="no request of the load test .* completed .*2 failed"):
+        bench(cfg, ws, server=server, progress=False)
+    assert not out.exists() and not list(tmp_path.glob(".bench*"))
+
+
 def test_lm_eval_through_the_endpoint_equals_in_process(served, tmp_path):
     pytest.importorskip("lm_eval")
     from kit.serve.lmeval import compare

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 
 import pytest
 
@@ -63,6 +64,17 @@ def test_point_figures_are_guidellms_on_recorded_timestamps():
     assert m["mean_itl_ms"] == pytest.approx((100 + 100 + 10 + 10 * 20) / 13)
     # goodput: TTFT <= 60 ms and TPOT <= 50 ms leaves the 2nd and 3rd requests
     assert point_metrics(records, 1.0, 60.0, 50.0)["request_goodput"] == pytest.approx(2.0)
+
+
+def test_a_point_where_no_request_completed_is_invalid_not_zero():
+    failed = [RequestRecord(ok=False, start=0.0, end=0.5, error="HTTP 404: no model")] * 3
+    m = point_metrics(failed, span(failed), 1e9, 1e9)
+    assert m["valid"] is False and (m["completed"], m["failed"]) == (0, 3)
+    figures = [k for k in m if k.endswith("_ms") or k.endswith("put")]
+    assert len(figures) == 4 * 6 + 4 and all(math.isnan(m[k]) for k in figures)
+    ok = point_metrics([_rec(0.0, [0.1], 0.2, out=1)], 0.2, 1e9, 1e9)
+    assert ok["valid"] is True and ok["output_throughput"] == pytest.approx(5.0)
+    assert math.isnan(ok["median_tpot_ms"])  # one token: no time per output token was measured
 
 
 def test_one_chunk_has_no_tpot_and_usage_wins_over_the_chunk_count():

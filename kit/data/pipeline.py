@@ -271,15 +271,18 @@ def _text_chunks(pieces: Iterator[List[str]], max_records: int, max_chars: float
         yield chunk
 
 
+def _inputs_named(cfg: DataConfig) -> str:
+    return cfg.inputs[0] + (f" and {len(cfg.inputs) - 1} more" if len(cfg.inputs) > 1 else "")
+
+
 def _nothing_usable(cfg: DataConfig, report: PrepReport) -> DataInputError:
     """The error for a run in which no record could be used (nothing is written then)."""
     rep = report.as_dict()
-    inputs = cfg.inputs[0] + (f" and {len(cfg.inputs) - 1} more" if len(cfg.inputs) > 1 else "")
     why = ", ".join(f"{k} {v}" for k, v in {**rep["dropped"], **rep["files_skipped"]}.items()) or "none"
     # the first problem's position and what is wrong (its own fix would suggest skipping, which led here)
     first = f"; first problem: {report.problems[0].split('. Fix: ')[0]}" if report.problems else ""
     return DataInputError(
-        inputs,
+        _inputs_named(cfg),
         0,
         f"no usable record ({report.records_read} read, dropped or skipped: {why}){first}",
         "repair the inputs (the first problem is shown) or point inputs at other files; nothing was written",
@@ -361,6 +364,16 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
             _stream(cfg, tok, sink, writers, report, progress, picker)
             if report.records_written == 0:
                 raise _nothing_usable(cfg, report)
+            if report.samples == 0:  # records, but too few tokens for one row: a dataset of nothing
+                raise DataInputError(
+                    _inputs_named(cfg),
+                    0,
+                    f"no sample: {report.tokens_in} tokens in {report.records_written} records are not enough for "
+                    f"one sample of max_length={cfg.max_length}",
+                    "lower max_length or add text; nothing was written",
+                    "no_sample",
+                    skippable=False,
+                )
             for w in writers:
                 w.finalize()
             heldout = _heldout_fields(cfg, picker, held_dir, report)

@@ -117,8 +117,3 @@ class PretrainAssembler:
                     f"special-token strings in the text were tokenized as plain text ({found}); "
                     f"keep_special_tokens=True makes them control tokens"
                 )
-        if r.samples == 0:
-            r.warnings.append(
-                f"only {r.tokens_in} tokens: not enough for one sample of max_length="
-                f"{self.max_length}; lower max_length or add text"
-            )

@@ -11,13 +11,14 @@ the TTFT and TPOT targets, per second), under vLLM's result-JSON keys (`mean_ttf
 from __future__ import annotations
 
 import json
+import math
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from kit.configs import check, save_config, to_jsonable
-from kit.errors import InputError
+from kit.errors import InputError, KitError
 from kit.serve.config import BenchConfig, ServeConfig
 
 RESULTS_JSON = "results.json"
@@ -44,6 +45,10 @@ ASCEND_COLUMNS = {
 }
 
 
+class LoadTestError(KitError, RuntimeError):
+    """No request of a load test completed: there is nothing to measure, and nothing is published."""
+
+
 def stats(values: List[float], prefix: str, weights: Optional[List[float]] = None) -> Dict[str, float]:
     """{mean_<prefix>_ms, median_..., std_..., p90_..., p99_..., max_...} of `values` (seconds) in ms.
 
@@ -57,8 +62,8 @@ def stats(values: List[float], prefix: str, weights: Optional[List[float]] = Non
     w = np.ones_like(v) if weights is None else np.asarray(weights, dtype=float)
     keep = w > 0
     v, w = v[keep], w[keep]
-    if not len(v):
-        v, w = np.zeros(1), np.ones(1)
+    if not len(v):  # nothing was measured: no figure, not a zero that reads like a fast server
+        return {f"{s}_{prefix}_ms": math.nan for s in STATS}
     order = np.argsort(v, kind="stable")
     v, w = v[order], w[order] / w.sum()
     cdf = np.cumsum(w)
@@ -106,16 +111,21 @@ def point_metrics(records, duration: float, ttft_target_ms: float, tpot_target_m
     ]
     n_in = sum(r.prompt_tokens for r in ok)
     n_out = sum(r.output_tokens for r in ok)
+
+    def rate(n: int) -> float:  # a point where no request completed measured no rate (NaN, `valid` False)
+        return n / duration if ok and duration else math.nan if not ok else 0.0
+
     out: Dict[str, Any] = {
+        "valid": bool(ok),
         "duration": duration,
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "total_input_tokens": n_in,
         "total_output_tokens": n_out,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "request_goodput": len(good) / duration if duration else 0.0,
-        "output_throughput": n_out / duration if duration else 0.0,
-        "total_token_throughput": (n_in + n_out) / duration if duration else 0.0,
+        "request_throughput": rate(len(ok)),
+        "request_goodput": rate(len(good)),
+        "output_throughput": rate(n_out),
+        "total_token_throughput": rate(n_in + n_out),
     }
     out.update(stats([r.ttft for r in ok], "ttft"))
     # one value per request, weighted by the tokens after the first (GuideLLM's inter_token_latency_ms)
@@ -253,14 +263,29 @@ def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
                         **point_metrics(records, duration, cfg.ttft_target_ms, cfg.tpot_target_ms),
                     }
                     points.append(row)
-                    if progress:
-                        what = f"concurrency {conc}" if conc else f"{rate:g} req/s"
+                    what = f"in {n_in} / out {n_out}, " + (
+                        f"concurrency {conc}" if conc else f"{rate:g} req/s"
+                    )
+                    if not row["valid"]:  # said even without progress: its figures are NaN everywhere
                         print(
-                            f"in {n_in} / out {n_out}, {what}: {row['completed']}/{cfg.num_prompts} ok, "
+                            f"warning: {what}: no request completed ({row['failed']} failed, first: "
+                            f"{row['errors'][0] if row['errors'] else 'no error recorded'}); the point is invalid",
+                            flush=True,
+                        )
+                    elif progress:
+                        print(
+                            f"{what}: {row['completed']}/{cfg.num_prompts} ok, "
                             f"TTFT p50 {row['median_ttft_ms']:.0f} ms, TPOT p50 {row['median_tpot_ms']:.1f} ms, "
                             f"{row['output_throughput']:.1f} tok/s",
                             flush=True,
                         )
+        if not any(p["valid"] for p in points):
+            first = next((e for p in points for e in p["errors"]), "no error recorded")
+            raise LoadTestError(
+                f"no request of the load test against {endpoint} completed ({sum(p['failed'] for p in points)} "
+                f"failed; first error: {first}); nothing was written. Check that the server answers (its log, "
+                f"`python -m kit serve check`) and that MODEL names a model it serves."
+            )
         _write(tmp, cfg, points, server, url, model)
         from kit.manifest import LOAD_TEST, write_manifest
 
@@ -294,14 +319,15 @@ def _write(tmp: Path, cfg: BenchConfig, points, server, url: str, model: str) ->
     import pandas as pd
 
     doc = {"server": _server_facts(server, url, model), "config": to_jsonable(cfg), "points": points}
+    nan_as_null = json.loads(json.dumps(to_jsonable(doc)), parse_constant=lambda _: None)  # JSON has no NaN
     (tmp / RESULTS_JSON).write_text(
-        json.dumps(to_jsonable(doc), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        json.dumps(nan_as_null, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
     scalars = [{k: v for k, v in p.items() if not isinstance(v, list)} for p in points]
     frame = pd.DataFrame(scalars)
-    frame.to_csv(tmp / RESULTS_CSV, index=False)
+    frame.to_csv(tmp / RESULTS_CSV, index=False, na_rep="NaN")
     frame[list(ASCEND_COLUMNS)].rename(columns=ASCEND_COLUMNS).to_csv(
-        tmp / ASCEND_CSV, index=False, encoding="utf-8-sig"
+        tmp / ASCEND_CSV, index=False, encoding="utf-8-sig", na_rep="NaN"
     )
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for (load, n_in, n_out), g in frame.groupby(["load", "input_len", "output_len"]):
