@@ -358,3 +358,33 @@ def test_the_preset_engine_boot_file_runs_the_kit_with_the_jobs_arguments(tmp_pa
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m kit train launch")
+
+
+def test_obs_paths_flavors_and_images_that_modelarts_would_refuse_are_named():
+    from kit.job.config import JobConfig
+
+    good = JobConfig(
+        obs_dir="obs://kit-bucket/x/", pool_id="p", image_url="swr.cn-north-4.myhuaweicloud.com/org/kit:1"
+    )
+    assert good.problems() == []
+    assert (
+        JobConfig(
+            obs_dir="obs://kit-bucket/x/", flavor="modelarts.p3.large.public", image_url="org/kit:1"
+        ).problems()
+        == []
+    )
+    bad = JobConfig(
+        obs_dir="obs:///x",  # no bucket
+        data_obs="obs://Bad_Bucket/d/",
+        flavor="modelarts.pool.visual.3xlarge",  # a pool flavor that does not exist
+        pool_id="p",
+        image_url="org/kit image:1",
+    ).problems()
+    text = "\n".join(bad)
+    assert len(bad) == 4, bad
+    assert "OBS_DIR='obs:///x'" in text and "DATA_OBS='obs://Bad_Bucket/d/'" in text
+    assert "FLAVOR='modelarts.pool.visual.3xlarge' is not a ModelArts flavor" in text
+    assert "IMAGE_URL='org/kit image:1' is not an SWR image" in text
+    assert "is not a ModelArts flavor" in "\n".join(
+        JobConfig(obs_dir="obs://b-1/x", flavor="8 cards").problems()
+    )

@@ -19,6 +19,14 @@ POOL_FLAVOR_CARDS = {
     "modelarts.pool.visual.16xlarge": 16,
 }
 LAUNCHERS = ("torchrun", "deepspeed")
+# an OBS folder: obs://<bucket>/... with OBS's bucket rule (3-63 lower-case letters, digits, '.', '-'; a letter or
+# digit at each end); a flavor: ModelArts' dotted lower-case ids (public ones differ by region, so any such id goes);
+# an SWR image: [registry/]organization/name[:tag], no spaces
+_OBS_DIR = re.compile(r"^obs://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+_FLAVOR = re.compile(r"^modelarts(\.[a-z0-9_-]+)+$")
+_IMAGE = re.compile(
+    r"^([A-Za-z0-9.-]+(:[0-9]+)?/)?[a-z0-9][a-z0-9._-]*/[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9._-]{1,128})?$"
+)
 
 
 @dataclass
@@ -65,19 +73,32 @@ class JobConfig:
     def problems(self) -> list:
         """Every problem with the job settings, each naming the value and what to do."""
         p = []
-        if not self.obs_dir.startswith("obs://") or len(self.obs_dir.rstrip("/")) <= len("obs://"):
+        if not _OBS_DIR.match(self.obs_dir):
             p.append(
                 f"OBS_DIR={self.obs_dir!r}: give the job's OBS folder, obs://bucket/folder/ (a bucket in the "
-                "region of the job)."
+                "region of the job: 3-63 lower-case letters, digits, '.' or '-')."
             )
         for name in ("data_obs", "model_obs", "code_dir"):
             value = getattr(self, name)
-            if value and not value.startswith("obs://"):
-                p.append(f"{name.upper()}={value!r} is not an obs:// path.")
+            if value and not _OBS_DIR.match(value):
+                p.append(f"{name.upper()}={value!r} is not an OBS folder, obs://bucket/folder/.")
         if self.nodes < 1:
             p.append(f"NODES={self.nodes} must be >= 1.")
         if not self.flavor:
             p.append("FLAVOR is empty: give the resource flavor, e.g. modelarts.pool.visual.8xlarge.")
+        elif not _FLAVOR.match(self.flavor) or (
+            self.flavor.startswith("modelarts.pool.") and self.flavor not in POOL_FLAVOR_CARDS
+        ):
+            p.append(
+                f"FLAVOR={self.flavor!r} is not a ModelArts flavor: a dedicated pool's is one of "
+                f"{', '.join(POOL_FLAVOR_CARDS)}; a public pool's is listed by the ModelArts console or the SDK's "
+                "show_training_job_flavors (e.g. modelarts.p3.large.public)."
+            )
+        if self.image_url and not _IMAGE.match(self.image_url):
+            p.append(
+                f"IMAGE_URL={self.image_url!r} is not an SWR image: organization/name:tag or "
+                "swr.<region>.myhuaweicloud.com/organization/name:tag, without spaces."
+            )
         if self.flavor.startswith("modelarts.pool.") and not self.pool_id:
             p.append(
                 f"FLAVOR={self.flavor!r} is a dedicated-pool flavor: set POOL_ID (ModelArts console, dedicated "
