@@ -83,13 +83,30 @@ _OS_HINTS = {
 }
 
 
+def _read_refused(exc: OSError, output: Optional[PathLike]) -> bool:
+    """True when the refused file is something read, not written: it exists, this process may not read it, and it
+    lies outside the output being written."""
+    filename = exc.filename
+    if getattr(exc, "errno", None) not in (errno.EACCES, errno.EPERM) or filename is None:
+        return False
+    if not os.path.lexists(filename) or os.access(filename, os.R_OK):
+        return False
+    if output is None:
+        return True
+    out = os.path.abspath(os.fspath(output))
+    return os.path.commonpath([out, os.path.abspath(os.fspath(filename))]) != out
+
+
 def describe_os_error(exc: OSError, path: Optional[PathLike] = None) -> Optional[str]:
     """One line for an OSError a user can act on, or None when it is not one of those (`path`: what was being
     written, named when the error carries no file name)."""
-    hint = _OS_HINTS.get(getattr(exc, "errno", None) or -1)
+    code = getattr(exc, "errno", None) or -1
+    hint = _OS_HINTS.get(code)
     if hint is None:
         return None
     where = exc.filename if exc.filename is not None else path
+    if _read_refused(exc, path):
+        return f"cannot read {os.fspath(where)!r}: permission denied; fix its permissions or give a file you can read"
     if where is None:
         return f"cannot write (the system gave no file name): {hint}"
     return f"cannot write {os.fspath(where)!r}: {hint}"
@@ -145,6 +162,8 @@ def writing(path: PathLike) -> Iterator[None]:
         message = describe_os_error(exc, path)
         if message is None:
             raise
+        if _read_refused(exc, path):  # an input read inside the block
+            raise InputError(message) from exc
         raise OutputError(exc.errno, message) from exc
     except Exception as exc:  # safetensors' SafetensorError, torch.save's RuntimeError
         code = _errno_of_failed_write(exc, path)

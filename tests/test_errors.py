@@ -6,6 +6,8 @@ import ast
 import importlib
 from pathlib import Path
 
+import pytest
+
 import kit
 from kit.errors import InputError, IntegrityError, KitError, MissingInputError
 
@@ -108,3 +110,28 @@ def test_a_plot_on_a_full_disk_names_the_png(small_disk):
     with pytest.raises(OutputError, match=f"^cannot write {str(png)!r}: the disk is full"):
         _save(fig, png)
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
+
+
+def test_an_input_the_process_may_not_read_is_named_as_unreadable_not_unwritable(tmp_path):
+    """A permission error on a file the stage reads is `cannot read`, not `cannot write`, even inside `writing()`.
+    As root the test drops the capabilities that let root read anything (setpriv); as another user chmod is enough."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    data.chmod(0)
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv (util-linux) cannot be kept from reading a file")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    cmd = prefix + [sys.executable, "-m", "kit", "data", "sft", str(data), "--out-dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last == (
+        f"error: cannot read {str(data)!r}: permission denied; fix its permissions or give a file you can read"
+    ), proc.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
