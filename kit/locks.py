@@ -10,7 +10,8 @@ is created with O_CREAT|O_EXCL instead (atomic on local filesystems and NFSv3+).
 Stale locks: a lock whose holder ran on this host (same hostname, boot and PID namespace) and is gone (no such
 PID, a zombie, or a PID reused by a process that started later) is removed, under a per-holder breaker file so
 that two runs breaking the same stale lock cannot remove a live one. A lock held from another host is never
-broken automatically: the error says which file to delete once that run is known to be over.
+broken automatically: the error says which file to delete once that run is known to be over. A lock records the
+inode of its own file, so a copy of it (a run folder copied while that run was writing) is recognised and broken.
 """
 
 from __future__ import annotations
@@ -97,6 +98,15 @@ def _same_host(holder: Dict[str, Any], me: Dict[str, Any]) -> bool:
     return all(holder.get(k) == me[k] for k in ("host", "boot_id", "pid_ns"))
 
 
+def copied(holder: Dict[str, Any], path: PathLike) -> bool:
+    """True when the lock file at `path` is not the one its holder created but a copy of it (a run folder copied
+    with the locks inside it while that run was writing): it locks nothing."""
+    try:
+        return isinstance(holder.get("inode"), int) and os.stat(path).st_ino != holder["inode"]
+    except OSError:
+        return False
+
+
 def holder_gone(holder: Dict[str, Any]) -> bool:
     """True only when the holder ran on this host and that process no longer runs (never for another host)."""
     me = identity()
@@ -134,14 +144,18 @@ def read_holder(path: PathLike) -> Optional[Dict[str, Any]]:
     return data if isinstance(data, dict) else {}
 
 
+def _content(fd: int, info: Dict[str, Any]) -> bytes:
+    """The lock's JSON, with the inode of the file it is written to: a copy of the lock is another inode."""
+    return (json.dumps(dict(info, inode=os.fstat(fd).st_ino), sort_keys=True) + "\n").encode()
+
+
 def _create(path: Path, info: Dict[str, Any]) -> bool:
     """Create `path` holding `info` if it does not exist; True when this call created it."""
-    data = (json.dumps(info, sort_keys=True) + "\n").encode()
     unique = path.with_name(f"{path.name}.{info['token']}")
     try:
         fd = os.open(unique, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            os.write(fd, data)
+            os.write(fd, _content(fd, info))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -166,7 +180,7 @@ def _create(path: Path, info: Dict[str, Any]) -> bool:
         except FileExistsError:
             return False
         try:
-            os.write(fd, data)
+            os.write(fd, _content(fd, info))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -240,7 +254,7 @@ def acquire(target: PathLike, what: str = "output") -> str:
         holder = read_holder(path)
         if holder is None:
             continue  # released meanwhile
-        if holder and holder_gone(holder):
+        if holder and (holder_gone(holder) or copied(holder, path)):
             _break(path, holder, me)
             continue
         break
@@ -268,8 +282,9 @@ def release(target: PathLike) -> None:
 def live_holder(target: PathLike) -> Optional[Dict[str, Any]]:
     """The holder of `target`'s lock unless there is none or it is gone ({} when unknown): a run that cleans
     leftovers beside other outputs skips those that are being written."""
-    holder = read_holder(lock_path(target))
-    if holder is None or (holder and holder_gone(holder)):
+    path = lock_path(target)
+    holder = read_holder(path)
+    if holder is None or (holder and (holder_gone(holder) or copied(holder, path))):
         return None
     return holder
 

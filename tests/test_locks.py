@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -122,6 +123,23 @@ def test_a_lock_of_another_host_or_a_damaged_one_is_never_broken(tmp_path, other
         locks.acquire(target)
     assert f"delete {str(locks.lock_path(target))!r}" in str(err.value)
     assert locks.lock_path(target).exists()
+
+
+def test_a_copy_of_a_live_lock_locks_nothing_and_the_original_still_holds(tmp_path):
+    """A folder copied (cp -a) while a run writes in it carries that run's lock: the copy is another file, so its
+    outputs are free, while the original output stays locked by its live holder."""
+    target = tmp_path / "sft" / "run"
+    target.mkdir(parents=True)
+    with held_elsewhere(target) as other:
+        shutil.copytree(tmp_path / "sft", tmp_path / "copy", symlinks=True)
+        copy = tmp_path / "copy" / "run"
+        assert locks.read_holder(locks.lock_path(copy))["pid"] == other.pid  # the live run's, copied
+        assert locks.live_holder(copy) is None and locks.live_holder(target)["pid"] == other.pid
+        with locks.hold(copy, "training run"):
+            assert locks.read_holder(locks.lock_path(copy))["pid"] == os.getpid()
+        with pytest.raises(LockedError, match=f"PID {other.pid}"):
+            locks.acquire(target)
+    assert not locks.lock_path(copy).exists()
 
 
 def test_the_lock_is_reentrant_in_one_thread_and_refused_to_another(tmp_path):
