@@ -388,3 +388,30 @@ def test_obs_paths_flavors_and_images_that_modelarts_would_refuse_are_named():
     assert "is not a ModelArts flavor" in "\n".join(
         JobConfig(obs_dir="obs://b-1/x", flavor="8 cards").problems()
     )
+
+
+def test_a_job_request_that_is_never_answered_is_one_line_saying_the_job_may_exist(
+    api, inputs, monkeypatch, capsys
+):
+    """A stand-in that accepts the connection and never answers: the read timeout (KIT_MODELARTS_TIMEOUT_S) ends it
+    in one line, exit 2, naming the endpoint and the job to look for; nothing is retried."""
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(4)  # connections are accepted by the kernel; nothing is ever read or answered
+    try:
+        endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        monkeypatch.setenv("KIT_MODELARTS_ENDPOINT", endpoint)
+        monkeypatch.setenv("KIT_MODELARTS_TIMEOUT_S", "1.5")
+        assert main(_cli(inputs, "--submit")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"error: ModelArts ({endpoint}) did not answer the job request "
+        )
+        assert "within 1.5 s" in err[0] and "'kit-tiny-sft'" in err[0] and "before you submit again" in err[0]
+        monkeypatch.setenv("KIT_MODELARTS_TIMEOUT_S", "soon")
+        assert main(_cli(inputs, "--submit")) == 2
+        assert "KIT_MODELARTS_TIMEOUT_S='soon' is not a number" in capsys.readouterr().err
+    finally:
+        hung.close()

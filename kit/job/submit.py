@@ -14,6 +14,9 @@ AK_ENV, SK_ENV = "HUAWEICLOUD_SDK_AK", "HUAWEICLOUD_SDK_SK"
 PROJECT_ENV, TOKEN_ENV = "HUAWEICLOUD_SDK_PROJECT_ID", "HUAWEICLOUD_SDK_SECURITY_TOKEN"
 REGION_ENV = "HUAWEICLOUD_SDK_REGION"  # e.g. cn-southwest-2 (ModelArts' endpoint for it comes from the SDK)
 ENDPOINT_ENV = "KIT_MODELARTS_ENDPOINT"  # an explicit endpoint instead, e.g. https://modelarts.<region>.myhuaweicloud.com
+# seconds to connect, and to wait for the answer (the SDK's defaults are 60 and 120); KIT_MODELARTS_TIMEOUT_S sets
+# the second. A create request is never retried: one whose answer was lost may have created the job.
+CONNECT_S, READ_S, READ_ENV = 10.0, 60.0, "KIT_MODELARTS_TIMEOUT_S"
 
 
 class JobSubmitError(KitError):
@@ -85,7 +88,11 @@ def client(environ: Optional[Mapping[str, str]] = None) -> Any:
     creds = BasicCredentials(environ[AK_ENV], environ[SK_ENV], environ[PROJECT_ENV])
     if environ.get(TOKEN_ENV):
         creds = creds.with_security_token(environ[TOKEN_ENV])
-    builder = sdk.ModelArtsClient.new_builder().with_credentials(creds)
+    from huaweicloudsdkcore.http.http_config import HttpConfig
+
+    http = HttpConfig.get_default_config()
+    http.timeout = (CONNECT_S, read_timeout(environ))
+    builder = sdk.ModelArtsClient.new_builder().with_credentials(creds).with_http_config(http)
     if environ.get(ENDPOINT_ENV):
         builder = builder.with_endpoint(environ[ENDPOINT_ENV])
     else:
@@ -102,6 +109,18 @@ def client(environ: Optional[Mapping[str, str]] = None) -> Any:
     return builder.build()
 
 
+def read_timeout(environ: Mapping[str, str]) -> float:
+    """Seconds to wait for ModelArts' answer: KIT_MODELARTS_TIMEOUT_S, else READ_S."""
+    raw = environ.get(READ_ENV)
+    try:
+        value = float(raw) if raw else READ_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise JobSubmitError(f"{READ_ENV}={raw!r} is not a number of seconds > 0.")
+    return value
+
+
 def submit(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> str:
     """Create the training job; return its ID. Refuses a plan with problems; a refusal is one explained line."""
     from kit.known_errors import explain
@@ -114,6 +133,10 @@ def submit(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> str:
         )
     sdk = _sdk()
     from huaweicloudsdkcore.exceptions import exceptions as sdk_errors
+    from requests.exceptions import (
+        ReadTimeout,
+        RequestException,
+    )  # a connect timeout sent nothing: the latter
 
     request = sdk.CreateTrainingJobRequest(body=to_sdk(plan.body))
     api = client(environ)
@@ -124,10 +147,22 @@ def submit(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> str:
         raise JobSubmitError(
             _one_line(f"ModelArts refused the job ({text})", explain(text), environ)
         ) from None
-    except (sdk_errors.ConnectionException, sdk_errors.RequestTimeoutException) as exc:
+    except (sdk_errors.RequestTimeoutException, ReadTimeout) as exc:  # sent, never answered: it may exist
+        where = environ.get(ENDPOINT_ENV) or f"region {environ.get(REGION_ENV)}"
+        name = plan.body.get("metadata", {}).get("name")
         raise JobSubmitError(
             _one_line(
-                f"could not reach ModelArts ({type(exc).__name__}: {exc.error_msg}); check {REGION_ENV} / "
+                f"ModelArts ({where}) did not answer the job request within {read_timeout(environ):g} s "
+                f"({type(exc).__name__}); the job may have been created all the same: look for training job "
+                f"{name!r} in the ModelArts console (Training Jobs) before you submit again",
+                None,
+                environ,
+            )
+        ) from None
+    except (sdk_errors.ConnectionException, RequestException) as exc:
+        raise JobSubmitError(
+            _one_line(
+                f"could not reach ModelArts ({type(exc).__name__}: {getattr(exc, 'error_msg', exc)}); check {REGION_ENV} / "
                 f"{ENDPOINT_ENV} and the network",
                 None,
                 environ,
