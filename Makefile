@@ -17,7 +17,7 @@ COMPAT_STACKS := $(sort $(basename $(notdir $(wildcard envs/compat/*.txt))))
 TEST_PARTS := install lint compat39 unit nbval e2e $(addprefix compat-,$(COMPAT_STACKS))
 TEST_TIMES := runs/test-times.tsv
 
-.PHONY: install demo test lint compat39 unit nbval e2e bench test-compat clean $(addprefix compat-,$(COMPAT_STACKS))
+.PHONY: install demo test lint compat39 unit unit-loaded nbval e2e bench test-compat clean $(addprefix compat-,$(COMPAT_STACKS))
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ endif
 # every unit and notebook test (papermill, tiny parameters), dev_stack ones included: this is their one run
 unit: install
 	$(PY) -m pytest -m "not e2e" $(XDIST) $(PYTEST_ARGS)
+
+# make unit beside one CPU-burning process per core (a shared host is never idle); run it before submitting
+unit-loaded: install
+	MAKE="$(MAKE)" tests/under_load.sh
 
 # every notebook on its defaults under nbval (outputs are not compared: --nbval-lax), in a workspace of its own:
 # the notebooks as a user runs them, once, on the dev stack
