@@ -55,7 +55,7 @@ def _train_config(ws, model: Path, data: Path, **kw):
         save_interval=10,
     )
     base.update(kw)
-    return resolve(TrainConfig(**base), ws)
+    return resolve(TrainConfig(**base), ws).cfg
 
 
 def _training_run(folder: Path, cfg, created: str = "") -> Path:

@@ -107,11 +107,11 @@ def configure_default_run(
 ) -> Tuple[Any, List[Consumed], str]:
     """(TrainConfig, consumed inputs, one line) for a run like notebook 04's defaults, when there is none.
 
-    Resolved as notebook 04 resolves its config: the demo model unless `model_path`, notebook 02's data in the
-    workspace, else the shipped sample prepared now.
+    Its values are found as notebook 04 finds them: the demo model unless `model_path`, notebook 02's data in the
+    workspace, else the shipped sample prepared now (the profiled run is resolved once, by `run`).
     """
     from kit.train.config import TrainConfig
-    from kit.train.resolve import resolve
+    from kit.train.resolve import resolve_values
     from kit.train.run_manifest import consumed_inputs
 
     given = dict(DEFAULT_RUN)
@@ -119,7 +119,7 @@ def configure_default_run(
         given["model_path"] = str(model_path)
     if seq_len is not None:
         given["seq_len"] = int(seq_len)
-    cfg = resolve(TrainConfig(**given), ws)
+    cfg = resolve_values(TrainConfig(**given), ws)
     inputs, _facts = consumed_inputs(cfg)
     line = (
         f"no training run in {ws.model_output} (notebook 04 makes one): profiling {cfg.run_type} steps of "
@@ -228,6 +228,7 @@ def run(
     from kit.profiling.tables import operator_table
     from kit.train import train
     from kit.train.config import from_dict
+    from kit.train.resolve import resolve
 
     check(cfg, "profiling options")
     if training_run is not None:
@@ -247,14 +248,14 @@ def run(
     steps = schedule_steps(cap.config)
     pcfg, notes = profiled_config(train_cfg, cap.work_folder / TRAINING_FOLDER, steps)
     try:
-        check(pcfg, "profiled training config")  # before the profiler starts: a bad config records nothing
+        plan = resolve(pcfg)  # before the profiler starts: a bad config records nothing
     except Exception:
         shutil.rmtree(cap.work_folder, ignore_errors=True)
         raise
     with_failure = True
     cap.start()
     try:
-        result = train(pcfg, step_callbacks=[cap], progress=progress)
+        result = train(plan, step_callbacks=[cap], progress=progress)
         with_failure = False
     finally:
         if with_failure:
