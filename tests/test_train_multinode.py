@@ -136,7 +136,7 @@ def test_two_node_job_from_the_modelarts_environment_matches_one_process(job_inp
     assert losses == pytest.approx(reference, rel=1e-4, abs=1e-5)
     # one launch config and one launcher log per node, each with its own node rank
     for i in (0, 1):
-        launched = json.loads((out_dir / f"plan.node{i}.json").read_text())["config"]
+        launched = json.loads((out_dir / f"plan.node{i}.json").read_text())["cfg"]
         assert (
             launched["node_rank"] == i and launched["nnodes"] == 2 and launched["master_addr"] == "127.0.0.1"
         )

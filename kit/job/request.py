@@ -159,14 +159,11 @@ def _option(name: str, value: Any) -> List[str]:
 
 
 def carried_fields(cfg: TrainConfig) -> List[str]:
-    """The run settings the job's command states: those set explicitly or by the environment here (the rest are
-    the kit's defaults or are inherited on the node from the same manifests)."""
+    """The run settings of the resolved `cfg` the job's command states: those set explicitly or by the environment
+    here (the rest are the kit's defaults or are inherited on the node from the same manifests)."""
     from kit.train.resolve import EXPLICIT
 
-    if cfg.sources:
-        names = [n for n, s in cfg.sources.items() if s == EXPLICIT or s.startswith("environment")]
-    else:
-        names = list(cfg.given)
+    names = [n for n, s in cfg.sources.items() if s == EXPLICIT or s.startswith("environment")]
     skip = set(NODE_FIELDS) | set(PLACED_FIELDS) | {"sources"}
     order = [f for f in TrainConfig.__dataclass_fields__ if f in names and f not in skip]
     return order

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from kit.errors import KitError
+from kit.inputs import newest
 from kit.manifest import (
     MANIFEST_NAME,
     PROFILE_CAPTURE,
@@ -41,27 +41,6 @@ DEFAULT_RUN = {"run_type": "sft", "mbs": 1, "gbs": 2, "lr": 1e-4, "warmup_iters"
 def schedule_steps(cfg: ProfileConfig) -> int:
     """Optimizer steps the schedule needs for every cycle to be written (repeat=0 counts as one cycle)."""
     return cfg.skip_first + max(cfg.repeat, 1) * (cfg.wait + cfg.warmup + cfg.active)
-
-
-def find_training_runs(ws: Any, max_depth: int = 3) -> List[Manifest]:
-    """The workspace's training-run folders (by manifest kind), newest first; profile captures are skipped."""
-    root = Path(ws.model_output)
-    skip = Path(ws.profiles).resolve()
-    found = []
-    for depth in range(1, max_depth + 1):
-        for path in root.glob("/".join(["*"] * depth) + "/" + MANIFEST_NAME):
-            folder = path.parent
-            if any(p.startswith(".") for p in folder.relative_to(root).parts):
-                continue  # unfinished outputs (temporary names)
-            if folder.resolve() == skip or skip in folder.resolve().parents:
-                continue  # the steps a capture trained are not runs of the workspace
-            try:
-                m = read_manifest(folder)
-            except KitError:  # a damaged manifest of some other folder must not stop the search
-                continue
-            if m.kind == TRAINING_RUN:
-                found.append(m)
-    return sorted(found, key=lambda m: (m.created, m.folder.stat().st_mtime), reverse=True)
 
 
 def train_config_from_run(run: Manifest) -> Any:
@@ -231,11 +210,15 @@ def run(
     from kit.train.resolve import resolve
 
     check(cfg, "profiling options")
+    taken = []
     if training_run is not None:
         run_m: Optional[Manifest] = read_manifest(training_run, expect=TRAINING_RUN)
     else:
-        runs = find_training_runs(ws)
-        run_m = runs[0] if runs else None
+        found = newest(ws, TRAINING_RUN)
+        run_m = found.manifest if found else None
+        if found:  # the run this stage inherits, and why that one
+            taken = [f"profiling {found.folder}: {found.why}"]
+            print(taken[0])
     line = ""
     if run_m is not None:
         train_cfg, inputs = train_config_from_run(run_m), [run_m.as_input()]
@@ -271,7 +254,7 @@ def run(
             f"delete it when done); rerun the capture to get a complete one."
         )
     work = cap.stop(publish=False)
-    notes = notes + list(cap.notes) + _keep_measurements(result, cap)
+    notes = taken + notes + list(cap.notes) + _keep_measurements(result, cap)
     ran_with = _published_json(result.config.to_dict() if result.config else to_jsonable(pcfg), cap)
     data = load(work)
     table = operator_table(data, top=top)

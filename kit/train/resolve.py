@@ -136,29 +136,25 @@ class TrainPlan:
 
     def describe(self) -> str:
         """One line per value that did not come from the default, with its source."""
-        return describe_sources(self.cfg)
+        cfg = self.cfg
+        return "\n".join(
+            f"{n.upper()} = {getattr(cfg, n)!r}  ({src})" for n, src in cfg.sources.items() if src != DEFAULT
+        )
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the plan as JSON (atomically): what the ranks of a launched run read."""
         from kit.atomic import atomic_write_text
         from kit.configs import to_jsonable
 
-        values = {"config": to_jsonable(self.cfg), "resumed": self.resumed, "data": dict(self.data)}
-        values.update(obs_inputs=dict(self.obs_inputs), obs_missing=list(self.obs_missing))
-        atomic_write_text(Path(path), json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+        atomic_write_text(Path(path), json.dumps(to_jsonable(self), indent=2, ensure_ascii=False) + "\n")
         return Path(path)
 
     @staticmethod
     def load(path: Union[str, Path]) -> TrainPlan:
         """The plan a launcher wrote (TrainPlan.save)."""
         values = json.loads(Path(path).read_text(encoding="utf-8"))
-        return TrainPlan(
-            from_dict(values["config"], str(path)),
-            bool(values["resumed"]),
-            dict(values["data"]),
-            dict(values["obs_inputs"]),
-            tuple(values["obs_missing"]),
-        )
+        cfg = from_dict(values.pop("cfg"), str(path))
+        return TrainPlan(cfg, **dict(values, obs_missing=tuple(values["obs_missing"])))
 
 
 def resolve(
@@ -194,9 +190,9 @@ def resolve(
     problems = run.problems() + input_problems(run) if run.engine == "deepspeed" else []
     if problems:
         raise ConfigError(problems, where)
-    from kit.train.inputs import data_facts
+    from kit.data.prepared import read_prepared
 
-    data = data_facts(run.dataset_path)[0] if run.dataset_path else {}
+    data = dict(read_prepared(run.dataset_path).manifest.fields) if run.dataset_path else {}
     return TrainPlan(run, values.run_type == "retrain", data, obs_inputs, obs_missing)
 
 
@@ -219,10 +215,10 @@ def input_problems(cfg: TrainConfig) -> List[str]:
     if cfg.model_path and not (Path(cfg.model_path) / "config.json").is_file():
         p.append(f"MODEL_PATH={cfg.model_path!r} has no config.json; point it at an HF model folder.")
     if cfg.dataset_path:
-        from kit.train.inputs import data_facts
+        from kit.data.prepared import read_prepared
 
         try:
-            data_facts(cfg.dataset_path)
+            read_prepared(cfg.dataset_path)
         except InputError as exc:
             p.append(f"DATASET_PATH: {exc}")
     if cfg.tokenizer_path and not Path(cfg.tokenizer_path).is_dir():
@@ -283,9 +279,14 @@ def resolve_values(
     if (
         values["model_path"] is None and values["engine"] == "megatron"
     ):  # notebook 03's output, if there is one
-        found = inputs.find_converted(ws)
+        from kit.inputs import newest
+
+        found = newest(ws, CONVERTED_CHECKPOINT)
         if found is not None:
-            values["model_path"], sources["model_path"] = str(found), f"workspace {found}"
+            values["model_path"], sources["model_path"] = (
+                str(found.folder),
+                f"workspace {found.folder}: {found.why}",
+            )
     if values["model_path"] is None:
         values["model_path"], sources["model_path"] = str(inputs.default_model()), "default (the demo model)"
     ckpt = _converted(values["model_path"])
@@ -300,7 +301,10 @@ def resolve_values(
         kind = inputs.DATA_KIND_FOR_RUN.get(values["run_type"]) or "sft"
         found, how = inputs.default_data(ws, kind, tokenizer, values["seq_len"], max_records)
         values["dataset_path"], sources["dataset_path"] = str(found), how
-    facts, data_man = inputs.data_facts(values["dataset_path"])
+    from kit.data.prepared import read_prepared  # notebook 02's folder, or the Megatron prefix beside it
+
+    data_man = read_prepared(values["dataset_path"]).manifest
+    facts = dict(data_man.fields)
     data_where = f"manifest {data_man.folder}"
     if (
         Path(values["dataset_path"]).resolve() != data_man.folder
@@ -348,22 +352,8 @@ def resolve_values(
 # what a resumed run may change: where it runs, how long, how often it saves and logs, the rendezvous, and whether
 # leftovers of killed runs are removed
 RESUME_MAY_CHANGE = frozenset(
-    {
-        "run_type",
-        "resume_from",
-        "train_iters",
-        "save_interval",
-        "log_interval",
-        "save_hf",
-        "work_dir",
-        "model_name",
-        "master_addr",
-        "master_port",
-        "clean_partial",
-        "node_rank",
-        "overwrite",
-        "obs_home",
-    }
+    "run_type resume_from train_iters save_interval log_interval save_hf work_dir model_name master_addr master_port "
+    "clean_partial node_rank overwrite obs_home".split()
 )
 
 
@@ -438,12 +428,3 @@ def _inherit(
 def _made(values: dict, sources: dict) -> TrainConfig:
     out = TrainConfig(**values, sources=dict(sorted(sources.items())))
     return out
-
-
-def describe_sources(cfg: TrainConfig) -> str:
-    """One line per field whose value did not come from the default: NAME = value  (source)."""
-    lines = []
-    for name, src in cfg.sources.items():
-        if src != DEFAULT:
-            lines.append(f"{name.upper()} = {getattr(cfg, name)!r}  ({src})")
-    return "\n".join(lines)
