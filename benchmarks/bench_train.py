@@ -153,7 +153,9 @@ def kit_run(cfg, profile: bool = False) -> dict:
     from kit.train.resolve import resolve
 
     stamps = []
-    trainer = Trainer(resolve(cfg), step_callbacks=[lambda it: stamps.append(stamp())], progress=False, echo=False)
+    trainer = Trainer(
+        resolve(cfg), step_callbacks=[lambda it: stamps.append(stamp())], progress=False, echo=False
+    )
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
