@@ -150,9 +150,12 @@ def kit_run(cfg, profile: bool = False) -> dict:
     """One kit trainer run in this process, as a notebook cell runs it; optionally under cProfile."""
     from kit.train import Trainer
     from kit.train.metrics import read_metrics
+    from kit.train.resolve import resolve
 
     stamps = []
-    trainer = Trainer(cfg, step_callbacks=[lambda it: stamps.append(stamp())], progress=False, echo=False)
+    trainer = Trainer(
+        resolve(cfg), step_callbacks=[lambda it: stamps.append(stamp())], progress=False, echo=False
+    )
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()

@@ -77,12 +77,13 @@ def test_notebooks_chain_through_their_manifests(run_notebook, tiny_llama_dir, t
     # its Megatron plan points at 03's converted checkpoint and 02's Megatron prefix with the flags the data needs
     from kit.train.config import from_manifest, replace
     from kit.train.megatron import build
+    from kit.train.resolve import resolve
     from kit.workspace import get_workspace
 
     megatron = replace(
         from_manifest(run.folder), engine="megatron", model_path=None
     )  # None: 03's newest output
-    plan = build(megatron, ws=get_workspace(ws, model="tiny"))
+    plan = build(resolve(megatron, get_workspace(ws, model="tiny")))
     text = plan.describe()
     assert str(converted.folder) in text and data["megatron_prefix"] in text
     assert all(flag in text for flag in data["megatron_flags"])

@@ -204,6 +204,7 @@ def test_megatron_plan_takes_ep_and_the_moe_flags_from_the_manifest(
 
     from kit.train.config import TrainConfig, replace
     from kit.train.megatron import build
+    from kit.train.resolve import resolve
 
     ws = tmp_path / "ws"
     code_package(ws)
@@ -212,7 +213,7 @@ def test_megatron_plan_takes_ep_and_the_moe_flags_from_the_manifest(
         engine="megatron", run_type="sft", model_name="tiny", model_path=str(moe_tp2_pp2_ep2),
         dataset_path=str(data), work_dir=str(ws), nproc_per_node=8, gbs=16,
     )  # fmt: skip
-    plan = build(cfg)
+    plan = build(resolve(cfg))
     assert plan.problems == [], plan.problems
     flag = flags_of(plan.argv)
     assert flag["--tensor-model-parallel-size"] == "2" and flag["--pipeline-model-parallel-size"] == "2"
@@ -226,13 +227,16 @@ def test_megatron_plan_takes_ep_and_the_moe_flags_from_the_manifest(
     assert flag["--moe-token-dispatcher-type"] == "alltoall" and flag["--moe-layer-freq"] == "1"
     assert "--norm-topk-prob" in plan.argv and "--qk-layernorm" in plan.argv
     # 4 ranks at TP2 x PP2 leave one data-parallel rank: no room for EP2 (megatron-core keeps EP inside DP)
-    small = build(replace(cfg, nproc_per_node=4, gbs=4))
+    small = build(resolve(replace(cfg, nproc_per_node=4, gbs=4)))
     assert any(
         "EP sizes that fit this model on 4 ranks with TP2 PP2 (every rule at once): [1]" in p
         for p in small.problems
     ), small.problems
     # ROUTER_AUX_LOSS_COEF (one setting for both engines) overrides the converted model's coefficient
-    assert flags_of(build(replace(cfg, router_aux_loss_coef=0.01)).argv)["--moe-aux-loss-coeff"] == "0.01"
+    assert (
+        flags_of(build(resolve(replace(cfg, router_aux_loss_coef=0.01))).argv)["--moe-aux-loss-coeff"]
+        == "0.01"
+    )
 
 
 def test_grouped_mlp_weights_are_what_megatron_core_multiplies(tiny_qwen3_moe_dir, tmp_path):

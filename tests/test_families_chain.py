@@ -59,6 +59,7 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     from kit.train import train
     from kit.train.config import replace
     from kit.train.megatron import build
+    from kit.train.resolve import resolve
     from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
@@ -86,7 +87,7 @@ def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     assert run_man.consumed(PREPARED_DATA)[0].manifest_sha256 == data_man.sha256
 
     # the same run on Megatron/MindSpeed-LLM: 03's checkpoint with the flags Qwen3 needs
-    plan = build(replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target)), ws=ws)
+    plan = build(resolve(replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target)), ws))
     text = plan.describe()
     assert str(conv.target) in text and "--qk-layernorm" in plan.argv
     assert plan.argv[plan.argv.index("--prompt-type") + 1] == "qwen3"
@@ -126,6 +127,7 @@ def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_
     from kit.train import train
     from kit.train.config import replace
     from kit.train.megatron import build
+    from kit.train.resolve import resolve
     from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny-moe")
@@ -153,7 +155,9 @@ def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_
 
     # the same run on Megatron/MindSpeed-LLM: 03's EP2 checkpoint with the MoE flags
     plan = build(
-        replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws=ws
+        resolve(
+            replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws
+        )
     )
     assert [p for p in plan.problems if not p.startswith("code folder")] == [], (
         plan.problems

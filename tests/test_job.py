@@ -18,6 +18,7 @@ from kit.__main__ import main
 from kit.job import JobConfig, build_job
 from kit.known_errors import explain
 from kit.train.config import TrainConfig
+from kit.train.resolve import resolve
 
 sdk = pytest.importorskip(
     "huaweicloudsdkmodelarts", reason="the job extra (huaweicloudsdkmodelarts) is not installed"
@@ -278,7 +279,7 @@ def test_a_plan_with_problems_is_listed_and_never_sent(api, inputs, capsys):
     cfg = TrainConfig(
         work_dir=str(root / "ws"), model_name="tiny", model_path=str(model), dataset_path=str(data), gbs=4
     )
-    plan = build_job(cfg, JobConfig(obs_dir="obs://kit-bucket/x/", nodes=2), environ={})
+    plan = build_job(resolve(cfg, environ={}), JobConfig(obs_dir="obs://kit-bucket/x/", nodes=2))
     text = "\n".join(plan.problems)
     assert (
         "POOL_ID" in text and "IMAGE_URL" in text
@@ -307,13 +308,9 @@ def test_the_body_is_what_the_sdk_serializes_for_image_and_engine_jobs(inputs):
     cfg = TrainConfig(
         work_dir=str(root / "ws"), model_name="tiny", model_path=str(model), dataset_path=str(data)
     )
-    image = build_job(cfg, JobConfig(**JOB), environ={})
-    engine = build_job(
-        cfg,
-        JobConfig(**{**JOB, "image_url": "", "engine_name": "PyTorch", "engine_version": "pytorch_2.1.0-cann_8.0-py_3.9",
-                     "code_dir": "obs://kit-bucket/code/ascend-notebook-kit/"}),
-        environ={},
-    )  # fmt: skip
+    image = build_job(resolve(cfg, environ={}), JobConfig(**JOB))
+    engine = build_job(resolve(cfg, environ={}), JobConfig(**{**JOB, "image_url": "", "engine_name": "PyTorch", "engine_version": "pytorch_2.1.0-cann_8.0-py_3.9",
+                     "code_dir": "obs://kit-bucket/code/ascend-notebook-kit/"}))  # fmt: skip
     assert image.ok and engine.ok, image.problems + engine.problems
     for plan in (image, engine):
         assert serialized(plan.body) == plan.body  # every field is one the SDK's request models know
@@ -331,7 +328,7 @@ def test_credentials_in_the_job_environment_are_refused_and_redacted(inputs):
         work_dir=str(root / "ws"), model_name="tiny", model_path=str(model), dataset_path=str(data)
     )
     plan = build_job(
-        cfg, JobConfig(**JOB, environments={"OBS_SECRET_ACCESS_KEY": SK, "MY_FLAG": "1"}), environ={}
+        resolve(cfg, environ={}), JobConfig(**JOB, environments={"OBS_SECRET_ACCESS_KEY": SK, "MY_FLAG": "1"})
     )
     assert any("looks like a credential" in p for p in plan.problems)
     shown = plan.describe(environ={"HUAWEICLOUD_SDK_AK": AK})

@@ -141,9 +141,9 @@ def test_the_server_checks_signatures_and_credentials_come_from_the_environment(
 def test_obs_home_must_be_an_obs_prefix():
     from kit.train import TrainConfig
 
-    problems = TrainConfig(obs_home="/mnt/bucket").problems(paths=False)
+    problems = TrainConfig(obs_home="/mnt/bucket").problems()
     assert any("OBS_HOME='/mnt/bucket'" in p for p in problems)
-    assert not any("OBS_HOME" in p for p in TrainConfig(obs_home="obs://b/p").problems(paths=False))
+    assert not any("OBS_HOME" in p for p in TrainConfig(obs_home="obs://b/p").problems())
 
 
 def test_checkpoint_uploads_run_in_a_niced_child_process_that_leaves_sigterm_to_the_trainer(env, tmp_path):
@@ -170,7 +170,11 @@ def test_checkpoint_uploads_run_in_a_niced_child_process_that_leaves_sigterm_to_
     assert os.getpriority(os.PRIO_PROCESS, up.child.pid) == 19  # behind every training thread on the CPU
     os.kill(up.child.pid, signal.SIGTERM)  # a launcher's SIGTERM to the process group: the trainer handles it
     up.after_save(folder, 2)
-    assert up.finish() == [] and up.uploaded == [1, 2] and up.child.returncode == 0
+    assert (
+        up.finish() == [f"uploaded checkpoint(s) [1, 2] to {up.url}"]
+        and up.uploaded == [1, 2]
+        and up.child.returncode == 0
+    )
     store, prefix = obs.store_for(up.url)
     marker = json.loads(store.get_bytes(f"{prefix}/checkpoints/iter_0000002/{COMPLETE}"))
     assert marker["nodes"]["0"]["model.pt"]["bytes"] == 1000

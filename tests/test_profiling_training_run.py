@@ -11,6 +11,7 @@ import pytest
 import kit.profiling as kp
 from kit.configs import to_jsonable
 from kit.errors import InputError, MissingInputError
+from kit.inputs import outputs
 from kit.manifest import (
     HF_MODEL,
     MANIFEST_NAME,
@@ -55,7 +56,7 @@ def _train_config(ws, model: Path, data: Path, **kw):
         save_interval=10,
     )
     base.update(kw)
-    return resolve(TrainConfig(**base), ws)
+    return resolve(TrainConfig(**base), ws).cfg
 
 
 def _training_run(folder: Path, cfg, created: str = "") -> Path:
@@ -100,7 +101,7 @@ def test_capture_profiles_the_newest_training_run_and_links_it(workspace, tiny_l
     (run_dir / "hf").mkdir()
     write_manifest(run_dir / "hf", HF_MODEL, {"family": "llama", "source": str(run_dir)})
     _training_run(workspace.profiles / "old-capture" / "x", dataclasses.replace(cfg, lr=2.0))
-    assert [m.folder for m in kp.find_training_runs(workspace)] == [
+    assert [m.folder for m in outputs(workspace, TRAINING_RUN)] == [
         run_dir.resolve(),
         workspace.output("sft").resolve(),
     ]
@@ -145,7 +146,7 @@ def test_capture_profiles_the_newest_training_run_and_links_it(workspace, tiny_l
     assert nested_m["checkpoints"] == [] and nested_m["profiled_by"] == str(folder)
     assert nested_m["metrics"] == str(metrics[0]) and ".partial" not in json.dumps(nested_m.fields)
     assert ".partial" not in json.dumps(cap_m.fields)
-    assert [m.folder for m in kp.find_training_runs(workspace)][0] == run_dir.resolve()  # profiles/ skipped
+    assert [m.folder for m in outputs(workspace, TRAINING_RUN)][0] == run_dir.resolve()  # profiles/ skipped
     assert summary["train_status"] == "completed" and len(summary["train_losses"]) == 3
 
     # what was recorded: the two active steps of the tiny Llama's training
@@ -285,7 +286,7 @@ def test_newest_run_search_skips_damaged_and_other_kinds(workspace, tmp_path):
     hf = workspace.model_output / "exported"
     hf.mkdir()
     write_manifest(hf, HF_MODEL, {"family": "llama", "source": str(good)})
-    assert [m.folder for m in kp.find_training_runs(workspace)] == [good.resolve()]
+    assert [m.folder for m in outputs(workspace, TRAINING_RUN)] == [good.resolve()]
 
 
 @pytest.mark.slow
@@ -313,4 +314,4 @@ def test_a_sigtermed_capture_is_not_published_as_complete(workspace, tiny_llama_
         kp.run(kp.ProfileConfig(**OPTIONS), workspace)
     left = list(workspace.profiles.iterdir())
     assert len(left) == 1 and ".partial-" in left[0].name  # unfinished, never under a capture's final name
-    assert kp.find_training_runs(workspace)[0].folder == workspace.output("pretrain").resolve()
+    assert outputs(workspace, TRAINING_RUN)[0].folder == workspace.output("pretrain").resolve()

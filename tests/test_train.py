@@ -12,6 +12,7 @@ import torch
 from kit.configs import ConfigError, check
 from kit.train import TrainConfig, Trainer, train
 from kit.train.checkpoint import MEGATRON_LATEST, latest_iteration
+from kit.train.resolve import input_problems, resolve
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def test_config_lists_every_problem(tmp_path):
     )
     with pytest.raises(ConfigError) as err:
         check(cfg)
-    text = str(err.value)
+    # the settings need no file; the inputs are checked once, by resolve
+    text = str(err.value) + "\n".join(input_problems(cfg))
     for needle in (
         "RUN_TYPE='finetune'",
         "NODE_RANK=2",
@@ -56,7 +58,7 @@ def test_config_lists_every_problem(tmp_path):
         "DATASET_PATH: ",
     ):
         assert needle in text, needle
-    assert len(err.value.problems) == 10
+    assert len(err.value.problems) + len(input_problems(cfg)) == 10
 
 
 def test_dataset_mismatches_are_listed(tmp_path, tiny_llama_dir, sft_data):
@@ -68,11 +70,11 @@ def test_dataset_mismatches_are_listed(tmp_path, tiny_llama_dir, sft_data):
     ds.save_to_disk(str(tmp_path / "oov_hf"))
     (tmp_path / "oov_hf" / "kit_manifest.json").write_text((big / "kit_manifest.json").read_text())
     cfg = H.tiny_config(tiny_llama_dir, tmp_path / "oov_hf", tmp_path / "ws", seq_len=64, run_type="sft")
-    problems = "\n".join(cfg.problems())
+    problems = "\n".join(input_problems(cfg))
     assert "holds 'pretrain' data but RUN_TYPE=sft" in problems
     assert "SEQ_LEN=64 but the dataset was prepared with max_length=32" in problems
     assert "token id 5000 >= model vocab_size 2522" in problems
-    assert H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="sft").problems() == []
+    assert input_problems(H.tiny_config(tiny_llama_dir, sft_data, tmp_path / "ws", run_type="sft")) == []
 
 
 def test_pretrain_loss_decreases_with_logs_checkpoint_and_hf_export(tmp_path, tiny_llama_dir, pretrain_data):
@@ -121,7 +123,7 @@ def test_sft_loss_decreases_on_answer_tokens(tmp_path, tiny_llama_dir, sft_data)
 def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, tiny_llama_dir, pretrain_data):
     full = train(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "a", train_iters=6), progress=False)
     first = Trainer(
-        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "b", train_iters=6), progress=False
+        resolve(H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "b", train_iters=6)), progress=False
     )
     first.step_callbacks.append(lambda it: first.request_stop("test") if it == 3 else None)
     stopped = first.train()
@@ -141,12 +143,14 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path, tiny_llama_dir
 
 def test_retrain_without_checkpoint_is_a_config_problem(tmp_path):
     cfg = TrainConfig(run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"))
-    assert any("holds no checkpoint" in p for p in cfg.problems())
+    assert any("holds no checkpoint" in p for p in input_problems(cfg))
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tiny_llama_dir, pretrain_data):
     trainer = Trainer(
-        H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ws", train_iters=8, save_interval=2),
+        resolve(
+            H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ws", train_iters=8, save_interval=2)
+        ),
         progress=False,
     )
 
@@ -249,7 +253,7 @@ def test_deepspeed_clips_everywhere_and_fp32_zero0_logs_the_norm_deepspeed_repor
             train_iters=3,
             clip_grad=0.05,
         )
-        trainer = Trainer(cfg, progress=False)
+        trainer = Trainer(resolve(cfg), progress=False)
         res = trainer.train()
         assert res.status == "completed"
         assert trainer.engine.gradient_clipping() == 0.05  # DeepSpeed clips at every stage

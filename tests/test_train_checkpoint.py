@@ -22,6 +22,7 @@ from kit.errors import IntegrityError, OutputError
 from kit.manifest import MANIFEST_NAME, read_manifest
 from kit.train import TrainConfig, train
 from kit.train import checkpoint as ck
+from kit.train.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,8 +201,10 @@ def test_clean_partial_removes_training_leftovers(run, tmp_path):
     for p in leftovers:
         p.mkdir()
     trainer = Trainer(
-        TrainConfig(
-            run_type="retrain", model_name="tiny", work_dir=str(work), train_iters=4, clean_partial=True
+        resolve(
+            TrainConfig(
+                run_type="retrain", model_name="tiny", work_dir=str(work), train_iters=4, clean_partial=True
+            )
         ),
         progress=False,
         echo=False,

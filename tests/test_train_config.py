@@ -11,7 +11,7 @@ import test_train_helpers as H
 from kit.errors import InputError
 from kit.manifest import CONVERTED_CHECKPOINT, TRAINING_RUN, read_manifest, tokenizer_sha256, write_manifest
 from kit.train.config import TrainConfig, from_dict, from_manifest, replace
-from kit.train.resolve import ConfigConflictError, resolve
+from kit.train.resolve import ConfigConflictError, input_problems, resolve_values
 
 
 @pytest.fixture()
@@ -26,7 +26,7 @@ def cfg_for(tmp_path, tiny_llama_dir, data, **kw):
 
 
 def test_unset_values_are_inherited_from_the_data_manifest_with_their_source(tmp_path, tiny_llama_dir, data):
-    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, lr=2e-4), environ={})
+    cfg = resolve_values(cfg_for(tmp_path, tiny_llama_dir, data, lr=2e-4), environ={})
     assert (cfg.seq_len, cfg.template, cfg.pack, cfg.tokenizer_path) == (
         48,
         "chatml",
@@ -42,7 +42,7 @@ def test_unset_values_are_inherited_from_the_data_manifest_with_their_source(tmp
 
 
 def test_an_explicit_value_equal_to_the_manifest_is_kept_as_explicit(tmp_path, tiny_llama_dir, data):
-    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, seq_len=48), environ={})
+    cfg = resolve_values(cfg_for(tmp_path, tiny_llama_dir, data, seq_len=48), environ={})
     assert cfg.seq_len == 48 and cfg.sources["seq_len"] == "explicit"
 
 
@@ -50,13 +50,13 @@ def test_a_longer_seq_len_than_the_data_was_packed_for_shows_both_values_and_sou
     tmp_path, tiny_llama_dir, data
 ):
     with pytest.raises(ConfigConflictError) as err:
-        resolve(cfg_for(tmp_path, tiny_llama_dir, data, seq_len=512, template="llama3"), environ={})
+        resolve_values(cfg_for(tmp_path, tiny_llama_dir, data, seq_len=512, template="llama3"), environ={})
     text = str(err.value)
     assert f"SEQ_LEN=512 (explicit) but max_length=48 (manifest {data.resolve()})" in text
     assert f"TEMPLATE='llama3' (explicit) but template='chatml' (manifest {data.resolve()})" in text
     assert isinstance(err.value, InputError)
     with pytest.raises(ConfigConflictError, match=r"SEQ_LEN=16 \(environment SEQ_LEN\) but max_length=48"):
-        resolve(cfg_for(tmp_path, tiny_llama_dir, data), environ={"SEQ_LEN": "16"})
+        resolve_values(cfg_for(tmp_path, tiny_llama_dir, data), environ={"SEQ_LEN": "16"})
 
 
 def test_another_tokenizer_than_the_datas_is_a_contradiction(tmp_path, tiny_llama_dir, data):
@@ -64,7 +64,7 @@ def test_another_tokenizer_than_the_datas_is_a_contradiction(tmp_path, tiny_llam
     other.mkdir()
     (other / "tokenizer.json").write_text('{"model": "another"}')
     with pytest.raises(ConfigConflictError) as err:
-        resolve(cfg_for(tmp_path, tiny_llama_dir, data, tokenizer_path=str(other)), environ={})
+        resolve_values(cfg_for(tmp_path, tiny_llama_dir, data, tokenizer_path=str(other)), environ={})
     text = str(err.value)
     assert f"TOKENIZER_PATH='{other}' (explicit)" in text and f"tokenizer='{tiny_llama_dir}'" in text
     assert tokenizer_sha256(tiny_llama_dir)[:12] in text
@@ -72,7 +72,7 @@ def test_another_tokenizer_than_the_datas_is_a_contradiction(tmp_path, tiny_llam
 
 def test_environment_fills_only_what_was_not_given_and_beats_the_manifest(tmp_path, tiny_llama_dir, data):
     env = {"TRAIN_ITERS": "77", "MBS": "2", "GBS": "8", "MODEL_TYPE": "GLM3-6B", "LR": "5", "SEQ_LEN": "48"}
-    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, train_iters=3), environ=env)
+    cfg = resolve_values(cfg_for(tmp_path, tiny_llama_dir, data, train_iters=3), environ=env)
     assert (cfg.train_iters, cfg.sources["train_iters"]) == (3, "explicit")  # env does not beat explicit
     assert (cfg.mbs, cfg.gbs, cfg.sources["gbs"]) == (2, 8, "environment GBS")
     assert (cfg.model_name, cfg.sources["model_name"]) == ("GLM3-6B", "environment MODEL_TYPE")
@@ -89,7 +89,9 @@ def test_bound_notebook_values_are_explicit_and_none_inherits(tmp_path, tiny_lla
         "MODEL_PATH": str(tiny_llama_dir),
         "DATASET_PATH": str(data),
     }
-    cfg = resolve(bind(TrainConfig, params, work_dir=str(tmp_path / "ws")), environ={"TRAIN_ITERS": "5"})
+    cfg = resolve_values(
+        bind(TrainConfig, params, work_dir=str(tmp_path / "ws")), environ={"TRAIN_ITERS": "5"}
+    )
     assert (cfg.train_iters, cfg.sources["train_iters"]) == (
         200,
         "explicit",
@@ -103,7 +105,7 @@ def test_wrong_kind_folder_as_dataset_path_names_notebook_02(tmp_path, tiny_llam
     write_manifest(run, CONVERTED_CHECKPOINT, {k: None for k in ("direction", "family", "flavor", "tp", "pp",
                    "num_layer_list", "padded_vocab_size", "dtype", "model", "source", "tokenizer")})  # fmt: skip
     with pytest.raises(InputError) as err:
-        resolve(cfg_for(tmp_path, tiny_llama_dir, run), environ={})
+        resolve_values(cfg_for(tmp_path, tiny_llama_dir, run), environ={})
     assert "is a converted-checkpoint folder" in str(err.value) and "notebook 02" in str(err.value)
 
 
@@ -111,8 +113,8 @@ def test_folder_without_manifest_as_dataset_path_names_notebook_02(tmp_path, tin
     empty = tmp_path / "some_folder"
     empty.mkdir()
     with pytest.raises(InputError, match="has no kit_manifest.json.*notebook 02"):
-        resolve(cfg_for(tmp_path, tiny_llama_dir, empty), environ={})
-    problems = cfg_for(tmp_path, tiny_llama_dir, empty).problems()
+        resolve_values(cfg_for(tmp_path, tiny_llama_dir, empty), environ={})
+    problems = input_problems(cfg_for(tmp_path, tiny_llama_dir, empty))
     assert any(p.startswith("DATASET_PATH: ") and "no kit_manifest.json" in p for p in problems), problems
 
 
@@ -122,19 +124,19 @@ def test_tp_pp_layer_list_and_vocab_come_from_the_converted_checkpoint(tmp_path,
         engine="megatron", model_path=str(ckpt), dataset_path=str(data), tokenizer_path=str(tiny_llama_dir),
         work_dir=str(tmp_path / "ws"), nproc_per_node=16, gbs=16,
     )  # fmt: skip
-    cfg = resolve(base, environ={})
+    cfg = resolve_values(base, environ={})
     assert (cfg.tp, cfg.pp, cfg.num_layer_list, cfg.padded_vocab_size) == (4, 4, [7, 8, 8, 7], 32000)
     assert (
         cfg.sources["tp"] == f"manifest {ckpt.resolve()}"
         and cfg.sources["num_layer_list"] == cfg.sources["tp"]
     )
     with pytest.raises(ConfigConflictError) as err:
-        resolve(replace(base, pp=2), environ={"TP": "2"})
+        resolve_values(replace(base, pp=2), environ={"TP": "2"})
     text = str(err.value)
     assert f"TP=2 (environment TP) but tp=4 (manifest {ckpt.resolve()})" in text
     assert f"PP=2 (explicit) but pp=4 (manifest {ckpt.resolve()})" in text
     with pytest.raises(InputError, match="ENGINE='megatron'"):
-        resolve(replace(base, engine="deepspeed"), environ={})
+        resolve_values(replace(base, engine="deepspeed"), environ={})
 
 
 def test_model_type_keyword_is_the_workspace_model_name():
@@ -144,7 +146,7 @@ def test_model_type_keyword_is_the_workspace_model_name():
 
 
 def test_resolved_config_round_trips_through_json_and_the_manifest(tmp_path, tiny_llama_dir, data):
-    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, data, lr=3e-4), environ={"GBS": "4"})
+    cfg = resolve_values(cfg_for(tmp_path, tiny_llama_dir, data, lr=3e-4), environ={"GBS": "4"})
     again = from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg and again.sources == cfg.sources
     run = tmp_path / "run"
@@ -157,7 +159,7 @@ def test_resolved_config_round_trips_through_json_and_the_manifest(tmp_path, tin
     with pytest.raises(InputError, match="expected a training-run folder"):
         from_manifest(data)
     # resolving the loaded config again changes nothing (a profiled or resumed run trains the same settings)
-    assert resolve(from_manifest(run), environ={"GBS": "64", "SEQ_LEN": "48"}) == cfg
+    assert resolve_values(from_manifest(run), environ={"GBS": "64", "SEQ_LEN": "48"}) == cfg
 
 
 def test_cli_options_are_generated_from_the_config_and_typed_values_are_explicit(tmp_path):
@@ -181,6 +183,6 @@ def test_the_manuals_megatron_prefix_as_dataset_path_reads_the_folder_beside_it(
     tmp_path, tiny_llama_dir, data
 ):
     prefix = str(data.parent / "alpaca")  # DATASET_PATH as the manual's scripts take it
-    cfg = resolve(cfg_for(tmp_path, tiny_llama_dir, prefix), environ={})
+    cfg = resolve_values(cfg_for(tmp_path, tiny_llama_dir, prefix), environ={})
     assert cfg.seq_len == 48 and cfg.sources["seq_len"] == f"manifest {data.resolve()}"
     assert cfg.dataset_path == str(data.resolve()) and cfg.sources["dataset_path"] == "explicit"

@@ -24,13 +24,40 @@ from kit.workspace import repo_root
 
 
 @pytest.mark.slow
-def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir):
+def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir, monkeypatch):
+    """Also counts the dataset's opens: the launcher resolves (and checks the data) once, each rank loads it once
+    from the plan the launcher wrote; 1 + W in all (tests/open_counter wraps datasets.load_from_disk)."""
+    import collections
+    import importlib.util
+
+    import datasets
+
+    from kit.configs import to_jsonable
+    from kit.train.resolve import TrainPlan
+
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     common = dict(train_iters=4, gbs=4, mbs=1, lr=3e-3)
     single = train(H.tiny_config(tiny_llama_dir, data, tmp_path / "one", **common), progress=False)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "two", nproc_per_node=2, **common)
+    opens = tmp_path / "opens.log"
+    counter = repo_root() / "tests" / "open_counter"
+    monkeypatch.setenv("KIT_TEST_OPEN_LOG", str(opens))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(counter), os.environ.get("PYTHONPATH")]))
+    )
+    # the same wrapper as the ranks', for this process (the launcher's)
+    spec = importlib.util.spec_from_file_location("open_counter", counter / "sitecustomize.py")
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    monkeypatch.setattr(datasets, "load_from_disk", wrapper.counted(datasets.load_from_disk))
     res = launch(cfg, progress=False)
     assert res.ok, "\n".join(res.tail)
+    pids = collections.Counter(opens.read_text().split())
+    assert pids[str(os.getpid())] == 1 and sorted(pids.values()) == [1, 1, 1], pids
+    # the ranks trained the plan the launcher wrote, which rank 0 kept as the run's plan
+    plan = TrainPlan.load(cfg.output_dir() / "plan.json")
+    assert to_jsonable(plan.cfg) == json.loads((cfg.output_dir() / "config.json").read_text())
+    assert plan.data["num_samples"] == 16 and not plan.resumed
     assert res.iterations == [1, 2, 3, 4]
     records = read_metrics(cfg.log_dir() / "pretrain.metrics.jsonl")
     two = [r["loss"] for r in records]
@@ -231,7 +258,7 @@ def test_launch_command_and_environment_for_multi_node_npu(tmp_path, monkeypatch
         "kit",
         "train",
         "run",
-        "--config",
+        "--plan",
         str(tmp_path / "c.json"),
         "--no-progress",
     ]

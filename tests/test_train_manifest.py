@@ -25,7 +25,10 @@ def test_training_run_and_hf_manifests_and_resume_keeps_them_consistent(tmp_path
     assert run.folder == ws.output("sft").resolve() and run["run_type"] == "sft"
     assert run["data"] == str(data.resolve()) and run["model"] == str(Path(tiny_llama_dir).resolve())
     # 04 on its defaults found 02's folder in the workspace: no DATASET_PATH given, nothing re-prepared
-    assert run["sources"]["dataset_path"] == f"workspace {data}"
+    # ... and says which folder it took and why (kit.inputs)
+    assert run["sources"]["dataset_path"].startswith(
+        f"workspace {data.resolve()}: the newest prepared-data of kind sft made with {Path(tiny_llama_dir).name}'s "
+    )
     assert run["sources"]["seq_len"] == f"manifest {data.resolve()}" and run["config"]["seq_len"] == 48
     assert run["sources"]["lr"] == "explicit" and run["sources"]["work_dir"] == "workspace"
     assert [c.kind for c in run.inputs] == [PREPARED_DATA]

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import test_train_helpers as H
 from fixtures.convert import models as convert_models
 
 from kit.train.config import TrainConfig, replace
 from kit.train.megatron import build
+from kit.train.resolve import ConfigConflictError, resolve
 
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir
@@ -58,7 +60,7 @@ def test_sft_plan_loads_the_converted_checkpoint_with_its_7887_layer_list(tmp_pa
         engine="megatron", run_type="sft", model_name="tiny", model_path=str(ckpt), dataset_path=str(data),
         work_dir=str(ws), nproc_per_node=16, gbs=16,
     )  # fmt: skip
-    plan = build(cfg)
+    plan = build(resolve(cfg))
     assert plan.problems == [], plan.problems
     argv, flag = plan.argv, flags_of(plan.argv)
     assert "posttrain_gpt.py" in argv and plan.cwd == code / "ModelLink"
@@ -85,14 +87,14 @@ def test_layout_problems_come_from_kit_parallel_and_the_checkpoint(tmp_path, tin
         engine="megatron", run_type="pretrain", model_path=str(ckpt), dataset_path=str(data), work_dir=str(ws),
         nproc_per_node=4, gbs=4,
     )  # fmt: skip
-    text = "\n".join(build(cfg).problems)
+    text = "\n".join(build(resolve(cfg)).problems)
     assert "tensor parallel size 2 does not divide the 3 attention heads" in text
     assert "needs ['mp_rank_00_000'" in text
-    dense = "\n".join(build(replace(cfg, router_aux_loss_coef=0.01)).problems)
+    dense = "\n".join(build(resolve(replace(cfg, router_aux_loss_coef=0.01))).problems)
     assert "ROUTER_AUX_LOSS_COEF=0.01 is set, but this model has no experts" in dense
     # a TP the checkpoint was not converted with: both values and where each came from, nothing else checked
-    bad = build(replace(cfg, tp=4))
-    assert len(bad.problems) == 1 and "TP=4 (explicit) but tp=2 (manifest" in bad.problems[0]
+    with pytest.raises(ConfigConflictError, match=r"TP=4 \(explicit\) but tp=2 \(manifest"):
+        resolve(replace(cfg, tp=4))
 
 
 def test_chatglm3_and_baichuan2_configs_through_the_builder(tmp_path, tiny_glm_dir, tiny_baichuan_dir):
@@ -107,7 +109,9 @@ def test_chatglm3_and_baichuan2_configs_through_the_builder(tmp_path, tiny_glm_d
             engine="megatron", run_type="pretrain", model_path=str(model), dataset_path=str(data),
             work_dir=str(ws), gbs=4,
         )  # fmt: skip
-        plan = build(cfg)  # ChatGLM3's config has no num_hidden_layers: the family map reads num_layers
+        plan = build(
+            resolve(cfg)
+        )  # ChatGLM3's config has no num_hidden_layers: the family map reads num_layers
         assert plan.problems == [], (family, plan.problems)
         flag = flags_of(plan.argv)
         layers = conf.get("num_layers", conf.get("num_hidden_layers"))
@@ -127,7 +131,7 @@ def test_script_plan_passes_the_manuals_variables(tmp_path, tiny_llama_dir):
         engine="megatron", run_type="pretrain", model_name="GLM3-6B", model_path=str(tiny_llama_dir),
         dataset_path=str(data), work_dir=str(ws), tp=2, pp=4, nproc_per_node=8, gbs=64, train_iters=200,
     )  # fmt: skip
-    plan = build(cfg, script="scripts/glm3/glm3_base.sh")
+    plan = build(resolve(cfg), script="scripts/glm3/glm3_base.sh")
     assert plan.problems == [] and plan.argv == ["sh", "scripts/glm3/glm3_base.sh"] and plan.cwd == code
     assert plan.env == {
         "MODEL_TYPE": "GLM3-6B",
@@ -144,11 +148,11 @@ def test_script_plan_passes_the_manuals_variables(tmp_path, tiny_llama_dir):
     }
     assert plan.describe().startswith(f"cd {code} && MODEL_TYPE=GLM3-6B RUN_TYPE=pretrain")
     two = build(
-        replace(cfg, nnodes=2, node_rank=1, master_addr="10.0.0.1", gbs=128),
+        resolve(replace(cfg, nnodes=2, node_rank=1, master_addr="10.0.0.1", gbs=128)),
         script="scripts/glm3/glm3_base.sh",
     )
     assert (two.env["MASTER_ADDR"], two.env["NNODES"], two.env["NODE_RANK"]) == ("10.0.0.1", "2", "1")
-    missing = build(cfg, script="scripts/glm3/nope.sh", code_dir=str(tmp_path / "absent"))
+    missing = build(resolve(cfg), script="scripts/glm3/nope.sh", code_dir=str(tmp_path / "absent"))
     assert any("AscendCloud-3rdLLM" in p for p in missing.problems)
 
 
@@ -158,7 +162,7 @@ def test_data_without_megatron_files_is_a_problem_naming_notebook_02(tmp_path, t
         engine="megatron", run_type="pretrain", model_path=str(tiny_llama_dir), dataset_path=str(data),
         work_dir=str(tmp_path / "ws"), gbs=4,
     )  # fmt: skip
-    assert any("MEGATRON=True" in p and "notebook 02" in p for p in build(cfg).problems)
+    assert any("MEGATRON=True" in p and "notebook 02" in p for p in build(resolve(cfg)).problems)
 
 
 def test_megatron_plan_defaults_to_notebook_03s_checkpoint_in_the_workspace(tmp_path, tiny_llama_dir):
@@ -171,7 +175,7 @@ def test_megatron_plan_defaults_to_notebook_03s_checkpoint_in_the_workspace(tmp_
     cfg = TrainConfig(
         engine="megatron", run_type="sft", tokenizer_path=str(tiny_llama_dir), nproc_per_node=16, gbs=16
     )
-    plan = build(cfg, ws=ws)  # no MODEL_PATH, no DATASET_PATH: 03's and 02's outputs in the workspace
+    plan = build(resolve(cfg, ws))  # no MODEL_PATH, no DATASET_PATH: 03's and 02's outputs in the workspace
     assert plan.problems == [], plan.problems
     flag = flags_of(plan.argv)
     assert flag["--load"] == str(ckpt.resolve()) and flag["--data-path"] == str(ws.data_finetune / "alpaca")

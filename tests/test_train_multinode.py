@@ -22,7 +22,7 @@ from kit.train.engine import free_port, without_in_process_rendezvous
 from kit.train.jobenv import launching_card, modelarts_env
 from kit.train.launch import hostfile_text, job_config, launch, launch_command
 from kit.train.metrics import read_metrics
-from kit.train.resolve import ConfigConflictError, resolve
+from kit.train.resolve import ConfigConflictError, resolve_values
 from kit.workspace import repo_root
 
 COMMON = dict(train_iters=3, gbs=4, mbs=1, lr=3e-3, warmup_iters=0)
@@ -136,14 +136,19 @@ def test_two_node_job_from_the_modelarts_environment_matches_one_process(job_inp
     assert losses == pytest.approx(reference, rel=1e-4, abs=1e-5)
     # one launch config and one launcher log per node, each with its own node rank
     for i in (0, 1):
-        launched = json.loads((out_dir / f"launch_config.node{i}.json").read_text())
+        launched = json.loads((out_dir / f"plan.node{i}.json").read_text())["cfg"]
         assert (
             launched["node_rank"] == i and launched["nnodes"] == 2 and launched["master_addr"] == "127.0.0.1"
         )
         assert launched["sources"]["nnodes"] == "environment MA_NUM_HOSTS (ModelArts training job)"
         log = (cfg.log_dir() / f"pretrain.launcher.node{i}.log").read_text()
         assert f"--node_rank={i}" in log and "a rehearsal" in log
-    assert not (out_dir / "launch_config.json").exists()
+    # the launchers' plans carry their node; plan.json is the plan global rank 0 trained
+    assert sorted(p.name for p in out_dir.glob("plan*.json")) == [
+        "plan.json",
+        "plan.node0.json",
+        "plan.node1.json",
+    ]
     # the run's config and manifest are global rank 0's (node 0) and describe the job of 2 nodes
     man = read_manifest(out_dir)
     assert man["config"]["node_rank"] == 0 and man["config"]["nnodes"] == 2
@@ -172,7 +177,7 @@ def test_deepspeed_launcher_on_one_and_two_nodes_matches_one_process(job_inputs,
     assert losses == pytest.approx(reference, rel=1e-4, abs=1e-5)
     suffix = ".node0" if nnodes > 1 else ""
     assert "-m deepspeed.launcher.runner" in (cfg.log_dir() / f"pretrain.launcher{suffix}.log").read_text()
-    hostfile = cfg.output_dir() / f"launch_config{suffix}.json.hostfile"
+    hostfile = cfg.output_dir() / f"plan{suffix}.json.hostfile"
     assert hostfile.read_text() == "".join(f"node-{i} slots=1\n" for i in range(nnodes))
 
 
@@ -241,46 +246,48 @@ def test_resolve_takes_the_job_environment_and_refuses_contradictions(tmp_path):
     base = dict(
         run_type="retrain", work_dir=str(tmp_path)
     )  # retrain: resolves the launch settings, no inputs
-    cfg = resolve(TrainConfig(**base), environ=job)
+    cfg = resolve_values(TrainConfig(**base), environ=job)
     assert (cfg.nnodes, cfg.node_rank, cfg.nproc_per_node, cfg.master_addr) == (2, 1, 1, "127.0.0.1")
     assert cfg.sources["master_addr"].startswith("environment VC_WORKER_HOSTS (ModelArts training job)")
     # the kit's own variables and explicit values agreeing with the job are fine; the precedence stays
-    same = resolve(TrainConfig(nnodes=2, master_addr="localhost", **base), environ=dict(job, NODE_RANK="1"))
+    same = resolve_values(
+        TrainConfig(nnodes=2, master_addr="localhost", **base), environ=dict(job, NODE_RANK="1")
+    )
     assert same.sources["nnodes"] == "explicit" and same.sources["node_rank"] == "environment NODE_RANK"
     with pytest.raises(ConfigConflictError, match=r"NNODES=4 \(explicit\) but 2 \(environment MA_NUM_HOSTS"):
-        resolve(TrainConfig(nnodes=4, **base), environ=job)
+        resolve_values(TrainConfig(nnodes=4, **base), environ=job)
     with pytest.raises(ConfigConflictError, match=r"NODE_RANK=0 \(environment NODE_RANK\) but 1"):
-        resolve(TrainConfig(**base), environ=dict(job, NODE_RANK="0"))
+        resolve_values(TrainConfig(**base), environ=dict(job, NODE_RANK="0"))
     with pytest.raises(
         ConfigConflictError, match=r"MASTER_ADDR='10\.9\.9\.9' \(explicit\) but '127\.0\.0\.1'"
     ):
-        resolve(TrainConfig(master_addr="10.9.9.9", **base), environ=job)
+        resolve_values(TrainConfig(master_addr="10.9.9.9", **base), environ=job)
     # a config the kit wrote (a run's config.json) records its one-node launch settings as defaults: the job decides
     ran = TrainConfig(nnodes=1, node_rank=0, master_port=41234, sources={"nnodes": "default"}, **base)
     ran.sources.update(node_rank="default", master_port="default")
-    job_run = resolve(ran, environ=job)
+    job_run = resolve_values(ran, environ=job)
     assert (job_run.nnodes, job_run.node_rank, job_config(job_run).master_port) == (2, 1, 6000)
     # MASTER_PORT and NPROC_PER_NODE are read from the environment like the other launch variables
-    kit = resolve(TrainConfig(**base), environ={"MASTER_PORT": "29511", "NPROC_PER_NODE": "4"})
+    kit = resolve_values(TrainConfig(**base), environ={"MASTER_PORT": "29511", "NPROC_PER_NODE": "4"})
     assert (kit.master_port, kit.nproc_per_node) == (29511, 4)
     assert kit.sources["master_port"] == "environment MASTER_PORT"
     # ... except the ones the kit wrote itself for a world of one in this process (a notebook that trained)
     kit_set = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "KIT_IN_PROCESS_LOCAL_SIZE": "29511"}
-    own = resolve(TrainConfig(**base), environ=kit_set)
+    own = resolve_values(TrainConfig(**base), environ=kit_set)
     assert own.master_port == 0 and own.sources["master_port"] == "default"
     assert without_in_process_rendezvous(dict(kit_set, PATH="/bin")) == {"PATH": "/bin"}
     # a port the user set since in that process (os.environ, `!MASTER_PORT=... python -m kit ...`) is the user's
     changed = dict(kit_set, MASTER_PORT="29600")
-    mine = resolve(TrainConfig(**base), environ=changed)
+    mine = resolve_values(TrainConfig(**base), environ=changed)
     assert (mine.master_port, mine.sources["master_port"]) == (29600, "environment MASTER_PORT")
     assert mine.sources["master_addr"] == "default"  # still the kit's own 127.0.0.1
     assert without_in_process_rendezvous(changed) == {"MASTER_PORT": "29600"}
 
 
 def test_loopback_master_is_a_rehearsal_not_an_error():
-    assert not TrainConfig(nnodes=2, master_addr="127.0.0.1").problems(paths=False)
-    assert not TrainConfig(nnodes=2, master_addr="localhost").problems(paths=False)
-    assert any("MASTER_ADDR" in p for p in TrainConfig(nnodes=2, master_addr="").problems(paths=False))
+    assert not TrainConfig(nnodes=2, master_addr="127.0.0.1").problems()
+    assert not TrainConfig(nnodes=2, master_addr="localhost").problems()
+    assert any("MASTER_ADDR" in p for p in TrainConfig(nnodes=2, master_addr="").problems())
 
 
 def test_one_launcher_per_node_when_the_boot_command_runs_once_per_card(tmp_path):
@@ -321,4 +328,4 @@ def test_a_retrain_on_another_world_size_is_refused_before_anything_starts(tmp_p
         ConfigConflictError, match=r"NNODES=2 \(environment MA_NUM_HOSTS .*the run was made with 1"
     ):
         launch(retrain, progress=False)
-    assert not list(made.output_dir().glob("launch_config*"))
+    assert not list(made.output_dir().glob("plan*"))

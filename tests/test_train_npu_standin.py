@@ -13,6 +13,7 @@ from npu_standin import install
 from npu_standin.hccl import HCCL_DTYPES, HcclDtypeError, install_hccl_check
 
 from kit.train import trainer as trainer_mod
+from kit.train.resolve import resolve
 
 HCCL_SITE = Path(__file__).parent / "npu_standin" / "hccl_site"
 
@@ -70,7 +71,8 @@ def test_host_syncs_per_step_do_not_grow_with_micro_batches(tmp_path, tiny_llama
     counts = {}
     for mbs in (4, 1):  # grad accumulation 1 and 4
         trainer = trainer_mod.Trainer(
-            H.tiny_config(tiny_llama_dir, data, tmp_path / f"ws{mbs}", gbs=4, mbs=mbs), progress=False
+            resolve(H.tiny_config(tiny_llama_dir, data, tmp_path / f"ws{mbs}", gbs=4, mbs=mbs)),
+            progress=False,
         )
         trainer._setup()
         trainer._one_step(0)  # warm-up: DeepSpeed's first step differs
@@ -98,7 +100,9 @@ def test_set_device_before_the_process_group(monkeypatch, tmp_path, tiny_llama_d
 
     monkeypatch.setattr(eng, "init_distributed", stop)
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=4)
-    trainer = trainer_mod.Trainer(H.tiny_config(tiny_llama_dir, data, tmp_path / "ws"), progress=False)
+    trainer = trainer_mod.Trainer(
+        resolve(H.tiny_config(tiny_llama_dir, data, tmp_path / "ws")), progress=False
+    )
     with pytest.raises(RuntimeError, match="stop here"):
         trainer._setup()
     assert order == [("init_distributed", [3])]
@@ -166,7 +170,7 @@ def test_megatron_auto_dtype_follows_the_card(tmp_path, tiny_llama_dir, monkeypa
         dataset_path=str(H.prepared(tmp_path / "corpus_hf", tiny_llama_dir, kind="pretrain")),
         work_dir=str(tmp_path / "ws"),
     )
-    argv = build(cfg).argv
+    argv = build(resolve(cfg)).argv
     assert flag in argv and absent not in argv
 
 
@@ -182,7 +186,7 @@ def test_megatron_auto_dtype_on_cpu_adds_no_half_precision(tmp_path, tiny_llama_
         dataset_path=str(H.prepared(tmp_path / "corpus_hf", tiny_llama_dir, kind="pretrain")),
         work_dir=str(tmp_path / "ws"),
     )
-    argv = build(cfg).argv
+    argv = build(resolve(cfg)).argv
     assert "--bf16" not in argv and "--fp16" not in argv
 
 
@@ -192,7 +196,8 @@ def test_packed_sft_without_kit_attention_is_refused(tmp_path, tiny_llama_dir):
 
     sft = H.make_sft(tmp_path / "s_hf", num_samples=8)
     trainer = trainer_mod.Trainer(
-        H.tiny_config(tiny_llama_dir, sft, tmp_path / "ws", run_type="sft", adapt=False), progress=False
+        resolve(H.tiny_config(tiny_llama_dir, sft, tmp_path / "ws", run_type="sft", adapt=False)),
+        progress=False,
     )
     with pytest.raises(InputError, match="ADAPT=True.*PACK=False"):
         trainer._setup()

@@ -162,12 +162,13 @@ def _data_parallel(info, model_path: Path, data: Path, work: Path) -> list:
 
 def _training_and_profile(model_path: Path, data: Path, work: Path, steps: int) -> list:
     from kit.profiling import profile
+    from kit.train.resolve import resolve
     from kit.train.trainer import Trainer
 
     t0 = time.perf_counter()
-    cfg = _train_config(model_path, data, work / "train", "check", steps)
+    plan = resolve(_train_config(model_path, data, work / "train", "check", steps))
     with profile(work / "profiles", wait=0, warmup=1, active=1, repeat=1, tag="device-check") as cap:
-        result = Trainer(cfg, step_callbacks=[cap], progress=False, echo=False).train()
+        result = Trainer(plan, step_callbacks=[cap], progress=False, echo=False).train()
     seconds = time.perf_counter() - t0
     losses = result.losses
     ok = (

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from kit.errors import InputError, MissingInputError
+from kit.inputs import consumed, newest
 from kit.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
@@ -88,14 +89,6 @@ def _from_run(run_folder: Path, inputs: EvalInputs, cfg) -> None:
         _data_facts(Path(run["data"]), inputs)
 
 
-def newest_run(ws: Any) -> Optional[Path]:
-    """The workspace's newest training-run folder (the one notebook 05 profiles too), or None."""
-    from kit.profiling.training_run import find_training_runs
-
-    runs = find_training_runs(ws)
-    return runs[0].folder if runs else None
-
-
 def resolve(cfg, ws, scratch: Path) -> EvalInputs:
     """The models and data an EvalConfig names, or the workspace's newest training run; see the module doc."""
     scratch = Path(scratch)
@@ -111,9 +104,9 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
             if man.kind == HF_MODEL:
                 inputs = EvalInputs(model=folder.resolve())
                 inputs.consumed.append(man.as_input())
-                runs = man.consumed(TRAINING_RUN)
-                if run_folder is None and runs and Path(runs[0].path).is_dir():
-                    run_folder = Path(runs[0].path)
+                run = consumed(man, TRAINING_RUN)
+                if run_folder is None and run is not None:
+                    run_folder = run.folder
             else:
                 inputs = EvalInputs(model=folder.resolve())
         else:
@@ -122,17 +115,21 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
         if run_folder is not None:
             _from_run(run_folder, inputs, cfg)
     else:
+        taken = []
         if run_folder is None:
-            run_folder = newest_run(ws)
-        if run_folder is None:
-            return _alone(cfg, ws)
+            found = newest(ws, TRAINING_RUN)
+            if found is None:
+                return _alone(cfg, ws)
+            run_folder = found.folder
+            taken.append(f"evaluating {found.folder}: {found.why}")  # the run it inherits, and why that one
+            print(taken[0])
         run = read_manifest(run_folder, expect=TRAINING_RUN)
         if not run["hf"]:
             raise InputError(
                 f"{run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (its checkpoint or a "
                 f"converted folder) or train with an HF export."
             )
-        inputs = EvalInputs(model=Path(run["hf"]))
+        inputs = EvalInputs(model=Path(run["hf"]), notes=taken)
         hf_dir = Path(run["hf"])
         if find_manifest(hf_dir) is not None:
             inputs.consumed.append(read_manifest(hf_dir).as_input())
@@ -177,8 +174,8 @@ def _prepare_sample(ws, model: Path) -> Path:
     from kit.train.inputs import find_prepared
 
     found = find_prepared(ws, "sft", model)
-    if found is not None and read_manifest(found, expect=PREPARED_DATA).get("heldout"):
-        return found
+    if found is not None and found.manifest.get("heldout"):
+        return found.folder
     from kit.data import DataConfig, prepare
 
     name = f"eval_sample_{model.name}".replace(".", "_")

@@ -1,4 +1,4 @@
-"""ModelArts training jobs from the kit: `build_job(train_cfg, JobConfig(...))` is the dry run, `submit(plan)`
+"""ModelArts training jobs from the kit: `build_job(resolve(train_cfg), JobConfig(...))` is the dry run, `submit(plan)`
 sends it with the official SDK (`python -m kit job`)."""
 
 from kit.job.config import JobConfig

@@ -40,11 +40,12 @@ def run(args: argparse.Namespace) -> int:
     from kit.configs import explicit_values
     from kit.job import JobConfig, build_job
     from kit.train.cli import _config
+    from kit.train.resolve import resolve
 
     cfg = _config(args)
     job_values = explicit_values(args, JobConfig)
     job = JobConfig(**{k: v for k, v in job_values.items() if k not in _shared_fields()})
-    plan = build_job(cfg, job, cfg.workspace())
+    plan = build_job(resolve(cfg, cfg.workspace()), job)
     print(plan.describe())
     if plan.problems:  # like `kit train megatron`: the plan is printed, its problems make it fail
         import sys

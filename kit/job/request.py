@@ -18,6 +18,7 @@ from typing import Any, List, Mapping, Optional
 
 from kit.job.config import JobConfig
 from kit.train.config import TrainConfig
+from kit.train.resolve import TrainPlan
 
 # where ModelArts puts a job's inputs, outputs and code in each container (huaweicloudsdkmodelarts Input.local_dir;
 # Huawei Cloud docs "Managing Environment Variables of a Training Container": MA_JOB_DIR)
@@ -158,14 +159,11 @@ def _option(name: str, value: Any) -> List[str]:
 
 
 def carried_fields(cfg: TrainConfig) -> List[str]:
-    """The run settings the job's command states: those set explicitly or by the environment here (the rest are
-    the kit's defaults or are inherited on the node from the same manifests)."""
+    """The run settings of the resolved `cfg` the job's command states: those set explicitly or by the environment
+    here (the rest are the kit's defaults or are inherited on the node from the same manifests)."""
     from kit.train.resolve import EXPLICIT
 
-    if cfg.sources:
-        names = [n for n, s in cfg.sources.items() if s == EXPLICIT or s.startswith("environment")]
-    else:
-        names = list(cfg.given)
+    names = [n for n, s in cfg.sources.items() if s == EXPLICIT or s.startswith("environment")]
     skip = set(NODE_FIELDS) | set(PLACED_FIELDS) | {"sources"}
     order = [f for f in TrainConfig.__dataclass_fields__ if f in names and f not in skip]
     return order
@@ -213,28 +211,24 @@ def _manifest_sha(folder: str, kind: Optional[str]) -> Optional[str]:
     return read_manifest(folder, expect=kind).sha256
 
 
-def build_job(
-    cfg: TrainConfig, job: JobConfig, ws: Any = None, environ: Optional[Mapping[str, str]] = None
-) -> JobPlan:
-    """The training job for `cfg` (resolved here if it is not yet) on `job`'s nodes, flavor, image and OBS folders.
+def build_job(plan: TrainPlan, job: JobConfig) -> JobPlan:
+    """The training job for the resolved run `plan` (kit.train.resolve) on `job`'s nodes, flavor, image and OBS folders.
 
     Problems (missing OBS folder, pool, image, a GBS that 2 nodes x 8 cards cannot split...) are collected in
     `plan.problems`; `kit.job.submit.submit` refuses a plan that has any.
     """
     from kit.manifest import PREPARED_DATA
     from kit.train.config import replace
-    from kit.train.resolve import DEFAULT, resolve
+    from kit.train.resolve import DEFAULT
 
-    environ = os.environ if environ is None else environ
-    if not cfg.sources:
-        cfg = resolve(cfg, ws, environ=environ)
+    cfg = plan.cfg
     problems = list(job.problems())
     if cfg.engine != "deepspeed":
         problems.append(
             f"ENGINE={cfg.engine!r}: a job runs the kit trainer (ENGINE deepspeed); the Megatron path's command "
             "comes from `python -m kit train megatron`."
         )
-    if cfg.run_type == "retrain":
+    if plan.resumed:
         problems.append(
             "RUN_TYPE='retrain' resumes checkpoints on this machine's disk; a job starts from OBS inputs: run "
             "pretrain/sft/lora as the job."
@@ -249,7 +243,7 @@ def build_job(
         cfg, nnodes=max(1, job.nodes), nproc_per_node=cards or 1, master_addr="job-node-0", node_rank=0
     )
     where = f"on {job.nodes} node(s) x {cards} card(s) of {job.flavor}" if cards else "on the job"
-    problems += [f"{where}: {p}" for p in on_job.problems(paths=False)]
+    problems += [f"{where}: {p}" for p in on_job.problems()]
 
     data, model = str(cfg.dataset_path), str(cfg.model_path)
     data_obs = job.data_obs or _obs_join(job.obs_dir, "data", Path(data).name)

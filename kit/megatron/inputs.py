@@ -7,28 +7,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kit.errors import InputError
+from kit.inputs import Found, newest
+from kit.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA
 
 
-def find_megatron_data(ws: Any, tokenizer_sha256: Optional[str] = None) -> Optional[Path]:
-    """The newest prepared-data folder of the workspace that has Megatron files (made with this tokenizer, if given)."""
-    from kit.manifest import MANIFEST_NAME
-    from kit.train.inputs import data_facts
+def find_megatron_data(ws: Any, tokenizer_sha256: Optional[str] = None) -> Optional[Found]:
+    """The newest prepared-data output of the workspace that has Megatron files (made with this tokenizer, if given)."""
 
-    found = []
-    for root in (Path(ws.data_pretrain), Path(ws.data_finetune)):
-        for folder in root.glob("*_hf"):
-            if folder.name.startswith(".") or not (folder / MANIFEST_NAME).is_file():
-                continue
-            try:
-                facts, _ = data_facts(folder)
-            except Exception:  # a damaged or foreign folder is not a candidate
-                continue
-            theirs = facts.get("tokenizer_sha256")
-            if facts.get("megatron_prefix") and (
-                not tokenizer_sha256 or not theirs or theirs == tokenizer_sha256
-            ):
-                found.append(folder)
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    def fits(man) -> bool:
+        theirs = man.get("tokenizer_sha256")
+        return bool(man.get("megatron_prefix")) and (
+            not tokenizer_sha256 or not theirs or theirs == tokenizer_sha256
+        )
+
+    return newest(ws, PREPARED_DATA, fits, "with Megatron files")
 
 
 def inputs_missing(cfg) -> Optional[str]:
@@ -43,12 +35,13 @@ def inputs_missing(cfg) -> Optional[str]:
 def resolve_inputs(cfg):
     """(checkpoint folder, its MegatronReader, data facts, data folder, output folder) of the config."""
     from kit.convert.megatron_io import MegatronReader
-    from kit.train.inputs import data_facts, find_converted
+    from kit.data.prepared import read_prepared
     from kit.train.megatron import data_problems
     from kit.workspace import get_workspace
 
     ws = get_workspace(cfg.work_dir or None, model=cfg.model_name)
-    ckpt = Path(cfg.checkpoint) if cfg.checkpoint else find_converted(ws)
+    found = None if cfg.checkpoint else newest(ws, CONVERTED_CHECKPOINT)
+    ckpt = Path(cfg.checkpoint) if cfg.checkpoint else found and found.folder
     if ckpt is None:
         raise InputError(
             f"no converted checkpoint under {ws.converted_weights}: convert the HF weights in notebook 03 at the "
@@ -57,13 +50,15 @@ def resolve_inputs(cfg):
     from kit.manifest import MANIFEST_NAME, read_manifest
 
     tok = read_manifest(ckpt).get("tokenizer_sha256") if (ckpt / MANIFEST_NAME).is_file() else None
-    data = Path(cfg.dataset_path) if cfg.dataset_path else find_megatron_data(ws, tok)
+    found = None if cfg.dataset_path else find_megatron_data(ws, tok)
+    data = Path(cfg.dataset_path) if cfg.dataset_path else found and found.folder
     if data is None:
         raise InputError(
             f"no prepared data with Megatron files in {ws.model_input}/data: prepare it in notebook 02 with "
             f"MEGATRON=True, or give --dataset-path."
         )
-    facts, man = data_facts(data)
+    man = read_prepared(data).manifest  # notebook 02's folder, or the Megatron prefix beside it
+    facts = man.fields
     theirs = facts.get("tokenizer_sha256")
     if tok and theirs and tok != theirs:
         raise InputError(

@@ -28,7 +28,6 @@ _EXPORTS = {
     "compare": "kit.profiling.comparison",
     "ensure_sample_profile": "kit.profiling.sample",
     "find_profiles": "kit.profiling.loader",
-    "find_training_runs": "kit.profiling.training_run",
     "load": "kit.profiling.loader",
     "mean_step_us": "kit.profiling.tables",
     "operator_table": "kit.profiling.tables",

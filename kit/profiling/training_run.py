@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from kit.errors import KitError
+from kit.inputs import newest
 from kit.manifest import (
     MANIFEST_NAME,
     PROFILE_CAPTURE,
@@ -41,27 +41,6 @@ DEFAULT_RUN = {"run_type": "sft", "mbs": 1, "gbs": 2, "lr": 1e-4, "warmup_iters"
 def schedule_steps(cfg: ProfileConfig) -> int:
     """Optimizer steps the schedule needs for every cycle to be written (repeat=0 counts as one cycle)."""
     return cfg.skip_first + max(cfg.repeat, 1) * (cfg.wait + cfg.warmup + cfg.active)
-
-
-def find_training_runs(ws: Any, max_depth: int = 3) -> List[Manifest]:
-    """The workspace's training-run folders (by manifest kind), newest first; profile captures are skipped."""
-    root = Path(ws.model_output)
-    skip = Path(ws.profiles).resolve()
-    found = []
-    for depth in range(1, max_depth + 1):
-        for path in root.glob("/".join(["*"] * depth) + "/" + MANIFEST_NAME):
-            folder = path.parent
-            if any(p.startswith(".") for p in folder.relative_to(root).parts):
-                continue  # unfinished outputs (temporary names)
-            if folder.resolve() == skip or skip in folder.resolve().parents:
-                continue  # the steps a capture trained are not runs of the workspace
-            try:
-                m = read_manifest(folder)
-            except KitError:  # a damaged manifest of some other folder must not stop the search
-                continue
-            if m.kind == TRAINING_RUN:
-                found.append(m)
-    return sorted(found, key=lambda m: (m.created, m.folder.stat().st_mtime), reverse=True)
 
 
 def train_config_from_run(run: Manifest) -> Any:
@@ -107,11 +86,11 @@ def configure_default_run(
 ) -> Tuple[Any, List[Consumed], str]:
     """(TrainConfig, consumed inputs, one line) for a run like notebook 04's defaults, when there is none.
 
-    Resolved as notebook 04 resolves its config: the demo model unless `model_path`, notebook 02's data in the
-    workspace, else the shipped sample prepared now.
+    Its values are found as notebook 04 finds them: the demo model unless `model_path`, notebook 02's data in the
+    workspace, else the shipped sample prepared now (the profiled run is resolved once, by `run`).
     """
     from kit.train.config import TrainConfig
-    from kit.train.resolve import resolve
+    from kit.train.resolve import resolve_values
     from kit.train.run_manifest import consumed_inputs
 
     given = dict(DEFAULT_RUN)
@@ -119,7 +98,7 @@ def configure_default_run(
         given["model_path"] = str(model_path)
     if seq_len is not None:
         given["seq_len"] = int(seq_len)
-    cfg = resolve(TrainConfig(**given), ws)
+    cfg = resolve_values(TrainConfig(**given), ws)
     inputs, _facts = consumed_inputs(cfg)
     line = (
         f"no training run in {ws.model_output} (notebook 04 makes one): profiling {cfg.run_type} steps of "
@@ -228,13 +207,18 @@ def run(
     from kit.profiling.tables import operator_table
     from kit.train import train
     from kit.train.config import from_dict
+    from kit.train.resolve import resolve
 
     check(cfg, "profiling options")
+    taken = []
     if training_run is not None:
         run_m: Optional[Manifest] = read_manifest(training_run, expect=TRAINING_RUN)
     else:
-        runs = find_training_runs(ws)
-        run_m = runs[0] if runs else None
+        found = newest(ws, TRAINING_RUN)
+        run_m = found.manifest if found else None
+        if found:  # the run this stage inherits, and why that one
+            taken = [f"profiling {found.folder}: {found.why}"]
+            print(taken[0])
     line = ""
     if run_m is not None:
         train_cfg, inputs = train_config_from_run(run_m), [run_m.as_input()]
@@ -247,14 +231,14 @@ def run(
     steps = schedule_steps(cap.config)
     pcfg, notes = profiled_config(train_cfg, cap.work_folder / TRAINING_FOLDER, steps)
     try:
-        check(pcfg, "profiled training config")  # before the profiler starts: a bad config records nothing
+        plan = resolve(pcfg)  # before the profiler starts: a bad config records nothing
     except Exception:
         shutil.rmtree(cap.work_folder, ignore_errors=True)
         raise
     with_failure = True
     cap.start()
     try:
-        result = train(pcfg, step_callbacks=[cap], progress=progress)
+        result = train(plan, step_callbacks=[cap], progress=progress)
         with_failure = False
     finally:
         if with_failure:
@@ -270,7 +254,7 @@ def run(
             f"delete it when done); rerun the capture to get a complete one."
         )
     work = cap.stop(publish=False)
-    notes = notes + list(cap.notes) + _keep_measurements(result, cap)
+    notes = taken + notes + list(cap.notes) + _keep_measurements(result, cap)
     ran_with = _published_json(result.config.to_dict() if result.config else to_jsonable(pcfg), cap)
     data = load(work)
     table = operator_table(data, top=top)

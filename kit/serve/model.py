@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from kit.errors import InputError, MissingInputError
+from kit.inputs import consumed, newest
 from kit.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, Consumed, find_manifest, read_manifest
 
 
@@ -56,17 +57,14 @@ def _from_run(run_folder: Path, out: ServedModel) -> None:
         out.base = Path(run["model"])
     if run.get("adapter") and Path(run["adapter"]).is_dir():
         out.adapter = Path(run["adapter"])
-    data = run.get("data")
-    if data and Path(data).is_dir() and find_manifest(Path(data)) is not None:
-        man = read_manifest(Path(data), expect=PREPARED_DATA)
-        out.template = man.get("template")
-        out.consumed.append(man.as_input())
+    data = consumed(run, PREPARED_DATA)
+    if data is not None:
+        out.template = data.get("template")
+        out.consumed.append(data.as_input())
 
 
 def resolve_model(cfg, ws) -> ServedModel:
     """The ServedModel a ServeConfig names; see the module doc."""
-    from kit.evaluate.inputs import newest_run
-
     if cfg.model_path:
         folder = _check_hf(Path(cfg.model_path).expanduser(), "MODEL_PATH")
         out = ServedModel(path=folder)
@@ -74,13 +72,14 @@ def resolve_model(cfg, ws) -> ServedModel:
             man = read_manifest(folder)
             if man.kind == HF_MODEL:
                 out.consumed.append(man.as_input())
-                runs = man.consumed(TRAINING_RUN)
-                if cfg.run is None and runs and Path(runs[0].path).is_dir():
-                    _from_run(Path(runs[0].path), out)
+                run = consumed(man, TRAINING_RUN)
+                if cfg.run is None and run is not None:
+                    _from_run(run.folder, out)
         if cfg.run:
             _from_run(Path(cfg.run).expanduser(), out)
         return out
-    run_folder = Path(cfg.run).expanduser() if cfg.run else newest_run(ws)
+    found = None if cfg.run else newest(ws, TRAINING_RUN)
+    run_folder = Path(cfg.run).expanduser() if cfg.run else found and found.folder
     if run_folder is None:
         from kit.samples import demo_model_dir
 
@@ -95,6 +94,9 @@ def resolve_model(cfg, ws) -> ServedModel:
             f"or train with an HF export."
         )
     out = ServedModel(path=_check_hf(Path(run["hf"]), "the run's hf"))
+    if found is not None:  # the run this stage inherits, and why that one
+        out.notes.append(f"serving {found.folder}: {found.why}")
+        print(out.notes[-1])
     if find_manifest(out.path) is not None:
         out.consumed.append(read_manifest(out.path).as_input())
     _from_run(run.folder, out)

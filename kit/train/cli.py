@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = s.add_parser("run", help="train in this process (also what each rank of a launched job runs)")
     _add_config_args(r)
     r.add_argument("--no-progress", action="store_true", help="no progress bar (launched jobs)")
+    r.add_argument(
+        "--plan", default=None, help="a plan.json written by `kit train launch`: trained as it is (its ranks)"
+    )
     la = s.add_parser(
         "launch", help="validate, then run NPROC_PER_NODE ranks with torchrun / the DeepSpeed launcher"
     )
@@ -85,14 +88,16 @@ def run(args: argparse.Namespace) -> int:
         if skip:
             print(f"kit train launch: {skip}", file=sys.stderr, flush=True)
             return 0
-    cfg = _config(args)
     if args.what == "run":
         from kit.partial import sigterm_as_interrupt
+        from kit.train.resolve import TrainPlan
         from kit.train.trainer import train
 
+        # a launched rank trains the plan its launcher resolved; a plain run resolves its config once
+        run = TrainPlan.load(args.plan) if args.plan else _config(args)
         # SIGTERM before the first step (loading) ends like Ctrl-C; from then on the trainer checkpoints and stops
         with sigterm_as_interrupt():
-            result = train(cfg, progress=not args.no_progress)
+            result = train(run, progress=not args.no_progress)
         print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
         import torch.distributed as dist
 
@@ -102,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
         # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
         return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(result.status, 3)
+    cfg = _config(args)
     if args.what == "launch":
         from kit.partial import sigterm_as_interrupt
         from kit.train.launch import launch
@@ -116,9 +122,11 @@ def run(args: argparse.Namespace) -> int:
 
             return EXIT_PREEMPTED
         return res.returncode if res.returncode >= 0 else 128 - res.returncode  # killed by a signal: 128+N
+    from kit.train.config import replace
     from kit.train.megatron import build, execute
+    from kit.train.resolve import resolve
 
-    plan = build(cfg, code_dir=args.code_dir, script=args.script)
+    plan = build(resolve(replace(cfg, engine="megatron")), code_dir=args.code_dir, script=args.script)
     print(plan.describe())
     if plan.problems:
         return 2

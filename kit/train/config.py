@@ -1,7 +1,7 @@
 """Training config: the ModelArts user manual's hyper-parameter table plus the kit trainer's own settings.
 
 Fields that another stage already decided are `None` here (unset) and are inherited when the config is resolved
-(`kit.train.resolve.resolve`): sequence length, tokenizer, chat template and pack mode from notebook 02's
+(`kit.train.resolve.resolve`, which also checks the inputs): sequence length, tokenizer, chat template and pack mode from notebook 02's
 prepared-data manifest; TP, PP, layer list and padded vocabulary from notebook 03's converted-checkpoint manifest.
 Precedence: a value given explicitly (notebook parameter, constructor keyword, command-line option) > an
 environment variable of the manual's table (section "Step1 配置预训练超参") > the manifest > the default.
@@ -245,9 +245,9 @@ class TrainConfig:
         return self.workspace().logs
 
     # ---- validation -----------------------------------------------------------------------------------------
-    def problems(self, paths: bool = True) -> list:
-        """Every problem with this config, each naming the value, what is allowed and what to do (paths=False:
-        only those that need no file, as before the config is resolved)."""
+    def problems(self) -> list:
+        """Every problem with these settings, each naming the value, what is allowed and what to do (no file is
+        read: the inputs are checked once, by kit.train.resolve)."""
         p = []
         tp, pp = self.tp or 1, self.pp or 1
         if self.run_type not in RUN_TYPES:
@@ -316,8 +316,6 @@ class TrainConfig:
             )
         if not self.model_name:
             p.append("MODEL_NAME (the manual's MODEL_TYPE) is required: the model's folder in the workspace.")
-        if self.engine == "deepspeed" and paths:
-            p.extend(_path_problems(self))
         return p
 
     def to_dict(self) -> dict:
@@ -325,47 +323,6 @@ class TrainConfig:
         from kit.configs import to_jsonable
 
         return to_jsonable(self)
-
-
-def _path_problems(cfg: TrainConfig) -> list:
-    """Paths that must exist, for the kit (DeepSpeed) engine (the resolved config has both paths)."""
-    p = []
-    if cfg.run_type == "retrain":
-        from kit.train.checkpoint import latest_iteration
-
-        out = cfg.output_dir()
-        if latest_iteration(out / "checkpoints") is None:
-            p.append(
-                f"RUN_TYPE=retrain but {out / 'checkpoints'} holds no checkpoint; run RUN_TYPE=pretrain (or "
-                f"sft/lora into that folder) first, or check MODEL_NAME={cfg.model_name!r} and WORK_DIR."
-            )
-        return p
-    if cfg.model_path and not (Path(cfg.model_path) / "config.json").is_file():
-        p.append(f"MODEL_PATH={cfg.model_path!r} has no config.json; point it at an HF model folder.")
-    if cfg.dataset_path:
-        from kit.train.inputs import data_facts
-
-        try:
-            data_facts(cfg.dataset_path)
-        except InputError as exc:
-            p.append(f"DATASET_PATH: {exc}")
-    if cfg.tokenizer_path and not Path(cfg.tokenizer_path).is_dir():
-        p.append(f"TOKENIZER_PATH={cfg.tokenizer_path!r} is not a folder.")
-    if p or not (cfg.model_path and cfg.dataset_path):
-        return p  # unresolved paths are filled by resolve(); the dataset checks need both
-    from kit.train.batches import dataset_problems
-
-    return dataset_problems(cfg)
-
-
-def check_settings(cfg: TrainConfig) -> TrainConfig:
-    """Raise ConfigError with the problems that need no input (before any data is searched or prepared)."""
-    from kit.configs import ConfigError
-
-    problems = cfg.problems(paths=False)
-    if problems:
-        raise ConfigError(problems, "training config")
-    return cfg
 
 
 def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:

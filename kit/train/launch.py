@@ -17,13 +17,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
-from kit.configs import check, save_config
 from kit.lifetime import dies_with_parent
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
 from kit.train.procs import STOP_GRACE_S, Job, Stopper, stop  # noqa: F401  (stop: re-exported)
+from kit.train.resolve import TrainPlan
 from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
@@ -90,14 +90,14 @@ def deepspeed_runs_one_node_per_launcher() -> bool:
 
 
 def launch_command(
-    cfg: TrainConfig, config_path: Path, launcher: str = "torchrun", visible_devices: Optional[str] = None
+    cfg: TrainConfig, plan_path: Path, launcher: str = "torchrun", visible_devices: Optional[str] = None
 ) -> list:
-    """argv that runs `python -m kit train run --config <file>` on NPROC_PER_NODE processes of this node.
+    """argv that runs `python -m kit train run --plan <file>` on NPROC_PER_NODE processes of this node.
 
     DeepSpeed: this Python's own launcher (`-m deepspeed.launcher.runner`, whatever PATH says), --no_ssh with the
-    hostfile written beside the config (`<config>.hostfile`), --no_local_rank (ranks read LOCAL_RANK).
+    hostfile written beside the plan (`<plan>.hostfile`), --no_local_rank (ranks read LOCAL_RANK).
     """
-    script = ["-m", "kit", "train", "run", "--config", str(config_path), "--no-progress"]
+    script = ["-m", "kit", "train", "run", "--plan", str(plan_path), "--no-progress"]
     if launcher == "torchrun":
         return [
             sys.executable,
@@ -129,7 +129,7 @@ def launch_command(
             sys.executable,
             "-m",
             "deepspeed.launcher.runner",
-            f"--hostfile={hostfile_path(config_path)}",
+            f"--hostfile={hostfile_path(plan_path)}",
             *shape,
             f"--node_rank={cfg.node_rank}",
             f"--master_addr={cfg.master_addr}",
@@ -142,30 +142,8 @@ def launch_command(
     raise ValueError(f"launcher {launcher!r} is not one of torchrun, deepspeed.")
 
 
-def hostfile_path(config_path: Path) -> Path:
-    return Path(str(config_path) + ".hostfile")
-
-
-def _run_shape(cfg: TrainConfig) -> TrainConfig:
-    """Retrain: the saved run's NNODES and NPROC_PER_NODE where nothing set them (a run resumes on the world size
-    it was made with; the trainer refuses another)."""
-    from kit.train.config import load_config
-
-    saved_path = cfg.output_dir() / "config.json"
-    if cfg.run_type != "retrain" or not saved_path.is_file():
-        return cfg
-    from kit.train.trainer import effective_config
-
-    # a setting that contradicts the saved run is refused here, before any process starts
-    effective_config(cfg)
-    saved = load_config(saved_path)
-    sources = dict(cfg.sources)
-    changes = {}
-    for name in ("nnodes", "nproc_per_node"):
-        if sources.get(name, "default").startswith("default"):
-            changes[name] = getattr(saved, name)
-            sources[name] = f"run {saved_path}"
-    return dataclasses.replace(cfg, sources=sources, **changes) if changes else cfg
+def hostfile_path(plan_path: Path) -> Path:
+    return Path(str(plan_path) + ".hostfile")
 
 
 def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = None) -> dict:
@@ -239,7 +217,7 @@ class LaunchResult:
 
 
 def launch(
-    cfg: TrainConfig,
+    run: Union[TrainConfig, TrainPlan],
     launcher: str = "torchrun",
     progress: bool = True,
     tail_lines: int = 8,
@@ -248,7 +226,8 @@ def launch(
     ws: Any = None,
     grace_s: float = STOP_GRACE_S,
 ) -> LaunchResult:
-    """Validate, write the job config, start the job and stream it: a progress bar, the log tail, a clean stop.
+    """Resolve `run` once (a TrainPlan is taken as it is), write the plan its ranks read, start the job and stream
+    it: a progress bar, the log tail, a clean stop.
 
     Interrupting the cell (Ctrl-C / the stop button; SIGTERM or SIGINT to this process) sends SIGTERM to the ranks,
     which save a checkpoint and exit (kit.train.procs.Stopper); what is still alive `grace_s` later is killed, and nothing the job started
@@ -257,17 +236,16 @@ def launch(
     from tqdm.auto import tqdm
 
     from kit.device import detect
-    from kit.train.config import check_settings
     from kit.train.resolve import resolve
 
-    check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
-    cfg = job_config(_run_shape(check(resolve(cfg, ws), "training config")))
-    out = cfg.output_dir()
+    plan = run if isinstance(run, TrainPlan) else resolve(run, ws)
+    plan = dataclasses.replace(plan, cfg=job_config(plan.cfg))
+    cfg, out = plan.cfg, plan.folder
     out.mkdir(parents=True, exist_ok=True)
-    config_path = save_config(cfg, out, f"launch_config{node_suffix(cfg)}.json")
+    plan_path = plan.save(out / f"plan{node_suffix(cfg)}.json")
     if launcher == "deepspeed":
-        hostfile_path(config_path).write_text(hostfile_text(cfg, visible_devices), encoding="utf-8")
-    cmd = launch_command(cfg, config_path, launcher, visible_devices)
+        hostfile_path(plan_path).write_text(hostfile_text(cfg, visible_devices), encoding="utf-8")
+    cmd = launch_command(cfg, plan_path, launcher, visible_devices)
     log_path = cfg.log_dir() / f"{out.name}.launcher{node_suffix(cfg)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = launch_env(cfg, detect().kind, visible_devices)

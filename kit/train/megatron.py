@@ -16,10 +16,10 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
-from kit.errors import KitError
-from kit.train.config import MANUAL_ENV, TrainConfig, replace
+from kit.train.config import MANUAL_ENV, TrainConfig
+from kit.train.resolve import TrainPlan
 
 # MindSpeed-LLM example scripts export these for every NPU job.
 SCRIPT_ENV = {
@@ -130,28 +130,27 @@ def _router_aux_coef(flags: List[str], facts: dict, coef: Optional[float]) -> tu
 
 
 def build(
-    cfg: TrainConfig,
+    plan: TrainPlan,
     code_dir: Optional[str] = None,
     script: Optional[str] = None,
     nproc_per_node: Optional[int] = None,
-    ws: Any = None,
 ) -> MegatronPlan:
-    """The AscendCloud script command (if `script` is given) or a torchrun `pretrain_gpt.py` command, validated.
+    """The AscendCloud script command (if `script` is given) or a torchrun `pretrain_gpt.py` command for a run
+    resolved with ENGINE megatron (kit.train.resolve), validated.
 
     MODEL_PATH: notebook 03's converted checkpoint (loaded with --load; TP/PP/layer list/padded vocabulary inherited
     from it), or an HF folder (architecture only: pretraining from scratch). DATASET_PATH: notebook 02's folder.
     """
     from kit.convert.manifests import architecture_flags
     from kit.parallel import layer_list_flag, parallel_problems
-    from kit.train.inputs import data_facts
-    from kit.train.resolve import resolve
 
-    try:
-        cfg = resolve(replace(cfg, engine="megatron"), ws)
-    except KitError as exc:  # the inputs do not fit: nothing else can be checked
-        return MegatronPlan([], {}, Path("."), "none", [str(exc)])
-    problems = cfg.problems()
-    ws = ws or cfg.workspace()
+    cfg = plan.cfg
+    problems: List[str] = cfg.problems()
+    if cfg.engine != "megatron":
+        problems.append(
+            f"ENGINE={cfg.engine!r}: the Megatron command is built for a run resolved with ENGINE megatron."
+        )
+    ws = cfg.workspace()
     code = Path(code_dir) if code_dir else ws.llm_train / "AscendSpeed"
     nproc = nproc_per_node or cfg.nproc_per_node
     if not code.is_dir():
@@ -159,9 +158,8 @@ def build(
             f"code folder {code} does not exist: unzip the AscendCloud-3rdLLM package into WORK_DIR (ModelArts user "
             f'manual, section "上传代码到工作环境"); this path cannot run without it and NPUs.'
         )
-    facts_data, data_man = data_facts(cfg.dataset_path)
-    data_where = str(data_man.folder)
-    problems += data_problems(facts_data, data_where)
+    facts_data = plan.data
+    problems += data_problems(facts_data, str(cfg.dataset_path))
     prefix = facts_data.get("megatron_prefix") or ""
     if script:
         # the manual's table; the scripts choose their own port and cards per node

@@ -258,7 +258,7 @@ def _serve() -> None:
 
 
 class CheckpointUploads:
-    """The trainer's OBS hook: after_save() queues a saved checkpoint for upload, finish() waits for the queue.
+    """The trainer's OBS checkpoint hook: after_save() queues a saved checkpoint for upload, finish() waits for them.
 
     The uploads run in a child process at the lowest CPU priority (nice 19): in a thread of the trainer they
     took the GIL and the CPU from the training steps (benchmarks/bench_obs.py)."""
@@ -341,8 +341,17 @@ class CheckpointUploads:
                 child.wait()
 
     def finish(self) -> List[str]:
-        """Wait for the queued uploads (the job must not end before them); return what failed."""
+        """Wait for the queued uploads (the job must not end before them); the lines for the run's log: what
+        failed, then what was uploaded."""
         if self.enabled and self.thread.is_alive():
             self.queue.put(None)
             self.thread.join()
-        return list(self.errors)
+        done = [f"uploaded checkpoint(s) {self.uploaded} to {self.url}"] if self.uploaded else []
+        return [f"warning: {e}" for e in self.errors] + done
+
+
+def checkpoint_hooks(plan) -> list:
+    """The trainer's checkpoint hooks for `plan` (a kit.train.resolve.TrainPlan): with OBS_HOME, the uploads."""
+    if not plan.cfg.obs_home:
+        return []
+    return [CheckpointUploads(plan.cfg, plan.folder, plan.obs_inputs)]

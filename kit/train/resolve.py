@@ -1,19 +1,23 @@
-"""Resolve a TrainConfig: every unset value from the environment, the inputs' manifests or the default, with the
-source of each value recorded, and every contradiction between what was set and what the inputs are an error.
+"""Resolve a training run once into a TrainPlan: the one place that reads the inputs' manifests, the environment,
+a saved run (retrain) and OBS inputs, and checks the dataset, tokenizer and vocabulary. The trainer, its ranks, the
+launcher, the job request and the Megatron command take the plan and never resolve again.
 
-Precedence: explicit (given to the config) > environment (the manual's variables, kit.train.config.MANUAL_ENV, and
-a ModelArts training job's, kit.train.jobenv) > manifest (notebook 02's prepared-data, notebook 03's
-converted-checkpoint) > default. A job's value that differs from an explicit one or a kit variable is an error.
+Precedence of a value: explicit (given to the config) > environment (the manual's variables,
+kit.train.config.MANUAL_ENV, and a ModelArts training job's, kit.train.jobenv) > manifest (notebook 02's
+prepared-data, notebook 03's converted-checkpoint) > default; its source is recorded. A job's value that differs
+from an explicit one or a kit variable, and a set value that contradicts the inputs, are errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-from kit.errors import InputError
+from kit.errors import InputError, MissingInputError
 from kit.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_manifest
 from kit.train.config import (
     FROM_CHECKPOINT,
@@ -22,7 +26,9 @@ from kit.train.config import (
     MANUAL_ENV,
     TrainConfig,
     coerce,
+    from_dict,
     in_process_rendezvous,
+    load_config,
 )
 
 EXPLICIT = "explicit"
@@ -108,13 +114,130 @@ def _differs(name: str, mine: Any, theirs: Any) -> bool:
     return mine != theirs
 
 
+@dataclass(frozen=True)
+class TrainPlan:
+    """A training run decided once by resolve(): what every process of the run reads and none re-derives."""
+
+    cfg: TrainConfig
+    """The resolved config the run trains with (retrain: the saved run's, with the new length and intervals)."""
+    resumed: bool = False
+    """RUN_TYPE retrain: the run continues the checkpoints in its folder."""
+    data: Mapping[str, Any] = field(default_factory=dict)
+    """The prepared-data manifest's fields (notebook 02's folder)."""
+    obs_inputs: Mapping[str, str] = field(default_factory=dict)
+    """OBS_HOME: field -> the obs:// folder that input was downloaded from (a resume fetches them again)."""
+    obs_missing: Tuple[str, ...] = ()
+    """OBS_HOME retrain: this node's files of the checkpoint to resume that OBS lacks."""
+
+    @property
+    def folder(self) -> Path:
+        """The run folder (retrain: the one RESUME_FROM names, wherever the run was made)."""
+        return self.cfg.output_dir()
+
+    def describe(self) -> str:
+        """One line per value that did not come from the default, with its source."""
+        cfg = self.cfg
+        return "\n".join(
+            f"{n.upper()} = {getattr(cfg, n)!r}  ({src})" for n, src in cfg.sources.items() if src != DEFAULT
+        )
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the plan as JSON (atomically): what the ranks of a launched run read."""
+        from kit.atomic import atomic_write_text
+        from kit.configs import to_jsonable
+
+        atomic_write_text(Path(path), json.dumps(to_jsonable(self), indent=2, ensure_ascii=False) + "\n")
+        return Path(path)
+
+    @staticmethod
+    def load(path: Union[str, Path]) -> TrainPlan:
+        """The plan a launcher wrote (TrainPlan.save)."""
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+        cfg = from_dict(values.pop("cfg"), str(path))
+        return TrainPlan(cfg, **dict(values, obs_missing=tuple(values["obs_missing"])))
+
+
 def resolve(
     cfg: TrainConfig,
     ws: Any = None,
     environ: Optional[Mapping[str, str]] = None,
     max_records: Optional[int] = None,
+) -> TrainPlan:
+    """The run's plan: its settings checked, OBS inputs fetched, every value decided (resolve_values), a retrain's
+    saved run taken, and its inputs checked once; every problem found is raised together (ConfigError) for the kit
+    trainer (ENGINE deepspeed)."""
+    from kit.configs import ConfigError, check
+
+    # the kit trainer's settings alone, before any data is found, prepared or downloaded; the Megatron command lists
+    # its problems instead (kit.train.megatron.build)
+    if cfg.engine == "deepspeed":
+        check(cfg, "training config")
+    obs_inputs: dict = {}
+    obs_missing: tuple = ()
+    if cfg.obs_home:  # OBS as the run's home: inputs and the checkpoint to resume come to local disk first
+        from kit.train import obs_home
+
+        cfg, obs_inputs = obs_home.localize_inputs(cfg)
+        if cfg.run_type == "retrain":
+            obs_missing = tuple(obs_home.fetch_for_resume(cfg, cfg.output_dir()))
+    values = resolve_values(cfg, ws, environ, max_records)
+    if obs_inputs:
+        obs_inputs = obs_home.inputs_of(values, obs_inputs)
+    run = saved_run(values)
+    if run is not values and values.obs_home:  # the resumed run's inputs, fetched again onto this node
+        run, obs_inputs = obs_home.localize_inputs(run, obs_home.saved_inputs(values.output_dir()))
+    where = "training config" if run is values else "saved training config (retrain)"
+    problems = run.problems() + input_problems(run) if run.engine == "deepspeed" else []
+    if problems:
+        raise ConfigError(problems, where)
+    from kit.data.prepared import read_prepared
+
+    data = dict(read_prepared(run.dataset_path).manifest.fields) if run.dataset_path else {}
+    return TrainPlan(run, values.run_type == "retrain", data, obs_inputs, obs_missing)
+
+
+def input_problems(cfg: TrainConfig) -> List[str]:
+    """The kit (DeepSpeed) engine's inputs against the resolved config: the paths exist, and the dataset's kind,
+    length and token ids fit the run, the model and its tokenizer (the one place that opens them to check)."""
+    p: List[str] = []
+    if cfg.engine != "deepspeed":
+        return p
+    if cfg.run_type == "retrain":
+        from kit.train.checkpoint import latest_iteration
+
+        out = cfg.output_dir()
+        if latest_iteration(out / "checkpoints") is None:
+            p.append(
+                f"RUN_TYPE=retrain but {out / 'checkpoints'} holds no checkpoint; run RUN_TYPE=pretrain (or "
+                f"sft/lora into that folder) first, or check MODEL_NAME={cfg.model_name!r} and WORK_DIR."
+            )
+        return p
+    if cfg.model_path and not (Path(cfg.model_path) / "config.json").is_file():
+        p.append(f"MODEL_PATH={cfg.model_path!r} has no config.json; point it at an HF model folder.")
+    if cfg.dataset_path:
+        from kit.data.prepared import read_prepared
+
+        try:
+            read_prepared(cfg.dataset_path)
+        except InputError as exc:
+            p.append(f"DATASET_PATH: {exc}")
+    if cfg.tokenizer_path and not Path(cfg.tokenizer_path).is_dir():
+        p.append(f"TOKENIZER_PATH={cfg.tokenizer_path!r} is not a folder.")
+    if p or not (cfg.model_path and cfg.dataset_path):
+        return p
+    from kit.train.batches import dataset_problems
+
+    return dataset_problems(cfg)
+
+
+def resolve_values(
+    cfg: TrainConfig,
+    ws: Any = None,
+    environ: Optional[Mapping[str, str]] = None,
+    max_records: Optional[int] = None,
 ) -> TrainConfig:
-    """The config with every value decided and `sources` naming where each came from (see the module doc)."""
+    """The config with every value decided and `sources` naming where each came from (see the module doc); retrain
+    leaves the rest to the saved run (saved_run)."""
     environ = os.environ if environ is None else environ
     env = _environment(environ)
     _job_environment(cfg, env, environ)
@@ -156,9 +279,14 @@ def resolve(
     if (
         values["model_path"] is None and values["engine"] == "megatron"
     ):  # notebook 03's output, if there is one
-        found = inputs.find_converted(ws)
+        from kit.inputs import newest
+
+        found = newest(ws, CONVERTED_CHECKPOINT)
         if found is not None:
-            values["model_path"], sources["model_path"] = str(found), f"workspace {found}"
+            values["model_path"], sources["model_path"] = (
+                str(found.folder),
+                f"workspace {found.folder}: {found.why}",
+            )
     if values["model_path"] is None:
         values["model_path"], sources["model_path"] = str(inputs.default_model()), "default (the demo model)"
     ckpt = _converted(values["model_path"])
@@ -173,7 +301,10 @@ def resolve(
         kind = inputs.DATA_KIND_FOR_RUN.get(values["run_type"]) or "sft"
         found, how = inputs.default_data(ws, kind, tokenizer, values["seq_len"], max_records)
         values["dataset_path"], sources["dataset_path"] = str(found), how
-    facts, data_man = inputs.data_facts(values["dataset_path"])
+    from kit.data.prepared import read_prepared  # notebook 02's folder, or the Megatron prefix beside it
+
+    data_man = read_prepared(values["dataset_path"]).manifest
+    facts = dict(data_man.fields)
     data_where = f"manifest {data_man.folder}"
     if (
         Path(values["dataset_path"]).resolve() != data_man.folder
@@ -218,6 +349,61 @@ def resolve(
     return _made(values, sources)
 
 
+# what a resumed run may change: where it runs, how long, how often it saves and logs, the rendezvous, and whether
+# leftovers of killed runs are removed
+RESUME_MAY_CHANGE = frozenset(
+    "run_type resume_from train_iters save_interval log_interval save_hf work_dir model_name master_addr master_port "
+    "clean_partial node_rank overwrite obs_home".split()
+)
+
+
+def _same_value(name: str, mine: Any, saved: Any) -> bool:
+    if name.endswith("_path") and mine and saved:
+        return Path(str(mine)).expanduser().resolve() == Path(str(saved)).expanduser().resolve()
+    if isinstance(mine, (list, tuple)) or isinstance(saved, (list, tuple)):
+        return list(mine or []) == list(saved or [])
+    return mine == saved
+
+
+def saved_run(cfg: TrainConfig) -> TrainConfig:
+    """RUN_TYPE retrain continues the run in the folder it names (WORK_DIR, MODEL_NAME, RESUME_FROM), wherever
+    it was made: its saved config, with the new TRAIN_ITERS, intervals and rendezvous. A setting given explicitly
+    that contradicts the saved run is an error listing every one. Other run types: `cfg` itself."""
+    if cfg.run_type != "retrain":
+        return cfg
+    folder = cfg.output_dir()
+    saved_path = folder / "config.json"
+    if not saved_path.is_file():
+        raise MissingInputError(
+            f"RUN_TYPE=retrain: {saved_path} is missing, so there is no run to resume there — check "
+            f"WORK_DIR, MODEL_NAME and RESUME_FROM."
+        )
+    saved = load_config(saved_path)
+    if saved.run_type != cfg.resume_from:
+        raise InputError(
+            f"RUN_TYPE=retrain RESUME_FROM={cfg.resume_from!r}: the run in {folder} is a {saved.run_type!r} run "
+            f"(its config.json) — set RESUME_FROM={saved.run_type!r} or resume the folder it belongs to."
+        )
+    explicit = [n for n, src in cfg.sources.items() if src == EXPLICIT or src.startswith("environment")]
+    clashes = [
+        f"{n.upper()}={getattr(cfg, n)!r} ({cfg.sources[n]}) but the run was made with {getattr(saved, n)!r}"
+        for n in sorted(explicit)
+        if n not in RESUME_MAY_CHANGE and not _same_value(n, getattr(cfg, n), getattr(saved, n))
+    ]
+    if clashes:
+        raise ConfigConflictError(
+            f"RUN_TYPE=retrain continues {folder} as it was made: "
+            + "; ".join(clashes)
+            + f". Leave these unset to resume (only {', '.join(sorted(n.upper() for n in RESUME_MAY_CHANGE))} "
+            f"may change), or start a new run (RUN_TYPE={saved.run_type!r}, another MODEL_NAME or OVERWRITE)."
+        )
+    # the folder it was found in is the run's, not the MODEL_NAME/WORK_DIR its config.json recorded (a copy
+    # continues the copy, a moved run resumes where it is)
+    keep = ("train_iters", "save_interval", "log_interval", "work_dir", "model_name", "master_addr")
+    keep += ("master_port", "obs_home", "clean_partial")
+    return dataclasses.replace(saved, **{n: getattr(cfg, n) for n in keep})
+
+
 def _inherit(
     values: dict, sources: dict, name: str, value: Any, compare: Any, where: str, key: str
 ) -> List[str]:
@@ -242,12 +428,3 @@ def _inherit(
 def _made(values: dict, sources: dict) -> TrainConfig:
     out = TrainConfig(**values, sources=dict(sorted(sources.items())))
     return out
-
-
-def describe_sources(cfg: TrainConfig) -> str:
-    """One line per field whose value did not come from the default: NAME = value  (source)."""
-    lines = []
-    for name, src in cfg.sources.items():
-        if src != DEFAULT:
-            lines.append(f"{name.upper()} = {getattr(cfg, name)!r}  ({src})")
-    return "\n".join(lines)

@@ -29,10 +29,11 @@ from kit.manifest import (
 
 def consumed_inputs(cfg: Any) -> Tuple[List[Consumed], dict]:
     """(the prepared-data and model manifests the run consumed, the data's facts)."""
-    from kit.train.inputs import data_facts
+    from kit.data.prepared import read_prepared
 
     inputs = []
-    facts, data_man = data_facts(cfg.dataset_path)
+    data_man = read_prepared(cfg.dataset_path).manifest
+    facts = dict(data_man.fields)
     inputs.append(data_man.as_input())
     if cfg.model_path and find_manifest(cfg.model_path) is not None:
         try:

@@ -11,15 +11,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-from kit.configs import check, save_config
+from kit.configs import save_config
 from kit.hf_compat import takes_logit_positions
 from kit.manifest import MANIFEST_NAME
 from kit.train import checkpoint
-from kit.train.config import TrainConfig, load_config
+from kit.train.config import TrainConfig
+from kit.train.resolve import TrainPlan, resolve
 
 StepCallback = Callable[[int], None]
+PLAN_NAME = "plan.json"  # in the run folder: the plan the run trained with (kit.train.resolve.TrainPlan)
 
 
 @dataclass
@@ -71,129 +73,26 @@ class TrainResult:
         }
 
 
-# what a resumed run may change: where it runs, how long, how often it saves and logs, the rendezvous, and whether
-# leftovers of killed runs are removed
-RESUME_MAY_CHANGE = frozenset(
-    {
-        "run_type",
-        "resume_from",
-        "train_iters",
-        "save_interval",
-        "log_interval",
-        "save_hf",
-        "work_dir",
-        "model_name",
-        "master_addr",
-        "master_port",
-        "clean_partial",
-        "node_rank",
-        "overwrite",
-        "obs_home",
-    }
-)
-
-
-def _same_value(name: str, mine: Any, saved: Any) -> bool:
-    if name.endswith("_path") and mine and saved:
-        return Path(str(mine)).expanduser().resolve() == Path(str(saved)).expanduser().resolve()
-    if isinstance(mine, (list, tuple)) or isinstance(saved, (list, tuple)):
-        return list(mine or []) == list(saved or [])
-    return mine == saved
-
-
-def effective_config(cfg: TrainConfig) -> TrainConfig:
-    """RUN_TYPE retrain continues the run in the folder it names (WORK_DIR, MODEL_NAME, RESUME_FROM), wherever
-    it was made: its saved config, with the new TRAIN_ITERS and save/log intervals. A setting given explicitly
-    that contradicts the saved run is an error listing every one."""
-    from kit.errors import InputError, MissingInputError
-
-    if cfg.run_type != "retrain":
-        return cfg
-    folder = cfg.output_dir()
-    saved_path = folder / "config.json"
-    if not saved_path.is_file():
-        raise MissingInputError(
-            f"RUN_TYPE=retrain: {saved_path} is missing, so there is no run to resume there — check "
-            f"WORK_DIR, MODEL_NAME and RESUME_FROM."
-        )
-    saved = load_config(saved_path)
-    if saved.run_type != cfg.resume_from:
-        raise InputError(
-            f"RUN_TYPE=retrain RESUME_FROM={cfg.resume_from!r}: the run in {folder} is a {saved.run_type!r} run "
-            f"(its config.json) — set RESUME_FROM={saved.run_type!r} or resume the folder it belongs to."
-        )
-    explicit = [n for n, src in cfg.sources.items() if src == "explicit" or src.startswith("environment")]
-    clashes = [
-        f"{n.upper()}={getattr(cfg, n)!r} ({cfg.sources[n]}) but the run was made with {getattr(saved, n)!r}"
-        for n in sorted(explicit)
-        if n not in RESUME_MAY_CHANGE and not _same_value(n, getattr(cfg, n), getattr(saved, n))
-    ]
-    if clashes:
-        from kit.train.resolve import ConfigConflictError
-
-        raise ConfigConflictError(
-            f"RUN_TYPE=retrain continues {folder} as it was made: "
-            + "; ".join(clashes)
-            + f". Leave these unset to resume (only {', '.join(sorted(n.upper() for n in RESUME_MAY_CHANGE))} "
-            f"may change), or start a new run (RUN_TYPE={saved.run_type!r}, another MODEL_NAME or OVERWRITE)."
-        )
-    # the folder it was found in is the run's, not the MODEL_NAME/WORK_DIR its config.json recorded (a copy
-    # continues the copy, a moved run resumes where it is)
-    return dataclasses.replace(
-        saved,
-        train_iters=cfg.train_iters,
-        save_interval=cfg.save_interval,
-        log_interval=cfg.log_interval,
-        work_dir=cfg.work_dir,
-        model_name=cfg.model_name,
-        master_addr=cfg.master_addr,
-        master_port=cfg.master_port,
-        obs_home=cfg.obs_home,
-    )
-
-
 class Trainer:
-    """One run of `cfg`: `Trainer(cfg).train()`; `step_callbacks` are called with the iteration after each step."""
+    """One run of a resolved plan: `Trainer(resolve(cfg)).train()`; `step_callbacks` are called with the iteration
+    after each step, `checkpoint_hooks` after each checkpoint (kit.train.obs_home.checkpoint_hooks)."""
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        plan: TrainPlan,
         step_callbacks: Sequence[StepCallback] = (),
         progress: bool = True,
         echo: bool = True,
-        ws: Any = None,
+        checkpoint_hooks: Sequence[Any] = (),
     ):
-        from kit.train.config import check_settings
-        from kit.train.resolve import resolve
-
-        check_settings(cfg)  # what is wrong without the inputs, before any data is found or prepared
-        self.obs_missing: list = []
-        self.obs_inputs: dict = {}  # field -> the obs:// folder it was downloaded from
-        # OBS as the run's home: inputs and the checkpoint to resume come to local disk first
-        if cfg.obs_home:
-            from kit.train import obs_home
-
-            cfg, self.obs_inputs = obs_home.localize_inputs(cfg)
-            if cfg.run_type == "retrain":
-                self.obs_missing = obs_home.fetch_for_resume(cfg, cfg.output_dir())
-        cfg = check(resolve(cfg, ws), "training config")
-        if self.obs_inputs:
-            self.obs_inputs = obs_home.inputs_of(cfg, self.obs_inputs)
-        self.requested = cfg
-        self.cfg = effective_config(cfg)
-        if self.cfg is not cfg and cfg.obs_home:  # the resumed run's inputs, fetched again onto this node
-            saved = obs_home.saved_inputs(cfg.output_dir())
-            self.cfg, self.obs_inputs = obs_home.localize_inputs(self.cfg, saved)
-        if self.cfg is not cfg:
-            check(self.cfg, "saved training config (retrain)")
-        # the run is its folder: for retrain the one RESUME_FROM names in this WORK_DIR/MODEL_NAME, wherever the
-        # run was made (effective_config keeps it)
-        self.out = self.requested.output_dir()
+        self.plan, self.cfg = plan, plan.cfg
+        self.out = plan.folder
         self.step_callbacks = list(step_callbacks)
+        # each gets after_save(folder, iteration) for every checkpoint and finish() -> lines for the log at the end
+        self.checkpoint_hooks = list(checkpoint_hooks)
         self.progress, self.echo = progress, echo
         self._stop_reason: Optional[str] = None
         self.engine = None
-        self.uploads = None  # OBS_HOME: the background checkpoint uploads (kit.train.obs_home)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _setup(self):
@@ -216,7 +115,7 @@ class Trainer:
             )
         eng.quiet_deepspeed()
         self.ckpt_root = self.out / "checkpoints"
-        resume = self.requested.run_type == "retrain"
+        resume = self.plan.resumed
         replace_old = not resume and checkpoint.latest_iteration(self.ckpt_root) is not None
         if replace_old and not cfg.overwrite:
             raise FileExistsError(
@@ -243,6 +142,7 @@ class Trainer:
             (self.out / MANIFEST_NAME).unlink(missing_ok=True)
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out)
+            self.plan.save(self.out / PLAN_NAME)
         if replace_old:
             self._all_reduce_ints([0])  # every rank waits for the removal before any saves
         self.writer = MetricsWriter(
@@ -252,14 +152,14 @@ class Trainer:
             self._leftovers()
         self.start_iter = 0
         self.saved_iteration: Optional[int] = None  # the checkpoint this run saved or resumed last
-        if resume and self.requested.obs_home:
+        if resume and cfg.obs_home:
             # a node that lacks its part of the checkpoint stops the whole job here, in one collective, not in a hang
-            if self._all_reduce_ints([len(self.obs_missing)], "max")[0]:
+            if self._all_reduce_ints([len(self.plan.obs_missing)], "max")[0]:
                 from kit.errors import MissingInputError
                 from kit.train.obs_home import missing_line
 
-                if self.obs_missing:
-                    raise MissingInputError(missing_line(self.obs_missing, self.ckpt_root))
+                if self.plan.obs_missing:
+                    raise MissingInputError(missing_line(list(self.plan.obs_missing), self.ckpt_root))
                 raise MissingInputError(
                     "another node lacks its part of the checkpoint to resume (see its log)."
                 )
@@ -285,7 +185,7 @@ class Trainer:
         """Report (CLEAN_PARTIAL: remove) what killed runs left: checkpoints and exports that never finished."""
         from kit.partial import describe, handle_partials
 
-        clean = self.requested.clean_partial
+        clean = self.cfg.clean_partial
         for folder in (self.ckpt_root, self.out):
             report = handle_partials(folder, clean=clean)
             for path in report["removed"]:
@@ -434,22 +334,9 @@ class Trainer:
         path = checkpoint.save(self.engine, self.ckpt_root, iteration, self._state(iteration))
         self.saved_iteration = iteration
         self.writer.text(f"saved checkpoint {path} at iteration {iteration} ({why})")
-        if self.cfg.obs_home:  # the hook: upload in the background, training goes on
-            if self.uploads is None:
-                from kit.train.obs_home import CheckpointUploads
-
-                self.uploads = CheckpointUploads(self.cfg, self.out, self.obs_inputs)
-            self.uploads.after_save(path, iteration)
+        for hook in self.checkpoint_hooks:
+            hook.after_save(path, iteration)
         return path
-
-    def _finish_uploads(self) -> None:
-        """Wait for the background OBS uploads before the run ends; report any that failed."""
-        if self.uploads is None:
-            return
-        for line in self.uploads.finish():
-            self.writer.text(f"warning: {line}")
-        if self.uploads.uploaded:
-            self.writer.text(f"uploaded checkpoint(s) {self.uploads.uploaded} to {self.uploads.url}")
 
     def train(self) -> TrainResult:
         """Run to TRAIN_ITERS (or to a stop signal / NaN); save checkpoints and, at the end, an HF folder."""
@@ -541,7 +428,9 @@ class Trainer:
                 self._export(result)
             result.message = f"trained {iteration} iterations; outputs in {self.out}"
             self.writer.text(result.message)
-        self._finish_uploads()
+        for hook in self.checkpoint_hooks:  # e.g. the OBS uploads: the run ends after them
+            for line in hook.finish():
+                self.writer.text(line)
         self.writer.close()
         result.seconds = time.time() - t_start
         result.config = cfg
@@ -681,8 +570,15 @@ def bind_device(info) -> None:
 
 
 def train(
-    cfg: TrainConfig, ws: Any = None, step_callbacks: Sequence[StepCallback] = (), progress: bool = True
+    run: Union[TrainConfig, TrainPlan],
+    ws: Any = None,
+    step_callbacks: Sequence[StepCallback] = (),
+    progress: bool = True,
 ) -> TrainResult:
-    """Train `cfg` in this process, in workspace `ws` (a notebook cell for tiny runs; `kit.train.launch` for real
-    ones). The config is resolved first (kit.train.resolve); the run folder gets a training-run manifest."""
-    return Trainer(cfg, step_callbacks=step_callbacks, progress=progress, ws=ws).train()
+    """Train in this process (a notebook cell for tiny runs; `kit.train.launch` for real ones): a plan as it is, a
+    config resolved once in workspace `ws` (kit.train.resolve). The run folder gets a training-run manifest."""
+    from kit.train.obs_home import checkpoint_hooks
+
+    plan = run if isinstance(run, TrainPlan) else resolve(run, ws)
+    hooks = checkpoint_hooks(plan)
+    return Trainer(plan, step_callbacks=step_callbacks, progress=progress, checkpoint_hooks=hooks).train()
