@@ -26,7 +26,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 pytest.importorskip("fastapi", reason="needs the serve extra (pip install -e .[serve])")
 pytest.importorskip("openai", reason="needs the serve extra (pip install -e .[serve])")
 
-from kit.serve.server import _group_alive  # noqa: E402
+from kit.train.procs import group_alive as _group_alive  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
 from kit.train.launch import launch, launch_command, launch_env
 from kit.train.metrics import read_metrics
-from kit.train.procs import runs_kit_train
+from kit.train.procs import Proc, runs_kit_train
 from kit.workspace import repo_root
 
 
@@ -287,38 +287,36 @@ def test_task_queue_zero_forced_by_torch_npu_in_a_kernel_is_not_inherited(
 
 def test_a_signal_while_the_job_starts_stops_it_once_it_exists():
     """Ctrl-C between the launcher's start and its first line: the Stopper holds it, then stops the job it gets."""
-    from kit.train.procs import Job, Stopper
+    from kit.train.procs import Stopper
 
-    stopper = Stopper(None, grace_s=60)
+    stopper = Stopper(grace_s=60)
     stopper(signal.SIGINT)
-    assert stopper.pending == signal.SIGINT and not stopper.stopping and stopper.notes == []
-    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    assert stopper.pending == signal.SIGINT and not stopper.stopping
+    proc = Proc(["sleep", "60"], ranks=runs_kit_train)
     try:
-        stopper.attach(Job(proc))
+        assert proc.notes == [] and proc.stopped_by is None
+        stopper.attach(proc)
         assert proc.wait(timeout=60) == -signal.SIGTERM
-        assert stopper.stopping and stopper.notes == [
+        assert stopper.stopping and proc.stopped_by == "SIGINT"
+        assert proc.notes == [
             "SIGINT: sent SIGTERM to the launcher (no rank had started) so the job checkpoints and exits"
         ]
     finally:
         stopper.killer.cancel()
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
+        proc.wait()
 
 
 def test_output_is_read_until_the_launcher_exits_not_until_every_descendant_closes_it():
     """A process the launcher left behind keeps the pipe open: the reading ends `drain_s` after the launcher exited
-    (with a note), having passed on every line; killing the leftovers is the caller's (launch: Job.kill)."""
+    (with a note), having passed on every line; killing the leftovers is the caller's (Proc.kill)."""
     import psutil
 
-    from kit.train.launch import _lines_until_exit
-
-    proc = subprocess.Popen(
-        ["sh", "-c", "echo first; sleep 60 & echo $!; echo last"], stdout=subprocess.PIPE, text=True
-    )
+    proc = Proc(["sh", "-c", "echo first; sleep 60 & echo $!; echo last"])
     notes, holder = [], None
     try:
         lines = []
-        for line in _lines_until_exit(proc, notes.append, drain_s=1.0):
+        for line in proc.lines(notes.append, drain_s=1.0):
             if line and len(lines) == 1:
                 holder = psutil.Process(int(line))
             lines += [line] if line else []
@@ -328,29 +326,26 @@ def test_output_is_read_until_the_launcher_exits_not_until_every_descendant_clos
             "the launcher exited (0) but a process it started still holds its output 1 s later: killing what is "
             "left of the job"
         ]
+        proc.kill()  # its process group: the leftover too
+        assert psutil.wait_procs([holder], timeout=60)[1] == []
     finally:
+        proc.kill()
         proc.wait()
-        if holder is not None:
-            holder.kill()
 
 
-def test_a_left_behind_process_that_keeps_writing_cannot_hold_the_launcher_either():
+def test_a_left_behind_process_that_keeps_writing_cannot_hold_the_launcher_either(tmp_path):
     """The drain is counted from the launcher's exit, not from the last quiet moment."""
     import psutil
 
-    from kit.train.launch import _lines_until_exit
-
     writer = "for i in $(seq 600); do echo more; sleep 0.1; done"  # 60 s at most, killed below
-    proc = subprocess.Popen(["sh", "-c", f"({writer}) & echo $!"], stdout=subprocess.PIPE, text=True)
-    notes, holder = [], None
+    pid_file = tmp_path / "writer.pid"  # not on the pipe: the writer may print before `echo $!` does
+    proc = Proc(["sh", "-c", f"({writer}) & echo $! > {pid_file}"])
+    notes = []
     try:
-        for line in _lines_until_exit(proc, notes.append, drain_s=1.0):
-            if holder is None and line:
-                holder = psutil.Process(int(line))
-        assert proc.poll() == 0 and holder.is_running()
+        lines = [line for line in proc.lines(notes.append, drain_s=1.0) if line]
+        holder = psutil.Process(int(pid_file.read_text()))  # written before the launcher exited
+        assert proc.poll() == 0 and holder.is_running() and set(lines) == {"more\n"}
         assert len(notes) == 1 and "still holds its output 1 s later" in notes[0]
     finally:
+        proc.kill()  # the writer is in the launcher's process group
         proc.wait()
-        if holder is not None:
-            for p in [holder, *holder.children(recursive=True)]:
-                p.kill()
