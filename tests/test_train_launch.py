@@ -333,13 +333,13 @@ def test_a_signal_while_the_job_starts_stops_it_once_it_exists():
 
     stopper = Stopper(grace_s=60)
     stopper(signal.SIGINT)
-    assert stopper.pending == signal.SIGINT and not stopper.stopping
+    assert stopper.pending == signal.SIGINT and stopper.killer is None
     proc = Proc(["sleep", "60"], ranks=runs_kit_train)
     try:
         assert proc.notes == [] and proc.stopped_by is None
         stopper.attach(proc)
         assert proc.wait(timeout=60) == -signal.SIGTERM
-        assert stopper.stopping and proc.stopped_by == "SIGINT"
+        assert stopper.killer is not None and proc.stopped_by == "SIGINT"
         assert proc.notes == [
             "SIGINT: sent SIGTERM to the launcher (no rank had started) so the job checkpoints and exits"
         ]

@@ -63,27 +63,21 @@ def runs_kit_train(argv: list) -> bool:
     return first > 0 and argv[first + 1 : first + 4] == ["kit", "train", "run"]
 
 
-class Proc:
+class Proc(subprocess.Popen):
     """A child in a session of its own that dies with its parent, and every process below it, remembered as they
     appear (a torchrun rank leaves the child's group). output: None, a pipe for `lines()`; a path, appended to.
     ranks: which descendants a stop signals (training ranks, so they checkpoint); None: the child's group."""
 
     def __init__(
-        self,
-        argv: list,
-        env: Optional[dict] = None,
-        cwd: Optional[str] = None,
-        output: Optional[Path] = None,
-        ranks: Optional[Callable[[list], bool]] = None,
+        self, argv: list, env=None, cwd=None, output: Optional[Path] = None, ranks: Optional[Callable] = None
     ):
-        self.argv, self.rank_test = list(argv), ranks
-        self.known: dict = {}
+        self.rank_test, self.known = ranks, {}
         self.notes: list = []  # what a stop had to say, for the reading loop (`lines`) to pass on
         self.stopped_by: Optional[str] = None  # the signal that stopped it (Stopper)
         log = open(output, "ab") if output is not None else None  # noqa: SIM115 - the child holds it
         try:
-            self.popen = subprocess.Popen(
-                self.argv,
+            super().__init__(
+                list(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log or subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -91,29 +85,14 @@ class Proc:
                 errors="replace",
                 bufsize=1,
                 env=env,
-                cwd=None if cwd is None else str(cwd),
+                cwd=cwd,
                 start_new_session=True,
-                preexec_fn=dies_with_parent(
-                    signal.SIGTERM
-                ),  # torchrun then stops its ranks, an engine its workers
+                # its parent's death: SIGTERM, so torchrun stops its ranks and an engine its workers
+                preexec_fn=dies_with_parent(signal.SIGTERM),
             )
         finally:
             if log is not None:
                 log.close()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self.popen.returncode
-
-    def poll(self) -> Optional[int]:
-        return self.popen.poll()
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        return self.popen.wait(timeout)
 
     def refresh(self) -> list:
         """The processes below the child that are alive; each is remembered from the first time it is seen."""
@@ -126,18 +105,6 @@ class Proc:
             pass
         return [p for p in self.known.values() if _alive(p)]
 
-    def ranks(self) -> list:
-        """The descendants `ranks` picks (the training ranks, not the launchers between)."""
-        out = []
-        for p in self.refresh() if self.rank_test else []:
-            try:
-                argv = p.cmdline()
-            except Exception:  # gone meanwhile
-                continue
-            if self.rank_test(argv):
-                out.append(p)
-        return out
-
     def alive(self) -> bool:
         """Whether any of it runs: the child, its process group, or a process seen below it."""
         return self.poll() is None or group_alive(self.pid) or bool(self.refresh())
@@ -145,13 +112,12 @@ class Proc:
     def request_stop(self) -> str:
         """SIGTERM to the ranks (they checkpoint together and exit), or to the child's group while no rank runs (a
         launcher then waits for its peers); says whom. Signalling torchrun would kill the ranks 30 s later."""
-        ranks = self.ranks()
+        ranks = [p for p in self.refresh() if self.rank_test and self.rank_test(_cmdline(p))]
         for p in ranks:
             _signal(p, signal.SIGTERM)
-        if not ranks:
-            _killpg(self.pid, signal.SIGTERM)
         if ranks:
             return f"{len(ranks)} rank(s) so the job checkpoints and exits"
+        _killpg(self.pid, signal.SIGTERM)
         if self.rank_test:
             return "the launcher (no rank had started) so the job checkpoints and exits"
         return "its process group"
@@ -171,7 +137,7 @@ class Proc:
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
         self.kill()
-        code = self.popen.wait()
+        code = self.wait()
         deadline = time.monotonic() + 5.0  # killed members of its group are reaped by init: bounded
         while group_alive(self.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -185,7 +151,7 @@ class Proc:
         lines: queue.Queue = queue.Queue()
 
         def pump() -> None:
-            for line in iter(self.popen.stdout.readline, ""):
+            for line in iter(self.stdout.readline, ""):
                 lines.put(line)
             lines.put(None)
 
@@ -203,9 +169,8 @@ class Proc:
             if self.poll() is None:
                 self.refresh()  # every process it starts, known while they are its descendants
             yield line
-            if (
-                self.poll() is not None
-            ):  # counted from the exit, quiet or not: a leftover that writes cannot hold it
+            # counted from the exit, quiet or not: a leftover that writes cannot hold it
+            if self.poll() is not None:
                 exited_at = exited_at or time.monotonic()
                 if time.monotonic() - exited_at > drain_s:
                     note(
@@ -213,6 +178,13 @@ class Proc:
                         f"{drain_s:.0f} s later: killing what is left of the job"
                     )
                     return
+
+
+def _cmdline(p) -> list:
+    try:
+        return p.cmdline()
+    except Exception:  # gone meanwhile
+        return []
 
 
 def _alive(p) -> bool:
@@ -243,19 +215,15 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
 class Stopper:
-    """What SIGTERM/SIGINT to the kit's process do while a child runs: the first asks it to stop (`request_stop`)
-    and kills it `grace_s` later if it has not ended; a second kills it at once.
-
-    Installed as the signal handler itself (not an exception in the reading loop), so a signal that lands anywhere
-    in the runner stops the child the same way. The handler only signals processes; what it has to say waits in
-    the child's `notes` for the reading loop (writing to a file the interrupted code may be writing to is not safe
-    in a handler).
-    """
+    """SIGTERM/SIGINT to the kit's process while a child runs: the first asks it to stop (`request_stop`) and kills
+    it `grace_s` later; a second kills it at once. The signal handler itself, so a signal that lands anywhere stops
+    the child the same way; it only signals processes, and what it has to say waits in the child's `notes` for the
+    reading loop (writing to a file the interrupted code may be writing to is not safe in a handler)."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
@@ -269,10 +237,6 @@ class Stopper:
         if self.pending is not None:
             self(self.pending)
         return job
-
-    @property
-    def stopping(self) -> bool:
-        return self.killer is not None
 
     def __call__(self, signum=None, _frame=None) -> None:
         name = signal.Signals(signum).name if signum else "interrupt"
