@@ -186,7 +186,8 @@ def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_pa
     the launcher (torchrun gets SIGTERM when its parent dies)."""
     import psutil
 
-    from kit.train.engine import free_port, without_in_process_rendezvous
+    from kit.train.engine import without_in_process_rendezvous
+    from kit.train.procs import free_port
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", nnodes=2, master_addr="127.0.0.1")
