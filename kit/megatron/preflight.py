@@ -1,7 +1,7 @@
 """The Megatron preflight: notebook 03's shards at their TP x PP (x DP) on CPU ranks with megatron-core, fed notebook
 02's Megatron files through megatron-core's dataset classes, held against the HF weights on the same tokens.
 
-The ranks start once (kit.megatron.ranks, gloo on 127.0.0.1) and make every measurement; this process then compares:
+The ranks start once (kit.megatron.ranks through torchrun, gloo) and make every measurement; this process then compares:
 shards loaded strictly, first loss and grad norm vs HF (fp32, 1e-5 relative), N steps of megatron-core's
 DistributedOptimizer + OptimizerParamScheduler vs the same steps on the HF weights (losses 1e-5, parameters 1e-4),
 and the Megatron checkpoint the ranks saved (`iter_XXXXXXX/mp_rank_..`), converted back to HF by notebook 03's code,
