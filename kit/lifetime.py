@@ -1,6 +1,7 @@
 """Child processes that do not outlive the kit: Linux's parent-death signal (prctl(2) PR_SET_PDEATHSIG), set in one
-place for every helper program and child the kit starts (cp and tar, the launcher, the serving engine, the uploader).
-Elsewhere these are no-ops, and each caller keeps its own way to stop its children (a pipe's EOF, a process group)."""
+place for every helper program and child the kit starts (cp and tar, the uploader, and through kit.train.procs the
+launcher, the serving engine, the preflight's ranks and the Megatron command). Elsewhere these are no-ops, and each
+caller keeps its own way to stop its children (a pipe's EOF, kit.train.procs' process group)."""
 
 from __future__ import annotations
 

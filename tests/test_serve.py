@@ -26,7 +26,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 pytest.importorskip("fastapi", reason="needs the serve extra (pip install -e .[serve])")
 pytest.importorskip("openai", reason="needs the serve extra (pip install -e .[serve])")
 
-from kit.serve.server import _group_alive  # noqa: E402
+from kit.train.procs import group_alive  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def served(tmp_path_factory, tiny_llama_dir):
     yield server, ws, run
     pgid = server.proc.pid
     server.stop()
-    assert not _group_alive(pgid)
+    assert not group_alive(pgid)
 
 
 def test_the_run_is_served_from_its_manifests(served):
@@ -280,13 +280,13 @@ def test_the_engine_dies_with_the_process_that_started_it(tiny_llama_dir, tmp_pa
             pid = int(line.split()[1])
             break
     assert pid is not None
-    assert _group_alive(pid)
+    assert group_alive(pid)
     owner.send_signal(signal.SIGTERM)  # no atexit here: the engine goes because its parent died
     owner.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while _group_alive(pid) and time.monotonic() < deadline:
+    while group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _group_alive(pid)
+    assert not group_alive(pid)
 
 
 def test_a_kernel_shutdown_stops_the_engine(tiny_llama_dir, tmp_path):
@@ -311,11 +311,11 @@ def test_a_kernel_shutdown_stops_the_engine(tiny_llama_dir, tmp_path):
         found = re.search(r"PID (\d+)", "".join(outputs))
         assert found, outputs
         pid = int(found.group(1))
-        assert _group_alive(pid)
+        assert group_alive(pid)
         kc.stop_channels()
     finally:
         km.shutdown_kernel(now=False)  # a shutdown request: the kernel exits and its atexit stops the engine
     deadline = time.monotonic() + 30
-    while _group_alive(pid) and time.monotonic() < deadline:
+    while group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _group_alive(pid)
+    assert not group_alive(pid)

@@ -136,7 +136,7 @@ dist.destroy_process_group()
 
 def test_every_rank_resumes_the_checkpoint_rank_0_verified(run, tmp_path):
     """`_agreed` on each rank of a real 2-process gloo group: rank 0 verifies and decides, every rank loads it."""
-    from kit.train.engine import free_port
+    from kit.train.procs import free_port
 
     result, _ = run
     root = tmp_path / "checkpoints"

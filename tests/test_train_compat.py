@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from kit.errors import DeviceError
-from kit.train.engine import _check_zero3_collectives, free_port
+from kit.train.engine import _check_zero3_collectives
+from kit.train.procs import free_port
 
 
 def test_zero3_on_gloo_is_checked_before_training():
@@ -66,7 +67,8 @@ def test_deepspeeds_cpu_shm_buffer_is_released_once_mapped():
     """DeepSpeed's CPU allreduce creates /dev/shm/deepspeed_allreduce_buffer_* and never unlinks it (66 MB a run)."""
     code = (
         "import os, json, deepspeed\n"
-        "from kit.train.engine import free_port, release_shm_buffer, shm_buffer_path\n"
+        "from kit.train.engine import release_shm_buffer, shm_buffer_path\n"
+        "from kit.train.procs import free_port\n"
         "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
         "                  MASTER_PORT=str(free_port()))\n"
         "deepspeed.init_distributed(dist_backend='gloo', verbose=False)\n"

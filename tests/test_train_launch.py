@@ -19,7 +19,7 @@ from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
 from kit.train.launch import launch, launch_command, launch_env
 from kit.train.metrics import read_metrics
-from kit.train.procs import runs_kit_train
+from kit.train.procs import Proc, runs_kit_train
 from kit.workspace import repo_root
 
 
@@ -113,17 +113,57 @@ def _alive(procs: list) -> list:
     return [p for p in procs if p.is_running() and p.status() != "zombie"]
 
 
+# A sitecustomize for the launched processes: each rank holds after iteration 3 until its stop request has arrived,
+# so the checkpoint's step is known (kit.train.trainer is wrapped as it is imported; the kit has no test hook).
+HOLD_AT_3 = """
+import importlib.machinery, sys, time
+
+
+class HoldAt3:
+    def find_spec(self, name, path=None, target=None):
+        if name != "kit.train.trainer":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            init = module.Trainer.__init__
+
+            def __init__(self, *args, **kwargs):
+                init(self, *args, **kwargs)
+                self.step_callbacks.append(lambda iteration: hold(self, iteration))
+
+            module.Trainer.__init__ = __init__
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def hold(trainer, iteration):
+    while iteration == 3 and not trainer._stop_reason:
+        time.sleep(0.05)
+
+
+sys.meta_path.insert(0, HoldAt3())
+"""
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tmp_path, tiny_llama_dir):
     """What a ModelArts job's main process gets on preemption: SIGTERM to `kit train launch` (2 ranks). The ranks
-    hold at iteration 3 (KIT_PAUSE_AT_ITERATION) until the stop arrives, so the checkpoint's step is known."""
+    hold at iteration 3 (HOLD_AT_3) until the stop arrives, so the checkpoint's step is known."""
     import psutil
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     # far more steps than the run would make; it stops at 3
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=1000, nproc_per_node=2, mbs=1)
     config_path = save_config(cfg, tmp_path, "job.json")
-    env = dict(os.environ, KIT_PAUSE_AT_ITERATION="3", OMP_NUM_THREADS="1")
+    hook = tmp_path / "hold_at_3"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_AT_3)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kit", "train", "launch", "--config", str(config_path)],
         env=env,
@@ -165,13 +205,16 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["sigint", "sigterm", "sigkill"]
+)
 def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_path, tiny_llama_dir, sig):
-    """Node 0 of a 2-node job whose node 1 never comes: Ctrl-C ends it and its torchrun; so does killing the launcher
-    (torchrun gets SIGTERM when its parent dies)."""
+    """Node 0 of a 2-node job whose node 1 never comes: Ctrl-C or SIGTERM ends it and its torchrun; so does killing
+    the launcher (torchrun gets SIGTERM when its parent dies)."""
     import psutil
 
-    from kit.train.engine import free_port, without_in_process_rendezvous
+    from kit.train.engine import without_in_process_rendezvous
+    from kit.train.procs import free_port
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", nnodes=2, master_addr="127.0.0.1")
@@ -200,7 +243,7 @@ def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_pa
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode not in (0, EXIT_PREEMPTED), out  # nothing was trained
-    if sig == signal.SIGINT:
+    if sig != signal.SIGKILL:
         assert "no rank had started" in out
     else:  # nobody is left to wait for torchrun: poll (a ceiling only)
         psutil.wait_procs(tree, timeout=120)
@@ -314,38 +357,36 @@ def test_task_queue_zero_forced_by_torch_npu_in_a_kernel_is_not_inherited(
 
 def test_a_signal_while_the_job_starts_stops_it_once_it_exists():
     """Ctrl-C between the launcher's start and its first line: the Stopper holds it, then stops the job it gets."""
-    from kit.train.procs import Job, Stopper
+    from kit.train.procs import Stopper
 
-    stopper = Stopper(None, grace_s=60)
+    stopper = Stopper(grace_s=60)
     stopper(signal.SIGINT)
-    assert stopper.pending == signal.SIGINT and not stopper.stopping and stopper.notes == []
-    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    assert stopper.pending == signal.SIGINT and stopper.killer is None
+    proc = Proc(["sleep", "60"], ranks=runs_kit_train)
     try:
-        stopper.attach(Job(proc))
+        assert proc.notes == [] and proc.stopped_by is None
+        stopper.attach(proc)
         assert proc.wait(timeout=60) == -signal.SIGTERM
-        assert stopper.stopping and stopper.notes == [
+        assert stopper.killer is not None and proc.stopped_by == "SIGINT"
+        assert proc.notes == [
             "SIGINT: sent SIGTERM to the launcher (no rank had started) so the job checkpoints and exits"
         ]
     finally:
         stopper.killer.cancel()
-        if proc.poll() is None:
-            proc.kill()
+        proc.kill()
+        proc.wait()
 
 
 def test_output_is_read_until_the_launcher_exits_not_until_every_descendant_closes_it():
     """A process the launcher left behind keeps the pipe open: the reading ends `drain_s` after the launcher exited
-    (with a note), having passed on every line; killing the leftovers is the caller's (launch: Job.kill)."""
+    (with a note), having passed on every line; killing the leftovers is the caller's (Proc.kill)."""
     import psutil
 
-    from kit.train.launch import _lines_until_exit
-
-    proc = subprocess.Popen(
-        ["sh", "-c", "echo first; sleep 60 & echo $!; echo last"], stdout=subprocess.PIPE, text=True
-    )
+    proc = Proc(["sh", "-c", "echo first; sleep 60 & echo $!; echo last"])
     notes, holder = [], None
     try:
         lines = []
-        for line in _lines_until_exit(proc, notes.append, drain_s=1.0):
+        for line in proc.lines(notes.append, drain_s=1.0):
             if line and len(lines) == 1:
                 holder = psutil.Process(int(line))
             lines += [line] if line else []
@@ -355,29 +396,26 @@ def test_output_is_read_until_the_launcher_exits_not_until_every_descendant_clos
             "the launcher exited (0) but a process it started still holds its output 1 s later: killing what is "
             "left of the job"
         ]
+        proc.kill()  # its process group: the leftover too
+        assert psutil.wait_procs([holder], timeout=60)[1] == []
     finally:
+        proc.kill()
         proc.wait()
-        if holder is not None:
-            holder.kill()
 
 
-def test_a_left_behind_process_that_keeps_writing_cannot_hold_the_launcher_either():
+def test_a_left_behind_process_that_keeps_writing_cannot_hold_the_launcher_either(tmp_path):
     """The drain is counted from the launcher's exit, not from the last quiet moment."""
     import psutil
 
-    from kit.train.launch import _lines_until_exit
-
     writer = "for i in $(seq 600); do echo more; sleep 0.1; done"  # 60 s at most, killed below
-    proc = subprocess.Popen(["sh", "-c", f"({writer}) & echo $!"], stdout=subprocess.PIPE, text=True)
-    notes, holder = [], None
+    pid_file = tmp_path / "writer.pid"  # not on the pipe: the writer may print before `echo $!` does
+    proc = Proc(["sh", "-c", f"({writer}) & echo $! > {pid_file}"])
+    notes = []
     try:
-        for line in _lines_until_exit(proc, notes.append, drain_s=1.0):
-            if holder is None and line:
-                holder = psutil.Process(int(line))
-        assert proc.poll() == 0 and holder.is_running()
+        lines = [line for line in proc.lines(notes.append, drain_s=1.0) if line]
+        holder = psutil.Process(int(pid_file.read_text()))  # written before the launcher exited
+        assert proc.poll() == 0 and holder.is_running() and set(lines) == {"more\n"}
         assert len(notes) == 1 and "still holds its output 1 s later" in notes[0]
     finally:
+        proc.kill()  # the writer is in the launcher's process group
         proc.wait()
-        if holder is not None:
-            for p in [holder, *holder.children(recursive=True)]:
-                p.kill()

@@ -18,10 +18,11 @@ from kit.configs import save_config
 from kit.errors import InputError
 from kit.manifest import read_manifest
 from kit.train import TrainConfig, train
-from kit.train.engine import free_port, without_in_process_rendezvous
+from kit.train.engine import without_in_process_rendezvous
 from kit.train.jobenv import launching_card, modelarts_env
 from kit.train.launch import hostfile_text, job_config, launch, launch_command
 from kit.train.metrics import read_metrics
+from kit.train.procs import free_port
 from kit.train.resolve import ConfigConflictError, resolve_values
 from kit.workspace import repo_root
 

@@ -1,7 +1,7 @@
 """The Megatron preflight: notebook 03's shards at their TP x PP (x DP) on CPU ranks with megatron-core, fed notebook
 02's Megatron files through megatron-core's dataset classes, held against the HF weights on the same tokens.
 
-The ranks start once (kit.megatron.ranks, gloo on 127.0.0.1) and make every measurement; this process then compares:
+The ranks start once (kit.megatron.ranks through torchrun, gloo) and make every measurement; this process then compares:
 shards loaded strictly, first loss and grad norm vs HF (fp32, 1e-5 relative), N steps of megatron-core's
 DistributedOptimizer + OptimizerParamScheduler vs the same steps on the HF weights (losses 1e-5, parameters 1e-4),
 and the Megatron checkpoint the ranks saved (`iter_XXXXXXX/mp_rank_..`), converted back to HF by notebook 03's code,
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -145,12 +144,6 @@ def mindspeed_refusal() -> str:
     return "--engine mindspeed is not implemented yet: run `python -m kit train megatron --execute` for a few iterations."
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def inputs_missing(cfg: PreflightConfig) -> Optional[str]:
     """Why the preflight has nothing to run on (no converted checkpoint or Megatron data), or None when it has."""
     from kit.megatron.inputs import inputs_missing as missing
@@ -159,51 +152,39 @@ def inputs_missing(cfg: PreflightConfig) -> Optional[str]:
 
 
 def launch(job: dict) -> List[dict]:
-    """Start the world's ranks once (`python -m kit.megatron.ranks`, gloo), wait at most timeout_s, kill leftovers."""
+    """Start the world's ranks once through torchrun (`python -m kit.megatron.ranks`, gloo) and wait at most
+    timeout_s; SIGTERM/SIGINT to this process stop them (kit.train.procs.running) and end in KeyboardInterrupt. No
+    rank outlives this call."""
     import os
-    import subprocess
-    import sys
+
+    from kit.train.procs import free_port, running, torchrun_command
 
     out = Path(job["out"])
-    job = dict(job, port=_free_port())
     (out / "job.json").write_text(json.dumps(job), encoding="utf-8")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), CUDA_VISIBLE_DEVICES="")
-    procs = []
-    try:
-        for r in range(job["world"]):
-            with open(out / f"rank_{r}.log", "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "kit.megatron.ranks", str(out / "job.json"), str(r)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    )
-                )
-        deadline = time.monotonic() + job["timeout_s"]
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
+    cmd = torchrun_command(["-m", "kit.megatron.ranks", str(out / "job.json")], job["world"], free_port())
+    deadline = time.monotonic() + job["timeout_s"]
+    # torchrun stops every rank when one fails (the others would wait for it) and when it is stopped itself
+    with open(out / "launcher.log", "a", encoding="utf-8") as log, running(cmd, 60.0, env=env) as proc:
+        for line in proc.lines(lambda text: log.write(f"kit: {text}\n")):
+            log.write(line)
+            if time.monotonic() > deadline and proc.stopped_by is None:
                 raise InputError(
                     f"the {job['world']} preflight ranks did not finish within {job['timeout_s']} s (TIMEOUT_S); "
                     f"they were stopped (logs: {out}/rank_*.log)."
                 )
-            if any(p.returncode not in (None, 0) for p in procs):  # one died: the others would wait for it
-                time.sleep(2)
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    if proc.stopped_by is not None:
+        raise KeyboardInterrupt(f"the preflight was stopped by {proc.stopped_by}; no rank is left")
     results = []
-    for r, p in enumerate(procs):
+    for r in range(job["world"]):
         path = out / f"rank_{r}.json"
         if not path.is_file():
-            tail = (out / f"rank_{r}.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            log_r = out / f"rank_{r}.log"
+            text = log_r.read_text(encoding="utf-8", errors="replace") if log_r.is_file() else ""
+            tail = text.strip().splitlines()
             raise InputError(
-                f"preflight rank {r} exited with code {p.returncode} without a result: "
-                f"{tail[-1] if tail else 'no output'} (log {out}/rank_{r}.log)"
+                f"preflight rank {r} wrote no result (torchrun exited with code {proc.returncode}): "
+                f"{tail[-1] if tail else 'no output'} (logs {out}/rank_{r}.log, {out}/launcher.log)"
             )
         results.append(json.loads(path.read_text(encoding="utf-8")))
     return results

@@ -1,8 +1,9 @@
 """One CPU rank of the preflight: megatron-core's GPTModel, pipeline schedule, DDP, DistributedOptimizer and scheduler on
 the converted shards, fed by megatron-core's dataset classes; every number it measures goes to `rank_<r>.json`.
 
-Started by kit.megatron.preflight as `python -m kit.megatron.ranks JOB.json RANK` (gloo on 127.0.0.1); megatron-core is
-imported only here, inside kit.megatron.cpu_patches' context.
+Started by kit.megatron.preflight through torchrun as `python -m kit.megatron.ranks JOB.json` (gloo, torchrun's
+rendezvous; each rank's output goes to `rank_<r>.log`); megatron-core is imported only here, inside
+kit.megatron.cpu_patches' context.
 """
 
 from __future__ import annotations
@@ -171,8 +172,7 @@ def _run(rank: int, job: dict, result: dict) -> None:
     if rank == 0:
         torch.save(batches, out / "batches.pt")
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{job['port']}",
+        "gloo",  # torchrun's rendezvous (env://)
         rank=rank,
         world_size=job["world"],
         timeout=timedelta(seconds=job["timeout_s"]),
@@ -408,4 +408,10 @@ def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_ra
 if __name__ == "__main__":
     import sys
 
-    main(int(sys.argv[2]), json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")))
+    rank_, job_ = int(os.environ["RANK"]), json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    with open(
+        Path(job_["out"]) / f"rank_{rank_}.log", "ab"
+    ) as own_log:  # one log per rank, not torchrun's mix
+        os.dup2(own_log.fileno(), 1)
+        os.dup2(own_log.fileno(), 2)
+    main(rank_, job_)

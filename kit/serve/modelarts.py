@@ -147,7 +147,8 @@ def check_package(
 ) -> Dict[str, Any]:
     """Run the package's run.sh here with the CPU engine on 127.0.0.1 and probe /health and one completion."""
     from kit.serve.engines import require_engine
-    from kit.serve.server import Server, free_port
+    from kit.serve.server import Server
+    from kit.train.procs import free_port
 
     folder = Path(folder).expanduser()
     for name in ("run.sh", "Dockerfile", "model/config.json"):

@@ -1,5 +1,6 @@
-"""The engine as a managed subprocess: started in its own process group, ready once GET /health answers, stopped
-with every child (at `stop()`, at interpreter exit, and by the kernel's death through PR_SET_PDEATHSIG on Linux).
+"""The engine as a managed subprocess (kit.train.procs.Proc): started in its own process group, ready once GET
+/health answers, stopped with every child (at `stop()`, at interpreter exit, and by the kernel's death through
+PR_SET_PDEATHSIG on Linux).
 
 A busy port is found before the engine starts; an engine that exits before /health answers is reported with its log
 tail and one line saying why (the port, a model it cannot load, its package missing).
@@ -10,9 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from kit.errors import KitError
-from kit.lifetime import dies_with_parent
+from kit.train.procs import Proc
 
 _LIVE: List[Server] = []
 
@@ -42,13 +41,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free on `host` (it may be taken again before use; the engine then says so)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def check_port(host: str, port: int) -> None:
@@ -79,7 +71,7 @@ class Server:
     def __init__(self, argv: List[str], host: str, port: int, model: str, log_path: Path, engine: str = "?"):
         self.argv, self.host, self.port, self.model, self.engine = list(argv), host, port, model, engine
         self.log_path = Path(log_path)
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[Proc] = None
         self.info: Dict[str, Any] = {}
         self.served: Any = None  # the kit.serve.model.ServedModel behind it, when kit.serve.serve started it
 
@@ -102,19 +94,8 @@ class Server:
         """Start the engine and return once GET /health answers 200; EngineStartError (with the log tail) if not."""
         check_port(self.host, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: stop() ends the engine and every child
-                preexec_fn=dies_with_parent(signal.SIGTERM),
-                env=env,
-            )
-        finally:
-            log.close()
+        self.log_path.write_bytes(b"")
+        self.proc = Proc(self.argv, env=env, output=self.log_path)  # its own group: stop() ends every child
         _LIVE.append(self)
         t0 = time.monotonic()
         while True:
@@ -151,21 +132,8 @@ class Server:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds; safe to call twice."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.poll() is None or _group_alive(proc.pid):
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + wait
-                while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
-                    time.sleep(0.05)
-                if proc.poll() is not None and not _group_alive(proc.pid):
-                    break
-        proc.wait()
+        if self.proc is not None:
+            self.proc.stop(grace)
         if self in _LIVE:
             _LIVE.remove(self)
 
@@ -196,16 +164,6 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stop_all() -> None:

@@ -11,7 +11,8 @@ from kit.configs import check
 from kit.serve.config import ServeConfig
 from kit.serve.engines import build_command, choose_engine, require_engine
 from kit.serve.model import ServedModel, resolve_model
-from kit.serve.server import Server, check_port, free_port
+from kit.serve.server import Server, check_port
+from kit.train.procs import free_port
 from kit.weights_check import check_hf_weights
 
 

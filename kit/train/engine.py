@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from typing import Optional
 
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for single-process rendezvous and tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kit.train.procs import free_port
 
 
 def resolve_dtype(cfg, info) -> str:

@@ -9,20 +9,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
-from kit.lifetime import dies_with_parent
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
-from kit.train.procs import STOP_GRACE_S, Job, Stopper, stop  # noqa: F401  (stop: re-exported)
+from kit.train.procs import STOP_GRACE_S, free_port, running, runs_kit_train, torchrun_command
 from kit.train.resolve import TrainPlan
 from kit.workspace import repo_root
 
@@ -41,8 +36,6 @@ NPU_ENV = {
 }
 
 
-DRAIN_S = 10.0  # how long after the launcher exits its output may still come (from ranks it left behind)
-
 STATUS_PREFIX = (
     "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
 )
@@ -54,8 +47,6 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
     One node: a free port. Several nodes: every node must use the same one, so MASTER_PORT or 6000 (the port the
     MindSpeed-LLM scripts use).
     """
-    from kit.train.engine import free_port
-
     # a port an earlier launch picked is recorded as the default (a config the kit wrote): picked again now
     given = cfg.master_port if not cfg.sources.get("master_port", "").startswith("default") else 0
     port = given or (6000 if cfg.nnodes > 1 else free_port())
@@ -99,17 +90,9 @@ def launch_command(
     """
     script = ["-m", "kit", "train", "run", "--plan", str(plan_path), "--no-progress"]
     if launcher == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={cfg.nnodes}",
-            f"--node_rank={cfg.node_rank}",
-            f"--nproc_per_node={cfg.nproc_per_node}",
-            f"--master_addr={cfg.master_addr}",
-            f"--master_port={cfg.master_port}",
-            *script,
-        ]
+        return torchrun_command(
+            script, cfg.nproc_per_node, cfg.master_port, cfg.nnodes, cfg.node_rank, cfg.master_addr
+        )
     if launcher == "deepspeed":
         # The DeepSpeed launcher passes ASCEND_RT_VISIBLE_DEVICES on NPU (accelerator.visible_devices_envs()).
         ids = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
@@ -230,8 +213,9 @@ def launch(
     it: a progress bar, the log tail, a clean stop.
 
     Interrupting the cell (Ctrl-C / the stop button; SIGTERM or SIGINT to this process) sends SIGTERM to the ranks,
-    which save a checkpoint and exit (kit.train.procs.Stopper); what is still alive `grace_s` later is killed, and nothing the job started
-    outlives this call. Several nodes: this node's config and launcher log carry `.node<NODE_RANK>`.
+    which save a checkpoint and exit (kit.train.procs.Stopper); what is still alive `grace_s` later is killed, and
+    nothing the job started outlives this call. Several nodes: this node's config and launcher log carry
+    `.node<NODE_RANK>`.
     """
     from tqdm.auto import tqdm
 
@@ -265,76 +249,22 @@ def launch(
         log.write(f"$ {' '.join(cmd)}\n")
         if cfg.nnodes > 1 and is_loopback(cfg.master_addr):
             note(f"MASTER_ADDR={cfg.master_addr}: all {cfg.nnodes} nodes run on this host (a rehearsal)")
-        stopper = Stopper(None, grace_s)
-        # installed before the job starts: a signal that comes while it starts acts once it exists (attach)
-        with stopper.installed():
-            proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-                cwd=str(repo_root()),
-                start_new_session=True,
-                bufsize=1,
-                preexec_fn=dies_with_parent(signal.SIGTERM),  # torchrun then stops its ranks
-            )
-            job = stopper.attach(Job(proc))
+        # SIGTERM/SIGINT to this process: SIGTERM to the ranks, which checkpoint and exit; nothing of the job
+        # survives the block
+        with running(cmd, grace_s, env=env, cwd=str(repo_root()), ranks=runs_kit_train) as job:
             try:
-                for line in _lines_until_exit(proc, note):
-                    while stopper.notes:
-                        note(stopper.notes.pop(0))
-                    if proc.poll() is None:
-                        job.refresh()  # every process it starts, known while they are its descendants
+                for line in job.lines(note):
                     if line:
                         _consume(line, log, tail, echo, result, bar)
-                proc.wait()
             finally:
-                while stopper.notes:
-                    note(stopper.notes.pop(0))
-                result.stopped = stopper.stopping
-                job.kill()  # no process of the job survives this call (a no-op when all have exited)
-                proc.wait()
                 bar.close()
-    result.returncode = proc.returncode
+        while job.notes:
+            note(job.notes.pop(0))
+    result.stopped = job.stopped_by is not None
+    result.returncode = job.returncode
     result.tail = list(tail)
     result.seconds = time.time() - t0
     return result
-
-
-def _lines_until_exit(proc: subprocess.Popen, note, drain_s: float = DRAIN_S) -> Iterator[str]:
-    """The output lines of torchrun / the DeepSpeed launcher ("" every half second while it is quiet) until it has
-    exited and its pipe is drained: at EOF, or `drain_s` after it exited while something it started still holds the
-    pipe open (the caller then kills the rest of the job). Reading until EOF alone would wait as long as any
-    descendant lives.
-    """
-    lines: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in iter(proc.stdout.readline, ""):
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, name="kit-launch-output", daemon=True).start()
-    exited_at = None
-    while True:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            line = ""
-        if line is None:
-            return
-        yield line
-        if (
-            proc.poll() is not None
-        ):  # counted from the exit, quiet or not: a leftover that writes cannot hold it
-            exited_at = exited_at or time.monotonic()
-            if time.monotonic() - exited_at > drain_s:
-                note(
-                    f"the launcher exited ({proc.returncode}) but a process it started still holds its output "
-                    f"{drain_s:.0f} s later: killing what is left of the job"
-                )
-                return
 
 
 def is_loopback(addr: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -280,16 +279,22 @@ def build(
 
 
 def execute(plan: MegatronPlan, log_file: Optional[Path] = None) -> int:
-    """Run the plan on this node (streams to `log_file` too); refuses while there are problems."""
+    """Run the plan on this node (streams to `log_file` too); refuses while there are problems. SIGTERM/SIGINT
+    to this process stop it (kit.train.procs.running: SIGTERM, then a kill), leaving no process behind."""
+    from kit.train.procs import running
+
     if plan.problems:
         raise RuntimeError("the Megatron command has problems; fix them first:\n" + "\n".join(plan.problems))
     env = dict(os.environ)
     env.update(plan.env)
     with open(log_file or os.devnull, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(
-            plan.argv, cwd=str(plan.cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for line in proc.stdout:
-            print(line, end="")
-            log.write(line)
-        return proc.wait()
+
+        def note(text: str) -> None:
+            print(f"kit: {text}", flush=True)
+            log.write(f"kit: {text}\n")
+
+        with running(plan.argv, env=env, cwd=str(plan.cwd)) as proc:
+            for line in proc.lines(note):
+                print(line, end="", flush=True)
+                log.write(line)
+        return proc.returncode

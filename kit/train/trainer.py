@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import shutil
 import signal
 import threading
@@ -357,7 +356,6 @@ class Trainer:
         self._setup()
         cfg = self.cfg
         previous = self._install_signals()
-        pause_at = int(os.environ.get("KIT_PAUSE_AT_ITERATION") or 0)  # tests of stopping launched jobs
         losses, iteration, status, message, last_ckpt = [], self.start_iter, "completed", "", None
         bar = tqdm(
             total=cfg.train_iters,
@@ -387,9 +385,6 @@ class Trainer:
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 for cb in self.step_callbacks:
                     cb(iteration)
-                if iteration == pause_at:  # KIT_PAUSE_AT_ITERATION: hold until a stop request (a known step)
-                    while not self._stop_reason:
-                        time.sleep(0.05)
                 stop = self._all_reduce_ints([1 if self._stop_reason else 0], "max")[0]
                 if stop:
                     status = "preempted"
