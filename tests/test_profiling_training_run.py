@@ -315,3 +315,23 @@ def test_a_sigtermed_capture_is_not_published_as_complete(workspace, tiny_llama_
     left = list(workspace.profiles.iterdir())
     assert len(left) == 1 and ".partial-" in left[0].name  # unfinished, never under a capture's final name
     assert outputs(workspace, TRAINING_RUN)[0].folder == workspace.output("pretrain").resolve()
+
+
+def test_an_interruption_before_the_first_profiled_step_leaves_nothing(
+    workspace, tiny_llama_dir, monkeypatch
+):
+    """Ctrl-C while the profiled run loads its model (after its folder was made, before the profiler's first step):
+    no folder is left in profiles/, neither under a capture's name nor as a temporary one."""
+    import kit.train
+
+    data = _prepared(workspace, tiny_llama_dir)
+    _training_run(workspace.output("pretrain"), _train_config(workspace, tiny_llama_dir, data))
+
+    def interrupted(plan, *args, **kwargs):
+        plan.folder.mkdir(parents=True, exist_ok=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kit.train, "train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        kp.run(kp.ProfileConfig(**OPTIONS), workspace)
+    assert not workspace.profiles.exists() or list(workspace.profiles.iterdir()) == []

@@ -228,31 +228,32 @@ def run(
     if not cfg.tag:
         cfg = dataclasses.replace(cfg, tag=str(train_cfg.run_type))
     cap = profile(out_dir=ws.profiles, config=cfg, workspace=ws)
-    steps = schedule_steps(cap.config)
-    pcfg, notes = profiled_config(train_cfg, cap.work_folder / TRAINING_FOLDER, steps)
+    result = None
     try:
+        pcfg, notes = profiled_config(train_cfg, cap.work_folder / TRAINING_FOLDER, schedule_steps(cap.config))
         plan = resolve(pcfg)  # before the profiler starts: a bad config records nothing
-    except Exception:
-        shutil.rmtree(cap.work_folder, ignore_errors=True)
+        cap.start()
+        try:
+            result = train(plan, step_callbacks=[cap], progress=progress)
+        finally:
+            if result is None or result.status != "completed":
+                work = cap.stop(failed=True)
+        if result.status != "completed" and cap.steps:  # SIGTERM / Ctrl-C / NaN before the schedule ended
+            raise CaptureError(
+                f"the profiled training stopped at step {result.iteration} of {pcfg.train_iters} "
+                f"({result.status}); the capture was not published. Its unfinished folder is {work} "
+                f"(kit.profiling.load(..., allow_unfinished=True) reads it; delete it when done); rerun the "
+                f"capture to get a complete one."
+            )
+        if result.status != "completed":
+            raise CaptureError(
+                f"the profiled training stopped before its first step ({result.status}); nothing was recorded "
+                f"and nothing was kept; rerun the capture."
+            )
+    except BaseException:
+        if cap.steps == 0:  # stopped before the first profiled step (Ctrl-C while loading): nothing is left
+            shutil.rmtree(cap.work_folder, ignore_errors=True)
         raise
-    with_failure = True
-    cap.start()
-    try:
-        result = train(plan, step_callbacks=[cap], progress=progress)
-        with_failure = False
-    finally:
-        if with_failure:
-            cap.stop(failed=True)
-    if (
-        result.status != "completed"
-    ):  # SIGTERM / Ctrl-C / NaN before the schedule ended: not a complete capture
-        work = cap.stop(failed=True)
-        raise CaptureError(
-            f"the profiled training stopped at step {result.iteration} of {pcfg.train_iters} ({result.status}); "
-            f"the capture was not published. Its unfinished "
-            f"folder is {work} (kit.profiling.load(..., allow_unfinished=True) reads it; "
-            f"delete it when done); rerun the capture to get a complete one."
-        )
     work = cap.stop(publish=False)
     notes = taken + notes + list(cap.notes) + _keep_measurements(result, cap)
     ran_with = _published_json(result.config.to_dict() if result.config else to_jsonable(pcfg), cap)
