@@ -194,7 +194,12 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tm
     assert latest_iteration(ckpt_root) == 3, output
     state = json.loads((ckpt_root / "iter_0000003" / "trainer_state.json").read_text())
     assert state["iteration"] == 3 and state["consumed_samples"] == 3 * cfg.gbs
-    assert output.count("kit train: preempted at iteration 3") == 2  # both ranks stopped there
+    # both ranks stopped there; the output says so once and ends with it (torchrun's report: the launcher log only)
+    log = (cfg.log_dir() / "pretrain.launcher.log").read_text(encoding="utf-8")
+    assert log.count("kit train: preempted at iteration 3") == 2 and "kit FAILED" in log
+    shown = [ln for ln in output.splitlines() if ln.strip()]
+    assert output.count("kit train: preempted at iteration 3") == 1 and "kit FAILED" not in output, output
+    assert "resume with RUN_TYPE=retrain" in shown[-1], "\n".join(shown[-8:])
     # and the job continues from there (the same 2 ranks)
     resumed = launch(
         TrainConfig(run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"), train_iters=5),
@@ -202,6 +207,60 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tm
     )
     assert resumed.ok and resumed.status == "completed", "\n".join(resumed.tail)
     assert resumed.iterations == [4, 5] and latest_iteration(ckpt_root) == 5
+
+
+FAIL_IN_RANKS = """
+import importlib.machinery, sys
+
+
+class FailInRanks:
+    def find_spec(self, name, path=None, target=None):
+        if name != "kit.train.trainer":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+
+            def fail(self, *args, **kwargs):
+                from kit.errors import InputError
+
+                raise InputError("row 7 of the dataset is damaged - prepare it again (notebook 02)")
+
+            module.Trainer.train = fail
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, FailInRanks())
+"""
+
+
+def test_a_failed_rank_ends_the_launch_with_its_own_line_and_exit_code(tmp_path, tiny_llama_dir):
+    """Both ranks fail with an expected error (exit 2): `kit train launch` prints the rank's `error:` line once, as
+    its last line, and exits 2 (torchrun itself exits 1); torchrun's traceback and report go to the launcher log."""
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=4, nproc_per_node=2, mbs=1)
+    config_path = save_config(cfg, tmp_path, "job.json")
+    hook = tmp_path / "fail_in_ranks"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAIL_IN_RANKS)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kit", "train", "launch", "--config", str(config_path)],
+        env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1"),
+        cwd=str(repo_root()),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    line = "error: row 7 of the dataset is damaged - prepare it again (notebook 02)"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [line] and "Traceback" not in proc.stdout
+    log = (cfg.log_dir() / "pretrain.launcher.log").read_text(encoding="utf-8")
+    assert log.count(line) == 2 and "ChildFailedError" in log and "failed (exitcode: 2)" in log
 
 
 @pytest.mark.slow

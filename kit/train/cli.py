@@ -121,7 +121,10 @@ def run(args: argparse.Namespace) -> int:
             from kit.errors import EXIT_PREEMPTED
 
             return EXIT_PREEMPTED
-        return res.returncode if res.returncode >= 0 else 128 - res.returncode  # killed by a signal: 128+N
+        code = (
+            res.rank_exit if res.rank_exit else res.returncode
+        )  # a failed rank's own code (torchrun says 1)
+        return code if code >= 0 else 128 - code  # killed by a signal: 128+N
     from kit.train.config import replace
     from kit.train.megatron import build, execute
     from kit.train.resolve import resolve

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -189,6 +190,9 @@ class LaunchResult:
     stopped: bool = False
     status: str = ""  # the trainer's own verdict: completed | preempted | nan ("" if it never said)
     seconds: float = 0.0
+    rank_exit: Optional[int] = None  # the exit code of the first rank that failed (torchrun itself exits 1)
+    rank_lines: list = field(default_factory=list)  # the ranks' `error:` and status lines, each shown once
+    launcher_report: bool = False  # torchrun reported a failed rank: its report went to the launcher log only
 
     @property
     def ok(self) -> bool:
@@ -279,15 +283,33 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
+# torchrun's line when a rank fails (torch/distributed/elastic/multiprocessing/api.py); what follows it is torchrun's
+# own traceback and failure report, which the launcher log keeps and the user's output does not repeat
+_RANK_FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: \d+")
+# torchrun's own log lines (its elastic agent, glog style: W1205 00:26:30.858000 PID .../elastic/...): the log only
+_AGENT_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/")
+
+
 def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> None:
-    """One line of the job's output: to the log, the tail, the status and the progress bar."""
+    """One line of the job's output: to the log, the tail, the status and the progress bar. A rank's `error:` and
+    status lines are shown once however many ranks print them, and torchrun's report of a failed rank only in the
+    log, so a failed launch ends with the rank's own line."""
     from kit.train.logs import parse_line
 
     log.write(line)
     line = line.rstrip("\n")
+    failed = _RANK_FAILED.search(line)
+    if failed and result.rank_exit is None:
+        result.rank_exit, result.launcher_report = int(failed.group(1)), True
+    if result.launcher_report or _AGENT_LINE.match(line):
+        return
+    if line.startswith("error: ") or line.startswith(STATUS_PREFIX):
+        if line in result.rank_lines:
+            return  # the same line from another rank
+        result.rank_lines.append(line)
     tail.append(line)
     if echo:
-        print(line, flush=True)
+        print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout, flush=True)
     if line.startswith(STATUS_PREFIX):
         result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
     rec = parse_line(line)
