@@ -209,9 +209,8 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
 
     ckpt = work / "checkpoint"
     src = Path(job["checkpoint"])
-    for name in (META_FILE,):
-        if (src / name).is_file():
-            shutil.copy2(src / name, ckpt / name)
+    if (src / META_FILE).is_file():
+        shutil.copy2(src / META_FILE, ckpt / META_FILE)
     if (src / HF_META_DIR).is_dir():
         shutil.copytree(src / HF_META_DIR, ckpt / HF_META_DIR)
     (ckpt / layout.TRACKER).write_text(f"{job['steps']}\n")

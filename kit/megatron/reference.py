@@ -50,7 +50,22 @@ def _masked_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
 
-class ModelReference:
+class _Reference:
+    """What both references hold: fp32 parameters with the vocabulary padded (the rows of _vocab_rows)."""
+
+    params: Dict[str, torch.nn.Parameter]
+    vocab: int
+    _vocab_rows: set
+
+    def unpadded(self) -> Dict[str, torch.Tensor]:
+        """The parameters with the padded vocabulary rows dropped (what the way back to HF writes)."""
+        return {
+            k: v.detach()[: self.vocab] if k in self._vocab_rows else v.detach()
+            for k, v in self.params.items()
+        }
+
+
+class ModelReference(_Reference):
     """transformers' own causal LM in fp32 (padded vocabulary) and the terms of a micro-batch's objective."""
 
     note = "transformers' own model on the checkpoint converted back by notebook 03's code, fp32, eager attention"
@@ -113,13 +128,6 @@ class ModelReference:
             terms["hf_aux"] = float(lb)
         return terms
 
-    def unpadded(self) -> Dict[str, torch.Tensor]:
-        """transformers' parameters (its in-memory names) with the padded vocabulary rows dropped."""
-        return {
-            k: v.detach()[: self.vocab] if k in self._vocab_rows else v.detach()
-            for k, v in self.params.items()
-        }
-
     def trained(self, folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
         """An HF folder's weights under the names of unpadded() (transformers' loader and key conversions)."""
         from transformers import AutoModelForCausalLM
@@ -130,7 +138,7 @@ class ModelReference:
         return ((k, v.detach()) for k, v in model.named_parameters())
 
 
-class ForwardReference:
+class ForwardReference(_Reference):
     """The remote-code families: HF-layout fp32 parameters (padded vocabulary) through the kit's forward."""
 
     note = "kit.convert.reference.hf_forward (the published math) on the checkpoint converted back by 03's code, fp32"
@@ -163,13 +171,6 @@ class ForwardReference:
             for r in range(b["tokens"].shape[0])
         ]
         return {"lm": _masked_mean(torch.stack(ce), b["loss_mask"])}
-
-    def unpadded(self) -> Dict[str, torch.Tensor]:
-        """The parameters with the padded vocabulary rows dropped (what the way back to HF writes)."""
-        return {
-            k: v.detach()[: self.vocab] if k in self._vocab_rows else v.detach()
-            for k, v in self.params.items()
-        }
 
     def trained(self, folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
         """An HF folder's weights that the reference has, one tensor at a time."""
