@@ -45,11 +45,6 @@ def megatron_aux_losses(router_logits, topk: int, num_experts: int) -> List[torc
     return out
 
 
-def _masked_mean(ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the loss-masked tokens, like the preflight's Megatron loss."""
-    return (ce * mask).sum() / mask.sum().clamp(min=1)
-
-
 class _Reference:
     """What both references hold: fp32 parameters with the vocabulary padded (the rows of _vocab_rows)."""
 
@@ -107,7 +102,7 @@ class ModelReference(_Reference):
     def terms(self, b: dict) -> dict:
         """lm: mean CE over the loss-masked tokens (as the ranks' loss); for MoE also aux: megatron-core's per-layer
         aux losses and hf_aux: transformers' load_balancing_loss_func on the same router logits (no coefficients)."""
-        from kit.megatron.batches import megatron_mask
+        from kit.megatron.batches import masked_mean, megatron_mask
 
         # causal and inside each segment (a packed row's dialogs), as megatron gets it; 0 attend, float min masked
         masked = megatron_mask(b["segments"])
@@ -118,7 +113,7 @@ class ModelReference(_Reference):
         )
         logits = self.model.get_output_embeddings()(out.last_hidden_state).float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1), reduction="none")
-        terms = {"lm": _masked_mean(ce, b["loss_mask"].reshape(-1))}
+        terms = {"lm": masked_mean(ce, b["loss_mask"].reshape(-1))}
         if self.num_experts:
             from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -159,6 +154,7 @@ class ForwardReference(_Reference):
     def terms(self, b: dict) -> dict:
         """lm: the mean CE over the loss-masked tokens of the rows (one micro-batch), each row on its own."""
         from kit.convert.reference import hf_forward
+        from kit.megatron.batches import masked_mean
 
         ce = [
             F.cross_entropy(
@@ -170,7 +166,7 @@ class ForwardReference(_Reference):
             )
             for r in range(b["tokens"].shape[0])
         ]
-        return {"lm": _masked_mean(torch.stack(ce), b["loss_mask"])}
+        return {"lm": masked_mean(torch.stack(ce), b["loss_mask"])}
 
     def trained(self, folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
         """An HF folder's weights that the reference has, one tensor at a time."""
