@@ -215,7 +215,7 @@ def test_normhead_first_loss_is_hfs_but_its_training_is_not_what_megatron_core_r
     from kit.convert.hf_io import HFReader
     from kit.convert.reference import hf_forward
     from kit.convert.verify import sample_tokens
-    from kit.megatron.reference import Reference
+    from kit.megatron.reference import ForwardReference
 
     reader = HFReader(tiny_baichuan7b_dir)
     spec = BAICHUAN.read_config(reader.config, reader.folder)
@@ -227,10 +227,12 @@ def test_normhead_first_loss_is_hfs_but_its_training_is_not_what_megatron_core_r
     hf_loss = F.cross_entropy(hf_forward(hf, spec, tokens[0]), labels[0])
     hf_loss.backward()
     converted = dict(sd, **{"lm_head.weight": F.normalize(sd["lm_head.weight"], dim=-1)})  # what 03 writes
-    ref = Reference(converted, spec, spec.vocab_size)  # the preflight's HF side (a plain head), unpadded here
+    ref = ForwardReference(
+        converted, spec, spec.vocab_size
+    )  # the preflight's HF side (a plain head), unpadded here
     batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(1, 32),
              "position_ids": torch.arange(32)[None], "segments": torch.zeros(1, 32, dtype=torch.long)}  # fmt: skip
-    plain_loss = ref.loss(batch)
+    plain_loss = ref.terms(batch)["lm"]
     plain_loss.backward()
     assert abs(float(plain_loss) - float(hf_loss)) <= 1e-6 * float(hf_loss)
     for k, p in hf.items():  # every gradient but the head's is the same

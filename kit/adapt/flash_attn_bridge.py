@@ -26,20 +26,33 @@ BRIDGE_VERSION = "2.6.3"
 _MARK = "__kit_bridge__"
 
 
-def _window(window_size) -> tuple[int, int]:
-    left, right = (int(w) for w in (window_size or (-1, -1)))
-    return (MAX_TOKENS if left < 0 else left), (MAX_TOKENS if right < 0 else right)
-
-
-def _unsupported(softcap=0.0, alibi_slopes=None, return_attn_probs=False, **_ignored) -> None:
+def _attend(
+    q, k, v, layout, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, probs, **seq
+):
+    """Both flash-attn functions' one fusion_attention call (heads = q.shape[-2] in BSND and TND), after refusing
+    what it cannot do; `seq` holds TND's actual_seq_qlen / actual_seq_kvlen."""
     if softcap:
         raise NotImplementedError("kit flash-attn bridge: softcap is not supported by npu_fusion_attention.")
     if alibi_slopes is not None:
         raise NotImplementedError(
             "kit flash-attn bridge: alibi_slopes are not supported; use a dense pse instead."
         )
-    if return_attn_probs:
+    if probs:
         raise NotImplementedError("kit flash-attn bridge: return_attn_probs=True is not supported.")
+    left, right = (int(w) for w in (window_size or (-1, -1)))
+    return fusion_attention(
+        q,
+        k,
+        v,
+        q.shape[-2],
+        layout,
+        causal=causal,
+        scale=softmax_scale,
+        keep_prob=1.0 - dropout_p,
+        pre_tokens=MAX_TOKENS if left < 0 else left,
+        next_tokens=MAX_TOKENS if right < 0 else right,
+        **seq,
+    )
 
 
 def flash_attn_func(
@@ -56,19 +69,18 @@ def flash_attn_func(
     return_attn_probs=False,
 ):
     """flash-attn 2 `flash_attn_func`: q (B, Sq, N, D), k/v (B, Skv, Nkv, D) -> (B, Sq, N, D)."""
-    _unsupported(softcap, alibi_slopes, return_attn_probs)
-    pre, nxt = _window(window_size)
-    return fusion_attention(
+    return _attend(
         q,
         k,
         v,
-        q.shape[2],
         "BSND",
-        causal=causal,
-        scale=softmax_scale,
-        keep_prob=1.0 - dropout_p,
-        pre_tokens=pre,
-        next_tokens=nxt,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
     )
 
 
@@ -99,24 +111,13 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     """flash-attn 2 `flash_attn_varlen_func`: q (Tq, N, D), k/v (Tk, Nkv, D) with cu_seqlens -> (Tq, N, D)."""
-    _unsupported(softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("kit flash-attn bridge: paged KV (block_table) is not supported.")
-    pre, nxt = _window(window_size)
-    return fusion_attention(
-        q,
-        k,
-        v,
-        q.shape[1],
-        "TND",
-        causal=causal,
-        scale=softmax_scale,
-        keep_prob=1.0 - dropout_p,
-        pre_tokens=pre,
-        next_tokens=nxt,
+    return _attend(
+        q, k, v, "TND", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
         actual_seq_qlen=_ends(cu_seqlens_q),
         actual_seq_kvlen=_ends(cu_seqlens_k),
-    )
+    )  # fmt: skip
 
 
 def flash_attn_unpadded_func(

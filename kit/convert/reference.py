@@ -1,12 +1,13 @@
 """Plain-torch forwards used as references: HF-layout ChatGLM3 / Baichuan2 / Llama / Qwen3 / GLM-4 from their
 published math (Llama-3.1 rope scaling included), and
 a Megatron forward from rank files with tensor parallelism simulated (each rank computes its heads / FFN slice and
-the row-parallel outputs are summed, as the all-reduce does)."""
+the row-parallel outputs are summed, as the all-reduce does). Where transformers ships the family, the checks run
+transformers' own model instead (transformers_ships); the HF forward is the reference for the remote-code ones."""
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,16 @@ from kit.convert import megatron_layout as layout
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.spec import ModelSpec, expert_role
 from kit.parallel import stage_layers
+
+# the model types whose modeling code transformers ships (ChatGLM3 and Baichuan2 bring theirs as remote code)
+TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm")
+
+
+def transformers_ships(model_type: Optional[str]) -> bool:
+    """True when the installed transformers has its own model for this config's model_type."""
+    from transformers import CONFIG_MAPPING
+
+    return model_type in TRANSFORMERS_NATIVE and model_type in CONFIG_MAPPING
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

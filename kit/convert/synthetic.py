@@ -57,9 +57,10 @@ def family_config(
         )
         return cfg
     if family == "llama":
+        # q/k/v biases make it a Qwen2: a Llama's attention_bias puts a bias on o_proj too, which Megatron has not
         return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+            "model_type": "qwen2" if qkv_bias else "llama",
+            "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
             "hidden_size": hidden_size,
             "intermediate_size": ffn_hidden_size,
             "num_hidden_layers": num_layers,
@@ -70,7 +71,6 @@ def family_config(
             "max_position_embeddings": 512,
             "rope_theta": 10000.0,
             "tie_word_embeddings": tie,
-            "attention_bias": bool(qkv_bias),
             "hidden_act": "silu",
             "torch_dtype": dtype,
         }

@@ -18,7 +18,7 @@ from kit.convert.families import family_for_config
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.megatron_source import source_spec
-from kit.convert.reference import hf_forward, megatron_forward
+from kit.convert.reference import hf_forward, megatron_forward, transformers_ships
 
 PathLike = Union[str, Path]
 
@@ -146,21 +146,12 @@ def sample_tokens(vocab_size: int, seq_len: int = 16, seed: int = 0) -> torch.Te
     return torch.randint(0, vocab_size, (seq_len,), generator=g)
 
 
-TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm")
-
-
-def _transformers_knows(model_type: str) -> bool:
-    from transformers import CONFIG_MAPPING
-
-    return model_type in CONFIG_MAPPING
-
-
 def hf_logits(hf_dir: PathLike, ids: torch.Tensor, spec=None) -> torch.Tensor:
     """fp32 logits [seq, vocab] of the HF model: transformers for the families it implements natively (when the
     installed version knows the model type), the reference forward else (remote-code ChatGLM3 / Baichuan2)."""
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
-    if cfg.get("model_type") in TRANSFORMERS_NATIVE and _transformers_knows(cfg["model_type"]):
+    if transformers_ships(cfg.get("model_type")):
         from transformers import AutoModelForCausalLM
 
         from kit.hf_compat import dtype_kw

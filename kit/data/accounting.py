@@ -10,6 +10,23 @@ from typing import Dict, List, Optional
 import numpy as np
 
 MAX_EXAMPLES = 20  # problems kept verbatim in the report (all are counted)
+# the report's counts that its table, prepare()'s summary and the prepared-data manifest show, in this order
+COUNT_KEYS = (
+    "records_read",
+    "records_written",
+    "records_dropped",
+    "dropped",
+    "files_skipped",
+    "truncated",
+    "heldout_records",
+    "tokens_in",
+    "tokens_out",
+    "tokens_learned",
+    "remainder_tokens",
+    "samples",
+    "padding_ratio",
+    "padding_ratio_unpacked",
+)
 
 
 @dataclass
@@ -132,22 +149,8 @@ class PrepReport:
 
         d = self.as_dict()
         rows = [
-            (k, d[k])
-            for k in (
-                "records_read",
-                "records_written",
-                "records_dropped",
-                "truncated",
-                "heldout_records",
-                "tokens_in",
-                "tokens_out",
-                "tokens_learned",
-                "remainder_tokens",
-                "samples",
-                "padding_ratio",
-                "padding_ratio_unpacked",
-            )
-        ]
+            (k, d[k]) for k in COUNT_KEYS if not isinstance(d[k], dict)
+        ]  # the dicts: one row per reason below
         rows += [(f"dropped: {k}", v) for k, v in d["dropped"].items()]
         rows += [(f"files skipped: {k}", v) for k, v in d["files_skipped"].items()]
         rows += [(f"format: {k}", v) for k, v in d["formats"].items()]

@@ -14,7 +14,7 @@ import numpy as np
 
 from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
 from kit.configs import check, save_config
-from kit.data.accounting import PrepReport, plot_lengths
+from kit.data.accounting import COUNT_KEYS, PrepReport, plot_lengths
 from kit.data.check import megatron_record
 from kit.data.config import DataConfig
 from kit.data.dialogs import PARSERS, column_map, detect_format, document_text
@@ -89,21 +89,6 @@ class PrepResult:
         """Key numbers and paths: what was written (folder, manifest hash, Megatron prefix and flags, held-out
         split) and what was counted."""
         r = self.report.as_dict()
-        keys = (
-            "records_read",
-            "records_written",
-            "records_dropped",
-            "dropped",
-            "files_skipped",
-            "truncated",
-            "heldout_records",
-            "tokens_in",
-            "tokens_out",
-            "tokens_learned",
-            "samples",
-            "padding_ratio",
-            "padding_ratio_unpacked",
-        )
         p = self.prepared
         return {
             "data_kind": p.kind,
@@ -121,7 +106,7 @@ class PrepResult:
             "megatron_files": [str(f) for f in self.megatron_files],
             "heldout": p.heldout,
             "histogram_png": str(self.histogram_png) if self.histogram_png else None,
-            **{k: r[k] for k in keys},
+            **{k: r[k] for k in COUNT_KEYS},
             "warnings": list(self.report.warnings),
         }
 
@@ -456,21 +441,6 @@ def _manifest_fields(
     except MissingInputError:  # a tokenizer made only by its own code: nothing to hash
         tok_hash = None
     prefix, files, dtype = megatron if megatron else (None, [], None)
-    count_keys = (
-        "records_read",
-        "records_written",
-        "records_dropped",
-        "dropped",
-        "files_skipped",
-        "truncated",
-        "heldout_records",
-        "tokens_in",
-        "tokens_out",
-        "tokens_learned",
-        "remainder_tokens",
-        "samples",
-        "padding_ratio",
-    )
     return {
         "data_kind": cfg.kind,
         "max_length": cfg.max_length,
@@ -496,7 +466,7 @@ def _manifest_fields(
         "megatron_flags": megatron_flags(cfg.kind, cfg.pack, prompt_type(cfg)) if prefix else [],
         "megatron_dtype": dtype,
         "heldout": heldout,
-        "counts": {k: rep[k] for k in count_keys},
+        "counts": {k: rep[k] for k in COUNT_KEYS},
         "inputs": [os.path.abspath(p) for p in cfg.inputs],
         "config": "config.json",
         "report": "report.json",

@@ -1,6 +1,6 @@
 """The preflight's batches: notebook 02's Megatron files through megatron-core's own dataset classes (`GPTDataset` for
 pretraining, `IndexedDataset` for MindSpeed-LLM's packed fine-tuning files), as [n, s] tensors every rank and the HF
-side share; and the attention mask megatron-core takes for them."""
+side share; the attention mask megatron-core takes for them, and the loss both sides take of them."""
 
 from __future__ import annotations
 
@@ -84,3 +84,8 @@ def megatron_mask(segments):
     s = segments.shape[-1]
     causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
     return (causal[None] | (segments[:, :, None] != segments[:, None, :]))[:, None]
+
+
+def masked_mean(values, mask):
+    """The preflight's loss on both sides: the mean of per-token values over the loss-masked tokens."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)

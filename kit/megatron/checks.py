@@ -25,7 +25,7 @@ def compare(job: dict, results: List[dict], work: Path):
     """The check rows from the ranks' numbers and the HF reference on the same batches."""
     import torch
 
-    from kit.megatron.reference import train
+    from kit.megatron import reference
 
     checks: List[dict] = []
     errors = [f"rank {r['rank']}: {r['error']}" for r in results if r.get("error")]
@@ -58,10 +58,10 @@ def compare(job: dict, results: List[dict], work: Path):
     t = time.monotonic()
     hf_dir = _back_to_hf(job["checkpoint"], work / "reference_hf")
     batches = torch.load(work / "batches.pt")
-    ref = _reference(hf_dir, job)
+    ref = reference.load(hf_dir, job)
     seconds["HF side: convert back"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
-    ref_run = train(ref, batches, job)
+    ref_run = reference.train(ref, batches, job)
     seconds["HF side: steps"] = round(time.monotonic() - t, 1)
     last = [r for r in results if r.get("losses")]
     mg_losses = last[0]["losses"]
@@ -146,6 +146,7 @@ def compare(job: dict, results: List[dict], work: Path):
             "hf_load_balancing_loss": ref_run.get("hf_aux_losses"),
         }
     return checks, {
+        "hf_side": ref.note,
         **moe_facts,
         "losses": mg_losses,
         "hf_losses": ref_run["losses"],
@@ -161,7 +162,7 @@ def compare(job: dict, results: List[dict], work: Path):
 
 def _aux_check(mg: List[List[float]], ref_run: dict, job: dict) -> dict:
     """megatron-core's per-layer load-balancing losses of every step against the same definition on HF's router
-    logits (kit.megatron.moe_reference explains the two definitions)."""
+    logits (kit.megatron.reference explains the two definitions)."""
     hf = ref_run.get("aux_losses") or []
     pairs = [(a, b) for ma, ha in zip(mg, hf) for a, b in zip(ma, ha)]
     if not pairs or len(mg) != len(hf) or any(len(a) != len(b) for a, b in zip(mg, hf)):
@@ -198,20 +199,6 @@ def _back_to_hf(megatron_dir: str, target: Path) -> Path:
     return target
 
 
-def _reference(hf_dir: Path, job: dict):
-    if job.get("moe"):  # transformers' own MoE model (kit.megatron.moe_reference)
-        from kit.megatron.moe_reference import MoEReference
-
-        return MoEReference(hf_dir, job["padded_vocab_size"])
-    from kit.convert.hf_io import HFReader
-    from kit.convert.spec import ModelSpec
-    from kit.megatron.reference import Reference
-
-    reader = HFReader(hf_dir)
-    sd = {k: reader.read(k).float() for k in reader.keys()}
-    return Reference(sd, ModelSpec(**job["spec"]), job["padded_vocab_size"])
-
-
 def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
     """Finish the ranks' save (tracker, the converter's metadata), convert it to HF, back again, compare."""
     import torch
@@ -222,9 +209,8 @@ def _checkpoint_back(job: dict, work: Path, trained_dir: Path) -> List[str]:
 
     ckpt = work / "checkpoint"
     src = Path(job["checkpoint"])
-    for name in (META_FILE,):
-        if (src / name).is_file():
-            shutil.copy2(src / name, ckpt / name)
+    if (src / META_FILE).is_file():
+        shutil.copy2(src / META_FILE, ckpt / META_FILE)
     if (src / HF_META_DIR).is_dir():
         shutil.copytree(src / HF_META_DIR, ckpt / HF_META_DIR)
     (ckpt / layout.TRACKER).write_text(f"{job['steps']}\n")
@@ -293,16 +279,9 @@ def _norm_head_detail(job: dict, work: Path) -> str:
 
 def _param_diff(trained_dir: Path, ref) -> tuple:
     """max |trained (Megatron, via HF) - reference| over every HF tensor, and the worst tensor's name."""
-    from kit.convert.hf_io import HFReader
-
     mine = ref.unpadded()
-    if hasattr(ref, "read_hf"):  # MoE: transformers' loader names the tensors as the reference does
-        theirs = iter(ref.read_hf(trained_dir).items())
-    else:
-        reader = HFReader(trained_dir)
-        theirs = ((k, reader.read(k)) for k in reader.keys() if k in mine)  # one tensor at a time
     worst, name = 0.0, ""
-    for k, v in theirs:
+    for k, v in ref.trained(trained_dir):
         if k not in mine:
             continue
         d = float((v.float() - mine[k]).abs().max())

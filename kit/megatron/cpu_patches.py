@@ -1,8 +1,11 @@
 """megatron-core's CUDA assumptions, replaced for CPU ranks (gloo): applied only inside the preflight's rank processes.
 
+Supports megatron-core 0.16.0-0.16.x (SUPPORTED; `check_version` refuses others in one line): every file patched or
+cited below is the same in 0.16.0 and 0.16.1, and the line numbers are 0.16.1's.
+
 megatron-core 0.16 asks CUDA for its device in many places; on CPU each is one of four shapes, and each shape gets
 one patch here (1-4); the MoE path adds a CUDA stream, a name it needs Transformer Engine for, a norm that refuses
-sequence parallelism and an all-gather gloo does not run (5-8). File/line references are megatron-core 0.16.1:
+sequence parallelism and an all-gather gloo does not run (5-8):
 
 1. `torch.cuda.current_device()` as a device: rotary embedding (`models/common/embeddings/rotary_pos_embedding.py`
    l.162 `inv_freq.to(...)`), pipeline receive buffers (`pipeline_parallel/p2p_communication.py` l.313, l.321), the
@@ -43,7 +46,7 @@ sequence parallelism and an all-gather gloo does not run (5-8). File/line refere
    and cut back. Its backward, the uneven reduce_scatter, gloo runs as it is.
 
 The pipeline's `torch.cuda.synchronize()` (`p2p_communication.py` l.242) is avoided by `batch_p2p_sync=False` in
-the model config, not patched. A megatron-core outside SUPPORTED gets one line, not a traceback (`check_version`).
+the model config, not patched.
 """
 
 from __future__ import annotations
@@ -76,11 +79,9 @@ def supported_range() -> str:
 def check_version(version: Optional[str] = None) -> str:
     """The installed megatron-core's version; UnsupportedMegatronError (one line) if absent or outside SUPPORTED."""
     if version is None:
-        try:
-            from importlib.metadata import PackageNotFoundError
-            from importlib.metadata import version as dist_version
-        except ImportError:  # pragma: no cover - Python < 3.8
-            raise UnsupportedMegatronError("megatron-core cannot be looked up on this Python") from None
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
         try:
             version = dist_version("megatron-core")
         except PackageNotFoundError:

@@ -237,15 +237,7 @@ def run(cfg: PreflightConfig) -> PreflightResult:
             f"columns"
             if job["padded_vocab_size"] > job["vocab_size"]
             else "vocabulary not padded",
-            (
-                "HF side: transformers' own MoE model on the checkpoint converted back by notebook 03's code, fp32; "
-                "its objective adds megatron-core's per-layer load-balancing loss (computed from HF's router logits) "
-                "so the grad norms compare like for like; transformers' own load_balancing_loss_func is reported "
-                "beside it (facts.hf_load_balancing_loss), a different definition"
-                if job.get("moe")
-                else "HF side: kit.convert.reference.hf_forward on the checkpoint converted back by notebook 03's "
-                "code, fp32"
-            ),
+            f"HF side: {extra.get('hf_side', 'not run')}",
             "what this does not prove: NPU kernels (flash attention, fused RMSNorm/SwiGLU/RoPE), HCCL, "
             "MindSpeed-LLM's own patches",
         ]

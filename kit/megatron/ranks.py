@@ -204,7 +204,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from kit.convert.megatron_io import MegatronReader
-    from kit.megatron.batches import megatron_mask
+    from kit.megatron.batches import masked_mean, megatron_mask
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -273,8 +273,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
         output = mdl(b["tokens"], b["position_ids"], megatron_mask(b["segments"]), labels=b["labels"])
 
         def loss_func(out_tensor):
-            mask = b["loss_mask"]
-            loss = (out_tensor.float() * mask).sum() / mask.sum().clamp(min=1)
+            loss = masked_mean(out_tensor.float(), b["loss_mask"])
             return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
         return output, loss_func
