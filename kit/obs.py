@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+from kit.atomic import OutputExistsError
 from kit.errors import InputError, KitError, MissingInputError
 from kit.manifest import crc32_file
 
@@ -105,6 +106,11 @@ class Store:
         self.bucket, self.part_size, self.threads = bucket, part_size, threads
 
     def _check(self, resp, what: str, key: str):
+        if resp.status >= 300 and resp.errorCode == "NoSuchBucket":
+            raise ObsError(
+                f"OBS bucket {self.bucket!r} does not exist at {os.environ.get(ENDPOINT_VARIABLE)} (or is not this "
+                f"account's): create it in the OBS console of that region, or fix the obs:// address."
+            )
         if resp.status >= 300:
             raise ObsError(
                 f"OBS {what} obs://{self.bucket}/{key} failed: HTTP {resp.status} {resp.errorCode or ''} "
@@ -158,7 +164,7 @@ class Store:
     def get_bytes(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None when it does not exist."""
         resp = self.client.getObject(self.bucket, key, loadStreamInMemory=True)
-        if resp.status == 404:
+        if resp.status == 404 and resp.errorCode != "NoSuchBucket":
             return None
         return self._check(resp, "download of", key).body.buffer
 
@@ -188,12 +194,34 @@ def local_files(folder: Path) -> list:
     return sorted(out)
 
 
-def upload_folder(folder: Path, url: str, store: Optional[Store] = None) -> dict:
-    """Upload every file of `folder` under `url`, then its listing last (the folder is then complete in OBS)."""
-    store, prefix = (store, split(url)[1]) if store else store_for(url)
+def _folder_prefix(url: str, prefix: str) -> str:
+    if not prefix:  # the listing and every file would sit at the bucket's root, among whatever else is there
+        raise InputError(f"{url!r} names a bucket but no folder in it; write obs://<bucket>/<folder>.")
+    return prefix
+
+
+def upload_folder(folder: Path, url: str, store: Optional[Store] = None, overwrite: bool = False) -> dict:
+    """Upload every file of `folder` under `url`, then its listing last (the folder is then complete in OBS).
+
+    A complete upload already at `url` is replaced only with `overwrite` (its listing goes first, so the prefix is
+    never complete with a mix of both); a missing or empty folder is an error, never an empty "complete" upload."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise MissingInputError(f"{str(folder)!r} is not a folder; nothing was pushed to {url}.")
+    names = local_files(folder)
+    if not names:
+        raise InputError(f"{str(folder)!r} holds no files; nothing was pushed to {url}.")
+    store, prefix = (store, split(url)[1]) if store else store_for(url)
+    prefix = _folder_prefix(url, prefix)
+    if read_listing(store, prefix) is not None:
+        if not overwrite:
+            raise OutputExistsError(
+                f"{url} already holds a complete upload; push with --overwrite (overwrite=True) to replace it, "
+                f"or choose another folder."
+            )
+        store.delete(f"{prefix}/{LISTING}")
     listing = {}
-    for rel in local_files(folder):
+    for rel in names:
         listing[rel] = crc32_file(folder / rel)
         store.put_file(f"{prefix}/{rel}", folder / rel)
     body = {"files": listing, "manifest_sha256": _manifest_sha256(folder)}
@@ -213,6 +241,24 @@ def read_listing(store: Store, prefix: str) -> Optional[dict]:
     return None if raw is None else json.loads(raw)
 
 
+def _inside(dest: Path, files: Dict[str, dict], listing: str) -> None:
+    """Refuse, before anything is written, a listed name that would land outside `dest`: absolute, with `..`, or
+    through a link that points out (a listing anyone with write access to the prefix can edit)."""
+    root = Path(os.path.abspath(dest))
+    real = Path(os.path.realpath(root))
+    for rel in files:
+        parts = str(rel).replace("\\", "/").split("/")
+        bad = not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in parts or "" in parts
+        if not bad:
+            target = Path(os.path.realpath(root / rel))
+            bad = target != real and real not in target.parents
+        if bad:
+            raise InputError(
+                f"{listing} names {rel!r}, which is not a file inside {str(root)!r}; nothing was downloaded. "
+                f"Whoever can write to that OBS folder changed its listing: check it, and push the folder again."
+            )
+
+
 def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path) -> list:
     """Fetch the listed files into `dest` (kept where size and CRC already match); return those OBS lacks.
 
@@ -224,6 +270,7 @@ def download_files(store: Store, prefix: str, files: Dict[str, dict], dest: Path
     from kit.obs_download import fetch
 
     dest = Path(dest)
+    _inside(dest, files, f"obs://{store.bucket}/{prefix}/{LISTING}")
     present = store.list(prefix + "/")
     missing = []
     with ThreadPoolExecutor(max_workers=max(1, store.threads), thread_name_prefix="kit-obs-get") as pool:
@@ -248,6 +295,7 @@ def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:
 
     `timeout_s`: wait up to that long for the listing (another node may still be uploading)."""
     store, prefix = store_for(url)
+    prefix = _folder_prefix(url, prefix)
     deadline = time.monotonic() + timeout_s
     listing = read_listing(store, prefix)
     while listing is None and time.monotonic() < deadline:
@@ -269,6 +317,33 @@ def download_folder(url: str, dest: Path, timeout_s: float = 0.0) -> Path:
     return Path(dest)
 
 
+def pull(url: str, dest: Path, overwrite: bool = False) -> Path:
+    """`obs pull`: the upload at `url` as the folder `dest`, which appears only when it is complete and verified.
+
+    It is written in `.<dest>.partial-obs` beside it (a cut pull resumes there) and renamed; an existing `dest` is
+    replaced only with `overwrite`, and only once the new copy is complete."""
+    from kit.locks import hold
+
+    dest = Path(os.path.abspath(dest))
+    with hold(dest, "OBS pull"):
+        if dest.exists() and not overwrite:
+            raise OutputExistsError(
+                f"{str(dest)!r} exists; pull with --overwrite to replace it, or choose another folder."
+            )
+        work = dest.with_name(f".{dest.name}.partial-obs")
+        download_folder(url, work)
+        if dest.exists():
+            import shutil
+
+            aside = dest.with_name(f".{dest.name}.replaced-obs")
+            os.replace(dest, aside)
+            os.replace(work, dest)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(work, dest)
+    return dest
+
+
 def register(sub) -> None:
     """`python -m kit obs push FOLDER obs://...` / `pull obs://... FOLDER` (credentials from the environment)."""
     p = sub.add_parser(
@@ -278,12 +353,18 @@ def register(sub) -> None:
     push = ops.add_parser("push", help="upload FOLDER to URL, its listing last")
     push.add_argument("folder")
     push.add_argument("url")
+    push.add_argument("--overwrite", action="store_true", help="replace a complete upload at URL")
     push.set_defaults(
-        func=lambda a: print(f"uploaded {len(upload_folder(Path(a.folder), a.url))} files to {a.url}")
+        func=lambda a: print(
+            f"uploaded {len(upload_folder(Path(a.folder), a.url, overwrite=a.overwrite))} files to {a.url}"
+        )
     )
-    pull = ops.add_parser("pull", help="download URL into FOLDER, resumably, verified")
-    pull.add_argument("url")
-    pull.add_argument("folder")
-    pull.set_defaults(
-        func=lambda a: print(f"downloaded {a.url} into {download_folder(a.url, Path(a.folder))}")
+    get = ops.add_parser(
+        "pull", help="download URL as FOLDER (it appears complete and verified, or not at all)"
+    )
+    get.add_argument("url")
+    get.add_argument("folder")
+    get.add_argument("--overwrite", action="store_true", help="replace FOLDER once the new copy is complete")
+    get.set_defaults(
+        func=lambda a: print(f"downloaded {a.url} into {pull(a.url, Path(a.folder), overwrite=a.overwrite)}")
     )

@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import s3_standin  # noqa: E402
 import test_train_helpers as H  # noqa: E402
 
 from kit import obs  # noqa: E402
-from kit.errors import IntegrityError, MissingInputError  # noqa: E402
+from kit.errors import InputError, IntegrityError, MissingInputError  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -123,6 +124,69 @@ def test_an_upload_without_its_listing_is_not_a_folder(env, tmp_path):
     store.put_bytes(f"{prefix}/part.bin", b"x")
     with pytest.raises(MissingInputError, match=obs.LISTING):
         obs.download_folder(url, tmp_path / "d")
+
+
+def test_a_listing_that_names_a_file_outside_the_destination_writes_nothing(env, tmp_path):
+    """The listing stored in OBS is data anyone with write access to the prefix can edit: a name that is absolute,
+    climbs with `..` or runs through a link out of the folder is refused before a byte is written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.txt").write_text("fine")
+    url = _url("unit", secrets.token_hex(4), "planted")
+    obs.upload_folder(src, url)
+    store, prefix = obs.store_for(url)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "dest").mkdir()
+    (tmp_path / "dest" / "link").symlink_to(outside)
+    good = json.loads(store.get_bytes(f"{prefix}/{obs.LISTING}"))["files"]["ok.txt"]
+    evil = {"bytes": 4, "crc32": f"{zlib.crc32(b'evil'):08x}"}  # listed and stored: it would download
+    for name in ("../x.pth", str(outside / "abs.pth"), "link/through.pth", "a//b", "sub/../../y"):
+        try:
+            store.put_bytes(f"{prefix}/{name}", b"evil")
+        except obs.ObsError:  # this server refuses such a key (real OBS takes any): the listing still names it
+            pass
+        listing = {"files": {"ok.txt": good, name: evil}}
+        store.put_bytes(f"{prefix}/{obs.LISTING}", json.dumps(listing).encode())
+        with pytest.raises(InputError, match="which is not a file inside"):
+            obs.download_folder(url, tmp_path / "dest")
+        if not name.startswith("link/"):  # the link is in `dest`: a fresh pull's folder has none
+            with pytest.raises(InputError, match="nothing was downloaded"):
+                obs.pull(url, tmp_path / "pulled")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest", "outside", "src"]
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["link"]
+
+
+def test_push_and_pull_never_replace_or_publish_what_they_were_not_asked_to(env, tmp_path, capsys):
+    from kit.__main__ import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("one")
+    url = _url("cli", secrets.token_hex(4), "run")
+    # nothing to push: one line, and nothing appears complete in OBS
+    assert main(["obs", "push", str(tmp_path / "missing"), url]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["obs", "push", str(tmp_path / "empty"), url]) == 2
+    assert main(["obs", "push", str(src), "obs://" + obs.split(url)[0]]) == 2  # the bucket root is no folder
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and "holds no files" in err and "names a bucket but no folder" in err
+    assert obs.read_listing(*obs.store_for(url)) is None
+    # a complete upload is replaced only when asked
+    assert main(["obs", "push", str(src), url]) == 0
+    (src / "a.txt").write_text("two")
+    assert main(["obs", "push", str(src), url]) == 2 and "--overwrite" in capsys.readouterr().err
+    # a pull appears whole or not at all, and replaces an existing folder only when asked
+    back = tmp_path / "back"
+    assert main(["obs", "pull", url, str(back)]) == 0 and (back / "a.txt").read_text() == "one"
+    assert main(["obs", "push", str(src), url, "--overwrite"]) == 0
+    assert main(["obs", "pull", url, str(back)]) == 2 and "--overwrite" in capsys.readouterr().err
+    assert (back / "a.txt").read_text() == "one"
+    assert main(["obs", "pull", url, str(back), "--overwrite"]) == 0 and (back / "a.txt").read_text() == "two"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "empty", "src"]  # no partial left
+    # a bucket that does not exist
+    assert main(["obs", "pull", "obs://no-such-bucket-kit/x", str(tmp_path / "n")]) == 2
+    assert "bucket 'no-such-bucket-kit' does not exist" in capsys.readouterr().err
 
 
 def test_the_server_checks_signatures_and_credentials_come_from_the_environment(env, monkeypatch):
