@@ -11,6 +11,9 @@ from typing import Iterator, Optional, Union
 
 from kit.errors import KitError, OutputError
 
+# the file a stage writes last into its output folder (kit.manifest): a folder that holds it is complete
+MANIFEST_NAME = "kit_manifest.json"
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from kit.atomic import MANIFEST_NAME
 from kit.errors import InputError, IntegrityError, MissingInputError
 
-MANIFEST_NAME = "kit_manifest.json"
 SCHEMA_VERSION = 1
 PathLike = Union[str, "os.PathLike[str]"]
 

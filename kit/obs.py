@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from kit.atomic import OutputExistsError
+from kit.atomic import MANIFEST_NAME, OutputExistsError
 from kit.errors import InputError, KitError, MissingInputError
-from kit.manifest import crc32_file
+from kit.manifest import crc32_file, sha256_file
 
 SCHEME = "obs://"
 LISTING = "kit_obs_files.json"  # uploaded last: the folder above it is complete in OBS
@@ -230,10 +230,9 @@ def upload_folder(folder: Path, url: str, store: Optional[Store] = None, overwri
 
 
 def _manifest_sha256(folder: Path) -> Optional[str]:
-    """The SHA-256 kit.manifest gives the folder's manifest (what later stages record as consumed), or None."""
-    from kit.manifest import find_manifest, read_manifest
-
-    return read_manifest(folder).sha256 if find_manifest(folder) is not None else None
+    """The SHA-256 of the folder's manifest file (what later stages record as consumed), or None."""
+    path = Path(folder) / MANIFEST_NAME
+    return sha256_file(path) if path.is_file() else None
 
 
 def read_listing(store: Store, prefix: str) -> Optional[dict]:
