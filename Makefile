@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 install: $(STAMP)
 
 demo: install
-	$(PY) -m kit.notebooks
+	$(PY) -m kit demo
 
 lint: install
 	$(PY) -m ruff check .

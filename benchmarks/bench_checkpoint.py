@@ -31,7 +31,7 @@ def engine_for(hidden: int, layers: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kit.device import detect
+    from kit.system.device import detect
     from kit.train import engine as eng
 
     eng.init_distributed(detect())

@@ -6,7 +6,7 @@ Megatron -> HF as the model grows.
    every byte read once and written once), at both model sizes. Min of >= 3 alternated repeats, warm page cache
    for both; the kit's modules byte-compiled first, as an installed package has them. Goal: CLI wall <= 1.5x the
    copy. The CLI writes the rank files on one thread per core (`--workers`); `cp` uses one.
-   The NaN / inf weights check inside it (kit.weights_check.StreamCheck, run on the bytes as the writers pass
+   The NaN / inf weights check inside it (kit.convert.weights_check.StreamCheck, run on the bytes as the writers pass
    them): the seconds the CLI reports spending in it (`weights_check_seconds`, summed over its writer threads, so
    at least its share of the wall time), goal <= 10% of the CLI's wall time. The file check that evaluate and
    serve run (`check_hf_weights`, a read of every shard) is timed alone for reference.
@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # fixtures: the test assets
 
 HIDDEN, FFN, HEADS, GROUPS, VOCAB = 1024, 2816, 16, 4, 32000
 PER_LAYER = HIDDEN * (HIDDEN + 2 * HIDDEN // HEADS * GROUPS) + HIDDEN * HIDDEN + 3 * FFN * HIDDEN + 2 * HIDDEN
@@ -48,7 +49,7 @@ RSS_CHILD = (
 
 
 def make_model(folder: Path, gb: float) -> Path:
-    from kit.convert.synthetic import synthetic_checkpoint
+    from fixtures.convert.synthetic import synthetic_checkpoint
 
     layers = max(2, 2 * round((gb * 1024**3 / 2 - FIXED) / PER_LAYER / 2))  # even, for PP2
     return synthetic_checkpoint(
@@ -99,9 +100,9 @@ def timed_copy(src: Path, dst: Path) -> float:
 
 
 def timed_check(src: Path) -> float:
-    """Seconds of kit.weights_check.check_hf_weights over the folder (every float tensor's exponent bits, read
+    """Seconds of kit.convert.weights_check.check_hf_weights over the folder (every float tensor's exponent bits, read
     from the files: what evaluate and serve run; the converter checks in its writers instead)."""
-    from kit.weights_check import check_hf_weights
+    from kit.convert.weights_check import check_hf_weights
 
     t = time.perf_counter()
     check_hf_weights(src)

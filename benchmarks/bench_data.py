@@ -37,7 +37,7 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from kit.samples import pretrain_corpus
+    from kit.core.samples import pretrain_corpus
 
     texts = pq.read_table(pretrain_corpus(), columns=["text"]).column("text").to_pylist()
     sentences = [s.strip() + "." for t in texts for s in t.split(".") if s.strip()]
@@ -304,7 +304,7 @@ def main() -> int:
         print(json.dumps(CHILDREN[what](*[int(x) if x.isdigit() else x for x in rest])))
         return 0
 
-    from kit.samples import sample_tokenizer_dir
+    from kit.core.samples import sample_tokenizer_dir
 
     mb = args.mb or (30.0 if args.quick else 60.0)
     repeat = args.repeat or (3 if args.quick else 5)

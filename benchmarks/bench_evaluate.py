@@ -55,8 +55,8 @@ def heldout_rows(model_dir: Path, work: Path, n: int):
     """The held-out split kit.data writes for the Alpaca sample (every 2nd record until n are held out)."""
     from datasets import load_from_disk
 
+    from kit.core.workspace import get_workspace
     from kit.data import DataConfig, prepare
-    from kit.workspace import get_workspace
 
     cfg = DataConfig(
         kind="sft",
@@ -103,11 +103,11 @@ def main() -> int:
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
+    from kit.core.samples import demo_model_dir
     from kit.evaluate import load_task
     from kit.evaluate.scoring import heldout_loss, score_task
     from kit.evaluate.tasks import resolved_yaml
-    from kit.samples import demo_model_dir
-    from kit.train.engine import load_causal_lm
+    from kit.system.hf_compat import load_causal_lm
 
     transformers.logging.set_verbosity_error()
     model_dir = demo_model_dir()

@@ -1,7 +1,7 @@
 """OBS benchmark against a local S3-compatible server (SeaweedFS on 127.0.0.1, tests/s3_standin.py).
 
 1. Checkpoint upload / download: the kit's OBS_HOME transfer of a real DeepSpeed checkpoint folder (kit.train.obs_home:
-   CRC-32 of every file, a node record and the complete marker last; kit.obs.download_files: verified) against the
+   CRC-32 of every file, a node record and the complete marker last; kit.storage.obs.download_files: verified) against the
    OBS SDK's own `uploadFile` / `downloadFile` of the same files with the same part size and threads.
 2. Step time while checkpoints upload in the background (the trainer's hook, CheckpointUploads: its uploader child
    process) vs no upload (same engine, same steps, alternated).
@@ -128,8 +128,8 @@ def main() -> int:
     import s3_standin
     from bench_checkpoint import engine_for
 
-    from kit import obs
-    from kit.manifest import crc32_file
+    from kit.storage import obs
+    from kit.storage.hashes import crc32_file
     from kit.train import checkpoint as ck
     from kit.train.obs_home import CheckpointUploads
 

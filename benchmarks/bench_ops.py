@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kit import ops
-from kit.device import get_device, synchronize
+from kit.system.device import get_device, synchronize
 
 
 def _once(fn, inner: int) -> float:

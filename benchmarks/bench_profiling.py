@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # fixtures: the test assets
 
 CHILD = r"""
 import json, resource, sys, time
@@ -205,10 +206,10 @@ def report_values(label: str, w0: list, c0: list, w1: list, c1: list) -> float:
 def bench_overhead(steps: int, rounds: int) -> list:
     """Plain forward/backward/AdamW loop of a tiny Llama, without and with torch.profiler recording."""
     import torch
+    from fixtures.plain_loop import load_model, run_steps, sample_batches
 
     import kit.profiling as kp
-    from kit.profiling.demo import load_model, run_steps, sample_batches
-    from kit.samples import tiny_llama
+    from kit.core.samples import tiny_llama
 
     torch.set_num_threads(1)  # one thread: the figure is about the profiler, not about thread contention
     tmp = Path(tempfile.mkdtemp(prefix="bench_prof_"))
@@ -254,8 +255,8 @@ def bench_trainer_overhead(steps: int, rounds: int) -> list:
     import torch
 
     import kit.profiling as kp
+    from kit.core.samples import sample_tokenizer_dir, tiny_llama
     from kit.data import DataConfig, prepare
-    from kit.samples import sample_tokenizer_dir, tiny_llama
     from kit.train import TrainConfig, train
 
     torch.set_num_threads(1)

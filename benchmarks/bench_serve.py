@@ -121,10 +121,10 @@ def main() -> int:
         return 0
     from transformers import AutoTokenizer
 
-    from kit.samples import tiny_llama
+    from kit.core.samples import tiny_llama
+    from kit.core.workspace import get_workspace
     from kit.serve import ServeConfig, serve
     from kit.serve.loadgen import make_prompts
-    from kit.workspace import get_workspace
 
     print(f"  before: {_load()}")
     with tempfile.TemporaryDirectory() as tmp:

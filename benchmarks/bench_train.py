@@ -176,7 +176,7 @@ def plain_run(cfg) -> dict:
     """A bare DeepSpeed loop: same model, ds_config, optimizer, schedule and micro-batches as the kit trainer."""
     import torch
 
-    from kit.device import detect
+    from kit.system.device import detect
     from kit.train import engine as eng
     from kit.train.batches import load_dataset, micro_batches, tokens_in
 
@@ -378,9 +378,9 @@ def prepare_inputs(tmp: Path, seq: int) -> dict:
     """The tiny model and the three prepared datasets (kit.data), in a temporary workspace."""
     import datasets
 
+    from kit.core.samples import tiny_llama
+    from kit.core.workspace import get_workspace
     from kit.data import DataConfig, prepare
-    from kit.samples import tiny_llama
-    from kit.workspace import get_workspace
 
     ws = get_workspace(tmp / "ws", model="bench")
     model = tiny_llama(

@@ -16,15 +16,26 @@ from kit.errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, INSTALL_EXTRAS, debug_e
 
 # sub-command -> (module with `register(subparsers)`, one-line help shown by `python -m kit --help`)
 STAGES = {
-    "doctor": ("kit.doctor", "check Python, torch, torch_npu, CANN, driver, devices, DeepSpeed"),
+    "doctor": ("kit.doctor.report", "check Python, torch, torch_npu, CANN, driver, devices, DeepSpeed"),
+    "device-check": (
+        "kit.doctor.device_check",
+        "a few minutes on a new device: kit ops vs float64, model parity, 2-card step, training, profile",
+    ),
+    "demo": (
+        "kit.envs.notebooks",
+        "run the numbered notebooks headless on the embedded defaults (make demo)",
+    ),
     "env": ("kit.envs.cli", "conda envs / venvs on persistent storage, archives, Jupyter kernels with CANN"),
     "data": ("kit.data.cli", "prepare pretraining / fine-tuning data (HF + Megatron formats)"),
     "convert": ("kit.convert.cli", "convert weights HF <-> Megatron with TP/PP"),
-    "megatron": ("kit.megatron.cli", "Megatron path on CPU: megatron-core preflight of the converted shards"),
+    "megatron": (
+        "kit.train.preflight.cli",
+        "Megatron path on CPU: megatron-core preflight of the converted shards",
+    ),
     "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
     "job": (
-        "kit.job.cli",
+        "kit.train.job.cli",
         "ModelArts training job on N nodes from a training config (dry run; --submit sends it)",
     ),
     "profile": ("kit.profiling.cli", "capture and analyze profiles, slow-operator advice"),
@@ -33,8 +44,8 @@ STAGES = {
         "kit.serve.cli",
         "serve the trained model (OpenAI API), load-test it, package it for ModelArts",
     ),
-    "obs": ("kit.obs", "copy a stage's folder to or from OBS (OBS_HOME runs: docs/obs.md)"),
-    "samples": ("kit.samples.cli", "regenerate sample data / tokenizer, build tiny or demo checkpoints"),
+    "obs": ("kit.storage.obs", "copy a stage's folder to or from OBS (OBS_HOME runs: docs/obs.md)"),
+    "samples": ("kit.core.samples.cli", "build tiny seeded or demo checkpoints"),
 }
 
 

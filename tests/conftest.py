@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny seeded Llama with GQA (4 heads, 2 KV heads), untied embeddings, sharded safetensors."""
-    from kit.samples import tiny_llama
+    from kit.core.samples import tiny_llama
 
     return tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama-gqa", seed=0)
 
@@ -25,7 +25,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_tied_dir(tmp_path_factory) -> Path:
     """A tiny seeded Llama with plain multi-head attention and tied embeddings."""
-    from kit.samples import tiny_llama
+    from kit.core.samples import tiny_llama
 
     return tiny_llama(
         tmp_path_factory.mktemp("ckpt") / "tiny-llama-mha-tied",
@@ -38,7 +38,7 @@ def tiny_llama_tied_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def workspace(tmp_path):
     """A fresh `${workdir}` layout under the test's temporary folder."""
-    from kit.workspace import get_workspace
+    from kit.core.workspace import get_workspace
 
     return get_workspace(tmp_path / "ws", model="tiny")
 
@@ -49,7 +49,7 @@ def run_notebook(tmp_path):
 
     WORKSPACE defaults to a temporary folder; the summary is the notebook's reports/<stem>.summary.json.
     """
-    from kit.notebooks import execute, numbered_notebooks
+    from kit.envs.notebooks import execute, numbered_notebooks
 
     def run(prefix: str, **params):
         matches = [p for p in numbered_notebooks() if p.name.startswith(prefix)]

@@ -120,7 +120,7 @@ def _wait_ready(proc, env: dict, timeout_s: float, log: Path) -> None:
     """Until the bucket can be made and an object written and read back through the OBS SDK (bounded)."""
     from unittest import mock
 
-    from kit.obs import Store
+    from kit.storage.obs import Store
 
     deadline = time.monotonic() + timeout_s
     last = ""

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from kit.adapt import adapt_model
-from kit.hf_compat import dtype_kw
+from kit.system.hf_compat import dtype_kw
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
-"""The one CANN set_env.sh search (kit.cann): both install layouts, and the doctor and kit.envs agree on it."""
+"""The one CANN set_env.sh search (kit.system.cann): both install layouts, and the doctor and kit.envs agree on it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import kit.envs as envs
-from kit import cann, doctor
+from kit.doctor import report as doctor
+from kit.system import cann
 
 FIXTURES = Path(__file__).parent / "fixtures" / "envs"
 OLD_LAYOUT = FIXTURES / "ascend_toolkit"  # <root>/ascend-toolkit/set_env.sh

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.manifest import (
+from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
     PREPARED_DATA,
@@ -75,10 +75,10 @@ def test_notebooks_chain_through_their_manifests(run_notebook, tiny_llama_dir, t
         p.name for m in after_02 if m.kind == PREPARED_DATA for p in [m.folder]
     )  # no re-prep
     # its Megatron plan points at 03's converted checkpoint and 02's Megatron prefix with the flags the data needs
+    from kit.core.workspace import get_workspace
     from kit.train.config import from_manifest, replace
     from kit.train.megatron import build
     from kit.train.resolve import resolve
-    from kit.workspace import get_workspace
 
     megatron = replace(
         from_manifest(run.folder), engine="megatron", model_path=None

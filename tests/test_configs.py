@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import pytest
 
-from kit.configs import add_config_arguments, bind, explicit_values, field_docs
+from kit.core.configs import add_config_arguments, bind, explicit_values, field_docs
 
 
 @dataclass
@@ -51,12 +51,12 @@ STAGE_CONFIGS = [
     "kit.profiling.config:ProfileConfig",
     "kit.evaluate.config:EvalConfig",
     "kit.envs.config:EnvsConfig",
-    "kit.doctor:DoctorConfig",
+    "kit.doctor.report:DoctorConfig",
     "kit.serve.config:ServeConfig",
     "kit.serve.config:BenchConfig",
     "kit.serve.config:PackageConfig",
-    "kit.job.config:JobConfig",
-    "kit.megatron.preflight:PreflightConfig",
+    "kit.train.job.config:JobConfig",
+    "kit.train.preflight.run:PreflightConfig",
 ]
 
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from fixtures.convert import models as convert_models
 
-from kit.atomic import OutputExistsError, check_space
-from kit.configs import ConfigError
 from kit.convert import ConversionError, ConvertConfig, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader, load_rank_file
 from kit.convert.verify import compare_hf, hf_checksums, megatron_checksums, round_trip
+from kit.core.configs import ConfigError
 from kit.errors import OutputError
-from kit.hf_compat import dtype_kw
+from kit.storage.atomic import OutputExistsError, check_space
+from kit.system.hf_compat import dtype_kw
 
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir  # shared session fixtures
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
@@ -367,7 +367,7 @@ def test_peak_memory_stays_far_below_the_model_size(tmp_path):
     import subprocess
     import sys
 
-    from kit.convert.synthetic import synthetic_checkpoint
+    from fixtures.convert.synthetic import synthetic_checkpoint
 
     src = synthetic_checkpoint(
         tmp_path / "src",

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.convert.synthetic import synthetic_checkpoint
 
 from kit.convert import ConversionError, ConvertConfig, hf_to_megatron, megatron_to_hf
-from kit.convert.synthetic import synthetic_checkpoint
 from kit.convert.verify import compare_hf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,7 @@ from fixtures.convert import models as convert_models
 
 from kit.convert import ConvertConfig, model_facts, run
 from kit.convert.sources import fingerprint
-from kit.errors import InputError
-from kit.manifest import (
+from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
     PREPARED_DATA,
@@ -24,7 +23,8 @@ from kit.manifest import (
     tokenizer_sha256,
     write_manifest,
 )
-from kit.parallel import parallel_problems
+from kit.core.parallel import parallel_problems
+from kit.errors import InputError
 
 tiny_glm_dir = convert_models.tiny_glm_dir  # shared session fixtures
 tiny_baichuan_dir = convert_models.tiny_baichuan_dir
@@ -71,7 +71,7 @@ def test_converted_manifest_holds_layout_vocab_and_family_facts(tiny_llama4_dir,
     assert flags[flags.index("--num-layer-list") + 1] == "1,2,1"
     assert flags[flags.index("--num-query-groups") + 1] == "2" and "--add-qkv-bias" in flags
     assert flags[flags.index("--padded-vocab-size") + 1] == "2560"
-    # the facts read back from the converted folder are the HF folder's, and fit kit.parallel's rules
+    # the facts read back from the converted folder are the HF folder's, and fit kit.core.parallel's rules
     assert model_facts(out) == model_facts(tiny_llama4_dir) == model
     assert parallel_problems(model, m["tp"], m["pp"], m["num_layer_list"]) == []
     s = result.summary()
@@ -307,8 +307,9 @@ def test_baichuan2_7b_layout_converts_as_rope_and_its_way_back_checks_it(tiny_ba
 
 
 def test_uneven_tp4_pp4_layer_list_7887_converts_and_is_recorded(tmp_path):
+    from fixtures.convert.synthetic import synthetic_checkpoint
+
     from kit.convert.megatron_io import MegatronReader
-    from kit.convert.synthetic import synthetic_checkpoint
 
     src = synthetic_checkpoint(
         tmp_path / "thirty", "llama", hidden_size=32, num_layers=30, num_heads=4, num_groups=4,

@@ -48,17 +48,17 @@ def mcore_world():
 
 @pytest.fixture
 def cpu_patches():
-    """kit.megatron.cpu_patches, the preflight ranks' CPU patches of megatron-core's CUDA assumptions, for one test."""
-    from kit.megatron.cpu_patches import cpu_patched
+    """kit.train.preflight.cpu_patches, the preflight ranks' CPU patches of megatron-core's CUDA assumptions, for one test."""
+    from kit.train.preflight.cpu_patches import cpu_patched
 
     with cpu_patched():
         yield
 
 
 def build_gpt(args):
-    """The preflight's GPTModel (kit.megatron.ranks.build_model) from the checkpoint's own `args`, one stage; MoE
+    """The preflight's GPTModel (kit.train.preflight.ranks.build_model) from the checkpoint's own `args`, one stage; MoE
     models with the checkpoint's EP and token dispatcher."""
-    from kit.megatron.ranks import build_model
+    from kit.train.preflight.ranks import build_model
 
     tp = args.tensor_model_parallel_size
     job = {
@@ -133,9 +133,8 @@ def test_gptmodel_logits_catch_a_wrong_qkv_layout(tiny_llama_dir, tmp_path, mcor
 def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str, ep: int = 1) -> None:
     """One TP (x EP) rank: megatron-core loads its own rank file strictly and writes its vocab slice of the logits."""
     import torch.distributed as dist
+    from kit.train.preflight.cpu_patches import cpu_patched
     from megatron.core import parallel_state
-
-    from kit.megatron.cpu_patches import cpu_patched
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(world // ep, 1, expert_model_parallel_size=ep)

@@ -16,8 +16,8 @@ from kit.convert import ConversionError, ConvertConfig, hf_to_megatron, megatron
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader, load_rank_file
 from kit.convert.verify import logits_check, megatron_checksums, round_trip, verify_conversion
-from kit.manifest import read_manifest
-from kit.parallel import expert_parallel_problems
+from kit.core.manifest import read_manifest
+from kit.core.parallel import expert_parallel_problems
 
 tiny_qwen3_moe_dir = fam_models.tiny_qwen3_moe_dir  # shared session fixture
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,8 @@ def test_bad_ep_is_one_line_and_exit_2(tiny_qwen3_moe_dir, tiny_llama_dir, tmp_p
 def test_moe_conversion_memory_stays_far_below_the_model_size(tmp_path):
     """Streaming with experts: HF -> Megatron TP1 EP2 and back raise the peak RSS by far less than the model size
     (one expert tensor at a time, as one dense tensor at a time for dense models)."""
-    from kit.convert.synthetic import synthetic_checkpoint
+    from fixtures.convert.synthetic import synthetic_checkpoint
+
     from kit.convert.verify import compare_hf
 
     src = synthetic_checkpoint(
@@ -320,7 +321,7 @@ def test_the_free_space_check_counts_what_the_expert_layout_writes(
     from kit.convert.convert import _hf_bytes
     from kit.convert.families import family_for_config
     from kit.convert.megatron_source import layout_bytes, stages_of
-    from kit.parallel import padded_vocab_size
+    from kit.core.parallel import padded_vocab_size
 
     hf = HFReader(tiny_qwen3_moe_dir)
     fam = family_for_config(hf.config, None)

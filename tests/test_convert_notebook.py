@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kit.convert.megatron_io import MegatronReader
-from kit.workspace import repo_root
+from kit.core.workspace import repo_root
 
 NB = repo_root() / "notebooks" / "03_weight_conversion.ipynb"
 
@@ -32,7 +32,7 @@ def test_notebook_03_converts_and_verifies(run_notebook, tiny_llama_dir, tmp_pat
 
 
 def test_notebook_03_parameters_default_to_the_workspace_and_the_demo_model():
-    from kit.notebooks import parameters_of
+    from kit.envs.notebooks import parameters_of
 
     params = parameters_of(NB)
     assert params["WORKSPACE"] is None and params["MODEL"] == "demo" and params["SOURCE"] is None

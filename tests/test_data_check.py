@@ -17,7 +17,7 @@ from kit.errors import IntegrityError
 
 @pytest.fixture(scope="module")
 def tokenizer_copy(tmp_path_factory) -> Path:
-    from kit.samples import sample_tokenizer_dir
+    from kit.core.samples import sample_tokenizer_dir
 
     dst = tmp_path_factory.mktemp("tok") / "tok"
     shutil.copytree(sample_tokenizer_dir(), dst)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_leftovers_of_killed_runs_are_reported_and_removed_with_clean_partial(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
-    hf_left = out / ".tiny_hf.partial-0123456789ab"  # kit/atomic.py's temporary folder
+    hf_left = out / ".tiny_hf.partial-0123456789ab"  # kit/storage/atomic.py's temporary folder
     hf_left.mkdir()
     (hf_left / "data-00000-of-00001.arrow").write_bytes(b"\0" * 2**20)
     bin_left = out / "tiny_text_document.bin.partial-4242"  # the Megatron writer's temporary file

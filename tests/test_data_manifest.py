@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from kit.__main__ import main
+from kit.core.manifest import KINDS, PREPARED_DATA, read_manifest, tokenizer_sha256, write_manifest
+from kit.core.samples import sample_tokenizer_dir, sft_alpaca
 from kit.data import DataConfig, IndexedReader, load_prepared, prepare, read_prepared
 from kit.data.dialogs import Dialog
 from kit.data.prepared import MODEL_INPUTS
 from kit.data.sft import encode_dialogs
 from kit.errors import InputError
-from kit.manifest import KINDS, PREPARED_DATA, read_manifest, tokenizer_sha256, write_manifest
-from kit.samples import sample_tokenizer_dir, sft_alpaca
 
 PACKED_FLAGS = ["--reset-attention-mask", "--neat-pack"]
 
@@ -227,7 +227,7 @@ def test_read_prepared_types_and_prefix_lookup(tmp_path):
 
 
 def test_cli_options_come_from_the_config(tmp_path, capsys):
-    from kit.configs import field_docs
+    from kit.core.configs import field_docs
 
     docs = field_docs(DataConfig)
     with pytest.raises(SystemExit):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from kit.core.manifest import read_manifest
+from kit.core.samples import sample_tokenizer_dir
 from kit.data import IndexedReader, load_prepared, read_prepared
-from kit.manifest import read_manifest
-from kit.samples import sample_tokenizer_dir
 
 NB = Path(__file__).resolve().parent.parent / "notebooks" / "02_data_prep.ipynb"
 

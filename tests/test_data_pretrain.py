@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kit.core.samples import pretrain_corpus, sample_tokenizer_dir
 from kit.data import DataConfig, IndexedReader, load_prepared, prepare, read_meta
 from kit.data.readers import DataInputError
-from kit.samples import pretrain_corpus, sample_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

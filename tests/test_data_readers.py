@@ -8,9 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kit.atomic import OutputExistsError
 from kit.data import DataConfig, DataInputError, load_prepared, prepare
 from kit.data.readers import iter_records
+from kit.storage.atomic import OutputExistsError
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 
@@ -138,7 +138,7 @@ def test_formats_and_field_mapping(tmp_path):
     assert results["x.parquet"] == results["x.csv"] == results["x.json"] == results["s.jsonl"]
     from transformers import AutoTokenizer
 
-    from kit.samples import sample_tokenizer_dir
+    from kit.core.samples import sample_tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(str(sample_tokenizer_dir()))
     assert tok.decode([t for t in results["o.jsonl"] if t != 3]).startswith("<|im_start|>system\nS<|im_end|>")
@@ -170,7 +170,7 @@ def test_readers_stream_folders_in_order(tmp_path):
 
 
 def test_config_lists_every_problem():
-    from kit.configs import ConfigError, check
+    from kit.core.configs import ConfigError, check
 
     with pytest.raises(ConfigError) as info:
         check(

@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from kit.core.samples import sample_tokenizer_dir, sft_alpaca
 from kit.data import DataConfig, IndexedReader, load_prepared, prepare
 from kit.data.dialogs import Dialog
 from kit.data.packing import pack_lengths
 from kit.data.sft import encode_dialogs
-from kit.samples import sample_tokenizer_dir, sft_alpaca
 
 DIALOG = Dialog("SYS", [("Q1", "A1"), ("Q2", "A2")])
 # Expected text (full dialog, learned part) per template, written out by hand from each model family's format.

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
+from kit.core.samples import sample_tokenizer_dir
 from kit.data import DataConfig, IndexedReader, prepare
 from kit.data.tokenizing import encode_texts, load_tokenizer
-from kit.samples import sample_tokenizer_dir
 
 TEXTS = ["Hello world.", "天翼云公司英文名。", "<_user>hi<_bot>ok<end>", "", "  spaces  and\nnewlines\n"]
 

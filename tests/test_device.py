@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from kit import device
+from kit.system import device
 
 
 @pytest.fixture

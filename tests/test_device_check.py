@@ -1,19 +1,19 @@
-"""`python -m kit adapt device-check` on CPU: every section runs (torch branch) and one JSON + table come out."""
+"""`python -m kit device-check` on CPU: every section runs (torch branch) and one JSON + table come out."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from kit.adapt import cli
+from kit.doctor import device_check
 
 
 def test_device_check_on_cpu_writes_one_json_and_a_table(tmp_path, capsys):
     parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers(dest="stage"))
+    device_check.register(parser.add_subparsers(dest="stage"))
     out = tmp_path / "device_check.json"
     args = parser.parse_args(
-        ["adapt", "device-check", "--json", str(out), "--work-dir", str(tmp_path / "work"), "--steps", "3"]
+        ["device-check", "--json", str(out), "--work-dir", str(tmp_path / "work"), "--steps", "3"]
     )
     assert args.func(args) == 0
     report = json.loads(out.read_text())
@@ -40,7 +40,7 @@ def test_device_check_on_cpu_writes_one_json_and_a_table(tmp_path, capsys):
 
 
 def test_a_broken_section_is_a_failed_row_not_a_crash(tmp_path, monkeypatch):
-    from kit.adapt import device_check
+    from kit.doctor import device_check
 
     def broken(*args):
         raise RuntimeError("no kernel for this")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kit import doctor, versions
+from kit.doctor import report as doctor
+from kit.system import versions
 
 
 def test_report_on_this_cpu_machine(tmp_path):
@@ -104,7 +105,7 @@ def test_stage_needs_are_the_pyproject_floors_and_the_oldest_tested_stack():
     """One set of numbers: STAGE_NEEDS, pyproject.toml's floors and envs/compat/py39-torch21.txt agree."""
     import re
 
-    from kit.workspace import repo_root
+    from kit.core.workspace import repo_root
 
     root = repo_root()
     pyproject = (root / "pyproject.toml").read_text(encoding="utf-8")

@@ -609,7 +609,7 @@ def test_cli_options_come_from_envs_config():
     import argparse
     import dataclasses
 
-    from kit.configs import field_docs
+    from kit.core.configs import field_docs
     from kit.envs import cli as env_cli
 
     parser = argparse.ArgumentParser(prog="python -m kit")

@@ -34,8 +34,8 @@ def test_every_kit_error_is_a_kit_error():
 
 def test_stage_errors_sit_under_the_shared_kinds():
     """Stage errors refine the kinds of kit.errors, so `except InputError` catches every bad-input error."""
-    from kit.configs import ConfigError
     from kit.convert.torch_zip import RankFileError
+    from kit.core.configs import ConfigError
     from kit.data.readers import DataInputError, DataPathError
     from kit.profiling.profile_data import ProfileError
 

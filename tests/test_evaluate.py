@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kit.errors import InputError
-from kit.evaluate import EvalConfig, load_task, run
-from kit.evaluate.tasks import SAMPLE_TASKS_DIR
-from kit.manifest import (
+from kit.core.manifest import (
     EVALUATION,
     PREPARED_DATA,
     TRAINING_RUN,
     read_manifest,
 )
+from kit.errors import InputError
+from kit.evaluate import EvalConfig, load_task, run
+from kit.evaluate.tasks import SAMPLE_TASKS_DIR
 
 FAST = dict(
     batch_sizes=[1, 2], prompt_lengths=[8, 16], decode_tokens=2, max_new_tokens=4, task_limit=4, engine="kit"
@@ -30,8 +30,9 @@ FAST = dict(
 def chain(tmp_path_factory, tiny_llama_dir):
     """A workspace with prepared SFT data and its held-out split, a base model (seed 0), a 'trained' one (seed 1)
     and the training-run / hf-model manifests that tie them together, as notebook 04 writes them."""
-    from kit.evaluate.fixtures import tiny_training_run
-    from kit.workspace import get_workspace
+    from fixtures.training_run import tiny_training_run
+
+    from kit.core.workspace import get_workspace
 
     root = tmp_path_factory.mktemp("evalchain")
     run_dir = tiny_training_run(root / "ws", tiny_llama_dir, root / "trained")
@@ -146,7 +147,7 @@ def test_kit_accuracy_equals_lm_eval_run_directly(chain, tmp_path):
 
     from kit.evaluate.scoring import score_task
     from kit.evaluate.tasks import resolved_yaml
-    from kit.train.engine import load_causal_lm
+    from kit.system.hf_compat import load_causal_lm
 
     # a three-choice task whose choices are one token each after the prompt: the kit's one-forward path
     (tmp_path / "abc.jsonl").write_text(
@@ -232,14 +233,14 @@ def test_heldout_loss_equals_one_dialog_at_a_time_at_any_batch_size(chain, monke
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM
 
-    import kit.hf_compat
+    import kit.system.hf_compat
     from kit.evaluate.scoring import heldout_loss
 
     model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
-    if select and not kit.hf_compat.takes_logit_positions(model):
+    if select and not kit.system.hf_compat.takes_logit_positions(model):
         pytest.skip("this transformers' models take no logits_to_keep positions")
     if not select:
-        monkeypatch.setattr(kit.hf_compat, "takes_logit_positions", lambda model: False)
+        monkeypatch.setattr(kit.system.hf_compat, "takes_logit_positions", lambda model: False)
     total, count = _independent_loss(chain["base"], chain["heldout"]["path"])
     rows = list(load_from_disk(chain["heldout"]["path"]))
     assert len(rows) > 2
@@ -257,15 +258,15 @@ def test_batched_choice_scores_equal_one_forward_per_choice(chain, monkeypatch, 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import kit.hf_compat
+    import kit.system.hf_compat
     from kit.evaluate.scoring import _rows_of, encode_pair, task_logliks
 
     tok = AutoTokenizer.from_pretrained(str(chain["base"]))
     model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
-    if select and not kit.hf_compat.takes_logit_positions(model):
+    if select and not kit.system.hf_compat.takes_logit_positions(model):
         pytest.skip("this transformers' models take no logits_to_keep positions")
     if not select:
-        monkeypatch.setattr(kit.hf_compat, "takes_logit_positions", lambda model: False)
+        monkeypatch.setattr(kit.system.hf_compat, "takes_logit_positions", lambda model: False)
     questions = [
         ("Question: 1+1?\nA. 2\nB. 3\nAnswer:", ["A", "B", "the", "and"]),  # one token each here
         ("Sky color?", ["red", "bright blue", "a green and grey haze"]),
@@ -303,7 +304,7 @@ def test_speed_prefill_computes_the_last_logits_only_and_decodes_what_generate_d
     from transformers import AutoModelForCausalLM
 
     from kit.evaluate import speed
-    from kit.hf_compat import last_logits_only
+    from kit.system.hf_compat import last_logits_only
 
     model = AutoModelForCausalLM.from_pretrained(str(chain["base"])).eval()
     real, shapes, picked = model.forward, [], []
@@ -380,8 +381,8 @@ def test_csv_task_with_header_like_c_eval(tmp_path):
 def test_tokenizer_without_chat_template_and_empty_prompts(tmp_path):
     from transformers import AutoTokenizer
 
+    from kit.core.samples import sample_tokenizer_dir
     from kit.evaluate.generation import chat_prompt, read_prompts
-    from kit.samples import sample_tokenizer_dir
 
     tok = AutoTokenizer.from_pretrained(str(sample_tokenizer_dir()))
     tok.chat_template = None
@@ -453,7 +454,7 @@ def test_cli_errors_are_one_line(chain, tmp_path):
 def test_megatron_checkpoint_is_converted_back_to_hf_first(chain, tmp_path):
     from kit.convert import ConvertConfig
     from kit.convert import run as convert
-    from kit.manifest import CONVERTED_CHECKPOINT
+    from kit.core.manifest import CONVERTED_CHECKPOINT
 
     mg = tmp_path / "mg"
     convert(
@@ -482,10 +483,10 @@ def test_megatron_checkpoint_is_converted_back_to_hf_first(chain, tmp_path):
 
 def test_alone_in_an_empty_workspace_says_so_in_one_line(tmp_path, tiny_llama_dir, monkeypatch, capsys):
     """No training run: the demo model (here the tiny one) on its own, on a held-out split prepared now."""
-    import kit.samples
-    from kit.workspace import get_workspace
+    import kit.core.samples
+    from kit.core.workspace import get_workspace
 
-    monkeypatch.setattr(kit.samples, "demo_model_dir", lambda: tiny_llama_dir)
+    monkeypatch.setattr(kit.core.samples, "demo_model_dir", lambda: tiny_llama_dir)
     ws = get_workspace(tmp_path / "ws", model="demo")
     res = run(EvalConfig(parts=["heldout"], heldout_rows=2), ws, progress=False)
     said = [ln for ln in capsys.readouterr().out.splitlines() if "no training run" in ln]

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kit.manifest import EVALUATION, HF_MODEL, PREPARED_DATA, TRAINING_RUN, read_manifest
+from kit.core.manifest import EVALUATION, HF_MODEL, PREPARED_DATA, TRAINING_RUN, read_manifest
 
 
 @pytest.mark.slow
 def test_evaluation_of_a_real_training_run(tmp_path, tiny_llama_dir):
+    from kit.core.workspace import get_workspace
     from kit.data import DataConfig, prepare
     from kit.evaluate import EvalConfig, run
     from kit.train import TrainConfig, train
-    from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     data = prepare(

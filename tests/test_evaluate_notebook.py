@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.workspace import repo_root
+from kit.core.workspace import repo_root
 
 NOTEBOOK = repo_root() / "notebooks" / "06_evaluate.ipynb"
 
@@ -16,7 +16,7 @@ NOTEBOOK = repo_root() / "notebooks" / "06_evaluate.ipynb"
 @pytest.mark.slow
 @pytest.mark.dev_stack  # glue over kit.evaluate; tests/test_evaluate*.py cover it (02 -> 04 -> 06 too) on every stack
 def test_notebook_06_runs_on_tiny_models(run_notebook, tiny_llama_dir, tmp_path):
-    from kit.evaluate.fixtures import tiny_training_run
+    from fixtures.training_run import tiny_training_run
 
     ws_root = tmp_path / "ws"
     run = tiny_training_run(ws_root, tiny_llama_dir, tmp_path / "trained")

@@ -11,7 +11,7 @@ import torch
 from fixtures.convert import families as fam_models
 
 from kit.adapt import adapt_model
-from kit.hf_compat import dtype_kw
+from kit.system.hf_compat import dtype_kw
 
 FAMILIES = {
     "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),

@@ -9,7 +9,7 @@ import pytest
 from fixtures.convert import families as fam_models
 from safetensors import safe_open
 
-from kit.manifest import (
+from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     EVALUATION,
     HF_MODEL,
@@ -54,13 +54,13 @@ def _lora_config(name: str, src: str, data, ws, targets):
 def test_qwen3_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_dir):
     from kit.convert import ConvertConfig
     from kit.convert.result import run as convert_run
+    from kit.core.workspace import get_workspace
     from kit.evaluate import EvalConfig
     from kit.evaluate import run as evaluate
     from kit.train import train
     from kit.train.config import replace
     from kit.train.megatron import build
     from kit.train.resolve import resolve
-    from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     src = str(tiny_qwen3_dir)
@@ -122,13 +122,13 @@ def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_
     blocks and the router's aux loss; the Megatron plan at EP2) -> 06, and the trained model back through 03."""
     from kit.convert import ConvertConfig
     from kit.convert.result import run as convert_run
+    from kit.core.workspace import get_workspace
     from kit.evaluate import EvalConfig
     from kit.evaluate import run as evaluate
     from kit.train import train
     from kit.train.config import replace
     from kit.train.megatron import build
     from kit.train.resolve import resolve
-    from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny-moe")
     src = str(tiny_qwen3_moe_dir)

@@ -15,8 +15,8 @@ from kit.convert.hf_io import HFReader
 from kit.convert.manifests import architecture_flags
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.verify import hf_logits, logits_check, megatron_checksums, round_trip, sample_tokens
+from kit.core.manifest import read_manifest
 from kit.errors import InputError
-from kit.manifest import read_manifest
 
 tiny_qwen3_dir = fam_models.tiny_qwen3_dir  # shared session fixtures
 tiny_qwen3_untied_dir = fam_models.tiny_qwen3_untied_dir

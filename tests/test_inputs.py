@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 import os
 
-from kit.inputs import consumed, newest, outputs
-from kit.manifest import HF_MODEL, MANIFEST_NAME, PREPARED_DATA, TRAINING_RUN, read_manifest, write_manifest
+from kit.core.inputs import consumed, newest, outputs
+from kit.core.manifest import (
+    HF_MODEL,
+    MANIFEST_NAME,
+    PREPARED_DATA,
+    TRAINING_RUN,
+    read_manifest,
+    write_manifest,
+)
 
 
 def _run(folder, created: str, mtime_ns: int, inputs=()):

@@ -15,9 +15,9 @@ import pytest
 import test_train_helpers as H
 
 from kit.__main__ import main
-from kit.job import JobConfig, build_job
-from kit.known_errors import explain
+from kit.core.known_errors import explain
 from kit.train.config import TrainConfig
+from kit.train.job import JobConfig, build_job
 from kit.train.resolve import resolve
 
 sdk = pytest.importorskip(
@@ -208,7 +208,7 @@ def test_submit_sends_the_signed_dry_run_body(api, inputs, capsys, caplog):
     assert opts["--work-dir"] == out["local_dir"] and opts["--model-name"] == "tiny"
     assert (opts["--train-iters"], opts["--gbs"], opts["--lr"]) == ("7", "32", "0.0002")
     assert not {"--nnodes", "--node-rank", "--master-addr", "--nproc-per-node"} & set(opts)
-    from kit.manifest import read_manifest
+    from kit.core.manifest import read_manifest
 
     assert f"prepared {read_manifest(inputs[1]).sha256[:12]}" in body["metadata"]["description"]
     _no_secret_anywhere(root, dry.out, dry.err, sent.out, sent.err, caplog.text, json.dumps(body))
@@ -288,7 +288,7 @@ def test_a_plan_with_problems_is_listed_and_never_sent(api, inputs, capsys):
         "on 2 node(s) x 8 card(s) of modelarts.pool.visual.8xlarge: GBS=4 is not divisible by MBS x DP = 1 x 16"
         in text
     )
-    from kit.job.submit import JobSubmitError, submit
+    from kit.train.job.submit import JobSubmitError, submit
 
     with pytest.raises(JobSubmitError, match="problem"):
         submit(plan)
@@ -302,7 +302,7 @@ def test_a_plan_with_problems_is_listed_and_never_sent(api, inputs, capsys):
 
 
 def test_the_body_is_what_the_sdk_serializes_for_image_and_engine_jobs(inputs):
-    from kit.job.submit import JobSubmitError, serialized, to_sdk
+    from kit.train.job.submit import JobSubmitError, serialized, to_sdk
 
     root, data, model = inputs
     cfg = TrainConfig(
@@ -336,12 +336,12 @@ def test_credentials_in_the_job_environment_are_refused_and_redacted(inputs):
 
 
 def test_the_preset_engine_boot_file_runs_the_kit_with_the_jobs_arguments(tmp_path):
-    """kit/job/node.py as a preset engine starts it: from another folder, arguments from KIT_NODE_ARGS."""
+    """kit/train/job/node.py as a preset engine starts it: from another folder, arguments from KIT_NODE_ARGS."""
     import os
     import subprocess
     import sys
 
-    from kit.workspace import repo_root
+    from kit.core.workspace import repo_root
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["KIT_NODE_ARGS"] = json.dumps(["train", "launch", "--help"])
@@ -358,7 +358,7 @@ def test_the_preset_engine_boot_file_runs_the_kit_with_the_jobs_arguments(tmp_pa
 
 
 def test_obs_paths_flavors_and_images_that_modelarts_would_refuse_are_named():
-    from kit.job.config import JobConfig
+    from kit.train.job.config import JobConfig
 
     good = JobConfig(
         obs_dir="obs://kit-bucket/x/", pool_id="p", image_url="swr.cn-north-4.myhuaweicloud.com/org/kit:1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.known_errors import explain
+from kit.core.known_errors import explain
 
 REAL_MESSAGES = {
     "transfer_to_npu_missing": "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'",

@@ -1,4 +1,4 @@
-"""One writer per output (kit/locks.py, kit/atomic.py): a second writer is refused naming the holder, stale locks
+"""One writer per output (kit/storage/locks.py, kit/storage/atomic.py): a second writer is refused naming the holder, stale locks
 of gone processes are broken and live or foreign ones never, a publish never replaces what appeared meanwhile, the
 data stage's files are published as one unit. Races are made deterministic with events at known points."""
 
@@ -16,15 +16,15 @@ import threading
 import pandas as pd
 import pytest
 
-from kit import atomic, locks
-from kit.locks import LockedError
+from kit.storage import atomic, locks
+from kit.storage.locks import LockedError
 
 
 @contextlib.contextmanager
 def held_elsewhere(target):
     """Another process holding the lock of `target` until the block ends (it waits on its stdin, no sleep)."""
     code = (
-        "import sys; from kit.locks import acquire, release; acquire(sys.argv[1], 'other run'); "
+        "import sys; from kit.storage.locks import acquire, release; acquire(sys.argv[1], 'other run'); "
         "print('held', flush=True); sys.stdin.readline(); release(sys.argv[1])"
     )
     proc = subprocess.Popen(
@@ -188,7 +188,7 @@ def test_overwrite_keeps_the_old_output_until_the_new_one_is_complete(tmp_path):
 # ---- data: two writers of one name, and the unit of `<name>_hf/` + `.bin/.idx` ---------------------------------
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
-    from kit.samples import pretrain_corpus
+    from kit.core.samples import pretrain_corpus
 
     df = pd.read_parquet(pretrain_corpus())[["text"]]
     folder = tmp_path_factory.mktemp("corpora")
@@ -229,8 +229,8 @@ def test_two_data_runs_of_one_name_the_second_is_refused(tmp_path, corpora, monk
 
 
 def test_an_overwrite_publishes_the_data_as_one_unit(tmp_path, corpora, monkeypatch):
+    from kit.core.manifest import find_manifest
     from kit.data import indexed, prepare
-    from kit.manifest import find_manifest
 
     prepare(_data(tmp_path, corpora[1]), progress=False)
     assert _consistent(tmp_path) == (10, 10)
@@ -298,7 +298,7 @@ def test_live_holder_tells_a_cleaner_which_outputs_are_being_written(tmp_path):
 
 
 def test_clean_partial_spares_a_live_runs_temporary_and_removes_a_killed_runs_lock(tmp_path):
-    from kit.partial import handle_partials
+    from kit.storage.partial import handle_partials
 
     for name in ("live", "killed"):
         (tmp_path / f".{name}.partial-0123").mkdir()

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from kit.errors import InputError, IntegrityError, MissingInputError
-from kit.manifest import (
+from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     MANIFEST_NAME,
     PREPARED_DATA,
@@ -16,6 +15,7 @@ from kit.manifest import (
     tokenizer_sha256,
     write_manifest,
 )
+from kit.errors import InputError, IntegrityError, MissingInputError
 
 DATA_FIELDS = dict(
     data_kind="sft",
@@ -102,7 +102,7 @@ def test_handover_lines_follow_the_chain(tmp_path):
     data = write_manifest(data_dir, PREPARED_DATA, DATA_FIELDS)
     (tmp_path / ".x.partial-1").mkdir()
     write_manifest(tmp_path / ".x.partial-1", PREPARED_DATA, DATA_FIELDS)  # unfinished: not listed
-    from kit.manifest import handover_lines
+    from kit.core.manifest import handover_lines
 
     lines = handover_lines(tmp_path)
     assert lines == ["prepared-data         processed/alpaca_hf  <- -"]

@@ -32,8 +32,8 @@ tiny_glm4_dir = fam_models.tiny_glm4_dir
 def data_workspace(root: Path, tok: str) -> dict:
     """A workspace at `root` with notebook 02's pretraining data and packed fine-tuning data (Megatron files
     written) made with tokenizer `tok`; shared with the MoE preflight's tests."""
+    from kit.core.workspace import get_workspace
     from kit.data import DataConfig, prepare
-    from kit.workspace import get_workspace
 
     w = get_workspace(root, model="tiny")
     pre = prepare(
@@ -71,7 +71,7 @@ def _cli(ckpt: Path, data: Path, out: Path, root: Path, *extra: str) -> subproce
 
 
 def _run(ckpt: Path, data: Path, out: Path, root: Path, **kw):
-    from kit.megatron.preflight import PreflightConfig, run
+    from kit.train.preflight.run import PreflightConfig, run
 
     return run(PreflightConfig(checkpoint=str(ckpt), dataset_path=str(data), output=str(out), work_dir=str(root),
                                model_name="tiny", **kw))  # fmt: skip
@@ -190,7 +190,7 @@ def test_llama31_rope_scaling_megatron_core_cannot_build_is_refused(ws, tmp_path
 def test_baichuan2_7b_layout_at_tp2_passes_every_check(ws, tiny_baichuan7b_dir, tmp_path):
     """Baichuan2-7B's W_pack [Q;K;V] split per TP rank, RoPE (its modeling_baichuan.py decides, at hidden 64), and
     the NormHead rows normalised at conversion: megatron-core trains a plain output layer, the HF side too."""
-    from kit.megatron.preflight import NORM_HEAD_NOTE
+    from kit.train.preflight.run import NORM_HEAD_NOTE
 
     ckpt = _convert(tiny_baichuan7b_dir, tmp_path / "c", 2, 1)
     res = _run(ckpt, ws["pretrain"], tmp_path / "pf", ws["root"])
@@ -210,12 +210,12 @@ def test_normhead_first_loss_is_hfs_but_its_training_is_not_what_megatron_core_r
     NormHead differentiates through the normalisation, so its lm_head gradient is not the plain head's."""
     import torch
     import torch.nn.functional as F
+    from kit.train.preflight.reference import ForwardReference
 
     from kit.convert.families import BAICHUAN
     from kit.convert.hf_io import HFReader
     from kit.convert.reference import hf_forward
     from kit.convert.verify import sample_tokens
-    from kit.megatron.reference import ForwardReference
 
     reader = HFReader(tiny_baichuan7b_dir)
     spec = BAICHUAN.read_config(reader.config, reader.folder)
@@ -281,7 +281,7 @@ def test_damaged_shard_fails_in_one_line(ws, tiny_llama_dir, tmp_path):
 
 
 def test_version_check_names_the_supported_range():
-    from kit.megatron.cpu_patches import UnsupportedMegatronError, check_version
+    from kit.train.preflight.cpu_patches import UnsupportedMegatronError, check_version
 
     assert check_version("0.16.1") == "0.16.1"
     with pytest.raises(UnsupportedMegatronError, match=r"preflight supports megatron-core 0\.16\.0-0\.16\.x"):
@@ -300,9 +300,9 @@ def test_mindspeed_engine_refuses_without_npus(tmp_path):
 
 def test_data_of_another_tokenizer_is_refused_in_one_line(ws, tiny_llama_dir, tmp_path):
     """Data tokenized for the demo model against a tiny Llama checkpoint: the tokenizer hashes contradict."""
+    from kit.core.samples import demo_model_dir
+    from kit.core.workspace import get_workspace
     from kit.data import DataConfig, prepare
-    from kit.samples import demo_model_dir
-    from kit.workspace import get_workspace
 
     other = prepare(
         DataConfig(

@@ -83,7 +83,7 @@ def test_tp1_pp2_ep2_pretraining_data_passes_every_check(ws, pp2_ep2, tmp_path):
 def test_tp2_ep2_packed_fine_tuning_data(ws, tiny_qwen3_moe_dir, tmp_path):
     """TP2 x EP2 x DP2: sequence parallel (megatron-core's MoE needs it at TP > 1), experts split over TP too, the
     alltoall dispatcher's uneven gathers over TP; packed rows, so the HF side attends inside each dialog."""
-    from kit.megatron.preflight import PreflightConfig, run
+    from kit.train.preflight.run import PreflightConfig, run
 
     ckpt = _convert(tiny_qwen3_moe_dir, tmp_path / "c", 2, 1, 2)
     res = run(PreflightConfig(checkpoint=str(ckpt), dataset_path=str(ws["sft"]), output=str(tmp_path / "pf"),

@@ -20,8 +20,8 @@ pytest.importorskip("obs", reason="the OBS SDK (esdk-obs-python, extra `obs`) is
 import s3_standin  # noqa: E402
 import test_train_helpers as H  # noqa: E402
 
-from kit import obs  # noqa: E402
 from kit.errors import InputError, IntegrityError, MissingInputError  # noqa: E402
+from kit.storage import obs  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(
@@ -83,7 +83,7 @@ def test_a_folder_goes_up_and_comes_back_resumably_and_verified(env, tmp_path):
 
 
 def test_a_cut_download_resumes_at_its_next_part_and_checks_the_parts_it_keeps(env, tmp_path, monkeypatch):
-    from kit import obs_download
+    from kit.storage import obs_download
 
     src = tmp_path / "src"
     src.mkdir()
@@ -144,7 +144,9 @@ def test_a_listing_that_names_a_file_outside_the_destination_writes_nothing(env,
     for name in ("../x.pth", str(outside / "abs.pth"), "link/through.pth", "a//b", "sub/../../y"):
         try:
             store.put_bytes(f"{prefix}/{name}", b"evil")
-        except obs.ObsError:  # this server refuses such a key (real OBS takes any): the listing still names it
+        except (
+            obs.ObsError
+        ):  # this server refuses such a key (real OBS takes any): the listing still names it
             pass
         listing = {"files": {"ok.txt": good, name: evil}}
         store.put_bytes(f"{prefix}/{obs.LISTING}", json.dumps(listing).encode())
@@ -263,7 +265,7 @@ def _uploaders_with(secret: str) -> list:
 KILL_AT = 5  # the killed run dies at this step, once checkpoint 4 is complete in OBS
 _KILLED = """
 import json, os, signal, sys, time
-from kit.obs import Store
+from kit.storage.obs import Store
 from kit.train import TrainConfig, train
 cfg, marker = TrainConfig(**json.loads(sys.argv[1])), sys.argv[2]
 def die(iteration):
@@ -380,7 +382,7 @@ def test_the_command_line_pushes_and_pulls_a_folder(env, tmp_path, capsys):
 # ---- two nodes (two torchrun agents on loopback, one process each, gloo), separate work dirs, OBS shared only ----
 _NODE = """
 import json, os, signal, sys, time
-from kit.obs import Store
+from kit.storage.obs import Store
 from kit.train import TrainConfig, train
 values, kill_at, marker = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 def die(iteration):

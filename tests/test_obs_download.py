@@ -1,4 +1,4 @@
-"""kit.obs_download's CRC-32 combination (no OBS SDK needed): the part CRCs of a parallel download give the whole
+"""kit.storage.obs_download's CRC-32 combination (no OBS SDK needed): the part CRCs of a parallel download give the whole
 file's CRC-32, as zlib computes it over the bytes in one pass."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from kit.obs_download import crc32_combine
+from kit.storage.obs_download import crc32_combine
 
 
 @pytest.mark.parametrize("sizes", [[0], [1, 0, 7], [9 << 20, 9 << 20, 2 << 20], [4099, 65536, 1, 300000]])

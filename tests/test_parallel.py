@@ -1,10 +1,10 @@
-"""kit.parallel: the one rule set for TP / PP / layer lists / padded vocabulary (conversion and training)."""
+"""kit.core.parallel: the one rule set for TP / PP / layer lists / padded vocabulary (conversion and training)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kit import parallel
+from kit.core import parallel
 
 # SmolLM2-135M: 9 heads, 3 KV groups, FFN 1536, 30 layers, vocab 49152
 SMOL = dict(num_layers=30, num_heads=9, num_kv_groups=3, ffn_hidden_size=1536, vocab_size=49152)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from fixtures.plain_loop import profile_training
 
 import kit.profiling as kp
-from kit.device import torch_npu_import
-from kit.profiling.demo import profile_training
+from kit.system.device import torch_npu_import
 
 
 def _loop(cap, steps: int, rng_seed: int = 0) -> None:
@@ -163,7 +163,7 @@ def test_profile_training_of_a_tiny_llama(tiny_llama_dir, tmp_path):
 def test_capture_hooks_the_kit_trainer(tiny_llama_dir, tmp_path):
     import test_train_helpers as H  # the trainer's synthetic prepared-dataset helpers
 
-    from kit.profiling.demo import profile_trainer
+    from kit.profiling.training_run import profile_trainer
 
     data = H.make_pretrain(tmp_path / "pre_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=4)

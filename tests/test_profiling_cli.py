@@ -88,8 +88,8 @@ def test_msprof_analyze_agrees_on_ai_cpu(tmp_path, clean):
 @pytest.mark.slow
 def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
     """A workspace without a training run: the CLI configures one from notebook 04's defaults and says so."""
-    from kit.manifest import PREPARED_DATA, PROFILE_CAPTURE, read_manifest
-    from kit.workspace import get_workspace
+    from kit.core.manifest import PREPARED_DATA, PROFILE_CAPTURE, read_manifest
+    from kit.core.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     argv = [

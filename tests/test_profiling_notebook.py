@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kit.profiling as kp
-from kit.manifest import PROFILE_CAPTURE, TRAINING_RUN, read_manifest
+from kit.core.manifest import PROFILE_CAPTURE, TRAINING_RUN, read_manifest
 
 TINY = dict(MODEL="tiny", DEVICE="cpu", WAIT=0, WARMUP=1, ACTIVE=2, TOP=5)
 
@@ -62,7 +62,7 @@ def test_notebook_05_profiles_the_workspace_training_run(run_notebook, tmp_path,
     """Notebook 04's run (its manifest) in the workspace: 05 profiles THAT run and links the capture to it."""
     from test_profiling_training_run import _prepared, _train_config, _training_run
 
-    from kit.workspace import get_workspace
+    from kit.core.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     data = _prepared(ws, tiny_llama_dir)

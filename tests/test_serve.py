@@ -26,15 +26,16 @@ if int(transformers.__version__.split(".")[0]) < 5:
 pytest.importorskip("fastapi", reason="needs the serve extra (pip install -e .[serve])")
 pytest.importorskip("openai", reason="needs the serve extra (pip install -e .[serve])")
 
-from kit.train.procs import group_alive  # noqa: E402
+from kit.system.procs import group_alive  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_llama_dir):
     """(server, workspace, run folder): the newest run of a tiny workspace, served."""
-    from kit.evaluate.fixtures import tiny_training_run
+    from fixtures.training_run import tiny_training_run
+
+    from kit.core.workspace import get_workspace
     from kit.serve import ServeConfig, serve
-    from kit.workspace import get_workspace
 
     root = tmp_path_factory.mktemp("serve")
     run = tiny_training_run(root / "ws", tiny_llama_dir, root / "trained")
@@ -49,7 +50,7 @@ def served(tmp_path_factory, tiny_llama_dir):
 def test_the_run_is_served_from_its_manifests(served):
     server, ws, run = served
     assert server.health()
-    from kit.manifest import read_manifest
+    from kit.core.manifest import read_manifest
 
     assert server.info["model_path"] == read_manifest(run)["hf"]  # the run's exported model
     assert server.info["template"] == "chatml"  # the prepared data's template, via the run's manifest
@@ -177,7 +178,7 @@ def test_load_test_at_two_concurrency_levels(served, tmp_path):
         encoding="utf-8-sig"
     )
     assert list(result.table["max_concurrency"][:2]) == [1, 2]
-    from kit.manifest import read_manifest
+    from kit.core.manifest import read_manifest
 
     assert read_manifest(result.folder, expect="load-test")["points"] == 3
 
@@ -247,8 +248,8 @@ def test_a_model_with_a_nan_weight_is_refused_before_the_engine_starts(tmp_path,
 
     from safetensors.torch import load_file, save_file
 
+    from kit.convert.weights_check import NonFiniteWeights
     from kit.serve import ServeConfig, serve
-    from kit.weights_check import NonFiniteWeights
 
     bad = tmp_path / "nan"
     shutil.copytree(tiny_llama_dir, bad)
@@ -266,7 +267,7 @@ def test_the_engine_dies_with_the_process_that_started_it(tiny_llama_dir, tmp_pa
     script = (
         "import sys, time\n"
         "from kit.serve import ServeConfig, serve\n"
-        "from kit.workspace import get_workspace\n"
+        "from kit.core.workspace import get_workspace\n"
         f"s = serve(ServeConfig(model_path={str(tiny_llama_dir)!r}), get_workspace({str(tmp_path)!r}, model='t'))\n"
         "print('PID', s.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
@@ -300,7 +301,7 @@ def test_a_kernel_shutdown_stops_the_engine(tiny_llama_dir, tmp_path):
         kc.wait_for_ready(timeout=300)
         code = (
             "from kit.serve import ServeConfig, serve\n"
-            "from kit.workspace import get_workspace\n"
+            "from kit.core.workspace import get_workspace\n"
             f"s = serve(ServeConfig(model_path={str(tiny_llama_dir)!r}), get_workspace(None, model='k'))\n"
             "print('PID', s.proc.pid)\n"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.configs import ConfigError, check
+from kit.core.configs import ConfigError, check
 
 
 def test_configs_list_every_problem():

@@ -148,7 +148,7 @@ def test_the_client_records_where_guidellm_takes_its_timestamps(monkeypatch):
 
 def test_a_request_that_cannot_connect_is_a_failed_record(monkeypatch):
     pytest.importorskip("httpx")
-    from kit.train.procs import free_port
+    from kit.system.procs import free_port
 
     rec = _send(f"http://127.0.0.1:{free_port()}/v1/completions", monkeypatch)
     assert not rec.ok and rec.error.startswith("ConnectError") and rec.chunks == 0

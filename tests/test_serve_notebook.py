@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.workspace import repo_root
+from kit.core.workspace import repo_root
 
 NOTEBOOK = repo_root() / "notebooks" / "07_serve.ipynb"
 
@@ -16,8 +16,9 @@ NOTEBOOK = repo_root() / "notebooks" / "07_serve.ipynb"
 @pytest.mark.dev_stack  # glue over kit.serve; tests/test_serve.py covers it on every stack that can serve
 def test_notebook_07_serves_a_tiny_run(run_notebook, tiny_llama_dir, tmp_path):
     pytest.importorskip("fastapi", reason="needs the serve extra (pip install -e .[serve])")
-    from kit.evaluate.fixtures import tiny_training_run
-    from kit.manifest import read_manifest
+    from fixtures.training_run import tiny_training_run
+
+    from kit.core.manifest import read_manifest
 
     ws_root = tmp_path / "ws"
     run = tiny_training_run(ws_root, tiny_llama_dir, tmp_path / "trained")

@@ -9,7 +9,7 @@ import pytest
 import test_train_helpers as H
 import torch
 
-from kit.configs import ConfigError, check
+from kit.core.configs import ConfigError, check
 from kit.train import TrainConfig, Trainer, train
 from kit.train.checkpoint import MEGATRON_LATEST, latest_iteration
 from kit.train.resolve import input_problems, resolve

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import test_train_helpers as H
 
+from kit.core.manifest import MANIFEST_NAME, read_manifest
 from kit.errors import IntegrityError, OutputError
-from kit.manifest import MANIFEST_NAME, read_manifest
 from kit.train import TrainConfig, train
 from kit.train import checkpoint as ck
 from kit.train.resolve import resolve
@@ -136,7 +136,7 @@ dist.destroy_process_group()
 
 def test_every_rank_resumes_the_checkpoint_rank_0_verified(run, tmp_path):
     """`_agreed` on each rank of a real 2-process gloo group: rank 0 verifies and decides, every rank loads it."""
-    from kit.train.procs import free_port
+    from kit.system.procs import free_port
 
     result, _ = run
     root = tmp_path / "checkpoints"
@@ -267,7 +267,7 @@ def test_disk_full_at_a_checkpoint_is_one_line_naming_it_and_leaves_nothing(
 
 
 def test_disk_full_in_the_hf_export_is_one_line_naming_the_folder(small_disk, tiny_llama_dir):
-    from kit.train.engine import load_causal_lm
+    from kit.system.hf_compat import load_causal_lm
     from kit.train.export import export_hf
 
     model = load_causal_lm(tiny_llama_dir)

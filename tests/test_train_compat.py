@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from kit.errors import DeviceError
+from kit.system.procs import free_port
 from kit.train.engine import _check_zero3_collectives
-from kit.train.procs import free_port
 
 
 def test_zero3_on_gloo_is_checked_before_training():
@@ -39,7 +39,7 @@ def test_in_process_world_tells_deepspeed_its_local_size():
     """DeepSpeed 0.15's CPU accelerator runs `numactl` unless LOCAL_SIZE is set (ZeRO-3 asks for it)."""
     code = (
         "import os, json, torch.distributed as dist\n"
-        "from kit.device import detect\n"
+        "from kit.system.device import detect\n"
         "from kit.train.engine import init_distributed, shm_buffer_path\n"
         "out = []\n"
         "for _ in range(2):\n"
@@ -68,7 +68,7 @@ def test_deepspeeds_cpu_shm_buffer_is_released_once_mapped():
     code = (
         "import os, json, deepspeed\n"
         "from kit.train.engine import release_shm_buffer, shm_buffer_path\n"
-        "from kit.train.procs import free_port\n"
+        "from kit.system.procs import free_port\n"
         "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
         "                  MASTER_PORT=str(free_port()))\n"
         "deepspeed.init_distributed(dist_backend='gloo', verbose=False)\n"

@@ -8,8 +8,14 @@ import json
 import pytest
 import test_train_helpers as H
 
+from kit.core.manifest import (
+    CONVERTED_CHECKPOINT,
+    TRAINING_RUN,
+    read_manifest,
+    tokenizer_sha256,
+    write_manifest,
+)
 from kit.errors import InputError
-from kit.manifest import CONVERTED_CHECKPOINT, TRAINING_RUN, read_manifest, tokenizer_sha256, write_manifest
 from kit.train.config import TrainConfig, from_dict, from_manifest, replace
 from kit.train.resolve import ConfigConflictError, input_problems, resolve_values
 
@@ -81,7 +87,7 @@ def test_environment_fills_only_what_was_not_given_and_beats_the_manifest(tmp_pa
 
 
 def test_bound_notebook_values_are_explicit_and_none_inherits(tmp_path, tiny_llama_dir, data):
-    from kit.configs import bind
+    from kit.core.configs import bind
 
     params = {
         "TRAIN_ITERS": 200,

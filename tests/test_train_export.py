@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from kit.errors import IntegrityError
-from kit.train.engine import load_causal_lm
+from kit.system.hf_compat import load_causal_lm
 from kit.train.export import _check_adapter, export_lora
 
 

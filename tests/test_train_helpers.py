@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from kit.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA, tokenizer_sha256, write_manifest
+from kit.core.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA, tokenizer_sha256, write_manifest
 
 
 def _save(rows: dict, folder: Path, meta: dict) -> Path:

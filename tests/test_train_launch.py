@@ -13,14 +13,14 @@ import time
 import pytest
 import test_train_helpers as H
 
-from kit.configs import save_config
+from kit.core.configs import save_config
+from kit.core.workspace import repo_root
 from kit.errors import EXIT_PREEMPTED
+from kit.system.procs import Proc, runs_kit_train
 from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
 from kit.train.launch import launch, launch_command, launch_env
 from kit.train.metrics import read_metrics
-from kit.train.procs import Proc, runs_kit_train
-from kit.workspace import repo_root
 
 
 @pytest.mark.slow
@@ -32,7 +32,7 @@ def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir,
 
     import datasets
 
-    from kit.configs import to_jsonable
+    from kit.core.configs import to_jsonable
     from kit.train.resolve import TrainPlan
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
@@ -272,8 +272,8 @@ def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_pa
     the launcher (torchrun gets SIGTERM when its parent dies)."""
     import psutil
 
+    from kit.system.procs import free_port
     from kit.train.engine import without_in_process_rendezvous
-    from kit.train.procs import free_port
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", nnodes=2, master_addr="127.0.0.1")
@@ -416,7 +416,7 @@ def test_task_queue_zero_forced_by_torch_npu_in_a_kernel_is_not_inherited(
 
 def test_a_signal_while_the_job_starts_stops_it_once_it_exists():
     """Ctrl-C between the launcher's start and its first line: the Stopper holds it, then stops the job it gets."""
-    from kit.train.procs import Stopper
+    from kit.system.procs import Stopper
 
     stopper = Stopper(grace_s=60)
     stopper(signal.SIGINT)

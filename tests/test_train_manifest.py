@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import test_train_helpers as H
 
-from kit.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, read_manifest
+from kit.core.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, read_manifest
+from kit.core.workspace import get_workspace
 from kit.train import TrainConfig, from_manifest, train
-from kit.workspace import get_workspace
 
 
 @pytest.mark.slow
@@ -25,7 +25,7 @@ def test_training_run_and_hf_manifests_and_resume_keeps_them_consistent(tmp_path
     assert run.folder == ws.output("sft").resolve() and run["run_type"] == "sft"
     assert run["data"] == str(data.resolve()) and run["model"] == str(Path(tiny_llama_dir).resolve())
     # 04 on its defaults found 02's folder in the workspace: no DATASET_PATH given, nothing re-prepared
-    # ... and says which folder it took and why (kit.inputs)
+    # ... and says which folder it took and why (kit.core.inputs)
     assert run["sources"]["dataset_path"].startswith(
         f"workspace {data.resolve()}: the newest prepared-data of kind sft made with {Path(tiny_llama_dir).name}'s "
     )

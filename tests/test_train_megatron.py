@@ -1,5 +1,5 @@
 """The Megatron/MindSpeed plan takes 03's converted checkpoint and 02's data through their manifests: TP/PP/layer
-list/padded vocab inherited and checked with kit.parallel, data prefix and flags from the data manifest, model facts
+list/padded vocab inherited and checked with kit.core.parallel, data prefix and flags from the data manifest, model facts
 through the family maps (ChatGLM3, Baichuan2), the manual's variables for the AscendCloud scripts."""
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def test_data_without_megatron_files_is_a_problem_naming_notebook_02(tmp_path, t
 
 
 def test_megatron_plan_defaults_to_notebook_03s_checkpoint_in_the_workspace(tmp_path, tiny_llama_dir):
-    from kit.workspace import get_workspace
+    from kit.core.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     code_package(ws.root)

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import test_train_helpers as H
 
-from kit.configs import save_config
+from kit.core.configs import save_config
+from kit.core.manifest import read_manifest
+from kit.core.workspace import repo_root
 from kit.errors import InputError
-from kit.manifest import read_manifest
+from kit.system.procs import free_port
 from kit.train import TrainConfig, train
 from kit.train.engine import without_in_process_rendezvous
 from kit.train.jobenv import launching_card, modelarts_env
 from kit.train.launch import hostfile_text, job_config, launch, launch_command
 from kit.train.metrics import read_metrics
-from kit.train.procs import free_port
 from kit.train.resolve import ConfigConflictError, resolve_values
-from kit.workspace import repo_root
 
 COMMON = dict(train_iters=3, gbs=4, mbs=1, lr=3e-3, warmup_iters=0)
 JOB_VARS = ("MA_NUM_HOSTS", "VC_WORKER_NUM", "VC_TASK_INDEX", "VC_WORKER_HOSTS", "MA_NUM_GPUS")
@@ -56,7 +56,7 @@ def job_inputs(tmp_path_factory, tiny_llama_dir):
 def _given(cfg: TrainConfig, path) -> str:
     """A config file with only the values set (as a user writes one): the rest come from each node's environment
     (a file that lists every field makes each explicit)."""
-    from kit.configs import to_jsonable
+    from kit.core.configs import to_jsonable
 
     path.write_text(json.dumps({n: to_jsonable(getattr(cfg, n)) for n in cfg.given}), encoding="utf-8")
     return str(path)

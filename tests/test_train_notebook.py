@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.workspace import repo_root
+from kit.core.workspace import repo_root
 
 NOTEBOOK = repo_root() / "notebooks" / "04_adapted_training.ipynb"
 
@@ -57,9 +57,9 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
 def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_dir, tmp_path):
     """02's output in the workspace (its defaults, this model's tokenizer): 04 on its defaults trains on exactly
     that folder, inherits its length, and prepares nothing."""
+    from kit.core.manifest import read_manifest
+    from kit.core.workspace import get_workspace
     from kit.data import DataConfig, prepare
-    from kit.manifest import read_manifest
-    from kit.workspace import get_workspace
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     data_cfg = DataConfig(

@@ -10,7 +10,7 @@ import pytest
 import test_train_helpers as H
 from test_locks import held_elsewhere
 
-from kit.locks import LockedError
+from kit.storage.locks import LockedError
 from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
 from kit.train.resolve import ConfigConflictError

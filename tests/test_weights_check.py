@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.errors import IntegrityError
-from kit.weights_check import (
+from kit.convert.weights_check import (
     NonFiniteWeights,
     StreamCheck,
     check_hf_weights,
@@ -17,6 +16,7 @@ from kit.weights_check import (
     count_nonfinite,
     weight_files,
 )
+from kit.errors import IntegrityError
 
 BROKEN = "model.layers.0.mlp.down_proj.weight"
 
@@ -197,8 +197,9 @@ def test_convert_names_what_a_cast_made_infinite_and_checks_the_tensors_it_leave
 @pytest.fixture(scope="module")
 def nan_run(tmp_path_factory, tiny_llama_dir, nan_model):
     """A workspace whose training run "trained" the NaN model from the intact tiny one."""
-    from kit.evaluate.fixtures import tiny_training_run
-    from kit.workspace import get_workspace
+    from fixtures.training_run import tiny_training_run
+
+    from kit.core.workspace import get_workspace
 
     root = tmp_path_factory.mktemp("nanrun")
     run_dir = tiny_training_run(root / "ws", tiny_llama_dir, nan_model)
@@ -226,11 +227,11 @@ def test_evaluate_names_the_nan_tensor_and_a_damaged_shard(nan_run, tiny_llama_d
 
 def test_nan_scores_are_invalid_in_every_table(nan_run, tmp_path, monkeypatch):
     """With the load check bypassed, what the scores would have been: no loss, no accuracy, "invalid" cells."""
-    import kit.weights_check
+    import kit.convert.weights_check
     from kit.evaluate import EvalConfig, run
 
     ws, run_dir = nan_run
-    monkeypatch.setattr(kit.weights_check, "check_hf_weights", lambda *a, **k: 0)
+    monkeypatch.setattr(kit.convert.weights_check, "check_hf_weights", lambda *a, **k: 0)
     cfg = EvalConfig(
         run=str(run_dir),
         parts=["heldout", "accuracy"],

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kit.atomic import OutputExistsError, atomic_dir, atomic_write_text
-from kit.configs import ConfigError, check, save_config
-from kit.workspace import Workspace, default_root, get_workspace
+from kit.core.configs import ConfigError, check, save_config
+from kit.core.workspace import Workspace, default_root, get_workspace
+from kit.storage.atomic import OutputExistsError, atomic_dir, atomic_write_text
 
 
 def test_layout_matches_the_modelarts_manual(tmp_path):
@@ -81,7 +81,7 @@ def test_atomic_dir_commits_only_on_success(tmp_path):
 def test_atomic_dir_interrupted_at_its_renames_leaves_no_temporary_folder(tmp_path, monkeypatch, fails_at):
     """A Ctrl-C landing after the body, at the first or second rename: the temporary folder is removed and the
     previous output (when there is one) is where it was, whole."""
-    import kit.atomic
+    import kit.storage.atomic
 
     target = tmp_path / "out"
     with atomic_dir(target) as tmp:
@@ -94,7 +94,7 @@ def test_atomic_dir_interrupted_at_its_renames_leaves_no_temporary_folder(tmp_pa
             raise KeyboardInterrupt
         real(a, b)
 
-    monkeypatch.setattr(kit.atomic.os, "replace", replace)
+    monkeypatch.setattr(kit.storage.atomic.os, "replace", replace)
     cases = [(True, target)] + (
         [(False, tmp_path / "fresh")] if fails_at == 1 else []
     )  # a new one: one rename
@@ -103,14 +103,14 @@ def test_atomic_dir_interrupted_at_its_renames_leaves_no_temporary_folder(tmp_pa
         with pytest.raises(KeyboardInterrupt):
             with atomic_dir(where, overwrite=overwrite) as tmp:
                 (tmp / "v2.bin").write_bytes(b"two")
-    monkeypatch.setattr(kit.atomic.os, "replace", real)
+    monkeypatch.setattr(kit.storage.atomic.os, "replace", real)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert sorted(p.name for p in target.iterdir()) == ["v1.bin"]
 
 
 def test_atomic_file_keeps_old_content_on_error(tmp_path):
     p = atomic_write_text(tmp_path / "a.txt", "old")
-    from kit.atomic import atomic_file
+    from kit.storage.atomic import atomic_file
 
     with pytest.raises(ValueError):
         with atomic_file(p, "w") as fh:
@@ -160,7 +160,7 @@ def test_atomic_outputs_get_normal_permissions(tmp_path):
 def test_current_umask_reads_and_keeps_the_mask():
     import os
 
-    from kit.atomic import current_umask
+    from kit.storage.atomic import current_umask
 
     old = os.umask(0o027)
     try:
@@ -173,16 +173,16 @@ def test_write_all_writes_every_byte_and_names_the_file(tmp_path, monkeypatch):
     import errno
     import os
 
-    import kit.atomic
-    from kit.atomic import write_all
+    import kit.storage.atomic
+    from kit.storage.atomic import write_all
 
     path = tmp_path / "out.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     real = os.write
-    monkeypatch.setattr(kit.atomic.os, "write", lambda f, b: real(f, bytes(b[:3])))  # short writes
+    monkeypatch.setattr(kit.storage.atomic.os, "write", lambda f, b: real(f, bytes(b[:3])))  # short writes
     write_all(fd, b"0123456789", path)
     monkeypatch.setattr(
-        kit.atomic.os, "write", lambda f, b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+        kit.storage.atomic.os, "write", lambda f, b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
     )
     with pytest.raises(OSError) as info:
         write_all(fd, b"x", path)

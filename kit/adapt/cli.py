@@ -1,4 +1,4 @@
-"""`python -m kit adapt ...`: fix remote-code model folders, check kit ops against float64, the device check."""
+"""`python -m kit adapt ...`: fix remote-code model folders, check kit ops against float64."""
 
 from __future__ import annotations
 
@@ -20,16 +20,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     c.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    d = s.add_parser(
-        "device-check",
-        help="a few minutes on the device: every op vs float64, model parity, 2-card step, adapted training, profile",
-    )
-    d.add_argument("--json", default=None, help="write the full report to this JSON file")
-    d.add_argument(
-        "--work-dir", default=None, help="folder for the model, data, run and profile (default: temp)"
-    )
-    d.add_argument("--model", default=None, help="HF model folder (default: a tiny seeded Llama)")
-    d.add_argument("--steps", type=int, default=4, help="training steps (at least 3)")
     p.set_defaults(func=run)
 
 
@@ -46,11 +36,6 @@ def run(args: argparse.Namespace) -> int:
         if not results:
             print(f"no known fix applies to the Python files in {args.model_dir}")
         return 0
-    if args.what == "device-check":
-        from kit.adapt.device_check import run_device_check
-
-        report = run_device_check(args.json, args.work_dir, args.model, args.steps)
-        return 0 if report["ok"] else 1
     import torch
 
     from kit.ops.parity import parity_report
@@ -63,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             f" (tolerance {row['tolerance']:.0e})"
         )
     if args.json:
-        from kit.atomic import atomic_write_text
+        from kit.storage.atomic import atomic_write_text
 
         atomic_write_text(args.json, json.dumps(rows, indent=2))
     return 0 if all(row["ok"] for row in rows) else 1

@@ -83,10 +83,10 @@ def _allocate(device: str) -> torch.device:
 
 def probe_target(param) -> tuple:
     """(device string, backend) where the model's kit ops will run: its own device, or the accelerator it will
-    be moved to (kit.device) while it is still on CPU, as in kit.train before DeepSpeed places it."""
+    be moved to (kit.system.device) while it is still on CPU, as in kit.train before DeepSpeed places it."""
     if param.device.type != "cpu":
         return str(param.device), resolve(param)
-    from kit.device import detect
+    from kit.system.device import detect
 
     info = detect()
     if info.kind == "cpu":
@@ -229,7 +229,7 @@ def adapt_model(
 ) -> AdaptReport:
     """Make a transformers causal LM use kit ops (attention, RMSNorm, SwiGLU, rotary); return what changed.
 
-    `device`: where to check the swaps (default: the model's device, or the accelerator kit.device finds).
+    `device`: where to check the swaps (default: the model's device, or the accelerator kit.system.device finds).
     """
     config = getattr(model, "config", None)
     if config is None:

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from kit.atomic import atomic_write_text
 from kit.errors import KitError
+from kit.storage.atomic import atomic_write_text
 
 BACKUP_SUFFIX = ".kit-orig"
 

@@ -7,8 +7,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from kit.convert.families import ROLE_KIND, Family
 from kit.convert.spec import ModelSpec, split_role
 from kit.convert.tensor_ops import part_offsets
+from kit.core.parallel import parallel_problems
 from kit.errors import KitError
-from kit.parallel import parallel_problems
 
 
 class ConversionError(KitError, ValueError):
@@ -81,7 +81,7 @@ def layout_plan_problems(
     ep: int = 1,
     grouped_gemm: bool = False,
 ) -> List[str]:
-    """Why a TP x PP x EP layout does not fit this model, if it does not (the rules of kit/parallel.py), or why the
+    """Why a TP x PP x EP layout does not fit this model, if it does not (the rules of kit/core/parallel.py), or why the
     key flavor cannot hold it (legacy Megatron has no q/k layernorm and no MoE)."""
     problems = parallel_problems(
         spec.facts(), tp, pp, layer_list, padded_vocab=padded_vocab, flavor=flavor, ep=ep

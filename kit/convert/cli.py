@@ -22,8 +22,8 @@ _DTYPE_ALIASES = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kit.configs import add_config_arguments
     from kit.convert.config import ConvertConfig
+    from kit.core.configs import add_config_arguments
 
     p = sub.add_parser(
         "convert",
@@ -76,7 +76,7 @@ def _direction(args: argparse.Namespace) -> str:
 @contextlib.contextmanager
 def _lean_process():
     """Less start-up work for the conversion (its wall time is benchmarked against a copy): numpy, imported only to
-    count NaN / inf (kit.weights_check), comes without OpenBLAS worker threads (nothing here does linear algebra in
+    count NaN / inf (kit.convert.weights_check), comes without OpenBLAS worker threads (nothing here does linear algebra in
     numpy; they would take CPU from the writer threads), and the objects imported so far are frozen for the
     garbage collector, so its collections during the conversion do not walk them again (unfrozen after)."""
     gc.freeze()  # before numpy's import too: the collections it triggers then skip what was imported before
@@ -97,11 +97,11 @@ def _lean_process():
 
 
 def run(args: argparse.Namespace) -> int:
-    from kit.configs import explicit_values
     from kit.convert.config import ConvertConfig
     from kit.convert.result import run as run_conversion
+    from kit.core.configs import explicit_values
     from kit.errors import InputError
-    from kit.partial import sigterm_as_interrupt
+    from kit.storage.partial import sigterm_as_interrupt
 
     if args.model_type != "GPT":
         raise InputError(f"--model-type {args.model_type!r}: only GPT (decoder-only) models are converted.")

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
-from kit.atomic import atomic_dir, check_space
-from kit.configs import check, save_config
 from kit.convert import megatron_layout as layout
 from kit.convert.checks import (
     ConversionError,
@@ -49,8 +47,10 @@ from kit.convert.sources import source_identity, source_manifest
 from kit.convert.spec import ModelSpec, expert_role, megatron_args, split_group
 from kit.convert.tensor_ops import full_to_parts, grouped_weight, hf_parts, merge_tp, read_rank, split_tp
 from kit.convert.torch_zip import StreamingTorchFile
-from kit.parallel import padded_vocab_size, stage_layers
-from kit.weights_check import StreamCheck, check_hf_weights
+from kit.convert.weights_check import StreamCheck, check_hf_weights
+from kit.core.configs import check, save_config
+from kit.core.parallel import padded_vocab_size, stage_layers
+from kit.storage.atomic import atomic_dir, check_space
 
 PathLike = Union[str, Path]
 RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | None, tp rank) -> tensor or Rows
@@ -200,7 +200,7 @@ def _write_megatron(
                 t.start()
             for t in threads:
                 while t.is_alive():
-                    t.join(0.5)  # in slices: Ctrl-C (and SIGTERM, see kit.partial) reach this thread
+                    t.join(0.5)  # in slices: Ctrl-C (and SIGTERM, see kit.storage.partial) reach this thread
         finally:  # on an error or Ctrl-C: no new files, running ones stop at their next tensor
             ctx["stop"].set()
             for t in threads:
@@ -621,11 +621,11 @@ def convert(cfg: ConvertConfig, progress: bool = True) -> dict:
         "megatron_to_hf": megatron_to_hf,
         "megatron_to_megatron": megatron_to_megatron,
     }[cfg.direction]
-    from kit.locks import hold
-    from kit.partial import handle_partials
+    from kit.storage.locks import hold
+    from kit.storage.partial import handle_partials
 
     target = Path(cfg.target)
-    # one writer per target, from before the first read to the rename (kit/locks.py); under the lock, the
+    # one writer per target, from before the first read to the rename (kit/storage/locks.py); under the lock, the
     # leftovers found are no other run's work in progress
     with hold(target, "conversion target"):
         left = handle_partials(target.parent, clean=cfg.clean_partial, name=target.name)

@@ -16,7 +16,7 @@ import struct
 import sys
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from kit.atomic import write_all
+from kit.storage.atomic import write_all
 
 # name -> (safetensors code, bytes per element, torch legacy storage class). Facts: safetensors spec dtypes;
 # torch/storage.py typed storage names (what torch.save pickles as the storage type of each dtype).
@@ -413,7 +413,7 @@ def write_safetensors(
     path: str, items: Iterable[Tuple[str, object]], metadata: Optional[dict] = None, check=None
 ) -> int:
     """Write (key, tensor | piece | Rows) items as one safetensors file, streaming each; returns bytes of data.
-    `check` (a kit.weights_check.StreamCheck) counts NaN / inf in the bytes as they go by."""
+    `check` (a kit.convert.weights_check.StreamCheck) counts NaN / inf in the bytes as they go by."""
     items = list(items)
     header: Dict[str, dict] = {"__metadata__": metadata} if metadata else {}
     at = 0

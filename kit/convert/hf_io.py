@@ -169,7 +169,9 @@ class HFWriter:
     the index. Pieces are streamed when their shard is written, so memory holds descriptions, not weights."""
 
     def __init__(self, folder: PathLike, max_shard_bytes: int = 2 * 1024**3, check=None):
-        self.check = check  # a kit.weights_check.StreamCheck: NaN / inf counted as the shards are written
+        self.check = (
+            check  # a kit.convert.weights_check.StreamCheck: NaN / inf counted as the shards are written
+        )
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes

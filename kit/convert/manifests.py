@@ -11,9 +11,9 @@ from typing import Any, Dict, List, Optional
 
 from kit.convert.megatron_io import HF_META_DIR
 from kit.convert.spec import ModelSpec, moe_layer_freq_flag
+from kit.core.manifest import CONVERTED_CHECKPOINT, HF_MODEL, Manifest, tokenizer_sha256, write_manifest
+from kit.core.parallel import layer_list_flag
 from kit.errors import MissingInputError
-from kit.manifest import CONVERTED_CHECKPOINT, HF_MODEL, Manifest, tokenizer_sha256, write_manifest
-from kit.parallel import layer_list_flag
 
 
 def _tokenizer_hash(folder: Path) -> Optional[str]:
@@ -171,7 +171,7 @@ def write_hf_manifest(
 def refresh_tokenizer_hash(folder) -> Manifest:
     """Re-write a converted-checkpoint manifest after a tokenizer file was added to its hf_meta/ (util.py's
     --tokenizer-model), keeping its fields and inputs."""
-    from kit.manifest import read_manifest
+    from kit.core.manifest import read_manifest
 
     m = read_manifest(folder, expect=CONVERTED_CHECKPOINT)
     fields = dict(m.fields, tokenizer=str(Path(folder).resolve() / HF_META_DIR))

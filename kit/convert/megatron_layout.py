@@ -1,6 +1,6 @@
 """Megatron's on-disk layout: key names per flavor, rank folder names, the tracker file.
 
-Which TP / PP layouts fit a model is kit/parallel.py's business; this module only names things on disk.
+Which TP / PP layouts fit a model is kit/core/parallel.py's business; this module only names things on disk.
 """
 
 from __future__ import annotations

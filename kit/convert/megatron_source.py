@@ -17,7 +17,7 @@ from kit.convert.megatron_io import HF_META_DIR, MegatronReader
 from kit.convert.spec import ModelSpec, expert_role, group_role, split_group, split_role
 from kit.convert.tensor_ops import merge_tp
 from kit.convert.torch_zip import TensorRef
-from kit.parallel import pipeline_problems, stage_layers
+from kit.core.parallel import pipeline_problems, stage_layers
 
 PathLike = Union[str, Path]
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kit.convert import megatron_layout as layout
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.spec import ModelSpec, expert_role
-from kit.parallel import stage_layers
+from kit.core.parallel import stage_layers
 
 # the model types whose modeling code transformers ships (ChatGLM3 and Baichuan2 bring theirs as remote code)
 TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from kit.convert.config import ConvertConfig
-from kit.manifest import Manifest, read_manifest
+from kit.core.manifest import Manifest, read_manifest
 
 
 def in_workspace(cfg: ConvertConfig, ws) -> ConvertConfig:

@@ -16,8 +16,7 @@ from kit.convert.families import family_for_config
 from kit.convert.hf_io import INDEX_NAMES, read_json
 from kit.convert.megatron_io import HF_META_DIR, META_FILE
 from kit.convert.megatron_layout import TRACKER
-from kit.errors import InputError, IntegrityError, KitError, MissingInputError
-from kit.manifest import (
+from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
     TRAINING_RUN,
@@ -26,6 +25,7 @@ from kit.manifest import (
     made_by,
     read_manifest,
 )
+from kit.errors import InputError, IntegrityError, KitError, MissingInputError
 
 PathLike = Union[str, Path]
 

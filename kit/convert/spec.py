@@ -112,7 +112,7 @@ class ModelSpec:
 
     def facts(self) -> Dict[str, Any]:
         """The model facts the next stages need (a converted-checkpoint manifest's `model` field, the input of
-        kit.parallel's rules and of Megatron's architecture flags): every field, plus `num_kv_groups` and
+        kit.core.parallel's rules and of Megatron's architecture flags): every field, plus `num_kv_groups` and
         `num_attention_heads` under Megatron's names."""
         out = self.to_dict()
         out["num_kv_groups"] = self.num_groups

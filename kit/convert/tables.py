@@ -11,7 +11,7 @@ from kit.convert.families import family_for_config, position_reason
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.sources import source_manifest
-from kit.parallel import padded_vocab_size, stage_layers
+from kit.core.parallel import padded_vocab_size, stage_layers
 
 PathLike = Union[str, Path]
 

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 from typing import Dict, Tuple
 
-from kit.atomic import write_all
 from kit.convert.file_slices import (
     DTYPES,
     STORAGE_TO_NAME,
@@ -32,6 +31,7 @@ from kit.convert.file_slices import (
     write_piece,
 )
 from kit.errors import IntegrityError
+from kit.storage.atomic import write_all
 
 # ISA-L's CRC32 (the isal package, in the convert extra) is zlib's checksum, about 3x faster here (carry-less
 # multiply). Both release the GIL on large buffers, so rank files written on parallel threads checksum in parallel.
@@ -220,7 +220,7 @@ class StreamingTorchFile:
         self.path = Path(path)
         self._zip = ZipWriter(self.path)
         self._scratch = scratch or Scratch()
-        self._check = check  # a kit.weights_check.StreamCheck: NaN / inf counted as the bytes go by
+        self._check = check  # a kit.convert.weights_check.StreamCheck: NaN / inf counted as the bytes go by
         self._count = 0
         self.bytes = 0
 

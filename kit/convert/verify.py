@@ -154,7 +154,7 @@ def hf_logits(hf_dir: PathLike, ids: torch.Tensor, spec=None) -> torch.Tensor:
     if transformers_ships(cfg.get("model_type")):
         from transformers import AutoModelForCausalLM
 
-        from kit.hf_compat import dtype_kw
+        from kit.system.hf_compat import dtype_kw
 
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), **dtype_kw(torch.float32)).eval()
         with torch.no_grad():

@@ -188,7 +188,7 @@ def plot_lengths(report: PrepReport, png: Path, title: str = "") -> Path:
     )
     ax.legend()
     fig.tight_layout()
-    from kit.atomic import atomic_file
+    from kit.storage.atomic import atomic_file
 
     png = Path(png)
     with atomic_file(png, "wb") as fh:

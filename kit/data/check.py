@@ -12,9 +12,10 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
+from kit.core.manifest import MANIFEST_NAME, tokenizer_sha256
 from kit.data.prepared import PathLike, PreparedData, read_prepared
 from kit.errors import IntegrityError, KitError
-from kit.manifest import MANIFEST_NAME, sha256_file, tokenizer_sha256
+from kit.storage.hashes import sha256_file
 
 _LOAD_FIX = (
     " The folder is damaged"  # where the loader's own advice starts (this check gives it once, at the end)

@@ -1,6 +1,6 @@
 """`python -m kit data ...`: prepare pretraining / fine-tuning data, check a prepared folder, list templates.
 
-The options of `pretrain` and `sft` are generated from DataConfig (kit.configs.add_config_arguments): one option
+The options of `pretrain` and `sft` are generated from DataConfig (kit.core.configs.add_config_arguments): one option
 per field, its help the field's documentation, defaults not restated here.
 """
 
@@ -25,7 +25,7 @@ _ONLY_PRETRAIN = ("add_bos", "keep_special_tokens")
 
 
 def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> None:
-    from kit.configs import add_config_arguments
+    from kit.core.configs import add_config_arguments
     from kit.data.config import DataConfig
 
     p = sub.add_parser(kind, help=help_text, description=help_text)
@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The DataConfig the command line describes: the options given, the rest DataConfig's defaults."""
-    from kit.configs import explicit_values
+    from kit.core.configs import explicit_values
     from kit.data.config import DataConfig
 
     values = explicit_values(args, DataConfig)
@@ -94,12 +94,12 @@ def run(args: argparse.Namespace) -> int:
             f"{done['tokenizer']}"
         )
         return 0
+    from kit.core.workspace import get_workspace
     from kit.data.pipeline import prepare
-    from kit.workspace import get_workspace
 
     cfg = config_from_args(args)
     ws = None if cfg.out_dir else get_workspace(args.workspace, model=args.model)
-    from kit.partial import sigterm_as_interrupt
+    from kit.storage.partial import sigterm_as_interrupt
 
     # expected failures are KitErrors (and OSErrors such as a full disk): `kit.__main__` prints them as one line;
     # SIGTERM removes the temporary outputs like Ctrl-C; the plot is written before the manifest

@@ -12,8 +12,15 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from kit.atomic import atomic_dir, atomic_write_text, refuse_existing
-from kit.configs import check, save_config
+from kit.core.configs import check, save_config
+from kit.core.manifest import (
+    MANIFEST_NAME,
+    PREPARED_DATA,
+    Manifest,
+    read_manifest,
+    tokenizer_sha256,
+    write_manifest,
+)
 from kit.data.accounting import COUNT_KEYS, PrepReport, plot_lengths
 from kit.data.check import megatron_record
 from kit.data.config import DataConfig
@@ -33,15 +40,8 @@ from kit.data.prepared import (
 from kit.data.readers import DataInputError, TextBlock, iter_records
 from kit.data.tokenizing import batched, load_tokenizer, ordered_map
 from kit.errors import InputError, MissingInputError, writing
-from kit.locks import hold
-from kit.manifest import (
-    MANIFEST_NAME,
-    PREPARED_DATA,
-    Manifest,
-    read_manifest,
-    tokenizer_sha256,
-    write_manifest,
-)
+from kit.storage.atomic import atomic_dir, atomic_write_text, refuse_existing
+from kit.storage.locks import hold
 
 CHUNK_CHARS = 1 << 18  # characters of text per worker task (~0.1 s of tokenizing): small tail, tiny IPC cost
 
@@ -127,7 +127,7 @@ def summarize(*results: PrepResult) -> Dict[str, Any]:
 
 def default_inputs(kind: str) -> List[str]:
     """The shipped sample for `kind`."""
-    from kit.samples import pretrain_corpus, sft_alpaca
+    from kit.core.samples import pretrain_corpus, sft_alpaca
 
     return [str(pretrain_corpus() if kind == "pretrain" else sft_alpaca())]
 
@@ -137,7 +137,7 @@ def output_dir(cfg: DataConfig, workspace: Any = None) -> Path:
     if cfg.out_dir:
         return Path(cfg.out_dir).expanduser()
     if workspace is None:
-        from kit.workspace import get_workspace
+        from kit.core.workspace import get_workspace
 
         workspace = get_workspace()
     return workspace.data_pretrain if cfg.kind == "pretrain" else workspace.data_finetune
@@ -284,7 +284,7 @@ def prepare(cfg: DataConfig, workspace: Any = None, progress: bool = True, plot:
     cfg = replace(cfg, inputs=list(cfg.inputs) or default_inputs(cfg.kind), name=cfg.output_name)
     check(cfg, "DataConfig")
     out = Path(os.path.abspath(output_dir(cfg, workspace)))
-    # one writer per name, from before any work to the last rename (kit/locks.py)
+    # one writer per name, from before any work to the last rename (kit/storage/locks.py)
     with hold(out / f"{cfg.output_name}_hf", "prepared data"):
         return _prepare(cfg, out, progress, plot)
 
@@ -393,7 +393,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
 def _leftovers(out: Path, name: str, clean: bool) -> List[str]:
     """Lines about what killed runs of `name` left in the output folder (removed when `clean`). Only this name's:
     the folder is shared by every dataset of the kind, and another name's run may be writing there right now."""
-    from kit.partial import describe, find_partials, remove_partials
+    from kit.storage.partial import describe, find_partials, remove_partials
 
     found = [x for x in find_partials(out) if os.path.basename(x["path"]).lstrip(".").startswith(f"{name}_")]
     report = {"found": found, "removed": remove_partials(found) if clean else []}
@@ -433,7 +433,7 @@ def _manifest_fields(
     megatron: Optional[tuple],
     heldout: Optional[Dict[str, Any]],
 ) -> Dict[str, Any]:
-    """The `prepared-data` manifest: what training and evaluation need without the config (kit.manifest.KINDS)."""
+    """The `prepared-data` manifest: what training and evaluation need without the config (kit.core.manifest.KINDS)."""
     rep = report.as_dict()
     tok_dir = os.path.abspath(tok.kit_path)
     try:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from kit.core.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, find_manifest, read_manifest
 from kit.errors import InputError, IntegrityError
-from kit.manifest import MANIFEST_NAME, PREPARED_DATA, Manifest, find_manifest, read_manifest
 
 PathLike = Union[str, Path]
 
@@ -179,7 +179,7 @@ class PreparedData:
         }
 
     def as_input(self):
-        """How a later stage records that it consumed this folder (kit.manifest.Consumed)."""
+        """How a later stage records that it consumed this folder (kit.core.manifest.Consumed)."""
         return self.manifest.as_input()
 
     # -- the rows ------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def _from_folder(folder: Path, trust_remote_code: bool) -> Any:
 
 def load_tokenizer(path: Optional[str] = None, trust_remote_code: bool = False) -> Any:
     """A local HF tokenizer (the sample tokenizer when `path` is None), with a pad id (EOS if it has none)."""
-    from kit.samples import sample_tokenizer_dir
+    from kit.core.samples import sample_tokenizer_dir
 
     folder = Path(path).expanduser() if path else sample_tokenizer_dir()
     if not folder.is_dir():
@@ -147,7 +147,7 @@ def worker_state() -> Dict[str, Any]:
 def _pool_init(tokenizer_path, trust_remote_code, settings) -> None:
     # one tokenizer thread per process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # a forked worker must not inherit the parent's SIGTERM-as-Ctrl-C (kit.partial): Pool.terminate() ends it so
+    # a forked worker must not inherit the parent's SIGTERM-as-Ctrl-C (kit.storage.partial): Pool.terminate() ends it so
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     init_worker(tokenizer_path, trust_remote_code, settings)
 

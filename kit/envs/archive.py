@@ -110,7 +110,7 @@ def compressed_writer(fileobj: IO[bytes], fmt: str, level: int = 3, threads: int
 
 class EarlyWriteback:
     """File wrapper that starts the kernel's writeback every 32 MiB (posix_fadvise DONTNEED does not wait for it),
-    so the fsync before the final rename (kit/atomic.py) has only the last piece to write."""
+    so the fsync before the final rename (kit/storage/atomic.py) has only the last piece to write."""
 
     def __init__(self, fh, step: int = 32 << 20):
         self._fh, self._step, self._since, self.flush = fh, step, 0, fh.flush

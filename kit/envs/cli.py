@@ -6,7 +6,7 @@ import argparse
 import json
 
 # Which EnvsConfig fields each sub-command takes; the options (`--name`, `--method`, `--level`, ...) and their help
-# come from the dataclass (kit.configs.add_config_arguments), so defaults and docs are declared once, there.
+# come from the dataclass (kit.core.configs.add_config_arguments), so defaults and docs are declared once, there.
 _FIELDS = {
     "list": ("envs_root",),
     "clone": ("source", "name", "method", "verify_imports", "overwrite", "envs_root"),
@@ -24,7 +24,7 @@ def _command(
 ) -> argparse.ArgumentParser:
     """A sub-command with its positional arguments, its EnvsConfig options (_FIELDS) and the options some
     sub-commands share (--clean-partial where it writes an output, --ignore-editable-packages, --condarc)."""
-    from kit.configs import add_config_arguments
+    from kit.core.configs import add_config_arguments
     from kit.envs.config import EnvsConfig
 
     c = s.add_parser(name, help=help)
@@ -78,7 +78,7 @@ def _values(args: argparse.Namespace) -> dict:
     """The EnvsConfig fields of this sub-command: what the user typed, the dataclass default otherwise."""
     import dataclasses
 
-    from kit.configs import explicit_values
+    from kit.core.configs import explicit_values
     from kit.envs.config import EnvsConfig
 
     given = explicit_values(args, EnvsConfig)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     import kit.envs as envs
-    from kit.partial import describe, sigterm_as_interrupt
+    from kit.storage.partial import describe, sigterm_as_interrupt
 
     a, v = args.action, _values(args)
     with sigterm_as_interrupt():  # a killed run removes its temporary output like Ctrl-C does

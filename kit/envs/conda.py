@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Union
 
-from kit.atomic import atomic_write_text
 from kit.envs.archive import ArchiveWriter
 from kit.envs.config import get_layout
 from kit.envs.prefix import EDITABLE_HINT, EnvError
+from kit.storage.atomic import atomic_write_text
 
 
 def _run_packer(prefix: str, archive, ignore_editable: bool, bar, dest_prefix: Optional[str] = None):

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from kit.core.workspace import on_modelarts, repo_root
 from kit.envs.archive import FORMATS, check_level
 from kit.envs.prefix import DEFAULT_IMPORTS, check_choice, check_name, env_info, kind_of
-from kit.workspace import on_modelarts, repo_root
 
 MODELARTS_ENVS = Path("/home/ma-user/work/envs")  # only /home/ma-user/work survives a restart
 

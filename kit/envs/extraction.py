@@ -18,7 +18,6 @@ import time
 import zlib
 from typing import Callable, Iterator, Optional
 
-from kit.atomic import current_umask
 from kit.envs.archive import ARCHIVE_VERSION, CHUNK, HASH, MANIFEST, TRAILER, new_hasher
 from kit.envs.prefix import (
     ArchiveDamagedError,
@@ -29,6 +28,7 @@ from kit.envs.prefix import (
     special_file_error,
     walk_tree,
 )
+from kit.storage.atomic import current_umask
 
 _END = bytes(512)  # tar's end-of-archive block
 

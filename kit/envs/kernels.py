@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from kit.atomic import atomic_dir
-from kit.cann import find_set_env_scripts  # noqa: F401  (re-exported by kit.envs)
 from kit.envs.config import get_layout
 from kit.envs.prefix import EnvError, check_name, kind_of
+from kit.storage.atomic import atomic_dir
+from kit.system.cann import find_set_env_scripts  # noqa: F401  (re-exported by kit.envs)
 
 # kernel.json is a plain file on shared storage, so only CANN's own variables go into it (an allowlist): what
 # CANN's set_env.sh scripts export (ascend-toolkit / cann: ASCEND_*, TOOLCHAIN_HOME; nnal/atb: ATB_*, and in
@@ -246,7 +246,7 @@ def check_kernel(
     from jupyter_client import KernelManager
     from jupyter_client.kernelspec import NoSuchKernel
 
-    from kit.notebooks import quiet_kernel_manager
+    from kit.envs.notebooks import quiet_kernel_manager
 
     km = quiet_kernel_manager(KernelManager)(kernel_name=name)  # without ipykernel's TCP notice on our stderr
     try:

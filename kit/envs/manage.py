@@ -11,15 +11,6 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-from kit.atomic import (
-    aside_name,
-    atomic_dir,
-    atomic_file,
-    atomic_write_text,
-    check_space,
-    free_bytes,
-    refuse_existing,
-)
 from kit.envs import conda as conda_backend
 from kit.envs import venv as venv_backend
 from kit.envs.archive import FORMATS, EarlyWriteback, archive_writer, check_level, format_of, suffix_format
@@ -42,8 +33,17 @@ from kit.envs.prefix import (
     tree_totals,
     verify,
 )
-from kit.locks import hold
-from kit.partial import handle_partials
+from kit.storage.atomic import (
+    aside_name,
+    atomic_dir,
+    atomic_file,
+    atomic_write_text,
+    check_space,
+    free_bytes,
+    refuse_existing,
+)
+from kit.storage.locks import hold
+from kit.storage.partial import handle_partials
 
 PathLike = Union[str, "os.PathLike[str]"]
 CLONE_METHODS = ("auto", "copy", "conda-pack", "conda-clone")

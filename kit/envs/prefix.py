@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from kit.errors import IntegrityError, KitError
-from kit.lifetime import dies_with_parent
+from kit.system.lifetime import dies_with_parent
 
 
 class EnvError(KitError, ValueError):

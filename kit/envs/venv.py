@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Optional, Union
 
-from kit.atomic import atomic_dir
 from kit.envs.archive import ArchiveWriter
 from kit.envs.config import get_layout
 from kit.envs.prefix import (
@@ -21,6 +20,7 @@ from kit.envs.prefix import (
     rewrite_prefix_files,
     scan_tree,
 )
+from kit.storage.atomic import atomic_dir
 
 INHERIT_PTH = "_kit_inherit.pth"
 _SITE = "import site, sys; print(sys.prefix != sys.base_prefix); print('\\n'.join(site.getsitepackages()))"

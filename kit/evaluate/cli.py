@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kit.configs import add_config_arguments, explicit_values
+from kit.core.configs import add_config_arguments, explicit_values
 from kit.evaluate.config import EvalConfig
 
 
@@ -26,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Expected failures raise KitErrors: `python -m kit` prints `error: ...` and exits 2."""
+    from kit.core.workspace import get_workspace
     from kit.evaluate.run import run as evaluate
-    from kit.partial import sigterm_as_interrupt
-    from kit.workspace import get_workspace
+    from kit.storage.partial import sigterm_as_interrupt
 
     cfg = EvalConfig(**explicit_values(args, EvalConfig))
     with sigterm_as_interrupt():  # SIGTERM removes the unfinished evaluation folder like Ctrl-C

@@ -52,7 +52,7 @@ class EvalConfig:
     repeats: int = 1
     """Speed measurements per point (the best is kept)"""
     device: Optional[str] = None
-    """npu | cuda | cpu; None: what kit.device finds."""
+    """npu | cuda | cpu; None: what kit.system.device finds."""
     adapt: bool = True
     """On NPU, run the models with kit attention and fused ops (kit.adapt)"""
     out_dir: Optional[str] = None

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from kit.errors import InputError, MissingInputError
-from kit.inputs import consumed, newest
-from kit.manifest import (
+from kit.core.inputs import consumed, newest
+from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
     PREPARED_DATA,
@@ -23,6 +22,7 @@ from kit.manifest import (
     find_manifest,
     read_manifest,
 )
+from kit.errors import InputError, MissingInputError
 
 
 @dataclass
@@ -147,7 +147,7 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
 
 def _alone(cfg, ws) -> EvalInputs:
     """No run in the workspace: the demo model on its own, with the shipped SFT sample prepared for it."""
-    from kit.samples import demo_model_dir
+    from kit.core.samples import demo_model_dir
 
     model = Path(demo_model_dir())
     inputs = EvalInputs(model=model)

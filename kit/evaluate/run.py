@@ -1,8 +1,8 @@
 """`run(cfg, ws) -> EvalResult`: base vs trained on held-out loss, multiple choice, answers and speed.
 
-Each model is loaded once, on the chosen device (kit.device; adapted with kit ops on NPU), scored on every part,
+Each model is loaded once, on the chosen device (kit.system.device; adapted with kit ops on NPU), scored on every part,
 then released before the next is loaded. The results folder is written under a temporary name and renamed when
-complete (kit.atomic); its `evaluation` manifest, written last, names the models, the data split, the tasks and
+complete (kit.storage.atomic); its `evaluation` manifest, written last, names the models, the data split, the tasks and
 the device.
 """
 
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
 
-from kit.configs import check, save_config, to_jsonable
+from kit.core.configs import check, save_config, to_jsonable
+from kit.core.manifest import EVALUATION, write_manifest
 from kit.errors import InputError
 from kit.evaluate.config import EvalConfig
 from kit.evaluate.inputs import EvalInputs, resolve
-from kit.manifest import EVALUATION, sha256_file, write_manifest
+from kit.storage.hashes import sha256_file
 
 INVALID = "invalid"  # a table cell whose score was computed from NaN / inf
 RESULTS_JSON = "results.json"
@@ -86,7 +87,7 @@ class EvalResult:
 
 
 def _device(cfg: EvalConfig):
-    from kit.device import detect
+    from kit.system.device import detect
 
     return detect(cfg.device)
 
@@ -95,8 +96,8 @@ def _load(path: Path, info, adapt: bool, notes: List[str]):
     import torch
     from transformers import AutoTokenizer
 
-    from kit.train.engine import load_causal_lm
-    from kit.weights_check import check_hf_weights
+    from kit.convert.weights_check import check_hf_weights
+    from kit.system.hf_compat import load_causal_lm
 
     check_hf_weights(path)  # a damaged shard or NaN / inf weights: one line naming the file, before any score
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -131,11 +132,11 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
     """Evaluate the trained model (and its base) as `cfg` says; write the results folder; see the module doc."""
     import pandas as pd
 
-    from kit.atomic import atomic_dir
     from kit.evaluate import harness, speed
     from kit.evaluate.generation import chat_prompt, generate_answers, read_prompts
     from kit.evaluate.scoring import heldout_loss, score_task
     from kit.evaluate.tasks import load_task
+    from kit.storage.atomic import atomic_dir
 
     check(cfg)
     parts = list(cfg.parts)

@@ -69,7 +69,7 @@ def heldout_loss(model, rows, device=None, batch_tokens: Optional[int] = None) -
     """
     import torch
 
-    from kit.hf_compat import takes_logit_positions
+    from kit.system.hf_compat import takes_logit_positions
 
     device = device or next(model.parameters()).device
     batch_tokens = batch_tokens or batch_tokens_for(device)
@@ -183,7 +183,7 @@ def task_logliks(
     import torch
     from tqdm.auto import tqdm
 
-    from kit.hf_compat import takes_logit_positions
+    from kit.system.hf_compat import takes_logit_positions
 
     device = next(model.parameters()).device
     batch_tokens = batch_tokens or batch_tokens_for(device)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from kit.hf_compat import last_logits_only
+from kit.system.hf_compat import last_logits_only
 
 
 def _sync(device) -> None:

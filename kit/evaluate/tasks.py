@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from kit.core.samples.paths import DATA_SAMPLES
 from kit.errors import InputError, MissingInputError
-from kit.samples.paths import DATA_SAMPLES
 
 PathLike = Union[str, Path]
 SAMPLE_TASKS_DIR = DATA_SAMPLES / "eval"
@@ -269,7 +269,7 @@ def resolved_yaml(task: MCTask, folder: PathLike) -> Path:
     """Write the task YAML with its data file as an absolute path into `folder` (for lm-eval's TaskManager)."""
     import yaml
 
-    from kit.atomic import atomic_write_text
+    from kit.storage.atomic import atomic_write_text
 
     spec = json.loads(json.dumps(task.spec, default=str))
     kwargs = dict(spec.get("dataset_kwargs") or {})

@@ -52,7 +52,7 @@ def resolve(tensor: Any, backend: Optional[str] = None) -> str:
 
 def torch_npu_module() -> Any:
     """The torch_npu module for the NPU branch; a clear error when it cannot be imported."""
-    from kit import device
+    from kit.system import device
 
     module, error = device.torch_npu_import()
     if module is None:

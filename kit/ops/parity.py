@@ -93,8 +93,8 @@ def _cases(gen: torch.Generator) -> list:
 
 def parity_report(device=None, dtype: Optional[torch.dtype] = None, backend: Optional[str] = None) -> list:
     """Rows {op, device, dtype, backend, max_rel_err, tolerance, ok} comparing each op with float64 on CPU."""
-    from kit.device import detect
     from kit.ops.backend import resolve
+    from kit.system.device import detect
 
     info = detect()
     device = torch.device(device or info.device)

@@ -133,7 +133,7 @@ class Advice:
 
     def save(self, folder: Union[str, Path], overwrite: bool = False) -> dict:
         """Write advice.md, advice.html, advice.json and operators.csv into `folder`; return their paths."""
-        from kit.atomic import atomic_write_text, refuse_existing
+        from kit.storage.atomic import atomic_write_text, refuse_existing
 
         folder = Path(folder)
         if folder.exists() and not folder.is_dir():

@@ -337,7 +337,7 @@ def input_rule(data: ProfileData) -> list:
 
 def advise(data: ProfileData, thresholds: Optional[Thresholds] = None):
     """Run every rule on a loaded profile; returns an Advice (findings, tables, Markdown/HTML/JSON)."""
-    from kit.configs import check
+    from kit.core.configs import check
     from kit.profiling.advice import Advice
 
     th = thresholds or Thresholds()

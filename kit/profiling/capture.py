@@ -27,7 +27,7 @@ PathLike = Union[str, Path]
 
 def git_state(path: Optional[PathLike] = None) -> dict:
     """{'git_commit', 'git_dirty'} of the repository holding `path` (cwd, then the kit's checkout); None if none."""
-    from kit.workspace import repo_root
+    from kit.core.workspace import repo_root
 
     for where in [Path(path) if path else Path.cwd(), repo_root()]:
         try:
@@ -48,12 +48,12 @@ def git_state(path: Optional[PathLike] = None) -> dict:
 
 
 def _device_record(kind: str) -> dict:
-    """The chosen profiler kind plus what kit.device.detect() says (never fails)."""
-    from kit.configs import to_jsonable
+    """The chosen profiler kind plus what kit.system.device.detect() says (never fails)."""
+    from kit.core.configs import to_jsonable
 
     rec: dict = {"kind": kind}
     try:
-        from kit.device import detect
+        from kit.system.device import detect
 
         info = detect()
         rec.update({k: v for k, v in to_jsonable(info).items() if k != "kind"}, detected_kind=info.kind)
@@ -63,8 +63,8 @@ def _device_record(kind: str) -> dict:
 
 
 def _npu_profiler_module():
-    """torch_npu.profiler, via the guarded import in kit.device."""
-    from kit.device import torch_npu_import
+    """torch_npu.profiler, via the guarded import in kit.system.device."""
+    from kit.system.device import torch_npu_import
 
     mod, err = torch_npu_import()
     if mod is None:
@@ -138,7 +138,7 @@ class Capture:
 
     def start(self) -> Capture:
         """Create the (temporary) folder and start the profiler."""
-        from kit.atomic import refuse_existing
+        from kit.storage.atomic import refuse_existing
 
         refuse_existing(self.folder, False, "capture folder")
         self._partial.mkdir(parents=True, exist_ok=True)  # a stage may have put its inputs there first
@@ -262,17 +262,17 @@ def profile(
     **options: Any,
 ) -> Capture:
     """A Capture writing under `out_dir` (default: the workspace's profiles/); options override `config` fields."""
-    from kit.configs import check
+    from kit.core.configs import check
 
     cfg = dataclasses.replace(config or ProfileConfig(), **options)
     check(cfg, "profiling options")
     if out_dir is None:
-        from kit.workspace import get_workspace
+        from kit.core.workspace import get_workspace
 
         out_dir = (workspace or get_workspace()).profiles
     kind = cfg.device
     if kind == "auto":
-        from kit.device import detect
+        from kit.system.device import detect
 
         kind = detect().kind
     return Capture(cfg, Path(out_dir), kind)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kit.configs import add_config_arguments
+from kit.core.configs import add_config_arguments
 from kit.profiling.config import ProfileConfig
 
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import kit.profiling as kp
 
     if args.what == "analyze":
-        from kit.configs import check
+        from kit.core.configs import check
 
         th = check(
             kp.Thresholds(
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         cmp = kp.compare(args.before, args.after)
         print(cmp.summary(top=args.top))
         if args.csv:
-            from kit.atomic import atomic_write_text
+            from kit.storage.atomic import atomic_write_text
 
             atomic_write_text(args.csv, cmp.operators.to_csv(index=False))
         return 0
@@ -146,13 +146,13 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from kit.configs import explicit_values
+    from kit.core.configs import explicit_values
+    from kit.core.workspace import get_workspace
     from kit.profiling.training_run import run as profile_run
-    from kit.workspace import get_workspace
 
     cfg = kp.ProfileConfig(**explicit_values(args, kp.ProfileConfig))
     ws = get_workspace(args.workspace, model=args.model)
-    from kit.partial import sigterm_as_interrupt
+    from kit.storage.partial import sigterm_as_interrupt
 
     with (
         sigterm_as_interrupt()

@@ -21,8 +21,8 @@ CORE_COLORS = {
 
 def _save(fig, path: Optional[PathLike]) -> None:
     if path is not None:
-        from kit.atomic import atomic_file
         from kit.errors import writing
+        from kit.storage.atomic import atomic_file
 
         with writing(path), atomic_file(path, "wb") as fh:  # a failed write inside savefig names no file
             fig.savefig(fh, format="png", dpi=110, bbox_inches="tight")

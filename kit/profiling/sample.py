@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from kit.atomic import atomic_dir
+from kit.storage.atomic import atomic_dir
 
 PathLike = Union[str, Path]
 
@@ -250,7 +250,7 @@ def write_sample_ascend_profile(
     older names (Block Dim, no Device_id, no Step Id).
     """
     if level not in ("Level0", "Level1", "Level2"):
-        from kit.configs import ConfigError
+        from kit.core.configs import ConfigError
 
         raise ConfigError([f"level={level!r} is not one of Level0, Level1, Level2"], "sample profile")
     rng = random.Random(rng_seed)
@@ -441,7 +441,7 @@ def _write_side_files(root: Path, level: str) -> None:
 
 def sample_profile_dir() -> Optional[Path]:
     """The shipped sample under data_samples/ascend_profile_sample/ (None when this checkout lacks it)."""
-    from kit.samples.paths import DATA_SAMPLES
+    from kit.core.samples.paths import DATA_SAMPLES
 
     root = Path(DATA_SAMPLES) / "ascend_profile_sample"
     found = sorted(root.glob("*_ascend_pt"))
@@ -462,7 +462,7 @@ def ensure_sample_profile(path: Optional[PathLike] = None, workspace=None, clean
     shipped = None if clean else sample_profile_dir()
     if shipped is not None:
         return shipped
-    from kit.workspace import get_workspace
+    from kit.core.workspace import get_workspace
 
     ws = workspace or get_workspace()
     target = Path(ws.profiles) / ("ascend_profile_sample_clean" if clean else "ascend_profile_sample")

@@ -26,7 +26,7 @@ def operator_table(data: ProfileData, by: str = "type", sort: str = "total_us", 
     if sort not in ("total_us", "avg_us", "max_us", "calls"):
         problems.append(f"sort={sort!r}: use total_us, avg_us, max_us or calls")
     if problems:
-        from kit.configs import ConfigError
+        from kit.core.configs import ConfigError
 
         raise ConfigError(problems, "operator_table")
     k = compute_kernels(data)

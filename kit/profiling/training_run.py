@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from kit.inputs import newest
-from kit.manifest import (
+from kit.core.inputs import newest
+from kit.core.manifest import (
     MANIFEST_NAME,
     PROFILE_CAPTURE,
     TRAINING_RUN,
@@ -200,7 +200,7 @@ def run(
     """Profile a few steps of `training_run` (default: the workspace's newest; none: notebook 04's defaults)."""
     import matplotlib.pyplot as plt
 
-    from kit.configs import check, to_jsonable
+    from kit.core.configs import check, to_jsonable
     from kit.profiling.advisor import advise
     from kit.profiling.loader import find_profiles, load
     from kit.profiling.plots import plot_top_operators
@@ -230,7 +230,9 @@ def run(
     cap = profile(out_dir=ws.profiles, config=cfg, workspace=ws)
     result = None
     try:
-        pcfg, notes = profiled_config(train_cfg, cap.work_folder / TRAINING_FOLDER, schedule_steps(cap.config))
+        pcfg, notes = profiled_config(
+            train_cfg, cap.work_folder / TRAINING_FOLDER, schedule_steps(cap.config)
+        )
         plan = resolve(pcfg)  # before the profiler starts: a bad config records nothing
         cap.start()
         try:

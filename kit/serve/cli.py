@@ -7,7 +7,7 @@ import json
 import signal
 import sys
 
-from kit.configs import add_config_arguments, explicit_values
+from kit.core.configs import add_config_arguments, explicit_values
 from kit.serve.config import BenchConfig, PackageConfig, ServeConfig
 
 
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _ws(args):
-    from kit.workspace import get_workspace
+    from kit.core.workspace import get_workspace
 
     return get_workspace(args.workspace, model=args.workspace_model)
 

@@ -31,7 +31,7 @@ class ServeConfig:
     engine_python: Optional[str] = None
     """Python of the env holding the engine (the vllm-ascend env, kit.envs); None: this kernel's Python."""
     device: Optional[str] = None
-    """npu | cuda | cpu; None: what kit.device finds."""
+    """npu | cuda | cpu; None: what kit.system.device finds."""
     host: str = "127.0.0.1"
     """Address the server listens on (0.0.0.0 to reach it from outside)."""
     port: int = 0

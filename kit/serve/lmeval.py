@@ -48,7 +48,7 @@ metadata:
 
 def write_generation_task(folder: Path, max_tokens: int = 4, data: Optional[Path] = None) -> Path:
     """The generation task's YAML in `folder`, reading data_samples/eval/mc_en.jsonl (absolute path)."""
-    from kit.workspace import repo_root
+    from kit.core.workspace import repo_root
 
     data = Path(data or repo_root() / "data_samples" / "eval" / "mc_en.jsonl").resolve()
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from kit.configs import check, save_config, to_jsonable
+from kit.core.configs import check, save_config, to_jsonable
 from kit.errors import InputError, KitError
 from kit.serve.config import BenchConfig, ServeConfig
 
@@ -221,9 +221,9 @@ def bench(cfg: BenchConfig, ws, serve_cfg: Optional[ServeConfig] = None, server=
 def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
     from transformers import AutoTokenizer
 
-    from kit.atomic import atomic_dir
     from kit.serve.loadgen import make_prompts, run_point
     from kit.serve.start import serving_dir
+    from kit.storage.atomic import atomic_dir
 
     url = server.url if server is not None else cfg.url.rstrip("/")
     model = cfg.model_name or (server.model if server is not None else _models(url)[0])
@@ -287,7 +287,7 @@ def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
                 f"`python -m kit serve check`) and that MODEL names a model it serves."
             )
         _write(tmp, cfg, points, server, url, model)
-        from kit.manifest import LOAD_TEST, write_manifest
+        from kit.core.manifest import LOAD_TEST, write_manifest
 
         served = getattr(server, "served", None)
         write_manifest(

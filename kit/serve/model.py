@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from kit.core.inputs import consumed, newest
+from kit.core.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, Consumed, find_manifest, read_manifest
 from kit.errors import InputError, MissingInputError
-from kit.inputs import consumed, newest
-from kit.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, Consumed, find_manifest, read_manifest
 
 
 @dataclass
@@ -81,7 +81,7 @@ def resolve_model(cfg, ws) -> ServedModel:
     found = None if cfg.run else newest(ws, TRAINING_RUN)
     run_folder = Path(cfg.run).expanduser() if cfg.run else found and found.folder
     if run_folder is None:
-        from kit.samples import demo_model_dir
+        from kit.core.samples import demo_model_dir
 
         model = Path(demo_model_dir())
         note = f"no training run in {ws.model_output} (notebook 04 makes one): serving the demo model {model.name}"

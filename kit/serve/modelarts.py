@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from kit.configs import check, save_config
+from kit.core.configs import check, save_config
 from kit.errors import InputError, KitError
 from kit.serve.config import PackageConfig, ServeConfig
 
@@ -109,10 +109,10 @@ def dockerfile(cfg: PackageConfig) -> str:
 
 def package(cfg: PackageConfig, ws, serve_cfg: Optional[ServeConfig] = None) -> PackageResult:
     """Write the package folder for the model `serve_cfg` names (default: notebook 04's newest run)."""
-    from kit.atomic import atomic_dir
-    from kit.manifest import SERVING_PACKAGE, write_manifest
+    from kit.core.manifest import SERVING_PACKAGE, write_manifest
     from kit.serve.model import resolve_model
     from kit.serve.start import serving_dir
+    from kit.storage.atomic import atomic_dir
 
     check(cfg)
     served = resolve_model(serve_cfg or ServeConfig(), ws)
@@ -148,7 +148,7 @@ def check_package(
     """Run the package's run.sh here with the CPU engine on 127.0.0.1 and probe /health and one completion."""
     from kit.serve.engines import require_engine
     from kit.serve.server import Server
-    from kit.train.procs import free_port
+    from kit.system.procs import free_port
 
     folder = Path(folder).expanduser()
     for name in ("run.sh", "Dockerfile", "model/config.json"):

@@ -1,4 +1,4 @@
-"""The engine as a managed subprocess (kit.train.procs.Proc): started in its own process group, ready once GET
+"""The engine as a managed subprocess (kit.system.procs.Proc): started in its own process group, ready once GET
 /health answers, stopped with every child (at `stop()`, at interpreter exit, and by the kernel's death through
 PR_SET_PDEATHSIG on Linux).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from kit.errors import KitError
-from kit.train.procs import Proc
+from kit.system.procs import Proc
 
 _LIVE: List[Server] = []
 

@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from kit.configs import check
+from kit.convert.weights_check import check_hf_weights
+from kit.core.configs import check
 from kit.serve.config import ServeConfig
 from kit.serve.engines import build_command, choose_engine, require_engine
 from kit.serve.model import ServedModel, resolve_model
 from kit.serve.server import Server, check_port
-from kit.train.procs import free_port
-from kit.weights_check import check_hf_weights
+from kit.system.procs import free_port
 
 
 def serving_dir(ws) -> Path:
@@ -24,7 +24,7 @@ def serving_dir(ws) -> Path:
 def _device_kind(cfg: ServeConfig) -> str:
     if cfg.device:
         return cfg.device
-    from kit.device import detect
+    from kit.system.device import detect
 
     return detect(None).kind
 

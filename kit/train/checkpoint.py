@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from kit.atomic import atomic_write_text
 from kit.errors import InputError, IntegrityError, MissingInputError, writing
-from kit.manifest import crc32_file
+from kit.storage.atomic import atomic_write_text
+from kit.storage.hashes import crc32_file
 
 LATEST = "latest"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"

@@ -7,7 +7,7 @@ import json
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    from kit.configs import add_config_arguments
+    from kit.core.configs import add_config_arguments
     from kit.train.config import TrainConfig
 
     p.add_argument(
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace):
     """The config file's values, then the options typed (both explicit); the rest is resolved later."""
-    from kit.configs import explicit_values, to_jsonable
+    from kit.core.configs import explicit_values, to_jsonable
     from kit.train.config import TrainConfig, from_dict, load_config
 
     values = {}
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kit train launch: {skip}", file=sys.stderr, flush=True)
             return 0
     if args.what == "run":
-        from kit.partial import sigterm_as_interrupt
+        from kit.storage.partial import sigterm_as_interrupt
         from kit.train.resolve import TrainPlan
         from kit.train.trainer import train
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(result.status, 3)
     cfg = _config(args)
     if args.what == "launch":
-        from kit.partial import sigterm_as_interrupt
+        from kit.storage.partial import sigterm_as_interrupt
         from kit.train.launch import launch
 
         # SIGTERM to this launcher is passed on like Ctrl-C: the job (its own session) checkpoints and stops

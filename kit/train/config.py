@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+from kit.core.workspace import RUN_TYPES
 from kit.errors import InputError, ParameterError
-from kit.workspace import RUN_TYPES
 
 ENGINES = ("deepspeed", "megatron")
 
@@ -233,7 +233,7 @@ class TrainConfig:
 
     def workspace(self):
         """The workspace this run reads from and writes to (WORK_DIR, MODEL_NAME)."""
-        from kit.workspace import get_workspace
+        from kit.core.workspace import get_workspace
 
         return get_workspace(self.work_dir or None, model=self.model_name)
 
@@ -320,7 +320,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         """Every field as plain JSON values (what config.json and the training-run manifest hold)."""
-        from kit.configs import to_jsonable
+        from kit.core.configs import to_jsonable
 
         return to_jsonable(self)
 
@@ -339,7 +339,7 @@ def coerce(name: str, raw: str) -> Any:
     """A field's value from its text (environment variable or `--set KEY=VALUE`), typed as the field."""
     import typing
 
-    from kit.configs import _field_kind, _parse_value
+    from kit.core.configs import _field_kind, _parse_value
 
     hint = typing.get_type_hints(TrainConfig)[name]
     kind = _field_kind(hint)
@@ -366,7 +366,7 @@ def load_config(path: Union[str, Path]) -> TrainConfig:
 
 def from_manifest(run: Any) -> TrainConfig:
     """The resolved TrainConfig of a training run: give its folder, or its Manifest (`read_manifest(...)`)."""
-    from kit.manifest import TRAINING_RUN, Manifest, read_manifest
+    from kit.core.manifest import TRAINING_RUN, Manifest, read_manifest
 
     man = run if isinstance(run, Manifest) else read_manifest(run, expect=TRAINING_RUN)
     if man.kind != TRAINING_RUN:

@@ -6,7 +6,7 @@ import math
 import os
 from typing import Optional
 
-from kit.train.procs import free_port
+from kit.system.procs import free_port
 
 
 def resolve_dtype(cfg, info) -> str:
@@ -150,31 +150,13 @@ def adapt(model) -> Optional[object]:
     return adapt_model(model)
 
 
-def load_causal_lm(path, torch_dtype=None):
-    """AutoModelForCausalLM from a local folder, ignoring a leftover GGUF `quantization_config`.
-
-    The demo model was dequantized from a GGUF file but its config still names gguf; transformers would then
-    treat the plain fp32 safetensors as quantized and refuse to save the trained model.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kit.hf_compat import dtype_kw
-
-    config = AutoConfig.from_pretrained(str(path))
-    quant = getattr(config, "quantization_config", None)
-    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
-        delattr(config, "quantization_config")
-    return AutoModelForCausalLM.from_pretrained(
-        str(path), config=config, **dtype_kw(torch_dtype or torch.float32)
-    )
-
-
 def build_model(cfg, torch_dtype=None):
     """Load the HF causal LM (fp32 master copy), adapt it, wrap it in LoRA for RUN_TYPE lora; (model, report)."""
     import torch
 
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws random numbers
+    from kit.system.hf_compat import load_causal_lm
+
     model = load_causal_lm(cfg.model_path, torch_dtype)
     model.config.use_cache = False
     _router_aux_loss(model, cfg)

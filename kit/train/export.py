@@ -6,8 +6,8 @@ import contextlib
 from pathlib import Path
 from typing import Optional, Union
 
-from kit.atomic import atomic_dir
 from kit.errors import IntegrityError, writing
+from kit.storage.atomic import atomic_dir
 
 PathLike = Union[str, Path]
 
@@ -91,7 +91,7 @@ def merge_lora(
     """base + adapter -> one plain HF folder (W + B·A·alpha/r folded into each target weight), fp32 on CPU."""
     from peft import PeftModel
 
-    from kit.train.engine import load_causal_lm
+    from kit.system.hf_compat import load_causal_lm
 
     base = load_causal_lm(base_path)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
@@ -106,7 +106,7 @@ def generate(model_dir: PathLike, prompt: str, max_new_tokens: int = 32, chat: b
     import torch
     from transformers import AutoTokenizer
 
-    from kit.train.engine import load_causal_lm
+    from kit.system.hf_compat import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = load_causal_lm(model_dir).eval()

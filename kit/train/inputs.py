@@ -1,6 +1,6 @@
 """Notebook 04's inputs: the prepared data (notebook 02's folder, read through its manifest) and the model folder.
 
-With no DATASET_PATH the run trains on what notebook 02 wrote into the workspace (kit.inputs.newest: the newest
+With no DATASET_PATH the run trains on what notebook 02 wrote into the workspace (kit.core.inputs.newest: the newest
 prepared-data folder of the run's kind made with the model's tokenizer, whatever its length: the length is inherited
 from it). Only when there is none is the shipped sample prepared now, and one line says so.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
+from kit.core.inputs import Found, newest
+from kit.core.manifest import PREPARED_DATA, Manifest
 from kit.errors import MissingInputError
-from kit.inputs import Found, newest
-from kit.manifest import PREPARED_DATA, Manifest
 
 PathLike = Union[str, Path]
 DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "retrain": None}
@@ -20,8 +20,8 @@ SAMPLE_MAX_LENGTH = 256  # notebook 02's MAX_LENGTH default, so 04 alone prepare
 
 
 def _tokenizer_id(folder: PathLike) -> str:
-    """The tokenizer's hash (kit.manifest.tokenizer_sha256), or its resolved path for folders without files."""
-    from kit.manifest import tokenizer_sha256
+    """The tokenizer's hash (kit.core.manifest.tokenizer_sha256), or its resolved path for folders without files."""
+    from kit.core.manifest import tokenizer_sha256
 
     try:
         return tokenizer_sha256(folder)
@@ -30,7 +30,7 @@ def _tokenizer_id(folder: PathLike) -> str:
 
 
 def find_prepared(ws: Any, kind: str, tokenizer: PathLike) -> Optional[Found]:
-    """The workspace's newest prepared-data output of this kind made with this tokenizer (kit.inputs), or None."""
+    """The workspace's newest prepared-data output of this kind made with this tokenizer (kit.core.inputs), or None."""
     want = _tokenizer_id(tokenizer)
 
     def fits(man: Manifest) -> bool:
@@ -42,7 +42,7 @@ def find_prepared(ws: Any, kind: str, tokenizer: PathLike) -> Optional[Found]:
 
 def default_model() -> Path:
     """The demo model (SmolLM2-135M-Instruct), the model every notebook uses by default."""
-    from kit.samples import demo_model_dir
+    from kit.core.samples import demo_model_dir
 
     return Path(demo_model_dir())
 

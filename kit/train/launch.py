@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from kit.core.workspace import repo_root
+from kit.system.procs import STOP_GRACE_S, free_port, running, runs_kit_train, torchrun_command
 from kit.train.config import TrainConfig
-from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.job builds on it)
-from kit.train.procs import STOP_GRACE_S, free_port, running, runs_kit_train, torchrun_command
+from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.train.job builds on it)
 from kit.train.resolve import TrainPlan
-from kit.workspace import repo_root
 
 # Environment the MindSpeed-LLM scripts set for NPU jobs; user values win. TASK_QUEUE_ENABLE=2 (level-2 task
 # queue: operator dispatch split across two threads) and CPU_AFFINITY_CONF=1 (bind each rank's threads to the
@@ -132,7 +132,7 @@ def hostfile_path(plan_path: Path) -> Path:
 
 def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = None) -> dict:
     """The child's environment: kit importable, unbuffered output, the device's visible-cards variable, NPU env."""
-    from kit.device import VISIBLE_DEVICES_ENV
+    from kit.system.device import VISIBLE_DEVICES_ENV
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH", "")) if p)
@@ -217,13 +217,13 @@ def launch(
     it: a progress bar, the log tail, a clean stop.
 
     Interrupting the cell (Ctrl-C / the stop button; SIGTERM or SIGINT to this process) sends SIGTERM to the ranks,
-    which save a checkpoint and exit (kit.train.procs.Stopper); what is still alive `grace_s` later is killed, and
+    which save a checkpoint and exit (kit.system.procs.Stopper); what is still alive `grace_s` later is killed, and
     nothing the job started outlives this call. Several nodes: this node's config and launcher log carry
     `.node<NODE_RANK>`.
     """
     from tqdm.auto import tqdm
 
-    from kit.device import detect
+    from kit.system.device import detect
     from kit.train.resolve import resolve
 
     plan = run if isinstance(run, TrainPlan) else resolve(run, ws)

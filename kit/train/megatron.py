@@ -4,7 +4,7 @@ Built from the resolved TrainConfig and the inputs' manifests, never from hand-b
 flags the data needs (`--reset-attention-mask --neat-pack` for packed SFT) come from notebook 02's prepared-data
 manifest; TP, PP, the layer list, the padded vocabulary and the architecture flags from notebook 03's
 converted-checkpoint manifest (or, for an HF folder, its model facts through `kit.convert.model_facts`); the TP/PP
-rules from `kit.parallel`, the same ones conversion applies. It cannot run on a machine without the AscendCloud code
+rules from `kit.core.parallel`, the same ones conversion applies. It cannot run on a machine without the AscendCloud code
 package and NPUs, so `execute` refuses with the reason. Facts: the ModelArts user manual, sections "Step1
 配置预训练超参" / "Step2 启动训练脚本" (variables, commands); MindSpeed-LLM example scripts (flags, environment).
 """
@@ -141,7 +141,7 @@ def build(
     from it), or an HF folder (architecture only: pretraining from scratch). DATASET_PATH: notebook 02's folder.
     """
     from kit.convert.manifests import architecture_flags
-    from kit.parallel import layer_list_flag, parallel_problems
+    from kit.core.parallel import layer_list_flag, parallel_problems
 
     cfg = plan.cfg
     problems: List[str] = cfg.problems()
@@ -252,9 +252,9 @@ def build(
     ]  # fmt: skip
     dtype = cfg.dtype
     if dtype == "auto":
-        # the device's choice: Ascend 910A has no bf16 (kit.device asks torch.npu.is_bf16_supported()); on a
+        # the device's choice: Ascend 910A has no bf16 (kit.system.device asks torch.npu.is_bf16_supported()); on a
         # machine without an accelerator the plan gets neither flag (fp32), never a bf16 the card may lack
-        from kit.device import detect
+        from kit.system.device import detect
 
         dtype = detect().dtype
     if dtype == "bfloat16":
@@ -280,8 +280,8 @@ def build(
 
 def execute(plan: MegatronPlan, log_file: Optional[Path] = None) -> int:
     """Run the plan on this node (streams to `log_file` too); refuses while there are problems. SIGTERM/SIGINT
-    to this process stop it (kit.train.procs.running: SIGTERM, then a kill), leaving no process behind."""
-    from kit.train.procs import running
+    to this process stop it (kit.system.procs.running: SIGTERM, then a kill), leaving no process behind."""
+    from kit.system.procs import running
 
     if plan.problems:
         raise RuntimeError("the Megatron command has problems; fix them first:\n" + "\n".join(plan.problems))

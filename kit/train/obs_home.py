@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from kit import obs
-from kit.atomic import atomic_write_text
 from kit.errors import MissingInputError
-from kit.lifetime import die_with_parent
-from kit.manifest import crc32_file
+from kit.storage import obs
+from kit.storage.atomic import atomic_write_text
+from kit.storage.hashes import crc32_file
+from kit.system.lifetime import die_with_parent
 from kit.train import checkpoint
 
 COMPLETE = (

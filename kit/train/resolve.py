@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from kit.core.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_manifest
 from kit.errors import InputError, MissingInputError
-from kit.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_manifest
 from kit.train.config import (
     FROM_CHECKPOINT,
     FROM_DATA,
@@ -143,8 +143,8 @@ class TrainPlan:
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the plan as JSON (atomically): what the ranks of a launched run read."""
-        from kit.atomic import atomic_write_text
-        from kit.configs import to_jsonable
+        from kit.core.configs import to_jsonable
+        from kit.storage.atomic import atomic_write_text
 
         atomic_write_text(Path(path), json.dumps(to_jsonable(self), indent=2, ensure_ascii=False) + "\n")
         return Path(path)
@@ -166,7 +166,7 @@ def resolve(
     """The run's plan: its settings checked, OBS inputs fetched, every value decided (resolve_values), a retrain's
     saved run taken, and its inputs checked once; every problem found is raised together (ConfigError) for the kit
     trainer (ENGINE deepspeed)."""
-    from kit.configs import ConfigError, check
+    from kit.core.configs import ConfigError, check
 
     # the kit trainer's settings alone, before any data is found, prepared or downloaded; the Megatron command lists
     # its problems instead (kit.train.megatron.build)
@@ -269,7 +269,7 @@ def resolve_values(
         return _made(values, sources)
 
     if ws is None:
-        from kit.workspace import get_workspace
+        from kit.core.workspace import get_workspace
 
         ws = get_workspace(values["work_dir"] or None, model=values["model_name"])
     from kit.train import inputs
@@ -279,7 +279,7 @@ def resolve_values(
     if (
         values["model_path"] is None and values["engine"] == "megatron"
     ):  # notebook 03's output, if there is one
-        from kit.inputs import newest
+        from kit.core.inputs import newest
 
         found = newest(ws, CONVERTED_CHECKPOINT)
         if found is not None:

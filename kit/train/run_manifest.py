@@ -14,8 +14,7 @@ import hashlib
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
-from kit.errors import InputError
-from kit.manifest import (
+from kit.core.manifest import (
     HF_MODEL,
     TRAINING_RUN,
     Consumed,
@@ -25,6 +24,7 @@ from kit.manifest import (
     render_manifest,
     write_manifest,
 )
+from kit.errors import InputError
 
 
 def consumed_inputs(cfg: Any) -> Tuple[List[Consumed], dict]:
@@ -54,8 +54,8 @@ def _family(hf_dir: Path) -> Optional[str]:
 
 def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optional[Manifest]]:
     """Write the exported HF folder's hf-model manifest, then the run folder's training-run manifest."""
+    from kit.core.manifest import tokenizer_sha256
     from kit.errors import MissingInputError
-    from kit.manifest import tokenizer_sha256
 
     cfg = result.config
     inputs, facts = consumed_inputs(cfg)

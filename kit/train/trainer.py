@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from kit.configs import save_config
-from kit.hf_compat import takes_logit_positions
-from kit.manifest import MANIFEST_NAME
+from kit.core.configs import save_config
+from kit.core.manifest import MANIFEST_NAME
+from kit.system.hf_compat import takes_logit_positions
 from kit.train import checkpoint
 from kit.train.config import TrainConfig
 from kit.train.resolve import TrainPlan, resolve
@@ -97,7 +97,7 @@ class Trainer:
     def _setup(self):
         import torch
 
-        from kit.device import detect
+        from kit.system.device import detect
         from kit.train import engine as eng
         from kit.train.batches import load_dataset
         from kit.train.metrics import MetricsWriter
@@ -182,7 +182,7 @@ class Trainer:
 
     def _leftovers(self) -> None:
         """Report (CLEAN_PARTIAL: remove) what killed runs left: checkpoints and exports that never finished."""
-        from kit.partial import describe, handle_partials
+        from kit.storage.partial import describe, handle_partials
 
         clean = self.cfg.clean_partial
         for folder in (self.ckpt_root, self.out):
@@ -239,7 +239,7 @@ class Trainer:
         """
         import torch
 
-        from kit.device import synchronize
+        from kit.system.device import synchronize
         from kit.train.batches import micro_batches, tokens_in
 
         cfg, engine = self.cfg, self.engine
@@ -341,7 +341,7 @@ class Trainer:
         """Run to TRAIN_ITERS (or to a stop signal / NaN); save checkpoints and, at the end, an HF folder."""
         import os
 
-        from kit.locks import hold
+        from kit.storage.locks import hold
 
         # one run per folder: the job's rank 0 holds the lock (the other ranks and nodes of the job write into
         # the same folder under it) from before the first read to the run manifest
@@ -552,7 +552,7 @@ def bind_device(info) -> None:
 
     HCCL/NCCL communicators are created on the current device: without an explicit set_device every rank of a
     node would first touch card 0 (torch_npu's distributed docs ask for `torch.npu.set_device(local_rank)`
-    before `init_process_group`). torch.npu exists once kit.device has imported torch_npu.
+    before `init_process_group`). torch.npu exists once kit.system.device has imported torch_npu.
     """
     import os
 

@@ -3,7 +3,7 @@
 #   tests/compat/run_compat.sh py39-torch21|py310-torch25|all [pytest args or test paths...]
 # What runs here (the whole tests/ folder less the marks below): every unit test (less the repeated sizes in
 # FEWER_PARAMS), because each runs kit code on this Python, torch, transformers, datasets, DeepSpeed, peft and
-# tokenizers (the version-dependent paths: kit/hf_compat.py, the kit/versions.py floors, the torch API guards,
+# tokenizers (the version-dependent paths: kit/system/hf_compat.py, the kit/system/versions.py floors, the torch API guards,
 # DeepSpeed's launcher and ZeRO, Python 3.9's stdlib); and those notebook tests whose notebook itself takes a
 # stack-dependent path: 00 (the doctor's version floors), 01 (a venv cloned and a kernel registered on this
 # Python and ipykernel), 04's tiny run (training inside a kernel, then a torchrun launch, on this torch).
@@ -85,7 +85,7 @@ install_stack() { # $1 = stack name; creates or refreshes .venv-<stack>
     # what the imports print (DeepSpeed 0.15 runs `df` on a triton cache folder that does not exist yet) is shown
     # only when they fail
     local out
-    out=$("$venv/bin/python" -c "import torch, transformers, datasets, deepspeed, peft, kit.samples" 2>&1) ||
+    out=$("$venv/bin/python" -c "import torch, transformers, datasets, deepspeed, peft, kit.core.samples" 2>&1) ||
         { echo "$out" >&2; return 1; }
     echo "$want" > "$stamp"
     touch "$venv/.ready"

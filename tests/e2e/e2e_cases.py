@@ -24,14 +24,14 @@ def tiny_parameters(prefix: str, root: Path) -> dict:
 
 
 def _sample_tokenizer() -> str:
-    from kit.samples import sample_tokenizer_dir
+    from kit.core.samples import sample_tokenizer_dir
 
     return str(sample_tokenizer_dir())
 
 
 def _tiny_llama(root: Path) -> str:
     """The `tiny_llama_dir` fixture of tests/conftest.py (GQA, untied, seed 0), made inside the lab root."""
-    from kit.samples import tiny_llama
+    from kit.core.samples import tiny_llama
 
     folder = root / "fixtures" / "tiny-llama-gqa"
     return str(folder if folder.is_dir() else tiny_llama(folder, seed=0))  # made once, shared by 03 and 04
@@ -39,7 +39,7 @@ def _tiny_llama(root: Path) -> str:
 
 def _tiny_training_run(root: Path) -> str:
     """tests/test_evaluate_notebook.py's run: tiny base (seed 0) -> 'trained' (seed 1), manifests as 04 writes."""
-    from kit.evaluate.fixtures import tiny_training_run
+    from fixtures.training_run import tiny_training_run
 
     # a workspace model folder of its own: notebook 04 (MODEL "tiny") must not find this data or run as its own
     trained = root / "fixtures" / "tiny-llama-trained"

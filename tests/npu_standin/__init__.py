@@ -31,7 +31,7 @@ SET_DEVICE_CALLS: list = []  # every torch.npu.set_device(...) argument, in orde
 
 
 def _npu_namespace(bf16: bool = True, count: int = 1) -> types.SimpleNamespace:
-    """The `torch.npu` functions kit.device uses, answering as Atlas A2 cards would (bf16=False: a 910A)."""
+    """The `torch.npu` functions kit.system.device uses, answering as Atlas A2 cards would (bf16=False: a 910A)."""
     return types.SimpleNamespace(
         is_available=lambda: True,
         device_count=lambda: count,
@@ -65,7 +65,7 @@ def install(monkeypatch, *, profiler: bool = True, bf16: bool = True, count: int
     """Install the fake torch_npu (+ torch.npu functions, + fake profiler if present); undone by monkeypatch."""
     import torch
 
-    import kit.device as device
+    import kit.system.device as device
 
     ops.CALLS.clear()
     SET_DEVICE_CALLS.clear()

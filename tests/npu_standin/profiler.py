@@ -288,7 +288,7 @@ def _module() -> types.ModuleType:
 
 def install_profiler(monkeypatch) -> types.ModuleType:
     """Put the fake `torch_npu.profiler` (and a bare `torch_npu` if none is installed) into sys.modules."""
-    from kit.device import torch_npu_import
+    from kit.system.device import torch_npu_import
 
     CREATED.clear()
     prof = _module()
@@ -300,5 +300,5 @@ def install_profiler(monkeypatch) -> types.ModuleType:
         monkeypatch.setitem(sys.modules, "torch_npu", npu)
     monkeypatch.setattr(npu, "profiler", prof, raising=False)
     monkeypatch.setitem(sys.modules, "torch_npu.profiler", prof)
-    torch_npu_import.cache_clear()  # kit.device caches the import result; the caller clears it again after
+    torch_npu_import.cache_clear()  # kit.system.device caches the import result; the caller clears it again after
     return prof

@@ -1,0 +1,1 @@
+"""The contracts between stages: configs, manifests, the workspace, the input finder, known errors."""

@@ -1,0 +1,95 @@
+"""One input finder: a stage finds what an earlier stage made through the manifests (kit.core.manifest), two ways only.
+
+`newest(ws, kind, match)`: the workspace's newest output of a kind that fits. `consumed(manifest, kind)`: the input of
+a kind an output records it was made from. Newest means one thing everywhere: the latest manifest `created` time
+(written when the output was finished), then the latest manifest file change, then the folder's path. A stage that
+takes an output it was not given says which one and why (`Found.why`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+from kit.core.manifest import (
+    CONVERTED_CHECKPOINT,
+    MANIFEST_NAME,
+    PREPARED_DATA,
+    TRAINING_RUN,
+    Manifest,
+    read_manifest,
+)
+from kit.errors import KitError
+
+# where each kind lives in a workspace (kit.core.workspace.Workspace attributes) and how many levels below them
+PLACES = {
+    PREPARED_DATA: (("data_pretrain", "data_finetune"), 1),
+    CONVERTED_CHECKPOINT: (("converted_weights",), 2),
+    TRAINING_RUN: (("model_output",), 3),
+}
+
+
+@dataclass(frozen=True)
+class Found:
+    """An output a stage took from the workspace, and the sentence that says why."""
+
+    manifest: Manifest
+    why: str
+
+    @property
+    def folder(self) -> Path:
+        return self.manifest.folder
+
+
+def _newest_first(man: Manifest) -> tuple:
+    return man.created, (man.folder / MANIFEST_NAME).stat().st_mtime_ns, str(man.folder)
+
+
+def outputs(ws: Any, kind: str, match: Optional[Callable[[Manifest], bool]] = None) -> List[Manifest]:
+    """The workspace's finished outputs of `kind` that `match` accepts, newest first (the steps a profile capture
+    trained are not outputs of the workspace)."""
+    roots, depth = PLACES[kind]
+    skip = Path(ws.profiles).resolve()
+    found = []
+    for attr in roots:
+        root = Path(getattr(ws, attr))
+        for level in range(1, depth + 1):
+            for path in root.glob("*/" * level + MANIFEST_NAME):
+                folder = path.parent.resolve()
+                if any(p.startswith(".") for p in path.parent.relative_to(root).parts):
+                    continue  # unfinished outputs (temporary names)
+                if folder == skip or skip in folder.parents:
+                    continue
+                try:
+                    man = read_manifest(folder)
+                except (
+                    KitError
+                ):  # a damaged or foreign folder is not a candidate; naming it is the explicit path's job
+                    continue
+                if man.kind == kind and (match is None or match(man)):
+                    found.append(man)
+    return sorted(found, key=_newest_first, reverse=True)
+
+
+def newest(
+    ws: Any, kind: str, match: Optional[Callable[[Manifest], bool]] = None, fits: str = ""
+) -> Optional[Found]:
+    """The workspace's newest output of `kind` that `match` accepts (`fits` says how, for the sentence), or None."""
+    found = outputs(ws, kind, match)
+    if not found:
+        return None
+    others = f"; {len(found) - 1} older one(s) passed over" if len(found) > 1 else ""
+    fits = f" {fits}" if fits else ""
+    return Found(found[0], f"the newest {kind}{fits} in the workspace (made {found[0].created}{others})")
+
+
+def consumed(man: Manifest, kind: str) -> Optional[Manifest]:
+    """The input of `kind` that `man` records it was made from, read through its own manifest; None when it records
+    none or that folder is gone."""
+    for c in man.consumed(kind):
+        try:
+            return read_manifest(c.path, expect=kind)
+        except KitError:
+            continue
+    return None

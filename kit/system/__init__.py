@@ -1,0 +1,1 @@
+"""The machine: accelerator choice, CANN, library versions and their differences, child processes."""
