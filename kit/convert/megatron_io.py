@@ -293,9 +293,6 @@ class MegatronReader:
             )
         return ref
 
-    def part_refs(self, path: Tuple[str, ...], pp_rank: int, ep_rank: int = 0) -> List[TensorRef]:
-        return [self._ref(path, r, pp_rank, ep_rank) for r in range(self.tp)]
-
     def pieces(self, path: Tuple[str, ...], pp_rank: int, ep_rank: int = 0) -> List[FileSlice]:
         """The TP ranks' tensors at one key path of one stage (and EP rank), as byte ranges on disk."""
         out = []

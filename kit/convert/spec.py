@@ -120,15 +120,6 @@ class ModelSpec:
         out["moe_layer_freq"] = list(self.moe_layer_freq)  # what JSON gives back
         return out
 
-    @classmethod
-    def from_facts(cls, facts: Dict[str, Any]) -> ModelSpec:
-        """The spec back from `facts()` (extra keys ignored)."""
-        names = {f for f in cls.__dataclass_fields__}
-        values = {k: v for k, v in facts.items() if k in names}
-        if "moe_layer_freq" in values:  # a JSON list
-            values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
-        return cls(**values)
-
 
 def moe_layer_freq_flag(spec_or_pattern) -> str:
     """Megatron's --moe-layer-freq value: `1` when every layer is a MoE block, else the list (`[1,1,0,1]`)."""

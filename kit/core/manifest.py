@@ -287,14 +287,6 @@ def read_manifest(folder: PathLike, expect: Union[None, str, Sequence[str]] = No
     )
 
 
-def is_kind(folder: PathLike, kind: str) -> bool:
-    """True when the folder carries a readable manifest of this kind."""
-    try:
-        return read_manifest(folder).kind == kind
-    except (InputError, IntegrityError):
-        return False
-
-
 def find_manifests(root: PathLike) -> List[Manifest]:
     """Every readable stage manifest under `root` (temporary `.partial` folders skipped), oldest first."""
     found = []

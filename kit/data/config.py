@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional
 
 KINDS = ("pretrain", "sft")
 DEFAULT_NAMES = {"pretrain": "corpus", "sft": "alpaca"}  # the output name when `name` is None
@@ -157,12 +157,3 @@ class DataConfig:
                 f"tokenizer={self.tokenizer!r} is not a folder; give a local HF tokenizer or model folder."
             )
         return out
-
-
-def as_list(value: Union[None, str, Path, List]) -> List[str]:
-    """A single path or a list of paths as a list of strings."""
-    if value is None:
-        return []
-    if isinstance(value, (str, Path)):
-        return [str(value)]
-    return [str(v) for v in value]

@@ -185,10 +185,3 @@ def atomic_write_text(path: PathLike, text: str) -> Path:
     with atomic_file(path, "w") as fh:
         fh.write(text)
     return Path(path)
-
-
-def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
-    """Write bytes to `path` atomically (replacing it)."""
-    with atomic_file(path, "wb") as fh:
-        fh.write(data)
-    return Path(path)

@@ -194,11 +194,10 @@ def launch(job: dict) -> List[dict]:
 
 def run(cfg: PreflightConfig) -> PreflightResult:
     """Run the preflight (see the module doc); the result says which checks passed."""
+    from kit.core.configs import check
     from kit.train.preflight.checks import compare
     from kit.train.preflight.cpu_patches import check_version
     from kit.train.preflight.inputs import build_job, resolve_inputs
-
-    from kit.core.configs import check
 
     check(cfg, "the Megatron preflight config")
     version = check_version()

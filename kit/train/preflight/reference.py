@@ -153,9 +153,8 @@ class ForwardReference(_Reference):
 
     def terms(self, b: dict) -> dict:
         """lm: the mean CE over the loss-masked tokens of the rows (one micro-batch), each row on its own."""
-        from kit.train.preflight.batches import masked_mean
-
         from kit.convert.reference import hf_forward
+        from kit.train.preflight.batches import masked_mean
 
         ce = [
             F.cross_entropy(

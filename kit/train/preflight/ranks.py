@@ -50,7 +50,6 @@ def build_model(args, job: dict):
     """GPTModel of this pipeline stage from the checkpoint's own args (fp32, dropout 0, local spec)."""
     import torch
     import torch.nn.functional as F
-
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -161,7 +160,6 @@ def main(rank: int, job: dict) -> None:
 def _run(rank: int, job: dict, result: dict) -> None:
     import torch
     import torch.distributed as dist
-
     from megatron.core import parallel_state as ps
 
     torch.manual_seed(job["seed"])
@@ -195,9 +193,6 @@ def _run(rank: int, job: dict, result: dict) -> None:
 def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
     import torch
     import torch.distributed as dist
-    from kit.train.preflight.batches import masked_mean, megatron_mask
-
-    from kit.convert.megatron_io import MegatronReader
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -207,6 +202,9 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from kit.convert.megatron_io import MegatronReader
+    from kit.train.preflight.batches import masked_mean, megatron_mask
 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

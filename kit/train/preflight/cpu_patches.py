@@ -174,7 +174,6 @@ def cpu_patched():
     """Inside: megatron-core runs on CPU ranks (see the module doc); everything is restored on exit."""
     check_version()  # before the import: a moved module must give the one line, not a traceback
     import torch
-
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils

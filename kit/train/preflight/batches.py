@@ -24,7 +24,6 @@ class _Tokenizer:
 def read_batches(job: dict, cache: str) -> dict:
     """Every sample the run consumes, [n, s] tensors: tokens, labels, loss_mask, position_ids, segments (ids)."""
     import torch
-
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data, n = job["data"], job["samples"]
