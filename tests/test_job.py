@@ -315,7 +315,8 @@ def test_the_body_is_what_the_sdk_serializes_for_image_and_engine_jobs(inputs):
     for plan in (image, engine):
         assert serialized(plan.body) == plan.body  # every field is one the SDK's request models know
     assert (
-        engine.body["algorithm"]["boot_file"] == "obs://kit-bucket/code/ascend-notebook-kit/kit/job/node.py"
+        engine.body["algorithm"]["boot_file"]
+        == "obs://kit-bucket/code/ascend-notebook-kit/kit/train/job/node.py"
     )
     assert json.loads(engine.body["algorithm"]["environments"]["KIT_NODE_ARGS"]) == engine.node_args
     with pytest.raises(JobSubmitError, match="no field 'flavour'"):
@@ -346,7 +347,7 @@ def test_the_preset_engine_boot_file_runs_the_kit_with_the_jobs_arguments(tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["KIT_NODE_ARGS"] = json.dumps(["train", "launch", "--help"])
     out = subprocess.run(
-        [sys.executable, str(repo_root() / "kit" / "job" / "node.py")],
+        [sys.executable, str(repo_root() / "kit" / "train" / "job" / "node.py")],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -315,7 +315,7 @@ def test_a_router_aux_loss_for_a_dense_model_and_lora_on_the_router_are_refused(
     cfg = TrainConfig(model_path="/models/dense", router_aux_loss_coef=0.01)
     with pytest.raises(InputError, match="no routed experts"):
         _router_aux_loss(dense, cfg)
-    assert any("ROUTER_AUX_LOSS_COEF=-1" in p for p in TrainConfig(router_aux_loss_coef=-1).problems(False))
+    assert any("ROUTER_AUX_LOSS_COEF=-1" in p for p in TrainConfig(router_aux_loss_coef=-1).problems())
     from kit.adapt.moe import lora_target_problems
 
     moe = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=4, router_aux_loss_coef=0.001))
