@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from kit.errors import IntegrityError, KitError
-from kit.system.lifetime import dies_with_parent
+from kit.system.procs import Proc
 
 
 class EnvError(KitError, ValueError):
@@ -207,7 +207,8 @@ def helper_program(cmd: list, what: str, error=EnvError, hint: str = "", extract
     user's TAR_OPTIONS never reaches it (`--absolute-names` or `--exclude` there would undo the kit's checks)."""
     popen["env"] = {k: v for k, v in popen.get("env", os.environ).items() if k != "TAR_OPTIONS"}
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stderr=err, preexec_fn=dies_with_parent(extracting=extracting), **popen)
+        streams = dict(stdin=None, stdout=None, text=False, errors=None, bufsize=-1)
+        proc = Proc(cmd, extracting=extracting, stderr=err, **{**streams, **popen})
         try:
             yield proc
             code = proc.wait()

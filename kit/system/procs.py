@@ -69,26 +69,39 @@ class Proc(subprocess.Popen):
     ranks: which descendants a stop signals (training ranks, so they checkpoint); None: the child's group."""
 
     def __init__(
-        self, argv: list, env=None, cwd=None, output: Optional[Path] = None, ranks: Optional[Callable] = None
+        self,
+        argv: list,
+        env=None,
+        cwd=None,
+        output: Optional[Path] = None,
+        ranks: Optional[Callable] = None,
+        extracting: bool = False,
+        **streams,
     ):
+        """`streams`: Popen's stdin / stdout / stderr / text / bufsize where the child is a stream filter (tar, cp,
+        the OBS uploader) rather than a job whose lines are read; `extracting`: see lifetime.dies_with_parent."""
         self.rank_test, self.known = ranks, {}
         self.notes: list = []  # what a stop had to say, for the reading loop (`lines`) to pass on
         self.stopped_by: Optional[str] = None  # the signal that stopped it (Stopper)
         log = open(output, "ab") if output is not None else None  # noqa: SIM115 - the child holds it
+        settings = dict(
+            stdin=subprocess.DEVNULL,
+            stdout=log or subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
+        settings.update(streams)
         try:
             super().__init__(
                 list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log or subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-                bufsize=1,
                 env=env,
                 cwd=cwd,
                 start_new_session=True,
                 # its parent's death: SIGTERM, so torchrun stops its ranks and an engine its workers
-                preexec_fn=dies_with_parent(signal.SIGTERM),
+                preexec_fn=dies_with_parent(signal.SIGTERM, extracting=extracting),
+                **settings,
             )
         finally:
             if log is not None:

@@ -310,9 +310,10 @@ class CheckpointUploads:
         root = str(Path(kit.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
         code = "from kit.train.obs_home import _serve; _serve()"
-        return subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
-        )
+        from kit.system.procs import Proc
+
+        # dies with this thread (the parent-death signal), as the uploads it serves do
+        return Proc([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stderr=None)
 
     def _work(self) -> None:
         child = None
