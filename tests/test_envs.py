@@ -543,11 +543,51 @@ def many_files_env(tmp_path_factory) -> Path:
     return prefix
 
 
-def _stopped_mid_clone(source: Path, root: Path) -> subprocess.Popen:
-    """Start a CLI clone and freeze it (SIGSTOP) as soon as its temporary folder holds files."""
-    import signal
+# in the clone's process: hold once the copy into the temporary folder is done, until a signal ends the process (a
+# known point: a clone that is fast on a quiet machine can no longer finish before the test's signal lands)
+HOLD_AFTER_COPY = """
+import importlib.machinery, os, sys, time
 
+
+class HoldAfterCopy:
+    def find_spec(self, name, path=None, target=None):
+        if name != "kit.envs.prefix":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            copy = module.copy_tree
+
+            def held(*args, **kwargs):
+                out = copy(*args, **kwargs)
+                open(os.environ["KIT_TEST_HELD"], "w").close()
+                while True:
+                    time.sleep(0.05)
+                return out
+
+            module.copy_tree = held
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, HoldAfterCopy())
+"""
+
+
+def _held_mid_clone(source: Path, root: Path, tmp: Path) -> subprocess.Popen:
+    """Start a CLI clone that holds (HOLD_AFTER_COPY) once its temporary folder holds the copied files."""
+    hook = tmp / "hold_after_copy"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(HOLD_AFTER_COPY)
+    held = tmp / "held"
+    held.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "KIT_DEBUG"}
+    env.update(
+        KIT_TEST_HELD=str(held), PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "kit", "env", "clone", str(source), "--name", "c", "--envs-root", str(root)]
         + ["--verify-imports", ""],
@@ -556,15 +596,7 @@ def _stopped_mid_clone(source: Path, root: Path) -> subprocess.Popen:
         text=True,
         env=env,
     )
-    venvs = root / "venvs"
-
-    def copying():
-        return venvs.is_dir() and any(
-            p.name.startswith(".c.partial-") and any(p.rglob("*.py")) for p in venvs.iterdir()
-        )
-
-    _wait_for(copying, "the clone to start copying")
-    proc.send_signal(signal.SIGSTOP)
+    _wait_for(held.exists, "the clone to finish copying into its temporary folder")
     return proc
 
 
@@ -572,14 +604,13 @@ def test_sigterm_cleans_up_like_ctrl_c_and_leftovers_are_reported(many_files_env
     import signal
 
     root = tmp_path / "envs"
-    proc = _stopped_mid_clone(many_files_env, root)
+    proc = _held_mid_clone(many_files_env, root, tmp_path)
     proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGCONT)
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and err.strip().endswith("error: interrupted")
     assert list((root / "venvs").iterdir()) == []  # the temporary folder went away, nothing looks finished
 
-    proc = _stopped_mid_clone(many_files_env, root)
+    proc = _held_mid_clone(many_files_env, root, tmp_path)
     proc.send_signal(signal.SIGKILL)  # what nothing can clean up after: the next run reports it
     proc.communicate(timeout=300)
     lock, left = sorted((root / "venvs").iterdir())  # the killed run's lock and its temporary folder
