@@ -468,3 +468,31 @@ def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
     )
     assert "another node lacks its part" in (tmp_path / "c0.log").read_text()
     assert SECRET not in "".join((tmp_path / f"{t}{n}.log").read_text() for t in "abc" for n in (0, 1))
+
+
+def test_a_hung_or_refused_server_is_one_line_within_the_stated_wait(env, tmp_path, monkeypatch, capsys):
+    """A server that accepts and never answers, and one that refuses: `obs pull` and `obs push` end in one
+    `error:` line naming the operation and the endpoint, exit 2, after (retries + 1) x KIT_OBS_TIMEOUT_S at most."""
+    import socket
+
+    from kit.__main__ import main
+    from kit.system.procs import free_port
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # the kernel accepts; nothing reads or answers
+    port = hung.getsockname()[1]
+    monkeypatch.setenv("KIT_OBS_TIMEOUT_S", "0.5")
+    try:
+        for endpoint in (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}"):  # hung, refused
+            monkeypatch.setenv("OBS_ENDPOINT", endpoint)
+            assert main(["obs", "pull", "obs://kit-obs-test/x/y", str(tmp_path / "dest")]) == 2
+            assert main(["obs", "push", str(src), "obs://kit-obs-test/x/y"]) == 2
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+            assert len(err) == 2 and all(ln.startswith("error: OBS ") and endpoint in ln for ln in err), err
+            assert "KIT_OBS_TIMEOUT_S" in err[0] and not (tmp_path / "dest").exists()
+    finally:
+        hung.close()

@@ -35,6 +35,9 @@ KEY_VARIABLES = (("HUAWEICLOUD_SDK_AK", "HUAWEICLOUD_SDK_SK"), ("OBS_ACCESS_KEY_
 TOKEN_VARIABLES = ("HUAWEICLOUD_SDK_SECURITY_TOKEN", "OBS_SECURITY_TOKEN")
 ENDPOINT_VARIABLE = "OBS_ENDPOINT"  # e.g. https://obs.cn-southwest-2.myhuaweicloud.com
 SIGNATURE_VARIABLE = "OBS_SIGNATURE"  # obs (default: OBS's own, negotiated) | v4 | v2 (S3-compatible servers)
+# each request: connect and every read wait at most TIMEOUT_VARIABLE seconds (default 30), and the SDK tries it
+# RETRIES more times, so a server that stops answering ends a request within (RETRIES + 1) x the timeout
+TIMEOUT_VARIABLE, TIMEOUT_S, RETRIES = "KIT_OBS_TIMEOUT_S", 30.0, 2
 
 
 class ObsError(KitError, OSError):
@@ -71,6 +74,44 @@ def _credentials() -> Tuple[str, str, Optional[str]]:
     )
 
 
+def timeout_s() -> float:
+    """Seconds one OBS request may wait to connect or for each read: KIT_OBS_TIMEOUT_S, else TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_VARIABLE)
+    try:
+        value = float(raw) if raw else TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise InputError(f"{TIMEOUT_VARIABLE}={raw!r} is not a number of seconds > 0.")
+    return value
+
+
+class _Guarded:
+    """The SDK client, with what it raises (a refused or cut connection, a timeout) turned into one ObsError line
+    that names the operation, the object and the endpoint."""
+
+    def __init__(self, client, bucket: str, endpoint: str):
+        self._client, self._bucket, self._endpoint = client, bucket, endpoint
+
+    def __getattr__(self, name: str):
+        call = getattr(self._client, name)
+
+        def guarded(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except KitError:
+                raise
+            except Exception as exc:  # the SDK raises the socket's own errors
+                key = args[1] if len(args) > 1 else kwargs.get("objectKey", "")
+                raise ObsError(
+                    f"OBS {name} obs://{self._bucket}/{key} at {self._endpoint} failed: {type(exc).__name__}: "
+                    f"{exc or 'no answer'} (each request waits {timeout_s():g} s, tried {RETRIES + 1} times; "
+                    f"{TIMEOUT_VARIABLE} sets the wait); check the endpoint and the network, then run it again."
+                ) from None
+
+        return guarded
+
+
 class Store:
     """One bucket through the OBS SDK's ObsClient (made from the environment)."""
 
@@ -94,7 +135,7 @@ class Store:
         host = endpoint.split("://")[-1].split(":")[0].split("/")[0]
         # a bucket named in the host needs DNS for it: an IP address or localhost gets path-style requests
         path_style = host == "localhost" or host.replace(".", "").isdigit()
-        self.client = ObsClient(
+        client = ObsClient(
             access_key_id=ak,
             secret_access_key=sk,
             security_token=token,
@@ -102,7 +143,10 @@ class Store:
             signature=signature,
             path_style=path_style,
             is_signature_negotiation=signature == "obs" and not path_style,
+            timeout=timeout_s(),
+            max_retry_count=RETRIES,
         )
+        self.client = _Guarded(client, bucket, endpoint)
         self.bucket, self.part_size, self.threads = bucket, part_size, threads
 
     def _check(self, resp, what: str, key: str):

@@ -15,7 +15,10 @@ import os
 import threading
 import zlib
 from concurrent.futures import Executor
+from http.client import HTTPException
 from pathlib import Path
+
+from kit.storage.obs import ObsError
 
 CHUNK = 1 << 20  # bytes read from the response (and CRC'd, written) at a time
 _POLY = 0xEDB88320  # CRC-32's reflected polynomial (zlib)
@@ -61,7 +64,16 @@ def _get_part(store, key: str, fd: int, start: int, end: int) -> int:
     stream, crc, pos = resp.body.response, 0, start
     try:
         while True:
-            chunk = stream.read(CHUNK)
+            try:
+                chunk = stream.read(CHUNK)
+            except (
+                OSError,
+                HTTPException,
+            ) as exc:  # cut or stalled mid-part: the record keeps the other parts
+                raise ObsError(
+                    f"OBS download of obs://{store.bucket}/{key} broke off at byte {pos}: {type(exc).__name__}: "
+                    f"{exc or 'no answer'}; run it again (it resumes at this part)."
+                ) from None
             if not chunk:
                 break
             if pos + len(chunk) > end:
