@@ -16,6 +16,7 @@ import test_train_helpers as H
 from kit.core.configs import save_config
 from kit.core.workspace import repo_root
 from kit.errors import EXIT_PREEMPTED
+from kit.storage.locks import LockedError
 from kit.system.procs import Proc, runs_kit_train
 from kit.train import TrainConfig, train
 from kit.train.checkpoint import latest_iteration
@@ -178,6 +179,12 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(tm
     metrics = cfg.log_dir() / "pretrain.metrics.jsonl"
     try:
         wait_for_metrics(metrics, 3, proc, chunks)
+        # a second launch of the same run while it trains is refused, and touches none of its files
+        plan_file = cfg.output_dir() / "plan.json"
+        before = plan_file.read_bytes()
+        with pytest.raises(LockedError, match="is being written by another run"):
+            launch(cfg, progress=False)
+        assert plan_file.read_bytes() == before
         tree = psutil.Process(proc.pid).children(recursive=True)  # torchrun and its ranks (own sessions)
         ranks = [p for p in tree if runs_kit_train(p.cmdline())]
         assert len(ranks) == 2, [p.cmdline() for p in tree]

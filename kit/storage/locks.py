@@ -289,6 +289,13 @@ def live_holder(target: PathLike) -> Optional[Dict[str, Any]]:
     return holder
 
 
+def check_free(target: PathLike, what: str = "output") -> None:
+    """The LockedError acquire() would raise when a live run holds `target`'s lock; nothing is taken."""
+    holder = live_holder(target)
+    if holder is not None:
+        raise _locked(Path(os.path.abspath(target)), lock_path(target), holder, what)
+
+
 def holds(target: PathLike) -> bool:
     """True when this thread holds the lock of `target`."""
     mine = _held.get(str(lock_path(target)))

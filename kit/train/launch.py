@@ -229,6 +229,10 @@ def launch(
     plan = run if isinstance(run, TrainPlan) else resolve(run, ws)
     plan = dataclasses.replace(plan, cfg=job_config(plan.cfg))
     cfg, out = plan.cfg, plan.folder
+    if cfg.node_rank == 0:  # its rank 0 will hold the run's lock: a run already training there is not touched
+        from kit.storage.locks import check_free
+
+        check_free(out, "training run")
     out.mkdir(parents=True, exist_ok=True)
     plan_path = plan.save(out / f"plan{node_suffix(cfg)}.json")
     if launcher == "deepspeed":
