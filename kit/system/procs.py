@@ -1,4 +1,5 @@
-"""The one process runner: training launches, the serving engine, the preflight's ranks and the Megatron command.
+"""The one process runner for every child the kit starts: training launches, the serving engine, the preflight's
+ranks, the Megatron command, and the stream children (cp, tar, the OBS uploader).
 
 A child starts in a process group (session) of its own that dies with the kit (kit.system.lifetime), its output is read
 with a bounded drain, and a stop asks (SIGTERM), waits a grace period and kills what is left, so that no process
