@@ -133,8 +133,9 @@ def test_gptmodel_logits_catch_a_wrong_qkv_layout(tiny_llama_dir, tmp_path, mcor
 def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str, ep: int = 1) -> None:
     """One TP (x EP) rank: megatron-core loads its own rank file strictly and writes its vocab slice of the logits."""
     import torch.distributed as dist
-    from kit.train.preflight.cpu_patches import cpu_patched
     from megatron.core import parallel_state
+
+    from kit.train.preflight.cpu_patches import cpu_patched
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(world // ep, 1, expert_model_parallel_size=ep)

@@ -210,12 +210,12 @@ def test_normhead_first_loss_is_hfs_but_its_training_is_not_what_megatron_core_r
     NormHead differentiates through the normalisation, so its lm_head gradient is not the plain head's."""
     import torch
     import torch.nn.functional as F
-    from kit.train.preflight.reference import ForwardReference
 
     from kit.convert.families import BAICHUAN
     from kit.convert.hf_io import HFReader
     from kit.convert.reference import hf_forward
     from kit.convert.verify import sample_tokens
+    from kit.train.preflight.reference import ForwardReference
 
     reader = HFReader(tiny_baichuan7b_dir)
     spec = BAICHUAN.read_config(reader.config, reader.folder)
