@@ -5,7 +5,7 @@ how often a launched run opens its dataset without any hook in kit itself.
 """
 
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import os
 import sys
 
@@ -27,10 +27,11 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Wraps datasets.load_from_disk once `datasets` is imported (importing it here would slow every process)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "datasets":
+        # every lookup of `datasets` gets the wrapping spec, not only the first: transformers 4.x looks it up
+        # (importlib.util.find_spec) to see whether it is installed long before anything imports it
+        if name != "datasets" or name in sys.modules:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
         run = spec.loader.exec_module
 
         def exec_module(module):
