@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 from kit.errors import InputError, KitError, MissingInputError
 from kit.storage.atomic import MANIFEST_NAME, OutputExistsError
 from kit.storage.hashes import crc32_file, sha256_file
+from kit.system.waits import seconds
 
 SCHEME = "obs://"
 LISTING = "kit_obs_files.json"  # uploaded last: the folder above it is complete in OBS
@@ -76,14 +77,7 @@ def _credentials() -> Tuple[str, str, Optional[str]]:
 
 def timeout_s() -> float:
     """Seconds one OBS request may wait to connect or for each read: KIT_OBS_TIMEOUT_S, else TIMEOUT_S."""
-    raw = os.environ.get(TIMEOUT_VARIABLE)
-    try:
-        value = float(raw) if raw else TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InputError(f"{TIMEOUT_VARIABLE}={raw!r} is not a number of seconds > 0.")
-    return value
+    return seconds(os.environ, TIMEOUT_VARIABLE, TIMEOUT_S)
 
 
 class _Guarded:

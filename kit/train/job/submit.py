@@ -7,6 +7,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from kit.errors import KitError
+from kit.system.waits import seconds
 from kit.train.job.request import JobPlan, redact
 
 # the SDK's own variable names (huaweicloudsdkcore auth/provider.py EnvCredentialProvider)
@@ -111,14 +112,7 @@ def client(environ: Optional[Mapping[str, str]] = None) -> Any:
 
 def read_timeout(environ: Mapping[str, str]) -> float:
     """Seconds to wait for ModelArts' answer: KIT_MODELARTS_TIMEOUT_S, else READ_S."""
-    raw = environ.get(READ_ENV)
-    try:
-        value = float(raw) if raw else READ_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise JobSubmitError(f"{READ_ENV}={raw!r} is not a number of seconds > 0.")
-    return value
+    return seconds(environ, READ_ENV, READ_S)
 
 
 def submit(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> str:
