@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from kit.core.inputs import consumed, newest, outputs
+from kit.core.inputs import Input, consumed, newest, outputs, run_outputs
 from kit.core.manifest import (
     HF_MODEL,
     MANIFEST_NAME,
@@ -32,14 +32,17 @@ def test_newest_is_the_latest_created_then_the_latest_written(workspace):
     _run(out / "sft", "2026-01-02T00:00:00+00:00", 1_000)
     _run(out / "lora", "2026-01-01T00:00:00+00:00", 9_000)  # written later, but finished a day earlier
     _run(out / "pretrain", "2026-01-02T00:00:00+00:00", 2_000)  # same second as sft: the later write wins
-    found = newest(workspace, TRAINING_RUN)
+    found = newest(workspace, Input("RUN", TRAINING_RUN))
     assert found.folder == (out / "pretrain").resolve()
     assert found.why == (
-        "the newest training-run in the workspace (made 2026-01-02T00:00:00+00:00; 2 older one(s) passed over)"
+        "RUN not given: the newest training-run in the workspace (made 2026-01-02T00:00:00+00:00; 2 older one(s) "
+        "passed over)"
     )
     assert [m.folder.name for m in outputs(workspace, TRAINING_RUN)] == ["pretrain", "sft", "lora"]
-    assert newest(workspace, TRAINING_RUN, lambda m: m.folder.name == "lora").folder.name == "lora"
-    assert newest(workspace, PREPARED_DATA) is None
+    assert (
+        newest(workspace, Input("RUN", TRAINING_RUN), lambda m: m.folder.name == "lora").folder.name == "lora"
+    )
+    assert newest(workspace, Input("DATA", PREPARED_DATA)) is None
 
 
 def test_unfinished_damaged_and_profiled_outputs_are_no_candidates(workspace):
@@ -59,3 +62,23 @@ def test_consumed_follows_a_recorded_input_of_a_kind(workspace, tmp_path):
     assert consumed(hf, PREPARED_DATA) is None
     (run.folder / MANIFEST_NAME).unlink()  # the run folder is no longer a run: nothing to follow
     assert consumed(read_manifest(hf.folder), TRAINING_RUN) is None
+
+
+def test_run_outputs_follow_a_runs_manifest_to_its_model_adapter_and_data(workspace, tmp_path):
+    from kit.core.manifest import KINDS
+
+    fields = dict.fromkeys(KINDS[PREPARED_DATA][1], None)
+    data = write_manifest(tmp_path / "data", PREPARED_DATA, dict(fields, template="chatml"))
+    (tmp_path / "adapter").mkdir()
+    fields = dict.fromkeys(KINDS[TRAINING_RUN][1], None)
+    made = dict(hf=str(tmp_path / "merged"), model=str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
+    run = write_manifest(
+        workspace.model_output / "lora", TRAINING_RUN, dict(fields, **made), [data.as_input()]
+    )
+    made = run_outputs(run.folder)
+    assert (made.hf, made.base, made.adapter) == (
+        tmp_path / "merged",
+        tmp_path / "base",
+        tmp_path / "adapter",
+    )
+    assert made.data.folder == data.folder and made.data.get("template") == "chatml"

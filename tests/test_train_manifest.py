@@ -27,7 +27,7 @@ def test_training_run_and_hf_manifests_and_resume_keeps_them_consistent(tmp_path
     # 04 on its defaults found 02's folder in the workspace: no DATASET_PATH given, nothing re-prepared
     # ... and says which folder it took and why (kit.core.inputs)
     assert run["sources"]["dataset_path"].startswith(
-        f"workspace {data.resolve()}: the newest prepared-data of kind sft made with {Path(tiny_llama_dir).name}'s "
+        f"workspace {data.resolve()}: DATASET_PATH not given: the newest prepared-data of kind sft made with {Path(tiny_llama_dir).name}'s "
     )
     assert run["sources"]["seq_len"] == f"manifest {data.resolve()}" and run["config"]["seq_len"] == 48
     assert run["sources"]["lr"] == "explicit" and run["sources"]["work_dir"] == "workspace"

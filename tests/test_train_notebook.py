@@ -74,7 +74,7 @@ def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_d
     assert summary["status"] == "completed" and summary["iterations"] == 2
     assert summary["dataset_path"] == str(prepared)
     assert summary["sources"]["dataset_path"].startswith(
-        f"workspace {prepared.resolve()}: the newest prepared-data "
+        f"workspace {prepared.resolve()}: DATASET_PATH not given: the newest prepared-data "
     )
     assert summary["seq_len"] == 96 and summary["sources"]["seq_len"] == f"manifest {prepared.resolve()}"
     assert summary["inputs"][0]["manifest_sha256"] == read_manifest(prepared).sha256

@@ -1,9 +1,11 @@
 """One input finder: a stage finds what an earlier stage made through the manifests (kit.core.manifest), two ways only.
 
-`newest(ws, kind, match)`: the workspace's newest output of a kind that fits. `consumed(manifest, kind)`: the input of
-a kind an output records it was made from. Newest means one thing everywhere: the latest manifest `created` time
-(written when the output was finished), then the latest manifest file change, then the folder's path. A stage that
-takes an output it was not given says which one and why (`Found.why`).
+Each stage declares its inputs in a short table of `Input` rows (the setting that names one, its kind, what fits).
+`newest(ws, row, match)`: the workspace's newest output of the row's kind that fits, when the setting was not given.
+`consumed(manifest, kind)`: the input of a kind an output records it was made from (`run_outputs` follows a training
+run's). Newest means one thing everywhere: the latest manifest `created` time (written when the output was finished),
+then the latest manifest file change, then the folder's path. A stage that takes an output it was not given says which
+one and why (`Found.why`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ PLACES = {
     CONVERTED_CHECKPOINT: (("converted_weights",), 2),
     TRAINING_RUN: (("model_output",), 3),
 }
+
+
+@dataclass(frozen=True)
+class Input:
+    """One row of a stage's input table: the setting that names the input, the kind of output it is, what fits."""
+
+    setting: str
+    kind: str
+    fits: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,16 +83,15 @@ def outputs(ws: Any, kind: str, match: Optional[Callable[[Manifest], bool]] = No
     return sorted(found, key=_newest_first, reverse=True)
 
 
-def newest(
-    ws: Any, kind: str, match: Optional[Callable[[Manifest], bool]] = None, fits: str = ""
-) -> Optional[Found]:
-    """The workspace's newest output of `kind` that `match` accepts (`fits` says how, for the sentence), or None."""
-    found = outputs(ws, kind, match)
+def newest(ws: Any, need: Input, match: Optional[Callable[[Manifest], bool]] = None) -> Optional[Found]:
+    """The workspace's newest output of the row's kind that `match` accepts (`need.fits` says how), or None."""
+    found = outputs(ws, need.kind, match)
     if not found:
         return None
     others = f"; {len(found) - 1} older one(s) passed over" if len(found) > 1 else ""
-    fits = f" {fits}" if fits else ""
-    return Found(found[0], f"the newest {kind}{fits} in the workspace (made {found[0].created}{others})")
+    fits = f" {need.fits}" if need.fits else ""
+    why = f"{need.setting} not given: the newest {need.kind}{fits} in the workspace (made {found[0].created}{others})"
+    return Found(found[0], why)
 
 
 def consumed(man: Manifest, kind: str) -> Optional[Manifest]:
@@ -93,3 +103,27 @@ def consumed(man: Manifest, kind: str) -> Optional[Manifest]:
         except KitError:
             continue
     return None
+
+
+@dataclass(frozen=True)
+class RunOutputs:
+    """What a training run made and started from, read through its manifest (evaluation and serving start here)."""
+
+    run: Manifest
+    hf: Optional[Path]  # the exported HF model (merged, for LoRA)
+    adapter: Optional[Path]  # the LoRA adapter, when the run kept one
+    base: Optional[Path]  # the model it started from
+    data: Optional[Manifest]  # the prepared data it trained on
+
+
+def run_outputs(folder: Path) -> RunOutputs:
+    """The RunOutputs of the training-run folder `folder` (an error in one line when it is not one)."""
+    run = read_manifest(folder, expect=TRAINING_RUN)
+    adapter = run.get("adapter")
+    return RunOutputs(
+        run,
+        hf=Path(run["hf"]) if run.get("hf") else None,
+        adapter=Path(adapter) if adapter and Path(adapter).is_dir() else None,
+        base=Path(run["model"]) if run.get("model") else None,
+        data=consumed(run, PREPARED_DATA),
+    )

@@ -12,17 +12,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from kit.core.inputs import consumed, newest
+from kit.core.inputs import Input, RunOutputs, consumed, newest, run_outputs
 from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
     PREPARED_DATA,
     TRAINING_RUN,
     Consumed,
+    Manifest,
     find_manifest,
     read_manifest,
 )
 from kit.errors import InputError, MissingInputError
+
+RUN = Input(
+    "RUN", TRAINING_RUN
+)  # the run whose model is evaluated; its base model and data come through its manifest
 
 
 @dataclass
@@ -70,8 +75,7 @@ def _to_hf(folder: Path, scratch: Path, inputs: EvalInputs) -> Path:
     )
 
 
-def _data_facts(data: Path, inputs: EvalInputs) -> None:
-    man = read_manifest(data, expect=PREPARED_DATA)
+def _data_facts(man: Manifest, inputs: EvalInputs) -> None:
     inputs.data = man.folder
     inputs.heldout = man.get("heldout")
     inputs.template = man.get("template")
@@ -79,14 +83,13 @@ def _data_facts(data: Path, inputs: EvalInputs) -> None:
     inputs.consumed.append(man.as_input())
 
 
-def _from_run(run_folder: Path, inputs: EvalInputs, cfg) -> None:
-    run = read_manifest(run_folder, expect=TRAINING_RUN)
-    inputs.run = run.folder
-    inputs.consumed.append(run.as_input())
-    if cfg.base_model is None and run["model"]:
-        inputs.base = Path(run["model"])
-    if cfg.data is None and run["data"]:
-        _data_facts(Path(run["data"]), inputs)
+def _from_run(made: RunOutputs, inputs: EvalInputs, cfg) -> None:
+    inputs.run = made.run.folder
+    inputs.consumed.append(made.run.as_input())
+    if cfg.base_model is None and made.base:
+        inputs.base = made.base
+    if cfg.data is None and made.data:
+        _data_facts(made.data, inputs)
 
 
 def resolve(cfg, ws, scratch: Path) -> EvalInputs:
@@ -113,33 +116,32 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
             inputs = EvalInputs(model=Path("."))
             inputs.model = _to_hf(folder, scratch, inputs).resolve()
         if run_folder is not None:
-            _from_run(run_folder, inputs, cfg)
+            _from_run(run_outputs(run_folder), inputs, cfg)
     else:
         taken = []
         if run_folder is None:
-            found = newest(ws, TRAINING_RUN)
+            found = newest(ws, RUN)
             if found is None:
                 return _alone(cfg, ws)
             run_folder = found.folder
             taken.append(f"evaluating {found.folder}: {found.why}")  # the run it inherits, and why that one
             print(taken[0])
-        run = read_manifest(run_folder, expect=TRAINING_RUN)
-        if not run["hf"]:
+        made = run_outputs(run_folder)
+        if made.hf is None:
             raise InputError(
-                f"{run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (its checkpoint or a "
-                f"converted folder) or train with an HF export."
+                f"{made.run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (its checkpoint or "
+                f"a converted folder) or train with an HF export."
             )
-        inputs = EvalInputs(model=Path(run["hf"]), notes=taken)
-        hf_dir = Path(run["hf"])
-        if find_manifest(hf_dir) is not None:
-            inputs.consumed.append(read_manifest(hf_dir).as_input())
-        _from_run(run.folder, inputs, cfg)
+        inputs = EvalInputs(model=made.hf, notes=taken)
+        if find_manifest(made.hf) is not None:
+            inputs.consumed.append(read_manifest(made.hf).as_input())
+        _from_run(made, inputs, cfg)
     if cfg.base_model:
         inputs.base = _to_hf(Path(cfg.base_model).expanduser(), scratch, inputs).resolve()
     elif inputs.base is not None:
         inputs.base = _to_hf(inputs.base, scratch, inputs).resolve()
     if cfg.data:
-        _data_facts(Path(cfg.data).expanduser(), inputs)
+        _data_facts(read_manifest(Path(cfg.data).expanduser(), expect=PREPARED_DATA), inputs)
     if cfg.template:
         inputs.template = cfg.template
     return inputs
@@ -156,11 +158,11 @@ def _alone(cfg, ws) -> EvalInputs:
         f"{model.name} on its own"
     )
     if cfg.data:
-        _data_facts(Path(cfg.data).expanduser(), inputs)
+        _data_facts(read_manifest(Path(cfg.data).expanduser(), expect=PREPARED_DATA), inputs)
     else:
         data = _prepare_sample(ws, model)
         note += f", on the held-out split of {data.name}"
-        _data_facts(data, inputs)
+        _data_facts(read_manifest(data, expect=PREPARED_DATA), inputs)
     print(note)
     inputs.notes.append(note)
     if cfg.template:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from kit.core.inputs import newest
+from kit.core.inputs import Input, newest
 from kit.core.manifest import (
     MANIFEST_NAME,
     PROFILE_CAPTURE,
@@ -33,6 +33,7 @@ from kit.profiling.config import ProfileConfig
 from kit.profiling.profile_data import CaptureError, ProfileError
 
 PathLike = Union[str, Path]
+RUN = Input("RUN", TRAINING_RUN)  # the run profiled; its model, data and settings follow its manifest
 TRAINING_FOLDER = "training"  # inside the capture folder: the profiled steps' own workspace (logs, metrics)
 # What a run configured here uses when the workspace has no training run: notebook 04's parameter defaults.
 DEFAULT_RUN = {"run_type": "sft", "mbs": 1, "gbs": 2, "lr": 1e-4, "warmup_iters": 1, "save_interval": 0}
@@ -214,7 +215,7 @@ def run(
     if training_run is not None:
         run_m: Optional[Manifest] = read_manifest(training_run, expect=TRAINING_RUN)
     else:
-        found = newest(ws, TRAINING_RUN)
+        found = newest(ws, RUN)
         run_m = found.manifest if found else None
         if found:  # the run this stage inherits, and why that one
             taken = [f"profiling {found.folder}: {found.why}"]

@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kit.core.inputs import consumed, newest
-from kit.core.manifest import HF_MODEL, PREPARED_DATA, TRAINING_RUN, Consumed, find_manifest, read_manifest
+from kit.core.inputs import Input, RunOutputs, consumed, newest, run_outputs
+from kit.core.manifest import HF_MODEL, TRAINING_RUN, Consumed, find_manifest, read_manifest
 from kit.errors import InputError, MissingInputError
+
+RUN = Input(
+    "RUN", TRAINING_RUN
+)  # the run whose model is served; its adapter, base and template come through its manifest
 
 
 @dataclass
@@ -49,18 +53,12 @@ def _check_hf(folder: Path, what: str) -> Path:
     return folder.resolve()
 
 
-def _from_run(run_folder: Path, out: ServedModel) -> None:
-    run = read_manifest(run_folder, expect=TRAINING_RUN)
-    out.run = run.folder
-    out.consumed.append(run.as_input())
-    if run.get("model"):
-        out.base = Path(run["model"])
-    if run.get("adapter") and Path(run["adapter"]).is_dir():
-        out.adapter = Path(run["adapter"])
-    data = consumed(run, PREPARED_DATA)
-    if data is not None:
-        out.template = data.get("template")
-        out.consumed.append(data.as_input())
+def _from_run(made: RunOutputs, out: ServedModel) -> None:
+    out.run, out.base, out.adapter = made.run.folder, made.base, made.adapter
+    out.consumed.append(made.run.as_input())
+    if made.data is not None:
+        out.template = made.data.get("template")
+        out.consumed.append(made.data.as_input())
 
 
 def resolve_model(cfg, ws) -> ServedModel:
@@ -74,11 +72,11 @@ def resolve_model(cfg, ws) -> ServedModel:
                 out.consumed.append(man.as_input())
                 run = consumed(man, TRAINING_RUN)
                 if cfg.run is None and run is not None:
-                    _from_run(run.folder, out)
+                    _from_run(run_outputs(run.folder), out)
         if cfg.run:
-            _from_run(Path(cfg.run).expanduser(), out)
+            _from_run(run_outputs(Path(cfg.run).expanduser()), out)
         return out
-    found = None if cfg.run else newest(ws, TRAINING_RUN)
+    found = None if cfg.run else newest(ws, RUN)
     run_folder = Path(cfg.run).expanduser() if cfg.run else found and found.folder
     if run_folder is None:
         from kit.core.samples import demo_model_dir
@@ -87,17 +85,17 @@ def resolve_model(cfg, ws) -> ServedModel:
         note = f"no training run in {ws.model_output} (notebook 04 makes one): serving the demo model {model.name}"
         print(note)
         return ServedModel(path=model.resolve(), template="tokenizer", notes=[note])
-    run = read_manifest(run_folder, expect=TRAINING_RUN)
-    if not run.get("hf"):
+    made = run_outputs(run_folder)
+    if made.hf is None:
         raise InputError(
-            f"{run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (a converted folder) "
+            f"{made.run.folder}: the run exported no HF model (hf is None); give MODEL_PATH (a converted folder) "
             f"or train with an HF export."
         )
-    out = ServedModel(path=_check_hf(Path(run["hf"]), "the run's hf"))
+    out = ServedModel(path=_check_hf(made.hf, "the run's hf"))
     if found is not None:  # the run this stage inherits, and why that one
         out.notes.append(f"serving {found.folder}: {found.why}")
         print(out.notes[-1])
     if find_manifest(out.path) is not None:
         out.consumed.append(read_manifest(out.path).as_input())
-    _from_run(run.folder, out)
+    _from_run(made, out)
     return out

@@ -10,13 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
-from kit.core.inputs import Found, newest
-from kit.core.manifest import PREPARED_DATA, Manifest
+from kit.core.inputs import Found, Input, newest
+from kit.core.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA, Manifest
 from kit.errors import MissingInputError
 
 PathLike = Union[str, Path]
 DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "retrain": None}
 SAMPLE_MAX_LENGTH = 256  # notebook 02's MAX_LENGTH default, so 04 alone prepares what 02 would have
+# notebook 04's inputs, each found in the workspace when its setting is not given (the rest follow their manifests)
+DATA = Input("DATASET_PATH", PREPARED_DATA, "of the run's kind made with the model's tokenizer")
+CHECKPOINT = Input("MODEL_PATH", CONVERTED_CHECKPOINT, "(ENGINE='megatron': notebook 03's output)")
 
 
 def _tokenizer_id(folder: PathLike) -> str:
@@ -37,7 +40,11 @@ def find_prepared(ws: Any, kind: str, tokenizer: PathLike) -> Optional[Found]:
         theirs = man.get("tokenizer_sha256") or (man.get("tokenizer") and _tokenizer_id(man["tokenizer"]))
         return man.get("data_kind") == kind and theirs == want
 
-    return newest(ws, PREPARED_DATA, fits, f"of kind {kind} made with {Path(tokenizer).name}'s tokenizer")
+    return newest(
+        ws,
+        Input(DATA.setting, DATA.kind, f"of kind {kind} made with {Path(tokenizer).name}'s tokenizer"),
+        fits,
+    )
 
 
 def default_model() -> Path:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from kit.core.inputs import newest
 from kit.core.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_manifest
 from kit.errors import InputError, MissingInputError
 from kit.train.config import (
@@ -279,9 +280,7 @@ def resolve_values(
     if (
         values["model_path"] is None and values["engine"] == "megatron"
     ):  # notebook 03's output, if there is one
-        from kit.core.inputs import newest
-
-        found = newest(ws, CONVERTED_CHECKPOINT)
+        found = newest(ws, inputs.CHECKPOINT)
         if found is not None:
             values["model_path"], sources["model_path"] = (
                 str(found.folder),

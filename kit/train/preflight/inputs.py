@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from kit.core.inputs import Found, newest
+from kit.core.inputs import Found, Input, newest
 from kit.core.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA
 from kit.errors import InputError
+
+CHECKPOINT = Input("--checkpoint", CONVERTED_CHECKPOINT)  # notebook 03's output at the planned TP/PP
+DATA = Input("--dataset-path", PREPARED_DATA, "with Megatron files")  # notebook 02's, made with its tokenizer
 
 
 def find_megatron_data(ws: Any, tokenizer_sha256: Optional[str] = None) -> Optional[Found]:
@@ -20,7 +23,7 @@ def find_megatron_data(ws: Any, tokenizer_sha256: Optional[str] = None) -> Optio
             not tokenizer_sha256 or not theirs or theirs == tokenizer_sha256
         )
 
-    return newest(ws, PREPARED_DATA, fits, "with Megatron files")
+    return newest(ws, DATA, fits)
 
 
 def inputs_missing(cfg) -> Optional[str]:
@@ -40,7 +43,7 @@ def resolve_inputs(cfg):
     from kit.train.megatron import data_problems
 
     ws = get_workspace(cfg.work_dir or None, model=cfg.model_name)
-    found = None if cfg.checkpoint else newest(ws, CONVERTED_CHECKPOINT)
+    found = None if cfg.checkpoint else newest(ws, CHECKPOINT)
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint else found and found.folder
     if ckpt is None:
         raise InputError(
