@@ -13,37 +13,22 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
+from kit.system.device import synchronize
 from kit.system.hf_compat import last_logits_only
 
 
-def _sync(device) -> None:
+def _accelerator(device):
+    """torch.cuda or torch.npu (the same memory and synchronize API) for an accelerator device; None on the CPU."""
     import torch
 
     kind = getattr(device, "type", str(device))
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-    elif kind == "npu":
-        torch.npu.synchronize(device)
-
-
-def _reset_peak(device) -> None:
-    import torch
-
-    kind = getattr(device, "type", str(device))
-    if kind == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif kind == "npu":
-        torch.npu.reset_peak_memory_stats(device)
+    return getattr(torch, kind) if kind in ("cuda", "npu") else None
 
 
 def _memory_mb(device) -> tuple:
-    import torch
-
-    kind = getattr(device, "type", str(device))
-    if kind == "cuda":
-        return float(torch.cuda.max_memory_allocated(device)) / 2**20, "max allocated"
-    if kind == "npu":
-        return float(torch.npu.max_memory_allocated(device)) / 2**20, "max allocated"
+    acc = _accelerator(device)
+    if acc is not None:
+        return float(acc.max_memory_allocated(device)) / 2**20, "max allocated"
     import psutil
 
     return float(psutil.Process().memory_info().rss) / 2**20, "process RSS"
@@ -78,13 +63,15 @@ def measure(
     # would inflate the time to first token and the memory (1.6 GB of fp32 at batch 8, prompt 1024, 49k vocab)
     last = last_logits_only(model)
     ids = prompt_ids(batch, prompt_len, vocab, seed).to(device)
-    _reset_peak(device)
+    acc = _accelerator(device)
+    if acc is not None:
+        acc.reset_peak_memory_stats(device)
     with torch.no_grad():
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, **last)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
+        synchronize(device)
         ttft = time.perf_counter() - t0
         past = getattr(out, attr)
         t1 = time.perf_counter()
@@ -92,7 +79,7 @@ def measure(
             out = model(input_ids=nxt, use_cache=True, **{kw: past}, **last)
             past = getattr(out, attr)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
+        synchronize(device)
         decode_s = time.perf_counter() - t1
     mem, mem_kind = _memory_mb(device)
     return {
