@@ -47,7 +47,8 @@ def workspace(tmp_path):
 def run_notebook(tmp_path):
     """Run notebooks/<prefix>*.ipynb with papermill on the given parameters; return (executed path, summary).
 
-    WORKSPACE defaults to a temporary folder; the summary is the notebook's reports/<stem>.summary.json.
+    WORKSPACE defaults to a temporary folder; the summary is the notebook's reports/<stem>.summary.json. A notebook
+    that succeeds writes nothing to stderr (third-party chatter goes to logs: kit.system.noise).
     """
     from kit.envs.notebooks import execute, numbered_notebooks
 
@@ -57,6 +58,9 @@ def run_notebook(tmp_path):
         nb = matches[0]
         params.setdefault("WORKSPACE", str(tmp_path / "ws"))
         out = execute(nb, tmp_path / "executed" / nb.name, params)
+        cells = json.loads(Path(out).read_text(encoding="utf-8"))["cells"]
+        stderr = [o["text"] for c in cells for o in c.get("outputs", []) if o.get("name") == "stderr"]
+        assert not stderr, f"{nb.name} wrote to stderr on success (a red box in Jupyter): {stderr}"
         summary_path = Path(params["WORKSPACE"]) / "reports" / f"{nb.stem}.summary.json"
         summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.exists() else None
         return out, summary

@@ -9,12 +9,12 @@ is fetched from a hub.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from pathlib import Path
 from typing import Any, Dict, List
 
 from kit.errors import MissingInputError
+from kit.system.noise import quiet
 
 
 def available() -> bool:
@@ -44,10 +44,7 @@ def run_lm_eval(model, tokenizer, tasks: List[Any], folder: Path, batch_size: in
     for task in tasks:
         resolved_yaml(task, folder)
     # lm-eval warns that a model object (not a hub name) was passed and that num_fewshot is set: both intended
-    quiet = logging.getLogger("lm_eval")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with quiet(Path(folder) / "lm_eval.log", loggers=("lm_eval",)):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
         out = lm_eval.simple_evaluate(
             model=lm,
@@ -56,8 +53,6 @@ def run_lm_eval(model, tokenizer, tasks: List[Any], folder: Path, batch_size: in
             num_fewshot=0,
             log_samples=True,
         )
-    finally:
-        quiet.setLevel(level)
     results = {}
     for task in tasks:
         res = out["results"][task.name]

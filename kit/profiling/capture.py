@@ -21,8 +21,11 @@ from typing import Any, Optional, Union
 from kit.profiling.config import ProfileConfig
 from kit.profiling.loader import CAPTURE_FILE, find_profiles
 from kit.profiling.profile_data import CaptureError
+from kit.system.noise import quiet
 
 PathLike = Union[str, Path]
+
+PROFILER_LOG = "profiler.log"  # what the profiler prints (kineto's markers, its warnings), beside the trace
 
 
 def git_state(path: Optional[PathLike] = None) -> dict:
@@ -179,7 +182,8 @@ class Capture:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "profiler_kwargs": {k: repr(v) for k, v in kwargs.items()},
         }
-        self._prof.start()
+        with quiet(self._partial / PROFILER_LOG):  # kineto's start / stop markers go to the log
+            self._prof.start()
         return self
 
     def step(self) -> None:
@@ -188,7 +192,8 @@ class Capture:
             raise CaptureError(
                 "capture not started: use `with kit.profiling.profile(...) as cap:` or call .start()"
             )
-        self._prof.step()
+        with quiet(self._partial / PROFILER_LOG):
+            self._prof.step()
         self.steps += 1
 
     def __call__(self, step: int) -> None:
@@ -203,7 +208,8 @@ class Capture:
         """
         if self._prof is None:
             raise CaptureError("capture not started: call .start() (or use the `with` block) first")
-        self._prof.stop()
+        with quiet(self._partial / PROFILER_LOG):
+            self._prof.stop()
         self.profiler, self._prof = self._prof, None  # kept: torch.profiler's key_averages() stays usable
         if self.steps < self.config.steps_needed:
             self.notes.append(

@@ -8,10 +8,11 @@ in-process through lm-eval's `hf` model with the tokenizer's chat template: the 
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+from kit.system.noise import quiet
 
 GEN_TASK = "kit_gen_en"
 GEN_YAML = """# A short greedy generation task over notebook 06's English questions (written by kit.serve.lmeval).
@@ -61,10 +62,7 @@ def _evaluate(model, model_args, folder: Path, task: str, limit: Optional[int], 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    quiet = logging.getLogger("lm_eval")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with quiet(Path(folder) / "lm_eval.log", loggers=("lm_eval",)):
         out = lm_eval.simple_evaluate(
             model=model,
             model_args=model_args,
@@ -76,8 +74,6 @@ def _evaluate(model, model_args, folder: Path, task: str, limit: Optional[int], 
             apply_chat_template=chat,
             batch_size=1,
         )
-    finally:
-        quiet.setLevel(level)
     res = out["results"][task]
     samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
     metric = "exact_match" if any(k.startswith("exact_match") for k in res) else "acc"

@@ -6,6 +6,7 @@ import math
 import os
 from typing import Optional
 
+from kit.system.noise import quiet
 from kit.system.procs import free_port
 
 
@@ -28,10 +29,11 @@ def without_in_process_rendezvous(env: dict) -> dict:
     return {k: v for k, v in env.items() if k not in kit}
 
 
-def init_distributed(info) -> tuple:
+def init_distributed(info, log=None) -> tuple:
     """Join (or create) the process group on the device's backend; return (rank, world_size, local_rank).
 
-    A process started without a launcher (a notebook cell) becomes a world of one on a free local port.
+    A process started without a launcher (a notebook cell) becomes a world of one on a free local port. What
+    DeepSpeed's op probes print goes to `log` (kit.system.noise).
     """
     import torch.distributed as dist
 
@@ -60,7 +62,8 @@ def init_distributed(info) -> tuple:
             env["LOCAL_SIZE"] = env["LOCAL_WORLD_SIZE"]
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
+        with quiet(log):
+            deepspeed.init_distributed(dist_backend=info.backend, verbose=False)
         if info.kind == "cpu":  # every rank calls it (it may hold a barrier)
             release_shm_buffer(dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
@@ -185,7 +188,8 @@ def build_model(cfg, torch_dtype=None):
             lora_dropout=cfg.lora_dropout,
             target_modules=list(cfg.lora_targets),
         )
-        model = get_peft_model(model, lora)
+        with quiet(cfg.log_dir() / "third_party.log"):  # peft asks transformers a deprecated attribute
+            model = get_peft_model(model, lora)
     return model, report
 
 

@@ -106,7 +106,9 @@ class Trainer:
         self.info = detect()
         self.dtype = eng.resolve_dtype(cfg, self.info)
         bind_device(self.info)
-        self.rank, self.world, self.local_rank = eng.init_distributed(self.info)
+        self.rank, self.world, self.local_rank = eng.init_distributed(
+            self.info, cfg.log_dir() / "third_party.log"
+        )
         if self.world != cfg.world_size:
             raise RuntimeError(
                 f"this job has {self.world} processes but the config says NNODES x NPROC_PER_NODE = "
