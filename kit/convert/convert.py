@@ -61,9 +61,9 @@ RankFn = Callable[[str, Optional[int], int], object]  # (role, global layer | No
 def _progress(total: int, desc: str, disable: bool):
     if disable:
         return _NoBar()
-    from tqdm.auto import tqdm
+    from kit.system.progress import bar
 
-    return tqdm(total=total, desc=desc, unit="layer")
+    return bar(total=total, desc=desc, unit="layer")
 
 
 class _NoBar:

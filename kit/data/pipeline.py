@@ -483,10 +483,9 @@ def _stream(
     heldout: Optional[HeldoutPicker] = None,
 ) -> None:
     """Read, tokenize (in order, over cfg.num_workers) and hand every batch to the kind's assembler."""
-    from tqdm.auto import tqdm
-
     from kit.data.pretrain import PretrainAssembler, pretrain_job
     from kit.data.sft import SftAssembler, sft_job
+    from kit.system.progress import bar as progress_bar
 
     settings = {
         "add_bos": cfg.add_bos,
@@ -498,7 +497,7 @@ def _stream(
         "mask_history": cfg.mask_history,
     }
     initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
-    with tqdm(desc=f"{cfg.kind} {cfg.output_name}", unit=" records", disable=not progress) as bar:
+    with progress_bar(desc=f"{cfg.kind} {cfg.output_name}", unit=" records", disable=not progress) as bar:
         if cfg.kind == "pretrain":
             # several workers: chunks of ~CHUNK_CHARS keep them evenly busy to the end (the last chunk is
             # the only one a worker can wait for); one process: batches of batch_size for the tokenizer's threads

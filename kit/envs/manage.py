@@ -50,9 +50,9 @@ CLONE_METHODS = ("auto", "copy", "conda-pack", "conda-clone")
 
 
 def _bar(total: int, desc: str, unit: str = "file"):
-    from tqdm.auto import tqdm
+    from kit.system.progress import bar
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, mininterval=0.5)
+    return bar(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False, mininterval=0.5)
 
 
 def list_envs(envs_root: Optional[PathLike] = None, include_conda: bool = True) -> list[EnvInfo]:

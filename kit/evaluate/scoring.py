@@ -181,9 +181,9 @@ def task_logliks(
     head runs only there: a long few-shot prompt needs the head at its last position alone.
     """
     import torch
-    from tqdm.auto import tqdm
 
     from kit.system.hf_compat import takes_logit_positions
+    from kit.system.progress import bar as progress_bar
 
     device = next(model.parameters()).device
     batch_tokens = batch_tokens or batch_tokens_for(device)
@@ -197,7 +197,7 @@ def task_logliks(
         batches.append(rows[i : i + n])
         i += n
     with torch.no_grad():
-        for batch in tqdm(batches, desc="multiple choice", disable=not progress, leave=False):
+        for batch in progress_bar(batches, desc="multiple choice", disable=not progress, leave=False):
             width = len(batch[0][0])
             ids = torch.zeros((len(batch), width), dtype=torch.long)
             for r, (seq, _) in enumerate(batch):

@@ -14,6 +14,9 @@ def _transformers_at_least(version: str) -> bool:
     import transformers
     from packaging.version import Version
 
+    from kit.system.progress import hf_bars
+
+    hf_bars()  # before the kit's first load through transformers: its bars end on their last frame in a notebook
     return Version(Version(transformers.__version__).base_version) >= Version(version)
 
 

@@ -221,9 +221,8 @@ def launch(
     nothing the job started outlives this call. Several nodes: this node's config and launcher log carry
     `.node<NODE_RANK>`.
     """
-    from tqdm.auto import tqdm
-
     from kit.system.device import detect
+    from kit.system.progress import bar as progress_bar
     from kit.train.resolve import resolve
 
     plan = run if isinstance(run, TrainPlan) else resolve(run, ws)
@@ -244,7 +243,7 @@ def launch(
     t0 = time.time()
     result = LaunchResult(returncode=-1, log_path=log_path, command=cmd)
     tail = collections.deque(maxlen=tail_lines)
-    bar = tqdm(total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress)
+    bar = progress_bar(total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress)
     with open(log_path, "a", encoding="utf-8") as log:
 
         def note(text: str) -> None:

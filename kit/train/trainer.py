@@ -352,14 +352,14 @@ class Trainer:
             return self._train()
 
     def _train(self) -> TrainResult:
-        from tqdm.auto import tqdm
+        from kit.system.progress import bar as progress_bar
 
         t_start = time.time()
         self._setup()
         cfg = self.cfg
         previous = self._install_signals()
         losses, iteration, status, message, last_ckpt = [], self.start_iter, "completed", "", None
-        bar = tqdm(
+        bar = progress_bar(
             total=cfg.train_iters,
             initial=self.start_iter,
             desc=f"{cfg.run_type} steps",
