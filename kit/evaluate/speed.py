@@ -128,6 +128,7 @@ def plot(table, path: Path, title: str = ""):
     for ax, ylabel in zip(axes, ("time to first token (ms)", "decode tokens/s", f"memory MiB ({kind})")):
         ax.set_xlabel("batch size")
         ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)  # from zero: 0.01 MiB between models is not drawn as a gap
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     if title:
