@@ -127,7 +127,9 @@ def plot_layout(folder: PathLike, png: Optional[PathLike] = None):
         if e == 0:  # EP ranks differ only by their experts: EP rank 0's files stand for the others
             sizes[p, t] = path.stat().st_size / 1024**2
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * mr.tp, 1.0 + 0.8 * mr.pp))
-    im = ax.imshow(sizes, cmap="Blues")
+    im = ax.imshow(
+        sizes, cmap="Blues", vmin=0, vmax=max(float(sizes.max()), 1e-9)
+    )  # from zero: equal ranks look equal
     for (p, t), v in np.ndenumerate(sizes):
         ax.text(t, p, f"{v:.1f}", ha="center", va="center")
     ax.set_xticks(range(mr.tp), [f"TP{t}" for t in range(mr.tp)])
