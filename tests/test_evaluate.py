@@ -494,3 +494,32 @@ def test_alone_in_an_empty_workspace_says_so_in_one_line(tmp_path, tiny_llama_di
     assert list(res.results["models"]) == ["model"] and res.results["models"]["model"]["heldout_tokens"] > 0
     assert res.folder == (ws.model_output / "evaluations" / "eval").resolve()
     assert read_manifest(res.folder, expect=EVALUATION)["heldout"]["records"] == 8
+
+
+def test_speed_differences_are_judged_against_the_repeat_spread():
+    import pandas as pd
+
+    from kit.evaluate.speed import noise_note
+
+    def rows(spread_b, spread_t, ttft_t):
+        return pd.DataFrame(
+            [
+                {"model": "base", "prompt_len": 16, "batch": 1, "ttft_ms": 100.0, "ttft_spread": spread_b},
+                {
+                    "model": "trained",
+                    "prompt_len": 16,
+                    "batch": 1,
+                    "ttft_ms": ttft_t,
+                    "ttft_spread": spread_t,
+                },
+                {"model": "base", "prompt_len": 16, "batch": 2, "ttft_ms": 200.0, "ttft_spread": spread_b},
+                {"model": "trained", "prompt_len": 16, "batch": 2, "ttft_ms": 210.0, "ttft_spread": spread_t},
+            ]
+        )
+
+    nan = float("nan")
+    assert "from one timing per point (REPEATS = 1)" in noise_note(rows(nan, nan, 800.0))
+    assert "2 of 2 points show no difference beyond that noise." in noise_note(rows(1.1, 1.2, 115.0))
+    note = noise_note(rows(1.1, 1.2, 800.0))
+    assert note.startswith("trained / base time to first token: 1.05-8.00x") and "1 of 2 points" in note
+    assert noise_note(rows(1.1, 1.1, 100.0)[lambda t: t["model"] == "base"]) == ""

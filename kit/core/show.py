@@ -79,9 +79,11 @@ class Folded:
 
 
 def show(value: Any, title: str = "") -> Any:
-    """A dataclass or mapping as a Table, a path as a Sentence (with `title` in front); see the module doc."""
+    """A dataclass or mapping as a Table, a path or a text as a Sentence (`title` in front); see the module doc."""
     if isinstance(value, Path):
         return Sentence(f"{title}: `{value}`" if title else f"`{value}`")
+    if isinstance(value, str):
+        return Sentence(f"{title}: {value}" if title else value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     return Table([(str(k), _text(v)) for k, v in dict(value).items()], title)

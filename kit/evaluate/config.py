@@ -49,8 +49,8 @@ class EvalConfig:
     """Prompt lengths (tokens); e.g. [128, 2048] on a card."""
     decode_tokens: int = 8
     """Tokens decoded per speed measurement (e.g. 64 on a card)"""
-    repeats: int = 1
-    """Speed measurements per point (the best is kept)"""
+    repeats: int = 3
+    """Timings per speed point: the best is kept, their spread is the noise base vs trained is judged by"""
     device: Optional[str] = None
     """npu | cuda | cpu; None: what kit.system.device finds."""
     adapt: bool = True

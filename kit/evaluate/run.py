@@ -54,6 +54,13 @@ class EvalResult:
         return pd.DataFrame(self.results.get("speed", []))
 
     @property
+    def speed_note(self) -> str:
+        """Whether trained and base differ in speed beyond the measured noise, in one sentence (kit.evaluate.speed)."""
+        from kit.evaluate.speed import noise_note
+
+        return noise_note(self.speed)
+
+    @property
     def generations(self):
         import pandas as pd
 

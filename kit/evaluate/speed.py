@@ -109,8 +109,35 @@ def benchmark(
             best = min(runs, key=lambda r: r["ttft_ms"])
             best["decode_tokens_per_s"] = max(r["decode_tokens_per_s"] for r in runs)
             best["memory_mb"] = max(r["memory_mb"] for r in runs)
+            ttfts = [r["ttft_ms"] for r in runs]
+            best["ttft_spread"] = (
+                max(ttfts) / min(ttfts) if len(runs) > 1 else float("nan")
+            )  # repeat to repeat
             rows.append(best)
     return rows
+
+
+def noise_note(table) -> str:
+    """One sentence: does trained differ from base in time to first token beyond the repeat-to-repeat spread?"""
+    if table.empty or set(table["model"]) != {"base", "trained"}:
+        return ""
+    keys = ["prompt_len", "batch"]
+    base = table[table["model"] == "base"].set_index(keys)
+    trained = table[table["model"] == "trained"].set_index(keys)
+    ratio = trained["ttft_ms"] / base["ttft_ms"]
+    spread = base["ttft_spread"].combine(trained["ttft_spread"], max)
+    if spread.isna().all():
+        return (
+            f"trained / base time to first token: {ratio.min():.2f}-{ratio.max():.2f}x from one timing per point "
+            "(REPEATS = 1): not compared with the noise; REPEATS = 3 measures it."
+        )
+    beyond = ((ratio - 1).abs() > spread - 1).sum()
+    return (
+        f"trained / base time to first token: {ratio.min():.2f}-{ratio.max():.2f}x; the repeats of one point differ "
+        f"by up to {spread.max() - 1:.0%}, so {len(ratio) - beyond} of {len(ratio)} points show no difference beyond "
+        "that noise"
+        + ("." if not beyond else f" and {beyond} do (same architecture: look again on a quiet machine).")
+    )
 
 
 def plot(table, path: Path, title: str = ""):
