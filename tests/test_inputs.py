@@ -82,3 +82,23 @@ def test_run_outputs_follow_a_runs_manifest_to_its_model_adapter_and_data(worksp
         tmp_path / "adapter",
     )
     assert made.data.folder == data.folder and made.data.get("template") == "chatml"
+
+
+def test_later_stages_take_the_named_run_never_the_newest(workspace):
+    from kit.core.inputs import NAMED_RUN, name_run, named
+
+    out = workspace.model_output
+    sft = _run(out / "sft", "2026-01-01T00:00:00+00:00", 1_000)
+    _run(out / "lora", "2026-01-02T00:00:00+00:00", 2_000)  # newer, but not named
+    run_row = Input("RUN", TRAINING_RUN)
+    assert named(workspace, run_row) is None  # nothing named: no guess
+    line = name_run(workspace, sft.folder, "notebook 04 (its in-kernel sft run)")
+    assert line == f"notebooks 05-07 take {sft.folder} (notebook 04 (its in-kernel sft run))"
+    found = named(workspace, run_row)
+    assert found.folder == sft.folder
+    assert (
+        found.why
+        == f"RUN not given: the run named by notebook 04 (its in-kernel sft run) ({out / NAMED_RUN})"
+    )
+    (sft.folder / MANIFEST_NAME).unlink()  # the named run is gone: nothing is taken in its place
+    assert named(workspace, run_row) is None

@@ -120,7 +120,7 @@ def test_demo_capture_from_the_command_line(tiny_llama_dir, tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     folder = Path(out[-1])
     assert folder.parent == ws.profiles and folder.name.endswith("-cpu-cli")
-    said = [line for line in out if line.startswith("no training run in")]
+    said = [line for line in out if line.startswith("no training run named in")]
     assert len(said) == 1 and str(ws.model_output) in said[0]
     meta = json.loads((folder / "capture.json").read_text())
     assert meta["steps"] == 2 and meta["traces"] and meta["config"]["tag"] == "cli"

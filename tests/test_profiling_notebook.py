@@ -68,6 +68,9 @@ def test_notebook_05_profiles_the_workspace_training_run(run_notebook, tmp_path,
     data = _prepared(ws, tiny_llama_dir)
     run_dir = _training_run(ws.output("pretrain"), _train_config(ws, tiny_llama_dir, data))
     run_m = read_manifest(run_dir, expect=TRAINING_RUN)
+    from kit.core.inputs import name_run
+
+    name_run(ws, run_dir, "notebook 04")
 
     _out, summary = run_notebook("05", WORKSPACE=str(ws.root), **TINY)
     _check_capture(summary)
@@ -90,7 +93,9 @@ def test_notebook_05_alone_configures_a_run(run_notebook, tiny_llama_dir):
     """No training run in the workspace: 05 trains notebook 04's defaults on MODEL_PATH and says so."""
     out, summary = run_notebook("05", MODEL_PATH=str(tiny_llama_dir), SEQ_LEN=32, **TINY)
     _check_capture(summary, same_ops_per_step=False)
-    assert summary["training_run"] is None and summary["configured_here"].startswith("no training run in")
+    assert summary["training_run"] is None and summary["configured_here"].startswith(
+        "no training run named in"
+    )
     assert summary["profiled_model_path"] == str(tiny_llama_dir) and summary["profiled_run_type"] == "sft"
     cells = json.loads(Path(out).read_text(encoding="utf-8"))["cells"]
     printed = "".join(

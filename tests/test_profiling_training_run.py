@@ -90,7 +90,7 @@ def _files(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_capture_profiles_the_newest_training_run_and_links_it(workspace, tiny_llama_dir):
+def test_capture_profiles_the_named_training_run_and_links_it(workspace, tiny_llama_dir):
     data = _prepared(workspace, tiny_llama_dir)
     cfg = _train_config(workspace, tiny_llama_dir, data)
     run_dir = _training_run(workspace.output("pretrain"), cfg)
@@ -105,6 +105,9 @@ def test_capture_profiles_the_newest_training_run_and_links_it(workspace, tiny_l
         run_dir.resolve(),
         workspace.output("sft").resolve(),
     ]
+    from kit.core.inputs import name_run
+
+    name_run(workspace, run_dir, "notebook 04")  # the run 05 takes; the sft run is never guessed
     before, logs_before = _files(run_dir), _files(workspace.logs)
 
     result = kp.run(kp.ProfileConfig(**OPTIONS), workspace)

@@ -2,6 +2,8 @@
 
 Each stage declares its inputs in a short table of `Input` rows (the setting that names one, its kind, what fits).
 `newest(ws, row, match)`: the workspace's newest output of the row's kind that fits, when the setting was not given.
+`named(ws, row)`: the training run named for the later stages (`name_run`: every finished run names itself, and
+notebook 04 names the run it wants 05-07 to take); a run is never "the newest".
 `consumed(manifest, kind)`: the input of a kind an output records it was made from (`run_outputs` follows a training
 run's). Newest means one thing everywhere: the latest manifest `created` time (written when the output was finished),
 then the latest manifest file change, then the folder's path. A stage that takes an output it was not given says which
@@ -10,6 +12,7 @@ one and why (`Found.why`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -23,6 +26,9 @@ from kit.core.manifest import (
     read_manifest,
 )
 from kit.errors import KitError
+from kit.storage.atomic import atomic_write_text
+
+NAMED_RUN = "named_run.json"  # in saved_dir_for_ma_output/<model>/: the training run notebooks 05-07 take
 
 # where each kind lives in a workspace (kit.core.workspace.Workspace attributes) and how many levels below them
 PLACES = {
@@ -92,6 +98,25 @@ def newest(ws: Any, need: Input, match: Optional[Callable[[Manifest], bool]] = N
     fits = f" {need.fits}" if need.fits else ""
     why = f"{need.setting} not given: the newest {need.kind}{fits} in the workspace (made {found[0].created}{others})"
     return Found(found[0], why)
+
+
+def name_run(ws: Any, folder: Path, by: str) -> str:
+    """Name the training run `folder` as the one the later stages take (`by` says who named it); one sentence back."""
+    run = read_manifest(folder, expect=TRAINING_RUN)
+    record = {"run": str(run.folder), "by": by}
+    atomic_write_text(Path(ws.model_output) / NAMED_RUN, json.dumps(record, indent=1) + "\n")
+    return f"notebooks 05-07 take {run.folder} ({by})"
+
+
+def named(ws: Any, need: Input) -> Optional[Found]:
+    """The training run named for this workspace's model (name_run), or None when none is named or it is gone."""
+    path = Path(ws.model_output) / NAMED_RUN
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        man = read_manifest(record["run"], expect=need.kind)
+    except (OSError, ValueError, KeyError, TypeError, KitError):
+        return None
+    return Found(man, f"{need.setting} not given: the run named by {record.get('by')} ({path})")
 
 
 def consumed(man: Manifest, kind: str) -> Optional[Manifest]:

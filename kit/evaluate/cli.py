@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "evaluate",
         help="compare a trained model with its base: held-out loss/perplexity, multiple-choice accuracy (lm-eval), "
         "answers side by side, time to first token and decode tokens/s",
-        description="Reads notebook 04's training-run manifest (default: the workspace's newest run) or a model "
+        description="Reads notebook 04's training-run manifest (default: the named run: notebook 04's, else the last one finished) or a model "
         "folder; writes results.csv / results.json / speed.png and an evaluation manifest.",
     )
     add_config_arguments(p, EvalConfig)  # one option per EvalConfig field, help from its field docstring

@@ -18,7 +18,7 @@ class EvalConfig:
     """What to evaluate against what, on which data and tasks, and where the results go."""
 
     run: Optional[str] = None
-    """Training-run folder (notebook 04); None: the workspace's newest run."""
+    """Training-run folder (notebook 04); None: the named run (notebook 04's, else the last one finished)."""
     model_path: Optional[str] = None
     """HF folder or Megatron checkpoint to evaluate instead of a run's exported model."""
     base_model: Optional[str] = None

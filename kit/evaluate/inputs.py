@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from kit.core.inputs import Input, RunOutputs, consumed, newest, run_outputs
+from kit.core.inputs import Input, RunOutputs, consumed, named, run_outputs
 from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
@@ -93,7 +93,7 @@ def _from_run(made: RunOutputs, inputs: EvalInputs, cfg) -> None:
 
 
 def resolve(cfg, ws, scratch: Path) -> EvalInputs:
-    """The models and data an EvalConfig names, or the workspace's newest training run; see the module doc."""
+    """The models and data an EvalConfig names, or the named training run (kit.core.inputs.named); see the module doc."""
     scratch = Path(scratch)
     run_folder = Path(cfg.run).expanduser() if cfg.run else None
     if cfg.model_path:
@@ -120,7 +120,7 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
     else:
         taken = []
         if run_folder is None:
-            found = newest(ws, RUN)
+            found = named(ws, RUN)
             if found is None:
                 return _alone(cfg, ws)
             run_folder = found.folder
@@ -154,7 +154,7 @@ def _alone(cfg, ws) -> EvalInputs:
     model = Path(demo_model_dir())
     inputs = EvalInputs(model=model)
     note = (
-        f"no training run in {ws.model_output} (notebook 04 makes one): evaluating the demo model "
+        f"no training run named in {ws.model_output} (notebook 04 trains and names one): evaluating the demo model "
         f"{model.name} on its own"
     )
     if cfg.data:

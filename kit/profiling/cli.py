@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = s.add_parser(
         "demo",
         aliases=["run"],
-        help="profile a few steps of notebook 04's training run (default: the workspace's newest)",
+        help="profile a few steps of notebook 04's training run (default: the named run: notebook 04's, else the last one finished)",
     )
     # one option per ProfileConfig field (help from its field docstring); the rest say which run and where
     add_config_arguments(d, ProfileConfig)
@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--training-run",
         default=None,
-        help="training-run folder to profile (default: the workspace's newest)",
+        help="training-run folder to profile (default: the named run: notebook 04's, else the last one finished)",
     )
     d.add_argument(
         "--model-path",

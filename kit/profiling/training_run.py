@@ -1,11 +1,11 @@
 """Profile the training notebook 04 configured (notebook 05, `python -m kit profile demo`).
 
-The stage reads a `training-run` manifest (given, or the workspace's newest), rebuilds that run's TrainConfig
+The stage reads a `training-run` manifest (given, or the run named for the later stages: kit.core.inputs.named), rebuilds that run's TrainConfig
 from the manifest's `config`, and runs a few steps of the same training (model, data, settings) through
 `kit.train.train(cfg, step_callbacks=[capture])`. The steps write into the capture folder, never over the run's
 own checkpoints and logs. The capture folder gets the advice, the top-operators plot and a `profile-capture`
 manifest that names the run it profiled (folder + manifest hash); it appears under its final name only when all
-of that is written. With no training run in the workspace, a run is configured here from the defaults notebook
+of that is written. With no training run named in the workspace, a run is configured here from the defaults notebook
 04 uses (demo model, the shipped SFT sample) and the stage says so in one line.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from kit.core.inputs import Input, newest
+from kit.core.inputs import Input, named
 from kit.core.manifest import (
     MANIFEST_NAME,
     PROFILE_CAPTURE,
@@ -102,7 +102,7 @@ def configure_default_run(
     cfg = resolve_values(TrainConfig(**given), ws)
     inputs, _facts = consumed_inputs(cfg)
     line = (
-        f"no training run in {ws.model_output} (notebook 04 makes one): profiling {cfg.run_type} steps of "
+        f"no training run named in {ws.model_output} (notebook 04 trains and names one): profiling {cfg.run_type} steps of "
         f"{Path(cfg.model_path).name} on {cfg.dataset_path}, configured here from notebook 04's defaults"
     )
     return cfg, inputs, line
@@ -198,7 +198,7 @@ def run(
     top: int = 10,
     progress: bool = True,
 ) -> ProfileResult:
-    """Profile a few steps of `training_run` (default: the workspace's newest; none: notebook 04's defaults)."""
+    """Profile a few steps of `training_run` (default: the named run; none: notebook 04's defaults)."""
     import matplotlib.pyplot as plt
 
     from kit.core.configs import check, to_jsonable
@@ -215,7 +215,7 @@ def run(
     if training_run is not None:
         run_m: Optional[Manifest] = read_manifest(training_run, expect=TRAINING_RUN)
     else:
-        found = newest(ws, RUN)
+        found = named(ws, RUN)
         run_m = found.manifest if found else None
         if found:  # the run this stage inherits, and why that one
             taken = [f"profiling {found.folder}: {found.why}"]

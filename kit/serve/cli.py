@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the trained model (OpenAI API: transformers serve / vLLM / vllm-ascend), load-test, package",
         description="Without a sub-command: `start`. The model comes from notebook 04's training-run manifest "
-        "(default: the workspace's newest run) or --model-path.",
+        "(default: the named run: notebook 04's, else the last one finished) or --model-path.",
     )
     add_config_arguments(p, ServeConfig)
     _workspace_args(p)
@@ -42,7 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=run_bench)
     k = s.add_parser("package", help="ModelArts custom-engine folder: model/, run.sh, Dockerfile")
     add_config_arguments(k, PackageConfig)
-    k.add_argument("--run", default=None, help="training-run folder (default: the workspace's newest run)")
+    k.add_argument(
+        "--run",
+        default=None,
+        help="training-run folder (default: the named run: notebook 04's, else the last one finished)",
+    )
     k.add_argument("--model-path", default=None, help="HF folder to package instead of the run's model")
     k.add_argument("--check", action="store_true", help="then run its run.sh here (CPU engine) and probe it")
     _workspace_args(k)

@@ -21,7 +21,7 @@ class ServeConfig:
     """Which model to serve, with which engine, where."""
 
     run: Optional[str] = None
-    """Training-run folder (notebook 04); None: the workspace's newest run."""
+    """Training-run folder (notebook 04); None: the named run (notebook 04's, else the last one finished)."""
     model_path: Optional[str] = None
     """HF model folder to serve instead of a run's exported model."""
     adapter: bool = True

@@ -1,7 +1,7 @@
 """What is served: notebook 04's exported model (or its LoRA adapter on the base), found through the manifests.
 
 Given MODEL_PATH, that folder (an `hf-model` manifest inside it leads back to its run, for the chat template);
-else RUN or the workspace's newest training run: its `hf` (the exported, merged model), `adapter` and `model`
+else RUN or the run named for the later stages (kit.core.inputs.named): its `hf` (the exported, merged model), `adapter` and `model`
 (the base) entries, and the chat template its prepared data was made with. No run at all: the demo model.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kit.core.inputs import Input, RunOutputs, consumed, newest, run_outputs
+from kit.core.inputs import Input, RunOutputs, consumed, named, run_outputs
 from kit.core.manifest import HF_MODEL, TRAINING_RUN, Consumed, find_manifest, read_manifest
 from kit.errors import InputError, MissingInputError
 
@@ -76,13 +76,13 @@ def resolve_model(cfg, ws) -> ServedModel:
         if cfg.run:
             _from_run(run_outputs(Path(cfg.run).expanduser()), out)
         return out
-    found = None if cfg.run else newest(ws, RUN)
+    found = None if cfg.run else named(ws, RUN)
     run_folder = Path(cfg.run).expanduser() if cfg.run else found and found.folder
     if run_folder is None:
         from kit.core.samples import demo_model_dir
 
         model = Path(demo_model_dir())
-        note = f"no training run in {ws.model_output} (notebook 04 makes one): serving the demo model {model.name}"
+        note = f"no training run named in {ws.model_output} (notebook 04 trains and names one): serving the demo model {model.name}"
         print(note)
         return ServedModel(path=model.resolve(), template="tokenizer", notes=[note])
     made = run_outputs(run_folder)

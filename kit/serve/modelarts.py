@@ -108,7 +108,7 @@ def dockerfile(cfg: PackageConfig) -> str:
 
 
 def package(cfg: PackageConfig, ws, serve_cfg: Optional[ServeConfig] = None) -> PackageResult:
-    """Write the package folder for the model `serve_cfg` names (default: notebook 04's newest run)."""
+    """Write the package folder for the model `serve_cfg` names (default: the run notebook 04 named)."""
     from kit.core.manifest import SERVING_PACKAGE, write_manifest
     from kit.serve.model import resolve_model
     from kit.serve.start import serving_dir

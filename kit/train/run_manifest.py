@@ -79,7 +79,7 @@ def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optiona
     }
     run_text = render_manifest(TRAINING_RUN, fields, inputs)
     if not result.hf_dir:
-        return write_manifest(result.output_dir, TRAINING_RUN, fields, text=run_text), None
+        return _named(write_manifest(result.output_dir, TRAINING_RUN, fields, text=run_text), cfg), None
     run_input = Consumed(
         TRAINING_RUN,
         str(Path(result.output_dir).resolve()),
@@ -105,4 +105,18 @@ def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optiona
     )
     run = write_manifest(result.output_dir, TRAINING_RUN, fields, text=run_text)
     assert run.sha256 == run_input.manifest_sha256  # what hf/'s manifest records as its input
-    return run, hf
+    return _named(run, cfg), hf
+
+
+def _named(run: Manifest, cfg: Any) -> Manifest:
+    """A finished run of the workspace names itself for notebooks 05-07 (kit.core.inputs.name_run); the steps a
+    profile capture trains do not."""
+    from kit.core.inputs import name_run
+
+    ws = cfg.workspace()
+    if (
+        Path(ws.model_output).resolve() in run.folder.parents
+        and Path(ws.profiles).resolve() not in run.folder.parents
+    ):
+        name_run(ws, run.folder, f"training (the last run finished: {cfg.run_type}, {run.created})")
+    return run
