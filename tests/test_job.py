@@ -476,11 +476,13 @@ def test_any_other_sdk_failure_is_one_line_exit_2(api, inputs, capsys, monkeypat
     def fail(self, request):
         raise sdk_errors.SdkException("first line of the SDK's message\nsecond line\nthird line")
 
-    monkeypatch.setattr(sdk.v1.ModelArtsClient, "create_training_job", fail)
+    import huaweicloudsdkmodelarts.v1 as ma
+
+    monkeypatch.setattr(ma.ModelArtsClient, "create_training_job", fail)
     assert main(_cli(inputs, "--submit")) == 2
     err = _one_line_error(capsys)
     assert "SdkException" in err and "first line of the SDK's message second line third line" in err
-    monkeypatch.delenv("KIT_DEBUG", raising=False)  # main(--debug) sets it; restored after the test
+    monkeypatch.setenv("KIT_DEBUG", "0")  # main(--debug) sets it to 1: restored to its value before the test
     with pytest.raises(Exception) as raised:
         main(["--debug", *_cli(inputs, "--submit")])
     assert isinstance(raised.value.__cause__, sdk_errors.SdkException)
