@@ -83,9 +83,10 @@ class _ModelArtsStandIn(BaseHTTPRequestHandler):
                     "metadata": {"id": "0b1d2f3e-job", "name": json.loads(body)["metadata"]["name"]},
                 },
             )
-        data = json.dumps(reply).encode()
+        raw = isinstance(reply, str)  # a gateway's own page, not the API's JSON
+        data = reply.encode() if raw else json.dumps(reply).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/html" if raw else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("X-Request-Id", "req-0001")
         self.end_headers()
@@ -413,3 +414,75 @@ def test_a_job_request_that_is_never_answered_is_one_line_saying_the_job_may_exi
         assert "KIT_MODELARTS_TIMEOUT_S='soon' is not a number" in capsys.readouterr().err
     finally:
         hung.close()
+
+
+BAD_GATEWAY_PAGE = (
+    """<html>
+<head><title>502 Bad Gateway</title></head>
+<body>
+<center><h1>502 Bad Gateway</h1></center>
+<hr><center>nginx</center>
+"""
+    + "<!-- padding -->\n" * 200
+    + "</body>\n</html>\n"
+)
+
+
+@pytest.mark.parametrize(
+    "reply, shown",
+    [
+        ((502, BAD_GATEWAY_PAGE), "HTTP 502 502: 502 Bad Gateway"),
+        (
+            (
+                400,
+                {"error_code": "ModelArts.2709", "error_msg": "invalid job:\n- flavor missing\n- pool busy"},
+            ),
+            "HTTP 400 ModelArts.2709: invalid job: - flavor missing - pool busy",
+        ),
+    ],
+    ids=["html-502-page", "multi-line-error-msg"],
+)
+def test_an_error_answer_over_several_lines_is_one_short_line(api, inputs, capsys, reply, shown):
+    """The API stand-in answers an error whose body spans lines (a gateway's HTML page, a listed error_msg): the
+    command prints one `error:` line, of bounded length, exit 2."""
+    api.replies.append(reply)
+    assert main(_cli(inputs, "--submit")) == 2
+    err = _one_line_error(capsys)
+    assert shown in err and len(err) < 600, err
+
+
+def test_an_endpoint_that_refuses_the_connection_is_one_line(api, inputs, capsys, monkeypatch):
+    """Nothing listens on the endpoint: one `error:` line (the SDK's own log line of the failure is not printed)."""
+    import socket
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # the port is free: the connection is refused
+    monkeypatch.setenv("KIT_MODELARTS_ENDPOINT", endpoint)
+    assert main(_cli(inputs, "--submit")) == 2
+    err = _one_line_error(capsys)
+    assert (
+        err.startswith("error: could not reach ModelArts (ConnectionException: ")
+        and "Connection refused" in err
+    )
+
+
+def test_any_other_sdk_failure_is_one_line_exit_2(api, inputs, capsys, monkeypatch):
+    """An SDK exception the kit has no special case for (here: too many redirects) is one line, exit 2; its
+    traceback only with --debug."""
+    from huaweicloudsdkcore.exceptions import exceptions as sdk_errors
+
+    def fail(self, request):
+        raise sdk_errors.SdkException("first line of the SDK's message\nsecond line\nthird line")
+
+    import huaweicloudsdkmodelarts.v1 as ma
+
+    monkeypatch.setattr(ma.ModelArtsClient, "create_training_job", fail)
+    assert main(_cli(inputs, "--submit")) == 2
+    err = _one_line_error(capsys)
+    assert "SdkException" in err and "first line of the SDK's message second line third line" in err
+    monkeypatch.setenv("KIT_DEBUG", "0")  # main(--debug) sets it to 1: restored to its value before the test
+    with pytest.raises(Exception) as raised:
+        main(["--debug", *_cli(inputs, "--submit")])
+    assert isinstance(raised.value.__cause__, sdk_errors.SdkException)

@@ -320,3 +320,56 @@ def test_a_kernel_shutdown_stops_the_engine(tiny_llama_dir, tmp_path):
     while group_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not group_alive(pid)
+
+
+def _kit_serve(model, tmp_path) -> subprocess.Popen:
+    """`python -m kit serve` in the foreground, as a user starts it in a terminal."""
+    argv = [
+        sys.executable,
+        "-m",
+        "kit",
+        "serve",
+        "--model-path",
+        str(model),
+        "--workspace",
+        str(tmp_path / "ws"),
+    ]
+    argv += ["--workspace-model", "t", "--startup-timeout", "300"]
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
+
+
+@pytest.mark.parametrize(
+    "sig, when",
+    [(signal.SIGINT, "serving"), (signal.SIGTERM, "serving"), (signal.SIGTERM, "starting")],
+    ids=["ctrl-c-serving", "sigterm-serving", "sigterm-starting"],
+)
+def test_a_signal_to_kit_serve_stops_the_engine_and_exits_130(tiny_llama_dir, tmp_path, sig, when):
+    """Ctrl-C or SIGTERM to `python -m kit serve`, once it serves or while the engine starts: the engine and every
+    process below it are gone, stderr is one line, the exit code is the kit's for an interruption (130)."""
+    import psutil
+
+    owner = _kit_serve(tiny_llama_dir, tmp_path)
+    try:
+        wanted = "serving; Ctrl-C stops it" if when == "serving" else "starting transformers on "
+        for line in owner.stdout:  # the owner prints it; an early exit ends the loop and fails below
+            if line.startswith(wanted):
+                break
+        deadline = time.monotonic() + 300  # a ceiling only: the engine is started right after the line
+        while (
+            not psutil.Process(owner.pid).children() and owner.poll() is None and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        engines = psutil.Process(owner.pid).children()
+        assert engines, owner.stderr.read()
+        tree = engines + engines[0].children(recursive=True)
+        owner.send_signal(sig)
+        _out, err = owner.communicate(timeout=300)  # a ceiling only
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+    assert owner.returncode == 130 and err.strip() == "error: interrupted", (owner.returncode, err)
+    _, alive = psutil.wait_procs(tree, timeout=60)  # a ceiling only
+    assert alive == [], [p.cmdline() for p in alive]
+    assert not group_alive(engines[0].pid)

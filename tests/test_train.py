@@ -343,3 +343,33 @@ def test_a_flattened_row_whose_attention_lost_position_ids_is_refused():
         split = _bsnd_attention(q, q, q, None, position_ids=position_ids, **args)
     torch.testing.assert_close(split[:, :3], plain[:, :3])  # the first sequence sees the same keys
     assert not torch.allclose(split[:, 3:], plain[:, 3:])  # the second no longer sees the first
+
+
+@pytest.mark.parametrize("what", ["run", "launch"])
+def test_a_model_with_a_nan_weight_is_refused_before_anything_trains(
+    tmp_path, tiny_llama_dir, pretrain_data, capsys, what
+):
+    """resolve checks the model's weights once (kit.convert.weights_check): one line naming the shard and the tensor,
+    exit 2, no rank started, nothing written under the work folder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kit.__main__ import main
+
+    bad = tmp_path / "nan_model"
+    shutil.copytree(tiny_llama_dir, bad)
+    shard = sorted(bad.glob("*.safetensors"))[-1]  # sharded: damage the last shard
+    state = load_file(str(shard))
+    name = sorted(state)[0]
+    state[name].view(-1)[3] = float("nan")
+    save_file(state, str(shard), metadata={"format": "pt"})
+    work = tmp_path / "ws"
+    argv = ["train", what, "--run-type", "pretrain", "--model-name", "tiny", "--model-path", str(bad),
+            "--dataset-path", str(pretrain_data), "--work-dir", str(work), "--train-iters", "2", "--mbs", "2",
+            "--gbs", "4", "--no-save-hf"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert f"MODEL_PATH: {shard}: tensor {name!r} holds 1 NaN/inf value(s)" in err
+    assert not work.exists() or not [p for p in work.rglob("*") if p.is_file()]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 
 from kit.core.configs import add_config_arguments, explicit_values
@@ -67,17 +66,20 @@ def _ws(args):
 
 def run_start(args: argparse.Namespace) -> int:
     from kit.serve.start import serve
+    from kit.storage.partial import sigterm_as_interrupt
 
-    server = serve(ServeConfig(**explicit_values(args, ServeConfig)), _ws(args))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit: the finally below stops the engine
-    print(json.dumps(server.summary(), indent=2))
-    print("serving; Ctrl-C stops it", flush=True)
-    try:
-        code = server.proc.wait()
-        print(f"error: the engine exited with code {code}; log: {server.log_path}", file=sys.stderr)
-        return 1
-    finally:
-        server.stop()
+    # Ctrl-C or SIGTERM, while the engine starts or serves, stops it and ends like every stage: `error: interrupted`,
+    # exit 130 (docs/reliability.md#exit-codes)
+    with sigterm_as_interrupt():
+        server = serve(ServeConfig(**explicit_values(args, ServeConfig)), _ws(args))
+        try:
+            print(json.dumps(server.summary(), indent=2))
+            print("serving; Ctrl-C stops it", flush=True)
+            code = server.proc.wait()
+            print(f"error: the engine exited with code {code}; log: {server.log_path}", file=sys.stderr)
+            return 1
+        finally:
+            server.stop()
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -98,15 +98,19 @@ class Server:
         self.proc = Proc(self.argv, env=env, output=self.log_path)  # its own group: stop() ends every child
         _LIVE.append(self)
         t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                self._fail(f"exited with code {self.proc.returncode} before GET /health answered")
-            if self.health():
-                self.info["startup_s"] = round(time.monotonic() - t0, 2)
-                return self
-            if time.monotonic() - t0 > timeout:
-                self._fail(f"did not answer GET /health within {timeout:g} s (raise STARTUP_TIMEOUT?)")
-            time.sleep(0.25)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    self._fail(f"exited with code {self.proc.returncode} before GET /health answered")
+                if self.health():
+                    self.info["startup_s"] = round(time.monotonic() - t0, 2)
+                    return self
+                if time.monotonic() - t0 > timeout:
+                    self._fail(f"did not answer GET /health within {timeout:g} s (raise STARTUP_TIMEOUT?)")
+                time.sleep(0.25)
+        except BaseException:  # Ctrl-C / SIGTERM (kit.storage.partial) while it starts: none of it is left
+            self.stop()
+            raise
 
     def _fail(self, what: str) -> None:
         self.stop()

@@ -3,10 +3,12 @@ environment only, the body turned into the SDK's request models field by field, 
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from typing import Any, Mapping, Optional
 
-from kit.errors import KitError
+from kit.errors import KitError, debug_enabled
 from kit.system.waits import seconds
 from kit.train.job.request import JobPlan, redact
 
@@ -18,6 +20,7 @@ ENDPOINT_ENV = "KIT_MODELARTS_ENDPOINT"  # an explicit endpoint instead, e.g. ht
 # seconds to connect, and to wait for the answer (the SDK's defaults are 60 and 120); KIT_MODELARTS_TIMEOUT_S sets
 # the second. A create request is never retried: one whose answer was lost may have created the job.
 CONNECT_S, READ_S, READ_ENV = 10.0, 60.0, "KIT_MODELARTS_TIMEOUT_S"
+ANSWER_CHARS = 300  # of an error answer's text in the one line (a gateway may answer a whole HTML page)
 
 
 class JobSubmitError(KitError):
@@ -84,6 +87,12 @@ def client(environ: Optional[Mapping[str, str]] = None) -> Any:
             "of the job's region); export them in the terminal or the kernel's environment, never in a notebook."
         )
     sdk = _sdk()
+    if not debug_enabled():
+        # the SDK logs each failure itself, through Python's last-resort handler (stderr) when its logger has none:
+        # a second line beside the kit's; it shows only with --debug
+        logger = logging.getLogger(f"HuaweiCloud-SDK-{sdk.ModelArtsClient.__name__}")
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
     from huaweicloudsdkcore.auth.credentials import BasicCredentials
 
     creds = BasicCredentials(environ[AK_ENV], environ[SK_ENV], environ[PROJECT_ENV])
@@ -137,7 +146,7 @@ def submit(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> str:
     try:
         response = api.create_training_job(request)
     except sdk_errors.ServiceResponseException as exc:
-        text = f"HTTP {exc.status_code} {exc.error_code or ''}: {exc.error_msg or ''}".replace("  ", " ")
+        text = f"HTTP {exc.status_code} {exc.error_code or ''}: {_answer(exc.error_msg)}".replace("  ", " ")
         raise JobSubmitError(
             _one_line(f"ModelArts refused the job ({text})", explain(text), environ)
         ) from None
@@ -162,12 +171,24 @@ def submit(plan: JobPlan, environ: Optional[Mapping[str, str]] = None) -> str:
                 environ,
             )
         ) from None
+    except sdk_errors.SdkException as exc:  # any other failure the SDK reports (e.g. a RetryError)
+        raise JobSubmitError(
+            _one_line(
+                f"the job could not be sent ({type(exc).__name__}: {_answer(exc.error_msg)})", None, environ
+            )
+        ) from exc  # its traceback (with --debug) shows the SDK's
     job_id = getattr(getattr(response, "metadata", None), "id", None)
     if not job_id:
         raise JobSubmitError(
             f"ModelArts answered HTTP {response.status_code} without a job ID; check the console."
         )
     return job_id
+
+
+def _answer(text: Any) -> str:
+    """An error answer's text for one line: markup and comments dropped, at most ANSWER_CHARS characters."""
+    text = " ".join(re.sub(r"<!--.*?-->|<[^>]*>", " ", str(text or ""), flags=re.S).split())
+    return text if len(text) <= ANSWER_CHARS else text[: ANSWER_CHARS - 3] + "..."
 
 
 def _one_line(what: str, explanation: Any, environ: Mapping[str, str]) -> str:
