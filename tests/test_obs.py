@@ -496,3 +496,163 @@ def test_a_hung_or_refused_server_is_one_line_within_the_stated_wait(env, tmp_pa
             assert "KIT_OBS_TIMEOUT_S" in err[0] and not (tmp_path / "dest").exists()
     finally:
         hung.close()
+
+
+# ---- one writer per prefix (kit.storage.obs_lease) ----------------------------------------------------------------
+def _leases(store, prefix):
+    return sorted(k.rsplit("/", 1)[1] for k in store.list(f"{prefix}/.kit-writer-"))
+
+
+def _plant(store, prefix, generation, until, token="old"):
+    """Another writer's lease: PID 1 on `elsewhere`, valid until `until` (time.time())."""
+    body = {"host": "elsewhere", "pid": 1, "what": "obs push", "token": token, "until": until}
+    store.put_bytes(f"{prefix}/.kit-writer-{generation:08d}.json", json.dumps(body).encode())
+    return json.dumps(body).encode()
+
+
+def _two_files(folder: Path, text: str) -> Path:
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(text * 10)
+    return folder
+
+
+def test_of_two_pushes_to_one_prefix_one_publishes_the_other_gets_one_line(
+    env, tmp_path, monkeypatch, capsys
+):
+    """The first push holds the prefix's writer lease while it uploads; a second push meanwhile stops in one line
+    naming the prefix, the holder and until when (exit 2); the listing is the first push's, complete."""
+    import threading
+
+    from kit.__main__ import main
+
+    first, second = _two_files(tmp_path / "first", "1"), _two_files(tmp_path / "second", "2")
+    url = _url("lease", secrets.token_hex(4), "data")
+    uploading, go_on, real = threading.Event(), threading.Event(), obs.Store.put_file
+
+    def put_file(self, key, path, tries=3):  # the first push is mid-upload while the second one starts
+        if threading.current_thread().name == "first":
+            uploading.set()
+            go_on.wait(120)
+        return real(self, key, path, tries)
+
+    monkeypatch.setattr(obs.Store, "put_file", put_file)
+    published = {}
+    pusher = threading.Thread(target=lambda: published.update(obs.upload_folder(first, url)), name="first")
+    pusher.start()
+    try:
+        assert uploading.wait(120)
+        assert main(["obs", "push", str(second), url, "--overwrite"]) == 2
+    finally:
+        go_on.set()
+        pusher.join(120)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {url} is being written by PID {os.getpid()} on "), err
+    assert (
+        "(obs push), whose writer lease lasts until 20" in err[0]
+        and " UTC (renewed while it writes)" in err[0]
+    )
+    store, prefix = obs.store_for(url)
+    want = {"bytes": 10, "crc32": f"{zlib.crc32(b'1' * 10):08x}"}
+    assert obs.read_listing(store, prefix)["files"] == published == {"a.txt": want, "b.txt": want}
+    back = obs.download_folder(url, tmp_path / "back")
+    assert (back / "a.txt").read_text() == (back / "b.txt").read_text() == "1" * 10
+    assert _leases(store, prefix) == []  # released
+
+
+def test_of_writers_racing_for_a_stale_lease_exactly_one_gets_it(env):
+    """A writer killed mid-push leaves its lease; once expired, of four writers taking it at once (each creates
+    the next generation with If-None-Match: *) exactly one gets it; the others name the winner."""
+    import threading
+
+    from kit.storage.locks import LockedError
+    from kit.storage.obs_lease import Lease
+
+    store, prefix = obs.store_for(_url("lease", secrets.token_hex(4)))
+    _plant(store, prefix, 3, until=time.time() - 1)
+    barrier, won, refused = threading.Barrier(4), [], []
+
+    def take():
+        lease = Lease(obs.Store(s3_standin.BUCKET), prefix, "obs push")
+        barrier.wait(60)
+        try:
+            won.append(lease.take())
+        except LockedError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(won) == 1 and len(refused) == 3, refused
+    assert all(f"is being written by PID {os.getpid()} on " in r for r in refused), refused
+    assert _leases(store, prefix) == [".kit-writer-00000004.json"] == [won[0].key.rsplit("/", 1)[1]]
+    won[0].check()
+    won[0].release()
+    assert _leases(store, prefix) == []
+
+
+def test_a_writer_that_lost_its_lease_publishes_nothing_and_a_live_one_is_waited_for(
+    env, tmp_path, monkeypatch
+):
+    from kit.storage.locks import LockedError
+    from kit.storage.obs_lease import Lease
+
+    src = _two_files(tmp_path / "src", "x")
+    url = _url("lease", secrets.token_hex(4))
+    store, prefix = obs.store_for(url)
+    real = obs.Store.put_file
+
+    def put_file(self, key, path, tries=3):  # after the first file another writer holds a newer lease
+        real(self, key, path, tries)
+        _plant(store, prefix, 99, until=time.time() + 600)
+
+    monkeypatch.setattr(obs.Store, "put_file", put_file)
+    with pytest.raises(
+        LockedError, match=r"lost its writer lease \(now held by PID 1 on elsewhere \(obs push\)\)"
+    ):
+        obs.upload_folder(src, url)
+    assert obs.read_listing(store, prefix) is None  # nothing published
+    assert _leases(store, prefix) == [".kit-writer-00000099.json"]  # its own lease removed, the other's kept
+    # a server that ignores If-None-Match: another writer's lease lands over ours before it is read back
+    other = _url("lease", secrets.token_hex(4))
+    o_store, o_prefix = obs.store_for(other)
+
+    def ignoring(self, key, data):
+        self.put_bytes(key, data)
+        _plant(self, o_prefix, int(key[-13:-5]), until=time.time() + 600)
+        return True
+
+    real_put_new = obs.Store.put_new
+    monkeypatch.setattr(obs.Store, "put_new", ignoring)
+    with pytest.raises(LockedError, match="is being written by PID 1 on elsewhere"):
+        Lease(o_store, o_prefix, "obs push").take()
+    monkeypatch.setattr(obs.Store, "put_new", real_put_new)
+    # a live lease whose holder stopped renewing: waited for (bounded), then taken over
+    live = _url("lease", secrets.token_hex(4))
+    l_store, l_prefix = obs.store_for(live)
+    _plant(l_store, l_prefix, 1, until=time.time() + 2)
+    with pytest.raises(LockedError, match="is being written by PID 1 on elsewhere"):
+        Lease(l_store, l_prefix, "obs push").take()
+    lease = Lease(l_store, l_prefix, "obs push").take(wait_s=120)
+    assert lease.key.endswith(".kit-writer-00000002.json") and _leases(l_store, l_prefix) == [
+        ".kit-writer-00000002.json"
+    ]
+    lease.release()
+
+
+def test_a_server_that_refuses_conditional_puts_gets_a_plain_put():
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Client:
+        def putContent(self, bucket, key, data, extensionHeaders=None):
+            calls.append(extensionHeaders)
+            return SimpleNamespace(status=501 if extensionHeaders else 200, errorCode="NotImplemented")
+
+    store = obs.Store.__new__(obs.Store)
+    store.client, store.bucket = Client(), "b"
+    assert store.put_new("k", b"x") is True and calls == [{"If-None-Match": "*"}, None]
