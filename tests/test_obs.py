@@ -288,11 +288,13 @@ def _ckpt_key(home, it, name):
 
 
 def test_a_killed_run_resumes_elsewhere_from_the_newest_checkpoint_complete_in_obs(
-    env, tmp_path, tiny_llama_dir, pretrain_data
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch
 ):
     from kit.train import TrainConfig, train
     from kit.train.obs_home import COMPLETE
 
+    # the killed run leaves its writer lease: the resume waits for it to expire (up to 1.25 terms), then takes it
+    monkeypatch.setenv("KIT_OBS_LEASE_S", "20")
     home = _url("runs", secrets.token_hex(4))
     reference = train(
         H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=8), progress=False
@@ -430,11 +432,12 @@ def _losses(work_dir):
 
 
 def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
-    env, tmp_path, tiny_llama_dir, pretrain_data
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch
 ):
     from kit.train import train
     from kit.train.obs_home import COMPLETE
 
+    monkeypatch.setenv("KIT_OBS_LEASE_S", "20")  # node 0's lease, if its failure left it, ends within 25 s
     home = _url("two-nodes", secrets.token_hex(4))
     reference = train(
         H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=6), progress=False
@@ -656,3 +659,109 @@ def test_a_server_that_refuses_conditional_puts_gets_a_plain_put():
     store = obs.Store.__new__(obs.Store)
     store.client, store.bucket = Client(), "b"
     assert store.put_new("k", b"x") is True and calls == [{"If-None-Match": "*"}, None]
+
+
+def test_a_second_run_into_the_same_obs_home_prefix_stops_in_one_line(env, tmp_path, monkeypatch):
+    from kit.storage.locks import LockedError
+    from kit.train.obs_home import CheckpointUploads
+
+    monkeypatch.setenv("KIT_OBS_LEASE_S", "6")  # the second waits 1.25 lease terms for the first to end
+
+    class Cfg:
+        obs_home, model_name, node_rank, nnodes = _url("second", secrets.token_hex(4)), "m", 0, 1
+
+    first = CheckpointUploads(Cfg, tmp_path / "run")
+    try:
+        with pytest.raises(
+            LockedError, match=r"is being written by PID \d+ on .* \(training run\), whose writer"
+        ):
+            CheckpointUploads(Cfg, tmp_path / "run")
+    finally:
+        assert first.finish() == []
+    second = CheckpointUploads(Cfg, tmp_path / "run")  # the first gave its lease back
+    assert second.lease is not None and second.finish() == []
+    assert _leases(*obs.store_for(first.url)) == []
+
+
+# ---- a preempted run's grace period; failed uploads never end "completed" ----------------------------------------
+def test_a_cut_upload_says_what_it_did_not_upload_and_stays_incomplete(env, tmp_path, monkeypatch):
+    """A server that stops answering mid-checkpoint (at its second file): at the deadline the uploader is killed, the
+    line names the files and bytes it did not upload, and the checkpoint has no marker in OBS."""
+    from kit.train.obs_home import COMPLETE, CheckpointUploads
+
+    class Cfg:
+        obs_home, model_name, node_rank, nnodes = _url("cut", secrets.token_hex(4)), "m", 0, 1
+
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / "iter_0000001"
+    folder.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for name, size in (("a.bin", 1000), ("b.bin", 10), ("c.bin", 20)):
+        (folder / name).write_bytes(os.urandom(size))
+    monkeypatch.setenv("KIT_OBS_TIMEOUT_S", "600")  # the stalled request would wait that long
+    with s3_standin.stalling_proxy(env["OBS_ENDPOINT"], b"b.bin") as proxy:
+        monkeypatch.setenv("OBS_ENDPOINT", proxy)
+        up = CheckpointUploads(Cfg, run)
+        up.after_save(folder, 1)
+        deadline = time.monotonic() + 120
+        while "a.bin" not in up.sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = up.finish(deadline=time.monotonic(), why="the test's deadline")
+    monkeypatch.setenv("OBS_ENDPOINT", env["OBS_ENDPOINT"])
+    assert lines == [
+        f"warning: the OBS upload was cut at the test's deadline: 2 file(s), 30 bytes not uploaded (iter_0000001: "
+        f"b.bin, c.bin); in {up.url}/checkpoints they stay incomplete (no {COMPLETE}: a resume takes the newest "
+        f"complete checkpoint), and the local checkpoints are whole"
+    ]
+    assert up.errors == [lines[0][len("warning: ") :]] and up.uploaded == [] and up.child.returncode == -9
+    store, prefix = obs.store_for(up.url)
+    assert sorted(k[len(prefix) + 1 :] for k in store.list(prefix + "/")) == [
+        "checkpoints/iter_0000001/a.bin",
+        "config.json",
+        "obs_inputs.json",
+    ]  # no b.bin, no node record, no marker; the lease given back
+
+
+def _obs_run(tiny_llama_dir, pretrain_data, work_dir, home, **kw):
+    from kit.train import TrainConfig
+
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, work_dir, **kw)
+    return TrainConfig(**{**{n: getattr(cfg, n) for n in cfg.given}, "obs_home": home})
+
+
+def test_a_preempted_run_stops_its_upload_within_the_grace_period_and_says_what_it_lacks(
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch
+):
+    import re
+    import signal
+
+    from kit.train import checkpoint, train
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("grace", secrets.token_hex(4))
+    cfg = _obs_run(tiny_llama_dir, pretrain_data, tmp_path / "ws", home, train_iters=50)
+    monkeypatch.setenv("KIT_PREEMPT_GRACE_S", "3")
+    monkeypatch.setenv("KIT_OBS_TIMEOUT_S", "600")
+
+    def preempt(iteration):  # ModelArts' SIGTERM
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with s3_standin.stalling_proxy(env["OBS_ENDPOINT"], b"rng_state") as proxy:  # OBS stops answering
+        monkeypatch.setenv("OBS_ENDPOINT", proxy)
+        result = train(cfg, step_callbacks=[preempt], progress=False)
+    monkeypatch.setenv("OBS_ENDPOINT", env["OBS_ENDPOINT"])
+    assert result.status == "preempted" and result.iteration == 2
+    found = re.search(
+        r"; but the OBS upload was cut at 90% of KIT_PREEMPT_GRACE_S=3 s after the stop signal: (\d+) file\(s\), "
+        r"(\d+) bytes not uploaded \(iter_0000002: ",
+        result.message,
+    )
+    assert found, result.message
+    local = obs.local_files(result.checkpoint)
+    assert 1 <= int(found.group(1)) <= len(local) and "rng_state_rank0.pt" in local
+    assert checkpoint.verify(result.checkpoint) is None  # the local checkpoint is whole
+    store, prefix = obs.store_for(obs.join(home, "tiny", result.output_dir.name))
+    in_obs = [k.rsplit("/", 1)[1] for k in store.list(f"{prefix}/checkpoints/iter_0000002/")]
+    assert COMPLETE not in in_obs and "rng_state_rank0.pt" not in in_obs and _leases(store, prefix) == []
+    assert "warning: the OBS upload was cut at" in result.log_path.read_text()
