@@ -765,3 +765,51 @@ def test_a_preempted_run_stops_its_upload_within_the_grace_period_and_says_what_
     in_obs = [k.rsplit("/", 1)[1] for k in store.list(f"{prefix}/checkpoints/iter_0000002/")]
     assert COMPLETE not in in_obs and "rng_state_rank0.pt" not in in_obs and _leases(store, prefix) == []
     assert "warning: the OBS upload was cut at" in result.log_path.read_text()
+
+
+def test_a_run_whose_obs_home_uploads_failed_does_not_end_completed(
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch, capsys
+):
+    """OBS goes away before the run's checkpoint upload: the local run completes, but its last line, its result
+    and its manifest say the upload failed, and `kit train run` exits 2."""
+    from kit.__main__ import main
+    from kit.core.configs import save_config
+    from kit.system.procs import free_port
+    from kit.train import checkpoint, obs_home
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("n16", secrets.token_hex(4))
+    cfg = _obs_run(tiny_llama_dir, pretrain_data, tmp_path / "ws", home, train_iters=2)
+    dead, real = f"http://127.0.0.1:{free_port()}", obs_home.CheckpointUploads.after_save
+
+    def after_save(self, folder, iteration):  # the uploader starts with it; the run holds its lease already
+        monkeypatch.setenv("OBS_ENDPOINT", dead)
+        real(self, folder, iteration)
+
+    monkeypatch.setattr(obs_home.CheckpointUploads, "after_save", after_save)
+    config = save_config(cfg, tmp_path, "job.json")
+    assert main(["train", "run", "--config", str(config), "--no-progress"]) == 2
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    url = obs.join(home, "tiny", cfg.output_dir().name)
+    assert last.startswith("kit train: upload_failed at iteration 2: trained 2 iterations; outputs in "), last
+    assert f"; but upload of checkpoint 2 to {url} failed: OBS " in last and dead in last, last
+    manifest = json.loads((cfg.output_dir() / "kit_manifest.json").read_text())
+    assert manifest["fields"]["status"] == "upload_failed"
+    ckpt = cfg.output_dir() / "checkpoints" / "iter_0000002"
+    assert checkpoint.latest_iteration(ckpt.parent) == 2 and checkpoint.verify(ckpt) is None
+    monkeypatch.setenv("OBS_ENDPOINT", env["OBS_ENDPOINT"])
+    store, prefix = obs.store_for(url)
+    assert store.get_bytes(f"{prefix}/checkpoints/iter_0000002/{COMPLETE}") is None
+    assert _leases(store, prefix) == []
+    # a bucket that does not exist: the run stops before its first step, in one line
+    monkeypatch.undo()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = _obs_run(
+        tiny_llama_dir, pretrain_data, tmp_path / "ws2", "obs://no-such-bucket-kit/runs", train_iters=2
+    )
+    assert (
+        main(["train", "run", "--config", str(save_config(cfg, tmp_path, "job2.json")), "--no-progress"]) == 2
+    )
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [err[0]] and "bucket 'no-such-bucket-kit' does not exist" in err[0], err

@@ -29,7 +29,9 @@ UPLOAD_SHARE = 0.9
 class TrainResult:
     """How a run ended and where its outputs are."""
 
-    status: str  # completed | preempted (SIGTERM/SIGINT: checkpoint saved) | nan (stopped, last good checkpoint kept)
+    # completed | preempted (SIGTERM/SIGINT: checkpoint saved) | nan (stopped, last good checkpoint kept) |
+    # upload_failed (trained, outputs whole here, but OBS_HOME lacks some checkpoint: the message says which)
+    status: str
     iteration: int
     output_dir: Path
     checkpoint: Optional[Path]
@@ -449,7 +451,8 @@ class Trainer:
             for line in hook.finish(deadline, why):
                 self.writer.text(line)
             failed += hook.errors
-        if failed:  # the run's message says what OBS_HOME lacks; the local checkpoints are whole either way
+        if failed:  # never "completed" while OBS_HOME lacks a checkpoint; the local ones are whole either way
+            result.status = "upload_failed" if status == "completed" else status
             more = f" ({len(failed) - 1} more in the log)" if len(failed) > 1 else ""
             result.message = f"{result.message.rstrip('.')}; but {failed[0].rstrip('.')}{more}."
             self.writer.text(result.message)
