@@ -165,8 +165,8 @@ def main() -> int:
                     assert resp.status < 300, resp.errorCode
 
             def kit_up(r):
-                up = CheckpointUploads(Cfg, root / "run")
-                up.url = f"obs://{s3_standin.BUCKET}/bench/kit{r}"
+                home = type("Cfg", (Cfg,), {"obs_home": f"obs://{s3_standin.BUCKET}/bench/kit{r}"})
+                up = CheckpointUploads(home, root / "run")  # it takes the prefix's writer lease
                 up._upload(folder, 1)  # what the uploader child runs for one checkpoint
                 up.finish()
 
@@ -184,7 +184,7 @@ def main() -> int:
                     assert resp.status < 300, resp.errorCode
 
             def kit_down(r):
-                prefix = f"bench/kit{r}/checkpoints/iter_0000001"
+                prefix = f"bench/kit{r}/m/run/checkpoints/iter_0000001"
                 assert not obs.download_files(store, prefix, listing, root / f"kit-down{r}")
 
             jobs = {"sdk_up": sdk_up, "kit_up": kit_up, "sdk_down": sdk_down, "kit_down": kit_down}

@@ -138,3 +138,52 @@ def _wait_ready(proc, env: dict, timeout_s: float, log: Path) -> None:
             last = str(exc)
         time.sleep(0.5)
     raise RuntimeError(f"SeaweedFS S3 did not come up in {timeout_s:.0f} s ({last}); log: {log}")
+
+
+@contextlib.contextmanager
+def stalling_proxy(endpoint: str, stall_on: bytes) -> Iterator[str]:
+    """An endpoint on 127.0.0.1 that forwards to `endpoint` (http://127.0.0.1:PORT), except that a connection whose
+    request names `stall_on` goes silent both ways from there: a server that stops answering mid-upload."""
+    import threading
+
+    upstream = ("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    stop, held = threading.Event(), []
+
+    def pipe(src, dst, stalled: threading.Event, inspect: bool) -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                data = src.recv(1 << 16)
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if inspect and stall_on in data:
+                    stalled.set()
+                if stalled.is_set():
+                    return  # both sockets stay open (held), nothing more goes through
+                dst.sendall(data)
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                continue
+            server = socket.create_connection(upstream)
+            stalled = threading.Event()
+            held.extend((client, server))
+            for src, dst, inspect in ((client, server, True), (server, client, False)):
+                threading.Thread(target=pipe, args=(src, dst, stalled, inspect), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for s in held + [listener]:
+            s.close()

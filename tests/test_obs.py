@@ -288,11 +288,13 @@ def _ckpt_key(home, it, name):
 
 
 def test_a_killed_run_resumes_elsewhere_from_the_newest_checkpoint_complete_in_obs(
-    env, tmp_path, tiny_llama_dir, pretrain_data
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch
 ):
     from kit.train import TrainConfig, train
     from kit.train.obs_home import COMPLETE
 
+    # the killed run leaves its writer lease: the resume waits for it to expire (up to 1.25 terms), then takes it
+    monkeypatch.setenv("KIT_OBS_LEASE_S", "20")
     home = _url("runs", secrets.token_hex(4))
     reference = train(
         H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=8), progress=False
@@ -430,11 +432,12 @@ def _losses(work_dir):
 
 
 def test_two_nodes_without_a_shared_disk_resume_from_obs_after_node_1_is_killed(
-    env, tmp_path, tiny_llama_dir, pretrain_data
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch
 ):
     from kit.train import train
     from kit.train.obs_home import COMPLETE
 
+    monkeypatch.setenv("KIT_OBS_LEASE_S", "20")  # node 0's lease, if its failure left it, ends within 25 s
     home = _url("two-nodes", secrets.token_hex(4))
     reference = train(
         H.tiny_config(tiny_llama_dir, pretrain_data, tmp_path / "ref", train_iters=6), progress=False
@@ -496,3 +499,317 @@ def test_a_hung_or_refused_server_is_one_line_within_the_stated_wait(env, tmp_pa
             assert "KIT_OBS_TIMEOUT_S" in err[0] and not (tmp_path / "dest").exists()
     finally:
         hung.close()
+
+
+# ---- one writer per prefix (kit.storage.obs_lease) ----------------------------------------------------------------
+def _leases(store, prefix):
+    return sorted(k.rsplit("/", 1)[1] for k in store.list(f"{prefix}/.kit-writer-"))
+
+
+def _plant(store, prefix, generation, until, token="old"):
+    """Another writer's lease: PID 1 on `elsewhere`, valid until `until` (time.time())."""
+    body = {"host": "elsewhere", "pid": 1, "what": "obs push", "token": token, "until": until}
+    store.put_bytes(f"{prefix}/.kit-writer-{generation:08d}.json", json.dumps(body).encode())
+    return json.dumps(body).encode()
+
+
+def _two_files(folder: Path, text: str) -> Path:
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(text * 10)
+    return folder
+
+
+def test_of_two_pushes_to_one_prefix_one_publishes_the_other_gets_one_line(
+    env, tmp_path, monkeypatch, capsys
+):
+    """The first push holds the prefix's writer lease while it uploads; a second push meanwhile stops in one line
+    naming the prefix, the holder and until when (exit 2); the listing is the first push's, complete."""
+    import threading
+
+    from kit.__main__ import main
+
+    first, second = _two_files(tmp_path / "first", "1"), _two_files(tmp_path / "second", "2")
+    url = _url("lease", secrets.token_hex(4), "data")
+    uploading, go_on, real = threading.Event(), threading.Event(), obs.Store.put_file
+
+    def put_file(self, key, path, tries=3):  # the first push is mid-upload while the second one starts
+        if threading.current_thread().name == "first":
+            uploading.set()
+            go_on.wait(120)
+        return real(self, key, path, tries)
+
+    monkeypatch.setattr(obs.Store, "put_file", put_file)
+    published = {}
+    pusher = threading.Thread(target=lambda: published.update(obs.upload_folder(first, url)), name="first")
+    pusher.start()
+    try:
+        assert uploading.wait(120)
+        assert main(["obs", "push", str(second), url, "--overwrite"]) == 2
+    finally:
+        go_on.set()
+        pusher.join(120)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {url} is being written by PID {os.getpid()} on "), err
+    assert (
+        "(obs push), whose writer lease lasts until 20" in err[0]
+        and " UTC (renewed while it writes)" in err[0]
+    )
+    store, prefix = obs.store_for(url)
+    want = {"bytes": 10, "crc32": f"{zlib.crc32(b'1' * 10):08x}"}
+    assert obs.read_listing(store, prefix)["files"] == published == {"a.txt": want, "b.txt": want}
+    back = obs.download_folder(url, tmp_path / "back")
+    assert (back / "a.txt").read_text() == (back / "b.txt").read_text() == "1" * 10
+    assert _leases(store, prefix) == []  # released
+
+
+def test_of_writers_racing_for_a_stale_lease_exactly_one_gets_it(env):
+    """A writer killed mid-push leaves its lease; once expired, of four writers taking it at once (each creates
+    the next generation with If-None-Match: *) exactly one gets it; the others name the winner."""
+    import threading
+
+    from kit.storage.locks import LockedError
+    from kit.storage.obs_lease import Lease
+
+    store, prefix = obs.store_for(_url("lease", secrets.token_hex(4)))
+    _plant(store, prefix, 3, until=time.time() - 1)
+    barrier, won, refused = threading.Barrier(4), [], []
+
+    def take():
+        lease = Lease(obs.Store(s3_standin.BUCKET), prefix, "obs push")
+        barrier.wait(60)
+        try:
+            won.append(lease.take())
+        except LockedError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(won) == 1 and len(refused) == 3, refused
+    assert all(f"is being written by PID {os.getpid()} on " in r for r in refused), refused
+    assert _leases(store, prefix) == [".kit-writer-00000004.json"] == [won[0].key.rsplit("/", 1)[1]]
+    won[0].check()
+    won[0].release()
+    assert _leases(store, prefix) == []
+
+
+def test_a_writer_that_lost_its_lease_publishes_nothing_and_a_live_one_is_waited_for(
+    env, tmp_path, monkeypatch
+):
+    from kit.storage.locks import LockedError
+    from kit.storage.obs_lease import Lease
+
+    src = _two_files(tmp_path / "src", "x")
+    url = _url("lease", secrets.token_hex(4))
+    store, prefix = obs.store_for(url)
+    real = obs.Store.put_file
+
+    def put_file(self, key, path, tries=3):  # after the first file another writer holds a newer lease
+        real(self, key, path, tries)
+        _plant(store, prefix, 99, until=time.time() + 600)
+
+    monkeypatch.setattr(obs.Store, "put_file", put_file)
+    with pytest.raises(
+        LockedError, match=r"lost its writer lease \(now held by PID 1 on elsewhere \(obs push\)\)"
+    ):
+        obs.upload_folder(src, url)
+    assert obs.read_listing(store, prefix) is None  # nothing published
+    assert _leases(store, prefix) == [".kit-writer-00000099.json"]  # its own lease removed, the other's kept
+    # a server that ignores If-None-Match: another writer's lease lands over ours before it is read back
+    other = _url("lease", secrets.token_hex(4))
+    o_store, o_prefix = obs.store_for(other)
+
+    def ignoring(self, key, data):
+        self.put_bytes(key, data)
+        _plant(self, o_prefix, int(key[-13:-5]), until=time.time() + 600)
+        return True
+
+    real_put_new = obs.Store.put_new
+    monkeypatch.setattr(obs.Store, "put_new", ignoring)
+    with pytest.raises(LockedError, match="is being written by PID 1 on elsewhere"):
+        Lease(o_store, o_prefix, "obs push").take()
+    monkeypatch.setattr(obs.Store, "put_new", real_put_new)
+    # a live lease whose holder stopped renewing: waited for (bounded), then taken over
+    live = _url("lease", secrets.token_hex(4))
+    l_store, l_prefix = obs.store_for(live)
+    _plant(l_store, l_prefix, 1, until=time.time() + 2)
+    with pytest.raises(LockedError, match="is being written by PID 1 on elsewhere"):
+        Lease(l_store, l_prefix, "obs push").take()
+    lease = Lease(l_store, l_prefix, "obs push").take(wait_s=120)
+    assert lease.key.endswith(".kit-writer-00000002.json") and _leases(l_store, l_prefix) == [
+        ".kit-writer-00000002.json"
+    ]
+    lease.release()
+
+
+def test_a_server_that_refuses_conditional_puts_gets_a_plain_put():
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Client:
+        def putContent(self, bucket, key, data, extensionHeaders=None):
+            calls.append(extensionHeaders)
+            return SimpleNamespace(status=501 if extensionHeaders else 200, errorCode="NotImplemented")
+
+    store = obs.Store.__new__(obs.Store)
+    store.client, store.bucket = Client(), "b"
+    assert store.put_new("k", b"x") is True and calls == [{"If-None-Match": "*"}, None]
+
+
+def test_a_second_run_into_the_same_obs_home_prefix_stops_in_one_line(env, tmp_path, monkeypatch):
+    from kit.storage.locks import LockedError
+    from kit.train.obs_home import CheckpointUploads
+
+    monkeypatch.setenv("KIT_OBS_LEASE_S", "6")  # the second waits 1.25 lease terms for the first to end
+
+    class Cfg:
+        obs_home, model_name, node_rank, nnodes = _url("second", secrets.token_hex(4)), "m", 0, 1
+
+    first = CheckpointUploads(Cfg, tmp_path / "run")
+    try:
+        with pytest.raises(
+            LockedError, match=r"is being written by PID \d+ on .* \(training run\), whose writer"
+        ):
+            CheckpointUploads(Cfg, tmp_path / "run")
+    finally:
+        assert first.finish() == []
+    second = CheckpointUploads(Cfg, tmp_path / "run")  # the first gave its lease back
+    assert second.lease is not None and second.finish() == []
+    assert _leases(*obs.store_for(first.url)) == []
+
+
+# ---- a preempted run's grace period; failed uploads never end "completed" ----------------------------------------
+def test_a_cut_upload_says_what_it_did_not_upload_and_stays_incomplete(env, tmp_path, monkeypatch):
+    """A server that stops answering mid-checkpoint (at its second file): at the deadline the uploader is killed, the
+    line names the files and bytes it did not upload, and the checkpoint has no marker in OBS."""
+    from kit.train.obs_home import COMPLETE, CheckpointUploads
+
+    class Cfg:
+        obs_home, model_name, node_rank, nnodes = _url("cut", secrets.token_hex(4)), "m", 0, 1
+
+    run = tmp_path / "run"
+    folder = run / "checkpoints" / "iter_0000001"
+    folder.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    for name, size in (("a.bin", 1000), ("b.bin", 10), ("c.bin", 20)):
+        (folder / name).write_bytes(os.urandom(size))
+    monkeypatch.setenv("KIT_OBS_TIMEOUT_S", "600")  # the stalled request would wait that long
+    with s3_standin.stalling_proxy(env["OBS_ENDPOINT"], b"b.bin") as proxy:
+        monkeypatch.setenv("OBS_ENDPOINT", proxy)
+        up = CheckpointUploads(Cfg, run)
+        up.after_save(folder, 1)
+        deadline = time.monotonic() + 120
+        while "a.bin" not in up.sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = up.finish(deadline=time.monotonic(), why="the test's deadline")
+    monkeypatch.setenv("OBS_ENDPOINT", env["OBS_ENDPOINT"])
+    assert lines == [
+        f"warning: the OBS upload was cut at the test's deadline: 2 file(s), 30 bytes not uploaded (iter_0000001: "
+        f"b.bin, c.bin); in {up.url}/checkpoints they stay incomplete (no {COMPLETE}: a resume takes the newest "
+        f"complete checkpoint), and the local checkpoints are whole"
+    ]
+    assert up.errors == [lines[0][len("warning: ") :]] and up.uploaded == [] and up.child.returncode == -9
+    store, prefix = obs.store_for(up.url)
+    assert sorted(k[len(prefix) + 1 :] for k in store.list(prefix + "/")) == [
+        "checkpoints/iter_0000001/a.bin",
+        "config.json",
+        "obs_inputs.json",
+    ]  # no b.bin, no node record, no marker; the lease given back
+
+
+def _obs_run(tiny_llama_dir, pretrain_data, work_dir, home, **kw):
+    from kit.train import TrainConfig
+
+    cfg = H.tiny_config(tiny_llama_dir, pretrain_data, work_dir, **kw)
+    return TrainConfig(**{**{n: getattr(cfg, n) for n in cfg.given}, "obs_home": home})
+
+
+def test_a_preempted_run_stops_its_upload_within_the_grace_period_and_says_what_it_lacks(
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch
+):
+    import re
+    import signal
+
+    from kit.train import checkpoint, train
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("grace", secrets.token_hex(4))
+    cfg = _obs_run(tiny_llama_dir, pretrain_data, tmp_path / "ws", home, train_iters=50)
+    monkeypatch.setenv("KIT_PREEMPT_GRACE_S", "3")
+    monkeypatch.setenv("KIT_OBS_TIMEOUT_S", "600")
+
+    def preempt(iteration):  # ModelArts' SIGTERM
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with s3_standin.stalling_proxy(env["OBS_ENDPOINT"], b"rng_state") as proxy:  # OBS stops answering
+        monkeypatch.setenv("OBS_ENDPOINT", proxy)
+        result = train(cfg, step_callbacks=[preempt], progress=False)
+    monkeypatch.setenv("OBS_ENDPOINT", env["OBS_ENDPOINT"])
+    assert result.status == "preempted" and result.iteration == 2
+    found = re.search(
+        r"; but the OBS upload was cut at 90% of KIT_PREEMPT_GRACE_S=3 s after the stop signal: (\d+) file\(s\), "
+        r"(\d+) bytes not uploaded \(iter_0000002: ",
+        result.message,
+    )
+    assert found, result.message
+    local = obs.local_files(result.checkpoint)
+    assert 1 <= int(found.group(1)) <= len(local) and "rng_state_rank0.pt" in local
+    assert checkpoint.verify(result.checkpoint) is None  # the local checkpoint is whole
+    store, prefix = obs.store_for(obs.join(home, "tiny", result.output_dir.name))
+    in_obs = [k.rsplit("/", 1)[1] for k in store.list(f"{prefix}/checkpoints/iter_0000002/")]
+    assert COMPLETE not in in_obs and "rng_state_rank0.pt" not in in_obs and _leases(store, prefix) == []
+    assert "warning: the OBS upload was cut at" in result.log_path.read_text()
+
+
+def test_a_run_whose_obs_home_uploads_failed_does_not_end_completed(
+    env, tmp_path, tiny_llama_dir, pretrain_data, monkeypatch, capsys
+):
+    """OBS goes away before the run's checkpoint upload: the local run completes, but its last line, its result
+    and its manifest say the upload failed, and `kit train run` exits 2."""
+    from kit.__main__ import main
+    from kit.core.configs import save_config
+    from kit.system.procs import free_port
+    from kit.train import checkpoint, obs_home
+    from kit.train.obs_home import COMPLETE
+
+    home = _url("n16", secrets.token_hex(4))
+    cfg = _obs_run(tiny_llama_dir, pretrain_data, tmp_path / "ws", home, train_iters=2)
+    dead, real = f"http://127.0.0.1:{free_port()}", obs_home.CheckpointUploads.after_save
+
+    def after_save(self, folder, iteration):  # the uploader starts with it; the run holds its lease already
+        monkeypatch.setenv("OBS_ENDPOINT", dead)
+        real(self, folder, iteration)
+
+    monkeypatch.setattr(obs_home.CheckpointUploads, "after_save", after_save)
+    config = save_config(cfg, tmp_path, "job.json")
+    assert main(["train", "run", "--config", str(config), "--no-progress"]) == 2
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    url = obs.join(home, "tiny", cfg.output_dir().name)
+    assert last.startswith("kit train: upload_failed at iteration 2: trained 2 iterations; outputs in "), last
+    assert f"; but upload of checkpoint 2 to {url} failed: OBS " in last and dead in last, last
+    manifest = json.loads((cfg.output_dir() / "kit_manifest.json").read_text())
+    assert manifest["fields"]["status"] == "upload_failed"
+    ckpt = cfg.output_dir() / "checkpoints" / "iter_0000002"
+    assert checkpoint.latest_iteration(ckpt.parent) == 2 and checkpoint.verify(ckpt) is None
+    monkeypatch.setenv("OBS_ENDPOINT", env["OBS_ENDPOINT"])
+    store, prefix = obs.store_for(url)
+    assert store.get_bytes(f"{prefix}/checkpoints/iter_0000002/{COMPLETE}") is None
+    assert _leases(store, prefix) == []
+    # a bucket that does not exist: the run stops before its first step, in one line
+    monkeypatch.undo()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = _obs_run(
+        tiny_llama_dir, pretrain_data, tmp_path / "ws2", "obs://no-such-bucket-kit/runs", train_iters=2
+    )
+    assert (
+        main(["train", "run", "--config", str(save_config(cfg, tmp_path, "job2.json")), "--no-progress"]) == 2
+    )
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [err[0]] and "bucket 'no-such-bucket-kit' does not exist" in err[0], err

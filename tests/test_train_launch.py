@@ -486,3 +486,22 @@ def test_a_left_behind_process_that_keeps_writing_cannot_hold_the_launcher_eithe
     finally:
         proc.kill()  # the writer is in the launcher's process group
         proc.wait()
+
+
+def test_a_rank_whose_obs_uploads_failed_decides_the_jobs_status(tmp_path):
+    """Every rank prints how it ended; the local rank 0 whose OBS_HOME uploads failed says upload_failed, the
+    others completed, in any order: the job is upload_failed, not ok."""
+    import io
+
+    from kit.train.launch import LaunchResult, _consume
+
+    class Bar:
+        n = 0
+
+    failed = "kit train: upload_failed at iteration 2: trained 2 iterations; but an upload failed\n"
+    done = "kit train: completed at iteration 2: trained 2 iterations\n"
+    for lines in ((done, failed, done), (failed, done)):
+        result = LaunchResult(2, tmp_path / "log", [])
+        for line in lines:
+            _consume(line, io.StringIO(), [], False, result, Bar())
+        assert result.status == "upload_failed" and not result.ok

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 from kit.errors import InputError, KitError, MissingInputError
 from kit.storage.atomic import MANIFEST_NAME, OutputExistsError
 from kit.storage.hashes import crc32_file, sha256_file
+from kit.storage.obs_lease import Lease
 from kit.system.waits import seconds
 
 SCHEME = "obs://"
@@ -96,7 +97,7 @@ class _Guarded:
             except KitError:
                 raise
             except Exception as exc:  # the SDK raises the socket's own errors
-                key = args[1] if len(args) > 1 else kwargs.get("objectKey", "")
+                key = args[1] if len(args) > 1 else kwargs.get("objectKey", kwargs.get("prefix") or "")
                 raise ObsError(
                     f"OBS {name} obs://{self._bucket}/{key} at {self._endpoint} failed: {type(exc).__name__}: "
                     f"{exc or 'no answer'} (each request waits {timeout_s():g} s, tried {RETRIES + 1} times; "
@@ -199,6 +200,19 @@ class Store:
     def put_bytes(self, key: str, data: bytes) -> None:
         self._check(self.client.putContent(self.bucket, key, data), "upload of", key)
 
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create the object only where none exists (`If-None-Match: *`); False where one does. A server that ignores
+        the condition overwrites (kit.storage.obs_lease reads back); one that refuses it gets a plain put."""
+        resp = self.client.putContent(self.bucket, key, data, extensionHeaders={"If-None-Match": "*"})
+        # 412: the object exists; 409: S3's answer while another conditional put of the key is in flight
+        if resp.status in (409, 412):
+            return False
+        if resp.status == 501:
+            self.put_bytes(key, data)
+            return True
+        self._check(resp, "upload of", key)
+        return True
+
     def get_bytes(self, key: str) -> Optional[bytes]:
         """The object's bytes, or None when it does not exist."""
         resp = self.client.getObject(self.bucket, key, loadStreamInMemory=True)
@@ -239,7 +253,8 @@ def _folder_prefix(url: str, prefix: str) -> str:
 
 
 def upload_folder(folder: Path, url: str, store: Optional[Store] = None, overwrite: bool = False) -> dict:
-    """Upload every file of `folder` under `url`, then its listing last (the folder is then complete in OBS).
+    """Upload every file of `folder` under `url`, then its listing last (the folder is then complete in OBS), holding
+    the prefix's writer lease (kit.storage.obs_lease) throughout.
 
     A complete upload already at `url` is replaced only with `overwrite` (its listing goes first, so the prefix is
     never complete with a mix of both); a missing or empty folder is an error, never an empty "complete" upload."""
@@ -251,19 +266,23 @@ def upload_folder(folder: Path, url: str, store: Optional[Store] = None, overwri
         raise InputError(f"{str(folder)!r} holds no files; nothing was pushed to {url}.")
     store, prefix = (store, split(url)[1]) if store else store_for(url)
     prefix = _folder_prefix(url, prefix)
-    if read_listing(store, prefix) is not None:
-        if not overwrite:
-            raise OutputExistsError(
-                f"{url} already holds a complete upload; push with --overwrite (overwrite=True) to replace it, "
-                f"or choose another folder."
-            )
-        store.delete(f"{prefix}/{LISTING}")
-    listing = {}
-    for rel in names:
-        listing[rel] = crc32_file(folder / rel)
-        store.put_file(f"{prefix}/{rel}", folder / rel)
-    body = {"files": listing, "manifest_sha256": _manifest_sha256(folder)}
-    store.put_bytes(f"{prefix}/{LISTING}", (json.dumps(body, indent=1) + "\n").encode())
+    # one writer per prefix: a second push gets one line
+    with Lease(store, prefix, "obs push").take() as lease:
+        if read_listing(store, prefix) is not None:
+            if not overwrite:
+                raise OutputExistsError(
+                    f"{url} already holds a complete upload; push with --overwrite (overwrite=True) to replace it, "
+                    f"or choose another folder."
+                )
+            store.delete(f"{prefix}/{LISTING}")
+        listing = {}
+        for rel in names:
+            lease.check(read=False)  # the renewal saw another writer take over: stop here
+            listing[rel] = crc32_file(folder / rel)
+            store.put_file(f"{prefix}/{rel}", folder / rel)
+        body = {"files": listing, "manifest_sha256": _manifest_sha256(folder)}
+        lease.check()  # read back from OBS: a writer that lost its lease publishes nothing
+        store.put_bytes(f"{prefix}/{LISTING}", (json.dumps(body, indent=1) + "\n").encode())
     return listing
 
 

@@ -26,6 +26,9 @@ from typing import Callable, Iterator, Optional
 from kit.system.lifetime import dies_with_parent
 
 STOP_GRACE_S = 600.0  # how long a stopped job's ranks may take to checkpoint and exit before they are killed
+# the grace period the platform gives a stopped job (default STOP_GRACE_S, what `kit train launch` gives its ranks):
+# a preempted run's checkpoint uploads end within it (kit.train.trainer)
+PREEMPT_GRACE_VARIABLE = "KIT_PREEMPT_GRACE_S"
 DRAIN_S = 10.0  # how long after the child exits its output may still come (from processes it left behind)
 
 

@@ -103,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # torch's advice for a process that ends: not left to interpreter teardown
-        from kit.errors import EXIT_PREEMPTED
+        from kit.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
 
         # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
-        return {"completed": 0, "preempted": EXIT_PREEMPTED}.get(result.status, 3)
+        codes = {"completed": 0, "preempted": EXIT_PREEMPTED, "upload_failed": EXIT_USER_ERROR}
+        return codes.get(result.status, 3)
     cfg = _config(args)
     if args.what == "launch":
         from kit.storage.partial import sigterm_as_interrupt

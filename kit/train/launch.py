@@ -188,7 +188,9 @@ class LaunchResult:
     iterations: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     stopped: bool = False
-    status: str = ""  # the trainer's own verdict: completed | preempted | nan ("" if it never said)
+    status: str = (
+        ""  # the trainer's verdict: completed | preempted | nan | upload_failed ("" if it never said)
+    )
     seconds: float = 0.0
     rank_exit: Optional[int] = None  # the exit code of the first rank that failed (torchrun itself exits 1)
     rank_lines: list = field(default_factory=list)  # the ranks' `error:` and status lines, each shown once
@@ -313,7 +315,8 @@ def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> Non
     tail.append(line)
     if echo:
         print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout, flush=True)
-    if line.startswith(STATUS_PREFIX):
+    if line.startswith(STATUS_PREFIX) and result.status in ("", "completed"):
+        # every rank says how it ended; one whose OBS uploads failed says so, the others "completed"
         result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]
     rec = parse_line(line)
     if rec and "loss" in rec:

@@ -11,18 +11,20 @@ marker is complete in OBS, and only such a checkpoint is resumed. `retrain` down
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from kit.errors import MissingInputError
+from kit.errors import KitError, MissingInputError
 from kit.storage import obs
 from kit.storage.atomic import atomic_write_text
 from kit.storage.hashes import crc32_file
+from kit.storage.obs_lease import Lease
 from kit.system.lifetime import die_with_parent
 from kit.train import checkpoint
 
@@ -195,13 +197,16 @@ def _lower_priority() -> None:
         pass  # not allowed: uploads still run, at the training's priority
 
 
-def upload_checkpoint(job: dict) -> None:
-    """One checkpoint's upload (what the uploader child runs): this node's files, its node record, and on node 0,
-    once every node's record is there, the complete marker last. `job`: url, out, node, nnodes, inputs, folder,
-    iteration (plain values: it crosses a pipe)."""
+def upload_checkpoint(job: dict, sent: Callable[[str], None] = lambda rel: None) -> None:
+    """One checkpoint's upload (what the uploader child runs): this node's files (`sent` is told each), its node
+    record, and on node 0, once every node's record is there, the complete marker last, if the run's writer lease is
+    still node 0's. `job`: url, out, node, nnodes, inputs, folder, iteration, lease (plain values: it crosses a pipe)."""
     store, prefix = obs.store_for(job["url"])
     node, nnodes, iteration, folder = job["node"], job["nnodes"], job["iteration"], Path(job["folder"])
     key = f"{prefix}/checkpoints/{checkpoint.tag_of(iteration)}"
+    lease = Lease(store, prefix, "training run", **job.get("lease", {})) if node == 0 else None
+    if lease is not None:
+        lease.check()  # another writer took the run's prefix over: touch nothing there
     for stale in (COMPLETE, NODE_RECORD.format(node=node)):
         if node == 0 or stale != COMPLETE:
             store.delete(f"{key}/{stale}")  # a re-save of the same iteration is incomplete until done
@@ -213,6 +218,7 @@ def upload_checkpoint(job: dict) -> None:
     for rel in obs.local_files(folder):
         files[rel] = sealed.get(rel) or crc32_file(folder / rel)
         store.put_file(f"{key}/{rel}", folder / rel)
+        sent(rel)
     record = json.dumps({"node": node, "files": files}, indent=1).encode()
     store.put_bytes(f"{key}/{NODE_RECORD.format(node=node)}", record)
     if node != 0:
@@ -231,6 +237,7 @@ def upload_checkpoint(job: dict) -> None:
             raw = store.get_bytes(f"{key}/{NODE_RECORD.format(node=other)}")
         nodes[str(other)] = json.loads(raw)["files"]
     marker = {"iteration": iteration, "nnodes": nnodes, "nodes": nodes}
+    lease.check()
     store.put_bytes(f"{key}/{COMPLETE}", json.dumps(marker, indent=1).encode())
 
 
@@ -247,9 +254,14 @@ def _serve() -> None:
     _lower_priority()
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+
+    def sent(rel: str) -> None:  # progress: what a cut upload (the grace period's end) did send
+        replies.write(json.dumps({"sent": rel}) + "\n")
+        replies.flush()
+
     for line in sys.stdin:
         try:
-            upload_checkpoint(json.loads(line))
+            upload_checkpoint(json.loads(line), sent)
             reply = {"ok": True}
         except Exception as exc:  # reported to the trainer, which warns; this checkpoint stays incomplete
             reply = {"ok": False, "error": str(exc) or type(exc).__name__}
@@ -258,7 +270,9 @@ def _serve() -> None:
 
 
 class CheckpointUploads:
-    """The trainer's OBS checkpoint hook: after_save() queues a saved checkpoint for upload, finish() waits for them.
+    """The trainer's OBS checkpoint hook: after_save() queues a saved checkpoint for upload, finish() waits for them
+    (up to a deadline: a preempted job's grace period), close() stops them when the run fails. On node 0 it holds the
+    run's writer lease (kit.storage.obs_lease) from its start to finish(): a second run into the same prefix stops.
 
     The uploads run in a child process at the lowest CPU priority (nice 19): in a thread of the trainer they
     took the GIL and the CPU from the training steps (benchmarks/bench_obs.py)."""
@@ -270,9 +284,18 @@ class CheckpointUploads:
         self.out, self.node, self.nnodes = Path(out), node_rank(cfg), max(1, int(cfg.nnodes))
         self.enabled = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one uploader per node
         self.queue: queue.Queue[Optional[tuple]] = queue.Queue()
-        self.errors: List[str] = []
+        self.errors: List[str] = []  # what did not reach OBS, one line each: the run does not end "completed"
         self.uploaded: List[int] = []
         self.child = None  # the uploader process (subprocess.Popen), once the first checkpoint is queued
+        self.current: Optional[tuple] = None  # the checkpoint being uploaded; `sent`: its files sent so far
+        self.sent: set = set()
+        self.cut = False  # finish()'s deadline passed: no further upload starts
+        self._lock = threading.Lock()
+        self.lease: Optional[Lease] = None
+        if self.enabled and self.node == 0:
+            lease = Lease(self.store, self.prefix, "training run")
+            # an earlier attempt of this run that was killed holds the prefix for at most one lease term
+            self.lease = lease.take(wait_s=lease.term * 1.25, note=lambda line: print(line, flush=True))
         self.thread = threading.Thread(target=self._work, name="kit-obs-upload", daemon=True)
         if self.enabled:
             self.thread.start()
@@ -293,6 +316,7 @@ class CheckpointUploads:
             "inputs": self.inputs,
             "folder": str(folder),
             "iteration": iteration,
+            "lease": self.lease.ref() if self.lease else {},
         }
 
     def _upload(self, folder: Path, iteration: int) -> None:
@@ -315,40 +339,96 @@ class CheckpointUploads:
         # dies with this thread (the parent-death signal), as the uploads it serves do
         return Proc([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stderr=None)
 
+    def _reply(self, child) -> dict:
+        """The child's reply to the job it was given, noting the files it reports sent on the way."""
+        while True:
+            line = child.stdout.readline()
+            if not line:
+                return {"ok": False, "error": "the uploader process died"}
+            msg = json.loads(line)
+            if "sent" not in msg:
+                return msg
+            self.sent.add(msg["sent"])
+
     def _work(self) -> None:
         child = None
         try:
             while True:
                 item = self.queue.get()
-                if item is None:
-                    return
                 try:
-                    if child is None or child.poll() is not None:
-                        child = self.child = self._child()  # the first, or one after the last died
-                    child.stdin.write(json.dumps(self._job(*item)) + "\n")
-                    child.stdin.flush()
-                    line = child.stdout.readline()
-                    reply = json.loads(line) if line else {"ok": False, "error": "the uploader process died"}
+                    with self._lock:  # a cut starts no further upload
+                        if item is None or self.cut:
+                            return
+                        self.current, self.sent = item, set()
+                        if child is None or child.poll() is not None:
+                            child = self.child = self._child()  # the first, or one after the last died
+                        child.stdin.write(json.dumps(self._job(*item)) + "\n")
+                        child.stdin.flush()
+                    reply = self._reply(child)
                     if not reply["ok"]:
                         raise RuntimeError(reply["error"])
                     self.uploaded.append(item[1])
-                except (
-                    Exception
-                ) as exc:  # reported by finish(); training goes on, the checkpoint stays incomplete
-                    self.errors.append(f"upload of checkpoint {item[1]} to {self.url} failed: {exc}")
+                except Exception as exc:  # reported by finish(); the training goes on
+                    if not self.cut:  # a cut is reported as a whole
+                        self.errors.append(f"upload of checkpoint {item[1]} to {self.url} failed: {exc}")
+                finally:
+                    with self._lock:
+                        self.current = None
         finally:
             if child is not None:
-                child.stdin.close()
+                with contextlib.suppress(OSError):
+                    child.stdin.close()
                 child.wait()
 
-    def finish(self) -> List[str]:
-        """Wait for the queued uploads (the job must not end before them); the lines for the run's log: what
-        failed, then what was uploaded."""
+    def _cut(self, why: str) -> str:
+        """Stop the uploads where they are (kill the uploader: what it was sending stays without its marker) and
+        say what did not reach OBS."""
+        with self._lock:
+            self.cut = True
+            current = self.current
+            pending = [current] if current else []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    item = self.queue.get_nowait()
+                    if item is not None:
+                        pending.append(item)
+            self.queue.put(None)
+            if self.child is not None and self.child.poll() is None:
+                self.child.kill()
+        self.thread.join(30.0)  # the killed child's pipe ends at once
+        files, size, parts = 0, 0, []
+        for folder, iteration in (p for p in pending if p[1] not in self.uploaded):
+            sent = self.sent if (folder, iteration) == current else set()
+            names = [rel for rel in obs.local_files(folder) if rel not in sent]
+            files += len(names)
+            size += sum((Path(folder) / rel).stat().st_size for rel in names)
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{checkpoint.tag_of(iteration)}: {', '.join(names[:3]) or 'its records'}{more}")
+        return (
+            f"the OBS upload was cut at {why}: {files} file(s), {size} bytes not uploaded ({'; '.join(parts)}); "
+            f"in {self.url}/checkpoints they stay incomplete (no {COMPLETE}: a resume takes the newest complete "
+            f"checkpoint), and the local checkpoints are whole"
+        )
+
+    def finish(self, deadline: Optional[float] = None, why: str = "the deadline") -> List[str]:
+        """Wait for the queued uploads (the job must not end before them), until `deadline` (time.monotonic()) if
+        given, then cut them (`why`: which deadline); give the writer lease back. The lines for the run's log: what
+        failed or was not uploaded, then what was uploaded."""
         if self.enabled and self.thread.is_alive():
             self.queue.put(None)
-            self.thread.join()
+            self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self.thread.is_alive():
+                self.errors.append(self._cut(why))
+        if self.lease is not None:
+            with contextlib.suppress(KitError):  # OBS unreachable: the lease expires by itself
+                self.lease.release()
+            self.lease = None
         done = [f"uploaded checkpoint(s) {self.uploaded} to {self.url}"] if self.uploaded else []
         return [f"warning: {e}" for e in self.errors] + done
+
+    def close(self) -> None:
+        """The run failed: stop the uploads where they are and give the lease back (no process left writing)."""
+        self.finish(deadline=time.monotonic(), why="the run's failure")
 
 
 def checkpoint_hooks(plan) -> list:

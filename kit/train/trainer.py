@@ -21,13 +21,17 @@ from kit.train.resolve import TrainPlan, resolve
 
 StepCallback = Callable[[int], None]
 PLAN_NAME = "plan.json"  # in the run folder: the plan the run trained with (kit.train.resolve.TrainPlan)
+# of the grace period after a stop signal, what the checkpoint uploads may take; the rest is for the exit
+UPLOAD_SHARE = 0.9
 
 
 @dataclass
 class TrainResult:
     """How a run ended and where its outputs are."""
 
-    status: str  # completed | preempted (SIGTERM/SIGINT: checkpoint saved) | nan (stopped, last good checkpoint kept)
+    # completed | preempted (SIGTERM/SIGINT: checkpoint saved) | nan (stopped, last good checkpoint kept) |
+    # upload_failed (trained, outputs whole here, but OBS_HOME lacks some checkpoint: the message says which)
+    status: str
     iteration: int
     output_dir: Path
     checkpoint: Optional[Path]
@@ -87,10 +91,12 @@ class Trainer:
         self.plan, self.cfg = plan, plan.cfg
         self.out = plan.folder
         self.step_callbacks = list(step_callbacks)
-        # each gets after_save(folder, iteration) for every checkpoint and finish() -> lines for the log at the end
+        # each gets after_save(folder, iteration) for every checkpoint, finish(deadline, why) -> lines for the log at
+        # the end (its `errors`: what it could not do) and close() when the run fails
         self.checkpoint_hooks = list(checkpoint_hooks)
         self.progress, self.echo = progress, echo
         self._stop_reason: Optional[str] = None
+        self._signal_at: Optional[float] = None  # the first stop signal's time: the grace period runs from it
         self.engine = None
 
     # ---- set-up ---------------------------------------------------------------------------------------------
@@ -200,6 +206,7 @@ class Trainer:
         if self._stop_reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C / notebook interrupt stops at once
         self._stop_reason = signal.Signals(signum).name
+        self._signal_at = self._signal_at or time.monotonic()
 
     def _install_signals(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -348,17 +355,28 @@ class Trainer:
         # one run per folder: the job's rank 0 holds the lock (the other ranks and nodes of the job write into
         # the same folder under it) from before the first read to the run manifest
         rank0 = int(os.environ.get("RANK", "0")) == 0
-        with hold(self.out, "training run", enabled=rank0):
-            return self._train()
+        try:
+            with hold(self.out, "training run", enabled=rank0):
+                return self._train()
+        except BaseException:
+            for hook in self.checkpoint_hooks:  # the OBS uploads stop: a failed run leaves no writer behind
+                hook.close()
+            raise
 
     def _train(self) -> TrainResult:
+        import os
+
+        from kit.system.procs import PREEMPT_GRACE_VARIABLE, STOP_GRACE_S
         from kit.system.progress import bar as progress_bar
+        from kit.system.waits import seconds
 
         t_start = time.time()
+        grace_s = seconds(os.environ, PREEMPT_GRACE_VARIABLE, STOP_GRACE_S)
         self._setup()
         cfg = self.cfg
         previous = self._install_signals()
         losses, iteration, status, message, last_ckpt = [], self.start_iter, "completed", "", None
+        deadline = None  # a stop signal's: the checkpoint uploads end by then
         bar = progress_bar(
             total=cfg.train_iters,
             initial=self.start_iter,
@@ -390,6 +408,8 @@ class Trainer:
                 stop = self._all_reduce_ints([1 if self._stop_reason else 0], "max")[0]
                 if stop:
                     status = "preempted"
+                    if self._signal_at or self._stop_reason is None:  # a signal here or on another rank
+                        deadline = (self._signal_at or time.monotonic()) + UPLOAD_SHARE * grace_s
                     last_ckpt = self._save(
                         iteration, f"stop requested ({self._stop_reason or 'another rank'})"
                     )
@@ -425,9 +445,17 @@ class Trainer:
                 self._export(result)
             result.message = f"trained {iteration} iterations; outputs in {self.out}"
             self.writer.text(result.message)
+        failed = []
+        why = f"{UPLOAD_SHARE:.0%} of {PREEMPT_GRACE_VARIABLE}={grace_s:g} s after the stop signal"
         for hook in self.checkpoint_hooks:  # e.g. the OBS uploads: the run ends after them
-            for line in hook.finish():
+            for line in hook.finish(deadline, why):
                 self.writer.text(line)
+            failed += hook.errors
+        if failed:  # never "completed" while OBS_HOME lacks a checkpoint; the local ones are whole either way
+            result.status = "upload_failed" if status == "completed" else status
+            more = f" ({len(failed) - 1} more in the log)" if len(failed) > 1 else ""
+            result.message = f"{result.message.rstrip('.')}; but {failed[0].rstrip('.')}{more}."
+            self.writer.text(result.message)
         self.writer.close()
         result.seconds = time.time() - t_start
         result.config = cfg
