@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
-from kit.core.samples import pretrain_corpus, sample_tokenizer_dir, sft_alpaca, tiny_llama
+from kit.core.samples import dpo_pairs, pretrain_corpus, sample_tokenizer_dir, sft_alpaca, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data_samples" / "generator"))
-from sample_corpus import alpaca_records, pretrain_documents  # noqa: E402
+from sample_corpus import alpaca_records, preference_records, pretrain_documents  # noqa: E402
 
 
 def test_shipped_data_matches_its_generator():
@@ -23,6 +23,8 @@ def test_shipped_data_matches_its_generator():
     assert 0.3 < langs.count("zh") / len(langs) < 0.7
     recs = [json.loads(line) for line in sft_alpaca().read_text(encoding="utf-8").splitlines()]
     assert recs == alpaca_records()
+    pairs = [json.loads(line) for line in dpo_pairs().read_text(encoding="utf-8").splitlines()]
+    assert pairs == preference_records() and all(p["chosen"] != p["rejected"] for p in pairs)
     assert all({"instruction", "input", "output"} <= set(r) for r in recs)
     assert any("history" in r for r in recs) and any(
         any("\u4e00" <= ch <= "\u9fff" for ch in r["output"]) for r in recs

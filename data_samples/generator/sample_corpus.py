@@ -244,8 +244,56 @@ def alpaca_records(seed: int = 0) -> list[dict]:
     return recs
 
 
+def preference_records(seed: int = 1) -> list[dict]:
+    """TRL-format preference pairs (`prompt`, `chosen`, `rejected`), Chinese and English: the chosen answer is right,
+    the rejected one is wrong (another capital, a wrong sum, another word) or, for a few, right but rambling."""
+    rng = random.Random(seed)
+    recs: list[dict] = []
+    for i, (city, country, city_zh, country_zh) in enumerate(_CITIES):
+        other, _, other_zh, _ = _CITIES[(i + 1 + rng.randrange(len(_CITIES) - 1)) % len(_CITIES)]
+        recs.append(
+            {
+                "prompt": f"What is the capital of {country}?",
+                "chosen": f"The capital of {country} is {city}.",
+                "rejected": f"The capital of {country} is {other}.",
+            }
+        )
+        recs.append(
+            {
+                "prompt": f"{country_zh}的首都是哪里？",
+                "chosen": f"{country_zh}的首都是{city_zh}。",
+                "rejected": f"{country_zh}的首都是{other_zh}。",
+            }
+        )
+    for i, (en, zh) in enumerate(_WORDS):
+        _, wrong = _WORDS[(i + 1 + rng.randrange(len(_WORDS) - 1)) % len(_WORDS)]
+        recs.append({"prompt": f"Translate the word into Chinese: {en}", "chosen": zh, "rejected": wrong})
+    for _ in range(24):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        off = rng.choice([-10, -2, -1, 1, 2, 10])
+        recs.append(
+            {
+                "prompt": f"Add the two numbers: {a} + {b}",
+                "chosen": f"{a} + {b} = {a + b}.",
+                "rejected": f"{a} + {b} = {a + b + off}.",
+            }
+        )
+    for _ in range(6):
+        c, d = rng.randint(2, 30), rng.randint(2, 30)
+        recs.append(
+            {
+                "prompt": f"计算乘法：{c} × {d}",
+                "chosen": f"{c} × {d} = {c * d}。",
+                "rejected": f"这个问题很有意思。我们先想一想乘法的意义，然后再计算。{c} × {d} = {c * d}。",
+            }
+        )
+    rng.shuffle(recs)
+    return recs
+
+
 def write_samples(out_dir: str | Path) -> dict[str, Path]:
-    """Write `pretrain_corpus.parquet` and `sft_alpaca.jsonl` into `out_dir`; return their paths."""
+    """Write `pretrain_corpus.parquet`, `sft_alpaca.jsonl` and `dpo_pairs.jsonl` into `out_dir`; return their
+    paths."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -257,4 +305,11 @@ def write_samples(out_dir: str | Path) -> dict[str, Path]:
     with open(out / "sft_alpaca.jsonl", "w", encoding="utf-8") as fh:
         for rec in alpaca_records():
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    return {"pretrain": out / "pretrain_corpus.parquet", "sft": out / "sft_alpaca.jsonl"}
+    with open(out / "dpo_pairs.jsonl", "w", encoding="utf-8") as fh:
+        for rec in preference_records():
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return {
+        "pretrain": out / "pretrain_corpus.parquet",
+        "sft": out / "sft_alpaca.jsonl",
+        "dpo": out / "dpo_pairs.jsonl",
+    }

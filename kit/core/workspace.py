@@ -11,7 +11,7 @@ from typing import Optional, Union
 from kit.errors import InputError
 
 MODELARTS_ROOT = Path("/home/ma-user/ws")
-RUN_TYPES = ("pretrain", "sft", "lora", "retrain")
+RUN_TYPES = ("pretrain", "sft", "lora", "dpo", "retrain")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

@@ -30,6 +30,8 @@ def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> 
 
     p = sub.add_parser(kind, help=help_text, description=help_text)
     skip = ("kind",) + (_ONLY_SFT if kind == "pretrain" else _ONLY_PRETRAIN)
+    if kind == "dpo":  # pairs: answers only, one pair per row
+        skip += ("train_on_prompt", "mask_history", "pack", "pack_window", "megatron")
     add_config_arguments(p, DataConfig, skip=skip, positional=("inputs",))
     p.add_argument(
         "--workspace",
@@ -46,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="what", required=True)
     _add_prepare(s, "pretrain", "plain text -> max_length samples + <name>_text_document.bin/.idx")
     _add_prepare(s, "sft", "dialogs -> packed, answer-masked samples + <name>_packed_*_document.bin/.idx")
+    _add_prepare(s, "dpo", "preference pairs -> prompt, chosen and rejected token ids per row (HF rows)")
     c = s.add_parser(
         "check",
         help="check a prepared <name>_hf folder against its manifest (every row, the Megatron files, the "

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-KINDS = ("pretrain", "sft")
-DEFAULT_NAMES = {"pretrain": "corpus", "sft": "alpaca"}  # the output name when `name` is None
-INPUT_FORMATS = ("auto", "text", "alpaca", "sharegpt", "openai")
+KINDS = ("pretrain", "sft", "dpo")
+DEFAULT_NAMES = {"pretrain": "corpus", "sft": "alpaca", "dpo": "pairs"}  # the output name when `name` is None
+INPUT_FORMATS = ("auto", "text", "alpaca", "sharegpt", "openai", "trl", "hh")
+PAIR_INPUT_FORMATS = ("auto", "trl", "alpaca", "sharegpt", "hh")  # kit.data.pairs
 OVERLONG = ("truncate", "drop")
 ON_ERROR = ("raise", "skip")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -20,7 +21,8 @@ class DataConfig:
     """What to read, how to tokenize and template it, and where to write it."""
 
     kind: str = "sft"
-    """'pretrain' (plain text, packed to max_length, loss on all tokens) or 'sft' (dialogs, loss on answers)."""
+    """'pretrain' (plain text, packed to max_length, loss on all tokens), 'sft' (dialogs, loss on answers) or 'dpo'
+    (preference pairs: a prompt, a chosen and a rejected answer)."""
     inputs: List[str] = field(default_factory=list)
     """Files or folders to read (.jsonl .json .parquet .csv .txt); default: the shipped sample for `kind`."""
     name: Optional[str] = None
@@ -34,7 +36,8 @@ class DataConfig:
     out_dir: Optional[str] = None
     """Output folder; None: the workspace's data/pretrain or data/finetune."""
     input_format: str = "auto"
-    """'text' (pretrain), 'alpaca', 'sharegpt', 'openai' (messages) or 'auto' (detected from the first record)."""
+    """'text' (pretrain), 'alpaca', 'sharegpt', 'openai' (messages); for dpo 'trl', 'alpaca', 'sharegpt' (LLaMA-Factory
+    ranking) or 'hh' (whole dialogs); 'auto': detected per record."""
     columns: Dict[str, str] = field(default_factory=dict)
     """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
     template: str = "tokenizer"
@@ -52,7 +55,8 @@ class DataConfig:
     mask_history: bool = False
     """Learn only the last answer of each dialog (earlier answers become context)."""
     overlong: str = "truncate"
-    """Dialogs longer than max_length: 'truncate' (cut the tail, counted) or 'drop' (counted)."""
+    """Dialogs longer than max_length (dpo: prompt + an answer): 'truncate' (cut the tail, counted) or 'drop'
+    (counted). A pair whose prompt alone fills max_length is always dropped."""
     pack: bool = True
     """Pack several whole dialogs per sample (sft); False: one dialog per sample, padded."""
     pack_window: int = 20000
@@ -103,6 +107,12 @@ class DataConfig:
             out.append(f"max_length={self.max_length!r}: use an integer of at least 8 (e.g. 2048, 4096).")
         if self.input_format not in INPUT_FORMATS:
             out.append(f"input_format={self.input_format!r}: use one of {INPUT_FORMATS}.")
+        elif self.kind == "dpo" and self.input_format not in PAIR_INPUT_FORMATS:
+            out.append(
+                f"input_format={self.input_format!r} holds no preference pairs; use one of {PAIR_INPUT_FORMATS}."
+            )
+        elif self.kind != "dpo" and self.input_format in ("trl", "hh"):
+            out.append(f"input_format={self.input_format!r} is a preference-pair format; use kind='dpo'.")
         elif self.kind == "sft" and self.input_format == "text":
             out.append(
                 "input_format='text' holds no dialogs; use kind='pretrain' or an alpaca/sharegpt/openai file."
@@ -134,13 +144,15 @@ class DataConfig:
             out.append(f"columns={self.columns!r}: use a dict like {{'text': 'content'}}.")
         else:
             from kit.data.dialogs import DEFAULT_COLUMNS
+            from kit.data.pairs import PAIR_COLUMNS
 
+            table = PAIR_COLUMNS if self.kind == "dpo" else DEFAULT_COLUMNS
             fmts = (
                 [self.input_format]
-                if self.input_format in DEFAULT_COLUMNS
-                else (["text"] if self.kind == "pretrain" else ["alpaca", "sharegpt", "openai"])
+                if self.input_format in table
+                else (["text"] if self.kind == "pretrain" else [f for f in table if f != "text"])
             )
-            known = sorted({k for f in fmts for k in DEFAULT_COLUMNS[f]})
+            known = sorted({k for f in fmts for k in table[f]})
             unknown = sorted(set(self.columns) - set(known))
             if unknown:
                 out.append(

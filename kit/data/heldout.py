@@ -23,11 +23,10 @@ DROP_REASON = "same_as_heldout"
 
 def rule_text(kind: str, records: int, every: int) -> str:
     """The rule, as recorded in the manifest."""
-    what = (
-        "dialog in input order (after parsing, the chat template and the over-length policy)"
-        if kind == "sft"
-        else "non-empty document in input order"
-    )
+    what = {
+        "sft": "dialog in input order (after parsing, the chat template and the over-length policy)",
+        "dpo": "preference pair in input order (after parsing, the chat template and the over-length policy)",
+    }.get(kind, "non-empty document in input order")
     return (
         f"every {every}th usable {what}, at most {records}; a record whose token ids equal one already trained on is passed over, and "
         f"later copies of a held-out record are left out of training (dropped: {DROP_REASON})"

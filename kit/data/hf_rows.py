@@ -97,21 +97,58 @@ class ArrowSink:
 
     def finalize(self, fingerprint_of: dict) -> int:
         """Write the last rows and the folder's dataset_info.json / state.json (as save_to_disk does)."""
-        from datasets import DatasetInfo
-
         self._flush()
         self._writer.finalize()
-        DatasetInfo(features=_features(self.kind)).write_to_directory(str(self.folder), pretty_print=True)
-        # a content-derived fingerprint keeps state.json byte-identical across runs
-        digest = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()[:16]
-        state = {
-            "_data_files": [{"filename": DATA_FILE}],
-            "_fingerprint": digest,
-            "_format_columns": None,
-            "_format_kwargs": {},
-            "_format_type": None,
-            "_output_all_columns": False,
-            "_split": None,
-        }
-        (self.folder / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        _write_info(self.folder, self.kind, fingerprint_of)
+        return self.rows
+
+
+def _write_info(folder: Path, kind: str, fingerprint_of: dict) -> None:
+    """The folder's dataset_info.json and state.json, as `save_to_disk` writes them."""
+    from datasets import DatasetInfo
+
+    DatasetInfo(features=_features(kind)).write_to_directory(str(folder), pretty_print=True)
+    # a content-derived fingerprint keeps state.json byte-identical across runs
+    digest = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()[:16]
+    state = {
+        "_data_files": [{"filename": DATA_FILE}],
+        "_fingerprint": digest,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    (Path(folder) / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+
+
+class RaggedSink:
+    """Stream rows of variable-length int32 columns (preference pairs: prompt, chosen, rejected ids) into the Arrow
+    file of a `save_to_disk` folder; same files as ArrowSink, rows as long as their tokens (no padding stored)."""
+
+    def __init__(self, folder: Path, kind: str):
+        from datasets.arrow_writer import ArrowWriter
+
+        self.folder, self.kind, self.rows = Path(folder), kind, 0
+        self._writer = ArrowWriter(features=_features(kind), path=str(self.folder / DATA_FILE))
+
+    def write(self, columns: Dict[str, List[np.ndarray]]) -> None:
+        """Add rows: each column a list of 1-D int32 arrays, one per row."""
+        import pyarrow as pa
+
+        names = list(COLUMNS[self.kind])
+        arrays = []
+        for c in names:
+            rows = columns[c]
+            offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int32)
+            flat = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, dtype=np.int32)
+            arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)))
+        if arrays and len(columns[names[0]]):
+            self._writer.write_table(pa.Table.from_arrays(arrays, names=names))
+            self.rows += len(columns[names[0]])
+
+    def finalize(self, fingerprint_of: dict) -> int:
+        """Close the Arrow file; write dataset_info.json / state.json."""
+        self._writer.finalize()
+        _write_info(self.folder, self.kind, fingerprint_of)
         return self.rows

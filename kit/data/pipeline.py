@@ -127,9 +127,9 @@ def summarize(*results: PrepResult) -> Dict[str, Any]:
 
 def default_inputs(kind: str) -> List[str]:
     """The shipped sample for `kind`."""
-    from kit.core.samples import pretrain_corpus, sft_alpaca
+    from kit.core.samples import dpo_pairs, pretrain_corpus, sft_alpaca
 
-    return [str(pretrain_corpus() if kind == "pretrain" else sft_alpaca())]
+    return [str({"pretrain": pretrain_corpus, "dpo": dpo_pairs}.get(kind, sft_alpaca)())]
 
 
 def output_dir(cfg: DataConfig, workspace: Any = None) -> Path:
@@ -218,6 +218,30 @@ def _dialogs(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
         yield dialog, rec.where
 
 
+def _pairs(cfg: DataConfig, report: PrepReport) -> Iterator[tuple]:
+    """(Pair, where) per usable preference record (kit.data.pairs); unusable pairs are counted."""
+    from kit.data.pairs import PAIR_COLUMNS, detect_pair_format, parse_pair, why_unusable
+
+    fixed: Optional[str] = None if cfg.input_format == "auto" else cfg.input_format
+    for rec in _records(cfg, report):
+        report.records_read += 1
+        try:
+            fmt = fixed or detect_pair_format(rec, cfg.columns)
+            cols = {**PAIR_COLUMNS[fmt], **{k: v for k, v in cfg.columns.items() if k in PAIR_COLUMNS[fmt]}}
+            pair = parse_pair(rec, fmt, cols)
+        except DataInputError as err:
+            if cfg.on_error == "raise":
+                raise
+            report.drop(err.reason, str(err))
+            continue
+        reason = why_unusable(pair)
+        if reason:
+            report.drop(reason, f"{rec.where}: {reason.replace('_', ' ')} (dropped)")
+            continue
+        report.count_format(fmt)
+        yield pair, rec.where
+
+
 def _leaves_out_reasoning(cfg: DataConfig, dialog: Any) -> bool:
     """Whether the configured template drops reasoning this dialog carries: a reasoning template with
     enable_thinking=False drops it (field or `<think>` in the text), another kit template drops the reasoning field
@@ -236,7 +260,7 @@ def prompt_type(cfg: DataConfig) -> Optional[str]:
     a format MindSpeed-LLM has no template for)."""
     from kit.data.templates import TEMPLATES
 
-    if cfg.kind != "sft" or cfg.template not in TEMPLATES:
+    if cfg.kind == "pretrain" or cfg.template not in TEMPLATES:
         return None
     return TEMPLATES[cfg.template].prompt_type
 
@@ -299,14 +323,15 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
     hf_dir = out / f"{name}_hf"
     held_dir = heldout_dir(out, name)
     mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, name)
-    mg_files = [Path(p + ext) for p in mg_prefixes for ext in (".bin", ".idx")] if cfg.megatron else []
+    megatron = cfg.megatron and cfg.kind != "dpo"  # preference pairs: HF rows only (the kit trainer's)
+    mg_files = [Path(p + ext) for p in mg_prefixes for ext in (".bin", ".idx")] if megatron else []
     for p in [hf_dir, *mg_files, *([held_dir] if cfg.heldout_records else [])]:
         refuse_existing(p, cfg.overwrite, "prepared data")
     out.mkdir(parents=True, exist_ok=True)
 
     report = PrepReport(cfg.kind, cfg.max_length)
     report.warnings.extend(_leftovers(out, name, cfg.clean_partial))
-    if cfg.kind == "sft" and cfg.template != "tokenizer":
+    if cfg.kind != "pretrain" and cfg.template != "tokenizer":
         missing = missing_special_tokens(TEMPLATES[cfg.template], tok)
         if missing:
             report.warnings.append(
@@ -314,13 +339,16 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
                 f"(the model sees them spelled out); pick the model's own template "
                 f"(template='tokenizer' or its family) unless that is intended"
             )
-    if cfg.kind == "sft" and cfg.template == "tokenizer" and not getattr(tok, "chat_template", None):
+    if cfg.kind != "pretrain" and cfg.template == "tokenizer" and not getattr(tok, "chat_template", None):
         raise InputError(
             f"template='tokenizer' but {tok.kit_path} has no chat_template; choose one of "
             f"{sorted(TEMPLATES)}."
         )
+    from kit.data.pairs import PairPicker
+
+    picker_class = PairPicker if cfg.kind == "dpo" else HeldoutPicker
     picker = (
-        HeldoutPicker(cfg.heldout_records, cfg.heldout_every, cfg.max_length) if cfg.heldout_records else None
+        picker_class(cfg.heldout_records, cfg.heldout_every, cfg.max_length) if cfg.heldout_records else None
     )
     suffix = f".partial-{os.getpid()}"
     writers: List[IndexedWriter] = []
@@ -342,10 +370,15 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
         # a write error without a file name (a full disk inside a library's writer) names the output folder
         unit = atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data", before_rename=companions)
         with writing(hf_dir), unit as tmp:
-            if cfg.megatron:
+            if megatron:
                 dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
-            sink = ArrowSink(tmp, cfg.kind, cfg.max_length)
+            if cfg.kind == "dpo":
+                from kit.data.hf_rows import RaggedSink
+
+                sink = RaggedSink(tmp, cfg.kind)
+            else:
+                sink = ArrowSink(tmp, cfg.kind, cfg.max_length)
             _stream(cfg, tok, sink, writers, report, progress, picker)
             if report.records_written == 0:
                 raise _nothing_usable(cfg, report)
@@ -419,8 +452,10 @@ def _heldout_fields(
     return {
         "path": str(folder),
         "rule": rule_text(cfg.kind, cfg.heldout_records, cfg.heldout_every),
-        "layout": "one record per row, padded to max_length; seq_lens = [its length]; never packed with training rows",
-        "columns": list(HELDOUT_COLUMNS),
+        "layout": "one pair per row, unpadded, as the training rows"
+        if cfg.kind == "dpo"
+        else "one record per row, padded to max_length; seq_lens = [its length]; never packed with training rows",
+        "columns": list(COLUMNS["dpo"] if cfg.kind == "dpo" else HELDOUT_COLUMNS),
         **stats,
     }
 
@@ -446,11 +481,12 @@ def _manifest_fields(
         "max_length": cfg.max_length,
         "tokenizer": tok_dir,
         "tokenizer_sha256": tok_hash,
-        "template": cfg.template if cfg.kind == "sft" else None,
+        "template": cfg.template if cfg.kind != "pretrain" else None,
         "prompt_type": prompt_type(cfg),  # MindSpeed-LLM's name for the template (its --prompt-type), or None
-        "enable_thinking": cfg.enable_thinking if cfg.kind == "sft" else None,
-        # pretraining rows are always packed (documents back to back); fine-tuning rows as cfg.pack says
-        "pack": bool(cfg.pack) if cfg.kind == "sft" else True,
+        "enable_thinking": cfg.enable_thinking if cfg.kind != "pretrain" else None,
+        # pretraining rows are always packed (documents back to back); fine-tuning rows as cfg.pack says; preference
+        # pairs are stored one per row, unpadded (the trainer lays them out)
+        "pack": {"pretrain": True, "dpo": False}.get(cfg.kind, bool(cfg.pack)),
         "eos_token_id": tok.eos_token_id,
         "pad_token_id": tok.pad_token_id,
         "bos_token_id": tok.bos_token_id,
@@ -498,7 +534,21 @@ def _stream(
     }
     initargs = (cfg.tokenizer, cfg.trust_remote_code, settings)
     with progress_bar(desc=f"{cfg.kind} {cfg.output_name}", unit=" records", disable=not progress) as bar:
-        if cfg.kind == "pretrain":
+        if cfg.kind == "dpo":
+            from kit.data.pairs import PairAssembler, pair_job
+
+            pair_wheres: List[List[str]] = []
+
+            def pair_payloads():
+                for chunk in batched(_pairs(cfg, report), cfg.batch_size):
+                    pair_wheres.append([w for _, w in chunk])
+                    yield [item for item, _ in chunk]
+
+            asm = PairAssembler(sink, report, cfg.overlong, heldout)
+            for result in ordered_map(pair_job, pair_payloads(), cfg.num_workers, initargs, tok):
+                asm.add(result, pair_wheres.pop(0))
+                bar.update(len(result))
+        elif cfg.kind == "pretrain":
             # several workers: chunks of ~CHUNK_CHARS keep them evenly busy to the end (the last chunk is
             # the only one a worker can wait for); one process: batches of batch_size for the tokenizer's threads
             max_chars = CHUNK_CHARS if cfg.num_workers > 1 else float("inf")

@@ -23,7 +23,13 @@ PathLike = Union[str, Path]
 MODEL_INPUTS: Tuple[str, ...] = ("input_ids", "labels", "attention_mask", "position_ids")
 # The columns of each kind's rows: fine-tuning rows also list the lengths of the dialogs packed into them, so the
 # attention can stay inside each dialog (varlen / TND).
-COLUMNS: Dict[str, Tuple[str, ...]] = {"pretrain": MODEL_INPUTS, "sft": MODEL_INPUTS + ("seq_lens",)}
+COLUMNS: Dict[str, Tuple[str, ...]] = {
+    "pretrain": MODEL_INPUTS,
+    "sft": MODEL_INPUTS + ("seq_lens",),
+    # preference pairs: one pair per row, each column as long as its tokens; the prompt is stored once and shared
+    # by both answers, and only the answers are learned (kit.data.pairs)
+    "dpo": ("prompt_ids", "chosen_ids", "rejected_ids"),
+}
 # Held-out rows hold one record each, with its length, whatever the kind.
 HELDOUT_COLUMNS: Tuple[str, ...] = MODEL_INPUTS + ("seq_lens",)
 _CHECK_ROWS = 4096  # rows whose ids are checked at a time (a few MB of temporaries at any max_length)
@@ -155,6 +161,11 @@ class PreparedData:
     def columns(self) -> Tuple[str, ...]:
         return COLUMNS[self.kind]
 
+    @property
+    def held_columns(self) -> Tuple[str, ...]:
+        """The held-out rows' columns: a pair per row for preference data, else one record per padded row."""
+        return COLUMNS["dpo"] if self.kind == "dpo" else HELDOUT_COLUMNS
+
     def get(self, key: str, default: Any = None) -> Any:
         """A manifest field by name (meta.json's `kind` and `packed` answer too)."""
         return self.manifest.get(_META_NAMES.get(key, key), default)
@@ -192,7 +203,7 @@ class PreparedData:
         if not self.heldout:
             return None
         return _load_checked(
-            Path(self.heldout["path"]), self.kind, HELDOUT_COLUMNS, int(self.heldout["rows"]), self
+            Path(self.heldout["path"]), self.kind, self.held_columns, int(self.heldout["rows"]), self
         )
 
 
@@ -238,8 +249,8 @@ def _load_checked(folder: Path, kind: str, columns, rows: int, prepared: Prepare
 
     if kind not in COLUMNS:
         raise IntegrityError(
-            f"{prepared.folder / MANIFEST_NAME}: data_kind {kind!r} is not pretrain or sft; prepare the data again "
-            f"with notebook 02."
+            f"{prepared.folder / MANIFEST_NAME}: data_kind {kind!r} is not one of {sorted(COLUMNS)}; prepare the "
+            f"data again with notebook 02."
         )
     try:
         ds = load_from_disk(str(folder))
@@ -255,7 +266,8 @@ def _load_checked(folder: Path, kind: str, columns, rows: int, prepared: Prepare
     if len(ds) != rows:
         problems.append(f"{len(ds)} rows but the manifest says {rows}")
     if len(ds) and not missing:
-        problems.extend(_row_problems(ds, prepared.max_length, prepared.vocab_size))
+        check_rows = _pair_row_problems if kind == "dpo" else _row_problems
+        problems.extend(check_rows(ds, prepared.max_length, prepared.vocab_size))
     if problems:
         raise IntegrityError(
             f"{folder}: " + "; ".join(problems) + ". The folder is damaged or was changed by hand; "
@@ -302,4 +314,29 @@ def _row_problems(ds: Any, length: int, vocab_size: int) -> List[str]:
     row = _first_bad_row(table.column("labels"), lambda v: ((v < 0) & (v != IGNORE_INDEX)) | (v > top))
     if row is not None:
         out.append(f"row {row} has labels outside 0..{top} (and {IGNORE_INDEX})")
+    return out
+
+
+def _pair_row_problems(ds: Any, length: int, vocab_size: int) -> List[str]:
+    """Every preference pair checked at numpy speed: a prompt and both answers non-empty, prompt + answer at most
+    `length` tokens, token ids in 0..vocab_size-1; each problem names the first row that has it."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    n = {c: pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in COLUMNS["dpo"]}
+    out = []
+    for c, m in n.items():
+        empty = np.flatnonzero(m < 1)
+        if empty.size:
+            out.append(f"row {int(empty[0])} has no tokens in {c}")
+    for c in ("chosen_ids", "rejected_ids"):
+        over = np.flatnonzero(n["prompt_ids"] + n[c] > length)
+        if over.size:
+            out.append(f"row {int(over[0])}: prompt_ids + {c} are longer than {length} tokens")
+    top = vocab_size - 1
+    for c in COLUMNS["dpo"]:
+        row = _first_bad_row(table.column(c), lambda v: (v < 0) | (v > top))
+        if row is not None:
+            out.append(f"row {row} has token ids outside 0..{top} in {c}")
     return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -18,20 +18,24 @@ from kit.data.tokenizing import encode_texts, worker_state
 Item = Tuple[np.ndarray, np.ndarray]  # (input ids, labels), int32
 
 
+def render_samples(dialog: Dialog, tok: Any, s: Dict[str, Any]) -> List[List[Tuple[str, str]]]:
+    """The samples one dialog becomes under the settings `s` (template, system, enable_thinking, mask_history), each
+    as (text, role) pieces: the tokenizer's own chat template or a kit template (kit.data.templates)."""
+    thinking = s.get("enable_thinking", True)
+    if s["template"] == "tokenizer":
+        return chat_template_samples(dialog, tok, s["system"], thinking, s["mask_history"])
+    specials = {"bos": tok.bos_token or "", "eos": tok.eos_token or ""}
+    t = TEMPLATES[s["template"]]
+    return template_samples(dialog, t, specials, s["system"], thinking, s["mask_history"])
+
+
 def sft_job(dialogs: List[Dialog]) -> List[List[Item]]:
     """Template and tokenize a batch of dialogs into (ids, labels) with -100 on everything not learned: per dialog
     the samples it becomes (one, or one per assistant turn for a reasoning template; kit.data.templates)."""
     state = worker_state()
     tok, s = state["tok"], state["settings"]
-    specials = {"bos": tok.bos_token or "", "eos": tok.eos_token or ""}
-    thinking, mask_history = s.get("enable_thinking", True), s["mask_history"]
-    per_dialog = []
-    for d in dialogs:
-        if s["template"] == "tokenizer":
-            per_dialog.append(chat_template_samples(d, tok, s["system"], thinking, mask_history))
-        else:
-            t = TEMPLATES[s["template"]]
-            per_dialog.append(template_samples(d, t, specials, s["system"], thinking, mask_history))
+    mask_history = s["mask_history"]
+    per_dialog = [render_samples(d, tok, s) for d in dialogs]
     pieces = [segs for samples in per_dialog for segs in samples]
     encoded = encode_texts(tok, [text for segs in pieces for text, _ in segs])
     items: List[Item] = []

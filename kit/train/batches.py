@@ -6,7 +6,10 @@ import functools
 from pathlib import Path
 from typing import Iterator, Union
 
-from kit.data.prepared import MODEL_INPUTS  # the model-input columns, declared once by the data stage
+from kit.data.prepared import (
+    COLUMNS,
+    MODEL_INPUTS,
+)  # the model-input columns, declared once by the data stage
 from kit.errors import InputError
 from kit.train.inputs import DATA_KIND_FOR_RUN
 
@@ -18,18 +21,23 @@ def load_dataset(path: PathLike):
     from kit.data import load_prepared
 
     ds, meta = load_prepared(path, return_meta=True)
-    missing = [c for c in MODEL_INPUTS if c not in ds.column_names]
+    want = (
+        COLUMNS["dpo"] if meta.kind == "dpo" else MODEL_INPUTS
+    )  # preference pairs: laid out by kit.train.dpo
+    missing = [c for c in want if c not in ds.column_names]
     if missing:
         raise InputError(f"{path} lacks column(s) {missing} (has {ds.column_names}); re-run the data stage.")
-    return ds.with_format("torch", columns=list(MODEL_INPUTS)), meta
+    return ds.with_format("torch", columns=list(want)), meta
 
 
 def max_token_id(ds) -> int:
-    """The largest id in `input_ids`, computed with Arrow (no Python loop over samples)."""
+    """The largest token id of the rows (input_ids, or a pair's three columns), computed with Arrow (no Python loop
+    over samples)."""
     import pyarrow.compute as pc
 
-    column = ds.with_format(None).data.column("input_ids")
-    return int(pc.max(pc.list_flatten(column)).as_py())
+    table = ds.with_format(None).data
+    names = [c for c in ("input_ids",) + COLUMNS["dpo"] if c in table.column_names]
+    return max(int(pc.max(pc.list_flatten(table.column(c))).as_py()) for c in names)
 
 
 def dataset_problems(cfg) -> list:

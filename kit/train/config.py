@@ -99,9 +99,9 @@ class TrainConfig:
     """One training run: the manual's names (lower-case here, upper-case in env/notebooks) and the trainer's knobs."""
 
     run_type: str = "sft"
-    """pretrain | retrain (resume the latest checkpoint) | sft | lora."""
+    """pretrain | retrain (resume the latest checkpoint) | sft | lora | dpo (preference pairs, docs/train.md)."""
     resume_from: str = "pretrain"
-    """Retrain only: the run folder to resume (pretrain | sft | lora)"""
+    """Retrain only: the run folder to resume (pretrain | sft | lora | dpo)"""
     model_name: str = "demo"
     """The workspace model folder (saved_dir_for_ma_output/<name>); env MODEL_TYPE."""
     dataset_path: Optional[str] = None
@@ -174,6 +174,16 @@ class TrainConfig:
     """LoRA dropout."""
     lora_targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Modules that get LoRA adapters."""
+    dpo_beta: float = 0.1
+    """DPO: beta, how far the model may move from the reference (larger: closer to it)."""
+    dpo_label_smoothing: float = 0.0
+    """DPO: the share of pairs assumed mislabelled (cDPO), 0 <= x < 0.5."""
+    dpo_sft_weight: float = 0.0
+    """DPO: weight of an SFT term (mean negative log-probability of the chosen answers' tokens) added to the loss."""
+    dpo_reference: str = "auto"
+    """DPO reference: auto (LoRA: adapters off; full: precompute) | precompute | copy (a frozen copy in memory)."""
+    dpo_lora: bool = False
+    """DPO: train LoRA adapters (LORA_* settings) instead of every weight."""
     router_aux_loss_coef: Optional[float] = None
     """MoE models: weight of the router's load-balancing loss in the training loss (None: the model's own
     router_aux_loss_coef; 0: off)."""
@@ -220,6 +230,11 @@ class TrainConfig:
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
+    def lora(self) -> bool:
+        """Whether the run trains LoRA adapters (RUN_TYPE lora, or dpo with DPO_LORA)."""
+        return self.run_type == "lora" or (self.run_type == "dpo" and bool(self.dpo_lora))
+
+    @property
     def world_size(self) -> int:
         return max(1, self.nnodes) * max(1, self.nproc_per_node)
 
@@ -252,8 +267,10 @@ class TrainConfig:
         tp, pp = self.tp or 1, self.pp or 1
         if self.run_type not in RUN_TYPES:
             p.append(f"RUN_TYPE={self.run_type!r} is not one of {', '.join(RUN_TYPES)}.")
-        if self.run_type == "retrain" and self.resume_from not in ("pretrain", "sft", "lora"):
-            p.append(f"RESUME_FROM={self.resume_from!r} is not one of pretrain, sft, lora.")
+        if self.run_type == "retrain" and self.resume_from not in ("pretrain", "sft", "lora", "dpo"):
+            p.append(f"RESUME_FROM={self.resume_from!r} is not one of pretrain, sft, lora, dpo.")
+        if self.run_type == "dpo":
+            p.extend(_dpo_problems(self))
         if self.engine not in ENGINES:
             p.append(f"ENGINE={self.engine!r} is not one of {', '.join(ENGINES)}.")
         for name in ("train_iters", "mbs", "gbs", "nnodes", "nproc_per_node", "log_interval"):
@@ -298,7 +315,7 @@ class TrainConfig:
             p.append(f"WARMUP_ITERS={self.warmup_iters} is more than TRAIN_ITERS={self.train_iters}.")
         if self.clip_grad < 0 or self.weight_decay < 0:
             p.append(f"CLIP_GRAD={self.clip_grad}, WEIGHT_DECAY={self.weight_decay} must be >= 0.")
-        if self.run_type == "lora" and (
+        if self.lora and (
             self.lora_r < 1 or self.lora_alpha < 1 or not self.lora_targets or not 0 <= self.lora_dropout < 1
         ):
             p.append(
@@ -323,6 +340,29 @@ class TrainConfig:
         from kit.core.configs import to_jsonable
 
         return to_jsonable(self)
+
+
+def _dpo_problems(cfg: TrainConfig) -> list:
+    from kit.train.dpo import REFERENCES
+
+    p = []
+    if cfg.engine != "deepspeed":
+        p.append(
+            f"RUN_TYPE=dpo runs on the kit's DeepSpeed engine only (ENGINE={cfg.engine!r}); set ENGINE='deepspeed'."
+        )
+    if not cfg.dpo_beta > 0:
+        p.append(f"DPO_BETA={cfg.dpo_beta} must be > 0 (0.1 is usual).")
+    if not 0 <= cfg.dpo_label_smoothing < 0.5:
+        p.append(f"DPO_LABEL_SMOOTHING={cfg.dpo_label_smoothing} must be in [0, 0.5).")
+    if not cfg.dpo_sft_weight >= 0:
+        p.append(f"DPO_SFT_WEIGHT={cfg.dpo_sft_weight} must be >= 0.")
+    if cfg.dpo_reference not in REFERENCES:
+        p.append(f"DPO_REFERENCE={cfg.dpo_reference!r} is not one of {', '.join(REFERENCES)}.")
+    elif cfg.dpo_reference == "adapters_off" and not cfg.lora:
+        p.append(
+            "DPO_REFERENCE='adapters_off' needs DPO_LORA=True; full training uses 'precompute' or 'copy'."
+        )
+    return p
 
 
 def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:

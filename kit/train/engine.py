@@ -164,7 +164,7 @@ def build_model(cfg, torch_dtype=None):
     model.config.use_cache = False
     _router_aux_loss(model, cfg)
     report = adapt(model) if cfg.adapt else None
-    if cfg.run_type == "lora":
+    if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
         from kit.adapt.moe import lora_target_problems

@@ -15,7 +15,7 @@ from kit.core.manifest import CONVERTED_CHECKPOINT, PREPARED_DATA, Manifest
 from kit.errors import MissingInputError
 
 PathLike = Union[str, Path]
-DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "retrain": None}
+DATA_KIND_FOR_RUN = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo", "retrain": None}
 SAMPLE_MAX_LENGTH = 256  # notebook 02's MAX_LENGTH default, so 04 alone prepares what 02 would have
 # notebook 04's inputs, each found in the workspace when its setting is not given (the rest follow their manifests)
 DATA = Input("DATASET_PATH", PREPARED_DATA, "of the run's kind made with the model's tokenizer")

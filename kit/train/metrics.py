@@ -29,6 +29,8 @@ def format_line(m: dict, train_iters: int) -> str:
         f"lm loss: {m['loss']:.6E}",
         f"loss scale: {m.get('loss_scale', 1.0):.1f}",
     ]
+    # DPO: the metrics TRL logs, named as it names them (kit.train.dpo.METRICS)
+    parts += [f"{k}: {m[k]:.6E}" for k in m if k.startswith(("rewards/", "logps/"))]
     if m.get("grad_norm") is not None:
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
     parts += [
@@ -83,7 +85,8 @@ class MetricsWriter:
             self.text(format_line(m, self.train_iters))
         tb = self._writer()
         if tb:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s_per_card", "samples_per_s", "elapsed_ms"):
+            keys = ("loss", "lr", "grad_norm", "tokens_per_s_per_card", "samples_per_s", "elapsed_ms")
+            for key in keys + tuple(k for k in m if k.startswith(("rewards/", "logps/"))):
                 if m.get(key) is not None:
                     tb.add_scalar(f"train/{key}", m[key], m["iteration"])
 

@@ -298,6 +298,19 @@ def resolve_values(
             )
     if values["model_path"] is None:
         values["model_path"], sources["model_path"] = str(inputs.default_model()), "default (the demo model)"
+    run_started = None  # DPO: the SFT run it starts from (MODEL_PATH = the run's folder or its hf/ export)
+    if values["run_type"] == "dpo":
+        from kit.train.dpo import start_from_run
+
+        found_run = start_from_run(values["model_path"])
+        if found_run is not None:
+            hf, run_started = found_run
+            if Path(hf).resolve() != Path(values["model_path"]).resolve():
+                src = sources.get("model_path", EXPLICIT)
+                values["model_path"], sources["model_path"] = (
+                    hf,
+                    f"{src}: the model run {run_started.folder} exported",
+                )
     ckpt = _converted(values["model_path"])
     if ckpt is not None and values["engine"] != "megatron":
         raise InputError(
@@ -341,6 +354,12 @@ def resolve_values(
         where = f"manifest {ckpt.folder}"
         for name, key in FROM_CHECKPOINT.items():
             conflicts += _inherit(values, sources, name, ckpt.get(key), ckpt.get(key), where, key)
+    run_template = run_started["config"].get("template") if run_started is not None else None
+    if run_template and values["template"] and values["template"] != run_template:
+        conflicts.append(
+            f"TEMPLATE={values['template']!r} ({sources.get('template', EXPLICIT)}) but the run {run_started.folder} "
+            f"this DPO run starts from trained with template={run_template!r}"
+        )
     if conflicts:
         raise ConfigConflictError(
             "the run's settings contradict its inputs: "

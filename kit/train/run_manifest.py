@@ -77,6 +77,8 @@ def write_run_manifests(result: Any, ckpt_root: Path) -> Tuple[Manifest, Optiona
         "heldout": facts.get("heldout"),  # the data's held-out split, for notebook 06
         "engine": cfg.engine,
     }
+    if getattr(result, "dpo", None) is not None:  # RUN_TYPE dpo: beta, the reference, the last step's rewards
+        fields["dpo"] = result.dpo
     run_text = render_manifest(TRAINING_RUN, fields, inputs)
     if not result.hf_dir:
         return _named(write_manifest(result.output_dir, TRAINING_RUN, fields, text=run_text), cfg), None

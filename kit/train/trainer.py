@@ -45,6 +45,7 @@ class TrainResult:
     config: Optional[TrainConfig] = None  # the resolved config the run trained with (sources included)
     manifest: Any = None  # the run folder's training-run manifest (completed runs)
     hf_manifest: Any = None  # the exported hf/ folder's hf-model manifest
+    dpo: Optional[dict] = None  # RUN_TYPE dpo: the loss settings, the reference and the last step's metrics
 
     def summary(self, **extra) -> dict:
         """Scalars and paths of the run for the notebook's summary: outputs, consumed inputs and their hashes
@@ -140,6 +141,7 @@ class Trainer:
         self.aux_coef = aux_loss_coef(model)  # MoE: the router's load-balancing loss joins the LM loss
         self.engine = eng.build_engine(cfg, model, self.dtype)
         self.device = self.engine.device
+        self.objective = None  # the SFT/pretraining loss; RUN_TYPE dpo: kit.train.dpo's (set below)
         self.norm_from_deepspeed = eng.reports_grad_norm(self.engine)
         # only now, with the new model loaded, does the old run make way (OVERWRITE): a bad model keeps it
         if self.rank == 0:
@@ -180,6 +182,10 @@ class Trainer:
                 f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
                 f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})"
             )
+        if cfg.run_type == "dpo":
+            from kit.train.dpo import setup_objective
+
+            setup_objective(self, resume)
         if not resume:  # on resume the RNG comes from the checkpoint
             torch.manual_seed(cfg.seed + self.rank)
         self.writer.text(
@@ -249,30 +255,20 @@ class Trainer:
         import torch
 
         from kit.system.device import synchronize
-        from kit.train.batches import micro_batches, tokens_in
+        from kit.train.batches import micro_batches
 
         cfg, engine = self.cfg, self.engine
         lr = engine.lr_scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
         losses, tokens, pre_clip_norm = [], 0, None
         batches = list(micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)))
+        if self.objective is not None:
+            self.objective.start_step()
         for i, batch in enumerate(batches):
-            flat, keep = False, None
-            if self.flatten:
-                rows, batch = batch, flatten_padded_rows(batch)
-                flat = batch is not rows
-                if flat and self.select_logits:
-                    keep = logit_positions(batch["labels"])  # on the host, before the move: no device sync
-            batch = {
-                k: v.to(self.device, dtype=torch.long) for k, v in batch.items()
-            }  # kit.data stores int32
-            if flat:
-                from kit.adapt.attention import flattened_rows
-
-                with flattened_rows():  # kit attention refuses a call that has lost position_ids
-                    loss = causal_lm_loss(engine, batch, keep, self.aux_coef)
+            if self.objective is not None:  # DPO: pairs, laid out and scored by kit.train.dpo
+                loss, batch_tokens = self.objective.loss(engine, batch)
             else:
-                loss = causal_lm_loss(engine, batch, None, self.aux_coef)
+                loss, batch_tokens = self._lm_loss(batch)
             losses.append(loss.detach())
             engine.backward(loss)
             if i == len(batches) - 1:
@@ -284,7 +280,7 @@ class Trainer:
                 # the all-reduced gradients, before DeepSpeed's step clips them
                 pre_clip_norm = self._grad_norm()
             engine.step()
-            tokens += tokens_in(batch)
+            tokens += batch_tokens
         loss_sum = 0.0
         for v in values:  # summed on the host in float64, micro-batch order
             loss_sum += v
@@ -294,6 +290,7 @@ class Trainer:
         grad_norm = engine.get_global_grad_norm() if pre_clip_norm is None else pre_clip_norm
         from kit.train.metrics import tokens_per_second_per_card
 
+        extra = self.objective.step_metrics(self._reduce_tensor) if self.objective is not None else {}
         return {
             "iteration": iteration + 1,
             "consumed_samples": (iteration + 1) * cfg.gbs,
@@ -312,7 +309,29 @@ class Trainer:
             "useful_tokens_per_s": tokens / (elapsed_ms / 1000.0) if elapsed_ms > 0 else 0.0,
             "real_tokens": int(tokens),
             "time": time.time(),
+            **extra,
         }
+
+    def _lm_loss(self, batch: dict):
+        """(the micro-batch's causal-LM loss, its real tokens): padded rows go as one padding-free row where kit
+        attention keeps them apart, and the LM head then runs only where a target follows."""
+        import torch
+
+        from kit.train.batches import tokens_in
+
+        flat, keep = False, None
+        if self.flatten:
+            rows, batch = batch, flatten_padded_rows(batch)
+            flat = batch is not rows
+            if flat and self.select_logits:
+                keep = logit_positions(batch["labels"])  # on the host, before the move: no device sync
+        batch = {k: v.to(self.device, dtype=torch.long) for k, v in batch.items()}  # kit.data stores int32
+        if flat:
+            from kit.adapt.attention import flattened_rows
+
+            with flattened_rows():  # kit attention refuses a call that has lost position_ids
+                return causal_lm_loss(self.engine, batch, keep, self.aux_coef), tokens_in(batch)
+        return causal_lm_loss(self.engine, batch, None, self.aux_coef), tokens_in(batch)
 
     def _grad_norm(self) -> float:
         """Global L2 norm of the (already all-reduced) gradients before clipping, as Megatron logs it."""
@@ -459,6 +478,8 @@ class Trainer:
         self.writer.close()
         result.seconds = time.time() - t_start
         result.config = cfg
+        if self.objective is not None:
+            result.dpo = self.objective.summary()
         if status == "completed" and self.rank == 0:
             from kit.train.run_manifest import write_run_manifests
 
@@ -470,7 +491,7 @@ class Trainer:
 
         cfg = self.cfg
         tok = cfg.tokenizer_path or cfg.model_path
-        if cfg.run_type == "lora":
+        if cfg.lora:
             result.adapter_dir, result.hf_dir = export_lora(
                 self.engine.module,
                 self.out / "adapter",

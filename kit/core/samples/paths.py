@@ -31,3 +31,8 @@ def pretrain_corpus() -> Path:
 def sft_alpaca() -> Path:
     """The Alpaca-style fine-tuning file (jsonl: instruction / input / output, some with system and history)."""
     return _existing(DATA_SAMPLES / "sft_alpaca.jsonl")
+
+
+def dpo_pairs() -> Path:
+    """The preference-pair file (jsonl, TRL's prompt / chosen / rejected), for DPO."""
+    return _existing(DATA_SAMPLES / "dpo_pairs.jsonl")
