@@ -102,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # torch's advice for a process that ends: not left to interpreter teardown
+            # torch's advice for a process that ends: not left to interpreter teardown; through DeepSpeed, which then
+            # drops its cached groups (a later run in the same process would otherwise meet the destroyed one)
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
         from kit.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
 
         # preempted: a checkpoint was saved and the run can resume (docs/reliability.md#exit-codes)
