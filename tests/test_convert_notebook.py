@@ -18,7 +18,7 @@ def test_notebook_03_converts_and_verifies(run_notebook, tiny_llama_dir, tmp_pat
     _, summary = run_notebook("03_", SOURCE=str(tiny_llama_dir), TP=2, PP=2, LOGITS_TOKENS=8)
     assert summary is not None
     assert (summary["family"], summary["tp"], summary["pp"], summary["rank_files"]) == ("llama", 2, 2, 4)
-    assert summary["verified"] and summary["round_trip_bit_exact"]
+    assert summary["verified"] and summary["round_trip_bit_exact"] and summary["verification"] == "done"
     assert summary["logits_max_abs_diff"] <= 1e-4
     target = Path(summary["target"])
     assert (

@@ -142,16 +142,20 @@ class Piece:
         import torch
 
         out = torch.empty(self.nbytes, dtype=torch.uint8)
-        view = memoryview(out.numpy()).cast("B")
-        at = [0]
-
-        class _Into:
-            def write(self, mv) -> None:
-                view[at[0] : at[0] + len(mv)] = mv
-                at[0] += len(mv)
-
-        self.write_to(_Into(), Scratch())
+        self.write_to(_Into(memoryview(out.numpy()).cast("B")), Scratch())
         return out.view(torch_dtype(self.dtype)).view(self.shape)
+
+
+class _Into:
+    """A sink filling a buffer in order. Module-level: a class made per call sits in a reference cycle, which kept
+    each buffer it filled alive until the garbage collector ran (a layer's weights, twice, in the logits check)."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.at = view, 0
+
+    def write(self, mv) -> None:
+        self.view[self.at : self.at + len(mv)] = mv
+        self.at += len(mv)
 
 
 class Scratch:

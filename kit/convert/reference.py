@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from kit.convert import megatron_layout as layout
+from kit.convert.file_slices import FileSlice, as_tensor
 from kit.convert.megatron_io import MegatronReader
 from kit.convert.spec import ModelSpec, expert_role
 from kit.core.parallel import stage_layers
+from kit.system.memory import give_back_freed
 
 # the model types whose modeling code transformers ships (ChatGLM3 and Baichuan2 bring theirs as remote code)
 TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm")
@@ -135,6 +137,45 @@ def moe_mix(h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, expert_fn
     return out
 
 
+BLOCK_BYTES = 64 << 20  # an output layer read from disk is multiplied in row blocks of about this size (fp32)
+
+
+def row_block(piece, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of a tensor, or of one still on disk (a FileSlice: only those rows are read)."""
+    if isinstance(piece, torch.Tensor):
+        return piece[start:stop]
+    if isinstance(piece, FileSlice) and not piece.row_pitch:
+        return piece.rows(start, stop).tensor()
+    return as_tensor(piece)[start:stop]
+
+
+def embed(parts: list, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows `ids` of an embedding split by rows over `parts` (vocab-parallel ranks, or one); a part on disk has
+    only those rows read."""
+    if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
+        return parts[0][ids].float()
+    per = parts[0].shape[0]
+    return torch.cat([row_block(parts[i // per], i % per, i % per + 1) for i in ids.tolist()]).float()
+
+
+def head_logits(x: torch.Tensor, parts: list, normalize: bool = False) -> torch.Tensor:
+    """x @ W.T for an output layer split by rows over `parts`; a part on disk is read and cast to fp32 one row block
+    at a time, never whole. normalize: Baichuan2's NormHead (rows scaled to unit length at forward time)."""
+    out = []
+    for part in parts:
+        rows = part.shape[0]
+        step = rows if isinstance(part, torch.Tensor) else max(1, BLOCK_BYTES // (4 * max(1, part.shape[-1])))
+        for a in range(0, rows, step):
+            w = row_block(part, a, min(a + step, rows)).float()
+            out.append(x @ (F.normalize(w, dim=-1) if normalize else w).T)
+    return torch.cat(out, dim=-1)
+
+
+def _piece(sd, key: str):
+    """sd[key]; where sd streams an HF folder (kit.convert.layerwise.Streamed), the tensor still on disk."""
+    return sd.piece(key) if hasattr(sd, "piece") else sd[key]
+
+
 def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
 
@@ -155,8 +196,8 @@ def hf_forward(
     sequence; a packed row with its `positions` and `segments` ids [seq] attends inside each segment)."""
     glm = spec.family == "chatglm"
     pre = "transformer.encoder.layers.{i}." if glm else "model.layers.{i}."
-    emb = sd["transformer.embedding.word_embeddings.weight" if glm else "model.embed_tokens.weight"]
-    x = emb[ids].float()
+    emb_key = "transformer.embedding.word_embeddings.weight" if glm else "model.embed_tokens.weight"
+    x = embed([_piece(sd, emb_key)], ids)
     nh, ng, hd = spec.num_heads, spec.num_groups, spec.head_dim
     slopes = alibi_slopes(nh) if spec.position == "alibi" else None
     for i in range(spec.num_layers):
@@ -201,10 +242,8 @@ def hf_forward(
     x = rms_norm(
         x, sd["transformer.encoder.final_layernorm.weight" if glm else "model.norm.weight"], spec.norm_eps
     )
-    head = sd.get("transformer.output_layer.weight" if glm else "lm_head.weight", emb)
-    if spec.norm_head:  # Baichuan2 NormHead normalises rows at forward time
-        head = F.normalize(head.float(), dim=-1)
-    return x @ head.float().T
+    head_key = "transformer.output_layer.weight" if glm else "lm_head.weight"
+    return head_logits(x, [_piece(sd, head_key if head_key in sd else emb_key)], spec.norm_head)
 
 
 def _expert_parts(mr: MegatronReader, stages, role: str, layer: int, spec: ModelSpec) -> List[torch.Tensor]:
@@ -229,13 +268,8 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
     """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
     tp, fl = mr.tp, mr.flavor
     stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
-    f32 = [t.float() for t in mr.parts(layout.key_path(fl, "embedding"), 0)]
-    per = f32[0].shape[0]
-    x = 0
-    for r, e in enumerate(f32):  # vocab-parallel embedding: each rank looks up its id range, then all-reduce
-        local = ids - r * per
-        hit = (local >= 0) & (local < per)
-        x = x + e[local.clamp(0, per - 1)] * hit[:, None]
+    # vocab-parallel embedding: each id's row from the rank holding it (the all-reduce adds zeros from the others)
+    x = embed(mr.pieces(layout.key_path(fl, "embedding"), 0), ids)
     gp, hpg, hd = spec.num_groups // tp, spec.heads_per_group, spec.head_dim
     slopes = alibi_slopes(spec.num_heads) if spec.position == "alibi" else None
     for s, layers in enumerate(stages):
@@ -271,6 +305,7 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
                 sl = slopes[r * nq : (r + 1) * nq] if slopes is not None else None
                 out = out + attention(q, k, v, sl) @ proj[r].T
             x = x + out
+            del qkv_w, proj, mixed_all  # this layer's attention weights, before the MLP's are read
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
             if moe:  # router replicated; expert e on EP rank e // per as local expert e % per, split over TP
                 weights, idx = route(h @ w("router.weight")[0].T, spec, megatron=True)
@@ -285,10 +320,8 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
                 x = x + moe_mix(h, weights, idx, expert)
             else:
                 x = x + _tp_mlp(h, w("fc1.weight"), w("fc2.weight"))
+            give_back_freed()  # this layer's weights
     last = mr.pp - 1
     x = rms_norm(x, mr.parts(layout.key_path(fl, "final_norm"), last)[0].float(), spec.norm_eps)
-    if not spec.tied:
-        heads = mr.parts(layout.key_path(fl, "output"), last)
-    else:
-        heads = mr.parts(layout.key_path(fl, "tied_head"), last) if mr.pp > 1 else f32
-    return torch.cat([x @ hw.float().T for hw in heads], dim=-1)[:, : spec.vocab_size]
+    role = "output" if not spec.tied else "tied_head" if mr.pp > 1 else "embedding"
+    return head_logits(x, mr.pieces(layout.key_path(fl, role), last))[:, : spec.vocab_size]

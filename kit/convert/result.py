@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from kit.convert.config import ConvertConfig
 from kit.core.manifest import Manifest, read_manifest
+from kit.errors import one_line
+
+SUMMARY = "03_weight_conversion"  # the notebook's summary in the workspace's reports/
 
 
 def in_workspace(cfg: ConvertConfig, ws) -> ConvertConfig:
@@ -30,6 +33,9 @@ class ConversionResult:
     config: ConvertConfig
     details: Dict[str, Any]
     verification: Optional[Dict[str, Any]] = None
+    # the workspace whose reports/03_weight_conversion.summary.json verify() writes before it starts and after
+    ws: Any = field(default=None, repr=False, compare=False)
+    verification_state: str = "not run"
 
     @property
     def target(self) -> Path:
@@ -48,10 +54,27 @@ class ConversionResult:
 
         if self.config.direction != "hf_to_megatron":
             raise ValueError("verify() checks an HF -> Megatron conversion against its HF source.")
-        self.verification = verify_conversion(
-            self.config.source, self.target, scratch, logits=logits, back_to_hf=back_to_hf, seq_len=seq_len
-        )
+        # a run killed during the checks (memory, a stop) leaves a summary that says where it was
+        self._report("verifying")
+        try:
+            self.verification = verify_conversion(
+                self.config.source,
+                self.target,
+                scratch,
+                logits=logits,
+                back_to_hf=back_to_hf,
+                seq_len=seq_len,
+            )
+        except BaseException as exc:
+            self._report(f"stopped: {one_line(exc)}")
+            raise
+        self._report("done")
         return self.verification
+
+    def _report(self, state: str) -> None:
+        self.verification_state = state
+        if self.ws is not None:
+            self.ws.write_summary(SUMMARY, self.summary())
 
     def summary(self) -> Dict[str, Any]:
         """Scalars and paths for the notebook's summary.json: layout, sizes, the consumed input and its hash."""
@@ -89,10 +112,12 @@ class ConversionResult:
             )
         out["model"] = {k: m["model"][k] for k in ("num_layers", "hidden_size", "num_heads", "num_kv_groups")}
         out["leftover_partials"] = d.get("leftover_partials", [])
+        out["verification"] = self.verification_state
         v = self.verification
         if v is not None:
             out.update(
                 verified=v["passed"],
+                checks_skipped=v["skipped"],
                 logits_max_abs_diff=v["details"].get("logits", {}).get("max_abs_diff"),
                 round_trip_bit_exact=v["details"].get("round_trip", {}).get("bit_exact"),
                 checks=v["table"].to_dict("records"),
@@ -105,4 +130,4 @@ def run(cfg: ConvertConfig, ws=None, progress: bool = True) -> ConversionResult:
     from kit.convert.convert import convert
 
     cfg = in_workspace(cfg, ws)
-    return ConversionResult(cfg, convert(cfg, progress=progress))
+    return ConversionResult(cfg, convert(cfg, progress=progress), ws=ws)
