@@ -21,7 +21,7 @@ _EXPORTS = {
     "ProfileData": "kit.profiling.profile_data",
     "ProfileError": "kit.profiling.profile_data",
     "ProfileResult": "kit.profiling.training_run",
-    "Thresholds": "kit.profiling.advisor",
+    "Thresholds": "kit.profiling.config",
     "advise": "kit.profiling.advisor",
     "compare": "kit.profiling.comparison",
     "ensure_sample_profile": "kit.profiling.sample",
