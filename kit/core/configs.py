@@ -167,7 +167,8 @@ def _with_field_docs(base: type) -> type:
         def _get_help_string(self, action) -> str:
             ref = getattr(action, "field_doc", None)
             doc = _field_docs(ref[0]).get(ref[1], "") if ref else ""
-            return ref[2].format(doc=doc) if doc else super()._get_help_string(action)
+            # argparse %-formats help strings: a "%" in a field's documentation is text
+            return ref[2].format(doc=doc.replace("%", "%%")) if doc else super()._get_help_string(action)
 
     return FieldDocs
 

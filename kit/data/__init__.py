@@ -6,8 +6,9 @@ The names below are imported on first use (PEP 562 module `__getattr__`), so `py
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kit.system.lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -61,14 +62,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kit.data.templates import TEMPLATES, Template
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kit.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kit.data.readers import DataInputError, Record
 from kit.errors import InputError
@@ -100,7 +100,16 @@ def column_map(fmt: str, overrides: Dict[str, str]) -> Dict[str, str]:
     return cols
 
 
-def _string(rec: Record, cols: Dict[str, str], key: str, required: bool = True) -> Optional[str]:
+def _field(
+    rec: Record,
+    cols: Dict[str, str],
+    key: str,
+    required: bool = True,
+    kind: type = str,
+    fix: str = "store text as a JSON string",
+) -> Any:
+    """The record's value of kit field `key` (its column from `cols`), None if absent and not required; a missing
+    required field, or a value that is not a `kind`, is a record error naming the column and the fix."""
     col = cols[key]
     if col not in rec.data or rec.data[col] is None:
         if required:
@@ -112,27 +121,23 @@ def _string(rec: Record, cols: Dict[str, str], key: str, required: bool = True) 
             )
         return None
     value = rec.data[col]
-    if not isinstance(value, str):
-        raise record_error(
-            rec,
-            f"field {col!r} is a {type(value).__name__}, not a string",
-            "store text as a JSON string",
-            "bad_type",
-        )
+    if not isinstance(value, kind):
+        what = {str: "string", list: "list"}.get(kind, kind.__name__)
+        raise record_error(rec, f"field {col!r} is a {type(value).__name__}, not a {what}", fix, "bad_type")
     return value
 
 
 def document_text(rec: Record, cols: Dict[str, str]) -> str:
     """The pretraining text of a record."""
-    return _string(rec, cols, "text")
+    return _field(rec, cols, "text")
 
 
 def alpaca_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     """instruction (+ '\\n' + input) -> output, after optional history pairs; optional system."""
-    instruction = _string(rec, cols, "instruction")
-    extra = _string(rec, cols, "input", required=False) or ""
-    output = _string(rec, cols, "output")
-    system = _string(rec, cols, "system", required=False) or None
+    instruction = _field(rec, cols, "instruction")
+    extra = _field(rec, cols, "input", required=False) or ""
+    output = _field(rec, cols, "output")
+    system = _field(rec, cols, "system", required=False) or None
     history = rec.data.get(cols["history"]) or []
     turns = []
     if not isinstance(history, list):
@@ -157,23 +162,8 @@ def alpaca_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
 
 def messages_dialog(rec: Record, cols: Dict[str, str]) -> Dialog:
     """ShareGPT / OpenAI message lists: optional system first, then user/assistant alternating."""
-    col = cols["messages"]
-    msgs = rec.data.get(col)
-    if msgs is None:
-        raise record_error(
-            rec,
-            f"missing field {col!r} (found {sorted(rec.data)})",
-            "add it, or map your column with columns={'messages': '<your column>'}",
-            "missing_field",
-        )
-    if not isinstance(msgs, list):
-        raise record_error(
-            rec,
-            f"field {col!r} is a {type(msgs).__name__}, not a list",
-            "store the messages as a JSON list of objects",
-            "bad_type",
-        )
-    system = _string(rec, cols, "system", required=False) if cols["system"] in rec.data else None
+    msgs = _field(rec, cols, "messages", kind=list, fix="store the messages as a JSON list of objects")
+    system = _field(rec, cols, "system", required=False) if cols["system"] in rec.data else None
     roles, texts, thoughts = [], [], []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or cols["role"] not in m or cols["content"] not in m:

@@ -385,8 +385,6 @@ def learned_flags(roles: List[str], train_on_prompt: bool, mask_history: bool) -
 
 def missing_special_tokens(t: Template, tokenizer: Any) -> List[str]:
     """Template markers that this tokenizer splits into several tokens (the model has not seen them as one)."""
-    out = []
-    for tok in t.special_tokens:
-        if len(tokenizer(tok, add_special_tokens=False)["input_ids"]) != 1:
-            out.append(tok)
-    return out
+    return [
+        tok for tok in t.special_tokens if len(tokenizer(tok, add_special_tokens=False)["input_ids"]) != 1
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -189,12 +190,6 @@ def ordered_map(
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:
-    """Lists of up to `size` consecutive items."""
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    """Lists of up to `size` consecutive items (itertools.batched of Python 3.12, as lists)."""
+    it = iter(items)
+    return iter(lambda: list(itertools.islice(it, size)), [])

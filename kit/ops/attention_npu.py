@@ -12,6 +12,7 @@ is also what the torch branch returns.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -160,8 +161,8 @@ def run(
         kwargs, query, key, layout, causal=causal, pre_tokens=pre_tokens, next_tokens=next_tokens
     )
     if layout == "TND":
-        kwargs["actual_seq_qlen"] = _cumulative(seq_q)
-        kwargs["actual_seq_kvlen"] = _cumulative(seq_kv)
+        kwargs["actual_seq_qlen"] = list(itertools.accumulate(map(int, seq_q)))
+        kwargs["actual_seq_kvlen"] = list(itertools.accumulate(map(int, seq_kv)))
     outputs = torch_npu.npu_fusion_attention(
         query.contiguous(),
         key.contiguous(),
@@ -177,11 +178,3 @@ def run(
         **kwargs,
     )
     return outputs[0] if dead is None else zero_rows(outputs[0], dead, layout, head_num)
-
-
-def _cumulative(lengths) -> list[int]:
-    total, out = 0, []
-    for n in lengths:
-        total += int(n)
-        out.append(total)
-    return out

@@ -8,11 +8,9 @@ Names are imported on first use (module `__getattr__`, PEP 562): `python -m kit 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kit.system.lazy import lazy_exports
 
-# public name -> module that defines it. No public name may equal a submodule's name: importing that submodule
-# would rebind the package attribute to the module (hence comparison.py, not compare.py).
+# public name -> module that defines it (no public name equals a submodule's: hence comparison.py, not compare.py)
 _EXPORTS = {
     "Advice": "kit.profiling.advice",
     "Capture": "kit.profiling.capture",
@@ -23,7 +21,7 @@ _EXPORTS = {
     "ProfileData": "kit.profiling.profile_data",
     "ProfileError": "kit.profiling.profile_data",
     "ProfileResult": "kit.profiling.training_run",
-    "Thresholds": "kit.profiling.advisor",
+    "Thresholds": "kit.profiling.config",
     "advise": "kit.profiling.advisor",
     "compare": "kit.profiling.comparison",
     "ensure_sample_profile": "kit.profiling.sample",
@@ -42,15 +40,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kit.profiling' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -14,6 +14,7 @@ from typing import Optional
 
 import pandas as pd
 
+from kit.profiling.config import Thresholds
 from kit.profiling.moe import moe_rule
 from kit.profiling.profile_data import ProfileData
 from kit.profiling.tables import compute_kernels, operator_table, step_breakdown
@@ -23,44 +24,6 @@ AOE_FIX = (
     "(multiples of 16 for cube, 32 bytes for vector) so the tiling fills every core; if they stay slow, "
     "send this profile to Huawei engineers."
 )
-
-
-@dataclass
-class Thresholds:
-    """Limits of the advisor's rules; the first six are the ModelArts guide's, the rest the kit's."""
-
-    cast_max_us: float = 30.0  # a Cast kernel slower than this (us) -> enable mixed precision
-    cast_share_pct: float = 1.0  # Cast share of computation time (%) above this -> enable mixed precision
-    aicpu_max_us: float = 1000.0  # an AI_CPU kernel slower than this (us) -> replace the API / change dtypes
-    aicpu_share_pct: float = 10.0  # AI_CPU share of computation time (%) above this -> same
-    unit_ratio: float = 0.8  # every aic_*/aiv_* ratio below this (no unit busy) -> AOE
-    block_dim_vs_cores: bool = True  # Block Dim below the core count -> AOE
-    min_op_share_pct: float = 1.0  # kit: ratio/block-dim rules only judge operators above this share (%)
-    free_share_pct: float = 20.0  # kit: device idle (Free) above this share of step time -> host-bound
-    top_n: int = 5  # how many operators each top list shows
-    ai_core_num: Optional[int] = None  # cube core count when PROF_*/device_*/info.json is missing
-    aiv_num: Optional[int] = None  # vector core count, same
-
-    def problems(self) -> list:
-        """Every invalid value, as messages."""
-        out = [
-            f"{k}={getattr(self, k)!r} must be >= 0"
-            for k in (
-                "cast_max_us",
-                "cast_share_pct",
-                "aicpu_max_us",
-                "aicpu_share_pct",
-                "unit_ratio",
-                "min_op_share_pct",
-                "free_share_pct",
-            )
-            if getattr(self, k) < 0
-        ]
-        if not 0 < self.unit_ratio <= 1:
-            out.append(f"unit_ratio={self.unit_ratio} must be in (0, 1]")
-        if self.top_n < 1:
-            out.append(f"top_n={self.top_n} must be >= 1")
-        return out
 
 
 @dataclass

@@ -7,8 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from kit.core.configs import add_config_arguments
-from kit.profiling.config import ProfileConfig
+from kit.core.configs import add_config_arguments, check, explicit_values
+from kit.profiling.config import ProfileConfig, Thresholds
+
+_NOT_OPTIONS = ("block_dim_vs_cores", "free_share_pct", "top_n")  # Thresholds fields `analyze` does not offer
 
 
 def _check_folder(path: str, option: str) -> None:
@@ -41,14 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--allow-unfinished", action="store_true", help="read an output folder without analyse.done"
     )
-    a.add_argument("--cast-max-us", type=float, default=30.0)
-    a.add_argument("--cast-share-pct", type=float, default=1.0)
-    a.add_argument("--aicpu-max-us", type=float, default=1000.0)
-    a.add_argument("--aicpu-share-pct", type=float, default=10.0)
-    a.add_argument("--unit-ratio", type=float, default=0.8, help="in (0, 1]: every unit below it -> AOE")
-    a.add_argument("--min-op-share-pct", type=float, default=1.0)
-    a.add_argument("--ai-core-num", type=int, default=None, help="cube cores, when info.json is missing")
-    a.add_argument("--aiv-num", type=int, default=None, help="vector cores, when info.json is missing")
+    # the advisor's limits, one option per Thresholds field (help from its field docstring)
+    add_config_arguments(a, Thresholds, skip=_NOT_OPTIONS)
     c = s.add_parser("compare", help="per-operator deltas and step time change between two captures")
     c.add_argument("before")
     c.add_argument("after")
@@ -95,20 +91,8 @@ def run(args: argparse.Namespace) -> int:
     import kit.profiling as kp
 
     if args.what == "analyze":
-        from kit.core.configs import check
-
         th = check(
-            kp.Thresholds(
-                cast_max_us=args.cast_max_us,
-                cast_share_pct=args.cast_share_pct,
-                aicpu_max_us=args.aicpu_max_us,
-                aicpu_share_pct=args.aicpu_share_pct,
-                unit_ratio=args.unit_ratio,
-                min_op_share_pct=args.min_op_share_pct,
-                ai_core_num=args.ai_core_num,
-                aiv_num=args.aiv_num,
-            ),
-            "profile analyze options",
+            Thresholds(**explicit_values(args, Thresholds)), "profile analyze options"
         )  # before reading: a bad option must not wait for a million-row profile
         if args.out:
             _check_folder(args.out, "--out")
@@ -146,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from kit.core.configs import explicit_values
     from kit.core.workspace import get_workspace
     from kit.profiling.training_run import run as profile_run
 

@@ -1,8 +1,10 @@
-"""The one set of capture options, mapped to torch_npu.profiler on NPU and to torch.profiler elsewhere."""
+"""The one set of capture options, mapped to torch_npu.profiler on NPU and to torch.profiler elsewhere, and the
+limits of the slow-operator advisor's rules."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 LEVELS = ("Level_none", "Level0", "Level1", "Level2")  # torch_npu.profiler.ProfilerLevel attribute names
 AIC_METRICS = (
@@ -82,3 +84,52 @@ class ProfileConfig:
     def steps_needed(self) -> int:
         """Steps the loop must run for the first trace to be written."""
         return self.skip_first + self.wait + self.warmup + self.active
+
+
+@dataclass
+class Thresholds:
+    """Limits of the advisor's rules; the first six are the ModelArts guide's, the rest the kit's."""
+
+    cast_max_us: float = 30.0
+    """A Cast kernel slower than this (us) -> enable mixed precision."""
+    cast_share_pct: float = 1.0
+    """Cast share of computation time (%) above this -> enable mixed precision."""
+    aicpu_max_us: float = 1000.0
+    """An AI_CPU kernel slower than this (us) -> replace the API / change dtypes."""
+    aicpu_share_pct: float = 10.0
+    """AI_CPU share of computation time (%) above this -> replace the API / change dtypes."""
+    unit_ratio: float = 0.8
+    """In (0, 1]: every aic_*/aiv_* ratio below this (no unit busy) -> AOE."""
+    block_dim_vs_cores: bool = True
+    """Block Dim below the core count -> AOE."""
+    min_op_share_pct: float = 1.0
+    """(kit) The ratio and block-dim rules only judge operators above this share of computation time (%)."""
+    free_share_pct: float = 20.0
+    """(kit) Device idle (Free) above this share of step time (%) -> host-bound."""
+    top_n: int = 5
+    """How many operators each top list shows."""
+    ai_core_num: Optional[int] = None
+    """Cube core count when PROF_*/device_*/info.json is missing."""
+    aiv_num: Optional[int] = None
+    """Vector core count when PROF_*/device_*/info.json is missing."""
+
+    def problems(self) -> list:
+        """Every invalid value, as messages."""
+        out = [
+            f"{k}={getattr(self, k)!r} must be >= 0"
+            for k in (
+                "cast_max_us",
+                "cast_share_pct",
+                "aicpu_max_us",
+                "aicpu_share_pct",
+                "unit_ratio",
+                "min_op_share_pct",
+                "free_share_pct",
+            )
+            if getattr(self, k) < 0
+        ]
+        if not 0 < self.unit_ratio <= 1:
+            out.append(f"unit_ratio={self.unit_ratio} must be in (0, 1]")
+        if self.top_n < 1:
+            out.append(f"top_n={self.top_n} must be >= 1")
+        return out

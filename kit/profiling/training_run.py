@@ -44,13 +44,6 @@ def schedule_steps(cfg: ProfileConfig) -> int:
     return cfg.skip_first + max(cfg.repeat, 1) * (cfg.wait + cfg.warmup + cfg.active)
 
 
-def train_config_from_run(run: Manifest) -> Any:
-    """The resolved TrainConfig the run was made with (its manifest's `config`, through kit.train's loader)."""
-    from kit.train.config import from_manifest
-
-    return from_manifest(run)
-
-
 def profiled_config(train_cfg: Any, work_dir: PathLike, steps: int) -> Tuple[Any, List[str]]:
     """The run's config for `steps` profiled steps written under `work_dir`; notes say what had to change."""
     notes = []
@@ -207,7 +200,7 @@ def run(
     from kit.profiling.plots import plot_top_operators
     from kit.profiling.tables import operator_table
     from kit.train import train
-    from kit.train.config import from_dict
+    from kit.train.config import from_dict, from_manifest
     from kit.train.resolve import resolve
 
     check(cfg, "profiling options")
@@ -222,7 +215,8 @@ def run(
             print(taken[0])
     line = ""
     if run_m is not None:
-        train_cfg, inputs = train_config_from_run(run_m), [run_m.as_input()]
+        # the resolved TrainConfig the run was made with (its manifest's `config`)
+        train_cfg, inputs = from_manifest(run_m), [run_m.as_input()]
     else:
         train_cfg, inputs, line = configure_default_run(ws, model_path, seq_len)
         print(line)

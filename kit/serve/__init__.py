@@ -1,25 +1,17 @@
 """Stage 7: serve the trained model behind an OpenAI-compatible engine, load-test it, package it for ModelArts."""
 
 from kit.serve.config import BenchConfig, PackageConfig, ServeConfig
+from kit.system.lazy import lazy_exports
 
 __all__ = ["BenchConfig", "PackageConfig", "ServeConfig", "bench", "chat", "package", "serve"]
 
-
-def __getattr__(name):  # the heavy parts load when used (python -m kit serve --help stays light)
-    if name == "serve":
-        from kit.serve.start import serve
-
-        return serve
-    if name == "bench":
-        from kit.serve.loadtest import bench
-
-        return bench
-    if name == "chat":
-        from kit.serve.client import chat
-
-        return chat
-    if name == "package":
-        from kit.serve.modelarts import package
-
-        return package
-    raise AttributeError(name)
+# the heavy parts load when used (python -m kit serve --help stays light)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "serve": "kit.serve.start",
+        "bench": "kit.serve.loadtest",
+        "chat": "kit.serve.client",
+        "package": "kit.serve.modelarts",
+    },
+)
