@@ -94,7 +94,7 @@ def test_set_device_before_the_process_group(monkeypatch, tmp_path, tiny_llama_d
     order = []
     original = fake.SET_DEVICE_CALLS
 
-    def stop(info):
+    def stop(info, log=None):
         order.append(("init_distributed", list(original)))
         raise RuntimeError("stop here")
 

@@ -45,9 +45,12 @@ def init_distributed(info, log=None) -> tuple:
         )
     if not dist.is_initialized():
         env = os.environ
-        # torchrun sets LOCAL_WORLD_SIZE, the DeepSpeed launcher LOCAL_SIZE (not the one the kit set below)
-        launched = "LOCAL_WORLD_SIZE" in env or (
-            "LOCAL_SIZE" in env and "LOCAL_SIZE" not in in_process_rendezvous(env)
+        # a launcher (torchrun, DeepSpeed's, a ModelArts job) sets all four, none of them the ones the kit set below;
+        # a partial set (a variable left over in a kernel's environment) is no launch, and DeepSpeed would otherwise
+        # look for MPI
+        ours = in_process_rendezvous(env)
+        launched = all(
+            k in env and k not in ours for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         )
         if not launched:
             # Always a fresh port: a kernel started from a process that trained in-process inherits its
