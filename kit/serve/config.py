@@ -29,7 +29,8 @@ class ServeConfig:
     engine: str = "auto"
     """transformers (`transformers serve`) | vllm (vLLM / vllm-ascend) | auto (vllm on npu/cuda, else transformers)"""
     engine_python: Optional[str] = None
-    """Python of the env holding the engine (the vllm-ascend env, kit.envs); None: this kernel's Python."""
+    """Python of the env holding the engine (the vllm-ascend env, kit.envs); None: this kernel's Python, or for vLLM on
+    a CPU the env `make vllm-env` built."""
     device: Optional[str] = None
     """npu | cuda | cpu; None: what kit.system.device finds."""
     host: str = "127.0.0.1"
