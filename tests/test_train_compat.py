@@ -55,7 +55,8 @@ def test_in_process_world_tells_deepspeed_its_local_size():
         if k not in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "RANK", "WORLD_SIZE")
     }
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    env["LOCAL_WORLD_SIZE"] = "2"  # a leftover without RANK / MASTER_PORT is no launch (DeepSpeed would look for MPI)
+    # a leftover without RANK / MASTER_PORT is no launch (else DeepSpeed would look for MPI)
+    env["LOCAL_WORLD_SIZE"] = "2"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])

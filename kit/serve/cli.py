@@ -55,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("folder", help="the package folder")
     c.add_argument("--port", type=int, default=0, help="loopback port (default: a free one)")
+    c.add_argument(
+        "--engine", default="transformers", choices=("transformers", "vllm"), help="CPU engine run.sh starts"
+    )
+    c.add_argument(
+        "--engine-python", default=None, help="python of the engine's env (vllm: default the built CPU env)"
+    )
     c.set_defaults(func=run_check)
 
 
@@ -109,5 +115,6 @@ def run_package(args: argparse.Namespace) -> int:
 def run_check(args: argparse.Namespace) -> int:
     from kit.serve.modelarts import check_package
 
-    print(json.dumps(check_package(args.folder, port=args.port), indent=2, ensure_ascii=False))
+    out = check_package(args.folder, port=args.port, python=args.engine_python, engine=args.engine)
+    print(json.dumps(out, indent=2, ensure_ascii=False))
     return 0

@@ -29,7 +29,8 @@ class ServeConfig:
     engine: str = "auto"
     """transformers (`transformers serve`) | vllm (vLLM / vllm-ascend) | auto (vllm on npu/cuda, else transformers)"""
     engine_python: Optional[str] = None
-    """Python of the env holding the engine (the vllm-ascend env, kit.envs); None: this kernel's Python."""
+    """Python of the env holding the engine (the vllm-ascend env, kit.envs); None: this kernel's Python, or for vLLM on
+    a CPU the env `make vllm-env` built."""
     device: Optional[str] = None
     """npu | cuda | cpu; None: what kit.system.device finds."""
     host: str = "127.0.0.1"
@@ -40,6 +41,10 @@ class ServeConfig:
     """Context length the engine accepts (vLLM --max-model-len); None: the model's max_position_embeddings."""
     startup_timeout: float = 600.0
     """Seconds to wait for GET /health before giving up (vllm-ascend compiles graphs on start)"""
+    enforce_eager: bool = False
+    """vLLM --enforce-eager: no torch.compile (CPU, 135M model: /health after 45 s, not 110 s; TPOT x1.14)"""
+    cpu_kv_cache_gb: int = 4
+    """vLLM on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE; unset, vLLM wants 0.92 of the machine's memory free)"""
     extra_args: List[str] = field(default_factory=list)
     """More engine options, passed as they are (e.g. ["--tensor-parallel-size", "2"])."""
 
@@ -56,6 +61,12 @@ class ServeConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
             out.append(f"max_model_len={self.max_model_len!r}: use a positive integer or None.")
+        if (
+            not isinstance(self.cpu_kv_cache_gb, int)
+            or isinstance(self.cpu_kv_cache_gb, bool)
+            or self.cpu_kv_cache_gb < 1
+        ):
+            out.append(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb!r}: use a whole number of GiB >= 1.")
         if not isinstance(self.extra_args, list) or not all(isinstance(a, str) for a in self.extra_args):
             out.append(f"extra_args={self.extra_args!r}: use a list of strings.")
         return out
@@ -68,7 +79,7 @@ class BenchConfig:
     url: Optional[str] = None
     """Base URL of a running server (http://host:port); None: start one as the serve settings say."""
     model_name: Optional[str] = None
-    """Model name the server expects in requests; None: the server's (the first of GET /v1/models)."""
+    """Model name the server expects in requests; None: the served LoRA adapter, else the first of GET /v1/models"""
     concurrency: List[int] = field(default_factory=lambda: [1, 2])
     """Closed loop: requests in flight at once, one point each."""
     request_rates: List[float] = field(default_factory=lambda: [4.0])

@@ -88,7 +88,11 @@ def _evaluate(model, model_args, folder: Path, task: str, limit: Optional[int], 
 
 
 def compare(server, folder, limit: Optional[int] = 3, max_tokens: int = 4) -> Dict[str, Any]:
-    """{model_type, task, endpoint: {...}, in_process: {...}, equal}: the task through the server and in-process."""
+    """{model_type, task, endpoint, in_process, equal, max_abs_diff}: the task through the server and in-process.
+
+    max_abs_diff: the largest |served - in-process| log-likelihood (None for the generation task). Both sides run the
+    weights in the dtype they were saved in (the kit passes vLLM that dtype: `auto` would serve float32 as bfloat16).
+    """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only
     folder = Path(folder)
     path = server.info.get("model_path") or server.model
@@ -119,13 +123,21 @@ def compare(server, folder, limit: Optional[int] = 3, max_tokens: int = 4) -> Di
         }
     served = _evaluate(model_type, args, folder, name, limit, chat)
     local = _evaluate("hf", {"pretrained": path, "device": "cpu", "dtype": "auto"}, folder, name, limit, chat)
+    diff = None
     if served["metric"] == "exact_match":
         equal = [a.strip() for a in served["answers"]] == [a.strip() for a in local["answers"]]
     else:
-        equal = all(
-            abs(x - y) < 1e-3 for a, b in zip(served["logliks"], local["logliks"]) for x, y in zip(a, b)
-        )
-    return {"model_type": model_type, "task": name, "endpoint": served, "in_process": local, "equal": equal}
+        pairs = [(x, y) for a, b in zip(served["logliks"], local["logliks"]) for x, y in zip(a, b)]
+        diff = max((abs(x - y) for x, y in pairs), default=0.0)
+        equal = diff < 1e-3
+    return {
+        "model_type": model_type,
+        "task": name,
+        "endpoint": served,
+        "in_process": local,
+        "equal": equal,
+        "max_abs_diff": diff,
+    }
 
 
 def table(result: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -185,19 +185,42 @@ class BenchResult:
         return out
 
 
-def _models(url: str) -> List[str]:
+def _models(url: str) -> List[Dict[str, Any]]:
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=10) as r:
-            return [m["id"] for m in json.loads(r.read())["data"]]
+            return json.loads(r.read())["data"]
     except OSError as exc:
         raise InputError(f"URL={url!r}: GET /v1/models failed ({exc}); is the server running?") from None
 
 
-def _tokenizer_path(server, url: str, model: str, ws) -> str:
+def trained_model(models: List[Dict[str, Any]]) -> str:
+    """The name to load-test among GET /v1/models' entries: the LoRA adapter (vLLM lists it after its base, with a
+    `parent`), else the first."""
+    if not models:
+        raise InputError("the server lists no model (GET /v1/models is empty); give MODEL_NAME.")
+    adapters = [m["id"] for m in models if m.get("parent")]
+    return adapters[0] if adapters else models[0]["id"]
+
+
+def _served_folder(models: List[Dict[str, Any]], model: str) -> Optional[str]:
+    """The folder vLLM loaded `model` from (its `root`; an adapter's tokenizer is its base's), when it is here."""
+    by_id = {m["id"]: m for m in models}
+    entry = by_id.get(model)
+    while entry is not None:
+        root = entry.get("root")
+        if root and (Path(root) / "config.json").is_file():
+            return root
+        entry = by_id.get(entry.get("parent") or "")
+    return None
+
+
+def _tokenizer_path(server, models: List[Dict[str, Any]], model: str, ws) -> str:
     if server is not None and server.info.get("model_path"):
         return server.info["model_path"]
     if Path(model).is_dir():
         return model
+    if _served_folder(models, model):
+        return _served_folder(models, model)
     from kit.serve.model import resolve_model
 
     return str(resolve_model(ServeConfig(), ws).path)
@@ -226,8 +249,9 @@ def _bench(cfg: BenchConfig, ws, server, progress: bool) -> BenchResult:
     from kit.storage.atomic import atomic_dir
 
     url = server.url if server is not None else cfg.url.rstrip("/")
-    model = cfg.model_name or (server.model if server is not None else _models(url)[0])
-    tok = AutoTokenizer.from_pretrained(_tokenizer_path(server, url, model, ws))
+    models = _models(url) if server is None else []
+    model = cfg.model_name or (server.model if server is not None else trained_model(models))
+    tok = AutoTokenizer.from_pretrained(_tokenizer_path(server, models, model, ws))
     folder = Path(cfg.out_dir).expanduser() if cfg.out_dir else serving_dir(ws) / cfg.name
     endpoint = url + "/v1/completions"
     loads = [("concurrency", c, None) for c in cfg.concurrency] + [

@@ -143,10 +143,14 @@ def package(cfg: PackageConfig, ws, serve_cfg: Optional[ServeConfig] = None) -> 
 
 
 def check_package(
-    folder, port: int = 0, timeout: float = 300.0, python: Optional[str] = None
+    folder, port: int = 0, timeout: float = 300.0, python: Optional[str] = None, engine: str = "transformers"
 ) -> Dict[str, Any]:
-    """Run the package's run.sh here with the CPU engine on 127.0.0.1 and probe /health and one completion."""
-    from kit.serve.engines import require_engine
+    """Run the package's run.sh here with a CPU engine on 127.0.0.1 and probe /health and one completion.
+
+    engine: transformers (`transformers serve`) or vllm (vLLM's CPU build, from `python` or the env
+    envs/serve/build.sh made; eager, a 1 GiB KV cache, the model's dtype: a check, not a deployment).
+    """
+    from kit.serve.engines import check_cpu_head_size, model_dtype, require_engine
     from kit.serve.server import Server
     from kit.system.procs import free_port
 
@@ -156,17 +160,23 @@ def check_package(
             raise InputError(
                 f"{folder}: {name} is missing; make the package with `python -m kit serve package`."
             )
-    py = require_engine("transformers", python, "cpu")
+    if engine not in ("transformers", "vllm"):
+        raise InputError(f"engine={engine!r}: a package is checked with transformers or vllm.")
+    py = require_engine(engine, python, "cpu").python
+    model_dir = (folder / "model").resolve()
     port = port or free_port()
-    env = dict(
-        os.environ, ENGINE="transformers", MODEL_DIR=str((folder / "model").resolve()), HOST="127.0.0.1"
-    )
+    env = dict(os.environ, ENGINE=engine, MODEL_DIR=str(model_dir), HOST="127.0.0.1")
     env.update(PORT=str(port), PYTHON=py, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("SSL_CERTFILE", None)
+    model = str(model_dir)
+    if engine == "vllm":
+        check_cpu_head_size(model_dir)
+        dtype = model_dtype(model_dir)
+        env["ENGINE_ARGS"] = "--enforce-eager" + (f" --dtype {dtype}" if dtype else "")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        model = "model"  # run.sh's --served-model-name
     log = folder.parent / f".{folder.name}-check.log"
-    server = Server(
-        ["sh", str(folder / "run.sh")], "127.0.0.1", port, str((folder / "model").resolve()), log, "run.sh"
-    )
+    server = Server(["sh", str(folder / "run.sh")], "127.0.0.1", port, model, log, "run.sh")
     t0 = time.monotonic()
     with server.start(timeout=timeout, env=env):
         health = _get(server.url + "/health")
@@ -180,6 +190,7 @@ def check_package(
             completion = json.loads(r.read())
     return {
         "url": server.url,
+        "engine": engine,
         "health": health,
         "completion_tokens": completion["usage"]["completion_tokens"],
         "text": completion["choices"][0]["text"],

@@ -10,7 +10,7 @@ from typing import Optional
 from kit.convert.weights_check import check_hf_weights
 from kit.core.configs import check
 from kit.serve.config import ServeConfig
-from kit.serve.engines import build_command, choose_engine, require_engine
+from kit.serve.engines import build_command, check_cpu_head_size, choose_engine, require_engine
 from kit.serve.model import ServedModel, resolve_model
 from kit.serve.server import Server, check_port
 from kit.system.procs import free_port
@@ -34,16 +34,18 @@ def serve(cfg: ServeConfig, ws, model: Optional[ServedModel] = None) -> Server:
     check(cfg)
     kind = _device_kind(cfg)
     engine = choose_engine(cfg.engine, kind)
-    python = require_engine(engine, cfg.engine_python, kind)
+    found = require_engine(engine, cfg.engine_python, kind)
     served = model or resolve_model(cfg, ws)
     # a model with NaN/inf weights answers with garbage, never an error: refuse it before the engine starts
     check_hf_weights(served.path)
+    if engine == "vllm" and kind == "cpu":
+        check_cpu_head_size(served.path)
     port = cfg.port or free_port(cfg.host)
     check_port(cfg.host, port)
     adapter = served.adapter if cfg.adapter else None
     cmd = build_command(
         engine,
-        python,
+        found.python,
         served.path,
         cfg.host,
         port,
@@ -52,11 +54,17 @@ def serve(cfg: ServeConfig, ws, model: Optional[ServedModel] = None) -> Server:
         base=served.base,
         max_model_len=cfg.max_model_len,
         extra_args=cfg.extra_args,
+        vllm_cli=bool(found.versions.get("vllm")),
+        enforce_eager=cfg.enforce_eager,
+        cpu_kv_cache_gb=cfg.cpu_kv_cache_gb,
     )
+    for note in found.notes + cmd.notes:  # said once, here, and kept in the server's notes
+        print(note)
+        served.notes.append(note)
     if adapter is not None and not cmd.serves_adapter:
         served.notes.append(f"{engine} serves no LoRA adapters: serving the merged model {served.path}")
     log = serving_dir(ws) / "logs" / f"{engine}-{port}.log"
-    env = dict(os.environ)
+    env = dict(os.environ, **cmd.env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: never a hub look-up
     server = Server(cmd.argv, cfg.host, port, cmd.model_name, log, engine=engine)

@@ -8,8 +8,8 @@
 # stack-dependent path: 00 (the doctor's version floors), 01 (a venv cloned and a kernel registered on this
 # Python and ipykernel), 04's tiny run (training inside a kernel, then a torchrun launch, on this torch).
 # Not here: tests marked dev_stack, each with its reason (the other notebook runs, glue over kit code whose own
-# tests run here; the notebook chain; checks of the committed notebook files), e2e and nbval: make test runs
-# those once, on the dev stack.
+# tests run here; the notebook chain; checks of the committed notebook files), e2e, vllm (vLLM's own env) and nbval:
+# make test runs those once, on the dev stack.
 # Each stack gets its own venv, .venv-<STACK>, built from envs/compat/<STACK>.txt (pip constraints) and rebuilt
 # only when that file or what pip reads of pyproject.toml changes (a stamp holds their hash). In a checkout
 # without one, .venv-<STACK> is a link to $KIT_COMPAT_VENVS/<STACK> (default ~/.cache/ascend-kit/compat), so
@@ -118,9 +118,9 @@ print(sys.version.split()[0], *(f"{p} {v(p)}" for p in ("torch", "transformers",
     for a in "$@"; do # test paths given: run those instead of the whole tests/ folder
         if [[ $a != -* && -e ${a%%::*} ]]; then targets=(); break; fi
     done
-    local fewer=() marks="not e2e"
+    local fewer=() marks="not e2e and not vllm"
     if [ ${#targets[@]} -gt 0 ]; then # the whole folder: what this stack can break (see the top); paths given: those
-        marks="not e2e and not dev_stack"
+        marks="not e2e and not vllm and not dev_stack"
         if [ "${KIT_COMPAT_FULL:-0}" != 1 ]; then
             for a in "${FEWER_PARAMS[@]}"; do fewer+=(--deselect "$a"); done
         fi
