@@ -9,19 +9,11 @@ import torch
 
 from kit.core.samples import tiny_llama
 from kit.data import DataConfig, prepare
-from kit.train.dpo import dpo_loss, pair_batch, sequence_logps
+from kit.train.dpo import METRICS, dpo_loss, pair_batch, sequence_logps
 
 trl = pytest.importorskip("trl", reason="TRL is in the dev stack only (requirements-dev.txt)")
 
 TOL = 1e-5
-METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
 
 
 @pytest.fixture(scope="module")
