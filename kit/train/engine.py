@@ -45,13 +45,11 @@ def init_distributed(info, log=None) -> tuple:
         )
     if not dist.is_initialized():
         env = os.environ
-        # a launcher (torchrun, DeepSpeed's, a ModelArts job) sets all four, none of them the ones the kit set below;
-        # a partial set (a variable left over in a kernel's environment) is no launch, and DeepSpeed would otherwise
-        # look for MPI
-        ours = in_process_rendezvous(env)
-        launched = all(
-            k in env and k not in ours for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        )
+        # A launcher sets all four, with its own MASTER_PORT, not the one the kit set below for a world of one (the
+        # kit's values may be inherited: a kernel started from a process that trained in-process). A partial set (a
+        # variable left over in a kernel's environment) is no launch either: DeepSpeed would look for MPI.
+        full = all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+        launched = full and "MASTER_PORT" not in in_process_rendezvous(env)
         if not launched:
             # Always a fresh port: a kernel started from a process that trained in-process inherits its
             # MASTER_PORT, which that process still holds.
