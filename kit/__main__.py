@@ -102,7 +102,7 @@ def main(argv: Optional[list] = None) -> int:
             raise
         message = user_message(exc)
         if message is not None:
-            print(f"error: {message}", file=sys.stderr)
+            sys.stderr.write(f"error: {message}\n")  # one write: ranks share the launcher's stderr
             return EXIT_USER_ERROR
         print(
             f"error: unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "

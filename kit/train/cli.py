@@ -98,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
         # SIGTERM before the first step (loading) ends like Ctrl-C; from then on the trainer checkpoints and stops
         with sigterm_as_interrupt():
             result = train(run, progress=not args.no_progress)
-        print(f"kit train: {result.status} at iteration {result.iteration}: {result.message}", flush=True)
+        # one write (text and newline together): the launcher sets PYTHONUNBUFFERED, and print's two writes let
+        # another rank's line land between them, so the status line was not recognised as the same one
+        sys.stdout.write(f"kit train: {result.status} at iteration {result.iteration}: {result.message}\n")
+        sys.stdout.flush()
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

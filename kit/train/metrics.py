@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -71,7 +72,9 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self.echo:
-            print(line, flush=True)
+            # one write: under a launcher (unbuffered) print's two writes let another rank's line land between
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
         with writing(self.log_path), open(self.log_path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
