@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
         return _log(args)
     if args.what == "launch":
         import os
-        import sys
 
         from kit.train.jobenv import launching_card
 
