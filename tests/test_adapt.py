@@ -62,6 +62,22 @@ def test_report_lists_every_swap(llama_pair):
     assert report.skipped == []
 
 
+def test_the_fa2_paths_no_op_cast_warning_is_dropped_and_a_real_cast_kept(llama_pair):
+    import logging
+
+    from kit.adapt.attention import _NoOpCastFilter
+
+    def record(dtype):
+        msg = f"The input hidden states seems to be silently casted in float32, ... cast back the input in {dtype}."
+        return logging.LogRecord("m", logging.WARNING, "f.py", 1, msg, None, None)
+
+    keep = _NoOpCastFilter()
+    assert not keep.filter(record("torch.float32")) and keep.filter(record("torch.bfloat16"))
+    if llama_pair[2].attention_path == "flash_attention_2":  # 4.44-4.47: the filter sits on the modeling logger
+        filters = logging.getLogger("transformers.models.llama.modeling_llama").filters
+        assert any(isinstance(f, _NoOpCastFilter) for f in filters)
+
+
 def test_same_logits_and_grads(llama_pair):
     base, adapted, _ = llama_pair
     ids = _batch()

@@ -44,3 +44,14 @@ def test_a_block_that_prints_nothing_writes_no_log(tmp_path, capfd):
 def test_real_lines_split_tqdm_frames_and_keep_what_is_not_noise():
     text = "USDT:2026 profiler_start\n  warnings.warn(\nerror: out of memory\r 50%|#####     | 1/2\n"
     assert real_lines(text) == ["error: out of memory"]
+    # torch's extension builder, when DeepSpeed's CPU op does build (the py310-torch25 stack)
+    build = (
+        "No CUDA runtime is found, using CUDA_HOME='/usr/local'\n"
+        "Using /root/.cache/torch_extensions/py310_cu124 as PyTorch extensions root...\n"
+        "Emitting ninja build file /root/.cache/torch_extensions/x/build.ninja...\n"
+        "Building extension module deepspeed_shm_comm...\n"
+        "Allowing ninja to set a default number of workers... (overridable by setting MAX_JOBS=N)\n"
+        "Loading extension module deepspeed_shm_comm...\n"
+        "error: command 'c++' failed with exit code 1\n"
+    )
+    assert real_lines(build) == ["error: command 'c++' failed with exit code 1"]

@@ -27,10 +27,15 @@ def test_a_kernel_bar_is_saved_at_its_last_frame_and_writes_no_stderr():
         "for _ in logging.tqdm(range(4), desc='Loading weights'):\n"
         "    pass\n"
     )
+    from transformers.utils import logging
+
     texts = [o["data"]["text/plain"] for o in outputs if o.get("output_type") == "display_data"]
-    assert len(texts) == 2 and all("widget" not in str(o.get("data", {})) for o in outputs)
+    assert all("widget" not in str(o.get("data", {})) for o in outputs)
     assert texts[0].startswith("steps: 100%") and "3/3" in texts[0]
-    assert texts[1].startswith("Loading weights: 100%") and "4/4" in texts[1]
+    if hasattr(logging, "set_tqdm_hook"):  # transformers 5: its bars are display bars too
+        assert len(texts) == 2 and texts[1].startswith("Loading weights: 100%") and "4/4" in texts[1]
+    else:  # older transformers: its bars are switched off in a kernel
+        assert len(texts) == 1
     assert not [o for o in outputs if o.get("name") == "stderr"]
 
 

@@ -10,6 +10,8 @@ packed rows (position_ids restarting) and padding into TND varlen attention: no 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kit.adapt.varlen import plan_varlen
@@ -208,6 +210,22 @@ def register() -> str:
 
 
 # ---- transformers without the registry: the flash-attention-2 path ------------------------------------------------
+class _NoOpCastFilter(logging.Filter):
+    """Drops the FA2 classes' "hidden states seems to be silently casted in float32 ... cast back the input in
+    torch.float32": on float32 weights (CPU, fp32 runs) the cast is to float32 itself, so nothing happened to warn
+    about. The same warning with another target dtype is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("silently casted in float32" in message and message.rstrip().endswith("torch.float32."))
+
+
+def _drop_no_op_cast_warning(module_name: str) -> None:
+    logger = logging.getLogger(module_name)
+    if not any(isinstance(f, _NoOpCastFilter) for f in logger.filters):
+        logger.addFilter(_NoOpCastFilter())
+
+
 def kit_flash_attention_forward(
     query_states,
     key_states,
@@ -282,6 +300,7 @@ def use_fa2_path(model, model_type: str) -> int:
         )
     # the FA2 classes look the function up in their module's globals at call time
     modeling._flash_attention_forward = kit_flash_attention_forward
+    _drop_no_op_cast_warning(modeling.__name__)
     base = fa2.__mro__[1]
     count = 0
     for module in model.modules():

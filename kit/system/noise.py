@@ -23,6 +23,9 @@ NOISE = re.compile(
     "|".join(
         (
             r"cannot find -laio|collect2: error: ld returned",  # DeepSpeed's CPU op probe (comm/torch.py build_shm_op)
+            # torch's extension builder when DeepSpeed's CPU op does build (torch/utils/cpp_extension.py, verbose)
+            r"^No CUDA runtime is found, using CUDA_HOME|as PyTorch extensions root|^Emitting ninja build file"
+            r"|^Building extension module|^Allowing ninja to set a default number of workers|^Loading extension module",
             r"^USDT:",  # kineto's profiler start / stop markers
             r"\d+%\|",  # tqdm bars (lm-eval's request loops)
             r"(Future|Deprecation)Warning|^\s*warnings\.warn\(",  # libraries warning about their own next versions
