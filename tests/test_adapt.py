@@ -73,7 +73,9 @@ def test_the_fa2_paths_no_op_cast_warning_is_dropped_and_a_real_cast_kept(llama_
 
     keep = _NoOpCastFilter()
     assert not keep.filter(record("torch.float32")) and keep.filter(record("torch.bfloat16"))
-    if llama_pair[2].attention_path == "flash_attention_2":  # 4.44-4.47: the filter sits on the modeling logger
+    if (
+        llama_pair[2].attention_path == "flash_attention_2"
+    ):  # 4.44-4.47: the filter sits on the modeling logger
         filters = logging.getLogger("transformers.models.llama.modeling_llama").filters
         assert any(isinstance(f, _NoOpCastFilter) for f in filters)
 
