@@ -33,6 +33,7 @@ STAGES = {
         "Megatron path on CPU: megatron-core preflight of the converted shards",
     ),
     "adapt": ("kit.adapt.cli", "NPU adaptation: remote-code fixes, kit-op parity check"),
+    "plan": ("kit.plan.cli", "will a training run fit on the cards, and how fast (no weights needed)"),
     "train": ("kit.train.cli", "train with DeepSpeed (pretrain / sft / lora / retrain), launch, logs"),
     "job": (
         "kit.train.job.cli",

@@ -100,11 +100,13 @@ def probe_target(param) -> tuple:
 class _Prober:
     """Checks one representative module per (class, swap) on the target device; the verdict covers the rest."""
 
-    def __init__(self, device: str, backend: str, report: AdaptReport):
-        self.device, self.backend, self.report = device, backend, report
+    def __init__(self, device: str, backend: str, report: AdaptReport, probe: bool = True):
+        self.device, self.backend, self.report, self.probe = device, backend, report, probe
         self.verdicts: dict = {}
 
     def check(self, module, new_forward, width: int, label: str, prepare=None) -> bool:
+        if not self.probe:
+            return True
         key = (type(module), new_forward)
         if key in self.verdicts:
             return self.verdicts[key]
@@ -154,6 +156,10 @@ def _patch_rotary(attn_module, report: AdaptReport, prober: _Prober) -> None:
     replacement = _indexed_rotary if indexed else _kit_rotary
     if name.endswith(".modeling_glm"):  # GLM-4: interleaved pairs on the first half of each head
         replacement = _glm_rotary
+    if not prober.probe:
+        modeling.apply_rotary_pos_emb = replacement
+        report.rotary.append(name)
+        return
     gen = torch.Generator().manual_seed(1)
     device = _allocate(prober.device)
     q, k = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
@@ -226,10 +232,13 @@ def adapt_model(
     rotary: bool = True,
     force: bool = False,
     device: Optional[str] = None,
+    probe: bool = True,
 ) -> AdaptReport:
     """Make a transformers causal LM use kit ops (attention, RMSNorm, SwiGLU, rotary); return what changed.
 
     `device`: where to check the swaps (default: the model's device, or the accelerator kit.system.device finds).
+    `probe=False` makes every swap without running it against the original first: for a model of fake tensors
+    (kit.plan traces memory with them), where nothing can be computed or compared.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -251,7 +260,7 @@ def adapt_model(
         backend=backend,
         probe_device=target,
     )
-    prober = _Prober(target, backend, report)
+    prober = _Prober(target, backend, report, probe)
     if attention:
         _switch_attention(model, model_type, report)
     hidden_act = str(getattr(config, "hidden_act", ""))

@@ -87,7 +87,11 @@ def moe_experts(x, indices, weights, gate_up, down, backend: Optional[str] = Non
     permuted = x.index_select(0, order // indices.shape[1])
     if _grouped_mm(permuted, gate_up) is not None and _grouped_mm(permuted, down) is not None:
         # one kernel per projection over all experts; offsets = the end row of each expert's slice
-        offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, dtype=torch.int32)
+        # (counted by scatter_add, not bincount: the same counts in a shape known without the data, so the
+        # planner's fake-tensor trace (kit.plan) runs this path too)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
         h = _grouped_mm(permuted, gate_up)(permuted, gate_up.transpose(1, 2), offs=offs)
         h = kit_fused.swiglu(h, dim=-1, backend="torch")
         out = _grouped_mm(h, down)(h, down.transpose(1, 2), offs=offs)

@@ -1,0 +1,106 @@
+"""The planner's answer as a user reads it: one sentence, the chosen plan's memory by term, and the plans that fit
+(pandas tables: rendered in a notebook, printed by `python -m kit plan`)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Optional, Union
+
+from kit.errors import MissingInputError
+from kit.plan.cards import GIB
+from kit.plan.planner import ALLOCATOR_MARGIN, PlanReport, PlanRow
+
+SHOWN = 10  # plans listed
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 1)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _largest(row: PlanRow) -> tuple:
+    return max(row.memory.terms().items(), key=lambda kv: kv[1])
+
+
+def verdict(report: PlanReport) -> str:
+    """One sentence: does the run's plan fit, and else the largest term and the nearest plan that fits."""
+    r = report.inputs
+    what = f"{_count(report.counts.total)} parameters, sequence {r.seq_len}, MBS {r.mbs}, {report.dtype}"
+    cards = f"{r.cards} x {report.card.name} ({report.card.memory_gib:g} GiB)"
+    chosen, fitting = report.chosen(), report.fitting()
+    best = fitting[0] if fitting else None
+    if chosen is not None and chosen.fits:
+        return f"{chosen.layout} fits on {cards}: {_gib(chosen.total)} GiB per card for {what}."
+    if chosen is not None:
+        name, size = _largest(chosen)
+        tail = f" The fastest plan that fits: {best.layout} ({_gib(best.total)} GiB)." if best else ""
+        return (
+            f"{chosen.layout} does not fit on {cards}: {_gib(chosen.total)} GiB per card for {what}; the largest "
+            f"term is {name} ({_gib(size)} GiB).{tail}"
+        )
+    if best is not None:
+        return f"{len(fitting)} plans fit on {cards} for {what}; the fastest: {best.layout} ({_gib(best.total)} GiB)."
+    nearest = min(report.rows, key=lambda row: row.total)
+    name, size = _largest(nearest)
+    return (
+        f"No plan fits on {cards} for {what}. The nearest: {nearest.layout} at {_gib(nearest.total)} GiB per card, "
+        f"its largest term {name} ({_gib(size)} GiB): more cards, a shorter sequence or LoRA."
+    )
+
+
+def memory_table(report: PlanReport, row: Optional[PlanRow] = None):
+    """GiB per card by term for `row` (default: the run's plan, else the first listed)."""
+    import pandas as pd
+
+    row = row or report.chosen() or report.rows[0]
+    terms = {k: _gib(v) for k, v in row.memory.terms().items()}
+    terms[f"allocator margin ({ALLOCATOR_MARGIN:.0%} of the tensors)"] = _gib(
+        row.memory.tensors * ALLOCATOR_MARGIN
+    )
+    terms["device runtime"] = report.card.runtime_reserve_gib
+    terms["total"] = _gib(row.total)
+    terms[f"card ({report.card.name})"] = report.card.memory_gib
+    if row.memory.host:
+        terms["host memory (offloaded)"] = _gib(row.memory.host)
+    frame = pd.DataFrame({"GiB per card": list(terms.values())}, index=list(terms))
+    frame.index.name = row.layout
+    return frame
+
+
+def plans_table(report: PlanReport, limit: int = SHOWN):
+    """The plans, those that fit first, faster first (at most `limit`, the run's own always among them)."""
+    import pandas as pd
+
+    rows = report.rows[:limit]
+    chosen = report.chosen()
+    if chosen is not None and chosen not in rows:
+        rows = rows + [chosen]
+    frame = pd.DataFrame([r.row(report.capacity) for r in rows])
+    frame.index = range(1, len(frame) + 1)
+    return frame
+
+
+def run_mfu(run_dir: Union[str, Path], report: PlanReport) -> float:
+    """The MFU a finished run of this model reached on this card: the median tokens/s/card of its metrics
+    (after the first iteration) times the FLOPs per token, over the card's peak."""
+    files = sorted(Path(run_dir).glob("**/*metrics.jsonl"))
+    if not files:
+        raise MissingInputError(f"no *metrics.jsonl under {run_dir}; point at a training run's folder.")
+    speeds = []
+    for line in files[-1].read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("iteration", 0) > 1 and record.get("tokens_per_s_per_card"):
+            speeds.append(float(record["tokens_per_s_per_card"]))
+    if not speeds or not report.card.peak_tflops:
+        raise MissingInputError(
+            f"{files[-1]} has no tokens/s/card after the first iteration, or the card's peak is unknown."
+        )
+    return statistics.median(speeds) * report.flops_per_token / (report.card.peak_tflops * 1e12)
