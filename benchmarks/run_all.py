@@ -36,6 +36,7 @@ BENCHMARKS = [
     "bench_convert.py",
     "bench_envs.py",
     "bench_train.py",
+    "bench_plan.py",
     "bench_checkpoint.py",
     "bench_obs.py",
     "bench_ops.py",

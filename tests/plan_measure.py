@@ -43,9 +43,13 @@ def small_llama(folder: Path) -> Path:
 
 
 def small_moe(folder: Path, tokenizer_from: Path) -> Path:
-    """A Qwen3-MoE (3 layers, 8 experts, top 2) with the small Llama's tokenizer."""
+    """A Qwen3-MoE (3 layers, 8 experts, top 2) with the small Llama's tokenizer (skips where transformers has
+    no Qwen3-MoE)."""
     import shutil
 
+    from fixtures.convert import families
+
+    families.require("qwen3_moe")
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     if not (folder / "config.json").is_file():
@@ -92,8 +96,10 @@ def pretrain(folder: Path) -> Path:
     return folder
 
 
-def measured_peak(model: Path, data: Path, work: Path, zero: int = 0, lora: bool = False) -> int:
-    """Peak live tensor bytes of step 2 of a kit training run (see the module)."""
+def measured_peak(
+    model: Path, data: Path, work: Path, zero: int = 0, lora: bool = False, cards: int = 1
+) -> int:
+    """Peak live tensor bytes of step 2 of a kit training run (see the module); under a launcher, this rank's."""
     from torch.profiler import ProfilerActivity, profile
 
     from kit.train import train
@@ -106,8 +112,9 @@ def measured_peak(model: Path, data: Path, work: Path, zero: int = 0, lora: bool
         zero_stage=zero,
         train_iters=2,
         mbs=MBS,
-        gbs=MBS,
+        gbs=MBS * cards,
         dtype="float32",
+        nproc_per_node=cards,
     )
     steady = {}
 
@@ -138,9 +145,13 @@ def measured_peak(model: Path, data: Path, work: Path, zero: int = 0, lora: bool
 
 
 def predicted(
-    model: Path, zero: int = 0, lora_r: int = 0, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")
+    model: Path,
+    zero: int = 0,
+    lora_r: int = 0,
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+    cards: int = 1,
 ):
-    """The planner's tensors on the one CPU "card" for the same run."""
+    """The planner's tensors per CPU "card" for the same run."""
     from kit.plan import PlanInputs, make_plan
 
     report = make_plan(
@@ -148,8 +159,8 @@ def predicted(
             str(model),
             seq_len=SEQ,
             mbs=MBS,
-            gbs=MBS,
-            cards=1,
+            gbs=MBS * cards,
+            cards=cards,
             card="here",
             dtype="float32",
             lora_r=lora_r,
@@ -159,3 +170,16 @@ def predicted(
         )
     )
     return report.chosen().memory
+
+
+if (
+    __name__ == "__main__"
+):  # one rank of a launched run: torchrun ... plan_measure.py MODEL DATA WORK ZERO OUT
+    import json
+    import os
+    import sys
+
+    model, data, work, zero, out = sys.argv[1:6]
+    world = int(os.environ["WORLD_SIZE"])
+    peak = measured_peak(Path(model), Path(data), Path(work), zero=int(zero), cards=world)
+    Path(f"{out}.rank{os.environ['RANK']}").write_text(json.dumps(peak), encoding="utf-8")

@@ -104,3 +104,19 @@ def run_mfu(run_dir: Union[str, Path], report: PlanReport) -> float:
             f"{files[-1]} has no tokens/s/card after the first iteration, or the card's peak is unknown."
         )
     return statistics.median(speeds) * report.flops_per_token / (report.card.peak_tflops * 1e12)
+
+
+def will_it_fit(plan, card_name: str = "910B-64G", cards: Optional[int] = None) -> list:
+    """Notebook 04's answer for a resolved run (kit.train.resolve.TrainPlan) on `cards` cards of `card_name`
+    (default: the run's own count): the verdict, the run's plan by term, and the plans ranked; or, where the
+    planner cannot run here, the one sentence that says why."""
+    from kit.core.show import show
+    from kit.errors import KitError
+    from kit.plan.planner import inputs_for, make_plan
+
+    overrides = {"cards": cards} if cards else {}
+    try:
+        report = make_plan(inputs_for(plan, card_name, **overrides))
+    except KitError as exc:
+        return [show(f"The planner did not run: {exc}")]
+    return [show(verdict(report)), memory_table(report), plans_table(report)]

@@ -24,9 +24,26 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kit.errors import KitError
 from kit.plan.model import build
 
 TRACE_VERSION = 1  # part of the cache key: bump when what a trace measures changes
+# torch 2.1's fake tensors abort inside the embedding of a fake model (seen on the py39-torch21 stack); 2.5 traces
+# the families the kit trains (the py310-torch25 stack runs the planner's tests)
+TORCH_NEEDED = (2, 5)
+
+
+def check_torch() -> None:
+    """The trace runs on this torch, or one line says where it can."""
+    import torch
+
+    have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if have < TORCH_NEEDED:
+        raise KitError(
+            f"the planner's trace needs torch >= {'.'.join(map(str, TORCH_NEEDED))} (this is {torch.__version__}); "
+            "run `python -m kit plan` in an env that has it: it needs only the model's config.json, no NPU and "
+            "no weights."
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,7 @@ def _key(config, key: TraceKey) -> str:
 
 def trace(config, key: TraceKey, use_cache: bool = True) -> Traced:
     """The transient memory of `config`'s whole model for one micro-batch (cached by the inputs)."""
+    check_torch()
     path = _cache_dir() / f"{_key(config, key)}.json"
     if use_cache and path.is_file():
         try:
