@@ -12,7 +12,8 @@ P trainable parameters, N all parameters, b bytes per weight (2 for bf16/fp16, 4
   (stage 1) or P*b/DP (stage 2); the contiguous-gradient bucket of reduce_bucket_size elements (setup_buckets, twice
   with overlap_comm); at the step the fp32 gradient partition (4P/DP, mixed precision only).
 - ZeRO 3 (zero/stage3.py): weights, gradients, fp32 partition and moments all 1/DP; parameters under
-  param_persistence_threshold elements stay whole on every card; the layer being computed and the prefetch bucket
+  param_persistence_threshold elements (1e5) stay whole on every card (the norms of a large model; most of a tiny
+  one); the gradient shares live in one flat buffer made with the optimizer; the layer being computed and the prefetch bucket
   are gathered whole.
 - Optimizer offload: the fp32 partition and moments live in host memory (listed, not counted on the card).
 Megatron (megatron-core with the distributed optimizer, bf16, fp32 main gradients; Megatron-LM's own estimate,
@@ -28,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from kit.plan.model import Counts
+from kit.plan.model import SMALL, Counts
 from kit.plan.trace import Traced
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
@@ -130,7 +131,10 @@ def deepspeed_memory(
     b, p, n, dp = run.dtype_bytes, run.trainable, run.all_params, cards
     m = Memory()
     share = p / dp if zero >= 1 else p
-    m.weights = n * b // (dp if zero == 3 else 1)
+    m.weights = n * b
+    if zero == 3:  # partitioned, but tensors under the persistence threshold stay whole on every card
+        small = run.counts.small if d["param_persistence_threshold"] == SMALL else 0
+        m.weights = int((n - small) * b / dp + small * b)
     master = 0
     if run.mixed:
         master = FP32 * share
@@ -153,7 +157,13 @@ def deepspeed_memory(
     # the fp32 gradients the step makes
     allreduce = min(p, d["allreduce_bucket_size"]) * b if zero == 0 else 0
     after = grads + max(allreduce, step_fp32_grads)
-    transient, grads_then = traced.peak(grad_share=1 / dp if zero >= 2 else 1, scale=scale)
+    if zero == 3:
+        # each gradient is reduced as it is made and its share copied into one flat partition buffer, made
+        # with the optimizer and kept (stage3.py grad_partitions_flat_buffer)
+        transient, grads_then = traced.peak(grad_share=0, scale=scale)
+        grads_then = grads
+    else:
+        transient, grads_then = traced.peak(grad_share=1 / dp if zero == 2 else 1, scale=scale)
     if transient + grads_then >= after:  # the forward/backward peak
         m.activations, m.gradients = int(transient), int(grads_then)
     else:

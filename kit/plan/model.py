@@ -31,6 +31,8 @@ class Counts:
     top_k: int
     lora_per_layer: int
     """LoRA adapter parameters per layer at rank 1 (times LORA_R for the run's)."""
+    small: int = 0
+    """Parameters in tensors of fewer than SMALL elements (ZeRO-3 keeps those whole on every card)."""
 
     @property
     def active(self) -> int:
@@ -90,6 +92,9 @@ def build(config, dtype=None):
     return AutoModelForCausalLM.from_config(config, **dtype_kw(dtype or torch.float32))
 
 
+SMALL = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (zero/config.py)
+
+
 def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -102,6 +107,8 @@ def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", 
     with torch.device("meta"):
         one, two = build(sliced(config, 1)), build(sliced(config, 2))
     per_layer = _numel(two) - _numel(one)
+    small_one = sum(p.numel() for p in one.parameters() if p.numel() < SMALL)
+    small_layer = sum(p.numel() for p in two.parameters() if p.numel() < SMALL) - small_one
     layers = int(config.num_hidden_layers)
     embedding = one.get_input_embeddings().weight.numel()
     head_module = one.get_output_embeddings()
@@ -131,4 +138,5 @@ def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", 
         num_experts=num_experts if experts else 0,
         top_k=top_k if experts else 0,
         lora_per_layer=lora,
+        small=small_one + small_layer * (layers - 1),
     )
