@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(plans_table(report, len(report.rows) if args.all else 10).to_string())
     print(
-        f"\nspeeds at MFU {report.inputs.mfu:.2f}; traced in {report.trace_seconds:.0f} s "
+        f"\nspeeds at MFU {report.inputs.mfu:.3g}; traced in {report.trace_seconds:.0f} s "
         "(what each term is and how it was checked: docs/planner.md)"
     )
     return 0
