@@ -80,15 +80,18 @@ def main() -> None:
         moe = M.small_moe(root / "moe", llama)
         pre, sft = M.pretrain(root / "pre"), M.full_target_sft(root / "sft")
         errors = []
-        cases = [
-            ("dense", llama, pre, 0, False),
-            ("LoRA r8", llama, sft, 0, True),
-            ("MoE", moe, pre, 0, False),
+        cases = [  # name, model, data, ZeRO stage, LoRA, recompute
+            ("dense", llama, pre, 0, False, False),
+            ("dense + recompute", llama, pre, 0, False, True),
+            ("LoRA r8", llama, sft, 0, True, False),
+            ("MoE", moe, pre, 0, False, False),
         ]
-        cases += [("dense", llama, pre, z, False) for z in (1, 2, 3)] + [("MoE", moe, pre, 3, False)]
-        for i, (name, folder, data, zero, lora) in enumerate(cases):
-            measured = M.measured_peak(folder, data, root / f"ws{i}", zero=zero, lora=lora)
-            predicted = M.predicted(folder, zero=zero, lora_r=8 if lora else 0).tensors
+        cases += [("dense", llama, pre, z, False, False) for z in (1, 2, 3)] + [
+            ("MoE", moe, pre, 3, False, False)
+        ]
+        for i, (name, folder, data, zero, lora, rc) in enumerate(cases):
+            measured = M.measured_peak(folder, data, root / f"ws{i}", zero=zero, lora=lora, recompute=rc)
+            predicted = M.predicted(folder, zero=zero, lora_r=8 if lora else 0, recompute=rc).tensors
             errors.append(row(f"{name}, ZeRO-{zero}, 1 rank", predicted, measured, bucket if zero else 0))
         if not args.quick:
             for zero in (2, 3):

@@ -97,7 +97,13 @@ def pretrain(folder: Path) -> Path:
 
 
 def measured_peak(
-    model: Path, data: Path, work: Path, zero: int = 0, lora: bool = False, cards: int = 1
+    model: Path,
+    data: Path,
+    work: Path,
+    zero: int = 0,
+    lora: bool = False,
+    cards: int = 1,
+    recompute: bool = False,
 ) -> int:
     """Peak live tensor bytes of step 2 of a kit training run (see the module); under a launcher, this rank's."""
     from torch.profiler import ProfilerActivity, profile
@@ -115,6 +121,7 @@ def measured_peak(
         gbs=MBS * cards,
         dtype="float32",
         nproc_per_node=cards,
+        recompute=recompute,
     )
     steady = {}
 
@@ -150,6 +157,7 @@ def predicted(
     lora_r: int = 0,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
     cards: int = 1,
+    recompute: bool = False,
 ):
     """The planner's tensors per CPU "card" for the same run."""
     from kit.plan import PlanInputs, make_plan
@@ -167,6 +175,7 @@ def predicted(
             lora_targets=tuple(lora_targets),
             engines=("deepspeed",),
             zero_stage=zero,
+            recompute=recompute,
         )
     )
     return report.chosen().memory

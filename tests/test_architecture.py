@@ -8,7 +8,19 @@ from collections import defaultdict
 from pathlib import Path
 
 KIT = Path(__file__).resolve().parent.parent / "kit"
-STAGES = {"doctor", "envs", "data", "convert", "adapt", "ops", "train", "plan", "profiling", "evaluate", "serve"}
+STAGES = {
+    "doctor",
+    "envs",
+    "data",
+    "convert",
+    "adapt",
+    "ops",
+    "train",
+    "plan",
+    "profiling",
+    "evaluate",
+    "serve",
+}
 # lower number = lower layer; a module may import its own layer and the ones below it
 LAYERS = {"errors": 0, "system": 1, "storage": 2, "core": 3, **{s: 4 for s in STAGES}}
 

@@ -234,6 +234,26 @@ def test_zero_stages_train_and_export_the_same_model(tmp_path, tiny_llama_dir, p
         torch.testing.assert_close(b[key], a[key], atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("run_type, data", [("pretrain", "pretrain_data"), ("lora", "sft_data")])
+def test_recompute_trains_to_the_same_losses(tmp_path, tiny_llama_dir, request, run_type, data):
+    """RECOMPUTE runs every layer's forward again in the backward: the same math, so the same losses (LoRA too:
+    the non-reentrant checkpoint needs no gradient on the frozen inputs)."""
+    folder = request.getfixturevalue(data)
+    kw = dict(train_iters=3, run_type=run_type)
+    ref = train(H.tiny_config(tiny_llama_dir, folder, tmp_path / "plain", **kw), progress=False)
+    res = train(H.tiny_config(tiny_llama_dir, folder, tmp_path / "rc", recompute=True, **kw), progress=False)
+    assert res.status == "completed" and res.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert res.losses[-1] != res.losses[0]
+    # and it was on (the memory it saves: tests/test_plan_agreement.py's recompute case)
+    from kit.train.engine import build_model
+
+    model, _ = build_model(H.tiny_config(tiny_llama_dir, folder, tmp_path / "m", recompute=True, **kw))
+    base = model.get_base_model() if run_type == "lora" else model
+    assert (
+        getattr(base, "is_activation_checkpointing", None) or base.is_gradient_checkpointing
+    )  # (transformers 5 name)
+
+
 def test_deepspeed_clips_everywhere_and_fp32_zero0_logs_the_norm_deepspeed_reports_elsewhere(
     tmp_path, tiny_llama_dir, pretrain_data
 ):

@@ -2,8 +2,8 @@
 
 `make_plan(PlanInputs)` reads the model's config.json (no weights), counts its parameters exactly, traces one
 micro-batch at full size on fake tensors (kit.plan.trace), and lays the result out per card for every plan the kit
-can run: DeepSpeed ZeRO 0-3 (notebook 04's trainer) and megatron-core TP x PP (x EP) with the distributed
-optimizer, with and without full recompute (the Megatron path). A plan's total is its tensors plus a stated
+can run, each with and without full recompute (RECOMPUTE): DeepSpeed ZeRO 0-3 (notebook 04's trainer) and
+megatron-core TP x PP (x EP) with the distributed optimizer (the Megatron path). A plan's total is its tensors plus a stated
 allocator margin plus what the card's runtime holds; it fits when that total is within the card's memory.
 """
 
@@ -49,7 +49,8 @@ class PlanInputs:
     mfu: float = DEFAULT_MFU
     adapt: bool = True
     zero_stage: Optional[int] = None
-    """The plan the run is set to (marked in the list): ZeRO stage for DeepSpeed."""
+    """The plan the run is set to (marked in the list): ZeRO stage for DeepSpeed, and whether it recomputes."""
+    recompute: bool = False
 
 
 @dataclass
@@ -157,23 +158,27 @@ def make_plan(inputs: PlanInputs) -> PlanReport:
     report.trace_seconds += traced.seconds
     b = DTYPE_BYTES[dtype]
     if "deepspeed" in inputs.engines:
+        recomputed = trace(config, replace(key, recompute=True))
+        report.trace_seconds += recomputed.seconds
+        mbs, ga = (_mbs_options(inputs, inputs.cards, gbs) or [(inputs.mbs, 1)])[0]
         for zero in (0, 1, 2, 3):
-            for mbs, ga in _mbs_options(inputs, inputs.cards, gbs)[:1] or [(inputs.mbs, 1)]:
-                run = Run(c, b, inputs.lora_r, mbs, gbs)
-                memory = deepspeed_memory(run, traced, inputs.cards, zero, scale=mbs)
+            for rc, t in ((False, traced), (True, recomputed)):
+                memory = deepspeed_memory(
+                    Run(c, b, inputs.lora_r, mbs, gbs), t, inputs.cards, zero, scale=mbs
+                )
                 total = _total(memory, the_card)
                 report.rows.append(
                     PlanRow(
                         "deepspeed",
-                        f"DeepSpeed ZeRO-{zero}",
+                        f"DeepSpeed ZeRO-{zero}" + (" + recompute" if rc else ""),
                         mbs,
                         ga,
                         memory,
                         total,
                         total <= report.capacity,
-                        _speed(report, config, False, 1.0, inputs.mfu),
-                        f"ZERO_STAGE={zero}",
-                        chosen=inputs.zero_stage == zero,
+                        _speed(report, config, rc, 1.0, inputs.mfu),
+                        f"ZERO_STAGE={zero}" + (" RECOMPUTE=True" if rc else ""),
+                        chosen=inputs.zero_stage == zero and inputs.recompute == rc,
                     )
                 )
     if "megatron" in inputs.engines and not inputs.lora_r and dtype != "float32":
@@ -265,6 +270,7 @@ def inputs_for(plan, card_name: str = "here", **overrides) -> PlanInputs:
         dtype=cfg.dtype if cfg.dtype != "auto" else "auto",
         adapt=cfg.adapt,
         zero_stage=cfg.zero_stage if cfg.engine == "deepspeed" else None,
+        recompute=bool(cfg.recompute),
         engines=("deepspeed",) if cfg.engine == "deepspeed" else ("megatron",),
     )
     values.update(overrides)

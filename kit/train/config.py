@@ -166,6 +166,9 @@ class TrainConfig:
     """Print a Megatron-style line every N steps."""
     adapt: bool = True
     """Patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU."""
+    recompute: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them (HF gradient checkpointing;
+    Megatron --recompute-granularity full): about a third more compute for far less activation memory (kit plan)."""
     lora_r: int = 8
     """LoRA rank (RUN_TYPE lora)"""
     lora_alpha: int = 16

@@ -165,6 +165,8 @@ def build_model(cfg, torch_dtype=None):
     model.config.use_cache = False
     _router_aux_loss(model, cfg)
     report = adapt(model) if cfg.adapt else None
+    if cfg.recompute:  # non-reentrant: frozen inputs (LoRA) need no requires_grad trick
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 

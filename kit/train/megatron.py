@@ -42,6 +42,15 @@ NPU_FLAGS = [
     "--transformer-impl",
     "local",
 ]
+# RECOMPUTE: every layer recomputed in the backward (Megatron-LM arguments.py; what kit plan's "+ recompute" plans are)
+RECOMPUTE_FLAGS = [
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
 
 
 @dataclass
@@ -238,6 +247,7 @@ def build(
         "--adam-beta2", "0.95",
         "--seed", str(cfg.seed),
         *model_flags,
+        *(RECOMPUTE_FLAGS if cfg.recompute else []),
         *NPU_FLAGS,
         "--tokenizer-type", "PretrainedFromHF",
         "--tokenizer-name-or-path", str(cfg.tokenizer_path or ""),
