@@ -167,3 +167,32 @@ def test_on_an_older_torch_the_planner_says_where_it_runs(monkeypatch, llama):
     monkeypatch.setattr(torch, "__version__", "2.1.0")
     with pytest.raises(Exception, match=r"needs torch >= 2.5 \(this is 2.1.0\).*no weights"):
         make_plan(PlanInputs(str(llama), seq_len=64, cards=1))
+
+
+@traces
+def test_a_job_that_does_not_fit_its_cards_is_refused_in_one_line_unless_forced(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    import test_train_helpers as H
+
+    from kit.plan.cards import CARDS, Card
+    from kit.train import TrainConfig
+    from kit.train.job import JobConfig, build_job
+    from kit.train.resolve import resolve
+
+    monkeypatch.setitem(CARDS, "test-1MiB", Card("a 1 MiB test card", 1 / 1024, 100, 0.0))
+    data = H.prepared(tmp_path / "sft_tiny_48_hf", tiny_llama_dir)
+    cfg = TrainConfig(
+        work_dir=str(tmp_path / "ws"),
+        model_name="tiny",
+        model_path=str(tiny_llama_dir),
+        dataset_path=str(data),
+    )
+    plan = resolve(cfg, environ={})
+    job = dict(obs_dir="obs://kit-bucket/x/", nodes=1, pool_id="p", image_url="org/kit:1", card="test-1MiB")
+    refused = [p for p in build_job(plan, JobConfig(**job)).problems if p.startswith("Will it fit?")]
+    assert len(refused) == 1 and "\n" not in refused[0]
+    assert "DeepSpeed ZeRO-0 does not fit on 8 x a 1 MiB test card" in refused[0]
+    assert "the largest term is" in refused[0] and refused[0].endswith("FORCE=True sends it anyway.")
+    assert not [p for p in build_job(plan, JobConfig(**job, force=True)).problems if "fit" in p]
+    assert not [p for p in build_job(plan, JobConfig(**dict(job, card="910B-64G"))).problems if "fit" in p]

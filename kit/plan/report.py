@@ -120,3 +120,20 @@ def will_it_fit(plan, card_name: str = "910B-64G", cards: Optional[int] = None) 
     except KitError as exc:
         return [show(f"The planner did not run: {exc}")]
     return [show(verdict(report)), memory_table(report), plans_table(report)]
+
+
+def does_not_fit(plan, card_name: str, cards: int) -> Optional[str]:
+    """The one line that refuses a resolved run (kit.train.resolve.TrainPlan) on `cards` cards of `card_name`:
+    its plan, the largest term and the nearest plan that fits; None when it fits, or when the planner cannot
+    answer here (no torch >= 2.5, a model it cannot build): a launch is not refused on a guess."""
+    from kit.errors import KitError
+    from kit.plan.planner import inputs_for, make_plan
+
+    try:
+        report = make_plan(inputs_for(plan, card_name, cards=cards))
+    except (KitError, OSError, ValueError):
+        return None
+    chosen = report.chosen()
+    if chosen is None or chosen.fits:
+        return None
+    return "Will it fit? " + verdict(report)

@@ -65,6 +65,10 @@ class JobConfig:
     """ModelArts workspace ID; empty: the default workspace."""
     environments: Dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the job's containers (never credentials: jobs get them from their agency)."""
+    card: str = "910B-64G"
+    """The flavor's card, for the fit check before anything is sent (kit plan): 910B-64G, 910B4-32G, A100-80G, ..."""
+    force: bool = False
+    """Build and send the job even when the planner says the run does not fit on its cards."""
 
     def cards(self) -> Optional[int]:
         """Cards per node the flavor gives (None: a flavor the kit does not know; MA_NUM_GPUS tells on the node)."""

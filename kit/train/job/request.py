@@ -244,6 +244,11 @@ def build_job(plan: TrainPlan, job: JobConfig) -> JobPlan:
     )
     where = f"on {job.nodes} node(s) x {cards} card(s) of {job.flavor}" if cards else "on the job"
     problems += [f"{where}: {p}" for p in on_job.problems()]
+    if cards and not job.force:
+        from kit.plan.report import does_not_fit
+
+        refusal = does_not_fit(plan, job.card, on_job.world_size)
+        problems += [f"{refusal} FORCE=True sends it anyway."] if refusal else []
 
     data, model = str(cfg.dataset_path), str(cfg.model_path)
     data_obs = job.data_obs or _obs_join(job.obs_dir, "data", Path(data).name)
