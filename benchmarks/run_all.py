@@ -331,7 +331,7 @@ def print_table(rows: List[Row]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--only", nargs="+", help="stages to run (data convert envs train ops profiling evaluate)"
+        "--only", nargs="+", help="stages to run (data convert envs train plan ops profiling evaluate)"
     )
     ap.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one benchmark may take (a hang guard)"
