@@ -43,6 +43,7 @@ BENCHMARKS = [
     "bench_profiling.py",
     "bench_evaluate.py",
     "bench_serve.py",
+    "bench_engines.py",
 ]
 FIGURE = re.compile(  # the ratio cell is kept as printed (some figures are percentages, e.g. RSS growth)
     r"^\s*(?P<stage>\w[\w .+/-]*?)\s*\|\s*(?P<figure>[^|]+?)\s*\|\s*(?P<ratio>[^|]+?)\s*"
