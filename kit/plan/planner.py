@@ -74,6 +74,7 @@ class PlanRow:
             "headroom GiB": round((capacity - self.total) / GIB, 1),
             "fits": "yes" if self.fits else "no",
             "tokens/s/card": round(self.tokens_per_s_per_card) if self.tokens_per_s_per_card else "-",
+            "settings": self.flags,
         }
 
 
@@ -267,7 +268,7 @@ def inputs_for(plan, card_name: str = "here", **overrides) -> PlanInputs:
         card=card_name,
         lora_r=cfg.lora_r if lora else 0,
         lora_targets=tuple(cfg.lora_targets),
-        dtype=cfg.dtype if cfg.dtype != "auto" else "auto",
+        dtype=cfg.dtype,
         adapt=cfg.adapt,
         zero_stage=cfg.zero_stage if cfg.engine == "deepspeed" else None,
         recompute=bool(cfg.recompute),

@@ -35,7 +35,8 @@ def verdict(report: PlanReport) -> str:
     chosen, fitting = report.chosen(), report.fitting()
     best = fitting[0] if fitting else None
     if chosen is not None and chosen.fits:
-        return f"{chosen.layout} fits on {cards}: {_gib(chosen.total)} GiB per card for {what}."
+        notes = "".join(f" ({n})" for n in chosen.memory.notes)
+        return f"{chosen.layout} fits on {cards}: {_gib(chosen.total)} GiB per card for {what}{notes}."
     if chosen is not None:
         name, size = _largest(chosen)
         tail = f" The fastest plan that fits: {best.layout} ({_gib(best.total)} GiB)." if best else ""
