@@ -2,7 +2,8 @@
 checks (tests/test_plan_agreement.py, benchmarks/bench_plan.py).
 
 Independent of the planner's tracer: the live bytes between steps are the storages of every tensor Python can
-reach (gc), counted at the end of step 1 less those alive before the run; the bytes each step adds on top come from
+reach (gc), counted at the end of step 1 less those alive before the run that still are (what earlier tests in the
+same process left and the run frees does not count); the bytes each step adds on top come from
 the PyTorch profiler's allocator events (every allocation and free, with its size) between the end of step 1 and
 the end of step 2. The peak is the first plus the most the second reaches.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import random
+import weakref
 from pathlib import Path
 
 import test_train_helpers as H
@@ -22,16 +24,29 @@ MARK = (
 SEQ, MBS = 128, 2
 
 
-def live_tensor_bytes() -> int:
+def _live_storages() -> dict:
+    """{data pointer: (bytes, a weak reference to one tensor on it)} for every CPU tensor Python can reach."""
     seen = {}
     for obj in gc.get_objects():
         try:
             if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
                 storage = obj.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        except Exception:  # tensors without storage (sparse, some subclasses)
+                if storage.data_ptr() and storage.device.type == "cpu":
+                    seen[storage.data_ptr()] = (storage.nbytes(), weakref.ref(obj))
+        except Exception:  # tensors without storage (sparse, fake, some subclasses)
             continue
-    return sum(seen.values())
+    return seen
+
+
+def live_tensor_bytes(old: dict | None = None) -> int:
+    """Bytes of the storages alive now, less those of `old` (a _live_storages()) still alive: storages freed since
+    do not count against the new ones, whatever earlier tests left for the run to free."""
+    still = set()
+    for _n, ref in (old or {}).values():
+        tensor = ref()
+        if tensor is not None:
+            still.add(tensor.untyped_storage().data_ptr())
+    return sum(n for ptr, (n, _ref) in _live_storages().items() if ptr not in still)
 
 
 def small_llama(folder: Path) -> Path:
@@ -127,12 +142,12 @@ def measured_peak(
 
     def at_step_end(iteration: int) -> None:
         if iteration == 1:
-            steady["bytes"] = live_tensor_bytes()
+            steady["bytes"] = live_tensor_bytes(before)
         marker = torch.empty(MARK + iteration, dtype=torch.uint8)
         del marker
 
     gc.collect()
-    before = live_tensor_bytes()
+    before = _live_storages()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         train(cfg, step_callbacks=[at_step_end], progress=False)
     events = sorted(
@@ -148,7 +163,7 @@ def measured_peak(
         elif inside:
             top = max(top, live)
     assert inside, "the profiler saw no end of step 1"
-    return steady["bytes"] - before + (top - start)
+    return steady["bytes"] + (top - start)
 
 
 def predicted(

@@ -63,3 +63,15 @@ def test_predicted_peak_is_within_5_percent_of_the_kit_trainers(
     measured = M.measured_peak(folder, data, tmp_path / "ws", zero=zero, lora=lora, recompute=recompute)
     memory = M.predicted(folder, zero=zero, lora_r=8 if lora else 0, recompute=recompute)
     assert memory.tensors == pytest.approx(measured, rel=0.05), (memory.terms(), measured)
+
+
+def test_the_measure_counts_only_what_the_run_adds_not_what_it_frees():
+    """Earlier tests in the same process may leave tensors that the run frees: they must not count against the
+    run's own (a worker once measured -135 MB so)."""
+    left_over = [torch.zeros(1_000_000)]
+    kept = torch.ones(10)
+    old = M._live_storages()
+    left_over.clear()
+    added = torch.zeros(1000)
+    assert M.live_tensor_bytes(old) == added.untyped_storage().nbytes()
+    assert kept.sum() == 10
