@@ -196,3 +196,29 @@ def test_a_job_that_does_not_fit_its_cards_is_refused_in_one_line_unless_forced(
     assert "the largest term is" in refused[0] and refused[0].endswith("FORCE=True sends it anyway.")
     assert not [p for p in build_job(plan, JobConfig(**job, force=True)).problems if "fit" in p]
     assert not [p for p in build_job(plan, JobConfig(**dict(job, card="910B-64G"))).problems if "fit" in p]
+
+
+@traces
+def test_a_launch_that_does_not_fit_this_machine_is_refused_in_one_line_unless_forced(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """On a CPU the node's ranks share the host memory available now: with 8 MiB of it (the one value replaced,
+    where the kit reads it), the tiny run's 2 ranks are refused before anything starts; forced, it trains."""
+    import test_train_helpers as H
+
+    from kit.errors import InputError
+    from kit.system import memory
+    from kit.train.launch import launch
+
+    monkeypatch.setattr(memory, "available_memory", lambda *a, **k: (8 * 2**20, "a test's 8 MiB"))
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=8)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=1, nproc_per_node=2, mbs=1, gbs=2)
+    with pytest.raises(InputError) as refused:
+        launch(cfg, progress=False)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("Will it fit? DeepSpeed ZeRO-0 does not fit on 2 x ")
+    assert "(0.00390625 GiB)" in line and "the largest term is" in line
+    assert line.endswith("--force (force=True) launches it anyway.")
+    assert not list((tmp_path / "ws").rglob("*plan*.json")) and not list((tmp_path / "ws").rglob("*.log"))
+    result = launch(cfg, progress=False, force=True)
+    assert result.ok and result.status == "completed", result.tail

@@ -123,18 +123,34 @@ def will_it_fit(plan, card_name: str = "910B-64G", cards: Optional[int] = None) 
     return [show(verdict(report)), memory_table(report), plans_table(report)]
 
 
-def does_not_fit(plan, card_name: str, cards: int) -> Optional[str]:
-    """The one line that refuses a resolved run (kit.train.resolve.TrainPlan) on `cards` cards of `card_name`:
-    its plan, the largest term and the nearest plan that fits; None when it fits, or when the planner cannot
-    answer here (no torch >= 2.5, a model it cannot build): a launch is not refused on a guess."""
+def does_not_fit(plan, card_name: str, cards: int, memory_gib: Optional[float] = None) -> Optional[str]:
+    """The one line that refuses a resolved run (kit.train.resolve.TrainPlan) on `cards` cards of `card_name`
+    (`memory_gib`: each card's memory instead of the card's own): its plan, the largest term and the nearest plan
+    that fits; None when it fits, or when the planner cannot answer here (no torch >= 2.5, a model it cannot
+    build): a launch is not refused on a guess."""
     from kit.errors import KitError
     from kit.plan.planner import inputs_for, make_plan
 
     try:
-        report = make_plan(inputs_for(plan, card_name, cards=cards))
+        report = make_plan(inputs_for(plan, card_name, cards=cards, card_memory_gib=memory_gib))
     except (KitError, OSError, ValueError):
         return None
     chosen = report.chosen()
     if chosen is None or chosen.fits:
         return None
     return "Will it fit? " + verdict(report)
+
+
+def local_refusal(plan) -> Optional[str]:
+    """does_not_fit for a launch on this machine's own cards (kit train launch): its device, or on a CPU the host
+    memory available now shared by the node's ranks."""
+    from kit.system.device import detect
+
+    cfg = plan.cfg
+    memory_gib = None
+    if detect().kind == "cpu":
+        from kit.plan.cards import GIB
+        from kit.system.memory import available_memory
+
+        memory_gib = available_memory()[0] / GIB / max(1, cfg.nproc_per_node)
+    return does_not_fit(plan, "here", cfg.world_size, memory_gib)

@@ -38,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_config_args(la)
     la.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun")
     la.add_argument("--visible-devices", default=None, help="cards for this node, e.g. 0,1,2,3")
+    la.add_argument(
+        "--force",
+        action="store_true",
+        help="launch even where the planner says the run does not fit the cards",
+    )
     m = s.add_parser(
         "megatron", help="print (or run) the AscendCloud script / pretrain_gpt.py command for the config"
     )
@@ -123,7 +128,12 @@ def run(args: argparse.Namespace) -> int:
         # SIGTERM to this launcher is passed on like Ctrl-C: the job (its own session) checkpoints and stops
         with sigterm_as_interrupt():
             res = launch(
-                cfg, launcher=args.launcher, visible_devices=args.visible_devices, echo=True, progress=False
+                cfg,
+                launcher=args.launcher,
+                visible_devices=args.visible_devices,
+                echo=True,
+                progress=False,
+                force=args.force,
             )
         if res.status == "preempted":  # torchrun turns the ranks' EXIT_PREEMPTED into 1
             from kit.errors import EXIT_PREEMPTED

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from kit.core.workspace import repo_root
+from kit.errors import InputError
 from kit.system.procs import STOP_GRACE_S, free_port, running, runs_kit_train, torchrun_command
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.train.job builds on it)
@@ -102,8 +103,6 @@ def launch_command(
         else:
             shape = [f"--num_nodes={cfg.nnodes}", f"--num_gpus={cfg.nproc_per_node}"]
         if not deepspeed_runs_one_node_per_launcher():
-            from kit.errors import InputError
-
             raise InputError(
                 "this DeepSpeed's launcher has no --no_ssh / --node_rank (DeepSpeed 0.15 has them): it would ssh "
                 "to the hostfile's nodes or count CPU devices with numactl; use LAUNCHER=torchrun or a newer "
@@ -214,6 +213,7 @@ def launch(
     echo: bool = False,
     ws: Any = None,
     grace_s: float = STOP_GRACE_S,
+    force: bool = False,
 ) -> LaunchResult:
     """Resolve `run` once (a TrainPlan is taken as it is), write the plan its ranks read, start the job and stream
     it: a progress bar, the log tail, a clean stop.
@@ -222,6 +222,9 @@ def launch(
     which save a checkpoint and exit (kit.system.procs.Stopper); what is still alive `grace_s` later is killed, and
     nothing the job started outlives this call. Several nodes: this node's config and launcher log carry
     `.node<NODE_RANK>`.
+
+    A run the planner (kit.plan) says does not fit this node's cards is refused before anything starts, in one
+    line (InputError) naming its largest term and the nearest plan that fits; `force=True` launches it anyway.
     """
     from kit.system.device import detect
     from kit.system.progress import bar as progress_bar
@@ -230,6 +233,12 @@ def launch(
     plan = run if isinstance(run, TrainPlan) else resolve(run, ws)
     plan = dataclasses.replace(plan, cfg=job_config(plan.cfg))
     cfg, out = plan.cfg, plan.folder
+    if not force:
+        from kit.plan.report import local_refusal
+
+        refusal = local_refusal(plan)
+        if refusal:
+            raise InputError(f"{refusal} --force (force=True) launches it anyway.")
     if cfg.node_rank == 0:  # its rank 0 will hold the run's lock: a run already training there is not touched
         from kit.storage.locks import check_free
 
