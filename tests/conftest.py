@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,13 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# A test run started in the background of a non-interactive shell (`make test &`, nohup) inherits SIGINT ignored,
+# and so would every process the tests start (an ignored signal survives exec; Python then installs no Ctrl-C
+# handler): the tests that send SIGINT would wait for an exit that never comes. A handler does not survive exec, so
+# with the default one here the processes the tests start get SIGINT's default back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
