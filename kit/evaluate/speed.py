@@ -26,12 +26,10 @@ def _accelerator(device):
 
 
 def _memory_mb(device) -> tuple:
-    acc = _accelerator(device)
-    if acc is not None:
-        return float(acc.max_memory_allocated(device)) / 2**20, "max allocated"
-    import psutil
+    from kit.system.memory import peak_memory
 
-    return float(psutil.Process().memory_info().rss) / 2**20, "process RSS"
+    used, what = peak_memory(device)
+    return used / 2**20, what
 
 
 def _cache_names(model) -> tuple:

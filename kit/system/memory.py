@@ -91,3 +91,16 @@ def give_back_freed() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def peak_memory(device) -> Tuple[int, str]:
+    """(bytes, what they are) of this process's memory on `device`: the allocator's peak on an NPU / CUDA card
+    (max_memory_allocated), the process's resident set on a CPU."""
+    import torch
+
+    kind = getattr(device, "type", str(device))
+    if kind in ("cuda", "npu"):
+        return int(getattr(torch, kind).max_memory_allocated(device)), "max allocated"
+    import psutil
+
+    return int(psutil.Process().memory_info().rss), "process RSS"

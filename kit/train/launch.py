@@ -228,6 +228,8 @@ def launch(
     """
     from kit.system.device import detect
     from kit.system.progress import bar as progress_bar
+    from kit.system.progress import in_kernel
+    from kit.train.live import RunView
     from kit.train.resolve import resolve
 
     plan = run if isinstance(run, TrainPlan) else resolve(run, ws)
@@ -254,7 +256,11 @@ def launch(
     t0 = time.time()
     result = LaunchResult(returncode=-1, log_path=log_path, command=cmd)
     tail = collections.deque(maxlen=tail_lines)
-    bar = progress_bar(total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress)
+    # in a notebook the live view from rank 0's log lines (kit.train.live), elsewhere tqdm's bar
+    view = RunView(cfg.train_iters, title=f"{cfg.run_type} ({out.name}, launched)") if progress else None
+    bar = progress_bar(
+        total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress or in_kernel()
+    )
     with open(log_path, "a", encoding="utf-8") as log:
 
         def note(text: str) -> None:
@@ -273,7 +279,7 @@ def launch(
             try:
                 for line in job.lines(note):
                     if line:
-                        _consume(line, log, tail, echo, result, bar)
+                        _consume(line, log, tail, echo, result, bar, view)
             finally:
                 bar.close()
         while job.notes:
@@ -282,6 +288,8 @@ def launch(
     result.returncode = job.returncode
     result.tail = list(tail)
     result.seconds = time.time() - t0
+    if view is not None:
+        view.close(result.rank_lines[-1] if result.rank_lines else f"launched run ended: {result.status}")
     return result
 
 
@@ -304,7 +312,7 @@ _RANK_FAILED = re.compile(r"\] failed \(exitcode: (-?\d+)\) local_rank: \d+")
 _AGENT_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/")
 
 
-def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> None:
+def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar, view=None) -> None:
     """One line of the job's output: to the log, the tail, the status and the progress bar. A rank's `error:` and
     status lines are shown once however many ranks print them, and torchrun's report of a failed rank only in the
     log, so a failed launch ends with the rank's own line."""
@@ -334,3 +342,5 @@ def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar) -> Non
         bar.n = rec["iteration"]
         bar.set_postfix(loss=f"{rec['loss']:.4f}")
         bar.refresh()
+        if view is not None:
+            view.update(rec)

@@ -25,6 +25,7 @@ COLUMNS = {
     "throughput per GPU (TFLOP/s/GPU)": "tflops_per_card",
     "tokens/s/p": "tokens_per_s_per_card",
     "samples/s": "samples_per_s",
+    "memory (GiB)": "memory_gib",  # the kit's: peak allocated on the card (NPU / CUDA), the process's RSS on a CPU
 }
 _HF_METRIC = re.compile(r"(\w+)\s*=\s*([\d:.]+)")
 

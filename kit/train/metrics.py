@@ -38,6 +38,7 @@ def format_line(m: dict, train_iters: int) -> str:
         f"number of skipped iterations: {m.get('skipped', 0):3d}",
         f"number of nan iterations: {m.get('nan', 0):3d}",
         f"tokens/s/p: {m['tokens_per_s_per_card']:.1f}",
+        *([f"memory (GiB): {m['memory_gib']:.2f}"] if m.get("memory_gib") is not None else []),
         f"samples/s: {m['samples_per_s']:.3f}",
     ]
     return " | ".join(parts) + " |"
@@ -88,7 +89,15 @@ class MetricsWriter:
             self.text(format_line(m, self.train_iters))
         tb = self._writer()
         if tb:
-            keys = ("loss", "lr", "grad_norm", "tokens_per_s_per_card", "samples_per_s", "elapsed_ms")
+            keys = (
+                "loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s_per_card",
+                "samples_per_s",
+                "elapsed_ms",
+                "memory_gib",
+            )
             for key in keys + tuple(k for k in m if k.startswith(("rewards/", "logps/"))):
                 if m.get(key) is not None:
                     tb.add_scalar(f"train/{key}", m[key], m["iteration"])

@@ -288,6 +288,7 @@ class Trainer:
         elapsed_ms = self._all_reduce([(time.perf_counter() - t0) * 1000.0])[0] / self.world
         tokens = self._all_reduce_ints([tokens])[0]
         grad_norm = engine.get_global_grad_norm() if pre_clip_norm is None else pre_clip_norm
+        from kit.system.memory import peak_memory
         from kit.train.metrics import tokens_per_second_per_card
 
         extra = self.objective.step_metrics(self._reduce_tensor) if self.objective is not None else {}
@@ -308,6 +309,7 @@ class Trainer:
             "samples_per_s": cfg.gbs / (elapsed_ms / 1000.0) if elapsed_ms > 0 else 0.0,
             "useful_tokens_per_s": tokens / (elapsed_ms / 1000.0) if elapsed_ms > 0 else 0.0,
             "real_tokens": int(tokens),
+            "memory_gib": peak_memory(self.device)[0] / 2**30,
             "time": time.time(),
             **extra,
         }
@@ -387,7 +389,9 @@ class Trainer:
 
         from kit.system.procs import PREEMPT_GRACE_VARIABLE, STOP_GRACE_S
         from kit.system.progress import bar as progress_bar
+        from kit.system.progress import in_kernel
         from kit.system.waits import seconds
+        from kit.train.live import RunView
 
         t_start = time.time()
         grace_s = seconds(os.environ, PREEMPT_GRACE_VARIABLE, STOP_GRACE_S)
@@ -396,11 +400,16 @@ class Trainer:
         previous = self._install_signals()
         losses, iteration, status, message, last_ckpt = [], self.start_iter, "completed", "", None
         deadline = None  # a stop signal's: the checkpoint uploads end by then
+        show = self.progress and self.rank == 0
+        # in a notebook the live view (kit.train.live), elsewhere tqdm's bar
+        view = (
+            RunView(cfg.train_iters, self.start_iter, f"{cfg.run_type} ({self.out.name})") if show else None
+        )
         bar = progress_bar(
             total=cfg.train_iters,
             initial=self.start_iter,
             desc=f"{cfg.run_type} steps",
-            disable=not self.progress or self.rank != 0,
+            disable=not show or in_kernel(),
         )
         try:
             while iteration < cfg.train_iters:
@@ -422,6 +431,8 @@ class Trainer:
                 self.writer.iteration(metrics, print_line=iteration % cfg.log_interval == 0)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                if view is not None:
+                    view.update(metrics)
                 for cb in self.step_callbacks:
                     cb(iteration)
                 stop = self._all_reduce_ints([1 if self._stop_reason else 0], "max")[0]
@@ -476,6 +487,15 @@ class Trainer:
             result.message = f"{result.message.rstrip('.')}; but {failed[0].rstrip('.')}{more}."
             self.writer.text(result.message)
         self.writer.close()
+        if self.rank == 0 and self.writer.enabled and self.writer.jsonl_path.is_file():
+            from kit.train.live import plot_loss
+            from kit.train.metrics import read_metrics
+
+            records = [r for r in read_metrics(self.writer.jsonl_path) if r.get("loss") is not None]
+            if records:  # the whole run's curve, a resumed run's earlier steps too
+                plot_loss(records, self.out / "training_loss.png", f"{cfg.run_type} loss ({self.out.name})")
+        if view is not None:
+            view.close(result.message or f"{status} at iteration {iteration}")
         result.seconds = time.time() - t_start
         result.config = cfg
         if self.objective is not None:

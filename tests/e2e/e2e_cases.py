@@ -131,15 +131,16 @@ EXPECT = {
         images=1,
         texts=("mp_rank_01_001", "rank files (TP x PP x EP)", "bit-identical", "max |logits - HF|"),
     ),
-    # the trainer's step bar and the launched run's bar, the loss/throughput plot, the curves and the runs side by
-    # side, the Megatron plan
+    # the live views of the trainer's run and the launched run (their final state: table and loss curve), the
+    # loss/throughput plot, the curves and the runs side by side, the Megatron plan
     "04": Expect(
         tables=2,
         images=1,
         texts=(
             "the in-kernel run",
             "completed",
-            "steps: 100%|",
+            "memory (GiB)",
+            "smoothed",
             "lm loss",
             "before:",
             "after:",
@@ -147,13 +148,13 @@ EXPECT = {
         ),
     ),
     # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice, the
-    # profiled training's step bar; the capture is checked by what it recorded (a torch profile of the two active
+    # profiled training's live view; the capture is checked by what it recorded (a torch profile of the two active
     # steps), never by which operator ranked first: that depends on the machine's load
     "05": Expect(
         tables=3,
         images=3,
         texts=(
-            "steps: 100%|",
+            "smoothed",
             "profiled ",
             "torch profile",
             "kernel rows, 2 steps",
