@@ -68,25 +68,27 @@ class MetricsWriter:
                 self._tb = SummaryWriter(str(self.tb_dir))
         return self._tb
 
-    def text(self, line: str) -> None:
-        """A free-form line in the log (start, checkpoint saved, stop reasons)."""
+    def text(self, line: str, echo: bool = True) -> None:
+        """A free-form line in the log (start, checkpoint saved, stop reasons); `echo`: also printed (when the
+        writer echoes at all)."""
         if not self.enabled:
             return
-        if self.echo:
+        if self.echo and echo:
             # one write: under a launcher (unbuffered) print's two writes let another rank's line land between
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
         with writing(self.log_path), open(self.log_path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
-    def iteration(self, m: dict, print_line: bool = True) -> None:
-        """Record one optimizer step (every step goes to jsonl/TensorBoard; lines every LOG_INTERVAL)."""
+    def iteration(self, m: dict, print_line: bool = True, echo: bool = True) -> None:
+        """Record one optimizer step (every step goes to jsonl/TensorBoard; lines every LOG_INTERVAL, printed too
+        unless `echo` is False: a notebook's live view shows them)."""
         if not self.enabled:
             return
         with writing(self.jsonl_path), open(self.jsonl_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(m) + "\n")
         if print_line:
-            self.text(format_line(m, self.train_iters))
+            self.text(format_line(m, self.train_iters), echo)
         tb = self._writer()
         if tb:
             keys = (

@@ -428,7 +428,11 @@ class Trainer:
                     break
                 iteration += 1
                 losses.append(metrics["loss"])
-                self.writer.iteration(metrics, print_line=iteration % cfg.log_interval == 0)
+                self.writer.iteration(
+                    metrics,
+                    print_line=iteration % cfg.log_interval == 0,
+                    echo=view is None or not in_kernel(),
+                )
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 if view is not None:
