@@ -16,6 +16,10 @@ from kit.errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, INSTALL_EXTRAS, debug_e
 
 # sub-command -> (module with `register(subparsers)`, one-line help shown by `python -m kit --help`)
 STAGES = {
+    "project": (
+        "kit.core.project",
+        "set the project's model and workspace once for every notebook and command",
+    ),
     "doctor": ("kit.doctor.report", "check Python, torch, torch_npu, CANN, driver, devices, DeepSpeed"),
     "device-check": (
         "kit.doctor.device_check",

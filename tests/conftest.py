@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,11 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the project settings (kit.core.project) the tests' workspaces read: none, unless a test writes its own (a
+# developer's runs/ws/kit_project.json must not change what the tests resolve)
+os.environ.setdefault(
+    "KIT_PROJECT", os.path.join(tempfile.mkdtemp(prefix="kit-project-"), "kit_project.json")
+)
 
 # A test run started in the background of a non-interactive shell (`make test &`, nohup) inherits SIGINT ignored,
 # and so would every process the tests start (an ignored signal survives exec; Python then installs no Ctrl-C

@@ -175,18 +175,20 @@ def test_bindings_are_read_from_the_notebooks():
     """The mapping is derived, not listed: spot checks of each way a parameter reaches a field."""
     by_nb = {p.name[:2]: bound_parameters(p) for p in NOTEBOOKS}
     from kit.data.config import DataConfig
-    from kit.train.config import TrainConfig
 
     assert (
         by_nb["02"]["TEMPLATE"] == [("DataConfig.template", DataConfig.template)] * 2
     )  # both binds, by name
     assert by_nb["02"]["SFT_NAME"] == [("DataConfig.name", None)]  # given as name=SFT_NAME
-    assert ("TrainConfig.model_name", TrainConfig.model_name) in by_nb["04"]["MODEL"]  # model_name=MODEL
-    assert ("get_workspace(model=)", "demo") in by_nb["04"]["MODEL"]  # get_workspace(WORKSPACE, model=MODEL)
+    # get_workspace(WORKSPACE, model=MODEL); None: the project's (TrainConfig.model_name is ws.model)
+    assert by_nb["04"]["MODEL"] == [("get_workspace(model=)", None)]
     assert ("run(top=)", 10) in by_nb["05"][
         "TOP"
     ]  # kp.run(..., top=TOP), kp from `import kit.profiling as kp`
     assert by_nb["00"]["WORKSPACE"] == [
+        ("set_project(workspace=)", None)
+    ]  # positional: set_project(WORKSPACE, MODEL)
+    assert by_nb["01"]["WORKSPACE"] == [
         ("get_workspace(root=)", None)
     ]  # positional: get_workspace(WORKSPACE, ...)
     assert by_nb["03"]["LOGITS_TOKENS"] == [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -39,6 +39,8 @@ class Workspace:
 
     root: Path
     model: str
+    origin: str = field(default="", compare=False)
+    """Where the root and model came from (kit.core.project.resolve), for the notebooks to say."""
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
@@ -159,8 +161,12 @@ class Workspace:
 
 
 def get_workspace(
-    root: Optional[Union[str, Path]] = None, model: str = "demo", create: bool = True
+    root: Optional[Union[str, Path]] = None, model: Optional[str] = None, create: bool = True
 ) -> Workspace:
-    """The workspace at `root` (default: `default_root()`) for `model`, created unless create=False."""
-    ws = Workspace(Path(root) if root else default_root(), model)
+    """The workspace at `root` for `model`, created unless create=False; None: the project's (kit.core.project:
+    notebook 00, `python -m kit project`), else `default_root()` and "demo"."""
+    from kit.core.project import resolve
+
+    path, name, origin = resolve(str(root) if root else None, model or None)
+    ws = Workspace(path, name, origin)
     return ws.create() if create else ws

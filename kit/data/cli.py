@@ -38,7 +38,11 @@ def _add_prepare(sub: argparse._SubParsersAction, kind: str, help_text: str) -> 
         default=None,
         help="workspace root, when --out-dir is not given (default: KIT_WORKSPACE / runs/ws)",
     )
-    p.add_argument("--model", default="demo", help="model folder name inside the workspace")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder name inside the workspace (default: the project's, else demo)",
+    )
     p.set_defaults(func=run, kind=kind)
 
 

@@ -64,8 +64,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     # one option per ProfileConfig field (help from its field docstring); the rest say which run and where
     add_config_arguments(d, ProfileConfig)
-    d.add_argument("--workspace", default=None, help="workspace root (default: the kit's default workspace)")
-    d.add_argument("--model", default="demo", help="the model's folder name in the workspace (default: demo)")
+    d.add_argument(
+        "--workspace",
+        default=None,
+        help="workspace root (default: the project's, else the kit's default workspace)",
+    )
+    d.add_argument(
+        "--model",
+        default=None,
+        help="the model's folder name in the workspace (default: the project's, else demo)",
+    )
     d.add_argument(
         "--training-run",
         default=None,

@@ -11,9 +11,15 @@ from kit.serve.config import BenchConfig, PackageConfig, ServeConfig
 
 
 def _workspace_args(p) -> None:
-    p.add_argument("--workspace", default=None, help="workspace root (default: the kit's default workspace)")
     p.add_argument(
-        "--workspace-model", default="demo", help="the model's folder name in the workspace (default: demo)"
+        "--workspace",
+        default=None,
+        help="workspace root (default: the project's, else the kit's default workspace)",
+    )
+    p.add_argument(
+        "--workspace-model",
+        default=None,
+        help="the model's folder name in the workspace (default: the project's, else demo)",
     )
 
 

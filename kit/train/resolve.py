@@ -282,7 +282,14 @@ def resolve_values(
     if ws is None:
         from kit.core.workspace import get_workspace
 
-        ws = get_workspace(values["work_dir"] or None, model=values["model_name"])
+        # MODEL_TYPE and WORK_DIR not given: the project's (kit.core.project), like every notebook's
+        given = not sources.get("model_name", DEFAULT).startswith(DEFAULT)
+        ws = get_workspace(values["work_dir"] or None, model=values["model_name"] if given else None)
+        if values["model_name"] != ws.model:
+            values["model_name"], sources["model_name"] = ws.model, f"the project ({ws.origin})"
+        if not values["work_dir"] and ws.origin.endswith(f"{ws.root} (the project)"):
+            # written out, so a launched rank or another node does not depend on this machine's project file
+            values["work_dir"], sources["work_dir"] = str(ws.root), f"the project ({ws.origin})"
     from kit.train import inputs
 
     conflicts: List[str] = []
