@@ -26,7 +26,7 @@ STAGES = {
         "a few minutes on a new device: kit ops vs float64, model parity, 2-card step, training, profile",
     ),
     "demo": (
-        "kit.envs.notebooks",
+        "kit.core.notebooks",
         "run the numbered notebooks headless on the embedded defaults (make demo)",
     ),
     "env": ("kit.envs.cli", "conda envs / venvs on persistent storage, archives, Jupyter kernels with CANN"),

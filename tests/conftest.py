@@ -64,7 +64,7 @@ def run_notebook(tmp_path):
     WORKSPACE defaults to a temporary folder; the summary is the notebook's reports/<stem>.summary.json. A notebook
     that succeeds writes nothing to stderr (third-party chatter goes to logs: kit.system.noise).
     """
-    from kit.envs.notebooks import execute, numbered_notebooks
+    from kit.core.notebooks import execute, numbered_notebooks
 
     def run(prefix: str, **params):
         matches = [p for p in numbered_notebooks() if p.name.startswith(prefix)]

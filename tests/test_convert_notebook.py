@@ -32,7 +32,7 @@ def test_notebook_03_converts_and_verifies(run_notebook, tiny_llama_dir, tmp_pat
 
 
 def test_notebook_03_parameters_default_to_the_workspace_and_the_demo_model():
-    from kit.envs.notebooks import parameters_of
+    from kit.core.notebooks import parameters_of
 
     params = parameters_of(NB)
     assert params["WORKSPACE"] is None and params["MODEL"] == "demo" and params["SOURCE"] is None

@@ -20,7 +20,7 @@ import typing
 
 import pytest
 
-from kit.envs.notebooks import numbered_notebooks, parameter_cells, parameters_of
+from kit.core.notebooks import numbered_notebooks, parameter_cells, parameters_of
 
 # committed notebooks against the kit's own defaults: the same on every stack (and typing.get_type_hints cannot
 # evaluate the kit's `X | None` annotations on Python 3.9)

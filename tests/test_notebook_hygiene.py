@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from kit.envs.notebooks import numbered_notebooks, parameter_cells, parameters_of
+from kit.core.notebooks import numbered_notebooks, parameter_cells, parameters_of
 
 NOTEBOOKS = numbered_notebooks()
 

@@ -1,4 +1,4 @@
-"""kit.envs.notebooks: the kernels it starts keep their stderr, less ipykernel's notice about plain TCP."""
+"""kit.core.notebooks: the kernels it starts keep their stderr, less ipykernel's notice about plain TCP."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kit.envs.notebooks import TCP_NOTICE, _pass_stderr, quiet_kernel_manager
+from kit.core.notebooks import TCP_NOTICE, _pass_stderr, quiet_kernel_manager
 
 
 def test_stderr_copy_leaves_out_only_the_tcp_notice(capfd):
@@ -47,7 +47,7 @@ def test_a_kernel_started_by_the_kit_prints_no_tcp_notice(capfd):
 
 
 def test_a_summary_table_prints_as_aligned_lines():
-    from kit.envs.notebooks import table_lines
+    from kit.core.notebooks import table_lines
 
     rows = [
         {"load": "concurrency", "max_concurrency": 1.0, "request_rate": float("nan"), "p99_ttft_ms": 12.5},

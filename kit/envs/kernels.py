@@ -246,7 +246,7 @@ def check_kernel(
     from jupyter_client import KernelManager
     from jupyter_client.kernelspec import NoSuchKernel
 
-    from kit.envs.notebooks import quiet_kernel_manager
+    from kit.core.notebooks import quiet_kernel_manager
 
     km = quiet_kernel_manager(KernelManager)(kernel_name=name)  # without ipykernel's TCP notice on our stderr
     try:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from kit.system.lifetime import dies_with_parent
 
@@ -299,3 +299,40 @@ def running(argv: list, grace_s: float = STOP_GRACE_S, **kwargs) -> Iterator[Pro
         finally:
             proc.kill()  # a no-op when all of it has exited
             proc.wait()
+
+
+# Written by the kit itself for a process that trained without a launcher (kit.train.engine.init_distributed), with
+# the port it chose: the rendezvous variables that still hold the kit's values are not the user's settings (not read
+# as MASTER_ADDR / MASTER_PORT when that process launches a job); one the user changed since is.
+IN_PROCESS_MARKER = "KIT_IN_PROCESS_LOCAL_SIZE"
+
+
+def in_process_env(port: str) -> dict:
+    """What init_distributed sets for a world of one in an unlaunched process: LOCAL_SIZE for DeepSpeed (see
+    kit.train.engine), and the marker recording the port."""
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        IN_PROCESS_MARKER: port,
+    }
+
+
+def in_process_rendezvous(environ: Mapping[str, str]) -> dict:
+    """The variables of `environ` that still hold what init_distributed set for a world of one in this process
+    (the marker included)."""
+    port = environ.get(IN_PROCESS_MARKER)
+    if not port:
+        return {}
+    return {k: v for k, v in in_process_env(port).items() if environ.get(k) == v}
+
+
+def without_in_process_rendezvous(env: dict) -> dict:
+    """`env` for a child process (a kernel, a server) without the rendezvous this process set for training in
+    it: the child would take them for a launcher's, and MASTER_PORT is still held by this process. A variable the
+    user set since is kept."""
+    kit = in_process_rendezvous(env)
+    return {k: v for k, v in env.items() if k not in kit}

@@ -42,34 +42,8 @@ MANUAL_ENV = {
     "MASTER_PORT": "master_port",
     "NPROC_PER_NODE": "nproc_per_node",
 }
-# Written by the kit itself for a process that trained without a launcher (kit.train.engine.init_distributed), with
-# the port it chose: the rendezvous variables that still hold the kit's values are not the user's settings (not read
-# as MASTER_ADDR / MASTER_PORT when that process launches a job); one the user changed since is.
-IN_PROCESS_MARKER = "KIT_IN_PROCESS_LOCAL_SIZE"
-
-
-def in_process_env(port: str) -> dict:
-    """What init_distributed sets for a world of one in an unlaunched process: LOCAL_SIZE for DeepSpeed (see
-    kit.train.engine), and the marker recording the port."""
-    return {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "LOCAL_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-        IN_PROCESS_MARKER: port,
-    }
-
-
-def in_process_rendezvous(environ: Mapping[str, str]) -> dict:
-    """The variables of `environ` that still hold what init_distributed set for a world of one in this process
-    (the marker included)."""
-    port = environ.get(IN_PROCESS_MARKER)
-    if not port:
-        return {}
-    return {k: v for k, v in in_process_env(port).items() if environ.get(k) == v}
-
+# the rendezvous the kit sets for an unlaunched (notebook) process: kit.system.procs (its kernels and servers drop it)
+from kit.system.procs import IN_PROCESS_MARKER, in_process_env, in_process_rendezvous  # noqa: E402, F401
 
 # inherited from the prepared-data manifest (field -> manifest field) and the converted-checkpoint manifest
 FROM_DATA = {"seq_len": "max_length", "tokenizer_path": "tokenizer", "template": "template", "pack": "pack"}

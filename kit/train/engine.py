@@ -18,15 +18,11 @@ def resolve_dtype(cfg, info) -> str:
 # Marks the rendezvous the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike, with the
 # port it chose. It is an environment variable, not a module flag, because the kernels and workers such a process
 # starts inherit LOCAL_SIZE too and must not take it for a launcher's.
-from kit.train.config import in_process_env, in_process_rendezvous  # noqa: E402  (one definition, read by both)
-
-
-def without_in_process_rendezvous(env: dict) -> dict:
-    """`env` for a child process (a kernel, a server) without the rendezvous this process set for training in
-    it: the child would take them for a launcher's, and MASTER_PORT is still held by this process. A variable the
-    user set since is kept."""
-    kit = in_process_rendezvous(env)
-    return {k: v for k, v in env.items() if k not in kit}
+from kit.system.procs import (  # noqa: E402, F401  (one definition, read by both)
+    in_process_env,
+    in_process_rendezvous,
+    without_in_process_rendezvous,
+)
 
 
 def init_distributed(info, log=None) -> tuple:

@@ -14,8 +14,8 @@ from e2e_cases import tiny_parameters  # noqa: E402
 from e2e_lab import JupyterLab, browser_available, chromium_path, tiny_copy  # noqa: E402
 from e2e_ui import CHROMIUM_ARGS, VIEWPORT  # noqa: E402
 
+from kit.core.notebooks import numbered_notebooks  # noqa: E402
 from kit.core.workspace import repo_root  # noqa: E402
-from kit.envs.notebooks import numbered_notebooks  # noqa: E402
 
 SCREENSHOTS = Path(os.environ.get("KIT_E2E_SCREENSHOTS") or repo_root() / "runs" / "e2e")
 

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from kit.envs.notebooks import parameters_of
+from kit.core.notebooks import parameters_of
 
 # User settings a fresh JupyterLab gets here: every cell stays in the DOM (so checks and screenshots see the
 # whole notebook) and no news / update pop-ups (this machine has no network and the toasts cover cells).

@@ -16,7 +16,7 @@ from e2e_ui import (
     visible_errors,
 )
 
-from kit.envs.notebooks import numbered_notebooks
+from kit.core.notebooks import numbered_notebooks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import pytest
 from e2e_cases import EXPECT, KNOWN_PROBLEMS, TINY
 from e2e_ui import full_screenshot, missing_outputs, open_notebook, read_cells, run_all, save, visible_errors
 
-from kit.envs.notebooks import numbered_notebooks
+from kit.core.notebooks import numbered_notebooks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -78,7 +78,7 @@ def quiet_kernel_manager(base: Optional[type] = None) -> type:
         copiers: list = []  # the threads copying stderr, to wait for once the kernels are gone
 
         async def _async_launch_kernel(self, kernel_cmd, **kw):
-            from kit.train.engine import without_in_process_rendezvous
+            from kit.system.procs import without_in_process_rendezvous
 
             kw["env"] = without_in_process_rendezvous(kw.get("env") or dict(os.environ))
             if kw.get("stderr") is not None:  # the caller chose where it goes
