@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,21 +51,6 @@ def row(figure: str, predicted: int, measured: int, bucket: int = 0) -> float:
     return err
 
 
-def two_ranks(folder: Path, data: Path, work: Path, zero: int) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = work / "peak"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(ROOT / "tests" / "plan_measure.py"), str(folder), str(data),
-           str(work / "ws"), str(zero), str(out)]  # fmt: skip
-    subprocess.run(cmd, env=env, check=True, timeout=900, capture_output=True)
-    return max(json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one process only (no two-rank runs)")
@@ -95,7 +79,7 @@ def main() -> None:
             errors.append(row(f"{name}, ZeRO-{zero}, 1 rank", predicted, measured, bucket if zero else 0))
         if not args.quick:
             for zero in (2, 3):
-                measured = two_ranks(llama, pre, root / f"r2z{zero}", zero)
+                measured = M.two_rank_peak(llama, pre, root / f"r2z{zero}", zero)
                 predicted = M.predicted(llama, zero=zero, cards=2).tensors
                 errors.append(row(f"dense, ZeRO-{zero}, 2 gloo ranks", predicted, measured, bucket))
         worst = max(abs(e) for e in errors)

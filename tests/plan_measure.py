@@ -166,6 +166,25 @@ def measured_peak(
     return steady["bytes"] + (top - start)
 
 
+def two_rank_peak(model: Path, data: Path, work: Path, zero: int) -> int:
+    """measured_peak of each of 2 gloo ranks under torchrun (this file as their script); the larger."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kit.system.procs import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = work / "peak"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), __file__, str(model), str(data), str(work / "ws"), str(zero), str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return max(json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1))
+
+
 def predicted(
     model: Path,
     zero: int = 0,

@@ -65,6 +65,14 @@ def test_predicted_peak_is_within_5_percent_of_the_kit_trainers(
     assert memory.tensors == pytest.approx(measured, rel=0.05), (memory.terms(), measured)
 
 
+@pytest.mark.parametrize("zero", [2, 3], ids=["zero2", "zero3"])
+def test_two_gloo_ranks_hold_what_the_plan_gives_each_card(inputs, tmp_path, zero):
+    """ZeRO-2 and -3 partition by DP: each of 2 ranks (torchrun, gloo) measured against the plan for 2 cards."""
+    measured = M.two_rank_peak(inputs["llama"], inputs["pretrain"], tmp_path, zero)
+    memory = M.predicted(inputs["llama"], zero=zero, cards=2)
+    assert memory.tensors == pytest.approx(measured, rel=0.05), (memory.terms(), measured)
+
+
 def test_the_measure_counts_only_what_the_run_adds_not_what_it_frees():
     """Earlier tests in the same process may leave tensors that the run frees: they must not count against the
     run's own (a worker once measured -135 MB so)."""
