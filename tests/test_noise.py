@@ -44,6 +44,9 @@ def test_a_block_that_prints_nothing_writes_no_log(tmp_path, capfd):
 def test_real_lines_split_tqdm_frames_and_keep_what_is_not_noise():
     text = "USDT:2026 profiler_start\n  warnings.warn(\nerror: out of memory\r 50%|#####     | 1/2\n"
     assert real_lines(text) == ["error: out of memory"]
+    # lm-eval's git probe outside a checkout (notebook 07's lm-eval cell showed it as a red box)
+    git = "fatal: not a git repository (or any of the parent directories): .git\nfatal: bad object HEAD\n"
+    assert real_lines(git) == ["fatal: bad object HEAD"]
     # torch's extension builder, when DeepSpeed's CPU op does build (the py310-torch25 stack)
     build = (
         "No CUDA runtime is found, using CUDA_HOME='/usr/local'\n"

@@ -62,6 +62,10 @@ def _evaluate(model, model_args, folder: Path, task: str, limit: Optional[int], 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from kit.system.progress import hf_bars
+
+    hf_bars()  # the local model's loading bar ends on its last frame in a notebook, as the kit's own loads do
+
     with quiet(Path(folder) / "lm_eval.log", loggers=("lm_eval",)):
         out = lm_eval.simple_evaluate(
             model=model,

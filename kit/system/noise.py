@@ -28,6 +28,8 @@ NOISE = re.compile(
             r"|^Building extension module|^Allowing ninja to set a default number of workers|^Loading extension module",
             r"^USDT:",  # kineto's profiler start / stop markers
             r"\d+%\|",  # tqdm bars (lm-eval's request loops)
+            # lm-eval asks git for the commit of the folder it runs in (lm_eval/loggers/utils.py get_git_commit_hash)
+            r"^fatal: not a git repository",
             r"(Future|Deprecation)Warning|^\s*warnings\.warn\(",  # libraries warning about their own next versions
         )
     )

@@ -130,7 +130,8 @@ def error_output(cell) -> str:
 
 
 def visible_errors(cells: list) -> list:
-    """Problems a user would see: tracebacks in outputs, broken widgets, code cells Run All never reached."""
+    """Problems a user would see: tracebacks or other stderr boxes in outputs, broken widgets, code cells Run All
+    never reached."""
     problems = []
     for i, c in enumerate(cells):
         if c.kind != "code":
@@ -138,6 +139,9 @@ def visible_errors(cells: list) -> list:
         for o in c.outputs:
             if o["mime"] == "application/vnd.jupyter.stderr" and _TRACEBACK.search(o["text"]):
                 problems.append(f"cell {i} shows an error:\n{o['text'][-1500:]}")
+            elif o["mime"] == "application/vnd.jupyter.stderr" and o["text"].strip():
+                # a red box on a cell that succeeded: third-party noise belongs in the run's log (kit.system.noise)
+                problems.append(f"cell {i} shows a stderr box: {o['text'].strip()[-600:]!r}")
             if o["widgetErrors"]:
                 problems.append(f"cell {i} shows a widget that failed to render")
             if o["redBars"]:
