@@ -35,4 +35,5 @@ def test_notebook_03_parameters_default_to_the_workspace_and_the_demo_model():
     from kit.core.notebooks import parameters_of
 
     params = parameters_of(NB)
-    assert params["WORKSPACE"] is None and params["MODEL"] == "demo" and params["SOURCE"] is None
+    # None: the project's model and workspace (kit.core.project), and the demo model as SOURCE
+    assert params["WORKSPACE"] is None and params["MODEL"] is None and params["SOURCE"] is None
