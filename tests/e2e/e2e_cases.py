@@ -141,7 +141,7 @@ EXPECT = {
             "completed",
             "memory (GiB)",
             "smoothed",
-            "lm loss",
+            "tokens/s/p",
             "before:",
             "after:",
             "speed_vs_sft",
