@@ -92,6 +92,20 @@ def resolve(root: Optional[str], model: Optional[str]) -> Tuple[Path, str, str]:
     return root_path, name, f"model {name!r} ({model_from}), workspace {root_path} ({root_from})"
 
 
+def add_workspace_arguments(p, model_flag: str = "--workspace-model") -> None:
+    """A command's --workspace and model options (default: the project's), for get_workspace."""
+    p.add_argument(
+        "--workspace",
+        default=None,
+        help="workspace root (default: the project's, else the kit's default workspace)",
+    )
+    p.add_argument(
+        model_flag,
+        default=None,
+        help="the model's folder name in the workspace (default: the project's, else demo)",
+    )
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "project", help="set the project's model and workspace once; every notebook and command uses them"

@@ -17,16 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "folder; writes results.csv / results.json / speed.png and an evaluation manifest.",
     )
     add_config_arguments(p, EvalConfig)  # one option per EvalConfig field, help from its field docstring
-    p.add_argument(
-        "--workspace",
-        default=None,
-        help="workspace root (default: the project's, else the kit's default workspace)",
-    )
-    p.add_argument(
-        "--workspace-model",
-        default=None,
-        help="the model's folder name in the workspace (default: the project's, else demo)",
-    )
+    from kit.core.project import add_workspace_arguments
+
+    add_workspace_arguments(p)
     p.set_defaults(func=run)
 
 

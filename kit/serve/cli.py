@@ -11,16 +11,9 @@ from kit.serve.config import BenchConfig, PackageConfig, ServeConfig
 
 
 def _workspace_args(p) -> None:
-    p.add_argument(
-        "--workspace",
-        default=None,
-        help="workspace root (default: the project's, else the kit's default workspace)",
-    )
-    p.add_argument(
-        "--workspace-model",
-        default=None,
-        help="the model's folder name in the workspace (default: the project's, else demo)",
-    )
+    from kit.core.project import add_workspace_arguments
+
+    add_workspace_arguments(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
