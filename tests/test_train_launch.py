@@ -280,8 +280,7 @@ def test_a_launcher_stopped_while_waiting_for_its_peers_leaves_no_process(tmp_pa
     the launcher (torchrun gets SIGTERM when its parent dies)."""
     import psutil
 
-    from kit.system.procs import free_port
-    from kit.train.engine import without_in_process_rendezvous
+    from kit.system.procs import free_port, without_in_process_rendezvous
 
     data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", nnodes=2, master_addr="127.0.0.1")

@@ -18,9 +18,8 @@ from kit.core.configs import save_config
 from kit.core.manifest import read_manifest
 from kit.core.workspace import repo_root
 from kit.errors import InputError
-from kit.system.procs import free_port
+from kit.system.procs import free_port, without_in_process_rendezvous
 from kit.train import TrainConfig, train
-from kit.train.engine import without_in_process_rendezvous
 from kit.train.jobenv import launching_card, modelarts_env
 from kit.train.launch import hostfile_text, job_config, launch, launch_command
 from kit.train.metrics import read_metrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from kit.errors import InputError
 
@@ -67,29 +67,32 @@ def set_project(workspace: Optional[str] = None, model: Optional[str] = None) ->
     if workspace is not None or model is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(values, indent=1) + "\n")
-    origin = resolve(None, None)[2]
-    return f"Project: {origin}; every notebook uses it unless its WORKSPACE or MODEL says otherwise ({path})."
+    from kit.core.workspace import get_workspace
+
+    return f"Project: {get_workspace(create=False).origin}; every notebook uses it unless its WORKSPACE or MODEL says otherwise ({path})."
 
 
-def resolve(root: Optional[str], model: Optional[str]) -> Tuple[Path, str, str]:
-    """(workspace root, model, one phrase saying where each came from): an explicit value, else the project's,
-    else the default."""
+PROJECT, DEFAULT, GIVEN = "the project", "default", "set in this notebook or command"
+
+
+def resolve(root: Optional[str], model: Optional[str]) -> Tuple[Path, str, Dict[str, str]]:
+    """(workspace root, model, {"workspace": where it came from, "model": ...}): an explicit value (GIVEN), else
+    the project's (PROJECT), else the default (DEFAULT)."""
     from kit.core.workspace import default_root
 
     values = read_project() if root is None or model is None else {}
-    where = "the project"
 
     def pick(given, key, default):
         if given is not None:
-            return given, "set in this notebook or command"
+            return given, GIVEN
         if key in values:
-            return values[key], where
-        return default, "default"
+            return values[key], PROJECT
+        return default, DEFAULT
 
     root_value, root_from = pick(root, "workspace", None)
-    root_path = Path(root_value).expanduser() if root_value else default_root()
     name, model_from = pick(model, "model", DEFAULT_MODEL)
-    return root_path, name, f"model {name!r} ({model_from}), workspace {root_path} ({root_from})"
+    root_path = Path(root_value).expanduser() if root_value else default_root()
+    return root_path, name, {"workspace": root_from, "model": model_from}
 
 
 def add_workspace_arguments(p, model_flag: str = "--workspace-model") -> None:

@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from kit.errors import InputError
 
@@ -39,8 +39,16 @@ class Workspace:
 
     root: Path
     model: str
-    origin: str = field(default="", compare=False)
-    """Where the root and model came from (kit.core.project.resolve), for the notebooks to say."""
+    sources: Dict[str, str] = field(default_factory=dict, compare=False)
+    """Where the root and model came from (kit.core.project.resolve: "workspace" / "model" -> where)."""
+
+    @property
+    def origin(self) -> str:
+        """One phrase the notebooks print: each value and where it came from."""
+        return (
+            f"model {self.model!r} ({self.sources.get('model', '?')}), "
+            f"workspace {self.root} ({self.sources.get('workspace', '?')})"
+        )
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
@@ -167,6 +175,6 @@ def get_workspace(
     notebook 00, `python -m kit project`), else `default_root()` and "demo"."""
     from kit.core.project import resolve
 
-    path, name, origin = resolve(str(root) if root else None, model or None)
-    ws = Workspace(path, name, origin)
+    path, name, sources = resolve(str(root) if root else None, model or None)
+    ws = Workspace(path, name, sources)
     return ws.create() if create else ws

@@ -302,7 +302,8 @@ def running(argv: list, grace_s: float = STOP_GRACE_S, **kwargs) -> Iterator[Pro
 
 
 # Written by the kit itself for a process that trained without a launcher (kit.train.engine.init_distributed), with
-# the port it chose: the rendezvous variables that still hold the kit's values are not the user's settings (not read
+# the port it chose; an environment variable, not a module flag, because the kernels and workers such a process
+# starts inherit LOCAL_SIZE too and must not take it for a launcher's: the rendezvous variables that still hold the kit's values are not the user's settings (not read
 # as MASTER_ADDR / MASTER_PORT when that process launches a job); one the user changed since is.
 IN_PROCESS_MARKER = "KIT_IN_PROCESS_LOCAL_SIZE"
 

@@ -42,9 +42,6 @@ MANUAL_ENV = {
     "MASTER_PORT": "master_port",
     "NPROC_PER_NODE": "nproc_per_node",
 }
-# the rendezvous the kit sets for an unlaunched (notebook) process: kit.system.procs (its kernels and servers drop it)
-from kit.system.procs import IN_PROCESS_MARKER, in_process_env, in_process_rendezvous  # noqa: E402, F401
-
 # inherited from the prepared-data manifest (field -> manifest field) and the converted-checkpoint manifest
 FROM_DATA = {"seq_len": "max_length", "tokenizer_path": "tokenizer", "template": "template", "pack": "pack"}
 FROM_CHECKPOINT = {

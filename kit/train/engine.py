@@ -7,22 +7,12 @@ import os
 from typing import Optional
 
 from kit.system.noise import quiet
-from kit.system.procs import free_port
+from kit.system.procs import free_port, in_process_env, in_process_rendezvous
 
 
 def resolve_dtype(cfg, info) -> str:
     """The training dtype: DTYPE if set, else the device's choice (bf16/fp16 on NPU/GPU, fp32 on CPU)."""
     return info.dtype if cfg.dtype == "auto" else cfg.dtype
-
-
-# Marks the rendezvous the kit set itself for an unlaunched (notebook) process, on NPU, GPU and CPU alike, with the
-# port it chose. It is an environment variable, not a module flag, because the kernels and workers such a process
-# starts inherit LOCAL_SIZE too and must not take it for a launcher's.
-from kit.system.procs import (  # noqa: E402, F401  (one definition, read by both)
-    in_process_env,
-    in_process_rendezvous,
-    without_in_process_rendezvous,
-)
 
 
 def init_distributed(info, log=None) -> tuple:

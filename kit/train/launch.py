@@ -136,7 +136,7 @@ def launch_env(cfg: TrainConfig, kind: str, visible_devices: Optional[str] = Non
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    from kit.train.config import in_process_env
+    from kit.system.procs import in_process_env
 
     for key in in_process_env(""):
         env.pop(key, None)  # a notebook that trained in-process has set these for a world of one
@@ -257,9 +257,13 @@ def launch(
     result = LaunchResult(returncode=-1, log_path=log_path, command=cmd)
     tail = collections.deque(maxlen=tail_lines)
     # in a notebook the live view from rank 0's log lines (kit.train.live), elsewhere tqdm's bar
-    view = RunView(cfg.train_iters, title=f"{cfg.run_type} ({out.name}, launched)") if progress else None
+    view = (
+        RunView(cfg.train_iters, title=f"{cfg.run_type} ({out.name}, launched)")
+        if progress and in_kernel()
+        else None
+    )
     bar = progress_bar(
-        total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress or in_kernel()
+        total=cfg.train_iters, desc=f"{cfg.run_type} (launched)", disable=not progress or view is not None
     )
     with open(log_path, "a", encoding="utf-8") as log:
 

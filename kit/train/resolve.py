@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from kit.core.inputs import newest
 from kit.core.manifest import CONVERTED_CHECKPOINT, Manifest, find_manifest, read_manifest
 from kit.errors import InputError, MissingInputError
+from kit.system.procs import in_process_rendezvous
 from kit.train.config import (
     FROM_CHECKPOINT,
     FROM_DATA,
@@ -28,7 +29,6 @@ from kit.train.config import (
     TrainConfig,
     coerce,
     from_dict,
-    in_process_rendezvous,
     load_config,
 )
 
@@ -280,6 +280,7 @@ def resolve_values(
         return _made(values, sources)
 
     if ws is None:
+        from kit.core.project import PROJECT
         from kit.core.workspace import get_workspace
 
         # MODEL_TYPE and WORK_DIR not given: the project's (kit.core.project), like every notebook's
@@ -287,7 +288,7 @@ def resolve_values(
         ws = get_workspace(values["work_dir"] or None, model=values["model_name"] if given else None)
         if values["model_name"] != ws.model:
             values["model_name"], sources["model_name"] = ws.model, f"the project ({ws.origin})"
-        if not values["work_dir"] and ws.origin.endswith(f"{ws.root} (the project)"):
+        if not values["work_dir"] and ws.sources.get("workspace") == PROJECT:
             # written out, so a launched rank or another node does not depend on this machine's project file
             values["work_dir"], sources["work_dir"] = str(ws.root), f"the project ({ws.origin})"
     from kit.train import inputs

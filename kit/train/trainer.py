@@ -403,13 +403,15 @@ class Trainer:
         show = self.progress and self.rank == 0
         # in a notebook the live view (kit.train.live), elsewhere tqdm's bar
         view = (
-            RunView(cfg.train_iters, self.start_iter, f"{cfg.run_type} ({self.out.name})") if show else None
+            RunView(cfg.train_iters, self.start_iter, f"{cfg.run_type} ({self.out.name})")
+            if show and in_kernel()
+            else None
         )
         bar = progress_bar(
             total=cfg.train_iters,
             initial=self.start_iter,
             desc=f"{cfg.run_type} steps",
-            disable=not show or in_kernel(),
+            disable=not show or view is not None,
         )
         try:
             while iteration < cfg.train_iters:
@@ -431,7 +433,7 @@ class Trainer:
                 self.writer.iteration(
                     metrics,
                     print_line=iteration % cfg.log_interval == 0,
-                    echo=view is None or not in_kernel(),
+                    echo=view is None,  # the view shows them
                 )
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
