@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def _clean_env(**extra) -> dict:
         for k, v in without_in_process_rendezvous(dict(os.environ)).items()
         if k not in JOB_VARS + KIT_VARS
     }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root()), **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo_root()), PYTHONFAULTHANDLER="1", **extra)
     return env
 
 
@@ -99,12 +100,29 @@ def _agents(config_path, envs: list, launcher: str = "torchrun", timeout_s: floa
             for p in running:
                 try:  # one may end while it is listed
                     top = psutil.Process(p.pid)
-                    tree += [f"{c.pid} {' '.join(c.cmdline())}" for c in [top, *top.children(recursive=True)]]
+                    tree += [c for c in [top, *top.children(recursive=True)]]
                 except psutil.Error:
                     pass
+            listed = [f"{c.pid} {' '.join(c.cmdline())}" for c in tree if c.is_running()]
+            # where each process waits: SIGABRT makes faulthandler (PYTHONFAULTHANDLER, _clean_env) print every
+            # thread's Python stack into its log; the ranks' go to the launcher logs
+            # the leaves (the ranks) first, while their agents and launchers still copy what they print
+            leaves = [c for c in tree if c.is_running() and not c.children()]
+            for group in (leaves, [c for c in tree if c not in leaves]):
+                for c in group:
+                    try:
+                        c.send_signal(signal.SIGABRT)
+                    except psutil.Error:
+                        pass
+                time.sleep(3)
+            launcher_logs = sorted(Path(config_path).parent.rglob("*.launcher*.log"))
             outs = "".join(f"--- node {i}:\n{log.read_text()}" for i, log in enumerate(logs))
+            outs += "".join(f"--- {log.name}:\n{log.read_text()[-20000:]}" for log in launcher_logs)
             pytest.fail(
-                f"the job did not end in {timeout_s:.0f} s; still running:\n" + "\n".join(tree) + "\n" + outs
+                f"the job did not end in {timeout_s:.0f} s; still running:\n"
+                + "\n".join(listed)
+                + "\n"
+                + outs
             )
     finally:
         for p in procs:
