@@ -62,10 +62,15 @@ vllm: install
 unit-loaded: install
 	MAKE="$(MAKE)" tests/under_load.sh
 
-# every notebook on its defaults under nbval (outputs are not compared: --nbval-lax), in a workspace of its own:
-# the notebooks as a user runs them, once, on the dev stack
+# every notebook on the demo's values (data_samples/demo_settings.json, injected as papermill does) under nbval
+# (outputs are not compared: --nbval-lax), in a workspace of its own: the notebooks as a user runs them, once, on the
+# dev stack; then the Chinese walkthrough (notebooks/zh, the kit's lines in Chinese too) the same way
 nbval: install
-	KIT_WORKSPACE=$(CURDIR)/runs/nbval-ws $(PY) -m pytest --nbval-lax notebooks/ -p no:cacheprovider
+	rm -rf runs/nbval-nb runs/nbval-nb-zh
+	$(PY) -m kit demo --prepare-only --out runs/nbval-nb
+	KIT_WORKSPACE=$(CURDIR)/runs/nbval-ws $(PY) -m pytest --nbval-lax runs/nbval-nb -p no:cacheprovider
+	$(PY) -m kit demo --prepare-only --lang zh --out runs/nbval-nb-zh
+	KIT_LANG=zh KIT_WORKSPACE=$(CURDIR)/runs/nbval-ws-zh $(PY) -m pytest --nbval-lax runs/nbval-nb-zh -p no:cacheprovider
 
 # JupyterLab in headless Chromium (Debian's chromium via apt-get, playwright via pip; installed if missing)
 e2e: install
@@ -90,4 +95,4 @@ $(addprefix compat-,$(COMPAT_STACKS)): compat-%:
 	KIT_XDIST="$(XDIST)" tests/compat/run_compat.sh $*
 
 clean:
-	rm -rf runs/demo runs/ws runs/e2e runs/nbval-ws
+	rm -rf runs/demo runs/ws runs/e2e runs/nbval-ws runs/nbval-ws-zh runs/nbval-nb runs/nbval-nb-zh

@@ -59,18 +59,19 @@ def workspace(tmp_path):
 
 @pytest.fixture
 def run_notebook(tmp_path):
-    """Run notebooks/<prefix>*.ipynb with papermill on the given parameters; return (executed path, summary).
+    """Run notebooks/<prefix>*.ipynb with papermill on the given parameters over the demo's (make demo's values,
+    data_samples/demo_settings.json); return (executed path, summary).
 
     WORKSPACE defaults to a temporary folder; the summary is the notebook's reports/<stem>.summary.json. A notebook
     that succeeds writes nothing to stderr (third-party chatter goes to logs: kit.system.noise).
     """
-    from kit.core.notebooks import execute, numbered_notebooks
+    from kit.core.notebooks import demo_parameters, execute, numbered_notebooks
 
     def run(prefix: str, **params):
         matches = [p for p in numbered_notebooks() if p.name.startswith(prefix)]
         assert len(matches) == 1, f"no single notebook starts with {prefix!r}: {matches}"
         nb = matches[0]
-        params.setdefault("WORKSPACE", str(tmp_path / "ws"))
+        params = {**demo_parameters(nb), "WORKSPACE": str(tmp_path / "ws"), **params}
         out = execute(nb, tmp_path / "executed" / nb.name, params)
         cells = json.loads(Path(out).read_text(encoding="utf-8"))["cells"]
         stderr = [o["text"] for c in cells for o in c.get("outputs", []) if o.get("name") == "stderr"]

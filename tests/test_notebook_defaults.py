@@ -3,9 +3,10 @@
 Which parameter reaches what is read from the notebook itself: the cell after the parameters cell calls
 `bind(SomeConfig, globals(), field=PARAM, ...)`, and `bind` fills each field whose UPPER_SNAKE name is a parameter;
 later cells pass parameters to kit functions (`kp.run(cfg, ws, top=TOP)`, `generate(path, PROMPT, MAX_NEW_TOKENS)`),
-whose signatures hold defaults too. A notebook may pick another value for its CPU demo (fewer steps, shorter
-samples, re-runnable outputs), but then the parameter's comment says `(default X)` with the kit's default, so the
-reader sees both and the test keeps them equal.
+whose signatures hold defaults too. The demo's values (fewer steps, shorter samples, re-runnable outputs) are not
+in the notebooks: data_samples/demo_settings.json holds them and `python -m kit demo`, nbval and the notebook tests
+inject them. A notebook that still picks another value for a real user says `(default X)` in the comment, with the
+kit's default, so the reader sees both and the test keeps them equal.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import typing
 
 import pytest
 
-from kit.core.notebooks import numbered_notebooks, parameter_cells, parameters_of
+from kit.core.notebooks import (
+    DEMO_SETTINGS,
+    demo_parameters,
+    numbered_notebooks,
+    parameter_cells,
+    parameters_of,
+)
 
 # committed notebooks against the kit's own defaults: the same on every stack (and typing.get_type_hints cannot
 # evaluate the kit's `X | None` annotations on Python 3.9)
@@ -196,3 +203,14 @@ def test_bindings_are_read_from_the_notebooks():
     ]  # result = run(cfg, ws)
     assert "TOKENIZER" not in by_nb["02"] and "SOURCE" not in by_nb["03"]  # resolved before binding: exempt
     assert all(set(b) <= set(parameters_of(p)) for p, b in zip(NOTEBOOKS, by_nb.values()))
+
+
+def test_demo_settings_change_only_parameters_the_notebooks_have():
+    """Each demo value names a parameter of its notebook and differs from the notebook's own (the kit's default)."""
+    numbers = {k for k in json.loads(DEMO_SETTINGS.read_text(encoding="utf-8")) if not k.startswith("_")}
+    assert numbers <= {p.name[:2] for p in NOTEBOOKS}
+    for nb in NOTEBOOKS:
+        own = parameters_of(nb)
+        same = {k: v for k, v in demo_parameters(nb).items() if own[k] == v}
+        assert same == {}, f"{nb.name}: the demo sets {same}, which the notebook already has"
+    assert demo_parameters(NOTEBOOKS[[p.name[:2] for p in NOTEBOOKS].index("04")])["TRAIN_ITERS"] < 10

@@ -67,7 +67,12 @@ def test_ratio_pattern():
     assert found == ["1.37×", "0.96x", "2 x"]
 
 
-@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+WITH_TRANSLATIONS = NOTEBOOKS + numbered_notebooks(lang="zh")
+
+
+@pytest.mark.parametrize(
+    "nb_path", WITH_TRANSLATIONS, ids=[f"{p.parent.name}/{p.stem}" for p in WITH_TRANSLATIONS]
+)
 def test_notebook_copies_no_benchmark_figure(nb_path):
     nb = json.loads(nb_path.read_text(encoding="utf-8"))
     found = [m.group(0) for c in nb["cells"] for m in RATIO.finditer("".join(c["source"]))]

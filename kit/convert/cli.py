@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "convert",
         help="convert weights HF <-> Megatron (TP x PP), or re-shard Megatron",
         description="Kit form: --source HF --target OUT --tp 2 --pp 2. The ModelArts user manual's ModelLink form "
-        "(section 'util.py脚本') works too: --model-type GPT --loader llama2_hf --saver megatron "
+        "(section 'HuggingFace权重转换操作') works too: --model-type GPT --loader llama2_hf --saver megatron "
         "--target-tensor-parallel-size 8 --target-pipeline-parallel-size 8 --load-dir HF --save-dir OUT "
         "--tokenizer-model TOK.",
     )

@@ -43,6 +43,8 @@ def e2e_root(e2e_available, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("e2e-lab")
     for nb in numbered_notebooks():
         tiny_copy(nb, root / nb.name, tiny_parameters(nb.name[:2], root))
+    zh = numbered_notebooks(lang="zh")[0]  # the Chinese walkthrough's first notebook (ZH_NOTEBOOK)
+    tiny_copy(zh, root / "zh" / zh.name, tiny_parameters(zh.name[:2], root))
     return root
 
 

@@ -17,8 +17,12 @@ class Expect:
 
 
 def tiny_parameters(prefix: str, root: Path) -> dict:
-    """Parameter overrides for notebook `prefix` (e.g. "02"), with WORKSPACE inside the temporary lab root."""
-    params = TINY[prefix](root) if prefix in TINY else {}
+    """Parameter overrides for notebook `prefix` (e.g. "02") over the demo's values, with WORKSPACE inside the
+    temporary lab root."""
+    from kit.core.notebooks import demo_parameters, numbered_notebooks
+
+    nb = next(p for p in numbered_notebooks() if p.name.startswith(prefix))
+    params = {**demo_parameters(nb), **(TINY[prefix](root) if prefix in TINY else {})}
     params["WORKSPACE"] = str(root / "ws")
     return params
 

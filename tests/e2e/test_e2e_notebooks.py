@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -49,3 +50,23 @@ def test_notebook_runs_in_jupyterlab(name, lab, page, e2e_root, screenshots):
     saved = json.loads((e2e_root / name).read_text(encoding="utf-8"))
     assert not [o for c in saved["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert (e2e_root / "ws" / "reports" / f"{name[:-6]}.summary.json").is_file()
+
+
+ZH_NOTEBOOK = "zh/" + numbered_notebooks(lang="zh")[0].name
+
+
+def test_chinese_notebook_runs_in_jupyterlab(lab, page, e2e_root, screenshots):
+    """The Chinese walkthrough's first notebook: Chinese prose, the same outputs as the English one, no error box."""
+    kernel = open_notebook(page, lab.url(ZH_NOTEBOOK))
+    assert "Python 3" in kernel, kernel
+    run_all(page, timeout=600)
+    cells = read_cells(page)
+    shot = full_screenshot(page, screenshots / "zh_00_check_environment.png")
+    prose = "\n".join(
+        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedMarkdown").all_inner_texts()
+    )
+    assert re.search(r"[\u4e00-\u9fff]{4}", prose), f"no Chinese prose on the page (screenshot {shot})"
+    assert not visible_errors(cells), f"{ZH_NOTEBOOK} (screenshot {shot}):\n" + "\n\n".join(
+        visible_errors(cells)
+    )
+    assert not missing_outputs(cells, EXPECT["00"]), shot
