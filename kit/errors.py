@@ -25,6 +25,30 @@ EXIT_UNEXPECTED = 1
 EXIT_PREEMPTED = 75
 
 
+# The line's prefix in each language of the kit's messages (kit.core.i18n: its catalog holds this as "error.prefix").
+ERROR_PREFIX = {"en": "error: ", "zh": "错误："}
+
+
+def _english() -> str:
+    return "en"
+
+
+# Which language the notebook's error line is in. The setting lives above this module (KIT_LANG or the project's
+# language, read by kit.core.i18n), so kit.core.i18n installs its lookup here when it is imported; until then, English.
+_language = _english
+
+
+def set_language_lookup(lookup) -> None:
+    """Have KitError's notebook line use `lookup()` (a language code of ERROR_PREFIX) for its prefix."""
+    global _language
+    _language = lookup
+
+
+def error_line(message: str) -> str:
+    """`error: <message>` with the prefix in the kit's language (English until kit.core.i18n is loaded)."""
+    return ERROR_PREFIX.get(_language(), ERROR_PREFIX["en"]) + message
+
+
 def debug_enabled() -> bool:
     """True when KIT_DEBUG asks for full tracebacks."""
     return os.environ.get("KIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
@@ -39,7 +63,7 @@ class KitError(Exception):
             import traceback
 
             return traceback.format_exception(type(self), self, self.__traceback__)
-        return [f"error: {one_line(self)}"]
+        return [error_line(one_line(self))]
 
 
 class InputError(KitError, ValueError):
@@ -211,7 +235,7 @@ def _ipython_os_error(shell, etype, value, tb, tb_offset=None):
     if message is None:
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         return None
-    shell._showtraceback(etype, value, [f"error: {message}"])
+    shell._showtraceback(etype, value, [error_line(message)])
     return None
 
 
