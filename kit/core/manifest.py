@@ -245,20 +245,23 @@ def find_manifest(folder: PathLike) -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def _wanted(kinds: Sequence[str]) -> str:
+    """What a refusal says was expected (made only when refusing: it reads the language setting)."""
+    made = [t("manifest.want_kind", kind=k, by=made_by(k)) for k in kinds]
+    return t("manifest.or").join(made) or t("manifest.want_any")
+
+
 def read_manifest(folder: PathLike, expect: Union[None, str, Sequence[str]] = None) -> Manifest:
     """Read a stage output's manifest; check its kind against `expect` (one kind or several)."""
     folder = Path(folder)
     wanted = (expect,) if isinstance(expect, str) else tuple(expect or ())
-    want_text = t("manifest.or").join(t("manifest.want_kind", kind=k, by=made_by(k)) for k in wanted) or t(
-        "manifest.want_any"
-    )
     if not folder.exists():
-        raise MissingInputError(t("manifest.absent", folder=str(folder), want=want_text))
+        raise MissingInputError(t("manifest.absent", folder=str(folder), want=_wanted(wanted)))
     if not folder.is_dir():
-        raise InputError(t("manifest.is_file", folder=str(folder), want=want_text))
+        raise InputError(t("manifest.is_file", folder=str(folder), want=_wanted(wanted)))
     path = find_manifest(folder)
     if path is None:
-        raise InputError(t("manifest.none", folder=str(folder), manifest=MANIFEST_NAME, want=want_text))
+        raise InputError(t("manifest.none", folder=str(folder), manifest=MANIFEST_NAME, want=_wanted(wanted)))
     raw = path.read_bytes()
     try:
         record = json.loads(raw.decode("utf-8"))
@@ -271,7 +274,7 @@ def read_manifest(folder: PathLike, expect: Union[None, str, Sequence[str]] = No
         ) from exc
     if wanted and kind not in wanted:
         raise InputError(
-            t("manifest.wrong_kind", folder=str(folder), kind=kind, by=made_by(kind), want=want_text)
+            t("manifest.wrong_kind", folder=str(folder), kind=kind, by=made_by(kind), want=_wanted(wanted))
         )
     missing = [k for k in KINDS.get(kind, ("", ()))[1] if k not in fields]
     if missing:
