@@ -18,6 +18,7 @@ from kit.errors import (
     EXIT_UNEXPECTED,
     EXIT_USER_ERROR,
     INSTALL_EXTRAS,
+    KitError,
     debug_enabled,
     error_line,
     user_message,
@@ -78,7 +79,7 @@ def _said(key: str, **values) -> str:
     """The catalog's line; in English when the language setting itself is what failed (the line is still written)."""
     try:
         return t(key, **values)
-    except Exception:
+    except KitError:
         return t(key, _lang="en", **values)
 
 

@@ -178,3 +178,27 @@ def test_the_notebook_error_line_and_the_launcher_read_the_chinese_prefix(monkey
     for _ in range(2):  # two ranks say the same: kept once
         _consume(line, io.StringIO(), [], False, result, Bar())
     assert result.rank_lines == [line.rstrip("\n")]
+
+
+def test_the_does_not_fit_refusal_of_a_launch_in_chinese(tmp_path, tiny_llama_dir, monkeypatch):
+    """test_plan's refused launch (8 MiB of host memory for 2 CPU ranks), with KIT_LANG=zh: nothing starts."""
+    import test_train_helpers as H
+    import torch
+
+    from kit.plan.trace import TORCH_NEEDED
+    from kit.system import memory
+    from kit.train.launch import launch
+
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < TORCH_NEEDED:
+        pytest.skip(f"the planner's trace needs torch >= 2.5 (this is {torch.__version__})")
+    monkeypatch.setattr(memory, "available_memory", lambda *a, **k: (8 * 2**20, "a test's 8 MiB"))
+    data = H.make_pretrain(tmp_path / "p_hf", num_samples=8)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", train_iters=1, nproc_per_node=2, mbs=1, gbs=2)
+    monkeypatch.setenv("KIT_LANG", "zh")
+    with pytest.raises(InputError) as refused:
+        launch(cfg, progress=False)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("放得下吗？DeepSpeed ZeRO-0 在 2 张 ")
+    assert "上放不下：" in line and "占用最大的一项是 " in line and "（每张 0.00390625 GiB）" in line
+    assert line.endswith("GiB）。如仍要启动，请加 --force（force=True）。")
+    assert not list((tmp_path / "ws").rglob("*plan*.json"))

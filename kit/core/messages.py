@@ -129,7 +129,7 @@ MESSAGES = {
     },
     "template.problem": {
         "en": "template={template!r}: use one of {choices}.",
-        "zh": "template={template!r}：请使用以下之一：{choices}。",
+        "zh": "template={template!r} 无效；可选：{choices}。",
     },
     # the planner's verdict (kit/plan/report.py) and the launch it refuses (kit/train/launch.py)
     "plan.what": {
@@ -142,12 +142,12 @@ MESSAGES = {
     },
     "plan.fits": {
         "en": "{layout} fits on {cards}: {total} GiB per card for {what}{notes}.",
-        "zh": "{layout} 可以放进 {cards}：{what}，每张卡 {total} GiB{notes}。",
+        "zh": "{layout} 在 {cards} 上放得下：{what}，每张卡 {total} GiB{notes}。",
     },
     "plan.does_not_fit": {
         "en": "{layout} does not fit on {cards}: {total} GiB per card for {what}; the largest term is {term} "
         "({size} GiB).{tail}",
-        "zh": "{layout} 放不进 {cards}：{what}，每张卡需要 {total} GiB；占用最大的一项是 {term}"
+        "zh": "{layout} 在 {cards} 上放不下：{what}，每张卡需要 {total} GiB；占用最大的一项是 {term}"
         "（{size} GiB）。{tail}",
     },
     "plan.fastest_fit": {
@@ -164,9 +164,9 @@ MESSAGES = {
         "zh": "{cards} 上没有能放下的方案（{what}）。最接近的是 {layout}，每张卡 {total} GiB，占用最大的一项是 "
         "{term}（{size} GiB）：请增加卡数、缩短序列长度或改用 LoRA。",
     },
-    "plan.will_it_fit": {"en": "Will it fit? {verdict}", "zh": "能否放下？{verdict}"},
+    "plan.will_it_fit": {"en": "Will it fit? {verdict}", "zh": "放得下吗？{verdict}"},
     "train.refused_does_not_fit": {
         "en": "{refusal} --force (force=True) launches it anyway.",
-        "zh": "{refusal} 如仍要启动，请加 --force（force=True）。",
+        "zh": "{refusal}如仍要启动，请加 --force（force=True）。",
     },
 }
