@@ -226,7 +226,8 @@ def one_line(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else text
     head, rest = lines[0], [ln.lstrip("- ").strip() for ln in lines[1:]]
-    return head.rstrip(":") + ": " + "; ".join(rest)
+    colon = "：" if head.endswith("：") else ": "  # a Chinese head keeps its full-width colon
+    return head.rstrip(":：") + colon + "; ".join(rest)
 
 
 def _ipython_os_error(shell, etype, value, tb, tb_offset=None):

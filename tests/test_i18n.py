@@ -202,3 +202,16 @@ def test_the_does_not_fit_refusal_of_a_launch_in_chinese(tmp_path, tiny_llama_di
     assert "上放不下：" in line and "占用最大的一项是 " in line and "（每张 0.00390625 GiB）" in line
     assert line.endswith("GiB）。如仍要启动，请加 --force（force=True）。")
     assert not list((tmp_path / "ws").rglob("*plan*.json"))
+
+
+def test_a_list_of_problems_is_one_line_in_chinese(monkeypatch):
+    from kit.core.configs import check
+    from kit.data.config import DataConfig
+    from kit.errors import one_line
+
+    monkeypatch.setenv("KIT_LANG", "zh")
+    with pytest.raises(InputError) as refused:
+        check(DataConfig(template="bogus"))
+    assert one_line(refused.value).startswith(
+        "DataConfig 中有 1 个问题：template='bogus' 无效；可选：['alpaca', "
+    )
