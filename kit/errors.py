@@ -33,8 +33,9 @@ def _english() -> str:
     return "en"
 
 
-# Which language the notebook's error line is in. The setting lives above this module (KIT_LANG or the project's
-# language, read by kit.core.i18n), so kit.core.i18n installs its lookup here when it is imported; until then, English.
+# Which language the notebook's error line (and a lower layer's refusal, kit.storage.atomic) is in. The setting lives
+# above this module (KIT_LANG or the project's language, read by kit.core.i18n), so kit.core.i18n installs its lookup
+# here when it is imported; until then, English.
 _language = _english
 
 
@@ -44,9 +45,14 @@ def set_language_lookup(lookup) -> None:
     _language = lookup
 
 
+def current_language() -> str:
+    """The kit's language for the layers below kit.core (English until kit.core.i18n is loaded)."""
+    return _language()
+
+
 def error_line(message: str) -> str:
     """`error: <message>` with the prefix in the kit's language (English until kit.core.i18n is loaded)."""
-    return ERROR_PREFIX.get(_language(), ERROR_PREFIX["en"]) + message
+    return ERROR_PREFIX.get(current_language(), ERROR_PREFIX["en"]) + message
 
 
 def debug_enabled() -> bool:

@@ -48,11 +48,16 @@ def test_every_key_in_both_languages_with_the_same_placeholders_and_the_chinese_
 
 
 def test_every_key_is_used_in_the_kit():
+    from kit.errors import ERROR_PREFIX
+    from kit.storage.atomic import EXISTS
+
+    # the lines of the layers below the catalog are theirs (the catalog holds the very dicts they use)
+    owned = {"error.prefix": ERROR_PREFIX, "output.exists": EXISTS}
+    assert all(MESSAGES[k] is v for k, v in owned.items())
     sources = "\n".join(
         p.read_text(encoding="utf-8") for p in (repo_root() / "kit").rglob("*.py") if p.name != "messages.py"
     )
-    sources += "\n" + (repo_root() / "kit" / "errors.py").read_text(encoding="utf-8")
-    unused = [k for k in MESSAGES if f'"{k}"' not in sources and f"'{k}'" not in sources]
+    unused = [k for k in MESSAGES if k not in owned and f'"{k}"' not in sources and f"'{k}'" not in sources]
     assert unused == []
 
 
@@ -215,3 +220,19 @@ def test_a_list_of_problems_is_one_line_in_chinese(monkeypatch):
     assert one_line(refused.value).startswith(
         "DataConfig 中有 1 个问题：template='bogus' 无效；可选：['alpaca', "
     )
+
+
+def test_an_existing_output_is_refused_in_the_language(monkeypatch, tmp_path):
+    from kit.storage.atomic import OutputExistsError, refuse_existing
+
+    (tmp_path / "out").mkdir()
+    with pytest.raises(
+        OutputExistsError, match=r"^prepared data '.*out' already exists; choose another path"
+    ):
+        refuse_existing(tmp_path / "out", False, "prepared data")
+    monkeypatch.setenv("KIT_LANG", "zh")
+    with pytest.raises(
+        OutputExistsError, match=r"^prepared data '.*out' 已存在；请换一个路径.*--overwrite）以覆盖它。$"
+    ):
+        refuse_existing(tmp_path / "out", False, "prepared data")
+    refuse_existing(tmp_path / "out", True, "prepared data")  # asked to overwrite: no refusal

@@ -8,10 +8,13 @@ TP, PP, LoRA, DeepSpeed, ZeRO, file names, flags, settings) stay as they are in 
 from __future__ import annotations
 
 from kit.errors import ERROR_PREFIX
+from kit.storage.atomic import EXISTS
 
 MESSAGES = {
     # the one-line error's prefix (the command line, the notebook): kit.errors owns it, being below this module
     "error.prefix": ERROR_PREFIX,
+    # an output that exists, refused unless overwrite is asked: kit.storage.atomic owns it, for the same reason
+    "output.exists": EXISTS,
     "language.unknown": {
         "en": "language {value!r} ({source}) is not one the kit speaks; use en or zh "
         "(KIT_LANG=zh, or `python -m kit project --language zh`).",
