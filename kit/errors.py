@@ -1,8 +1,9 @@
 """One error contract for the whole kit: expected failures are `KitError`s that read as one line.
 
 Every stage raises a subclass of `KitError` for a failure the user can fix (bad input, wrong config, an output
-that exists, damaged files). The command line prints `error: <message>` and exits 2; a notebook shows the same
-line instead of a traceback (IPython calls `_render_traceback_`). `--debug` / `KIT_DEBUG=1` shows tracebacks.
+that exists, damaged files). The command line prints `error: <message>` (`错误：<message>` in Chinese,
+kit.core.i18n) and exits 2; a notebook shows the same line instead of a traceback (IPython calls
+`_render_traceback_`). `--debug` / `KIT_DEBUG=1` shows tracebacks.
 Operating-system failures that a user can act on (disk full, read-only filesystem, name too long, permission
 denied) are turned into the same kind of line by `describe_os_error`.
 """
@@ -40,7 +41,7 @@ _language = _english
 
 
 def set_language_lookup(lookup) -> None:
-    """Have KitError's notebook line use `lookup()` (a language code of ERROR_PREFIX) for its prefix."""
+    """Have current_language() (the error line's prefix, a lower layer's refusal) answer `lookup()`: en or zh."""
     global _language
     _language = lookup
 

@@ -1,11 +1,11 @@
 """The project's choices, set once and read by every notebook and CLI: which workspace, which model, which language.
 
-Notebook 00 (or `python -m kit project --model M [--workspace W] [--language zh]`) writes them into `kit_project.json` at the
-default workspace root (kit.core.workspace.default_root; `KIT_PROJECT` names another file). Every notebook's
-`WORKSPACE` and `MODEL` default to None, which means "the project's"; a value typed in a notebook overrides the
-project for that notebook only, and the workspace's `origin` says which value came from where. Without a project
-file the model is "demo" and the workspace the default root. The language (en | zh) of the kit's lines is the
-project's unless KIT_LANG says otherwise (kit.core.i18n).
+Notebook 00 (or `python -m kit project --model M [--workspace W] [--language zh]`) writes them into
+`kit_project.json` at the default workspace root (kit.core.workspace.default_root; `KIT_PROJECT` names another
+file). Every notebook's `WORKSPACE` and `MODEL` default to None, which means "the project's"; a value typed in a
+notebook overrides the project for that notebook only, and the workspace's `origin` says which value came from
+where. Without a project file the model is "demo" and the workspace the default root. The language (en | zh) of the
+kit's lines is the project's unless KIT_LANG says otherwise (kit.core.i18n).
 """
 
 from __future__ import annotations
