@@ -1,7 +1,8 @@
 """Command line: `python -m kit <stage> ...`, one sub-command per stage, each defined in its own module.
 
 Only the stage that is asked for is imported (`python -m kit convert --help` does not load pandas or the data
-stack). Expected failures print `error: ...` on one line and exit 2; `--debug` or `KIT_DEBUG=1` shows tracebacks.
+stack). Expected failures print `error: ...` on one line and exit 2 (`错误：...` when KIT_LANG or the project says
+zh, kit.core.i18n); `--debug` or `KIT_DEBUG=1` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -12,13 +13,22 @@ import os
 import sys
 from typing import Optional
 
-from kit.errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, INSTALL_EXTRAS, debug_enabled, user_message
+from kit.core.i18n import ENV, check_language, t
+from kit.errors import (
+    EXIT_UNEXPECTED,
+    EXIT_USER_ERROR,
+    INSTALL_EXTRAS,
+    KitError,
+    debug_enabled,
+    error_line,
+    user_message,
+)
 
 # sub-command -> (module with `register(subparsers)`, one-line help shown by `python -m kit --help`)
 STAGES = {
     "project": (
         "kit.core.project",
-        "set the project's model and workspace once for every notebook and command",
+        "set the project's model, workspace and language once for every notebook and command",
     ),
     "doctor": ("kit.doctor.report", "check Python, torch, torch_npu, CANN, driver, devices, DeepSpeed"),
     "device-check": (
@@ -57,12 +67,20 @@ STAGES = {
 def _unavailable(name: str, exc: ImportError):
     def run(_args) -> int:
         print(
-            f"error: `python -m kit {name}` cannot run here: {exc} — {INSTALL_EXTRAS} and retry.",
+            error_line(f"`python -m kit {name}` cannot run here: {exc} — {INSTALL_EXTRAS} and retry."),
             file=sys.stderr,
         )
         return EXIT_USER_ERROR
 
     return run
+
+
+def _said(key: str, **values) -> str:
+    """The catalog's line; in English when the language setting itself is what failed (the line is still written)."""
+    try:
+        return t(key, **values)
+    except KitError:
+        return t(key, _lang="en", **values)
 
 
 def _requested_stage(argv: list) -> Optional[str]:
@@ -98,22 +116,21 @@ def main(argv: Optional[list] = None) -> int:
         os.environ["KIT_DEBUG"] = "1"
     args = build_parser(argv).parse_args(argv)
     try:
+        if os.environ.get(ENV, "").strip():  # an unknown KIT_LANG is refused before any work
+            check_language(os.environ[ENV].strip(), ENV)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print(error_line(_said("cli.interrupted")), file=sys.stderr)
         return 130
     except Exception as exc:
         if debug_enabled():
             raise
         message = user_message(exc)
         if message is not None:
-            sys.stderr.write(f"error: {message}\n")  # one write: ranks share the launcher's stderr
+            sys.stderr.write(error_line(message) + "\n")  # one write: ranks share the launcher's stderr
             return EXIT_USER_ERROR
-        print(
-            f"error: unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
-            "— rerun with --debug (python -m kit --debug ...) for the traceback and report it.",
-            file=sys.stderr,
-        )
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(error_line(_said("cli.unexpected", kind=type(exc).__name__, first=first)), file=sys.stderr)
         return EXIT_UNEXPECTED
 
 

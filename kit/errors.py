@@ -1,8 +1,9 @@
 """One error contract for the whole kit: expected failures are `KitError`s that read as one line.
 
 Every stage raises a subclass of `KitError` for a failure the user can fix (bad input, wrong config, an output
-that exists, damaged files). The command line prints `error: <message>` and exits 2; a notebook shows the same
-line instead of a traceback (IPython calls `_render_traceback_`). `--debug` / `KIT_DEBUG=1` shows tracebacks.
+that exists, damaged files). The command line prints `error: <message>` (`错误：<message>` in Chinese,
+kit.core.i18n) and exits 2; a notebook shows the same line instead of a traceback (IPython calls
+`_render_traceback_`). `--debug` / `KIT_DEBUG=1` shows tracebacks.
 Operating-system failures that a user can act on (disk full, read-only filesystem, name too long, permission
 denied) are turned into the same kind of line by `describe_os_error`.
 """
@@ -25,6 +26,36 @@ EXIT_UNEXPECTED = 1
 EXIT_PREEMPTED = 75
 
 
+# The line's prefix in each language of the kit's messages (kit.core.i18n: its catalog holds this as "error.prefix").
+ERROR_PREFIX = {"en": "error: ", "zh": "错误："}
+
+
+def _english() -> str:
+    return "en"
+
+
+# Which language the notebook's error line (and a lower layer's refusal, kit.storage.atomic) is in. The setting lives
+# above this module (KIT_LANG or the project's language, read by kit.core.i18n), so kit.core.i18n installs its lookup
+# here when it is imported; until then, English.
+_language = _english
+
+
+def set_language_lookup(lookup) -> None:
+    """Have current_language() (the error line's prefix, a lower layer's refusal) answer `lookup()`: en or zh."""
+    global _language
+    _language = lookup
+
+
+def current_language() -> str:
+    """The kit's language for the layers below kit.core (English until kit.core.i18n is loaded)."""
+    return _language()
+
+
+def error_line(message: str) -> str:
+    """`error: <message>` with the prefix in the kit's language (English until kit.core.i18n is loaded)."""
+    return ERROR_PREFIX.get(current_language(), ERROR_PREFIX["en"]) + message
+
+
 def debug_enabled() -> bool:
     """True when KIT_DEBUG asks for full tracebacks."""
     return os.environ.get("KIT_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
@@ -39,7 +70,7 @@ class KitError(Exception):
             import traceback
 
             return traceback.format_exception(type(self), self, self.__traceback__)
-        return [f"error: {one_line(self)}"]
+        return [error_line(one_line(self))]
 
 
 class InputError(KitError, ValueError):
@@ -202,7 +233,8 @@ def one_line(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else text
     head, rest = lines[0], [ln.lstrip("- ").strip() for ln in lines[1:]]
-    return head.rstrip(":") + ": " + "; ".join(rest)
+    colon = "：" if head.endswith("：") else ": "  # a Chinese head keeps its full-width colon
+    return head.rstrip(":：") + colon + "; ".join(rest)
 
 
 def _ipython_os_error(shell, etype, value, tb, tb_offset=None):
@@ -211,7 +243,7 @@ def _ipython_os_error(shell, etype, value, tb, tb_offset=None):
     if message is None:
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         return None
-    shell._showtraceback(etype, value, [f"error: {message}"])
+    shell._showtraceback(etype, value, [error_line(message)])
     return None
 
 

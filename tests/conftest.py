@@ -19,6 +19,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault(
     "KIT_PROJECT", os.path.join(tempfile.mkdtemp(prefix="kit-project-"), "kit_project.json")
 )
+# the tests assert the kit's English lines; a test of the Chinese ones (tests/test_i18n.py, the zh notebooks) sets
+# KIT_LANG=zh itself (a developer's own KIT_LANG must not change what the tests read)
+os.environ["KIT_LANG"] = "en"
 
 # A test run started in the background of a non-interactive shell (`make test &`, nohup) inherits SIGINT ignored,
 # and so would every process the tests start (an ignored signal survives exec; Python then installs no Ctrl-C

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from kit.convert.spec import ModelSpec, expert_role, split_role
+from kit.core.i18n import t
 from kit.errors import InputError
 
 PathLike = Union[str, Path]
@@ -446,16 +447,12 @@ def family_for_config(cfg: dict, name: str = None) -> Family:
         name = LOADER_ALIASES.get(name, name)
     if name:
         if name not in FAMILIES:
-            raise InputError(
-                f"unknown model family {name!r}; known: {sorted(FAMILIES)} "
-                f"or loader names {sorted(k for k, v in LOADER_ALIASES.items() if v)}."
-            )
+            loaders = sorted(k for k, v in LOADER_ALIASES.items() if v)
+            raise InputError(t("family.unknown", name=name, known=sorted(FAMILIES), loaders=loaders))
         return FAMILIES[name]
     model_type = cfg.get("model_type", "")
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam
-    raise InputError(
-        f"config.json has model_type {model_type!r}, which no family map covers; supported: "
-        f"{[t for f in FAMILIES.values() for t in f.model_types]}. Pass family=... if it is a variant."
-    )
+    supported = [m for f in FAMILIES.values() for m in f.model_types]
+    raise InputError(t("family.uncovered", model_type=model_type, supported=supported))

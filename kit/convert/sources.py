@@ -16,6 +16,7 @@ from kit.convert.families import family_for_config
 from kit.convert.hf_io import INDEX_NAMES, read_json
 from kit.convert.megatron_io import HF_META_DIR, META_FILE
 from kit.convert.megatron_layout import TRACKER
+from kit.core.i18n import t
 from kit.core.manifest import (
     CONVERTED_CHECKPOINT,
     HF_MODEL,
@@ -65,9 +66,7 @@ def model_facts(folder: PathLike, family: Optional[str] = None) -> Dict[str, Any
     """
     folder = Path(folder)
     if not folder.exists():
-        raise MissingInputError(
-            f"model folder {str(folder)!r} does not exist; give an HF or converted model folder."
-        )
+        raise MissingInputError(t("model.folder_absent", folder=str(folder)))
     if find_manifest(folder) is not None:
         man = read_manifest(folder)
         if man.kind == CONVERTED_CHECKPOINT:

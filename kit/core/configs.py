@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from kit.core.i18n import t
 from kit.errors import InputError
 
 
@@ -17,7 +18,7 @@ class ConfigError(InputError):
     def __init__(self, problems: Iterable[str], where: str = "config"):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) in {where}:\n{lines}")
+        super().__init__(f"{t('config.problems', count=len(self.problems), where=where)}\n{lines}")
 
 
 def check(config: Any, where: str | None = None) -> Any:

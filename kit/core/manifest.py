@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from kit.core.i18n import t
 from kit.errors import InputError, IntegrityError, MissingInputError
 from kit.storage.atomic import MANIFEST_NAME
 from kit.storage.hashes import sha256_file
@@ -244,20 +245,23 @@ def find_manifest(folder: PathLike) -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def _wanted(kinds: Sequence[str]) -> str:
+    """What a refusal says was expected (made only when refusing: it reads the language setting)."""
+    made = [t("manifest.want_kind", kind=k, by=made_by(k)) for k in kinds]
+    return t("manifest.or").join(made) or t("manifest.want_any")
+
+
 def read_manifest(folder: PathLike, expect: Union[None, str, Sequence[str]] = None) -> Manifest:
     """Read a stage output's manifest; check its kind against `expect` (one kind or several)."""
     folder = Path(folder)
     wanted = (expect,) if isinstance(expect, str) else tuple(expect or ())
-    want_text = " or ".join(f"a {k} folder (made by {made_by(k)})" for k in wanted) or "a kit stage's output"
     if not folder.exists():
-        raise MissingInputError(f"{str(folder)!r} does not exist; expected {want_text}.")
+        raise MissingInputError(t("manifest.absent", folder=str(folder), want=_wanted(wanted)))
     if not folder.is_dir():
-        raise InputError(f"{str(folder)!r} is a file; expected {want_text}.")
+        raise InputError(t("manifest.is_file", folder=str(folder), want=_wanted(wanted)))
     path = find_manifest(folder)
     if path is None:
-        raise InputError(
-            f"{str(folder)!r} has no {MANIFEST_NAME}, so the kit cannot tell what it holds; expected {want_text}."
-        )
+        raise InputError(t("manifest.none", folder=str(folder), manifest=MANIFEST_NAME, want=_wanted(wanted)))
     raw = path.read_bytes()
     try:
         record = json.loads(raw.decode("utf-8"))
@@ -270,7 +274,7 @@ def read_manifest(folder: PathLike, expect: Union[None, str, Sequence[str]] = No
         ) from exc
     if wanted and kind not in wanted:
         raise InputError(
-            f"{str(folder)!r} is a {kind} folder (made by {made_by(kind)}); expected {want_text}."
+            t("manifest.wrong_kind", folder=str(folder), kind=kind, by=made_by(kind), want=_wanted(wanted))
         )
     missing = [k for k in KINDS.get(kind, ("", ()))[1] if k not in fields]
     if missing:

@@ -13,12 +13,14 @@ import json
 from pathlib import Path
 from typing import Any, List, Tuple
 
+from kit.core.i18n import t
+
 
 def _text(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, Path)) for v in value):
-        return ", ".join(_text(v) for v in value) if value else "(none)"
+        return ", ".join(_text(v) for v in value) if value else t("show.none")
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, indent=1, ensure_ascii=False, default=str)
     return str(value)

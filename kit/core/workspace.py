@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Union
 
+from kit.core.i18n import t
 from kit.errors import InputError
 
 MODELARTS_ROOT = Path("/home/ma-user/ws")
@@ -53,10 +54,7 @@ class Workspace:
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).expanduser().resolve())
         if not _MODEL_NAME.match(self.model or ""):
-            raise InputError(
-                f"model name {self.model!r} is not a plain folder name; use letters, digits, '.', '_' or '-' "
-                f"(for example 'Llama2-7B' or 'GLM3-6B')."
-            )
+            raise InputError(t("workspace.bad_model_name", name=self.model))
 
     # ${workdir}/llm_train: the AscendCloud code package (AscendSpeed / ModelLink / scripts), if the user has it
     @property
@@ -90,7 +88,7 @@ class Workspace:
     def output(self, run_type: str) -> Path:
         """Where a training run of `run_type` saves weights (retrain continues into pretrain's folder)."""
         if run_type not in RUN_TYPES:
-            raise InputError(f"RUN_TYPE {run_type!r} is not one of {', '.join(RUN_TYPES)}.")
+            raise InputError(t("workspace.bad_run_type", run_type=run_type, choices=", ".join(RUN_TYPES)))
         return self.model_output / ("pretrain" if run_type == "retrain" else run_type)
 
     @property

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from kit.core.i18n import t
+
 KINDS = ("pretrain", "sft", "dpo")
 DEFAULT_NAMES = {"pretrain": "corpus", "sft": "alpaca", "dpo": "pairs"}  # the output name when `name` is None
 INPUT_FORMATS = ("auto", "text", "alpaca", "sharegpt", "openai", "trl", "hh")
@@ -118,7 +120,9 @@ class DataConfig:
                 "input_format='text' holds no dialogs; use kind='pretrain' or an alpaca/sharegpt/openai file."
             )
         if self.template not in TEMPLATES and self.template != "tokenizer":
-            out.append(f"template={self.template!r}: use one of {sorted(TEMPLATES) + ['tokenizer']}.")
+            out.append(
+                t("template.problem", template=self.template, choices=sorted(TEMPLATES) + ["tokenizer"])
+            )
         if self.overlong not in OVERLONG:
             out.append(f"overlong={self.overlong!r}: use one of {OVERLONG}.")
         if self.on_error not in ON_ERROR:

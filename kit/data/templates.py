@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from kit.core import i18n
 from kit.data.dialogs import Dialog
 from kit.errors import InputError
 
@@ -298,7 +299,7 @@ def prompt_text(tokenizer: Any, prompt: str, template: str, enable_thinking: Opt
     at inference (evaluation, serving). `enable_thinking` is the data's (None: the template's default); False ends
     a reasoning template's prompt with the empty think block the model was trained to see."""
     if template not in TEMPLATES:
-        raise InputError(f"template {template!r} is not one of {sorted(TEMPLATES)} or 'tokenizer'.")
+        raise InputError(i18n.t("template.unknown", template=template, choices=sorted(TEMPLATES)))
     specials = {"bos": tokenizer.bos_token or "", "eos": tokenizer.eos_token or ""}
     thinking = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     pieces = template_segments(Dialog(None, [(prompt, "")]), TEMPLATES[template], specials, **thinking)

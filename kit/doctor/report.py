@@ -17,11 +17,49 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from kit.core.i18n import t
 from kit.core.known_errors import SET_ENV_HINT, explain
 from kit.system import versions
 from kit.system.cann import ASCEND_ROOTS, cann_version_from_disk, find_set_env_scripts
 
 STATUSES = ("pass", "warn", "fail", "info")
+# what a reader sees for each status and each fixed check name, in the kit's language (kit.core.messages); a check
+# named for a library (transformers, peft, ...) is shown by its name
+STATUS_KEYS = {
+    "pass": "doctor.status.pass",
+    "warn": "doctor.status.warn",
+    "fail": "doctor.status.fail",
+    "info": "doctor.status.info",
+}
+LABEL_KEYS = {
+    "python": "doctor.check.python",
+    "torch": "doctor.check.torch",
+    "torch_npu": "doctor.check.torch_npu",
+    "torch pairing": "doctor.check.torch_pairing",
+    "CANN": "doctor.check.cann",
+    "CANN env": "doctor.check.cann_env",
+    "CANN pairing": "doctor.check.cann_pairing",
+    "driver": "doctor.check.driver",
+    "device": "doctor.check.device",
+    "dtype": "doctor.check.dtype",
+    "visible devices": "doctor.check.visible_devices",
+    "deepspeed": "doctor.check.deepspeed",
+    "task queue": "doctor.check.task_queue",
+}
+COLUMN_KEYS = ("doctor.col.status", "doctor.col.check", "doctor.col.detail", "doctor.col.fix")
+
+
+def _pad(text: str, width: int) -> str:
+    """`text` padded to `width` terminal columns (a Chinese character takes two)."""
+    import unicodedata
+
+    used = sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+    return text + " " * max(0, width - used)
+
+
+def label(name: str) -> str:
+    """A check's name as the reader sees it."""
+    return t(LABEL_KEYS[name]) if name in LABEL_KEYS else name
 
 
 @dataclass
@@ -98,36 +136,53 @@ class Report:
             "report": self.json_path,
         }
 
+    def sentence(self) -> str:
+        """One sentence: how many checks passed, warned, failed, informed, and whether the kit can run here."""
+        c = self.counts
+        key = "doctor.summary.ok" if self.ok else "doctor.summary.failed"
+        return t(
+            key,
+            total=len(self.checks),
+            passed=c["pass"],
+            warned=c["warn"],
+            failed=c["fail"],
+            infos=c["info"],
+            device=self.device.get("kind", "?"),
+            backend=self.device.get("backend", "?"),
+        )
+
     def table(self):
-        """The checks as a pandas DataFrame (status, check, detail, fix)."""
+        """The checks as a pandas DataFrame (status, check, detail, fix: headers in the kit's language)."""
         import pandas as pd
 
+        columns = [t(k) for k in COLUMN_KEYS]
         return pd.DataFrame(
-            [{"status": c.status, "check": c.name, "detail": c.detail, "fix": c.fix} for c in self.checks]
+            [[t(STATUS_KEYS[c.status]), label(c.name), c.detail, c.fix] for c in self.checks], columns=columns
         )
 
     def __str__(self) -> str:
-        marks = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "info": "INFO"}
         lines = [
-            f"{marks[c.status]:4}  {c.name:<18} {c.detail}" + (f"\n      fix: {c.fix}" if c.fix else "")
+            f"{_pad(t(STATUS_KEYS[c.status]), 4)}  {_pad(label(c.name), 18)} {c.detail}"
+            + (f"\n      {t('doctor.fix', fix=c.fix)}" if c.fix else "")
             for c in self.checks
         ]
-        return "\n".join(lines + [f"\n{self.counts}"])
+        return "\n".join(lines + ["", self.sentence()])
 
     def _repr_html_(self) -> str:
         import html
 
         colours = {"pass": "#1a7f37", "warn": "#9a6700", "fail": "#cf222e", "info": "#57606a"}
         rows = "".join(
-            f"<tr><td style='color:{colours[c.status]};font-weight:bold'>{c.status.upper()}</td>"
-            f"<td>{html.escape(c.name)}</td><td style='text-align:left'>{html.escape(c.detail)}</td>"
+            f"<tr><td style='color:{colours[c.status]};font-weight:bold'>{html.escape(t(STATUS_KEYS[c.status]))}</td>"
+            f"<td>{html.escape(label(c.name))}</td><td style='text-align:left'>{html.escape(c.detail)}</td>"
             f"<td style='text-align:left'>{html.escape(c.fix)}</td></tr>"
             for c in self.checks
         )
+        status, check, detail, fix = (html.escape(t(k)) for k in COLUMN_KEYS)
         return (
-            f"<table class='kit-doctor'><thead><tr><th>status</th><th>check</th><th style='text-align:left'>detail</th>"
-            f"<th style='text-align:left'>fix</th>"
-            f"</tr></thead><tbody>{rows}</tbody></table><p>{self.counts}</p>"
+            f"<table class='kit-doctor'><thead><tr><th>{status}</th><th>{check}</th>"
+            f"<th style='text-align:left'>{detail}</th><th style='text-align:left'>{fix}</th>"
+            f"</tr></thead><tbody>{rows}</tbody></table><p>{html.escape(self.sentence())}</p>"
         )
 
 
@@ -406,10 +461,10 @@ def _run(args) -> int:
     cfg = DoctorConfig(**explicit_values(args, DoctorConfig))
     if cfg.explain_error:
         why = explain(cfg.explain_error)
-        print(why if why else "not a known error; run `python -m kit doctor` and check each FAIL line")
+        print(why if why else t("doctor.unknown_error"))
         return 0 if why else 1
     report = diagnose(deepspeed=cfg.check_deepspeed)
     print(report)
     if args.json:
-        print(f"report written to {report.to_json(args.json)}")
+        print(t("doctor.written", path=report.to_json(args.json)))
     return 0 if report.ok else 1

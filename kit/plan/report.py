@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Optional, Union
 
+from kit.core.i18n import t
 from kit.errors import MissingInputError
 from kit.plan.cards import GIB
 from kit.plan.planner import ALLOCATOR_MARGIN, PlanReport, PlanRow
@@ -30,27 +31,49 @@ def _largest(row: PlanRow) -> tuple:
 def verdict(report: PlanReport) -> str:
     """One sentence: does the run's plan fit, and else the largest term and the nearest plan that fits."""
     r = report.inputs
-    what = f"{_count(report.counts.total)} parameters, sequence {r.seq_len}, MBS {r.mbs}, {report.dtype}"
-    cards = f"{r.cards} x {report.card.name} ({report.card.memory_gib:g} GiB)"
+    what = t(
+        "plan.what", params=_count(report.counts.total), seq_len=r.seq_len, mbs=r.mbs, dtype=report.dtype
+    )
+    cards = t("plan.cards", cards=r.cards, card=report.card.name, memory=report.card.memory_gib)
     chosen, fitting = report.chosen(), report.fitting()
     best = fitting[0] if fitting else None
     if chosen is not None and chosen.fits:
         notes = "".join(f" ({n})" for n in chosen.memory.notes)
-        return f"{chosen.layout} fits on {cards}: {_gib(chosen.total)} GiB per card for {what}{notes}."
+        return t(
+            "plan.fits", layout=chosen.layout, cards=cards, total=_gib(chosen.total), what=what, notes=notes
+        )
     if chosen is not None:
         name, size = _largest(chosen)
-        tail = f" The fastest plan that fits: {best.layout} ({_gib(best.total)} GiB)." if best else ""
-        return (
-            f"{chosen.layout} does not fit on {cards}: {_gib(chosen.total)} GiB per card for {what}; the largest "
-            f"term is {name} ({_gib(size)} GiB).{tail}"
+        tail = t("plan.fastest_fit", layout=best.layout, total=_gib(best.total)) if best else ""
+        return t(
+            "plan.does_not_fit",
+            layout=chosen.layout,
+            cards=cards,
+            total=_gib(chosen.total),
+            what=what,
+            term=name,
+            size=_gib(size),
+            tail=tail,
         )
     if best is not None:
-        return f"{len(fitting)} plans fit on {cards} for {what}; the fastest: {best.layout} ({_gib(best.total)} GiB)."
+        return t(
+            "plan.some_fit",
+            count=len(fitting),
+            cards=cards,
+            what=what,
+            layout=best.layout,
+            total=_gib(best.total),
+        )
     nearest = min(report.rows, key=lambda row: row.total)
     name, size = _largest(nearest)
-    return (
-        f"No plan fits on {cards} for {what}. The nearest: {nearest.layout} at {_gib(nearest.total)} GiB per card, "
-        f"its largest term {name} ({_gib(size)} GiB): more cards, a shorter sequence or LoRA."
+    return t(
+        "plan.none_fit",
+        cards=cards,
+        what=what,
+        layout=nearest.layout,
+        total=_gib(nearest.total),
+        term=name,
+        size=_gib(size),
     )
 
 
@@ -138,7 +161,7 @@ def does_not_fit(plan, card_name: str, cards: int, memory_gib: Optional[float] =
     chosen = report.chosen()
     if chosen is None or chosen.fits:
         return None
-    return "Will it fit? " + verdict(report)
+    return t("plan.will_it_fit", verdict=verdict(report))
 
 
 def local_refusal(plan) -> Optional[str]:

@@ -7,6 +7,7 @@ import json
 import sys
 
 from kit.core.configs import add_config_arguments, explicit_values
+from kit.errors import error_line
 from kit.serve.config import BenchConfig, PackageConfig, ServeConfig
 
 
@@ -81,7 +82,7 @@ def run_start(args: argparse.Namespace) -> int:
             print(json.dumps(server.summary(), indent=2))
             print("serving; Ctrl-C stops it", flush=True)
             code = server.proc.wait()
-            print(f"error: the engine exited with code {code}; log: {server.log_path}", file=sys.stderr)
+            print(error_line(f"the engine exited with code {code}; log: {server.log_path}"), file=sys.stderr)
             return 1
         finally:
             server.stop()

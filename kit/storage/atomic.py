@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from kit.errors import KitError, OutputError
+from kit.errors import KitError, OutputError, current_language
 
 # the file a stage writes last into its output folder (kit.core.manifest): a folder that holds it is complete
 MANIFEST_NAME = "kit_manifest.json"
@@ -21,13 +21,20 @@ class OutputExistsError(KitError, FileExistsError):
     """An output already exists and overwrite was not requested."""
 
 
+# The refusal in each language; this layer sits below the catalog (kit.core.messages), which holds this very dict.
+EXISTS = {
+    "en": "{what} {path!r} already exists; choose another path or pass overwrite=True "
+    "(OVERWRITE = True in the notebook, --overwrite on the command line) to replace it.",
+    "zh": "{what} {path!r} 已存在；请换一个路径，或传入 overwrite=True"
+    "（notebook 中设 OVERWRITE = True，命令行加 --overwrite）以覆盖它。",
+}
+
+
 def refuse_existing(path: PathLike, overwrite: bool, what: str = "output") -> None:
     """Raise OutputExistsError naming the path and the way out, unless it is absent or overwrite is set."""
     if os.path.lexists(path) and not overwrite:
-        raise OutputExistsError(
-            f"{what} {str(path)!r} already exists; choose another path or pass overwrite=True "
-            f"(OVERWRITE = True in the notebook, --overwrite on the command line) to replace it."
-        )
+        line = EXISTS.get(current_language(), EXISTS["en"])
+        raise OutputExistsError(line.format(what=what, path=str(path)))
 
 
 def free_bytes(path: PathLike) -> int:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from kit.core.i18n import t
 from kit.core.workspace import repo_root
-from kit.errors import InputError
+from kit.errors import ERROR_PREFIX, InputError
 from kit.system.procs import STOP_GRACE_S, free_port, running, runs_kit_train, torchrun_command
 from kit.train.config import TrainConfig
 from kit.train.jobenv import modelarts_env  # noqa: F401  (the ModelArts job mapping; kit.train.job builds on it)
@@ -38,6 +39,7 @@ NPU_ENV = {
 }
 
 
+ERROR_PREFIXES = tuple(ERROR_PREFIX.values())  # a rank's one-line error, in any language of the kit
 STATUS_PREFIX = (
     "kit train: "  # what `python -m kit train run` prints last: "kit train: <status> at iteration N"
 )
@@ -240,7 +242,7 @@ def launch(
 
         refusal = local_refusal(plan)
         if refusal:
-            raise InputError(f"{refusal} --force (force=True) launches it anyway.")
+            raise InputError(t("train.refused_does_not_fit", refusal=refusal))
     if cfg.node_rank == 0:  # its rank 0 will hold the run's lock: a run already training there is not touched
         from kit.storage.locks import check_free
 
@@ -329,13 +331,13 @@ def _consume(line: str, log, tail, echo: bool, result: LaunchResult, bar, view=N
         result.rank_exit, result.launcher_report = int(failed.group(1)), True
     if result.launcher_report or _AGENT_LINE.match(line):
         return
-    if line.startswith("error: ") or line.startswith(STATUS_PREFIX):
+    if line.startswith(ERROR_PREFIXES) or line.startswith(STATUS_PREFIX):
         if line in result.rank_lines:
             return  # the same line from another rank
         result.rank_lines.append(line)
     tail.append(line)
     if echo:
-        print(line, file=sys.stderr if line.startswith("error: ") else sys.stdout, flush=True)
+        print(line, file=sys.stderr if line.startswith(ERROR_PREFIXES) else sys.stdout, flush=True)
     if line.startswith(STATUS_PREFIX) and result.status in ("", "completed"):
         # every rank says how it ended; one whose OBS uploads failed says so, the others "completed"
         result.status = line[len(STATUS_PREFIX) :].split(" ", 1)[0]

@@ -50,8 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if plan.problems:  # like `kit train megatron`: the plan is printed, its problems make it fail
         import sys
 
+        from kit.errors import error_line
+
         print(
-            f"error: the job has {len(plan.problems)} problem(s), listed above; nothing was sent.",
+            error_line(f"the job has {len(plan.problems)} problem(s), listed above; nothing was sent."),
             file=sys.stderr,
         )
         return 2

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kit.errors import error_line
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kit.core.configs import add_config_arguments
@@ -51,5 +53,5 @@ def run(args: argparse.Namespace) -> int:
             f"megatron preflight: {'passed' if result.passed else 'FAILED'} in {result.wall_s:.1f} s; {result.folder}"
         )
     for line in result.failures():
-        print(f"error: {line}", file=sys.stderr)
+        print(error_line(line), file=sys.stderr)
     return 0 if result.passed else 2
