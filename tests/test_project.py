@@ -94,15 +94,15 @@ def test_every_notebook_takes_the_project_unless_its_parameters_say_otherwise():
         body = "\n".join(code[1:])
         uses = (
             "get_workspace(WORKSPACE, model=MODEL)",
-            "set_project(WORKSPACE, MODEL)",
-            "a WORKSPACE or MODEL",
+            "set_project(WORKSPACE, MODEL, LANGUAGE)",
+            "a WORKSPACE, MODEL or LANGUAGE",
         )
         rest = body
         for use in uses:
             rest = rest.replace(use, "")
         assert not re.search(r"\bMODEL\b", rest), path.name  # the model is ws.model everywhere else
         if path.name.startswith("00"):
-            assert "print(set_project(WORKSPACE, MODEL))" in body and "ws = get_workspace()" in body
+            assert "print(set_project(WORKSPACE, MODEL, LANGUAGE))" in body and "ws = get_workspace()" in body
         else:
             assert (
                 'ws = get_workspace(WORKSPACE, model=MODEL)\nprint(f"Project settings: {ws.origin}.")' in body
