@@ -316,3 +316,34 @@ def test_data_of_another_tokenizer_is_refused_in_one_line(ws, tiny_llama_dir, tm
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "another tokenizer" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def pairs_ws(tmp_path_factory, tiny_llama_dir):
+    """A workspace with notebook 02's preference pairs and their MindSpeed-LLM pairwise files."""
+    from kit.core.workspace import get_workspace
+    from kit.data import DataConfig, prepare
+
+    root = tmp_path_factory.mktemp("pfdpo") / "ws"
+    cfg = DataConfig(
+        kind="dpo", name="pairs", tokenizer=str(tiny_llama_dir), max_length=48, template="tokenizer"
+    )
+    return {"root": root, "dpo": Path(prepare(cfg, get_workspace(root, model="tiny"), progress=False).hf_dir)}
+
+
+def test_dpo_pairs_log_probs_and_steps_match_the_kits_dpo_step_on_hf(pairs_ws, tiny_llama_dir, tmp_path):
+    """The pairwise files through megatron-core: each pair's chosen / rejected log-probability equals HF's, the first
+    DPO loss is log 2 on both sides (reference = the starting weights), and the steps, grad norm and params match
+    the kit's DPO step (kit.train.dpo) on the HF weights."""
+    import math
+
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", 1, 1)
+    res = _run(ckpt, pairs_ws["dpo"], tmp_path / "pf", pairs_ws["root"], mbs=2, micro_batches=2, dpo_beta=0.5)
+    assert res.passed, res.failures()
+    checks = _by_name(res.checks)
+    assert list(checks) == ["shards loaded", "log-probs vs HF", "loss vs HF", "grad norm vs HF",
+                            "losses over steps", "params after steps", "checkpoint back to HF"]  # fmt: skip
+    assert checks["log-probs vs HF"]["value"] <= 1e-5 and "8 pairs" in checks["log-probs vs HF"]["detail"]
+    losses = res.facts["losses"]
+    assert res.facts["data_kind"] == "dpo" and losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(losses[1] - math.log(2)) > 1e-4  # the first step moved the policy away from the reference

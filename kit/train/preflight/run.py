@@ -55,6 +55,10 @@ class PreflightConfig:
     arithmetic (ChatGLM3's key bias on the unrotated half of each head)."""
     seed: int = 1234
     """Seed of megatron-core's GPTDataset sample order."""
+    dpo_beta: float = 0.1
+    """Preference pairs only: DPO's beta (the sigmoid loss of kit.train.dpo on both sides)."""
+    dpo_label_smoothing: float = 0.0
+    """Preference pairs only: DPO's label smoothing (cDPO), 0 <= x < 0.5."""
     timeout_s: int = 600
     """Wall-clock limit of the ranks (and of each collective); they are killed after it."""
     work_dir: Optional[str] = None
