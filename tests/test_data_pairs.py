@@ -131,7 +131,8 @@ def test_sample_pairs_hold_out_a_split_write_a_manifest_and_explain_a_pair(tmp_p
     result = prepare(cfg, progress=False)
     p = result.prepared
     n = len(dpo_pairs().read_text(encoding="utf-8").splitlines())
-    assert p.kind == "dpo" and p.template == "chatml" and p.megatron_prefix is None and not p.pack
+    assert p.kind == "dpo" and p.template == "chatml" and not p.pack
+    assert p.megatron_prefix == str(tmp_path / "pairs")
     assert p.heldout["records"] == 4 and len(p.heldout_dataset()) == 4
     assert p.num_samples + 4 == n == result.report.records_read
     train = {tuple(row["chosen_ids"]) + tuple(row["prompt_ids"]) for row in p.dataset()}
@@ -149,3 +150,36 @@ def test_sample_pairs_hold_out_a_split_write_a_manifest_and_explain_a_pair(tmp_p
     from kit.data.check import check_prepared
 
     assert check_prepared(p.folder)["samples"] == p.num_samples
+
+
+def test_pairs_are_written_as_mindspeed_llm_pairwise_files(tmp_path):
+    """02 writes MindSpeed-LLM's four pairwise files (one int32 document per pair, labels -100 on the prompt)."""
+    import numpy as np
+
+    from kit.data.indexed import IndexedReader
+    from kit.data.prepared import PAIR_MEGATRON_KEYS
+
+    p = prepare(
+        DataConfig(kind="dpo", out_dir=str(tmp_path), max_length=64, template="chatml"), progress=False
+    )
+    prepared = p.prepared
+    assert prepared.megatron_flags == ["--prompt-type", "chatml"]
+    files = {
+        key: IndexedReader(f"{prepared.megatron_prefix}_packed_{key}_document") for key in PAIR_MEGATRON_KEYS
+    }
+    assert sorted(prepared.megatron_files) == sorted(
+        f"{prepared.megatron_prefix}_packed_{k}_document{e}"
+        for k in PAIR_MEGATRON_KEYS
+        for e in (".bin", ".idx")
+    )
+    rows = prepared.dataset()
+    for key, reader in files.items():
+        assert len(reader) == len(rows) == prepared.num_samples, key
+        assert reader.dtype == np.int32, key
+    for i in (0, len(rows) - 1):
+        row = rows[i]
+        prompt = [int(t) for t in row["prompt_ids"]]
+        for side in ("chosen", "rejected"):
+            answer = [int(t) for t in row[f"{side}_ids"]]
+            assert files[f"{side}_input_ids"][i].tolist() == prompt + answer
+            assert files[f"{side}_labels"][i].tolist() == [-100] * len(prompt) + answer

@@ -316,3 +316,60 @@ def test_data_of_another_tokenizer_is_refused_in_one_line(ws, tiny_llama_dir, tm
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "another tokenizer" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def pairs_ws(tmp_path_factory, tiny_llama_dir):
+    """A workspace with notebook 02's preference pairs and their MindSpeed-LLM pairwise files."""
+    from kit.core.workspace import get_workspace
+    from kit.data import DataConfig, prepare
+
+    root = tmp_path_factory.mktemp("pfdpo") / "ws"
+    cfg = DataConfig(
+        kind="dpo", name="pairs", tokenizer=str(tiny_llama_dir), max_length=48, template="tokenizer"
+    )
+    return {"root": root, "dpo": Path(prepare(cfg, get_workspace(root, model="tiny"), progress=False).hf_dir)}
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2)])
+def test_dpo_pairs_log_probs_and_steps_match_the_kits_dpo_step_on_hf(
+    pairs_ws, tiny_llama_dir, tmp_path, tp, pp
+):
+    """The pairwise files through megatron-core: each pair's chosen / rejected log-probability equals HF's, the first
+    DPO loss is log 2 on both sides (reference = the starting weights), and the steps, grad norm and params match
+    the kit's DPO step (kit.train.dpo) on the HF weights."""
+    import math
+
+    ckpt = _convert(tiny_llama_dir, tmp_path / "c", tp, pp)
+    res = _run(ckpt, pairs_ws["dpo"], tmp_path / "pf", pairs_ws["root"], mbs=2, micro_batches=2, dpo_beta=0.5)
+    assert res.passed, res.failures()
+    checks = _by_name(res.checks)
+    assert list(checks) == ["shards loaded", "log-probs vs HF", "loss vs HF", "grad norm vs HF",
+                            "losses over steps", "params after steps", "checkpoint back to HF"]  # fmt: skip
+    assert checks["log-probs vs HF"]["value"] <= 1e-5 and "8 pairs" in checks["log-probs vs HF"]["detail"]
+    losses = res.facts["losses"]
+    assert res.facts["data_kind"] == "dpo" and (res.facts["tp"], res.facts["pp"]) == (tp, pp)
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(losses[1] - math.log(2)) > 1e-4  # the first step moved the policy away from the reference
+
+
+def test_dpo_log_probs_row_fails_on_a_difference_or_a_missing_pair():
+    """The row the DPO case depends on: off by more than 1e-5 relative, or a pair no rank reported, fails."""
+    import torch
+
+    from kit.train.preflight.dpo import logps_check
+    from kit.train.preflight.run import PreflightConfig
+
+    hf = torch.tensor([[-50.0, -60.0], [-40.0, -45.0]])
+    same = [{"pair_logps": [[0, -50.0, -60.0]]}, {"pair_logps": [[1, -40.0, -45.0]]}, {}]
+    assert logps_check(same, hf, 1e-5)["passed"]
+    off = [{"pair_logps": [[0, -50.0, -60.0], [1, -40.0, -45.01]]}]
+    row = logps_check(off, hf, 1e-5)
+    assert not row["passed"] and row["value"] == pytest.approx(0.01 / 45, rel=1e-4)
+    assert "pair 1 rejected" in row["detail"]
+    missing = logps_check([{"pair_logps": [[0, -50.0, -60.0]]}], hf, 1e-5)
+    assert not missing["passed"] and missing["detail"] == "the ranks reported 1 of 2 pairs"
+    assert PreflightConfig(dpo_beta=0.0, dpo_label_smoothing=0.5).problems() == [
+        "DPO_BETA=0.0 must be > 0 (0.1 is usual).",
+        "DPO_LABEL_SMOOTHING=0.5 must be in [0, 0.5).",
+    ]

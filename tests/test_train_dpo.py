@@ -96,12 +96,22 @@ def test_lora_dpo_uses_the_adapters_off_as_reference(tmp_path, tiny_llama_dir, p
 
 def test_dpo_settings_are_checked():
     cfg = TrainConfig(
-        run_type="dpo", dpo_beta=0.0, dpo_label_smoothing=0.5, dpo_reference="adapters_off", engine="megatron"
+        run_type="dpo",
+        dpo_beta=0.0,
+        dpo_label_smoothing=0.5,
+        dpo_reference="adapters_off",
+        dpo_sft_weight=0.5,
+        engine="megatron",
     )
     with pytest.raises(ConfigError) as err:
         check(cfg)
     text = str(err.value)
-    for needle in ("DPO_BETA=0.0", "DPO_LABEL_SMOOTHING=0.5", "needs DPO_LORA=True", "DeepSpeed engine only"):
+    for needle in (
+        "DPO_BETA=0.0",
+        "DPO_LABEL_SMOOTHING=0.5",
+        "needs DPO_LORA=True",
+        "MindSpeed-LLM's --pref-ftx",
+    ):
         assert needle in text, needle
 
 

@@ -180,3 +180,55 @@ def test_megatron_plan_defaults_to_notebook_03s_checkpoint_in_the_workspace(tmp_
     flag = flags_of(plan.argv)
     assert flag["--load"] == str(ckpt.resolve()) and flag["--data-path"] == str(ws.data_finetune / "alpaca")
     assert flag["--num-layer-list"] == "7,8,8,7" and data.is_dir()
+
+
+@pytest.fixture(scope="module")
+def megatron_pairs(tmp_path_factory):
+    """Notebook 02's preference pairs with their MindSpeed-LLM pairwise files (the real data stage)."""
+    from kit.data import DataConfig, prepare
+
+    out = tmp_path_factory.mktemp("pairs")
+    return prepare(DataConfig(kind="dpo", out_dir=str(out), max_length=64, template="chatml"), progress=False)
+
+
+def _dpo_cfg(tmp_path, data, **kw) -> TrainConfig:
+    ws = tmp_path / "ws"
+    code_package(ws)
+    ckpt = H.converted(tmp_path / "converted", tp=2, pp=2, layer_list=(15, 15))
+    values = dict(
+        engine="megatron", run_type="dpo", model_name="tiny", model_path=str(ckpt), dataset_path=str(data),
+        work_dir=str(ws), nproc_per_node=4, gbs=4, mbs=2, dpo_beta=0.2, dpo_label_smoothing=0.1,
+    )  # fmt: skip
+    values.update(kw)
+    return TrainConfig(**values)
+
+
+def test_dpo_plan_is_mindspeed_llms_stage_dpo_on_the_pairwise_files(tmp_path, megatron_pairs):
+    plan = build(resolve(_dpo_cfg(tmp_path, megatron_pairs.hf_dir)))
+    assert plan.problems == [], plan.problems
+    argv, flag = plan.argv, flags_of(plan.argv)
+    ckpt = str((tmp_path / "converted").resolve())
+    assert argv[argv.index("posttrain_gpt.py") - 1].startswith("--master_port")
+    i = argv.index("--stage")
+    assert argv[i - 1 : i + 11] == [
+        "--finetune", "--stage", "dpo", "--is-pairwise-dataset", "--dpo-loss-type", "sigmoid",
+        "--dpo-beta", "0.2", "--dpo-label-smoothing", "0.1", "--ref-model", ckpt,
+    ]  # fmt: skip
+    assert flag["--load"] == ckpt and flag["--data-path"] == megatron_pairs.megatron_prefix
+    assert flag["--prompt-type"] == "chatml" and flag["--seq-length"] == "64"
+    assert flag["--micro-batch-size"] == "2" and flag["--global-batch-size"] == "4"
+    for absent in ("--is-instruction-dataset", "--pref-ftx", "--lora-r", "--neat-pack", "--refer-model-iter"):
+        assert absent not in argv, absent
+    lora = build(resolve(_dpo_cfg(tmp_path / "lora", megatron_pairs.hf_dir, dpo_lora=True, lora_r=4)))
+    assert lora.problems == [] and flags_of(lora.argv)["--lora-r"] == "4" and "dpo" in lora.argv
+
+
+def test_dpo_settings_mindspeed_llm_cannot_run_are_refused(tmp_path, tiny_llama_dir, megatron_pairs):
+    cfg = _dpo_cfg(tmp_path, megatron_pairs.hf_dir, dpo_sft_weight=0.5, dpo_reference="precompute")
+    problems = build(resolve(cfg)).problems
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("DPO_SFT_WEIGHT=0.5: MindSpeed-LLM's --pref-ftx averages")
+    assert problems[1].startswith("DPO_REFERENCE='precompute' has no MindSpeed-LLM counterpart")
+    sft = megatron_data(tmp_path / "data" / "alpaca_hf", tiny_llama_dir, "sft")
+    problems = build(resolve(_dpo_cfg(tmp_path / "sft", sft, dataset_path=str(sft)))).problems
+    assert any("holds 'sft' data; RUN_TYPE=dpo trains on preference pairs" in p for p in problems), problems

@@ -52,7 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="what", required=True)
     _add_prepare(s, "pretrain", "plain text -> max_length samples + <name>_text_document.bin/.idx")
     _add_prepare(s, "sft", "dialogs -> packed, answer-masked samples + <name>_packed_*_document.bin/.idx")
-    _add_prepare(s, "dpo", "preference pairs -> prompt, chosen and rejected token ids per row (HF rows)")
+    _add_prepare(
+        s,
+        "dpo",
+        "preference pairs -> prompt, chosen and rejected token ids per row (HF rows; MindSpeed-LLM pairwise files)",
+    )
     c = s.add_parser(
         "check",
         help="check a prepared <name>_hf folder against its manifest (every row, the Megatron files, the "

@@ -23,6 +23,7 @@ import numpy as np
 from kit.data.accounting import PrepReport
 from kit.data.dialogs import ASSISTANT_ROLES, USER_ROLES, Dialog, record_error
 from kit.data.heldout import DROP_REASON, HELDOUT, SAME_AS_HELDOUT, HeldoutPicker
+from kit.data.prepared import IGNORE_INDEX
 from kit.data.readers import Record
 from kit.errors import InputError
 
@@ -320,12 +321,33 @@ class PairPicker(HeldoutPicker):
         }
 
 
+def megatron_pair(prompt: Ids, chosen: Ids, rejected: Ids) -> Tuple[Ids, Ids, Ids, Ids]:
+    """One pair as MindSpeed-LLM's pairwise handler writes it: chosen ids, chosen labels, rejected ids, rejected labels
+    (prompt + answer; the labels -100 on the prompt, not shifted)."""
+    ignore = np.full(len(prompt), IGNORE_INDEX, dtype=np.int64)
+    return (
+        np.concatenate([prompt, chosen]),
+        np.concatenate([ignore, chosen]),
+        np.concatenate([prompt, rejected]),
+        np.concatenate([ignore, rejected]),
+    )
+
+
 class PairAssembler:
     """Receives tokenized pairs in order: drops a prompt that leaves no room for an answer, cuts answers to
-    max_length (or drops them, overlong='drop'), applies the held-out split, writes rows in batches."""
+    max_length (or drops them, overlong='drop'), applies the held-out split, writes rows in batches; with `writers`
+    (kit.data.prepared.PAIR_MEGATRON_KEYS' four) also MindSpeed-LLM's pairwise files, one document per pair."""
 
-    def __init__(self, sink: Any, report: PrepReport, overlong: str, heldout: Optional[PairPicker] = None):
+    def __init__(
+        self,
+        sink: Any,
+        report: PrepReport,
+        overlong: str,
+        heldout: Optional[PairPicker] = None,
+        writers: Optional[List[Any]] = None,
+    ):
         self.sink, self.report, self.overlong, self.heldout = sink, report, overlong, heldout
+        self.writers = writers
         self.max_length = report.max_length
         self.rows: List[Tuple[Ids, Ids, Ids]] = []
 
@@ -372,6 +394,10 @@ class PairAssembler:
             return
         cols = ("prompt_ids", "chosen_ids", "rejected_ids")
         self.sink.write({name: [row[i] for row in self.rows] for i, name in enumerate(cols)})
+        if self.writers:
+            for p, c, r in self.rows:
+                for w, seq in zip(self.writers, megatron_pair(p, c, r)):
+                    w.add_document(seq)
         rep = self.report
         rep.records_written += len(self.rows)
         rep.tokens_out += int(sum(p.size + c.size + r.size for p, c, r in self.rows))

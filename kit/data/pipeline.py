@@ -323,7 +323,7 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
     hf_dir = out / f"{name}_hf"
     held_dir = heldout_dir(out, name)
     mg_prefix, mg_prefixes = megatron_names(cfg.kind, out, name)
-    megatron = cfg.megatron and cfg.kind != "dpo"  # preference pairs: HF rows only (the kit trainer's)
+    megatron = cfg.megatron
     mg_files = [Path(p + ext) for p in mg_prefixes for ext in (".bin", ".idx")] if megatron else []
     for p in [hf_dir, *mg_files, *([held_dir] if cfg.heldout_records else [])]:
         refuse_existing(p, cfg.overwrite, "prepared data")
@@ -371,7 +371,10 @@ def _prepare(cfg: DataConfig, out: Path, progress: bool, plot: bool) -> PrepResu
         unit = atomic_dir(hf_dir, overwrite=cfg.overwrite, what="prepared data", before_rename=companions)
         with writing(hf_dir), unit as tmp:
             if megatron:
-                dtypes = [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * 3
+                # fine-tuning and pairs: int32 (labels hold -100), as MindSpeed-LLM's preprocess_data.py writes them
+                dtypes = (
+                    [token_dtype(vocab_size)] if cfg.kind == "pretrain" else [np.int32] * len(mg_prefixes)
+                )
                 writers = [IndexedWriter(p, d, suffix) for p, d in zip(mg_prefixes, dtypes)]
             if cfg.kind == "dpo":
                 from kit.data.hf_rows import RaggedSink
@@ -544,7 +547,7 @@ def _stream(
                     pair_wheres.append([w for _, w in chunk])
                     yield [item for item, _ in chunk]
 
-            asm = PairAssembler(sink, report, cfg.overlong, heldout)
+            asm = PairAssembler(sink, report, cfg.overlong, heldout, writers or None)
             for result in ordered_map(pair_job, pair_payloads(), cfg.num_workers, initargs, tok):
                 asm.add(result, pair_wheres.pop(0))
                 bar.update(len(result))

@@ -43,6 +43,12 @@ SFT_MEGATRON_KEYS = ("input_ids", "attention_mask", "labels")
 # (MindSpeed-LLM, training arguments; docs "multi-sample pack finetune"). The kit's trainer adds
 # `--finetune --stage sft --is-instruction-dataset` itself for any fine-tuning run.
 PACKED_SFT_FLAGS = ("--reset-attention-mask", "--neat-pack")
+# MindSpeed-LLM's pairwise set (DPO): its AlpacaStylePairwiseHandler / SharegptStylePairwiseHandler write one int32
+# document per pair for each of these keys, `<prefix>_packed_<key>_document.bin/.idx`, labels -100 on the prompt and
+# aligned with the ids (not shifted); its trainer reads them with `--is-pairwise-dataset` (MindSpeed-LLM
+# mindspeed_llm/tasks/preprocess/data_handler.py and docs/en/pytorch/tools/data_process_dpo_pairwise.md, commit
+# c77308a14bfcb1aa7ca61da9c1aa24a893cb1b91).
+PAIR_MEGATRON_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
 def megatron_names(kind: str, out_dir: PathLike, name: str) -> Tuple[str, List[str]]:
@@ -56,7 +62,8 @@ def megatron_names(kind: str, out_dir: PathLike, name: str) -> Tuple[str, List[s
         prefix = str(out_dir / f"{name}_text_document")
         return prefix, [prefix]
     prefix = str(out_dir / name)
-    return prefix, [f"{prefix}_packed_{key}_document" for key in SFT_MEGATRON_KEYS]
+    keys = PAIR_MEGATRON_KEYS if kind == "dpo" else SFT_MEGATRON_KEYS
+    return prefix, [f"{prefix}_packed_{key}_document" for key in keys]
 
 
 def megatron_flags(kind: str, pack: bool, prompt_type: Optional[str] = None) -> List[str]:
@@ -64,7 +71,7 @@ def megatron_flags(kind: str, pack: bool, prompt_type: Optional[str] = None) -> 
     fine-tuning data MindSpeed-LLM's `--prompt-type` of its chat template (what its instruction dataset reads when
     it cuts an over-long sample, and what its chat / evaluation tools wrap prompts in)."""
     flags = list(PACKED_SFT_FLAGS) if kind == "sft" and pack else []
-    if kind == "sft" and prompt_type:
+    if kind in ("sft", "dpo") and prompt_type:
         flags += ["--prompt-type", prompt_type]
     return flags
 

@@ -320,10 +320,10 @@ def _dpo_problems(cfg: TrainConfig) -> list:
     from kit.train.dpo import REFERENCES
 
     p = []
-    if cfg.engine != "deepspeed":
-        p.append(
-            f"RUN_TYPE=dpo runs on the kit's DeepSpeed engine only (ENGINE={cfg.engine!r}); set ENGINE='deepspeed'."
-        )
+    if cfg.engine == "megatron":  # MindSpeed-LLM's --stage dpo: what it cannot run as the kit defines it
+        from kit.train.megatron_dpo import setting_problems
+
+        p.extend(setting_problems(cfg))
     if not cfg.dpo_beta > 0:
         p.append(f"DPO_BETA={cfg.dpo_beta} must be > 0 (0.1 is usual).")
     if not 0 <= cfg.dpo_label_smoothing < 0.5:

@@ -203,7 +203,16 @@ def build(
     )
     load = str(ckpt.folder) if ckpt is not None else None
     problems += checkpoint_problems(load, int(cfg.tp), int(cfg.pp), ep)
-    finetune = cfg.run_type in ("sft", "lora")
+    finetune = cfg.run_type in ("sft", "lora", "dpo")
+    if cfg.run_type == "dpo":
+        from kit.train.megatron_dpo import data_kind_problems
+
+        problems += data_kind_problems(facts_data, str(cfg.dataset_path))
+    if cfg.run_type == "retrain" and cfg.resume_from == "dpo":
+        problems.append(
+            "resuming a DPO run is not built for ENGINE='megatron' (MindSpeed-LLM's reference would need "
+            "--refer-model-iter of the starting checkpoint); start the DPO run again, or use ENGINE='deepspeed'."
+        )
     if finetune and ckpt is None:
         problems.append(
             f"MODEL_PATH={cfg.model_path!r} is an HF folder; fine-tuning with Megatron loads converted weights: "
@@ -276,9 +285,13 @@ def build(
         argv += ["--load", load_dir]
         if cfg.run_type != "retrain":
             argv += ["--no-load-optim", "--no-load-rng"]  # converted weights carry no optimizer state
-    if finetune:
+    if cfg.run_type == "dpo":  # MindSpeed-LLM's --stage dpo (kit.train.megatron_dpo)
+        from kit.train.megatron_dpo import dpo_flags
+
+        argv += dpo_flags(cfg, load)
+    elif finetune:
         argv += ["--finetune", "--stage", "sft", "--is-instruction-dataset"]
-    if cfg.run_type == "lora":
+    if cfg.lora:
         argv += [
             "--lora-r", str(cfg.lora_r),
             "--lora-alpha", str(cfg.lora_alpha),

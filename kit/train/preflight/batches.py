@@ -27,6 +27,10 @@ def read_batches(job: dict, cache: str) -> dict:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data, n = job["data"], job["samples"]
+    if data["kind"] == "dpo":  # MindSpeed-LLM's pairwise files: [n, 2, s] pairs (kit.train.preflight.dpo)
+        from kit.train.preflight.dpo import read_pairs
+
+        return read_pairs(job)
     if data["kind"] == "pretrain":
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
         from megatron.core.datasets.utils import Split

@@ -61,6 +61,11 @@ def compare(job: dict, results: List[dict], work: Path):
     ref = reference.load(hf_dir, job)
     seconds["HF side: convert back"] = round(time.monotonic() - t, 1)
     t = time.monotonic()
+    if job.get("dpo"):  # pairs: the kit's DPO step, its reference log-probs from the starting weights
+        from kit.train.preflight.dpo import DpoReference, logps_check
+
+        ref = DpoReference(ref, job)
+        checks.append(logps_check(results, ref.reference_logps(batches), LOSS_RTOL))
     ref_run = reference.train(ref, batches, job)
     seconds["HF side: steps"] = round(time.monotonic() - t, 1)
     last = [r for r in results if r.get("losses")]

@@ -99,17 +99,22 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
             )
         )
     args = reader.args
-    kind = "sft" if facts.get("data_kind") == "sft" else "pretrain"
+    kind = facts.get("data_kind") if facts.get("data_kind") in ("sft", "dpo") else "pretrain"
+    if kind == "dpo" and spec.family in ("chatglm", "baichuan"):
+        raise InputError(
+            f"the DPO preflight's HF side is the kit's DPO step on transformers' own model, which has no {spec.family} "
+            f"(remote code): run the preflight on SFT or pretraining data for this model."
+        )
     if kind == "sft" and not facts.get("pack"):
         raise InputError(
             "the fine-tuning data is not packed; MindSpeed-LLM's packed layout (PACK=True in notebook 02) is what "
             "the preflight reads."
         )
     seq = int(cfg.seq_len or facts.get("max_length") or 0)
-    if kind == "sft":  # packed rows have the data's length
+    if kind in ("sft", "dpo"):  # packed rows, and pairs cut to it, have the data's length
         if cfg.seq_len and int(cfg.seq_len) != int(facts.get("max_length")):
             raise InputError(
-                f"SEQ_LEN={cfg.seq_len} but the packed fine-tuning rows are {facts.get('max_length')} tokens long "
+                f"SEQ_LEN={cfg.seq_len} but the {kind} rows are {facts.get('max_length')} tokens long "
                 f"(notebook 02's max_length); leave SEQ_LEN unset or prepare the data again."
             )
         seq = int(facts.get("max_length"))
@@ -158,6 +163,9 @@ def build_job(cfg, reader, facts: dict, out: Path) -> dict:
         "timeout_s": int(cfg.timeout_s),
         "out": str(out),
         "spec": meta["spec"],
+        "dpo": {"beta": float(cfg.dpo_beta), "label_smoothing": float(cfg.dpo_label_smoothing)}
+        if kind == "dpo"
+        else None,
     }
 
 

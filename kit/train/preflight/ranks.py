@@ -270,6 +270,10 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
 
     def forward_step(data_iterator, mdl):
         b = next(data_iterator)
+        if job.get("dpo"):  # pairs: the sigmoid DPO loss of their log-probs (kit.train.preflight.dpo)
+            from kit.train.preflight.dpo import megatron_step
+
+            return megatron_step(mdl, b, job)
         output = mdl(b["tokens"], b["position_ids"], megatron_mask(b["segments"]), labels=b["labels"])
 
         def loss_func(out_tensor):
@@ -278,12 +282,17 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
 
         return output, loss_func
 
+    def micro_batches(step: int) -> list:
+        first = (step * dp + dp_rank) * m * mbs
+        return [{k: v[first + i * mbs : first + (i + 1) * mbs] for k, v in batches.items()} for i in range(m)]
+
+    refs = _dpo_reference(job, result, fbf, ddp, micro_batches, dp, dp_rank) if job.get("dpo") else None
     losses, norms, norms64, lrs, aux = [], [], [], [], []
     for step in range(job["steps"]):
-        first = (step * dp + dp_rank) * m * mbs
-        micro = [
-            {k: v[first + i * mbs : first + (i + 1) * mbs] for k, v in batches.items()} for i in range(m)
-        ]
+        micro = micro_batches(step)
+        if refs is not None and ps.is_pipeline_last_stage():
+            for i, b in enumerate(micro):
+                b["ref"] = refs[step][i]
         ddp.zero_grad_buffer()
         opt.zero_grad()
         lrs.append(opt.param_groups[0]["lr"])
@@ -293,7 +302,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
             model=[ddp],
             num_microbatches=m,
             seq_length=job["seq_len"],
-            micro_batch_size=mbs,
+            micro_batch_size=mbs * (2 if job.get("dpo") else 1),  # a pair is two rows
             forward_only=False,
         )
         if job.get("moe"):
@@ -316,6 +325,41 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
         _save(job, args, state, model, tp_rank, pp_rank, ep_rank)
     _lap(result, "save")
     dist.barrier()
+
+
+def _dpo_reference(job: dict, result: dict, fbf, ddp, micro_batches, dp: int, dp_rank: int) -> list:
+    """Every micro-batch's log-probs with the starting weights, before the first step (the DPO reference, as the
+    kit's precompute), through the same pipeline schedule forward-only; the last stage's TP rank 0 also reports
+    them per pair (`pair_logps`, what the "log-probs vs HF" row compares)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from kit.train.preflight.dpo import megatron_step
+
+    m, mbs = job["micro_batches"], job["mbs"]
+    refs, pairs = [], []
+    for step in range(job["steps"]):
+        with torch.no_grad():
+            reduced = fbf(
+                forward_step_func=lambda it, mdl: megatron_step(mdl, next(it), job),
+                data_iterator=iter(micro_batches(step)),
+                model=[ddp],
+                num_microbatches=m,
+                seq_length=job["seq_len"],
+                micro_batch_size=mbs * 2,
+                forward_only=True,
+            )
+        logps = [r["logps"].float() for r in reduced]
+        refs.append(logps)
+        first = (step * dp + dp_rank) * m * mbs
+        for i, lp in enumerate(logps):
+            chosen, rejected = lp.chunk(2)
+            for j in range(mbs):
+                pairs.append([first + i * mbs + j, float(chosen[j]), float(rejected[j])])
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        result["pair_logps"] = pairs
+    _lap(result, "DPO reference pass")
+    return refs
 
 
 def _lap(result: dict, name: str) -> None:

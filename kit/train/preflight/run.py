@@ -55,6 +55,10 @@ class PreflightConfig:
     arithmetic (ChatGLM3's key bias on the unrotated half of each head)."""
     seed: int = 1234
     """Seed of megatron-core's GPTDataset sample order."""
+    dpo_beta: float = 0.1
+    """Preference pairs only: DPO's beta (the sigmoid loss of kit.train.dpo on both sides)."""
+    dpo_label_smoothing: float = 0.0
+    """Preference pairs only: DPO's label smoothing (cDPO), 0 <= x < 0.5."""
     timeout_s: int = 600
     """Wall-clock limit of the ranks (and of each collective); they are killed after it."""
     work_dir: Optional[str] = None
@@ -71,6 +75,10 @@ class PreflightConfig:
                 out.append(f"{name.upper()}={getattr(self, name)} must be at least 1.")
         if self.seq_len is not None and int(self.seq_len) < 2:
             out.append(f"SEQ_LEN={self.seq_len} must be at least 2.")
+        if not self.dpo_beta > 0:
+            out.append(f"DPO_BETA={self.dpo_beta} must be > 0 (0.1 is usual).")
+        if not 0 <= self.dpo_label_smoothing < 0.5:
+            out.append(f"DPO_LABEL_SMOOTHING={self.dpo_label_smoothing} must be in [0, 0.5).")
         return out
 
 
@@ -124,6 +132,16 @@ NORM_HEAD_NOTE = (
     "Baichuan2 NormHead: the output rows were normalised at conversion, so the first loss is HF's NormHead loss; "
     "megatron-core trains a plain output layer, and the grad norm, steps and params are checked against HF with "
     "that plain head, not against NormHead training (which renormalises the rows every step)"
+)
+
+
+# what the DPO rows hold against, and what they leave to MindSpeed-LLM (kit.train.preflight.dpo)
+DPO_NOTE = (
+    "DPO: megatron-core's GPTModel gives each pair's chosen / rejected log-probability (its per-token cross-entropy "
+    "summed over the answer tokens) and the kit's sigmoid DPO loss of them; the reference log-probabilities are the "
+    "starting weights' (a forward-only pass before the first step, as the kit's precompute), so the first loss is "
+    "log 2 on both sides and the log-probs row is what tests the model; not run: MindSpeed-LLM's own DPOTrainer "
+    "(its frozen --ref-model run beside the policy in one batch, its log-prob gather over TP)"
 )
 
 
@@ -245,6 +263,8 @@ def run(cfg: PreflightConfig) -> PreflightResult:
         ]
         if job["spec"].get("norm_head"):
             notes.append(NORM_HEAD_NOTE)
+        if job.get("dpo"):
+            notes.append(DPO_NOTE)
         # kept: the report, the ranks' logs and the trained Megatron checkpoint; the rest was the checks' scratch
         (work / "batches.pt").unlink(missing_ok=True)
         for scratch in [*work.glob("cache_*"), work / "reference_hf", work / "trained_hf"]:
