@@ -331,7 +331,8 @@ def pairs_ws(tmp_path_factory, tiny_llama_dir):
     return {"root": root, "dpo": Path(prepare(cfg, get_workspace(root, model="tiny"), progress=False).hf_dir)}
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2)])
+# TP2 x PP2 only: it runs every part TP1 does (about 90 s on a loaded 2-core machine)
+@pytest.mark.parametrize("tp, pp", [(2, 2)])
 def test_dpo_pairs_log_probs_and_steps_match_the_kits_dpo_step_on_hf(
     pairs_ws, tiny_llama_dir, tmp_path, tp, pp
 ):
