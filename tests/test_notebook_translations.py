@@ -77,10 +77,20 @@ def test_problems_catch_changed_code_changed_english_and_untranslated_prose(tmp_
     assert len(translation_problems(en, out2)) == len(md)
     assert all(p.endswith("not translated") for p in translation_problems(en, out2))
 
-    # a cell added to the English notebook
+    # a cell added to the English notebook: the copy no longer matches until synced; the sync keeps every
+    # translation with its English text even where the ids were renumbered, and reports only the new cell
+    nb = json.loads(en.read_text(encoding="utf-8"))
     nb["cells"].insert(1, {"cell_type": "markdown", "id": "new", "metadata": {}, "source": "new"})
+    for i, c in enumerate(nb["cells"]):
+        c["id"] = str(i)  # as nbstripout numbers them
     en.write_text(json.dumps(nb), encoding="utf-8")
     assert "differ" in translation_problems(en, out)[0]
+    out, problems = sync_translation(en, "zh", out_dir=tmp_path / "zh")
+    assert problems == [
+        f"{out.name} cell 1: the English text changed since it was translated (or it never was)"
+    ]
+    moved = next(c for c in _cells(out) if c["id"] == str(int(md[1]) + 1))  # one further down now
+    assert "".join(moved["source"]) == f"中文 {md[1]}"
 
 
 def test_relative_links_point_one_folder_further_up(tmp_path):

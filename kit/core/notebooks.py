@@ -71,13 +71,20 @@ def sync_translation(
 ) -> tuple[Path, list[str]]:
     """Rebuild the `lang` copy of one English notebook: every code cell and the notebook's metadata from English,
     each markdown cell's prose from `translations` (cell id -> text, recorded as made from the current English), else
-    from the existing copy. Returns the copy's path and its problems (`translation_problems`), e.g. cells to
+    from the existing copy's cell translated from the same English text (wherever it now stands), else from the cell
+    of the same id (kept, and reported as stale). Returns the copy's path and its problems (`translation_problems`), e.g. cells to
     translate after the English changed."""
     en = json.loads(Path(en_path).read_text(encoding="utf-8"))
     out = Path(out_dir or notebooks_folder(lang)) / Path(en_path).name
-    old = {}
+    old, by_source = {}, {}
     if out.is_file():
         old = {c["id"]: c for c in json.loads(out.read_text(encoding="utf-8"))["cells"] if "id" in c}
+        # a translation follows its English text, not its cell id (nbstripout renumbers ids when cells are added)
+        by_source = {
+            c["metadata"]["kit"]["translated_from"]: c
+            for c in old.values()
+            if c["cell_type"] == "markdown" and c.get("metadata", {}).get("kit", {}).get("translated_from")
+        }
     cells = []
     for cell in en["cells"]:
         cell = json.loads(json.dumps(cell))
@@ -85,7 +92,9 @@ def sync_translation(
             if translations and cell["id"] in translations:
                 text = _translated_markdown(translations[cell["id"]], depth=1)
                 made_from = source_hash(_text(cell))
-            elif cell["id"] in old:
+            elif source_hash(_text(cell)) in by_source:
+                text, made_from = _text(by_source[source_hash(_text(cell))]), source_hash(_text(cell))
+            elif cell["id"] in old and old[cell["id"]]["cell_type"] == "markdown":
                 text = _text(old[cell["id"]])
                 made_from = old[cell["id"]].get("metadata", {}).get("kit", {}).get("translated_from", "")
             else:  # new English prose: kept in English until translated, and reported
