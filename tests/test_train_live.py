@@ -119,15 +119,6 @@ def test_the_log_line_carries_the_held_out_loss_to_a_launched_view():
     assert "eval_loss" not in parse_line(format_line({**m, "eval_loss": None}, 4))
 
 
-def _with_heldout(data, held, records):
-    from kit.core.manifest import PREPARED_DATA, read_manifest, write_manifest
-
-    fields = dict(read_manifest(data).fields)
-    fields["heldout"] = {"path": str(held), "records": records, "rows": records, "rule": "synthetic"}
-    write_manifest(data, PREPARED_DATA, fields)
-    return data
-
-
 def test_the_trainer_scores_the_held_out_split_every_eval_every_steps(tmp_path, tiny_llama_dir):
     """The held-out loss of the last step is the loss notebook 06 computes for the exported model on those rows."""
     from datasets import load_from_disk
@@ -138,7 +129,7 @@ def test_the_trainer_scores_the_held_out_split_every_eval_every_steps(tmp_path, 
     from kit.train.metrics import read_metrics
 
     held = H.make_sft(tmp_path / "h_heldout_hf", num_samples=5, seed=1)
-    data = _with_heldout(H.make_sft(tmp_path / "h_hf", num_samples=16), held, 5)
+    data = H.with_heldout(H.make_sft(tmp_path / "h_hf", num_samples=16), held, 5)
     cfg = H.tiny_config(
         tiny_llama_dir, data, tmp_path / "ws", run_type="sft", train_iters=3, eval_every=2, save_hf=True
     )
@@ -159,7 +150,7 @@ def test_eval_every_zero_scores_nothing(tmp_path, tiny_llama_dir):
     from kit.train.metrics import read_metrics
 
     held = H.make_sft(tmp_path / "h_heldout_hf", num_samples=3, seed=1)
-    data = _with_heldout(H.make_sft(tmp_path / "h_hf", num_samples=8), held, 3)
+    data = H.with_heldout(H.make_sft(tmp_path / "h_hf", num_samples=8), held, 3)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", run_type="sft", train_iters=2, eval_every=0)
     result = train(cfg, progress=False)
     assert result.eval_losses == {} and not [r for r in read_metrics(result.metrics_path) if "eval_loss" in r]
