@@ -20,7 +20,7 @@ def stream_answer(
     tokenizer,
     prompt: str,
     template: Optional[str] = None,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 32,
     where: str = "the model's folder",
 ) -> Iterator[str]:
     """The greedy answer to `prompt` in `template` (a kit template, or None / "tokenizer": the tokenizer's own), piece
@@ -65,7 +65,7 @@ def chat_box(
     model_dir: Union[str, Path],
     question: str,
     template: Optional[str] = None,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 32,
     interactive: Optional[bool] = None,
 ) -> str:
     """A chat box on the HF model in `model_dir` (e.g. notebook 04's `result.hf_dir`), loaded once, each question in
