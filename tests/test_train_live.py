@@ -145,7 +145,9 @@ def test_the_trainer_scores_the_held_out_split_every_eval_every_steps(tmp_path, 
     assert "eval loss: " in result.log_path.read_text()
 
 
-def test_eval_every_zero_scores_nothing(tmp_path, tiny_llama_dir):
+def test_no_held_out_loss_when_off_or_when_the_split_is_not_here(tmp_path, tiny_llama_dir):
+    import shutil
+
     from kit.train import train
     from kit.train.metrics import read_metrics
 
@@ -154,3 +156,10 @@ def test_eval_every_zero_scores_nothing(tmp_path, tiny_llama_dir):
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", run_type="sft", train_iters=2, eval_every=0)
     result = train(cfg, progress=False)
     assert result.eval_losses == {} and not [r for r in read_metrics(result.metrics_path) if "eval_loss" in r]
+    shutil.rmtree(
+        held
+    )  # e.g. a job given the training rows alone: it trains, and says why there is no held-out loss
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws2", run_type="sft", train_iters=2, eval_every=1)
+    result = train(cfg, progress=False)
+    assert result.status == "completed" and result.eval_losses == {}
+    assert f"warning: {held} (the data's held-out split) is not here" in result.log_path.read_text()

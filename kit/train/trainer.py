@@ -135,7 +135,7 @@ class Trainer:
                 f"them, or OVERWRITE=True to start over (they will be deleted once the new model has loaded)."
             )
         self.ds, self.meta = load_dataset(cfg.dataset_path)
-        self.heldout = heldout_rows(self.meta, cfg)
+        self.heldout, missing = heldout_rows(self.meta, cfg)
         self.seq_len = cfg.seq_len or int(self.meta["max_length"])
         model, self.adapt_report = eng.build_model(cfg)
         check_packing(self.meta, self.adapt_report, cfg.dataset_path, self.ds)
@@ -164,6 +164,8 @@ class Trainer:
         )
         if self.rank == 0:
             self._leftovers()
+        if missing:
+            self.writer.text(f"warning: {missing}")
         self.start_iter = 0
         self.saved_iteration: Optional[int] = None  # the checkpoint this run saved or resumed last
         if resume and cfg.obs_home:
@@ -576,18 +578,25 @@ class Trainer:
         self.writer.text(f"saved HF folder {result.hf_dir}")
 
 
-def heldout_rows(prepared, cfg):
-    """The held-out rows the run is scored on every EVAL_EVERY steps (the first EVAL_ROWS of notebook 02's split,
-    model inputs only), or None: EVAL_EVERY=0, no split, or preference pairs (notebook 06 scores those)."""
+def heldout_rows(prepared, cfg) -> tuple:
+    """(the held-out rows the run is scored on every EVAL_EVERY steps: the first EVAL_ROWS of notebook 02's split,
+    model inputs only, or None; why not, when the data names a split that is not here). None: EVAL_EVERY=0, no
+    split, or preference pairs (notebook 06 scores those). A split that is here but damaged is an error."""
     from kit.data.prepared import MODEL_INPUTS
 
-    if not cfg.eval_every or prepared.kind == "dpo":
-        return None
+    if not cfg.eval_every or prepared.kind == "dpo" or not prepared.heldout:
+        return None, None
+    where = Path(prepared.heldout["path"])
+    if not where.is_dir():  # e.g. a job given the training rows alone: it trains, without the held-out loss
+        return (
+            None,
+            f"{where} (the data's held-out split) is not here: no held-out loss (EVAL_EVERY) this run.",
+        )
     held = prepared.heldout_dataset()
-    if held is None or len(held) == 0:
-        return None
+    if len(held) == 0:
+        return None, None
     held = held.select(range(min(EVAL_ROWS, len(held))))
-    return held.with_format("torch", columns=list(MODEL_INPUTS))
+    return held.with_format("torch", columns=list(MODEL_INPUTS)), None
 
 
 def _restarts(ds, rows: int = 64) -> bool:
