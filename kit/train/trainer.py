@@ -164,6 +164,11 @@ class Trainer:
         )
         if self.rank == 0:
             self._leftovers()
+        # every rank scores the held-out rows or none does: a node without them would leave the others in a collective
+        if self._all_reduce_ints([int(self.heldout is not None)])[0] < self.world:
+            if self.heldout is not None:
+                missing = "another rank's node lacks the data's held-out split: no held-out loss this run."
+            self.heldout = None
         if missing:
             self.writer.text(f"warning: {missing}")
         self.start_iter = 0
