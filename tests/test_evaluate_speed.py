@@ -56,8 +56,8 @@ def test_bars_from_zero_with_values_and_noise_flags():
     heights = [[b.get_height() for b in c] for c in ttft.containers]
     assert heights == [[100.0, 200.0], [105.0, 300.0]]  # base, trained
     assert [c.get_label() for c in ttft.containers] == ["base", "trained"]
-    flags = [t.get_text() for t in ttft.texts if t.get_text() in ("within noise", "trained 1.50x")]
-    assert flags == ["within noise", "trained 1.50x"]
+    flags = [t.get_text() for t in ttft.texts if t.get_text() in ("within noise", "trained 1.5x")]
+    assert flags == ["within noise", "trained 1.5x"]
     # 0.01 MiB apart on an axis from zero: the bars look equal; the flag says the difference
     assert memory.get_ylim()[0] == 0 and memory.get_ylim()[1] == pytest.approx(700.01 * 1.25)
     assert "+0.01 MiB" in [t.get_text() for t in memory.texts]

@@ -194,7 +194,7 @@ def _flag(row: dict) -> str:
         return "within noise"
     if row["metric"] == "memory_mb":
         return f"{row['change']:+.3g} MiB"
-    return f"trained {row['change']:.2f}x"
+    return f"trained {row['change']:.3g}x"
 
 
 def speed_figure(table, title: str = ""):
