@@ -51,6 +51,9 @@ def test_latency_percentiles_against_concurrency_and_request_rate():
     assert [t.get_text() for t in ttft_r.get_xticklabels()] == ["0", "1.5", "4", "8"]
     assert sorted(t.get_text() for t in ttft_c.texts) == ["100", "101", "102", "200", "201", "202"]
     assert sorted(t.get_text() for t in tput_c.texts) == ["0.5", "1.0"]
+    # equal percentiles of a point (few requests) are labelled once
+    same = dict(POINTS[1], p90_ttft_ms=102.0)
+    assert sorted(t.get_text() for t in load_figure([same]).axes[0].texts) == ["100", "102"]
 
 
 def test_only_the_loads_that_ran_get_a_column_and_several_lengths_a_legend_each(tmp_path):

@@ -59,6 +59,7 @@ def load_figure(points: Sequence[Dict[str, Any]], title: str = ""):
     for col, (load, key, xlabel) in enumerate(loads):
         for row, (metric, ylabel) in enumerate(ROWS):
             ax = axes[row][col]
+            said = set()  # (x, value text): equal percentiles of a point are labelled once
             for g, grid in enumerate(grids):
                 pts = _series(points, load, key, grid)
                 x = [p[key] for p in pts]
@@ -75,6 +76,9 @@ def load_figure(points: Sequence[Dict[str, Any]], title: str = ""):
                     y = [p[column] for p in pts]
                     ax.plot(x, y, style, color=color, label=name + suffix, alpha=1.0 if g == 0 else 0.6)
                     for xi, yi in zip(x, y):
+                        if (xi, _value(yi)) in said:
+                            continue
+                        said.add((xi, _value(yi)))
                         ax.annotate(
                             _value(yi), (xi, yi), textcoords="offset points", xytext=offset, fontsize=7
                         )
