@@ -91,6 +91,24 @@ def test_chat_in_the_datas_template_goes_through_completions(served):
     assert out["prompt_tokens"] == len(tok(text)["input_ids"])
 
 
+def test_the_chat_box_streams_the_served_answer_in_the_datas_template(served, capsys):
+    from kit.serve.client import chat, chat_box, stream
+
+    server, _, _ = served
+    facts: dict = {}
+    pieces = list(stream(server, "hello", max_tokens=6, usage=facts))  # template from the run: chatml
+    whole = chat(server, "hello", max_tokens=6, stream=False)
+    assert "".join(pieces) == whole["text"] and len(pieces) >= 2
+    assert facts["template"] == "chatml" and facts["endpoint"] == "completions"
+    assert facts["prompt_tokens"] == whole["prompt_tokens"]
+    # headless (no front end): the one question, its answer in one sentence
+    assert chat_box(server, "hello", max_tokens=6) == whole["text"]
+    assert (
+        capsys.readouterr().out
+        == f"Asked 'hello', the served model answered {' '.join(whole['text'].split())!r}.\n"
+    )
+
+
 def test_a_prompt_longer_than_the_context_is_one_line(served):
     from kit.errors import InputError
     from kit.serve.client import chat

@@ -101,6 +101,16 @@ def make_sft(
     return _save(rows, Path(folder), meta)
 
 
+def with_heldout(data: Path, held: Path, records: int) -> Path:
+    """`data`'s manifest names `held` (rows like make_sft's) as its held-out split, as notebook 02's does."""
+    from kit.core.manifest import read_manifest
+
+    fields = dict(read_manifest(data).fields)
+    fields["heldout"] = {"path": str(held), "records": records, "rows": records, "rule": "synthetic"}
+    write_manifest(data, PREPARED_DATA, fields)
+    return data
+
+
 def prepared(folder: Path, tokenizer: Path, max_length: int = 48, kind: str = "sft", **fields) -> Path:
     """A prepared-data folder as notebook 02 leaves it: rows + a prepared-data manifest."""
     (make_sft if kind == "sft" else make_pretrain)(folder, num_samples=4, max_length=max_length)

@@ -36,8 +36,10 @@ def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir,
     from kit.core.configs import to_jsonable
     from kit.train.resolve import TrainPlan
 
-    data = H.make_pretrain(tmp_path / "p_hf", num_samples=16)
-    common = dict(train_iters=4, gbs=4, mbs=1, lr=3e-3)
+    # 3 held-out rows over 2 ranks: rank 1 scores one row and a repeat with no targets
+    held = H.make_sft(tmp_path / "p_heldout_hf", num_samples=3, max_length=32, seed=1)
+    data = H.with_heldout(H.make_pretrain(tmp_path / "p_hf", num_samples=16), held, 3)
+    common = dict(train_iters=4, gbs=4, mbs=1, lr=3e-3, eval_every=2)
     single = train(H.tiny_config(tiny_llama_dir, data, tmp_path / "one", **common), progress=False)
     cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "two", nproc_per_node=2, **common)
     opens = tmp_path / "opens.log"
@@ -54,7 +56,8 @@ def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir,
     res = launch(cfg, progress=False)
     assert res.ok, "\n".join(res.tail)
     pids = collections.Counter(opens.read_text().split())
-    assert pids[str(os.getpid())] == 1 and sorted(pids.values()) == [1, 1, 1], pids
+    # each rank opens its rows and the held-out rows
+    assert pids[str(os.getpid())] == 1 and sorted(pids.values()) == [1, 2, 2], pids
     # the ranks trained the plan the launcher wrote, which rank 0 kept as the run's plan
     plan = TrainPlan.load(cfg.output_dir() / "plan.json")
     assert to_jsonable(plan.cfg) == json.loads((cfg.output_dir() / "config.json").read_text())
@@ -63,6 +66,8 @@ def test_two_process_data_parallel_matches_one_process(tmp_path, tiny_llama_dir,
     records = read_metrics(cfg.log_dir() / "pretrain.metrics.jsonl")
     two = [r["loss"] for r in records]
     assert two == pytest.approx(single.losses, rel=1e-4, abs=1e-5)
+    held_out = {r["iteration"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert list(held_out) == [2, 4] and held_out == pytest.approx(single.eval_losses, rel=1e-4, abs=1e-5)
     assert records[0]["real_tokens"] == 4 * 32  # both ranks' tokens are counted once
     # tokens/s/p divides by the 2 cards
     r = records[-1]

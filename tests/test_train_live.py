@@ -62,3 +62,104 @@ def test_an_in_kernel_run_ends_on_the_views_final_state_with_its_loss_plot(tmp_p
     assert (out / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     curve = parse_log(cfg.log_dir() / f"{out.name}.log")
     assert list(curve["iteration"]) == [1, 2, 3] and (curve["memory_gib"] > 0).all()
+
+
+def _records():
+    losses = [3.0, 2.5, 2.2, 2.0]
+    return [
+        {"iteration": i, "loss": v, **({"eval_loss": 3.5 - 0.5 * i} if i % 2 == 0 else {})}
+        for i, v in enumerate(losses, 1)
+    ]
+
+
+def test_the_held_out_loss_is_a_cell_a_series_and_part_of_the_line():
+    view = RunView(total=4, title="sft")
+    view.update(_records()[0])
+    assert "<td>–</td>" in view.html() and "held-out" not in view.line()  # not measured yet
+    for rec in _records()[1:]:
+        view.update(rec)
+    assert view.line().endswith("loss 2.0000 (smoothed 2.3821), held-out loss 1.5000 (step 4)"), view.line()
+    page = view.html()
+    assert "<th>held-out loss</th>" in page and "<td>1.5000 (step 4)</td>" in page
+    svg = base64.b64decode(re.search(r"data:image/svg\+xml;base64,([^\"]+)", page).group(1)).decode()
+    # raw, smoothed and held-out lines, a dot per held-out point; y spans train and held-out losses (1.5 .. 3)
+    assert svg.count("<polyline") == 3 and svg.count("<circle") == 2 and ">3<" in svg and ">1.5<" in svg
+    # x is the iteration: step 2's dot is a third of the way from step 1 to step 4, step 4's at the right edge
+    xs = [float(x) for x in re.findall(r'<circle cx="([\d.]+)"', svg)]
+    assert xs == pytest.approx([6 + (420 - 12) / 3, 420 - 6], abs=0.06)
+
+
+def test_training_loss_png_draws_the_held_out_points(tmp_path):
+    from kit.train.live import plot_loss
+
+    fig = plot_loss(_records(), tmp_path / "training_loss.png")
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    assert list(lines) == ["loss", "smoothed (0.9)", "held-out"]
+    assert list(lines["held-out"].get_xdata()) == [2, 4] and list(lines["held-out"].get_ydata()) == [2.5, 1.5]
+    assert (tmp_path / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_log_line_carries_the_held_out_loss_to_a_launched_view():
+    from kit.train.logs import parse_line
+    from kit.train.metrics import format_line
+
+    m = {
+        "iteration": 4,
+        "consumed_samples": 8,
+        "elapsed_ms": 10.0,
+        "lr": 1e-4,
+        "gbs": 2,
+        "loss": 2.0,
+        "eval_loss": 1.5,
+        "tokens_per_s_per_card": 1.0,
+        "samples_per_s": 1.0,
+    }
+    rec = parse_line(format_line(m, 4))
+    assert rec["loss"] == 2.0 and rec["eval_loss"] == 1.5
+    assert "eval_loss" not in parse_line(format_line({**m, "eval_loss": None}, 4))
+
+
+def test_the_trainer_scores_the_held_out_split_every_eval_every_steps(tmp_path, tiny_llama_dir):
+    """The held-out loss of the last step is the loss notebook 06 computes for the exported model on those rows."""
+    from datasets import load_from_disk
+
+    from kit.evaluate.scoring import heldout_loss
+    from kit.system.hf_compat import load_causal_lm
+    from kit.train import train
+    from kit.train.metrics import read_metrics
+
+    held = H.make_sft(tmp_path / "h_heldout_hf", num_samples=5, seed=1)
+    data = H.with_heldout(H.make_sft(tmp_path / "h_hf", num_samples=16), held, 5)
+    cfg = H.tiny_config(
+        tiny_llama_dir, data, tmp_path / "ws", run_type="sft", train_iters=3, eval_every=2, save_hf=True
+    )
+    result = train(cfg, progress=False)
+    records = read_metrics(result.metrics_path)
+    assert [r["iteration"] for r in records if "eval_loss" in r] == [2, 3]  # every 2 steps and the last
+    assert result.eval_losses == {r["iteration"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert result.summary()["eval_loss"] == result.eval_losses[3]
+    model = load_causal_lm(result.hf_dir).eval()
+    assert result.eval_losses[3] == pytest.approx(
+        heldout_loss(model, load_from_disk(str(held))).loss, rel=1e-4
+    )
+    assert "eval loss: " in result.log_path.read_text()
+
+
+def test_no_held_out_loss_when_off_or_when_the_split_is_not_here(tmp_path, tiny_llama_dir):
+    import shutil
+
+    from kit.train import train
+    from kit.train.metrics import read_metrics
+
+    held = H.make_sft(tmp_path / "h_heldout_hf", num_samples=3, seed=1)
+    data = H.with_heldout(H.make_sft(tmp_path / "h_hf", num_samples=8), held, 3)
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws", run_type="sft", train_iters=2, eval_every=0)
+    result = train(cfg, progress=False)
+    assert result.eval_losses == {} and not [r for r in read_metrics(result.metrics_path) if "eval_loss" in r]
+    shutil.rmtree(
+        held
+    )  # e.g. a job given the training rows alone: it trains, and says why there is no held-out loss
+    cfg = H.tiny_config(tiny_llama_dir, data, tmp_path / "ws2", run_type="sft", train_iters=2, eval_every=1)
+    result = train(cfg, progress=False)
+    assert result.status == "completed" and result.eval_losses == {}
+    assert f"warning: {held} (the data's held-out split) is not here" in result.log_path.read_text()

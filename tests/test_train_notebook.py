@@ -63,7 +63,12 @@ def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_d
 
     ws = get_workspace(tmp_path / "ws", model="tiny")
     data_cfg = DataConfig(
-        kind="sft", name="alpaca", tokenizer=str(tiny_llama_dir), max_length=96, template="tokenizer"
+        kind="sft",
+        name="alpaca",
+        tokenizer=str(tiny_llama_dir),
+        max_length=96,
+        template="tokenizer",
+        heldout_records=4,
     )
     prepared = Path(prepare(data_cfg, ws, progress=False).hf_dir)
     before = sorted(p.name for p in ws.data_finetune.iterdir())
@@ -72,6 +77,7 @@ def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_d
         MAX_NEW_TOKENS=4,
     )  # fmt: skip
     assert summary["status"] == "completed" and summary["iterations"] == 2
+    assert summary["eval_loss"] > 0  # EVAL_EVERY: the held-out loss of 02's split
     assert summary["dataset_path"] == str(prepared)
     assert summary["sources"]["dataset_path"].startswith(
         f"workspace {prepared.resolve()}: DATASET_PATH not given: the newest prepared-data "

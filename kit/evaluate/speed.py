@@ -5,6 +5,10 @@ the first new token, greedy) and then `decode_tokens` single-token steps with th
 batch x steps / their time). The device is synchronized around each timed region (an accelerator runs
 asynchronously). Memory: on NPU / CUDA the peak allocated by torch during the measurement; on CPU the process's
 resident set size after it (CPU tensors have no allocator statistics).
+
+Noise: each point is measured REPEATS times; the spread of those repeats (max / min of the timings, max - min of the
+memory) is the noise a base-vs-trained difference is judged against (`compare`), in the sentence under the table
+(`noise_note`) and on the bars of `speed.png` (`plot`): "within noise", or the change where it is larger.
 """
 
 from __future__ import annotations
@@ -108,9 +112,12 @@ def benchmark(
             best["decode_tokens_per_s"] = max(r["decode_tokens_per_s"] for r in runs)
             best["memory_mb"] = max(r["memory_mb"] for r in runs)
             ttfts = [r["ttft_ms"] for r in runs]
-            best["ttft_spread"] = (
-                max(ttfts) / min(ttfts) if len(runs) > 1 else float("nan")
-            )  # repeat to repeat
+            speeds = [r["decode_tokens_per_s"] for r in runs]
+            mems = [r["memory_mb"] for r in runs]
+            one = len(runs) == 1  # repeat to repeat: nothing measured from one run
+            best["ttft_spread"] = float("nan") if one else max(ttfts) / min(ttfts)
+            best["decode_spread"] = float("nan") if one else max(speeds) / min(speeds)
+            best["memory_spread_mb"] = float("nan") if one else max(mems) - min(mems)
             rows.append(best)
     return rows
 
@@ -138,31 +145,101 @@ def noise_note(table) -> str:
     )
 
 
-def plot(table, path: Path, title: str = ""):
-    """TTFT, decode tokens/s and memory against batch size, one line per (model, prompt length); saved as PNG."""
-    import matplotlib.pyplot as plt
+# (column, its noise column, how the noise is measured, y label)
+PANELS = (
+    ("ttft_ms", "ttft_spread", "ratio", "time to first token (ms)"),
+    ("decode_tokens_per_s", "decode_spread", "ratio", "decode tokens/s"),
+    ("memory_mb", "memory_spread_mb", "difference", "memory (MiB)"),
+)
+COLORS = {"base": "#9ecae1", "trained": "#08519c"}
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for (model, length), part in table.groupby(["model", "prompt_len"], sort=False):
-        label = f"{model}, prompt {length}"
-        part = part.sort_values("batch")
-        axes[0].plot(part["batch"], part["ttft_ms"], marker="o", label=label)
-        axes[1].plot(part["batch"], part["decode_tokens_per_s"], marker="o", label=label)
-        axes[2].plot(part["batch"], part["memory_mb"], marker="o", label=label)
-    kind = table["memory_kind"].iloc[0] if len(table) else ""
-    for ax, ylabel in zip(axes, ("time to first token (ms)", "decode tokens/s", f"memory MiB ({kind})")):
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)  # from zero: 0.01 MiB between models is not drawn as a gap
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
+
+def compare(table) -> list:
+    """Per speed point and figure, trained against base: both values, the change, the repeats' noise and whether
+    the change is within it (`within`: None when one repeat measured no noise). Timings are judged as ratios
+    (trained / base against the larger max / min of the repeats), memory as a difference in MiB."""
+    import math
+
+    if table.empty or set(table["model"]) != {"base", "trained"}:
+        return []
+    keys = ["prompt_len", "batch"]
+    base = table[table["model"] == "base"].set_index(keys)
+    trained = table[table["model"] == "trained"].set_index(keys)
+    out = []
+    for point in base.index.intersection(trained.index):
+        for col, noise_col, how, _ in PANELS:
+            if col not in table or noise_col not in table:
+                continue
+            b, t = float(base.loc[point, col]), float(trained.loc[point, col])
+            noise = max(float(base.loc[point, noise_col]), float(trained.loc[point, noise_col]))
+            if how == "ratio":
+                change = t / b if b else math.nan
+                within = None if math.isnan(noise) else abs(change - 1) <= noise - 1
+            else:
+                change = t - b
+                within = None if math.isnan(noise) else abs(change) <= noise
+            row = {"prompt_len": point[0], "batch": point[1], "metric": col, "base": b, "trained": t}
+            out.append(dict(row, change=change, noise=noise, within=within))
+    return out
+
+
+def _number(v: float) -> str:
+    return "" if v != v else f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _flag(row: dict) -> str:
+    if row["within"] is None:
+        return "1 repeat: noise not measured"
+    if row["within"]:
+        return "within noise"
+    if row["metric"] == "memory_mb":
+        return f"{row['change']:+.3g} MiB"
+    return f"trained {row['change']:.3g}x"
+
+
+def speed_figure(table, title: str = ""):
+    """TTFT, decode tokens/s and memory as bars, base beside trained at each (prompt length, batch size), every
+    bar labelled with its value, y from zero; each pair flagged "within noise" or with its change (`compare`)."""
+    from matplotlib.figure import Figure
+
+    points = sorted(set(zip(table["prompt_len"], table["batch"])))
+    models = [m for m in ("base", "trained") if m in set(table["model"])] or sorted(set(table["model"]))
+    flags = {(r["prompt_len"], r["batch"], r["metric"]): _flag(r) for r in compare(table)}
+    fig = Figure(figsize=(max(6.0, 1.6 * len(points)), 3.0 * len(PANELS)))
+    axes = fig.subplots(len(PANELS), 1, squeeze=False)[:, 0]
+    width = 0.8 / len(models)
+    kind = table["memory_kind"].iloc[0] if "memory_kind" in table and len(table) else ""
+    for ax, (col, _, _, ylabel) in zip(axes, PANELS):
+        top = 0.0
+        for k, model in enumerate(models):
+            part = table[table["model"] == model].set_index(["prompt_len", "batch"])
+            values = [float(part.loc[p, col]) if p in part.index else float("nan") for p in points]
+            x = [i + (k - (len(models) - 1) / 2) * width for i in range(len(points))]
+            bars = ax.bar(x, values, width, label=model, color=COLORS.get(model))
+            ax.bar_label(bars, labels=[_number(v) for v in values], fontsize=7)
+            top = max([top] + [v for v in values if v == v])
+        for i, p in enumerate(points):
+            if (p[0], p[1], col) in flags:
+                ax.annotate(flags[(p[0], p[1], col)], (i, top * 1.12), ha="center", fontsize=7, color="#555")
+        ax.set_xticks(range(len(points)), [f"prompt {n}\nbatch {b}" for n, b in points])
+        ax.set_ylim(0, top * 1.25 or 1.0)  # from zero: 0.01 MiB between models is not drawn as a gap
+        ax.set_ylabel(ylabel.replace(")", f", {kind})") if col == "memory_mb" and kind else ylabel)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    return fig
+
+
+def plot(table, path: Path, title: str = ""):
+    """`speed_figure(table, title)` saved as PNG (drawn without pyplot: nothing is shown or left open). Returns the
+    figure."""
     from kit.errors import writing
 
+    fig = speed_figure(table, title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with writing(path):  # a failed write inside savefig names no file
         fig.savefig(path, dpi=100)
     return fig

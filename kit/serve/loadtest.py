@@ -335,18 +335,10 @@ def _server_facts(server, url: str, model: str) -> Dict[str, Any]:
     return facts
 
 
-def _point_label(point: Dict[str, Any]) -> str:
-    if point["load"] == "concurrency":
-        return f"{int(point['max_concurrency'])} concurrent"
-    return f"{point['request_rate']:g} req/s"
-
-
 def _write(tmp: Path, cfg: BenchConfig, points, server, url: str, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import pandas as pd
+
+    from kit.serve.plots import plot_load
 
     doc = {"server": _server_facts(server, url, model), "config": to_jsonable(cfg), "points": points}
     nan_as_null = json.loads(json.dumps(to_jsonable(doc)), parse_constant=lambda _: None)  # JSON has no NaN
@@ -359,24 +351,7 @@ def _write(tmp: Path, cfg: BenchConfig, points, server, url: str, model: str) ->
     frame[list(ASCEND_COLUMNS)].rename(columns=ASCEND_COLUMNS).to_csv(
         tmp / ASCEND_CSV, index=False, encoding="utf-8-sig", na_rep="NaN"
     )
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    frame["point"] = [_point_label(p) for p in scalars]  # concurrency or request rate
-    x = range(len(frame))
-    for ax, metric, what in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "tpot", "TPOT (ms)")):
-        for stat, style in (("median", "o-"), ("p90", "s--"), ("p99", "x:")):
-            ax.plot(x, frame[f"{stat}_{metric}_ms"], style, label=stat.upper() if stat != "median" else stat)
-        ax.set_ylabel(what)
-    axes[2].bar(x, frame["output_throughput"], color="tab:green")
-    axes[2].set_ylabel("output throughput (tokens/s)")
-    for ax in axes:
-        ax.set_xticks(list(x), frame["point"], rotation=20)
-        ax.set_xlabel("load point")
-        ax.set_ylim(bottom=0)  # from zero: a few ms between points is not drawn as a cliff
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    n_in, n_out = frame["input_len"].iloc[0], frame["output_len"].iloc[0]
-    fig.suptitle(f"latency and throughput per load point: {Path(model).name}, {n_in} tokens in / {n_out} out")
-    fig.tight_layout()
-    fig.savefig(tmp / PLOT_PNG, dpi=100)
-    plt.close(fig)
+    pairs = frame[["input_len", "output_len"]].drop_duplicates()  # several: the legend names each
+    lengths = f", {pairs.iloc[0, 0]} tokens in / {pairs.iloc[0, 1]} out" if len(pairs) == 1 else ""
+    plot_load(points, tmp / PLOT_PNG, f"latency and throughput against load: {Path(model).name}{lengths}")
     save_config(cfg, tmp)

@@ -135,6 +135,8 @@ class TrainConfig:
     """Checkpoint every N steps (0 = only at the end, on SIGTERM)"""
     log_interval: int = 1
     """Print a Megatron-style line every N steps."""
+    eval_every: int = 50
+    """Held-out loss every N steps and at the last (on up to 32 rows of the data's held-out split; 0 = off)."""
     adapt: bool = True
     """Patch the model with kit ops (kit.adapt.adapt_model): fused NPU attention/norm/SwiGLU."""
     recompute: bool = False
@@ -254,7 +256,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 p.append(f"{name.upper()}={value} must be >= 1 (or None to inherit it).")
-        for name in ("save_interval", "warmup_iters", "master_port", "node_rank"):
+        for name in ("save_interval", "eval_every", "warmup_iters", "master_port", "node_rank"):
             if int(getattr(self, name)) < 0:
                 p.append(f"{name.upper()}={getattr(self, name)} must be >= 0.")
         if self.nnodes >= 1 and not 0 <= self.node_rank < self.nnodes:

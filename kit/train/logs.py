@@ -18,6 +18,7 @@ COLUMNS = {
     "learning rate": "lr",
     "global batch size": "gbs",
     "lm loss": "loss",
+    "eval loss": "eval_loss",  # the kit's held-out loss, on the steps that measure it (EVAL_EVERY)
     "loss scale": "loss_scale",
     "grad norm": "grad_norm",
     "number of skipped iterations": "skipped",

@@ -28,6 +28,8 @@ def format_line(m: dict, train_iters: int) -> str:
         f"learning rate: {m['lr']:.6E}",
         f"global batch size: {m['gbs']:5d}",
         f"lm loss: {m['loss']:.6E}",
+        # the held-out loss, on the steps that measure it (EVAL_EVERY)
+        *([f"eval loss: {m['eval_loss']:.6E}"] if m.get("eval_loss") is not None else []),
         f"loss scale: {m.get('loss_scale', 1.0):.1f}",
     ]
     # DPO: the metrics TRL logs, named as it names them (kit.train.dpo.METRICS)
@@ -93,6 +95,7 @@ class MetricsWriter:
         if tb:
             keys = (
                 "loss",
+                "eval_loss",
                 "lr",
                 "grad_norm",
                 "tokens_per_s_per_card",

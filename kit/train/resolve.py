@@ -388,7 +388,7 @@ def resolve_values(
 # what a resumed run may change: where it runs, how long, how often it saves and logs, the rendezvous, whether
 # leftovers of killed runs are removed, and recompute (the same math in less memory: a run that ran out resumes)
 RESUME_MAY_CHANGE = frozenset(
-    "run_type resume_from train_iters save_interval log_interval save_hf work_dir model_name master_addr master_port "
+    "run_type resume_from train_iters save_interval log_interval eval_every save_hf work_dir model_name master_addr master_port "
     "clean_partial node_rank overwrite obs_home recompute".split()
 )
 
@@ -435,7 +435,15 @@ def saved_run(cfg: TrainConfig) -> TrainConfig:
         )
     # the folder it was found in is the run's, not the MODEL_NAME/WORK_DIR its config.json recorded (a copy
     # continues the copy, a moved run resumes where it is)
-    keep = ("train_iters", "save_interval", "log_interval", "work_dir", "model_name", "master_addr")
+    keep = (
+        "train_iters",
+        "save_interval",
+        "log_interval",
+        "eval_every",
+        "work_dir",
+        "model_name",
+        "master_addr",
+    )
     keep += ("master_port", "obs_home", "clean_partial", "recompute")
     return dataclasses.replace(saved, **{n: getattr(cfg, n) for n in keep})
 

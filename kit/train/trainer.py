@@ -23,6 +23,8 @@ StepCallback = Callable[[int], None]
 PLAN_NAME = "plan.json"  # in the run folder: the plan the run trained with (kit.train.resolve.TrainPlan)
 # of the grace period after a stop signal, what the checkpoint uploads may take; the rest is for the exit
 UPLOAD_SHARE = 0.9
+# held-out rows scored at each evaluation (EVAL_EVERY): the same first rows each time, a few forward passes
+EVAL_ROWS = 32
 
 
 @dataclass
@@ -40,6 +42,7 @@ class TrainResult:
     hf_dir: Optional[Path] = None
     adapter_dir: Optional[Path] = None
     losses: list = field(default_factory=list)
+    eval_losses: dict = field(default_factory=dict)  # iteration -> held-out loss (EVAL_EVERY)
     message: str = ""
     seconds: float = 0.0
     config: Optional[TrainConfig] = None  # the resolved config the run trained with (sources included)
@@ -58,6 +61,7 @@ class TrainResult:
             "first_loss": self.losses[0] if self.losses else None,
             "last_loss": self.losses[-1] if self.losses else None,
             "losses": list(self.losses),
+            "eval_loss": self.eval_losses[max(self.eval_losses)] if self.eval_losses else None,
             "output_dir": self.output_dir,
             "checkpoint": self.checkpoint,
             "hf_dir": self.hf_dir,
@@ -131,6 +135,7 @@ class Trainer:
                 f"them, or OVERWRITE=True to start over (they will be deleted once the new model has loaded)."
             )
         self.ds, self.meta = load_dataset(cfg.dataset_path)
+        self.heldout, missing = heldout_rows(self.meta, cfg)
         self.seq_len = cfg.seq_len or int(self.meta["max_length"])
         model, self.adapt_report = eng.build_model(cfg)
         check_packing(self.meta, self.adapt_report, cfg.dataset_path, self.ds)
@@ -159,6 +164,13 @@ class Trainer:
         )
         if self.rank == 0:
             self._leftovers()
+        # every rank scores the held-out rows or none does: a node without them would leave the others in a collective
+        if self._all_reduce_ints([int(self.heldout is not None)])[0] < self.world:
+            if self.heldout is not None:
+                missing = "another rank's node lacks the data's held-out split: no held-out loss this run."
+            self.heldout = None
+        if missing:
+            self.writer.text(f"warning: {missing}")
         self.start_iter = 0
         self.saved_iteration: Optional[int] = None  # the checkpoint this run saved or resumed last
         if resume and cfg.obs_home:
@@ -314,14 +326,46 @@ class Trainer:
             **extra,
         }
 
-    def _lm_loss(self, batch: dict):
+    def _eval_loss(self) -> float:
+        """The token-mean loss over the held-out rows (EVAL_ROWS of them), split over the ranks: no dropout, no
+        gradients, no MoE aux loss. Every rank runs as many forward passes (ZeRO-3 gathers weights in each), a rank
+        short of rows repeats one with no targets; one collective brings the sums."""
+        import torch
+
+        from kit.data.prepared import IGNORE_INDEX
+
+        held, mbs = self.heldout, self.cfg.mbs
+        n = len(held)
+        slots = range(self.rank, -(-n // self.world) * self.world, self.world)
+        sums = torch.zeros(2, dtype=torch.float32, device=self.device)  # loss sum, targets
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for at in range(0, len(slots), mbs):
+                    chunk = list(slots[at : at + mbs])
+                    batch = dict(held[[i % n for i in chunk]])
+                    batch["labels"] = batch["labels"].clone()
+                    for r, i in enumerate(chunk):
+                        if i >= n:
+                            batch["labels"][r] = IGNORE_INDEX
+                    targets = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+                    loss, _ = self._lm_loss(batch, aux=False)
+                    if targets:
+                        sums += torch.stack([loss.float() * targets, loss.new_tensor(float(targets))])
+        finally:
+            self.engine.train()
+        loss_sum, count = self._reduce_tensor(sums)
+        return loss_sum / count if count else float("nan")
+
+    def _lm_loss(self, batch: dict, aux: bool = True):
         """(the micro-batch's causal-LM loss, its real tokens): padded rows go as one padding-free row where kit
-        attention keeps them apart, and the LM head then runs only where a target follows."""
+        attention keeps them apart, and the LM head then runs only where a target follows. `aux`: with a MoE
+        router's load-balancing loss (training; the held-out loss is the LM's alone)."""
         import torch
 
         from kit.train.batches import tokens_in
 
-        flat, keep = False, None
+        flat, keep, coef = False, None, self.aux_coef if aux else 0.0
         if self.flatten:
             rows, batch = batch, flatten_padded_rows(batch)
             flat = batch is not rows
@@ -332,8 +376,8 @@ class Trainer:
             from kit.adapt.attention import flattened_rows
 
             with flattened_rows():  # kit attention refuses a call that has lost position_ids
-                return causal_lm_loss(self.engine, batch, keep, self.aux_coef), tokens_in(batch)
-        return causal_lm_loss(self.engine, batch, None, self.aux_coef), tokens_in(batch)
+                return causal_lm_loss(self.engine, batch, keep, coef), tokens_in(batch)
+        return causal_lm_loss(self.engine, batch, None, coef), tokens_in(batch)
 
     def _grad_norm(self) -> float:
         """Global L2 norm of the (already all-reduced) gradients before clipping, as Megatron logs it."""
@@ -399,6 +443,7 @@ class Trainer:
         cfg = self.cfg
         previous = self._install_signals()
         losses, iteration, status, message, last_ckpt = [], self.start_iter, "completed", "", None
+        eval_losses: dict = {}
         deadline = None  # a stop signal's: the checkpoint uploads end by then
         show = self.progress and self.rank == 0
         # in a notebook the live view (kit.train.live), elsewhere tqdm's bar
@@ -430,9 +475,14 @@ class Trainer:
                     break
                 iteration += 1
                 losses.append(metrics["loss"])
+                evaluate = self.heldout is not None and (
+                    iteration % cfg.eval_every == 0 or iteration == cfg.train_iters
+                )
+                if evaluate:
+                    metrics["eval_loss"] = eval_losses[iteration] = self._eval_loss()
                 self.writer.iteration(
                     metrics,
-                    print_line=iteration % cfg.log_interval == 0,
+                    print_line=iteration % cfg.log_interval == 0 or evaluate,
                     echo=view is None,  # the view shows them
                 )
                 bar.update(1)
@@ -470,6 +520,7 @@ class Trainer:
             self.writer.log_path,
             self.writer.jsonl_path,
             losses=losses,
+            eval_losses=eval_losses,
             message=message,
         )
         if status == "completed":
@@ -530,6 +581,27 @@ class Trainer:
         else:
             result.hf_dir = export_hf(self.engine.module, self.out / "hf", tok, cfg.zero_stage, self.rank)
         self.writer.text(f"saved HF folder {result.hf_dir}")
+
+
+def heldout_rows(prepared, cfg) -> tuple:
+    """(the held-out rows the run is scored on every EVAL_EVERY steps: the first EVAL_ROWS of notebook 02's split,
+    model inputs only, or None; why not, when the data names a split that is not here). None: EVAL_EVERY=0, no
+    split, or preference pairs (notebook 06 scores those). A split that is here but damaged is an error."""
+    from kit.data.prepared import MODEL_INPUTS
+
+    if not cfg.eval_every or prepared.kind == "dpo" or not prepared.heldout:
+        return None, None
+    where = Path(prepared.heldout["path"])
+    if not where.is_dir():  # e.g. a job given the training rows alone: it trains, without the held-out loss
+        return (
+            None,
+            f"{where} (the data's held-out split) is not here: no held-out loss (EVAL_EVERY) this run.",
+        )
+    held = prepared.heldout_dataset()
+    if len(held) == 0:
+        return None, None
+    held = held.select(range(min(EVAL_ROWS, len(held))))
+    return held.with_format("torch", columns=list(MODEL_INPUTS)), None
 
 
 def _restarts(ds, rows: int = 64) -> bool:
