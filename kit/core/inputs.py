@@ -3,7 +3,8 @@
 Each stage declares its inputs in a short table of `Input` rows (the setting that names one, its kind, what fits).
 `newest(ws, row, match)`: the workspace's newest output of the row's kind that fits, when the setting was not given.
 `named(ws, row)`: the training run named for the later stages (`name_run`: every finished run names itself, and
-notebook 04 names the run it wants 05-07 to take); a run is never "the newest".
+notebook 04 names the run it wants 05-07 to take); the run a stage takes is never "the newest". Only a run tied to the
+named one is found by `newest`, among the runs whose manifests say so (06: the DPO runs started from the SFT run).
 `consumed(manifest, kind)`: the input of a kind an output records it was made from (`run_outputs` follows a training
 run's). Newest means one thing everywhere: the latest manifest `created` time (written when the output was finished),
 then the latest manifest file change, then the folder's path. A stage that takes an output it was not given says which

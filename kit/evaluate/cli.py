@@ -11,8 +11,9 @@ from kit.evaluate.config import EvalConfig
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "evaluate",
-        help="compare a trained model with its base: held-out loss/perplexity, multiple-choice accuracy (lm-eval), "
-        "answers side by side, time to first token and decode tokens/s",
+        help="compare a trained model with its base (after DPO: base, SFT and DPO): held-out loss/perplexity, "
+        "preference accuracy on held-out pairs, multiple-choice accuracy (lm-eval), answers side by side, time to "
+        "first token and decode tokens/s",
         description="Reads notebook 04's training-run manifest (default: the named run: notebook 04's, else the last one finished) or a model "
         "folder; writes results.csv / results.json / speed.png and an evaluation manifest.",
     )
@@ -33,5 +34,7 @@ def run(args: argparse.Namespace) -> int:
     with sigterm_as_interrupt():  # SIGTERM removes the unfinished evaluation folder like Ctrl-C
         result = evaluate(cfg, get_workspace(args.workspace, model=args.workspace_model), progress=False)
     print(result.table.to_string())
+    if result.preference is not None:  # without pairs, the line saying why was printed already
+        print(result.preference_note)
     print(f"results: {result.folder}")
     return 0

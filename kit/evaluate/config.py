@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 ENGINES = ("auto", "lm-eval", "kit")
-PARTS = ("heldout", "accuracy", "generation", "speed")
+PARTS = ("heldout", "preference", "accuracy", "generation", "speed")
 DEFAULT_PROMPTS = [
     "Give three tips for staying healthy.",
     "用一句话介绍长城。",
@@ -25,10 +25,14 @@ class EvalConfig:
     """HF folder to compare with; None: the model the run started from."""
     data: Optional[str] = None
     """Prepared-data folder whose held-out split is scored; None: the run's data."""
+    dpo_run: Optional[str] = None
+    """DPO run compared side by side with its SFT run and base; None: the run's own chain (its newest DPO run)."""
+    pairs: Optional[str] = None
+    """Prepared preference pairs (kind dpo) whose held-out split is scored; None: the DPO run's."""
     parts: List[str] = field(default_factory=lambda: list(PARTS))
-    """What to measure: heldout, accuracy, generation, speed."""
+    """What to measure: heldout, preference, accuracy, generation, speed."""
     heldout_rows: int = 64
-    """Score at most this many held-out rows (0: all)"""
+    """Score at most this many held-out rows, and as many held-out pairs (0: all)"""
     tasks: List[str] = field(default_factory=lambda: ["kit_mc_en", "kit_mc_zh"])
     """lm-eval task YAMLs or shipped task names."""
     task_limit: int = 0

@@ -4,13 +4,17 @@ Given a training-run folder (notebook 04) everything comes from its manifest: `h
 (the base it started from) and `data` (the prepared data, whose own manifest names the `heldout` split). Given a
 model folder instead, an `hf-model` manifest inside it leads back to its run; a Megatron checkpoint is converted
 to HF first (kit.convert). Explicit BASE_MODEL / DATA win over what the manifests say.
+
+Around a run the evaluation also finds the DPO chain (kit.evaluate.chain): a DPO run's SFT run and base model, or an
+SFT run's DPO run, so base, SFT and DPO are compared side by side; the SFT data's held-out dialogs are scored for the
+loss and the DPO run's held-out pairs (or PAIRS) for preference accuracy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kit.core.inputs import Input, RunOutputs, consumed, named, run_outputs
 from kit.core.manifest import (
@@ -24,6 +28,7 @@ from kit.core.manifest import (
     read_manifest,
 )
 from kit.errors import InputError, MissingInputError
+from kit.evaluate.chain import beta_of, find_chain, pairs_of, run_of
 
 RUN = Input(
     "RUN", TRAINING_RUN
@@ -43,6 +48,21 @@ class EvalInputs:
     run: Optional[Path] = None
     consumed: List[Consumed] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    sft: Optional[Path] = None  # base, SFT and DPO side by side: the SFT run's model ...
+    dpo: Optional[Path] = None  # ... and the DPO run's
+    sft_run: Optional[Path] = None
+    dpo_run: Optional[Path] = None
+    pairs: Optional[Path] = None  # prepared preference pairs whose held-out split is scored
+    pairs_heldout: Optional[Dict[str, Any]] = None
+    beta: Optional[float] = None  # the DPO run's β, for its implicit reward against its reference
+    reward_roles: Optional[Tuple[str, str]] = None  # (the DPO model's label, its reference's): ("dpo", "sft")
+    no_pairs: str = ""  # why there are no pairs to score, in one sentence
+
+    def models(self) -> List[Tuple[str, Path]]:
+        """(label, HF folder) of each model compared, in order: base, sft, dpo; else base, trained; else model."""
+        if self.sft is not None and self.dpo is not None:
+            return ([("base", self.base)] if self.base else []) + [("sft", self.sft), ("dpo", self.dpo)]
+        return [("base", self.base), ("trained", self.model)] if self.base else [("model", self.model)]
 
 
 def _is_megatron(folder: Path) -> bool:
@@ -76,11 +96,27 @@ def _to_hf(folder: Path, scratch: Path, inputs: EvalInputs) -> Path:
 
 
 def _data_facts(man: Manifest, inputs: EvalInputs) -> None:
+    if man.get("data_kind") == "dpo":  # preference pairs: scored as preference accuracy, not as held-out loss
+        _pair_facts(man, inputs)
+        return
     inputs.data = man.folder
     inputs.heldout = man.get("heldout")
     inputs.template = man.get("template")
     inputs.enable_thinking = man.get("enable_thinking")
-    inputs.consumed.append(man.as_input())
+    _consume(inputs, man)
+
+
+def _pair_facts(man: Manifest, inputs: EvalInputs) -> None:
+    inputs.pairs, inputs.pairs_heldout = man.folder, man.get("heldout")
+    if inputs.data is None:  # the pairs' chat template for the answers, unless SFT data gives one
+        inputs.template = man.get("template")
+        inputs.enable_thinking = man.get("enable_thinking")
+    _consume(inputs, man)
+
+
+def _consume(inputs: EvalInputs, man: Manifest) -> None:
+    if man.as_input() not in inputs.consumed:
+        inputs.consumed.append(man.as_input())
 
 
 def _from_run(made: RunOutputs, inputs: EvalInputs, cfg) -> None:
@@ -119,6 +155,10 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
             _from_run(run_outputs(run_folder), inputs, cfg)
     else:
         taken = []
+        if run_folder is None and cfg.dpo_run:
+            run_folder = run_of(cfg.dpo_run, "DPO_RUN").folder
+            taken.append(f"evaluating {run_folder}: DPO_RUN given")
+            print(taken[0])
         if run_folder is None:
             found = named(ws, RUN)
             if found is None:
@@ -136,6 +176,8 @@ def resolve(cfg, ws, scratch: Path) -> EvalInputs:
         if find_manifest(made.hf) is not None:
             inputs.consumed.append(read_manifest(made.hf).as_input())
         _from_run(made, inputs, cfg)
+    _follow_chain(cfg, ws, inputs)
+    _explicit_pairs(cfg, inputs)
     if cfg.base_model:
         inputs.base = _to_hf(Path(cfg.base_model).expanduser(), scratch, inputs).resolve()
     elif inputs.base is not None:
@@ -165,9 +207,91 @@ def _alone(cfg, ws) -> EvalInputs:
         _data_facts(read_manifest(data, expect=PREPARED_DATA), inputs)
     print(note)
     inputs.notes.append(note)
+    if cfg.dpo_run:
+        raise InputError(f"DPO_RUN={cfg.dpo_run!r}: {NO_RUN_FOR_DPO}")
+    inputs.no_pairs = (
+        "no training run is named in the workspace, so there is no DPO run (PAIRS scores given pairs)"
+    )
+    _explicit_pairs(cfg, inputs)
     if cfg.template:
         inputs.template = cfg.template
     return inputs
+
+
+NO_RUN_FOR_DPO = (
+    "the model evaluated comes from no training run; give RUN (the DPO run, or the run it started from)"
+)
+
+
+def _follow_chain(cfg, ws, inputs: EvalInputs) -> None:
+    """Base, SFT and DPO side by side when the evaluated run has a DPO chain (kit.evaluate.chain); each run taken is
+    named in a printed line that says why."""
+    run = read_manifest(inputs.run, expect=TRAINING_RUN) if inputs.run else None
+    if run is None and cfg.dpo_run:
+        raise InputError(f"DPO_RUN={cfg.dpo_run!r}: {NO_RUN_FOR_DPO}")
+    chain = find_chain(cfg, ws, run)
+    if chain is None:
+        inputs.no_pairs = (
+            f"no DPO run started from {run.folder} in the workspace (notebook 04 trains one from it with "
+            f"RUN_TYPE='dpo') and no PAIRS given"
+            if run is not None
+            else "the model evaluated comes from no training run, so there is no DPO run, and no PAIRS given"
+        )
+        return
+    for note in chain.notes:
+        print(note)
+        inputs.notes.append(note)
+    dpo, sft = chain.dpo, chain.sft
+    inputs.dpo_run, inputs.beta = dpo.folder, beta_of(dpo)
+    _consume(inputs, dpo)
+    pairs = pairs_of(dpo)
+    if pairs is not None:
+        if not cfg.pairs:  # PAIRS given wins (_explicit_pairs)
+            _pair_facts(pairs, inputs)
+    else:
+        inputs.no_pairs = (
+            f"the preference pairs the DPO run {dpo.folder} trained on are not there (its manifest names none, "
+            f"or they are gone)"
+        )
+    if sft is None:  # a DPO run from a plain model: its base and trained model, as any run's
+        if run.folder == dpo.folder and cfg.base_model is None:  # the base is then the DPO reference
+            inputs.reward_roles = ("trained", "base")
+        return
+    inputs.sft_run = sft.folder
+    _consume(inputs, sft)
+    made_dpo, made_sft = run_outputs(dpo.folder), run_outputs(sft.folder)
+    if run.folder == dpo.folder:
+        inputs.dpo, inputs.sft = inputs.model, made_dpo.base
+        if find_manifest(made_dpo.base) is not None:
+            _consume(inputs, read_manifest(made_dpo.base))
+        if cfg.base_model is None:
+            inputs.base = made_sft.base
+        if cfg.data is None and made_sft.data is not None:
+            _data_facts(made_sft.data, inputs)
+    elif made_dpo.hf is None:
+        note = f"the DPO run {dpo.folder} exported no HF model: compared without it"
+        print(note)
+        inputs.notes.append(note)
+        return
+    else:
+        inputs.sft, inputs.dpo = inputs.model, made_dpo.hf
+        if find_manifest(made_dpo.hf) is not None:
+            _consume(inputs, read_manifest(made_dpo.hf))
+    inputs.sft, inputs.dpo = Path(inputs.sft).resolve(), Path(inputs.dpo).resolve()
+    inputs.reward_roles = ("dpo", "sft")
+
+
+def _explicit_pairs(cfg, inputs: EvalInputs) -> None:
+    """PAIRS given: those prepared pairs are scored, whatever the runs say."""
+    if not cfg.pairs:
+        return
+    man = read_manifest(Path(cfg.pairs).expanduser(), expect=PREPARED_DATA)
+    if man.get("data_kind") != "dpo":
+        raise InputError(
+            f"PAIRS={cfg.pairs!r} holds {man.get('data_kind')} data, not preference pairs; give a folder notebook 02 "
+            f"prepared with kind 'dpo' (or DATA for SFT data)."
+        )
+    _pair_facts(man, inputs)
 
 
 def _prepare_sample(ws, model: Path) -> Path:

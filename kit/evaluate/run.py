@@ -1,4 +1,5 @@
-"""`run(cfg, ws) -> EvalResult`: base vs trained on held-out loss, multiple choice, answers and speed.
+"""`run(cfg, ws) -> EvalResult`: base vs trained (or base, SFT and DPO) on held-out loss, preference accuracy on
+held-out pairs, multiple choice, answers and speed.
 
 Each model is loaded once, on the chosen device (kit.system.device; adapted with kit ops on NPU), scored on every part,
 then released before the next is loaded. The results folder is written under a temporary name and renamed when
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +21,9 @@ from kit.core.manifest import EVALUATION, write_manifest
 from kit.errors import InputError
 from kit.evaluate.config import EvalConfig
 from kit.evaluate.inputs import EvalInputs, resolve
+from kit.evaluate.table import invalid_scores, results_table
 from kit.storage.hashes import sha256_file
 
-INVALID = "invalid"  # a table cell whose score was computed from NaN / inf
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
 SPEED_PNG = "speed.png"
@@ -42,10 +42,26 @@ class EvalResult:
 
     @property
     def table(self):
-        """One row per metric, one column per model (and the change trained - base)."""
+        """One row per metric, one column per model (and the change trained - base, or sft - base and dpo - sft)."""
         import pandas as pd
 
         return pd.read_csv(self.folder / RESULTS_CSV, index_col=0)
+
+    @property
+    def preference(self):
+        """Did alignment help: one row per model, preference accuracy and margin on the held-out pairs (with DPO's
+        implicit reward against its reference) next to held-out loss and multiple-choice accuracy; None without
+        pairs (preference_note says why)."""
+        from kit.evaluate.preference import side_by_side
+
+        return side_by_side(self.results, self.table)
+
+    @property
+    def preference_note(self) -> str:
+        """The preference result in one sentence, or why there is none."""
+        from kit.evaluate.preference import note
+
+        return note(self.results)
 
     @property
     def speed(self):
@@ -59,6 +75,17 @@ class EvalResult:
         from kit.evaluate.speed import noise_note
 
         return noise_note(self.speed)
+
+    def speed_plot(self):
+        """speed.png as an image for the notebook, or one sentence when the speed was not measured."""
+        from kit.core.show import Sentence
+
+        path = self.folder / SPEED_PNG
+        if not path.is_file():
+            return Sentence("The speed was not measured ('speed' is not in PARTS).")
+        from IPython.display import Image
+
+        return Image(filename=str(path))
 
     @property
     def generations(self):
@@ -79,8 +106,13 @@ class EvalResult:
             "manifest_sha256": self.manifest_sha256,
             "model": str(self.inputs.model),
             "base_model": str(self.inputs.base) if self.inputs.base else None,
+            "models": dict(self.results["paths"]),
             "data": str(self.inputs.data) if self.inputs.data else None,
             "heldout": self.inputs.heldout,
+            "sft_run": str(self.inputs.sft_run) if self.inputs.sft_run else None,
+            "dpo_run": str(self.inputs.dpo_run) if self.inputs.dpo_run else None,
+            "pairs": str(self.inputs.pairs) if self.inputs.pairs else None,
+            "pairs_heldout": (self.results.get("preference") or {}).get("heldout"),
             "device": self.results["device"]["device"],
             "engine": self.results.get("engine"),
             "consumed": [to_jsonable(c.__dict__) for c in self.inputs.consumed],
@@ -141,6 +173,7 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
 
     from kit.evaluate import harness, speed
     from kit.evaluate.generation import chat_prompt, generate_answers, read_prompts
+    from kit.evaluate.preference import load_pairs, score_pairs
     from kit.evaluate.scoring import heldout_loss, score_task
     from kit.evaluate.tasks import load_task
     from kit.storage.atomic import atomic_dir
@@ -158,15 +191,9 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
             harness.require()
     inputs = resolve(cfg, ws, evaluations)
     notes = list(inputs.notes)
-    if "heldout" in parts and not inputs.heldout:
-        note = (
-            f"held-out loss skipped: the data {inputs.data} names no held-out split (notebook 02 holds one out)"
-            if inputs.data
-            else "held-out loss skipped: no prepared data given (DATA) or recorded by the run"
-        )
+    for note in _skipped(parts, inputs):
         print(note)
         notes.append(note)
-        parts.remove("heldout")
     info = _device(cfg)
     if cfg.out_dir:
         folder = Path(cfg.out_dir).expanduser()
@@ -174,19 +201,33 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
         folder = inputs.run / "evaluation" / cfg.name
     else:
         folder = evaluations / cfg.name
-    models = [("base", inputs.base), ("trained", inputs.model)] if inputs.base else [("model", inputs.model)]
+    models = inputs.models()
     results: Dict[str, Any] = {
         "device": {"kind": info.kind, "device": info.device, "name": info.name, "dtype": info.dtype},
         "engine": engine,
         "models": {},
         "paths": {label: str(path) for label, path in models},
         "tasks": {},
+        "preference": None,
         "prompts": prompts,
         "generations": {},
         "speed": [],
         "seconds": {},  # wall time of each part per model (not a benchmark: shows where the time went)
     }
     heldout = _heldout_rows(inputs, cfg.heldout_rows) if "heldout" in parts else None
+    pairs = load_pairs(inputs.pairs_heldout, cfg.heldout_rows) if "preference" in parts else None
+    roles = inputs.reward_roles if pairs is not None and inputs.beta is not None else None
+    scored: Dict[str, Any] = {}  # label -> PairScores, for the DPO model's reward against its reference
+    if pairs is not None:
+        results["preference"] = {
+            "data": str(inputs.pairs),
+            "heldout": inputs.pairs_heldout,
+            "pairs": len(pairs),
+            "beta": inputs.beta,
+            "policy": roles[0] if roles else None,
+            "reference": roles[1] if roles else None,
+            "models": {},
+        }
     from kit.errors import writing
 
     # a failed write that names no file (a library's writer on a full disk) names the evaluation folder
@@ -201,6 +242,16 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                 h = heldout_loss(model, heldout)
                 scores.update(heldout_loss=h.loss, heldout_perplexity=h.perplexity, heldout_tokens=h.tokens)
                 t0 = _lap(clock, "heldout", t0)
+            if pairs is not None:
+                pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+                p = scored[label] = score_pairs(model, pairs, pad)
+                results["preference"]["models"][label] = p.as_dict()
+                scores.update(
+                    preference_accuracy=p.accuracy, preference_margin=p.margin, preference_pairs=p.pairs
+                )
+                if roles and label == roles[0] and roles[1] in scored:
+                    scores.update(p.rewards(scored[roles[1]], inputs.beta))
+                t0 = _lap(clock, "preference", t0)
             if tasks:
                 if engine == "lm-eval":
                     found = harness.run_lm_eval(model, tok, tasks, tmp / "tasks")
@@ -242,7 +293,7 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                 scores["decode_tokens_per_s_max"] = max(r["decode_tokens_per_s"] for r in rows)
                 _lap(clock, "speed", t0)
             results["models"][label] = scores
-            bad = _invalid(scores, results["tasks"], label)
+            bad = invalid_scores(scores, results["tasks"], label)
             if bad:
                 results.setdefault("invalid", {})[label] = bad
                 note = (
@@ -253,7 +304,7 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                 notes.append(note)
             del model
             gc.collect()
-        table = _table(results, [label for label, _ in models])
+        table = results_table(results, [label for label, _ in models])
         table.to_csv(tmp / RESULTS_CSV)
         if results["speed"]:
             import matplotlib.pyplot as plt
@@ -275,6 +326,11 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
                 "base_model": str(inputs.base) if inputs.base else None,
                 "data": str(inputs.data) if inputs.data else None,
                 "heldout": inputs.heldout if heldout is not None else None,
+                "models": results["paths"],
+                "pairs": str(inputs.pairs) if pairs is not None else None,
+                "pairs_heldout": inputs.pairs_heldout if pairs is not None else None,
+                "sft_run": str(inputs.sft_run) if inputs.sft_run else None,
+                "dpo_run": str(inputs.dpo_run) if inputs.dpo_run else None,
                 "tasks": [
                     {
                         "name": t.name,
@@ -299,58 +355,29 @@ def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
     )
 
 
+def _skipped(parts: List[str], inputs: EvalInputs) -> List[str]:
+    """Take out of `parts` what the inputs leave nothing to score for; one sentence each that says why."""
+    out = []
+    if "heldout" in parts and not inputs.heldout:
+        if inputs.data:
+            why = f"the data {inputs.data} names no held-out split (notebook 02 holds one out)"
+        elif inputs.pairs:
+            why = "the run trained on preference pairs, scored as preference accuracy (DATA names SFT data to score)"
+        else:
+            why = "no prepared data given (DATA) or recorded by the run"
+        out.append(f"held-out loss skipped: {why}")
+        parts.remove("heldout")
+    if "preference" in parts and not inputs.pairs_heldout:
+        if inputs.pairs:
+            why = f"the pairs {inputs.pairs} hold none out (notebook 02 holds pairs out with HELDOUT_RECORDS > 0)"
+        else:
+            why = inputs.no_pairs or "no preference pairs given (PAIRS) or recorded by a DPO run"
+        out.append(f"preference accuracy skipped: {why}.")
+        parts.remove("preference")
+    return out
+
+
 def _lap(clock: Dict[str, float], part: str, start: float) -> float:
     now = time.perf_counter()
     clock[part] = round(now - start, 3)
     return now
-
-
-def _table(results: Dict[str, Any], labels: List[str]):
-    """metric x model, plus `change` (trained - base) when there are two models."""
-    import pandas as pd
-
-    metrics: List[str] = []
-    for label in labels:
-        for key in results["models"][label]:
-            if key not in metrics:
-                metrics.append(key)
-    table = pd.DataFrame(
-        {label: [results["models"][label].get(m) for m in metrics] for label in labels}, index=metrics
-    )
-    table.index.name = "metric"
-    if len(labels) == 2:
-        table["change"] = table[labels[1]] - table[labels[0]]
-    invalid = results.get("invalid") or {}
-    if invalid:
-        table = table.astype(object)
-        for label, metrics in invalid.items():
-            for m in metrics:
-                table.loc[m, label] = INVALID
-                if "change" in table:
-                    table.loc[m, "change"] = INVALID
-    return table
-
-
-def _invalid(scores: Dict[str, Any], tasks: Dict[str, Any], label: str) -> List[str]:
-    """The metrics of `scores` computed from NaN / inf (set to None there): a non-finite value, or an accuracy
-    whose log-likelihoods are not all finite (an argmax over NaN still picks a choice, a plausible accuracy)."""
-    bad = []
-    for name, task in tasks.items():
-        found = task["models"].get(label) or {}
-        lls = found.get("logliks") or [d["logliks"] for d in found.get("details") or []]
-        if any(not math.isfinite(v) for q in lls for v in q):
-            for key in (f"{name}_acc", f"{name}_acc_norm"):
-                if key in scores:
-                    bad.append(key)
-            found["acc"] = found["acc_norm"] = None
-    no_tokens = scores.get("heldout_tokens") == 0  # nothing scored: a blank, not a broken model
-    for key, value in scores.items():
-        if isinstance(value, float) and not math.isfinite(value) and key not in bad:
-            if not (no_tokens and key.startswith("heldout_")):
-                bad.append(key)
-    for key in bad:
-        scores[key] = None
-    if "heldout_loss" in bad and "heldout_perplexity" in scores and "heldout_perplexity" not in bad:
-        bad.append("heldout_perplexity")
-        scores["heldout_perplexity"] = None
-    return bad

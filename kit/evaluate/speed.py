@@ -123,22 +123,28 @@ def benchmark(
 
 
 def noise_note(table) -> str:
-    """One sentence: does trained differ from base in time to first token beyond the repeat-to-repeat spread?"""
-    if table.empty or set(table["model"]) != {"base", "trained"}:
+    """One sentence per model against the base: does it differ in time to first token beyond the repeat-to-repeat
+    spread?"""
+    models = list(dict.fromkeys(table["model"])) if not table.empty else []
+    if "base" not in models or len(models) < 2:
         return ""
+    return " ".join(_noise_note(table, other) for other in models if other != "base")
+
+
+def _noise_note(table, other: str) -> str:
     keys = ["prompt_len", "batch"]
     base = table[table["model"] == "base"].set_index(keys)
-    trained = table[table["model"] == "trained"].set_index(keys)
+    trained = table[table["model"] == other].set_index(keys)
     ratio = trained["ttft_ms"] / base["ttft_ms"]
     spread = base["ttft_spread"].combine(trained["ttft_spread"], max)
     if spread.isna().all():
         return (
-            f"trained / base time to first token: {ratio.min():.2f}-{ratio.max():.2f}x from one timing per point "
+            f"{other} / base time to first token: {ratio.min():.2f}-{ratio.max():.2f}x from one timing per point "
             "(REPEATS = 1): not compared with the noise; REPEATS = 3 measures it."
         )
     beyond = ((ratio - 1).abs() > spread - 1).sum()
     return (
-        f"trained / base time to first token: {ratio.min():.2f}-{ratio.max():.2f}x; the repeats of one point differ "
+        f"{other} / base time to first token: {ratio.min():.2f}-{ratio.max():.2f}x; the repeats of one point differ "
         f"by up to {spread.max() - 1:.0%}, so {len(ratio) - beyond} of {len(ratio)} points show no difference beyond "
         "that noise"
         + ("." if not beyond else f" and {beyond} do (same architecture: look again on a quiet machine).")

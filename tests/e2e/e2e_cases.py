@@ -168,11 +168,19 @@ EXPECT = {
             "AI_CPU",
         ),
     ),
-    # the results table (metric x base / trained / change), the answers side by side, the speed table and its plot
+    # the results table (metric x base / trained / change), the answers side by side, the speed table and its plot,
+    # and (no DPO run in this workspace) the one sentence that says so where the preference table would be
     "06": Expect(
         tables=3,
         images=1,
-        texts=("heldout_perplexity", "kit_mc_zh_acc", "change", "decode_tokens_per_s", "ttft_ms"),
+        texts=(
+            "heldout_perplexity",
+            "kit_mc_zh_acc",
+            "change",
+            "decode_tokens_per_s",
+            "ttft_ms",
+            "preference accuracy skipped: no DPO run started from",
+        ),
     ),
     # the server's URL, the lm-eval answers served vs in-process, the load-test table and its plot, the package probe
     "07": Expect(
