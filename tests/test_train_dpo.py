@@ -132,6 +132,24 @@ def test_dpo_starts_from_an_sft_run_through_its_manifest(tmp_path, tiny_llama_di
         plan = resolve(_cfg(given, pairs, ws))
         assert plan.cfg.model_path == str(run.hf_dir.resolve()) or plan.cfg.model_path == str(run.hf_dir)
     assert "the model run" in resolve(_cfg(run.output_dir, pairs, ws)).cfg.sources["model_path"]
+    # no DATASET_PATH: the workspace's pairs made with the tokenizer the run trained with (its export re-saves the
+    # tokenizer files, so their hash is not the one the pairs record)
+    from kit.core.workspace import get_workspace
+    from kit.train.config import replace
+
+    mine = prepare(
+        DataConfig(
+            kind="dpo", tokenizer=str(tiny_llama_dir), max_length=64, template="chatml", max_records=8
+        ),
+        get_workspace(ws, model="tiny"),
+        progress=False,
+    )
+    found = resolve(replace(_cfg(run.output_dir, pairs, ws), dataset_path=None)).cfg
+    assert found.dataset_path == str(mine.hf_dir.resolve()) or found.dataset_path == str(mine.hf_dir)
+    assert (
+        found.tokenizer_path == run.config.tokenizer_path
+        and "its tokenizer" in found.sources["tokenizer_path"]
+    )
     other = prepare(
         DataConfig(
             kind="dpo", out_dir=str(tmp_path / "alp"), max_length=64, template="telechat", max_records=8
