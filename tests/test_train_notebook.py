@@ -52,7 +52,7 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
     )
     started = consumed(consumed(dpo, "hf-model"), "training-run")
     assert started.folder == Path(summary["output_dir"]).resolve() and started["run_type"] == "sft"
-    assert dpo["dpo"]["reference"] == "precompute" and set(summary["dpo_metrics"]) == set(METRICS)
+    assert dpo["dpo"]["reference"] == "adapters_off" and set(summary["dpo_metrics"]) == set(METRICS)
     steps = [json.loads(line) for line in Path(dpo["metrics"]).read_text().splitlines()]
     assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # step 1: the model against itself
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
