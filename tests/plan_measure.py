@@ -105,6 +105,21 @@ def full_target_sft(folder: Path) -> Path:
     return H._save(rows, folder, dict(meta, pad_token_id=0, eos_token_id=2, num_samples=8))
 
 
+def full_length_pairs(folder: Path) -> Path:
+    """Preference pairs whose prompt + answer is SEQ tokens on both sides (one prompt token: every other position
+    is an answer token), the longest sequences a DPO micro-batch of SEQ holds."""
+    if (folder / "dataset_info.json").is_file():
+        return folder
+    rng = random.Random(0)
+    rows = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+    for _ in range(8):
+        rows["prompt_ids"].append([rng.randrange(10, 60)])
+        rows["chosen_ids"].append([rng.randrange(10, 60) for _ in range(SEQ - 1)])
+        rows["rejected_ids"].append([rng.randrange(10, 60) for _ in range(SEQ - 1)])
+    meta = {"kind": "dpo", "max_length": SEQ, "tokenizer": "synthetic", "vocab_size": 2522}
+    return H._save(rows, folder, dict(meta, pad_token_id=0, eos_token_id=2, num_samples=8))
+
+
 def pretrain(folder: Path) -> Path:
     if not (folder / "dataset_info.json").is_file():
         H.make_pretrain(folder, num_samples=8, max_length=SEQ)
@@ -119,8 +134,10 @@ def measured_peak(
     lora: bool = False,
     cards: int = 1,
     recompute: bool = False,
+    dpo: bool = False,
 ) -> int:
-    """Peak live tensor bytes of step 2 of a kit training run (see the module); under a launcher, this rank's."""
+    """Peak live tensor bytes of step 2 of a kit training run (see the module); under a launcher, this rank's.
+    `dpo`: RUN_TYPE=dpo on pairs (full training, precomputed reference)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kit.train import train
@@ -129,7 +146,7 @@ def measured_peak(
         model,
         data,
         work,
-        run_type="lora" if lora else "pretrain",
+        run_type="dpo" if dpo else "lora" if lora else "pretrain",
         zero_stage=zero,
         train_iters=2,
         mbs=MBS,
@@ -192,6 +209,8 @@ def predicted(
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
     cards: int = 1,
     recompute: bool = False,
+    dpo_reference: str = "",
+    pairs: int = 0,
 ):
     """The planner's tensors per CPU "card" for the same run."""
     from kit.plan import PlanInputs, make_plan
@@ -210,6 +229,8 @@ def predicted(
             engines=("deepspeed",),
             zero_stage=zero,
             recompute=recompute,
+            dpo_reference=dpo_reference,
+            pairs=pairs,
         )
     )
     return report.chosen().memory

@@ -52,3 +52,10 @@ def test_notebook_02_tiny(run_notebook, tmp_path):
         Path(sft["hf_dir"]).parent
         == tmp_path / "ws" / "processed_for_ma_input" / "demo" / "data" / "finetune"
     )
+    # the preference pairs of the shipped sample, one per row, held out as whole pairs, every pair accounted for
+    pairs = summary["dpo"]
+    assert summary["dpo_hf"] == pairs["hf_dir"] and pairs["template"] == "telechat"
+    assert pairs["records_read"] == 56 and pairs["heldout_records"] == 5
+    assert pairs["records_written"] + pairs["records_dropped"] + 5 == 56 and pairs["records_written"] > 40
+    assert read_manifest(pairs["hf_dir"], expect="prepared-data")["data_kind"] == "dpo"
+    assert len(load_prepared(pairs["hf_dir"])) == pairs["samples"] == pairs["records_written"]

@@ -43,6 +43,7 @@ EXEMPT = {
     "SOURCE": "None means the demo model SmolLM2-135M-Instruct, which the notebook resolves before binding",
     "LAUNCH_ITERS": "steps of the torchrun launch notebook 04 demonstrates after its own run",
     "LAUNCH_NPROC": "processes of that launch (a change of the notebook's TrainConfig, which has its own default)",
+    "DPO_ITERS": "steps of the DPO run notebook 04 trains from its own run (a change of the notebook's TrainConfig)",
     "PROMPT": "the prompt of notebook 04's before/after generation (kit.train.export.generate: no default)",
 }
 _DEFAULT_NOTE = re.compile(r"\(default ([^()]+)\)")
@@ -184,8 +185,8 @@ def test_bindings_are_read_from_the_notebooks():
     from kit.data.config import DataConfig
 
     assert (
-        by_nb["02"]["TEMPLATE"] == [("DataConfig.template", DataConfig.template)] * 2
-    )  # both binds, by name
+        by_nb["02"]["TEMPLATE"] == [("DataConfig.template", DataConfig.template)] * 3
+    )  # the three binds (pretrain, sft, dpo), by name
     assert by_nb["02"]["SFT_NAME"] == [("DataConfig.name", None)]  # given as name=SFT_NAME
     # get_workspace(WORKSPACE, model=MODEL); None: the project's (TrainConfig.model_name is ws.model)
     assert by_nb["04"]["MODEL"] == [("get_workspace(model=)", None)]

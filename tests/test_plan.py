@@ -222,3 +222,41 @@ def test_a_launch_that_does_not_fit_this_machine_is_refused_in_one_line_unless_f
     assert not list((tmp_path / "ws").rglob("*plan*.json")) and not list((tmp_path / "ws").rglob("*.log"))
     result = launch(cfg, progress=False, force=True)
     assert result.ok and result.status == "completed", result.tail
+
+
+@traces
+def test_dpo_counts_its_reference_and_the_doubled_batch(llama):
+    """RUN_TYPE=dpo: a micro-batch of MBS pairs is 2 x MBS sequences in the activations; the reference adds nothing
+    with LoRA (adapters off), two fp32 log-probabilities per pair when precomputed, a whole copy of the weights
+    when a frozen copy is asked; Megatron is not offered (DPO runs on the DeepSpeed trainer)."""
+    from kit.errors import InputError
+
+    def plan(**kw):
+        values = dict(seq_len=128, mbs=2, gbs=2, cards=1, card="here", dtype="float32", zero_stage=0)
+        report = make_plan(PlanInputs(str(llama), **{**values, **kw}))
+        return report, report.chosen().memory
+
+    c = counts(load_config(llama))
+    _, sft = plan()
+    _, doubled = plan(mbs=4, gbs=4)  # the same 4 sequences per micro-batch as 2 pairs
+    _, lora_sft = plan(lora_r=8)
+    report, precomputed = plan(dpo_reference="precompute", pairs=56)
+    _, copy = plan(dpo_reference="copy")
+    _, lora = plan(lora_r=8, dpo_reference="adapters_off")
+    assert precomputed.reference == 2 * 4 * 56 and "DPO reference" in precomputed.terms()
+    assert precomputed.activations == doubled.activations > sft.activations
+    assert precomputed.tensors == doubled.tensors + 448
+    assert copy.reference == 4 * c.total and copy.tensors == doubled.tensors + 4 * c.total
+    assert lora.reference == 0 and lora.weights == lora_sft.weights and lora.optimizer == lora_sft.optimizer
+    assert "DPO reference" not in sft.terms() and sft.reference is None
+    assert {r.engine for r in report.rows} == {"deepspeed"}
+    # the precomputed reference costs no forward per step; the copy and the adapters-off model one each
+    assert make_plan(PlanInputs(str(llama), 128, card="here", dpo_reference="copy")).flops_per_token == (
+        pytest.approx(report.flops_per_token * 4 / 3)
+    )
+    assert (
+        copy.notes[-1]
+        == "DPO: 4 sequences per micro-batch (chosen + rejected); reference: a frozen copy of the weights"
+    )
+    with pytest.raises(InputError, match="needs LoRA"):
+        plan(dpo_reference="adapters_off")

@@ -83,3 +83,11 @@ def test_the_measure_counts_only_what_the_run_adds_not_what_it_frees():
     added = torch.zeros(1000)
     assert M.live_tensor_bytes(old) == added.untyped_storage().nbytes()
     assert kept.sum() == 10
+
+
+def test_dpo_predicted_peak_is_within_5_percent_of_the_kit_trainers(inputs, tmp_path):
+    """RUN_TYPE=dpo, full training with the precomputed reference: MBS pairs are 2 x MBS sequences of SEQ tokens."""
+    pairs = M.full_length_pairs(tmp_path / "pairs")
+    measured = M.measured_peak(inputs["llama"], pairs, tmp_path / "ws", dpo=True)
+    memory = M.predicted(inputs["llama"], dpo_reference="precompute", pairs=8)
+    assert memory.tensors == pytest.approx(measured, rel=0.05), (memory.terms(), measured)

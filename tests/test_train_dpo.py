@@ -142,6 +142,24 @@ def test_dpo_starts_from_an_sft_run_through_its_manifest(tmp_path, tiny_llama_di
         plan = resolve(_cfg(given, pairs, ws))
         assert plan.cfg.model_path == str(run.hf_dir.resolve()) or plan.cfg.model_path == str(run.hf_dir)
     assert "the model run" in resolve(_cfg(run.output_dir, pairs, ws)).cfg.sources["model_path"]
+    # no DATASET_PATH: the workspace's pairs made with the tokenizer the run trained with (its export re-saves the
+    # tokenizer files, so their hash is not the one the pairs record)
+    from kit.core.workspace import get_workspace
+    from kit.train.config import replace
+
+    mine = prepare(
+        DataConfig(
+            kind="dpo", tokenizer=str(tiny_llama_dir), max_length=64, template="chatml", max_records=8
+        ),
+        get_workspace(ws, model="tiny"),
+        progress=False,
+    )
+    found = resolve(replace(_cfg(run.output_dir, pairs, ws), dataset_path=None)).cfg
+    assert found.dataset_path == str(mine.hf_dir.resolve()) or found.dataset_path == str(mine.hf_dir)
+    assert (
+        found.tokenizer_path == run.config.tokenizer_path
+        and "its tokenizer" in found.sources["tokenizer_path"]
+    )
     other = prepare(
         DataConfig(
             kind="dpo", out_dir=str(tmp_path / "alp"), max_length=64, template="telechat", max_records=8
@@ -150,3 +168,34 @@ def test_dpo_starts_from_an_sft_run_through_its_manifest(tmp_path, tiny_llama_di
     )
     with pytest.raises(ConfigConflictError, match="trained with template='chatml'"):
         resolve(_cfg(run.output_dir, other.hf_dir, ws))
+
+
+def test_pairs_whose_answers_have_one_length_score_padding_free_as_padded(tiny_llama_dir):
+    """A micro-batch without padding (every prompt + answer of one length, as "94 + 31 = 125." against "... = 127."
+    often is) stays as rows when laid out padding-free: the same sums as the padded layout, for every way the
+    trainer asks (flattened, and flattened with the LM head on answer tokens only)."""
+    import torch
+
+    from kit.adapt.attention import flattened_rows
+    from kit.system.hf_compat import load_causal_lm
+    from kit.train import engine as eng
+    from kit.train.dpo import pair_batch, sequence_logps
+
+    model = load_causal_lm(str(tiny_llama_dir), None)
+    eng.adapt(model)
+    model.eval()
+    rows = {
+        "prompt_ids": [torch.tensor([5, 11, 12]), torch.tensor([5, 13, 14])],
+        "chosen_ids": [torch.tensor([21, 22, 2]), torch.tensor([23, 24, 2])],
+        "rejected_ids": [torch.tensor([31, 32, 2]), torch.tensor([33, 34, 2])],
+    }
+    batch = pair_batch(rows, pad_id=0)
+    assert bool(batch["attention_mask"].bool().all())  # nothing to flatten away
+    with torch.no_grad():
+        padded, counts = sequence_logps(model, batch)
+        for select in (False, True):
+            with flattened_rows():
+                flat, flat_counts = sequence_logps(model, batch, flatten=True, select=select)
+            assert (
+                torch.allclose(flat, padded, atol=1e-5) and flat_counts.tolist() == counts.tolist() == [3] * 4
+            )

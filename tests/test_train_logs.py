@@ -111,3 +111,38 @@ def test_cli_log_prints_summary(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["iterations"] == 6 and summary["tokens_per_s_per_card"] > 0
     assert out_csv.read_text().splitlines()[0].startswith("iteration,")
+
+
+def test_a_dpo_runs_steps_are_a_table_of_trls_metrics_and_one_sentence(tmp_path):
+    """preference_table reads metrics.jsonl (a restarted step's later record wins); preference_report's sentence says
+    where the run started (its manifest, else MODEL_PATH) and where its last step stands."""
+    from types import SimpleNamespace
+
+    from kit.train.logs import preference_report, preference_table
+
+    steps = [
+        {"iteration": 1, "loss": 0.6931, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/accuracies": 0.0,
+         "rewards/margins": 0.0, "logps/chosen": -20.0, "logps/rejected": -22.0},
+        {"iteration": 2, "loss": 0.9, "rewards/chosen": 0.5, "rewards/rejected": 0.1, "rewards/accuracies": 0.0,
+         "rewards/margins": 0.4, "logps/chosen": -19.0, "logps/rejected": -21.0},
+        {"iteration": 2, "loss": 0.6, "rewards/chosen": 0.05, "rewards/rejected": -0.1, "rewards/accuracies": 0.5,
+         "rewards/margins": 0.15, "logps/chosen": -19.5, "logps/rejected": -23.0},
+    ]  # fmt: skip
+    path = tmp_path / "dpo.metrics.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps), encoding="utf-8")
+    table = preference_table(path)
+    assert list(table.index) == [1, 2] and list(table.columns)[:5] == [
+        "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"
+    ]  # fmt: skip
+    assert table.loc[2, "rewards/margins"] == 0.15 and table.loc[2, "logps/rejected"] == -23.0
+    result = SimpleNamespace(
+        metrics_path=path, manifest=None, status="completed", dpo={"reference": "precompute"},
+        config=SimpleNamespace(model_path="/m/sft/hf"),
+    )  # fmt: skip
+    sentence, shown = preference_report(result)
+    assert str(sentence) == (
+        "DPO from /m/sft/hf (precompute reference), 2 steps, completed: step 1 compares the model with itself "
+        "(loss 0.693, margin +0.000); step 2: loss 0.600, rewards/accuracies 0.50, rewards/margins +0.150 "
+        "(chosen +0.050, rejected -0.100)."
+    )
+    assert shown.equals(table)

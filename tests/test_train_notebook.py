@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from kit.core.inputs import consumed
+from kit.core.manifest import read_manifest
 from kit.core.workspace import repo_root
+from kit.train.dpo import METRICS
 
 NOTEBOOK = repo_root() / "notebooks" / "04_adapted_training.ipynb"
 
@@ -24,6 +28,7 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
         SEQ_LEN=64,
         LR=3e-3,
         LAUNCH_ITERS=2,
+        DPO_ITERS=2,
         MAX_NEW_TOKENS=8,
     )
     assert summary["status"] == "completed" and summary["iterations"] == 5
@@ -40,6 +45,20 @@ def test_notebook_04_runs_on_a_tiny_model(run_notebook, tiny_llama_dir, tmp_path
     assert (Path(summary["lora_merged"]) / "config.json").is_file()
     assert summary["megatron_command"].startswith("cd ") and "MODEL_TYPE=tiny" in summary["megatron_command"]
     assert any("AscendCloud" in p for p in summary["megatron_problems"])  # no code package on this machine
+    # the DPO section: from the in-kernel SFT run (through its manifest) on the pairs prepared now, TRL's metrics
+    dpo = read_manifest(summary["dpo_run"], expect="training-run")
+    assert (
+        summary["dpo_status"] == "completed" and summary["dpo_iterations"] == 2 and dpo["run_type"] == "dpo"
+    )
+    started = consumed(consumed(dpo, "hf-model"), "training-run")
+    assert started.folder == Path(summary["output_dir"]).resolve() and started["run_type"] == "sft"
+    assert dpo["dpo"]["reference"] == "adapters_off" and set(summary["dpo_metrics"]) == set(METRICS)
+    steps = [json.loads(line) for line in Path(dpo["metrics"]).read_text().splitlines()]
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # step 1: the model against itself
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # 05-07 still take the SFT run: the DPO run named itself when it finished, the notebook named its own run after
+    named = json.loads((tmp_path / "ws" / "saved_dir_for_ma_output" / "tiny" / "named_run.json").read_text())
+    assert Path(named["run"]) == Path(summary["output_dir"]).resolve()
     # the last section's dry run: a 2-node ModelArts job of this run, its inputs from the workspace's manifests
     job = json.loads(
         (tmp_path / "ws" / "reports" / "04_training_job.summary.json").read_text(encoding="utf-8")
@@ -73,7 +92,7 @@ def test_notebook_04_trains_on_what_notebook_02_wrote(run_notebook, tiny_llama_d
     prepared = Path(prepare(data_cfg, ws, progress=False).hf_dir)
     before = sorted(p.name for p in ws.data_finetune.iterdir())
     _, summary = run_notebook(
-        "04", MODEL="tiny", MODEL_PATH=str(tiny_llama_dir), TRAIN_ITERS=2, MBS=2, GBS=4, LAUNCH_ITERS=0,
+        "04", MODEL="tiny", MODEL_PATH=str(tiny_llama_dir), TRAIN_ITERS=2, MBS=2, GBS=4, LAUNCH_ITERS=0, DPO_ITERS=0,
         MAX_NEW_TOKENS=4,
     )  # fmt: skip
     assert summary["status"] == "completed" and summary["iterations"] == 2

@@ -143,6 +143,17 @@ class PrepReport:
             "length_histogram": hist,
         }
 
+    def sentence(self) -> str:
+        """The accounting in one sentence: read, written, held out, dropped (by reason), truncated."""
+        noun = {"pretrain": "documents", "sft": "dialogs", "dpo": "pairs"}.get(self.kind, "records")
+        self.finish()
+        why = ", ".join(f"{k}: {v}" for k, v in self.dropped.items())
+        return (
+            f"{self.records_read} {noun} read: {self.records_written} written for training, {self.heldout} held "
+            f"out, {self.records_dropped} dropped{f' ({why})' if why else ''}, {self.truncated} truncated to "
+            f"{self.max_length} tokens."
+        )
+
     def table(self) -> object:
         """The key counts as a two-column pandas DataFrame, for notebooks."""
         import pandas as pd

@@ -30,6 +30,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--card-memory-gib", type=float, default=None, help="override the card's memory")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the card's dense bf16 peak")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full training)")
+    p.add_argument(
+        "--dpo",
+        default="",
+        choices=["", "adapters_off", "precompute", "copy"],
+        help="plan a DPO run with this reference (2 sequences per pair; adapters_off needs --lora-r)",
+    )
+    p.add_argument(
+        "--pairs", type=int, default=None, help="DPO: pairs in the data (default: --data's samples)"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument(
         "--engine", nargs="+", default=["deepspeed", "megatron"], choices=["deepspeed", "megatron"]
@@ -54,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     from kit.plan.planner import DEFAULT_MFU, PlanInputs, make_plan
     from kit.plan.report import memory_table, plans_table, run_mfu, verdict
 
-    seq = args.seq_len
-    if seq is None and args.data:
+    seq, pairs = args.seq_len, args.pairs
+    if args.data and (seq is None or (args.dpo and pairs is None)):
         from kit.data.prepared import read_prepared
 
-        seq = int(read_prepared(args.data).manifest.fields.get("max_length") or 0) or None
+        fields = read_prepared(args.data).manifest.fields
+        seq = seq or int(fields.get("max_length") or 0) or None
+        pairs = pairs if pairs is not None else int(fields.get("num_samples") or 0)
     if not seq:
         raise InputError("give --seq-len, or --data with a prepared-data folder that records its max_length.")
     inputs = PlanInputs(
@@ -75,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         engines=tuple(args.engine),
         mfu=args.mfu or DEFAULT_MFU,
         zero_stage=args.zero_stage,
+        dpo_reference=args.dpo,
+        pairs=pairs or 0,
     )
     report = make_plan(inputs)
     if args.mfu_from:

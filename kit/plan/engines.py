@@ -78,21 +78,33 @@ class Memory:
     """Activations, their gradients and the temporaries (logits and loss over the vocabulary among them)."""
     buffers: int = 0
     host: int = 0
+    reference: Optional[int] = None
+    """RUN_TYPE=dpo: what its reference holds on the card (0 with LoRA's adapters off); None: not a DPO run."""
     notes: list = field(default_factory=list)
 
     @property
     def tensors(self) -> int:
         """Everything on the card that PyTorch allocates (what the CPU agreement test measures)."""
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.buffers
+            + (self.reference or 0)
+        )
 
     def terms(self) -> Dict[str, int]:
-        return {
+        out = {
             "weights": self.weights,
             "gradients": self.gradients,
             "optimizer states": self.optimizer,
             "activations and temporaries": self.activations,
             "communication buffers": self.buffers,
         }
+        if self.reference is not None:
+            out["DPO reference"] = self.reference
+        return out
 
 
 @dataclass(frozen=True)
@@ -171,6 +183,18 @@ def deepspeed_memory(
         m.activations = int(after - grads - allreduce)  # the step's fp32 gradients
         m.notes.append("the peak comes after the backward (all gradients), when the activations are freed")
     return m
+
+
+def dpo_reference_memory(run: Run, reference: str, pairs: int = 0) -> int:
+    """Bytes a DPO run's reference holds on the card (kit.train.dpo): nothing for LoRA's adapters switched off (the
+    same weights); for full training the precomputed log-probabilities, two fp32 numbers per pair (on the card
+    while they are computed, then kept with the data); or a frozen copy of the model's weights (DPO_REFERENCE='copy',
+    whole on every card, also under ZeRO-3)."""
+    if reference == "copy":
+        return run.counts.total * run.dtype_bytes
+    if reference == "precompute":
+        return 2 * FP32 * pairs
+    return 0
 
 
 def megatron_memory(

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 from kit.errors import InputError
 from kit.plan.cards import GIB, Card, card
-from kit.plan.engines import Memory, Run, deepspeed_memory, megatron_memory
+from kit.plan.engines import Memory, Run, deepspeed_memory, dpo_reference_memory, megatron_memory
 from kit.plan.model import Counts, counts, load_config, sliced
 from kit.plan.trace import TraceKey, trace
 
@@ -51,6 +51,11 @@ class PlanInputs:
     zero_stage: Optional[int] = None
     """The plan the run is set to (marked in the list): ZeRO stage for DeepSpeed, and whether it recomputes."""
     recompute: bool = False
+    dpo_reference: str = ""
+    """RUN_TYPE=dpo: its reference (adapters_off | precompute | copy; kit.train.dpo.reference_kind); '' for the
+    other run types. A DPO micro-batch of MBS pairs is 2 x MBS sequences (chosen and rejected)."""
+    pairs: int = 0
+    """RUN_TYPE=dpo with the precomputed reference: the number of pairs (two fp32 log-probabilities each)."""
 
 
 @dataclass
@@ -107,25 +112,32 @@ def _dtype(inputs: PlanInputs) -> str:
     return "float32" if inputs.card == "here" and card("here").peak_tflops == 0 else "bfloat16"
 
 
-def flops_per_token(config, c: Counts, seq: int, lora: bool, recompute: bool = False) -> float:
+def flops_per_token(
+    config, c: Counts, seq: int, lora: bool, recompute: bool = False, reference: bool = False
+) -> float:
     """Training FLOPs per token: 2 per multiply-add of every weight a token meets (MoE: its experts only; the
     embedding lookup is no matmul), attention scores and values over a causal sequence (half of S x S), times 3
-    for forward + backward (2 with LoRA: no weight gradients of the frozen model), plus a forward with recompute."""
+    for forward + backward (2 with LoRA: no weight gradients of the frozen model), plus a forward with recompute,
+    plus one for a DPO reference scored at every step (`reference`: adapters off, or the frozen copy)."""
     weights = c.active - (c.embedding if c.head else 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     head_dim = int(getattr(config, "head_dim", 0) or (config.hidden_size // max(heads, 1)))
     attention = 2 * 2 * seq * heads * head_dim * c.layers / 2
     forward = 2 * weights + attention
-    return forward * ((2 if lora else 3) + (1 if recompute else 0))
+    return forward * ((2 if lora else 3) + (1 if recompute else 0) + (1 if reference else 0))
 
 
 def _speed(report: PlanReport, config, recompute: bool, bubble: float, mfu: float) -> float:
     if not report.card.peak_tflops:
         return 0.0
-    per_token = flops_per_token(
-        config, report.counts, report.inputs.seq_len, bool(report.inputs.lora_r), recompute
-    )
+    r = report.inputs
+    per_token = flops_per_token(config, report.counts, r.seq_len, bool(r.lora_r), recompute, _online(r))
     return mfu * report.card.peak_tflops * 1e12 / per_token * bubble
+
+
+def _online(inputs: PlanInputs) -> bool:
+    """A DPO reference that runs a forward at every step (the precomputed one ran once, before the first)."""
+    return inputs.dpo_reference in ("adapters_off", "copy")
 
 
 def _total(memory: Memory, the_card: Card) -> int:
@@ -145,15 +157,20 @@ def make_plan(inputs: PlanInputs) -> PlanReport:
     """Every plan for `inputs`, those that fit first, faster first (see the module)."""
     if inputs.seq_len < 1 or inputs.mbs < 1 or inputs.cards < 1:
         raise InputError("seq_len, mbs and cards must be positive integers.")
+    if inputs.dpo_reference not in ("", "adapters_off", "precompute", "copy"):
+        raise InputError(
+            f"dpo_reference {inputs.dpo_reference!r} is not one of adapters_off, precompute, copy ('' for no DPO)."
+        )
+    if inputs.dpo_reference == "adapters_off" and not inputs.lora_r:
+        raise InputError("a DPO reference with the adapters off needs LoRA: give lora_r (--lora-r).")
     the_card = card(inputs.card, inputs.card_memory_gib, inputs.peak_tflops)
     config = load_config(inputs.model)
     targets = tuple(inputs.lora_targets) if inputs.lora_r else ()
     c = counts(config, inputs.lora_targets)
     dtype = _dtype(inputs)
     gbs = inputs.gbs or inputs.mbs * inputs.cards
-    report = PlanReport(
-        inputs, the_card, c, dtype, flops_per_token(config, c, inputs.seq_len, bool(inputs.lora_r))
-    )
+    per_token = flops_per_token(config, c, inputs.seq_len, bool(inputs.lora_r), reference=_online(inputs))
+    report = PlanReport(inputs, the_card, c, dtype, per_token)
     key = TraceKey(inputs.seq_len, 1, dtype, inputs.lora_r, targets, inputs.adapt)
     traced = trace(config, key)
     report.trace_seconds += traced.seconds
@@ -162,11 +179,14 @@ def make_plan(inputs: PlanInputs) -> PlanReport:
         recomputed = trace(config, replace(key, recompute=True))
         report.trace_seconds += recomputed.seconds
         mbs, ga = (_mbs_options(inputs, inputs.cards, gbs) or [(inputs.mbs, 1)])[0]
+        sequences = 2 * mbs if inputs.dpo_reference else mbs  # DPO: each pair's chosen and rejected answers
         for zero in (0, 1, 2, 3):
             for rc, t in ((False, traced), (True, recomputed)):
-                memory = deepspeed_memory(
-                    Run(c, b, inputs.lora_r, mbs, gbs), t, inputs.cards, zero, scale=mbs
-                )
+                run = Run(c, b, inputs.lora_r, mbs, gbs)
+                memory = deepspeed_memory(run, t, inputs.cards, zero, scale=sequences)
+                if inputs.dpo_reference:
+                    memory.reference = dpo_reference_memory(run, inputs.dpo_reference, inputs.pairs)
+                    memory.notes.append(_dpo_note(inputs, mbs))
                 total = _total(memory, the_card)
                 report.rows.append(
                     PlanRow(
@@ -182,11 +202,21 @@ def make_plan(inputs: PlanInputs) -> PlanReport:
                         chosen=inputs.zero_stage == zero and inputs.recompute == rc,
                     )
                 )
-    if "megatron" in inputs.engines and not inputs.lora_r and dtype != "float32":
+    # DPO runs on the kit's DeepSpeed trainer only (kit.train.config)
+    if "megatron" in inputs.engines and not inputs.lora_r and dtype != "float32" and not inputs.dpo_reference:
         _megatron_rows(report, config, key, gbs)
     # those that fit, faster first; then those that do not, nearest first
     report.rows.sort(key=lambda r: (0, -r.tokens_per_s_per_card, r.total) if r.fits else (1, r.total, 0))
     return report
+
+
+def _dpo_note(inputs: PlanInputs, mbs: int) -> str:
+    ref = {
+        "adapters_off": "the model with its adapters off, nothing more held",
+        "precompute": f"{inputs.pairs} pairs' log-probabilities computed before the first step",
+        "copy": "a frozen copy of the weights",
+    }.get(inputs.dpo_reference, inputs.dpo_reference)
+    return f"DPO: {2 * mbs} sequences per micro-batch (chosen + rejected); reference: {ref}"
 
 
 def layer_terms(config, key: TraceKey) -> tuple:
@@ -259,6 +289,12 @@ def inputs_for(plan, card_name: str = "here", **overrides) -> PlanInputs:
     (the prepared data's), batch sizes, cards, ZeRO stage and LoRA rank; `overrides` replace any of them."""
     cfg = plan.cfg
     lora = cfg.run_type == "lora" or (cfg.run_type == "dpo" and getattr(cfg, "dpo_lora", False))
+    dpo = {}
+    if (
+        cfg.run_type == "dpo"
+    ):  # its reference as kit.train.dpo.reference_kind resolves 'auto' (train imports plan)
+        ref = cfg.dpo_reference if cfg.dpo_reference != "auto" else ("adapters_off" if lora else "precompute")
+        dpo = dict(dpo_reference=ref, pairs=int(plan.data.get("num_samples") or 0))
     values = dict(
         model=str(cfg.model_path),
         seq_len=int(cfg.seq_len or plan.data.get("max_length") or 0),
@@ -273,6 +309,7 @@ def inputs_for(plan, card_name: str = "here", **overrides) -> PlanInputs:
         zero_stage=cfg.zero_stage if cfg.engine == "deepspeed" else None,
         recompute=bool(cfg.recompute),
         engines=("deepspeed",) if cfg.engine == "deepspeed" else ("megatron",),
+        **dpo,
     )
     values.update(overrides)
     return PlanInputs(**values)

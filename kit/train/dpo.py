@@ -108,8 +108,11 @@ def sequence_logps(
     rows = batch["attention_mask"].shape[0]
     lengths = batch["attention_mask"].sum(dim=1)
     if flatten:
+        flat = flatten_padded_rows(batch)
+        flatten = flat is not batch  # without padding (answers of one length) the rows stay as they are
+        batch = flat
+    if flatten:
         seq_of = torch.repeat_interleave(torch.arange(rows, device=lengths.device), lengths)[None]
-        batch = flatten_padded_rows(batch)
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     positions = logit_positions(labels) if flatten and select else None

@@ -92,9 +92,12 @@ def merge_lora(
     from peft import PeftModel
 
     from kit.system.hf_compat import load_causal_lm
+    from kit.system.noise import quiet
 
     base = load_causal_lm(base_path)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    # peft asks transformers a deprecated attribute (a FutureWarning in the notebook's kernel otherwise)
+    with quiet(Path(out_dir).parent / "third_party.log"):
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     with writing(out_dir), atomic_dir(out_dir, overwrite=True, what="merged LoRA folder") as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         _save_tokenizer(tokenizer_dir or base_path, tmp)

@@ -152,3 +152,43 @@ def plot_runs(runs: Mapping[str, object], png: Optional[Union[str, Path]] = None
         with writing(png):  # matplotlib's writer loses the file name of a failed write
             fig.savefig(png, dpi=110)
     return fig
+
+
+def preference_table(metrics: Union[str, Path]):
+    """A DPO run's steps as a table: the loss and TRL's metrics (kit.train.dpo.METRICS) of each step, from its
+    metrics.jsonl."""
+    import pandas as pd
+
+    from kit.train.dpo import METRICS
+    from kit.train.metrics import read_metrics
+
+    rows = [
+        {"step": r["iteration"], "loss": r["loss"], **{k: r.get(k) for k in METRICS}}
+        for r in read_metrics(metrics)
+    ]
+    return pd.DataFrame(rows, columns=["step", "loss", *METRICS]).set_index("step")
+
+
+def preference_report(result) -> list:
+    """Notebook 04's view of a finished DPO run (kit.train.trainer.TrainResult): one sentence (the run it started
+    from, read through the manifests, and where its last step stands) and the per-step table (preference_table)."""
+    from kit.core.inputs import consumed
+    from kit.core.manifest import HF_MODEL, TRAINING_RUN
+    from kit.core.show import show
+
+    table = preference_table(result.metrics_path)
+    start = consumed(result.manifest, HF_MODEL) if result.manifest is not None else None
+    sft = consumed(start, TRAINING_RUN) if start is not None else None
+    origin = f"the {sft['run_type']} run {sft.folder}" if sft is not None else str(result.config.model_path)
+    if table.empty:
+        return [show(f"The DPO run from {origin} ended {result.status} before its first step."), table]
+    last = table.iloc[-1]
+    reference = (result.dpo or {}).get("reference", "?")
+    sentence = (
+        f"DPO from {origin} ({reference} reference), {len(table)} steps, {result.status}: step 1 compares the model "
+        f"with itself (loss {table['loss'].iloc[0]:.3f}, margin {table['rewards/margins'].iloc[0]:+.3f}); step {table.index[-1]}: loss "
+        f"{last['loss']:.3f}, rewards/accuracies {last['rewards/accuracies']:.2f}, rewards/margins "
+        f"{last['rewards/margins']:+.3f} (chosen {last['rewards/chosen']:+.3f}, rejected "
+        f"{last['rewards/rejected']:+.3f})."
+    )
+    return [show(sentence), table]

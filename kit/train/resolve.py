@@ -319,6 +319,14 @@ def resolve_values(
                     hf,
                     f"{src}: the model run {run_started.folder} exported",
                 )
+            # the tokenizer the run trained with (its export's files are re-saved, their hash differs): notebook
+            # 02's pairs made with it are found, and checked against it
+            run_tok = run_started["config"].get("tokenizer_path")
+            if values["tokenizer_path"] is None and run_tok and Path(run_tok).is_dir():
+                values["tokenizer_path"], sources["tokenizer_path"] = (
+                    run_tok,
+                    f"the run {run_started.folder} (its tokenizer)",
+                )
     ckpt = _converted(values["model_path"])
     if ckpt is not None and values["engine"] != "megatron":
         raise InputError(

@@ -78,6 +78,7 @@ TINY = {
         "SEQ_LEN": 64,
         "LR": 3e-3,
         "LAUNCH_ITERS": 2,
+        "DPO_ITERS": 2,
         "MAX_NEW_TOKENS": 8,
     },
     # tests/test_profiling_notebook.py: profiles 04's run in this workspace (MODEL "tiny"); alone, it trains
@@ -127,8 +128,13 @@ EXPECT = {
     # (its progress bars use leave=False: they vanish once complete)
     "01": Expect(tables=2, images=1, texts=("is the clone", "ASCEND_HOME_PATH", "nb-env", "tar.zst")),
     # the accounting tables (pretrain, sft), one packed sample explained, both length histograms, the progress bars
-    # at their last frame (kit.system.progress draws them as text the kernel updates in place)
-    "02": Expect(tables=3, images=2, texts=("records_read", "records_dropped", "padding_ratio", "records [")),
+    # at their last frame (kit.system.progress draws them as text the kernel updates in place), the pairs' accounting
+    # sentence and one pair explained
+    "02": Expect(
+        tables=4,
+        images=2,
+        texts=("records_read", "records_dropped", "padding_ratio", "records [", "pairs read:", "rejected"),
+    ),
     # the source description, the rank-file table and its plot, the verification table (round trip, logits)
     "03": Expect(
         tables=3,
@@ -136,7 +142,8 @@ EXPECT = {
         texts=("mp_rank_01_001", "rank files (TP x PP x EP)", "bit-identical", "max |logits - HF|"),
     ),
     # the live views of the trainer's run and the launched run (their final state: table and loss curve), the
-    # loss/throughput plot, the curves and the runs side by side, the Megatron plan
+    # loss/throughput plot, the curves and the runs side by side, the DPO run's steps (TRL's metrics), the Megatron
+    # plan
     "04": Expect(
         tables=2,
         images=1,
@@ -149,6 +156,7 @@ EXPECT = {
             "before:",
             "after:",
             "speed_vs_sft",
+            "rewards/accuracies",
         ),
     ),
     # top-operators chart of the capture and of the sample, step breakdown, advice tables + rendered advice, the
