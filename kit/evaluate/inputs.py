@@ -318,3 +318,16 @@ def _prepare_sample(ws, model: Path) -> Path:
         overwrite=True,
     )
     return Path(prepare(cfg, ws, progress=False).hf_dir)
+
+
+def load_split(path: Any, columns: tuple, limit: int, fix: str) -> Any:
+    """A held-out split's rows (at most `limit`, 0: all), refused in one line when it lacks one of `columns`."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(path))
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise InputError(
+            f"{path}: the held-out split has no {', '.join(missing)} column (has {ds.column_names}); {fix}"
+        )
+    return ds.select(range(limit)) if limit and len(ds) > limit else ds

@@ -70,18 +70,10 @@ class PairScores:
 
 def load_pairs(heldout: Dict[str, Any], limit: int = 0) -> Any:
     """The held-out pairs of a prepared pair folder's manifest entry `heldout` (at most `limit`, 0: all)."""
-    from datasets import load_from_disk
+    from kit.evaluate.inputs import load_split
 
-    ds = load_from_disk(str(heldout["path"]))
-    missing = [c for c in COLUMNS if c not in ds.column_names]
-    if missing:
-        raise InputError(
-            f"{heldout['path']}: the held-out split has no {', '.join(missing)} column (has {ds.column_names}): not "
-            f"preference pairs; prepare them with notebook 02 (kind dpo)."
-        )
-    if limit and len(ds) > limit:
-        ds = ds.select(range(limit))
-    return ds
+    fix = "not preference pairs; prepare them with notebook 02 (kind dpo)."
+    return load_split(heldout["path"], COLUMNS, limit, fix)
 
 
 def score_pairs(model: Any, rows: Any, pad_id: int = 0, batch_tokens: Optional[int] = None) -> PairScores:

@@ -18,9 +18,8 @@ from typing import Any, Dict, List
 
 from kit.core.configs import check, save_config, to_jsonable
 from kit.core.manifest import EVALUATION, write_manifest
-from kit.errors import InputError
 from kit.evaluate.config import EvalConfig
-from kit.evaluate.inputs import EvalInputs, resolve
+from kit.evaluate.inputs import EvalInputs, load_split, resolve
 from kit.evaluate.table import invalid_scores, results_table
 from kit.storage.hashes import sha256_file
 
@@ -153,18 +152,8 @@ def _load(path: Path, info, adapt: bool, notes: List[str]):
 
 
 def _heldout_rows(inputs: EvalInputs, limit: int):
-    from datasets import load_from_disk
-
-    ds = load_from_disk(str(inputs.heldout["path"]))
-    for col in ("input_ids", "labels"):
-        if col not in ds.column_names:
-            raise InputError(
-                f"{inputs.heldout['path']}: the held-out split has no {col!r} column (has {ds.column_names}); "
-                f"prepare the data again with notebook 02."
-            )
-    if limit and len(ds) > limit:
-        ds = ds.select(range(limit))
-    return ds
+    fix = "prepare the data again with notebook 02."
+    return load_split(inputs.heldout["path"], ("input_ids", "labels"), limit, fix)
 
 
 def run(cfg: EvalConfig, ws, progress: bool = True) -> EvalResult:
