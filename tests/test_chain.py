@@ -56,6 +56,7 @@ def test_notebooks_chain_through_their_manifests(run_notebook, tiny_llama_dir, t
         GBS=4,
         LR=3e-3,
         LAUNCH_ITERS=0,
+        DPO_ITERS=0,  # the DPO chain has its own test (test_evaluate_chain.py)
         MAX_NEW_TOKENS=4,
     )
     # 04's Megatron preflight ran 03's TP2 x PP2 shards on 02's Megatron files with megatron-core (dev stack only)
