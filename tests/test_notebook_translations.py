@@ -109,3 +109,23 @@ def test_translations_are_stripped():
         text=True,
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_prose_renders_without_stray_markers(lang):
+    """CommonMark closes `**` after punctuation only before a space or punctuation: `**内核（kernel）**能` shows its
+    asterisks. Every markdown cell, rendered, keeps no `*` outside code."""
+    import re
+
+    MarkdownIt = pytest.importorskip("markdown_it").MarkdownIt  # JupyterLab's renderer follows the same rules
+    md = MarkdownIt("commonmark").enable("table")
+    stray = []
+    for nb in numbered_notebooks(lang=lang):
+        for cell in _cells(nb):
+            if cell["cell_type"] == "markdown":
+                html = re.sub(r"<code>.*?</code>", "", md.render("".join(cell["source"])), flags=re.S)
+                stray += [
+                    f"{nb.name} cell {cell['id']}: {m.group(0)!r}"
+                    for m in re.finditer(r".{0,20}\*+.{0,10}", html)
+                ]
+    assert stray == []
