@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kit.core.i18n import LANGUAGES  # the walkthrough speaks the languages of the kit's own lines
 from kit.core.workspace import repo_root
 from kit.errors import InputError
 from kit.storage.atomic import atomic_write_text, write_all
@@ -33,7 +34,6 @@ def _is_noise(line: bytes) -> bool:
 
 # The walkthrough's languages: English is the source (notebooks/), each other language is a folder beside it
 # (notebooks/zh/) holding the same notebooks with the same cells and code; only the markdown prose differs.
-LANGUAGES = ("en", "zh")
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
