@@ -35,10 +35,22 @@ FAMILY_TOKENS = {
     "glm4": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
     "chatglm3": ["[gMASK]", "sop", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
     "deepseek3": ["<｜User｜>", "<｜Assistant｜>"],
+    "deepseek3_1": ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"],
+    "glm4_5": [
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+        "<think>",
+        "</think>",
+    ],
     "telechat2": ["<_system>", "<_user>", "<_bot>"],
     "baichuan2": ["<reserved_106>", "<reserved_107>"],
 }
 PLAIN_CASES = ("single", "single_system", "multi", "multi_system")
+REASONING = ("qwen3", "glm4_5", "deepseek3_1")  # templates with a think block: one sample per assistant turn
 
 
 def _dialog(messages):
@@ -89,7 +101,7 @@ def _expected_plain(name: str, case: dict, dialog) -> tuple:
     return text, answers
 
 
-@pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"qwen3"}))
+@pytest.mark.parametrize("name", sorted(set(PUBLISHED) - set(REASONING)))
 def test_template_equals_published_format(name, family_tokenizers):
     folder, tok = family_tokenizers[name]
     t = TEMPLATES[name]
@@ -117,34 +129,80 @@ def test_template_equals_published_format(name, family_tokenizers):
         assert runs == starts, (name, case_id)
 
 
-QWEN3_CASES = sorted(PUBLISHED["qwen3"]["cases"])
+REASONING_CASES = [(name, case_id) for name in REASONING for case_id in sorted(PUBLISHED[name]["cases"])]
 
 
-@pytest.mark.parametrize("case_id", QWEN3_CASES)
-def test_qwen3_samples_equal_its_template(case_id, family_tokenizers):
-    """One sample per assistant turn: sample k is Qwen3's rendering of the dialog up to answer k (earlier answers
-    bare, answer k with its think block), answer k alone learned; with enable_thinking=False the empty block is
-    part of the prompt and reasoning in the data is left out."""
-    folder, tok = family_tokenizers["qwen3"]
+def _expected_reasoning(name: str, case: dict, dialog, k: int, thinking: bool) -> tuple:
+    """(prompt, answer) of sample k for a reasoning template: the published generation prompt and the answer its
+    rendering adds after it, with the kit's deliberate differences (docs/data.md) applied by name."""
+    eos = PUBLISHED[name]["eos_token"]
+    prompt, answer = case["prompts"][k], case["answers"][k]
+    reasoning = dialog.reasoning[k] if k < len(dialog.reasoning) else None
+    if reasoning is None and "</think>" in dialog.turns[k][1]:
+        reasoning = dialog.turns[k][1].split("</think>")[0].split("<think>")[-1]
+    bare = dialog.turns[k][1].split("</think>")[-1].lstrip("\n")
+    if name == "deepseek3_1":
+        # V3.1 keeps the newlines after an earlier answer's `</think>` in its content; the kit trims them, as it
+        # reads reasoning in content the Qwen3 way
+        prompt = prompt.replace("</think>\n\n", "</think>")
+        if answer is not None:
+            answer = answer.lstrip("\n")
+        if thinking:
+            # the template never renders reasoning: after its thinking prompt ("...<｜Assistant｜><think>") the model
+            # writes reasoning, "</think>", the answer (llama.cpp #15533 parses V3.1's output so)
+            answer = (reasoning or "").strip("\n") + "</think>" + bare + eos
+    if answer is None:
+        # the template's own rendering keeps this answer's reasoning after a prompt that already closed the think
+        # block; the kit leaves the reasoning out (as LLaMA-Factory does with enable_thinking=False)
+        assert not thinking
+        answer = {"qwen3": bare + "<|im_end|>\n", "glm4_5": "\n" + bare}[name]
+    if name == "glm4_5":
+        answer += eos  # no end marker after the last answer in the published format; the kit learns EOS
+    return prompt, answer
+
+
+@pytest.mark.parametrize("name,case_id", REASONING_CASES)
+def test_reasoning_samples_equal_its_template(name, case_id, family_tokenizers):
+    """One sample per assistant turn: sample k is the template's rendering of the dialog up to answer k (earlier
+    answers without reasoning, answer k with its think block), answer k alone learned; with enable_thinking=False
+    the prompt is the template's non-thinking prompt and reasoning in the data is left out."""
+    folder, tok = family_tokenizers[name]
     dialog_id, _, mode = case_id.partition("/")
     thinking = mode != "no_thinking"
-    case = PUBLISHED["qwen3"]["cases"][case_id]
+    case = PUBLISHED[name]["cases"][case_id]
     dialog = _dialog(FIXTURE["dialogs"][dialog_id])
-    samples = encode_dialogs([dialog], tokenizer=folder, template="qwen3", enable_thinking=thinking)
+    samples = encode_dialogs([dialog], tokenizer=folder, template=name, enable_thinking=thinking)
     assert len(samples) == len(dialog.turns)
-    for k, ((ids, labels), prompt, answer) in enumerate(zip(samples, case["prompts"], case["answers"])):
-        if answer is None:
-            # Qwen3's own rendering keeps this answer's reasoning after a prompt that already closed the think
-            # block; the kit leaves the reasoning out (as LLaMA-Factory does with enable_thinking=False)
-            assert not thinking
-            answer = dialog.turns[k][1].split("</think>")[-1].lstrip("\n") + "<|im_end|>\n"
-        elif k == len(dialog.turns) - 1:
+    for k, (ids, labels) in enumerate(samples):
+        prompt, answer = _expected_reasoning(name, case, dialog, k, thinking)
+        if k == len(dialog.turns) - 1 and case["answers"][k] is not None and name == "qwen3":
             assert prompt + answer == case["text"]  # the last sample is the template's whole rendering
         assert ids.tolist() == tok(prompt + answer, add_special_tokens=False)["input_ids"], k
         n = len(tok(prompt, add_special_tokens=False)["input_ids"])
         assert (labels[:n] == -100).all() and labels[n:].tolist() == ids[n:].tolist(), k
-    if all(a is not None for a in case["answers"]):
+    if name == "qwen3" and all(a is not None for a in case["answers"]):
         assert tok.decode(samples[-1][0]) == case["text"]
+    if name == "glm4_5" and (thinking or not dialog.has_reasoning):
+        assert tok.decode(samples[-1][0]) == case["text"] + "<|endoftext|>"
+
+
+def test_reasoning_prompts_at_inference():
+    """The prompt the model sees when serving or evaluating ends as its template's generation prompt does."""
+    from kit.data.templates import prompt_text
+
+    class Tok:
+        bos_token, eos_token = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+    want = {
+        ("deepseek3_1", True): "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>",
+        ("deepseek3_1", False): "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>",
+        ("glm4_5", True): "[gMASK]<sop><|user|>\nhi<|assistant|>",
+        ("glm4_5", False): "[gMASK]<sop><|user|>\nhi/nothink<|assistant|>\n<think></think>",
+        ("qwen3", False): "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    }
+    for (template, thinking), text in want.items():
+        assert prompt_text(Tok(), "hi", template, enable_thinking=thinking) == text, (template, thinking)
+    assert TEMPLATES["glm4_5"].prompt_type == "glm4_moe" and TEMPLATES["deepseek3_1"].prompt_type is None
 
 
 def test_qwen3_mask_history_is_one_sample_of_the_whole_dialog(family_tokenizers):

@@ -44,12 +44,12 @@ class DataConfig:
     """Field mapping kit name -> your column, e.g. {'text': 'content'} or {'output': 'response'}."""
     template: str = "tokenizer"
     """Chat template for sft: "tokenizer" (the tokenizer's own chat_template, what an instruct model was tuned
-    with), or a kit template: qwen3 qwen2_5 qwen chatml llama3 llama2 mistral glm4 chatglm3 deepseek3 intern2
-    baichuan2 telechat2 telechat alpaca (`python -m kit data templates`; docs/data.md)."""
+    with), or a kit template: qwen3 qwen2_5 qwen chatml llama3 llama2 mistral glm4_5 glm4 chatglm3 deepseek3_1
+    deepseek3 intern2 baichuan2 telechat2 telechat alpaca (`python -m kit data templates`; docs/data.md)."""
     enable_thinking: bool = True
-    """Reasoning templates (qwen3): True learns each answer's think block (its reasoning, or the empty block) as
-    Qwen3's thinking mode generates it; False puts the empty block in the prompt, as its non-thinking prompt does,
-    and leaves reasoning in the data out (counted)."""
+    """Reasoning templates (qwen3, glm4_5, deepseek3_1): True learns each answer's think block (its reasoning, or
+    the empty block) as thinking mode generates it; False ends the prompt as the model's non-thinking prompt does
+    (Qwen3, GLM-4.5: the empty block; DeepSeek-V3.1: `</think>`) and leaves reasoning in the data out (counted)."""
     system: Optional[str] = None
     """System prompt used when a dialog has none (None: the template's default, if any)."""
     train_on_prompt: bool = False

@@ -10,9 +10,37 @@ from kit.data.dialogs import Dialog
 from kit.errors import InputError
 
 Segment = Tuple[str, bool]  # (text, learned by the loss)
-# Qwen3's think block as its chat template writes it (Qwen/Qwen3-8B tokenizer_config.json): "<think>\n" + the
-# reasoning + "\n</think>\n\n" before the answer; with no reasoning, the empty block "<think>\n\n</think>\n\n".
-THINK = ("<think>\n", "\n</think>\n\n")
+
+
+@dataclass(frozen=True)
+class Think:
+    """How a reasoning model's chat template writes an answer's think block (`open` reasoning `close`)."""
+
+    open: str
+    close: str
+    history: str = ""
+    """Before each earlier answer, whose reasoning the template drops (read only)."""
+    off: Optional[str] = None
+    """The end of a non-thinking prompt (None: the empty block, open + close)."""
+    open_in_prompt: bool = False
+    """A thinking prompt ends with `open`, so the learned answer starts with the reasoning."""
+    user_off: str = ""
+    """Appended to every user turn in non-thinking mode (unless the turn already ends with it)."""
+    strip: Optional[str] = "\n"
+    """Characters trimmed from both ends of the reasoning (None: all whitespace)."""
+
+
+# Qwen3 (Qwen/Qwen3-8B tokenizer_config.json): "<think>\n" + the reasoning + "\n</think>\n\n" before the answer,
+# the empty block "<think>\n\n</think>\n\n" without reasoning or ending a non-thinking prompt; earlier answers bare.
+THINK = Think("<think>\n", "\n</think>\n\n")
+# GLM-4.5 (zai-org/GLM-4.5 chat_template.jinja): "\n<think>" + reasoning.strip() + "</think>" right after
+# <|assistant|>, "\n<think></think>" before earlier answers and ending a non-thinking prompt, whose user turns end
+# in "/nothink".
+THINK_GLM45 = Think("\n<think>", "</think>", history="\n<think></think>", user_off="/nothink", strip=None)
+# DeepSeek-V3.1 (deepseek-ai/DeepSeek-V3.1 tokenizer_config.json chat_template, `thinking` switch): the prompt
+# ends "<｜Assistant｜><think>" (thinking) or "<｜Assistant｜></think>" (not), and earlier answers follow "</think>";
+# in thinking mode the model writes reasoning + "</think>" + answer (llama.cpp #15533 parses V3.1 output so).
+THINK_DSV31 = Think("<think>", "</think>", history="</think>", off="</think>", open_in_prompt=True)
 
 
 @dataclass(frozen=True)
@@ -36,8 +64,8 @@ class Template:
     """Put the formatted system text inside a user turn (Llama-2: the first, Mistral: the last)."""
     system_in_last_user: bool = False
     """With system_in_user: the last user turn instead of the first (Mistral-7B-Instruct-v0.3)."""
-    think: Optional[Tuple[str, str]] = None
-    """(open, close) around an answer's reasoning, for reasoning models (Qwen3). The last answer of a rendering
+    think: Optional[Think] = None
+    """How an answer's reasoning is written, for reasoning models (Qwen3, GLM-4.5, DeepSeek-V3.1). The last answer of a rendering
     always carries the block (empty without reasoning); earlier answers carry none, as the model's own template
     drops them, so a multi-turn dialog becomes one sample per assistant turn (see `template_samples`)."""
     prompt_type: Optional[str] = None
@@ -193,6 +221,37 @@ TEMPLATES: Dict[str, Template] = {
             source="deepseek-ai/DeepSeek-V3 tokenizer_config.json chat_template (no tools)",
         ),
         Template(
+            "deepseek3_1",
+            prefix="{bos}",
+            user="<｜User｜>{content}<｜Assistant｜>",
+            assistant="{content}<｜end▁of▁sentence｜>",
+            think=THINK_DSV31,
+            # MindSpeed-LLM's deepseek3 template writes V3's format (no think marker), so V3.1's has no prompt type
+            special_tokens=("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"),
+            source="deepseek-ai/DeepSeek-V3.1 tokenizer_config.json chat_template (no tools; `thinking` is "
+            "enable_thinking)",
+        ),
+        Template(
+            "glm4_5",
+            prefix="[gMASK]<sop>",
+            user="<|user|>\n{content}<|assistant|>",
+            assistant="\n{content}",
+            system="<|system|>\n{content}",
+            suffix="{eos}",
+            think=THINK_GLM45,
+            prompt_type="glm4_moe",  # MindSpeed-LLM examples/mcore/glm45/*.sh
+            special_tokens=(
+                "[gMASK]",
+                "<sop>",
+                "<|user|>",
+                "<|assistant|>",
+                "<|system|>",
+                "<think>",
+                "</think>",
+            ),
+            source="zai-org/GLM-4.5 chat_template.jinja (no tools)",
+        ),
+        Template(
             "alpaca",
             user="### Instruction:\n{content}\n\n### Response:\n",
             assistant="{content}{eos}",
@@ -213,10 +272,10 @@ def _fill(fmt: str, content: str, specials: Dict[str, str]) -> str:
     return out.replace("{content}", content)
 
 
-def split_reasoning(answer: str, reasoning: Optional[str], think: Tuple[str, str]) -> Tuple[str, str]:
+def split_reasoning(answer: str, reasoning: Optional[str], think: Think) -> Tuple[str, str]:
     """(reasoning, answer) of one assistant message, read as Qwen3's template reads it: the message's own
     reasoning field if it has one, else the text before `</think>` in the content (newlines trimmed as it does)."""
-    close, open_ = think[1].strip(), think[0].strip()
+    close, open_ = think.close.strip(), think.open.strip()
     if reasoning is None and close in answer:
         reasoning = answer.split(close)[0].rstrip("\n").split(open_)[-1].lstrip("\n")
         answer = answer.split(close)[-1].lstrip("\n")
@@ -235,6 +294,7 @@ def template_segments(
     With a reasoning template (`t.think`) the last answer carries its think block (learned with it, or with
     enable_thinking=False the empty block is part of the prompt, a "user" piece) and earlier answers carry none."""
     sys_text = dialog.system or system or t.default_system
+    think = t.think
     out: List[Tuple[str, str]] = []
     if t.prefix:
         out.append((_fill(t.prefix, "", specials), "prefix"))
@@ -247,18 +307,28 @@ def template_segments(
             out.append((_fill(t.separator, "", specials), "separator"))
         if i == sys_turn and sys_text and t.system_in_user:
             user = _fill(t.system, sys_text, specials) + user
+        if think and not enable_thinking and not user.endswith(think.user_off):
+            user += think.user_off
         out.append((_fill(t.user, user, specials), "user"))
-        if t.think:
+        block = ""
+        if think:
             given = dialog.reasoning[i] if i < len(dialog.reasoning) else None
-            reasoning, answer = split_reasoning(answer, given, t.think)
-            if i == n - 1:
-                block = t.think[0] + (reasoning.strip("\n") if enable_thinking else "") + t.think[1]
+            reasoning, answer = split_reasoning(answer, given, think)
+            if i < n - 1:
+                if think.history:
+                    out.append((think.history, "user"))  # earlier answers' reasoning is dropped
+            elif not enable_thinking:
+                off = think.open + think.close if think.off is None else think.off
+                out.append((off, "user"))  # a non-thinking prompt ends with the empty block (or its marker)
                 answer = answer.lstrip("\n")
-                if enable_thinking:
-                    answer = block + answer
-                else:
-                    out.append((block, "user"))  # Qwen3's non-thinking prompt ends with the empty block
-        out.append((_fill(t.assistant, answer, specials), "assistant"))
+            else:
+                if think.open_in_prompt:
+                    out.append((think.open, "user"))
+                block = (
+                    ("" if think.open_in_prompt else think.open) + reasoning.strip(think.strip) + think.close
+                )
+                answer = answer.lstrip("\n")
+        out.append((block + _fill(t.assistant, answer, specials), "assistant"))
     if t.suffix:
         out.append((_fill(t.suffix, "", specials), "suffix"))
     return out
