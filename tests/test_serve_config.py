@@ -259,3 +259,30 @@ def test_the_dockerfile_follows_the_custom_engine_rules():
     with pytest.raises(ConfigError) as err:
         check(PackageConfig(engine="transformers", ssl_certfile="/c.pem"))
     assert len(err.value.problems) == 2
+
+
+def test_vllm_ascend_gets_its_tutorial_flags_for_deepseek_v3_and_glm45(tmp_path):
+    """On NPU the model family's flags from vllm-ascend's tutorials follow the kit's own; a flag the user gives in
+    extra_args (or its --no- form) is left to the user; other families and other devices get none."""
+    from kit.serve.engines import build_command
+
+    def argv(model_type, device="npu", extra=None):
+        folder = _hf_folder(
+            tmp_path / f"{model_type}-{device}-{len(extra or [])}", "bfloat16", model_type=model_type
+        )
+        cmd = build_command("vllm", "py", folder, "127.0.0.1", 8000, device, extra_args=extra)
+        assert cmd.argv[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", str(folder)]
+        return cmd.argv[5:], cmd.notes
+
+    kit_own = ["--host", "127.0.0.1", "--port", "8000", "--served-model-name", "model", "--dtype", "bfloat16"]
+    got, notes = argv("deepseek_v3")
+    assert got == kit_own + ["--enable-expert-parallel", "--trust-remote-code"]
+    assert notes == [
+        "vllm-ascend's tutorial flags for this model family: --enable-expert-parallel --trust-remote-code"
+    ]
+    got, _ = argv("glm4_moe")
+    assert got == kit_own + ["--enable-expert-parallel", "--trust-remote-code", "--reasoning-parser", "glm45"]
+    user = ["--reasoning_parser=deepseek_r1", "--no-enable-expert-parallel"]
+    got, _ = argv("glm4_moe", extra=user)
+    assert got == kit_own + ["--trust-remote-code"] + user
+    assert argv("glm4_moe", device="cuda")[0] == kit_own and argv("qwen3_moe")[0] == kit_own

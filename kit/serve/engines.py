@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 from kit.errors import InputError
 from kit.serve.engine_env import VLLM_CPU_ENV, EngineMissingError, EnginePython, built_env_python, probe
+from kit.serve.families import ascend_family_flags
 
 __all__ = ["EngineMissingError", "EngineCommand", "build_command", "choose_engine", "require_engine"]
 
@@ -175,7 +176,8 @@ def build_command(
     """The argv of `engine` serving `model` (or `base` + LoRA `adapter` where it serves adapters) on host:port.
 
     vLLM: `vllm serve` where `vllm_cli` (its distribution is installed), else the OpenAI server module; --dtype
-    from the served weights' config.json, --max-lora-rank from the adapter's; on CPU its KV-cache size in GiB.
+    from the served weights' config.json, --max-lora-rank from the adapter's; on CPU its KV-cache size in GiB; on
+    NPU the flags vllm-ascend's tutorial gives the model's family (kit.serve.families).
     """
     extra = list(extra_args or [])
     if engine == "transformers":
@@ -212,6 +214,11 @@ def build_command(
         argv += ["--max-model-len", str(max_model_len)]
     if enforce_eager:
         argv += ["--enforce-eager"]
+    if device_kind == "npu":
+        family = ascend_family_flags(_json(weights / "config.json").get("model_type"), extra)
+        if family:
+            argv += family
+            notes.append(f"vllm-ascend's tutorial flags for this model family: {' '.join(family)}")
     env = {}
     if device_kind == "cpu" and cpu_kv_cache_gb:
         # without it vLLM's CPU worker sizes its KV cache from --gpu-memory-utilization of the whole machine
