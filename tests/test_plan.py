@@ -260,3 +260,69 @@ def test_dpo_counts_its_reference_and_the_doubled_batch(llama):
     )
     with pytest.raises(InputError, match="needs LoRA"):
         plan(dpo_reference="adapters_off")
+
+
+DEEPSEEK_V3 = {  # DeepSeek-V3's config.json values that shape memory (deepseek-ai/DeepSeek-V3 config.json)
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "n_group": 8, "topk_group": 4, "tie_word_embeddings": False,
+}  # fmt: skip
+GLM45_AIR = {  # GLM-4.5-Air's (zai-org/GLM-4.5-Air config.json)
+    "model_type": "glm4_moe", "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 46, "first_k_dense_replace": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151552, "partial_rotary_factor": 0.5, "attention_bias": True, "n_group": 1, "topk_group": 1,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+TINY_LEADING_DENSE = {  # (model_type, first_k_dense_replace, shape)
+    "deepseek_v3": dict(
+        num_hidden_layers=4, first_k_dense_replace=2, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, num_key_value_heads=4, n_group=2, topk_group=1,
+    ),
+    "glm4_moe": dict(
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, head_dim=16, partial_rotary_factor=0.5, n_group=1, topk_group=1,
+    ),
+}  # fmt: skip
+
+
+def _require(*model_types: str) -> None:
+    """Skip unless this transformers has these model types (the compat stacks' older releases do not)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    missing = [m for m in model_types if m not in CONFIG_MAPPING]
+    if missing:
+        pytest.skip(f"transformers {transformers.__version__} has no {missing} models")
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_LEADING_DENSE))
+def test_moe_counts_with_leading_dense_layers_are_the_models_own(tmp_path, model_type):
+    """DeepSeek-V3 and GLM-4.5 start with dense layers (first_k_dense_replace): counted as they are, the experts
+    only in the layers that hold them."""
+    from fixtures.convert import families
+
+    _require(model_type)
+    shape = TINY_LEADING_DENSE[model_type]
+    folder = families.tiny_hf(tmp_path / model_type, model_type, 5, **shape)
+    _same_counts(folder)
+    c = counts(load_config(folder))
+    k, layers = shape["first_k_dense_replace"], shape["num_hidden_layers"]
+    assert c.dense_layers == k and c.expert_layers == layers - k
+    assert c.num_experts == 8 and c.top_k == 2 and c.experts_per_layer == 8 * 3 * 64 * 32
+    assert c.active == c.total - (layers - k) * c.experts_per_layer * 6 // 8
+    assert c.per_layer * layers + c.embedding + c.head + c.other == pytest.approx(c.total, abs=layers)
+
+
+def test_real_moe_shapes_with_leading_dense_layers_count_their_published_totals(tmp_path):
+    """DeepSeek-V3: 671B parameters, 37B activated per token (its model card; the MTP module is not in the HF
+    class); GLM-4.5-Air: 106B (its model card)."""
+    _require("deepseek_v3", "glm4_moe")
+    ds = counts(load_config(_config_dir(tmp_path / "ds", DEEPSEEK_V3)))
+    assert ds.total == pytest.approx(671e9, rel=0.001) and ds.active == pytest.approx(37e9, rel=0.02)
+    assert ds.dense_layers == 3 and ds.expert_layers == 58
+    glm = counts(load_config(_config_dir(tmp_path / "glm", GLM45_AIR)))
+    assert glm.total == pytest.approx(106e9, rel=0.01) and glm.dense_layers == 1 and glm.expert_layers == 45

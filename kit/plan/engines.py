@@ -212,12 +212,15 @@ def megatron_memory(
     c = run.counts
     dp = cards // (tp * pp)
     layers = math.ceil(c.layers / pp)
-    dense_layer = c.per_layer - c.experts_per_layer
-    per_layer = dense_layer / tp + c.experts_per_layer / (ep * tp)
+    experts = (
+        c.experts_per_layer * c.expert_layers / c.layers
+    )  # a mean layer's (some MoE models lead with dense ones)
+    dense_layer = c.per_layer - experts
+    per_layer = dense_layer / tp + experts / (ep * tp)
     ends = (c.embedding + c.head) / tp if pp == 1 else max(c.embedding, c.head or c.embedding) / tp
     params = per_layer * layers + ends + c.other
     expert_dp = max(1, cards // (ep * tp * pp))
-    expert_share = c.experts_per_layer / (ep * tp) * layers
+    expert_share = experts / (ep * tp) * layers
     m = Memory()
     m.weights = int(params * 2)
     m.gradients = int(params * FP32)  # main gradients in fp32

@@ -19,7 +19,8 @@ class Counts:
     total: int
     layers: int
     per_layer: int
-    """One decoder layer (the layers of the families the kit plans are alike)."""
+    """One decoder layer: the mean over the layers (they are alike, but for the dense layers that lead some MoE
+    models; see dense_layers)."""
     embedding: int
     head: int
     """The output projection; 0 when tied to the embedding."""
@@ -33,6 +34,13 @@ class Counts:
     """LoRA adapter parameters per layer at rank 1 (times LORA_R for the run's)."""
     small: int = 0
     """Parameters in tensors of fewer than SMALL elements (ZeRO-3 keeps those whole on every card)."""
+    dense_layers: int = 0
+    """Leading layers with a dense MLP instead of experts (DeepSeek-V3, GLM-4.5: config `first_k_dense_replace`)."""
+
+    @property
+    def expert_layers(self) -> int:
+        """Layers that hold routed experts."""
+        return self.layers - self.dense_layers if self.num_experts else 0
 
     @property
     def active(self) -> int:
@@ -40,7 +48,7 @@ class Counts:
         if not self.num_experts:
             return self.total
         unused = self.experts_per_layer * (1 - self.top_k / self.num_experts)
-        return int(self.total - self.layers * unused)
+        return int(self.total - self.expert_layers * unused)
 
 
 def load_config(path: Union[str, Path]):
@@ -67,6 +75,12 @@ def load_config(path: Union[str, Path]):
     config = cls.from_dict({k: v for k, v in raw.items() if k != "transformers_version"})
     config._name_or_path = str(folder)
     return config
+
+
+def dense_layers(config) -> int:
+    """The leading dense layers of an MoE model whose later layers all hold experts (`first_k_dense_replace`:
+    transformers' DeepseekV3 and Glm4Moe decoder layers use experts from that index on)."""
+    return int(getattr(config, "first_k_dense_replace", 0) or 0)
 
 
 def sliced(config, layers: int):
@@ -100,22 +114,26 @@ def _numel(module) -> int:
 
 
 def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> Counts:
-    """Exact counts from the model class on the meta device, at 1 and 2 layers (a layer's count is their
-    difference; everything else is the same in both)."""
+    """Exact counts from the model class on the meta device, at k+1 and k+2 layers for k leading dense layers (the
+    later layers are alike: a layer's count is the two slices' difference; the rest is the same in both)."""
     import torch
 
+    k = min(dense_layers(config), int(config.num_hidden_layers) - 1)
     with torch.device("meta"):
-        one, two = build(sliced(config, 1)), build(sliced(config, 2))
-    per_layer = _numel(two) - _numel(one)
+        one, two = build(sliced(config, k + 1)), build(sliced(config, k + 2))
+    typical = _numel(two) - _numel(one)
     small_one = sum(p.numel() for p in one.parameters() if p.numel() < SMALL)
     small_layer = sum(p.numel() for p in two.parameters() if p.numel() < SMALL) - small_one
     layers = int(config.num_hidden_layers)
+    total = _numel(one) + typical * (layers - k - 1)
     embedding = one.get_input_embeddings().weight.numel()
     head_module = one.get_output_embeddings()
     tied = head_module is None or head_module.weight is one.get_input_embeddings().weight
     head = 0 if tied else head_module.weight.numel()
-    other = _numel(one) - per_layer - embedding - head
-    layer = one.model.layers[0] if hasattr(one, "model") and hasattr(one.model, "layers") else None
+    stack = one.model.layers if hasattr(one, "model") and hasattr(one.model, "layers") else None
+    in_layers = _numel(stack) + typical * (layers - k - 1) if stack is not None else typical * layers
+    other = total - in_layers - embedding - head
+    layer = stack[k] if stack is not None else None
     experts = 0
     lora = 0
     if layer is not None:
@@ -128,9 +146,9 @@ def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", 
     num_experts = int(getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0) or 0)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
     return Counts(
-        total=_numel(one) + per_layer * (layers - 1),
+        total=total,
         layers=layers,
-        per_layer=per_layer,
+        per_layer=round(in_layers / layers),
         embedding=embedding,
         head=head,
         other=other,
@@ -138,5 +156,6 @@ def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", 
         num_experts=num_experts if experts else 0,
         top_k=top_k if experts else 0,
         lora_per_layer=lora,
-        small=small_one + small_layer * (layers - 1),
+        small=small_one + small_layer * (layers - k - 1),
+        dense_layers=k if experts else 0,
     )

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 from kit.errors import InputError
 from kit.plan.cards import GIB, Card, card
 from kit.plan.engines import Memory, Run, deepspeed_memory, dpo_reference_memory, megatron_memory
-from kit.plan.model import Counts, counts, load_config, sliced
+from kit.plan.model import Counts, counts, dense_layers, load_config, sliced
 from kit.plan.trace import TraceKey, trace
 
 # The share of the tensors the caching allocator adds in fragmentation and rounding. A stated planning figure:
@@ -220,13 +220,15 @@ def _dpo_note(inputs: PlanInputs, mbs: int) -> str:
 
 
 def layer_terms(config, key: TraceKey) -> tuple:
-    """(outside the layers, per layer) transient bytes of one micro-batch, from 1- and 2-layer slices."""
+    """(outside the layers, per layer) transient bytes of one micro-batch, from slices of k+1 and k+2 layers (k
+    leading dense layers: the difference is a layer like the rest)."""
+    k = dense_layers(config)
     peaks = []
-    for layers in (1, 2):
+    for layers in (k + 1, k + 2):
         t = trace(sliced(config, layers), key)
         peaks.append(max((tr for _g, tr in t.frontier), default=0))
     per_layer = peaks[1] - peaks[0]
-    return peaks[0] - per_layer, per_layer
+    return peaks[0] - (k + 1) * per_layer, per_layer
 
 
 def _megatron_rows(report: PlanReport, config, key: TraceKey, gbs: int) -> None:
