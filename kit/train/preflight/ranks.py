@@ -40,6 +40,14 @@ def moe_fields(args, job: dict) -> dict:
         moe_token_dispatcher_type=job["moe"]["dispatcher"],
         moe_grouped_gemm=False,
         moe_layer_freq=list(getattr(args, "moe_layer_freq", None) or [1] * int(args.num_layers)),
+        # DeepSeek-V3 / GLM-4.5: sigmoid router with expert bias, grouped top-k, scaling; shared experts; MTP
+        moe_router_score_function=getattr(args, "moe_router_score_function", None) or "softmax",
+        moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+        moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
         expert_model_parallel_size=job["ep"],
         expert_tensor_parallel_size=job["etp"],
         sequence_parallel=job["tp"] > 1,
@@ -103,13 +111,19 @@ def build_model(args, job: dict):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    mtp_spec = None
     if moe:  # per layer (MoE block or dense MLP, moe_layer_freq), this stage's layers only
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+        if cfg.mtp_num_layers:  # the MTP layer: the decoder's last layer spec inside MTP's norms and eh_proj
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
