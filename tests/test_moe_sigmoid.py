@@ -27,7 +27,11 @@ def tiny_config(family: str, **overrides):
     if family == "deepseek_v3":
         from transformers import DeepseekV3Config as Config
 
-        extra = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+        # MLA: q/k heads of 8 + 4 = 12 channels, value heads of 6
+        extra = dict(
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+            num_key_value_heads=4,
+        )  # fmt: skip
     else:
         from transformers import Glm4MoeConfig as Config
 
@@ -48,6 +52,7 @@ def tiny_config(family: str, **overrides):
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
         max_position_embeddings=64,
+        pad_token_id=0,
         **extra,
     )
     args.update(overrides)
