@@ -143,7 +143,9 @@ def lora_target_problems(model, targets) -> list:
     """LoRA targets a MoE model should not get, each with the reason: the router (its LoRA would move the load
     balance the aux loss keeps) and the experts module (fused parameters: peft cannot wrap them as modules, and the
     adapted block reads them directly)."""
-    if not is_moe_model(model):
+    modules = getattr(model, "modules", None)
+    routed = is_moe_model(model) or (modules is not None and any(map(is_sigmoid_block, modules())))
+    if not routed:
         return []
     bad = [t for t in targets if t in NO_LORA]
     if not bad:
