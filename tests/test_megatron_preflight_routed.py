@@ -89,3 +89,26 @@ def test_reference_without_the_bias_update_fails_the_bias_check(tiny_glm45_dir, 
     failed = [c for c, v in checks.items() if not v["passed"]]
     assert failed == ["expert bias after steps"], failed
     assert checks["expert bias after steps"]["value"] >= 1e-3  # at least one step's move
+
+
+def test_sigmoid_router_with_an_aux_loss_is_refused_in_one_line(tiny_glm45_dir, ws, tmp_path):
+    """The HF side has megatron-core's load-balancing loss of a softmax router only: a sigmoid router whose
+    checkpoint asks for an aux loss is refused before any rank starts."""
+    import json
+
+    from kit.convert import ConvertConfig, hf_to_megatron
+    from kit.convert.megatron_io import META_FILE
+    from kit.errors import InputError
+    from kit.train.preflight.run import PreflightConfig, run
+
+    ckpt = tmp_path / "c"
+    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(ckpt)), progress=False)
+    meta = json.loads((ckpt / META_FILE).read_text(encoding="utf-8"))
+    meta["spec"]["moe_aux_loss_coeff"] = 1e-3
+    (ckpt / META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        run(PreflightConfig(checkpoint=str(ckpt), dataset_path=str(ws["pretrain"]), output=str(tmp_path / "pf"),
+                            work_dir=str(ws["root"]), model_name="tiny"))  # fmt: skip
+    line = str(err.value)
+    assert "\n" not in line and "sigmoid router with an aux-loss coefficient 0.001" in line
+    assert not (tmp_path / "pf").exists()
