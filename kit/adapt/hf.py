@@ -32,7 +32,7 @@ from kit.adapt.moe import is_moe_block, moe_block_forward, prepare_block
 from kit.ops import fused as kit_fused
 from kit.ops.backend import resolve, use_backend
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm", "deepseek_v3", "glm4_moe")
 __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_MODEL_TYPES",

@@ -1,4 +1,5 @@
-"""Qwen3-MoE sparse blocks through kit.ops.moe, and the router's auxiliary loss as a training setting.
+"""MoE blocks (Qwen3-MoE; DeepSeek-V3 and GLM-4.5) through kit.ops.moe, and the router's auxiliary loss as a
+training setting.
 
 `moe_block_forward` replaces Qwen3MoeSparseMoeBlock.forward (parameters untouched: state_dict, checkpoints and HF
 exports keep HF's layout). Two layouts, found by attribute: transformers >= 5 keeps the experts fused
@@ -6,6 +7,14 @@ exports keep HF's layout). Two layouts, found by attribute: transformers >= 5 ke
 transformers records as the router logits (so the block calls it, and its forward is kit routing too);
 transformers 4.51-4.57 keep `gate` as a Linear and `experts` as a ModuleList of MLPs, and the block returns
 (hidden, router_logits) itself.
+
+DeepSeek-V3 (`DeepseekV3MoE`) and GLM-4.5 (`Glm4MoeMoE`) blocks, transformers >= 5: a sigmoid router `gate`
+(`DeepseekV3TopkRouter` / `Glm4MoeTopkRouter`: fp32 `weight`, the buffer `e_score_correction_bias`, n_group /
+topk_group / norm_topk_prob / routed_scaling_factor) returning (router_logits, weights, indices), fused experts as
+above, and `shared_experts` (an MLP every token runs) added to the routed output. Their 4.x layout (a ModuleList of
+expert MLPs, routing in the block) is not adapted: those blocks keep HF's forward. Neither family has a router
+auxiliary loss in HF (no `router_aux_loss_coef` in their configs): the bias balances the load instead
+(kit.train.expert_bias).
 """
 
 from __future__ import annotations
@@ -25,8 +34,25 @@ def fused_experts(block) -> bool:
     return isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3
 
 
+SIGMOID_ROUTER_ATTRS = ("top_k", "num_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+
+def is_sigmoid_block(module) -> bool:
+    """A DeepSeek-V3 / GLM-4.5 MoE block of transformers >= 5 (bias-corrected sigmoid router, fused experts)."""
+    gate = getattr(module, "gate", None)
+    return (
+        fused_experts(module)
+        and isinstance(getattr(gate, "weight", None), torch.nn.Parameter)
+        and isinstance(getattr(gate, "e_score_correction_bias", None), torch.Tensor)
+        and all(hasattr(gate, a) for a in SIGMOID_ROUTER_ATTRS)
+    )
+
+
 def is_moe_block(module) -> bool:
-    """A Qwen3-MoE sparse block in either layout (router `gate` + `experts`, no shared expert)."""
+    """A Qwen3-MoE sparse block in either layout (router `gate` + `experts`, no shared expert), or a DeepSeek-V3 /
+    GLM-4.5 block (`is_sigmoid_block`)."""
+    if is_sigmoid_block(module):
+        return True
     if not type(module).__name__.endswith("SparseMoeBlock") or hasattr(module, "shared_expert"):
         return False
     gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
@@ -53,10 +79,28 @@ def router_forward(self, hidden_states):
     return logits, weights, indices
 
 
+def sigmoid_router_forward(self, hidden_states):
+    """DeepseekV3TopkRouter.forward (Glm4MoeTopkRouter's is the same) through kit.ops.moe.moe_route_sigmoid:
+    (router_logits in fp32, weights, indices)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = kit_moe.moe_route_sigmoid(
+        logits,
+        int(self.top_k),
+        self.e_score_correction_bias,
+        int(self.num_group),
+        int(self.topk_group),
+        bool(self.norm_topk_prob),
+        float(self.routed_scaling_factor),
+    )
+    return logits, weights, indices
+
+
 def prepare_block(block) -> None:
     """Give a transformers >= 5 block's router the kit routing (the block calls it: its output is recorded)."""
     if fused_experts(block) and not isinstance(block.gate.__dict__.get("forward"), types.MethodType):
-        block.gate.forward = types.MethodType(router_forward, block.gate)
+        forward = sigmoid_router_forward if is_sigmoid_block(block) else router_forward
+        block.gate.forward = types.MethodType(forward, block.gate)
 
 
 def moe_block_forward(self, hidden_states):
@@ -66,7 +110,8 @@ def moe_block_forward(self, hidden_states):
     if fused_experts(self):
         _logits, weights, indices = self.gate(x)
         out = kit_moe.moe_experts(x, indices, weights, self.experts.gate_up_proj, self.experts.down_proj)
-        return out.reshape(shape)
+        shared = getattr(self, "shared_experts", None)  # DeepSeek-V3 / GLM-4.5: every token's MLP, added
+        return out.reshape(shape) if shared is None else out.reshape(shape) + shared(hidden_states)
     logits = self.gate(x)
     weights, indices = kit_moe.moe_route(logits, _top_k(self), _norm_topk(self))
     out = kit_moe.moe_expert_modules(x, indices, weights, self.experts)
@@ -98,7 +143,9 @@ def lora_target_problems(model, targets) -> list:
     """LoRA targets a MoE model should not get, each with the reason: the router (its LoRA would move the load
     balance the aux loss keeps) and the experts module (fused parameters: peft cannot wrap them as modules, and the
     adapted block reads them directly)."""
-    if not is_moe_model(model):
+    modules = getattr(model, "modules", None)
+    routed = is_moe_model(model) or (modules is not None and any(map(is_sigmoid_block, modules())))
+    if not routed:
         return []
     bad = [t for t in targets if t in NO_LORA]
     if not bad:

@@ -27,7 +27,7 @@ def expected_hf_shapes(fam: Family, spec: ModelSpec) -> Dict[str, Tuple[int, ...
     out: Dict[str, Tuple[int, ...]] = {}
     glob, _ = fam.roles(spec)
     items = [(r, -1) for r in glob] + [
-        (r, i) for i in range(spec.num_layers) for r in fam.layer_roles(spec, i)
+        (r, i) for i in range(spec.all_layers) for r in fam.layer_roles(spec, i)
     ]
     for role, i in items:
         keys, rows = fam.hf_keys(role, i), fam.part_rows(spec, role)

@@ -520,7 +520,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
         writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2, check=StreamCheck())
         emit(writer, "embedding", -1)
         bar = _progress(spec.num_layers, f"Megatron TP{mr.tp} PP{mr.pp} EP{mr.ep}->HF", not progress)
-        for g in range(spec.num_layers):
+        for g in range(spec.all_layers):  # the decoder's layers, then the MTP layers
             for role in fam.layer_roles(spec, g):
                 emit(writer, role, g)
             bar.update(1)

@@ -37,7 +37,24 @@ ROLE_KIND = {
     "router.weight": "replicated",
     "expert.fc1.weight": "glu",
     "expert.fc2.weight": "row",
+    # GLM-4.5 / DeepSeek-V3 MoE layers (megatron-core 0.16 moe/router.py, moe/shared_experts.py): the score-correction
+    # bias is a router buffer, replicated; the shared experts are one MLP split over TP like the dense one.
+    "router.expert_bias": "replicated",
+    "shared.fc1.weight": "glu",
+    "shared.fc2.weight": "row",
+    # multi-token prediction (megatron-core 0.16 transformer/multi_token_prediction.py): eh_proj is a column-parallel
+    # [h, 2h] (its output gathered); the norms replicated. The MTP layer's embedding and head are the model's own
+    # (megatron-core passes them in): on the HF side they are copies, written back from the main ones.
+    "mtp.enorm": "replicated",
+    "mtp.hnorm": "replicated",
+    "mtp.eh_proj": "column",
+    "mtp.final_norm": "replicated",
+    "mtp.embedding": "vocab",
+    "mtp.output": "vocab",
 }
+# roles whose Megatron tensor is another role's (the MTP layer shares the embedding and the output layer)
+ALIAS_ROLES = {"mtp.embedding": "embedding", "mtp.output": "output"}
+MTP_ROLES = ("mtp.enorm", "mtp.hnorm", "mtp.eh_proj", "mtp.final_norm", "mtp.embedding", "mtp.output")
 GLOBAL_ROLES = ("embedding", "final_norm", "output")
 LAYER_ROLES = (
     "input_norm",
@@ -79,12 +96,17 @@ class Family:
         """The roles of one layer: a MoE layer has the router and every expert's fc1 / fc2 (global expert
         indices, `expert3.fc1.weight`) instead of the dense fc1 / fc2."""
         _, roles = self.roles(spec)
+        mtp = list(MTP_ROLES) if spec.is_mtp_layer(layer) else []
         if not spec.is_moe_layer(layer):
-            return roles
+            return roles + mtp
         out = [r for r in roles if r not in ("fc1.weight", "fc2.weight")] + ["router.weight"]
+        if spec.moe_router_enable_expert_bias:
+            out.append("router.expert_bias")
+        if spec.moe_shared_expert_intermediate_size:
+            out += ["shared.fc1.weight", "shared.fc2.weight"]
         for e in range(spec.num_experts):
             out += [expert_role(e, "fc1.weight"), expert_role(e, "fc2.weight")]
-        return out
+        return out + mtp
 
     def hf_keys(self, role: str, layer: int = -1) -> Tuple[str, ...]:
         """The HF keys of a role's parts (layer roles get the layer prefix, expert roles the expert filled in)."""
@@ -185,6 +207,71 @@ def _qwen3_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
         moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0),
         moe_layer_freq=tuple(int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(n)),
+    )
+
+
+def _routed_moe(cfg: dict, family: str) -> dict:
+    """ModelSpec MoE fields of the DeepSeek-V3 router and MoE block that GLM-4.5 shares (transformers
+    modeling_deepseek_v3 / modeling_glm4_moe): sigmoid scores plus e_score_correction_bias pick the experts, the
+    top-k inside the topk_group best of n_group groups (a group scored by its best two experts), their sigmoid
+    weights renormalised and times routed_scaling_factor; shared experts beside; layers below first_k_dense_replace
+    dense. Combinations megatron-core 0.16 cannot run the same way are refused."""
+    n, experts = int(cfg["num_hidden_layers"]), int(cfg.get("n_routed_experts") or 0)
+    topk, groups = int(cfg.get("num_experts_per_tok") or 0), int(cfg.get("n_group") or 1)
+    topk_group = int(cfg.get("topk_group") or 1)
+    scoring = cfg.get("scoring_func") or "sigmoid"
+    bad = []
+    if scoring != "sigmoid":
+        bad.append(f"scoring_func {scoring!r} (the kit converts the sigmoid router of DeepSeek-V3 / GLM-4.5)")
+    if not cfg.get("norm_topk_prob", True):
+        bad.append(
+            "norm_topk_prob false (megatron-core's sigmoid router always renormalises its top-k weights)"
+        )
+    if groups > 1 and (experts % groups or topk % topk_group or topk // topk_group != 2):
+        bad.append(
+            f"n_group {groups}, topk_group {topk_group}, num_experts_per_tok {topk} (megatron-core scores a group "
+            f"by its best num_experts_per_tok / topk_group experts and HF by its best 2: they agree only when "
+            f"that is 2 and n_group divides the {experts} experts)"
+        )
+    if bad:
+        raise InputError(
+            f"config.json of this {family} model has {'; '.join(bad)}: megatron-core 0.16 cannot route it the "
+            f"way transformers does, so the converted model would not be the same model; not supported."
+        )
+    dense_first = int(cfg.get("first_k_dense_replace") or 0)
+    factor = float(cfg.get("routed_scaling_factor") or 1.0)
+    return dict(
+        num_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+        moe_norm_topk_prob=True,
+        moe_aux_loss_coeff=float(cfg.get("aux_loss_alpha") or 0.0),
+        moe_layer_freq=tuple(int(i >= dense_first) for i in range(n)),
+        moe_shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0)
+        * int(cfg["moe_intermediate_size"]),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=factor if factor != 1.0 else 0.0,
+        moe_router_num_groups=groups if groups > 1 else 0,
+        moe_router_group_topk=topk_group if groups > 1 else 0,
+        mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def _glm4_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
+    # GLM-4.5 (transformers modeling_glm4_moe): GQA with q/k/v bias (attention_bias), optional per-head q/k RMSNorm
+    # (use_qk_norm), rotary on the first partial_rotary_factor of each head with rotate_half pairs (i, i + rd/2),
+    # not GLM-4's interleaved pairs; the DeepSeek-V3 MoE block.
+    rp = cfg.get("rope_parameters") or {}
+    percent = cfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 0.5
+    return replace(
+        _llama_spec(cfg),
+        family="glm4_moe",
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
+        rotary_percent=float(percent),
+        rotary_interleaved=False,
+        **_routed_moe(cfg, "glm4_moe"),
     )
 
 
@@ -379,6 +466,35 @@ QWEN3_MOE = Family(
     notes="Qwen3-MoE: Qwen3 attention + router and per-expert SwiGLU MLPs (no shared expert); EP over experts.",
 )
 
+# the DeepSeek-V3 MoE block and MTP layer on disk (published checkpoints: per-expert keys; the MTP layer
+# model.layers.{num_hidden_layers} with its own copies of the embedding and head, which transformers does not load)
+_ROUTED_MOE_LAYER = {
+    "router.weight": ("mlp.gate.weight",),
+    "router.expert_bias": ("mlp.gate.e_score_correction_bias",),
+    "shared.fc1.weight": ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    "shared.fc2.weight": ("mlp.shared_experts.down_proj.weight",),
+    "expert.fc1.weight": ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+    "expert.fc2.weight": ("mlp.experts.{e}.down_proj.weight",),
+    "mtp.enorm": ("enorm.weight",),
+    "mtp.hnorm": ("hnorm.weight",),
+    "mtp.eh_proj": ("eh_proj.weight",),
+    "mtp.final_norm": ("shared_head.norm.weight",),
+    "mtp.embedding": ("embed_tokens.weight",),
+    "mtp.output": ("shared_head.head.weight",),
+}
+
+GLM4_MOE = Family(
+    name="glm4_moe",
+    model_types=("glm4_moe",),
+    read_config=_glm4_moe_spec,
+    global_keys=LLAMA.global_keys,
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(QWEN3.layer_keys, **_ROUTED_MOE_LAYER),
+    ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="GLM-4.5 / 4.5-Air: GQA + q/k/v bias (+ q/k norm), half-dim rotate_half RoPE, sigmoid-routed experts "
+    "with a score bias, a shared expert, dense first layers, one MTP layer.",
+)
+
 GLM = Family(
     name="glm",
     model_types=("glm",),
@@ -428,7 +544,7 @@ BAICHUAN = Family(
     notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
 )
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM, CHATGLM, BAICHUAN)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, GLM, CHATGLM, BAICHUAN)}
 # ModelLink 1.0 `util.py --loader` names (the ModelArts user manual's conversion command) and their families.
 LOADER_ALIASES = {
     "llama2_hf": "llama",
@@ -437,6 +553,9 @@ LOADER_ALIASES = {
     "qwen2_hf": "llama",
     "chatglm3_hf": "chatglm",
     "baichuan2_hf": "baichuan",
+    # MindSpeed-LLM convert_ckpt_v2.py --model-type-hf names
+    "glm45": "glm4_moe",
+    "glm45-air": "glm4_moe",
     "hf": None,
 }
 

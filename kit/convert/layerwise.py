@@ -114,12 +114,16 @@ def _fetch(reader: HFReader, name: str, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _swap(module: torch.nn.Module, prefix: str, tensors) -> None:
-    """Give each parameter of `module` (named prefix.path) the tensor tensors(name, current parameter)."""
+def _swap(module: torch.nn.Module, prefix: str, tensors, reader: HFReader = None) -> None:
+    """Give each parameter of `module` (named prefix.path) the tensor tensors(name, current parameter); with a
+    reader, also each buffer the checkpoint holds (DeepSeek-V3 / GLM-4.5's router e_score_correction_bias)."""
     for path, sub in module.named_modules(prefix=prefix):
         for n, p in list(sub._parameters.items()):
             if p is not None:
                 sub._parameters[n] = torch.nn.Parameter(tensors(f"{path}.{n}", p), requires_grad=False)
+        for n, b in list(sub._buffers.items()):
+            if reader is not None and b is not None and f"{path}.{n}" in reader.weight_map:
+                sub._buffers[n] = reader.read(f"{path}.{n}").to(b.dtype)
 
 
 def _drop(layer: torch.nn.Module, prefix: str) -> None:
@@ -141,7 +145,7 @@ def transformers_logits(reader: HFReader, ids: torch.Tensor) -> torch.Tensor:
     for child in base.children():  # the final norm: read for the whole run; the layers: each while it runs
         if child is base.layers:
             for layer in child:
-                layer.register_forward_pre_hook(lambda m, args: _swap(m, names[m], fetch))
+                layer.register_forward_pre_hook(lambda m, args: _swap(m, names[m], fetch, reader))
                 layer.register_forward_hook(lambda m, args, out: _drop(m, names[m]))
         elif child is not embedding:
             _swap(child, names[child], fetch)

@@ -96,9 +96,34 @@ def moe_flags(model: Dict[str, Any], grouped_gemm: bool = False) -> List[str]:
         "--moe-layer-freq", moe_layer_freq_flag(model["moe_layer_freq"]),
         "--moe-token-dispatcher-type", "alltoall",
     ]  # fmt: skip
-    flags.append("--norm-topk-prob" if model.get("moe_norm_topk_prob") else "--moe-router-pre-softmax")
+    sigmoid = model.get("moe_router_score_function") == "sigmoid"
+    if model.get("moe_norm_topk_prob"):
+        flags.append("--norm-topk-prob")
+    elif not sigmoid:
+        flags.append("--moe-router-pre-softmax")
+    flags += _routed_flags(model)
     if grouped_gemm:
         flags.append("--moe-grouped-gemm")
+    return [str(f) for f in flags]
+
+
+def _routed_flags(model: Dict[str, Any]) -> List[str]:
+    """DeepSeek-V3 / GLM-4.5: the sigmoid router with its expert bias, grouped top-k and scaling, the shared experts and
+    the MTP layers (Megatron-LM megatron/training/arguments.py names of the TransformerConfig fields)."""
+    flags: List[Any] = []
+    if model.get("moe_router_score_function") == "sigmoid":
+        flags += ["--moe-router-score-function", "sigmoid"]
+    if model.get("moe_router_enable_expert_bias"):
+        flags.append("--moe-router-enable-expert-bias")
+    if model.get("moe_router_topk_scaling_factor"):
+        flags += ["--moe-router-topk-scaling-factor", model["moe_router_topk_scaling_factor"]]
+    if model.get("moe_router_num_groups"):
+        flags += ["--moe-router-num-groups", model["moe_router_num_groups"]]
+        flags += ["--moe-router-group-topk", model["moe_router_group_topk"]]
+    if model.get("moe_shared_expert_intermediate_size"):
+        flags += ["--moe-shared-expert-intermediate-size", model["moe_shared_expert_intermediate_size"]]
+    if model.get("mtp_num_layers"):
+        flags += ["--mtp-num-layers", model["mtp_num_layers"]]
     return [str(f) for f in flags]
 
 

@@ -63,6 +63,17 @@ _MOE_LAYER = {
     "expert.fc1.weight": "mlp.experts.local_experts.{k}.linear_fc1.weight",
     "expert.fc2.weight": "mlp.experts.local_experts.{k}.linear_fc2.weight",
     "post_norm": "pre_mlp_layernorm.weight",
+    "router.expert_bias": "mlp.router.expert_bias",
+    "shared.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "shared.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+}
+# an MTP layer's own tensors (megatron-core 0.16 MultiTokenPredictionLayer); its decoder layer is under
+# `mtp.layers.{k}.transformer_layer.` with the decoder's names
+_MTP = {
+    "mtp.enorm": "enorm.weight",
+    "mtp.hnorm": "hnorm.weight",
+    "mtp.eh_proj": "eh_proj.weight",
+    "mtp.final_norm": "final_layernorm.weight",
 }
 _TE_GROUPED = dict(
     _MOE_LAYER,
@@ -86,19 +97,20 @@ def key_path(
     local_layer: Optional[int] = None,
     moe: bool = False,
     grouped_gemm: bool = False,
+    mtp: Optional[int] = None,
 ) -> Tuple[str, ...]:
     """Path of a role's tensor in one rank's `model` dict (one element for flat mcore keys).
 
     Expert roles carry the rank's LOCAL expert index (`expert1.fc1.weight` = local expert 1); `moe` says the layer
     is a MoE block (its pre-MLP norm is not fused into fc1 in the TE spec); `grouped_gemm` picks TEGroupedMLP
-    names on the TE flavor."""
+    names on the TE flavor; `mtp` k: the role is of MTP layer k (local_layer is then unused)."""
     if flavor not in FLAVORS:
         raise ValueError(
             f"unknown key flavor {flavor!r}; use one of {FLAVORS} (local = megatron-core local spec, "
             f"what MindSpeed-LLM trains; legacy = Megatron legacy / ModelLink legacy; te = "
             f"TransformerEngine spec)."
         )
-    if local_layer is None:
+    if local_layer is None and mtp is None:
         if flavor == "legacy":
             return _LEGACY_GLOBAL[role]
         if role == "tied_head":
@@ -106,15 +118,18 @@ def key_path(
         return _MCORE_GLOBAL[role]
     if flavor == "legacy":
         return ("language_model", "encoder", f"layers.{local_layer}.{_LEGACY_LAYER[role]}")
+    if mtp is not None and role in _MTP:
+        return (f"mtp.layers.{mtp}.{_MTP[role]}",)
+    pre = f"decoder.layers.{local_layer}" if mtp is None else f"mtp.layers.{mtp}.transformer_layer"
     group = split_group(role)
     if group is not None:  # GroupedMLP's one tensor for the EP rank's experts (flavor local)
-        return (f"decoder.layers.{local_layer}.{_LEGACY_GROUPED[group[0]]}",)
+        return (f"{pre}.{_LEGACY_GROUPED[group[0]]}",)
     base, k = split_role(role)
     if moe and base in _MOE_LAYER:
         names = _TE_GROUPED if (grouped_gemm and flavor == "te") else _MOE_LAYER
-        return (f"decoder.layers.{local_layer}.{names[base].format(k=k)}",)
+        return (f"{pre}.{names[base].format(k=k)}",)
     names = _TE_LAYER if flavor == "te" else _MCORE_LAYER
-    return (f"decoder.layers.{local_layer}.{names[role]}",)
+    return (f"{pre}.{names[role]}",)
 
 
 def put(tree: dict, path: Sequence[str], value) -> None:

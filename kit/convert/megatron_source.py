@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Union
 
 from kit.convert import megatron_layout as layout
 from kit.convert.checks import ConversionError, role_kind
-from kit.convert.families import Family, family_for_config, position_reason
+from kit.convert.families import ALIAS_ROLES, Family, family_for_config, position_reason
 from kit.convert.file_slices import FileSlice
 from kit.convert.hf_io import read_json
 from kit.convert.megatron_io import HF_META_DIR, MegatronReader
@@ -39,17 +39,18 @@ def rank_entries(
     pp = len(stages)
     mine = layout.local_experts(spec.num_experts, ep, ep_rank) if spec.num_experts else range(0)
     te_grouped = grouped == "te"
-    if s == 0:
-        yield layout.key_path(flavor, "embedding"), "embedding", None
-    for local, g in enumerate(stages[s]):
+
+    def layer_entries(g: int, local: Optional[int], mtp: Optional[int]):
         moe = spec.is_moe_layer(g)
         for role in fam.layer_roles(spec, g):
+            if role in ALIAS_ROLES:  # the MTP layer's embedding / head: the model's own tensors
+                continue
             base, e = split_role(role)
             if e is not None and grouped == "legacy":
                 if e == mine.start:  # the group stands for all of this rank's experts
                     for part in ("fc1.weight", "fc2.weight"):
                         group = group_role(mine.start, len(mine), part)
-                        yield layout.key_path(flavor, group, local, moe), group, g
+                        yield layout.key_path(flavor, group, local, moe, mtp=mtp), group, g
                 continue
             if e is not None:
                 if e not in mine:
@@ -57,13 +58,20 @@ def rank_entries(
                 key_role = expert_role(e - mine.start, base.split(".", 1)[1])
             else:
                 key_role = role
-            yield layout.key_path(flavor, key_role, local, moe, te_grouped), role, g
+            yield layout.key_path(flavor, key_role, local, moe, te_grouped, mtp), role, g
+
+    if s == 0:
+        yield layout.key_path(flavor, "embedding"), "embedding", None
+    for local, g in enumerate(stages[s]):
+        yield from layer_entries(g, local, None)
     if s == pp - 1:
         yield layout.key_path(flavor, "final_norm"), "final_norm", None
         if not spec.tied:
             yield layout.key_path(flavor, "output"), "output", None
         elif pp > 1:  # the last stage holds its own copy of a tied embedding
             yield layout.key_path(flavor, "tied_head"), "embedding", None
+        for m in range(spec.mtp_num_layers):  # megatron-core builds the MTP block on the last stage
+            yield from layer_entries(spec.num_layers + m, None, m)
 
 
 def rank_elements(spec: ModelSpec, role: str, tp: int, padded_vocab: int) -> int:
@@ -147,6 +155,12 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
             getattr(a, "moe_router_topk", None) if spec.num_experts else None,
             spec.moe_router_topk,
         ),
+        (
+            "moe_shared_expert_intermediate_size",
+            getattr(a, "moe_shared_expert_intermediate_size", None) if spec.num_experts else None,
+            spec.moe_shared_expert_intermediate_size or None,
+        ),
+        ("mtp_num_layers", getattr(a, "mtp_num_layers", None), spec.mtp_num_layers or None),
         (
             "untie_embeddings_and_output_weights",
             getattr(a, "untie_embeddings_and_output_weights", None),
@@ -271,10 +285,17 @@ def locate(
 ) -> tuple:
     """(stage, key path, EP rank) of a role's tensor: an expert's EP rank and local index from its global index,
     every other tensor from EP rank 0 (the EP ranks hold the same dense tensors)."""
+    role = ALIAS_ROLES.get(role, role)  # the MTP layer's embedding / head are the model's
+    if role in ("embedding", "output"):
+        layer = None
     if layer is None or layer < 0:
         return (0 if role == "embedding" else mr.pp - 1), layout.key_path(mr.flavor, role), 0
-    where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
-    s, local = where[layer]
+    mtp = layer - spec.num_layers if spec is not None and spec.is_mtp_layer(layer) else None
+    if mtp is not None:
+        s, local = mr.pp - 1, None
+    else:
+        where = {g: (s, i) for s, layers in enumerate(stages) for i, g in enumerate(layers)}
+        s, local = where[layer]
     moe = spec is not None and spec.is_moe_layer(layer)
     base, e = split_role(role)
     ep_rank = 0
@@ -283,7 +304,7 @@ def locate(
         ep_rank, role = e // per, expert_role(e % per, base.split(".", 1)[1])
         if mr.grouped_gemm == "legacy":
             role = group_role(ep_rank * per, per, base.split(".", 1)[1])
-    return s, layout.key_path(mr.flavor, role, local, moe, mr.grouped_gemm == "te"), ep_rank
+    return s, layout.key_path(mr.flavor, role, local, moe, mr.grouped_gemm == "te", mtp), ep_rank
 
 
 def role_pieces(

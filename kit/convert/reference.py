@@ -20,7 +20,7 @@ from kit.core.parallel import stage_layers
 from kit.system.memory import give_back_freed
 
 # the model types whose modeling code transformers ships (ChatGLM3 and Baichuan2 bring theirs as remote code)
-TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm")
+TRANSFORMERS_NATIVE = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm", "glm4_moe", "deepseek_v3")
 
 
 def transformers_ships(model_type: Optional[str]) -> bool:
@@ -108,6 +108,26 @@ def attention(
         masked = masked | (segments[None, :] != segments[:, None])
     scores = scores.masked_fill(masked, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, nh * hd)
+
+
+def sigmoid_route(logits: torch.Tensor, spec: ModelSpec, bias: torch.Tensor):
+    """(weights [s, k], expert indices [s, k]) of megatron-core 0.16's sigmoid router (moe_utils
+    topk_routing_with_score_function + group_limited_topk): experts chosen by sigmoid + expert_bias, inside the
+    moe_router_group_topk groups whose best topk / group_topk experts score highest; weights are the chosen
+    sigmoid scores renormalised (top-k > 1), times moe_router_topk_scaling_factor."""
+    k, groups = spec.moe_router_topk, spec.moe_router_num_groups
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    if groups:
+        per_group = choice.view(choice.shape[0], groups, -1)
+        best = per_group.topk(k // spec.moe_router_group_topk, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(spec.moe_router_group_topk, dim=-1)[1], 1)
+        mask = keep[:, :, None].expand_as(per_group).reshape(choice.shape).bool()
+        choice = choice.masked_fill(~mask, float("-inf"))
+    idx = choice.topk(k, dim=-1)[1]
+    top = scores.gather(1, idx)
+    top = top / (top.sum(-1, keepdim=True) + 1e-20) if k > 1 else top
+    return top * (spec.moe_router_topk_scaling_factor or 1.0), idx
 
 
 def route(logits: torch.Tensor, spec: ModelSpec, megatron: bool = False):
@@ -308,7 +328,13 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
             del qkv_w, proj, mixed_all  # this layer's attention weights, before the MLP's are read
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
             if moe:  # router replicated; expert e on EP rank e // per as local expert e % per, split over TP
-                weights, idx = route(h @ w("router.weight")[0].T, spec, megatron=True)
+                logits = h @ w("router.weight")[0].T
+                if spec.moe_router_score_function == "sigmoid":
+                    weights, idx = sigmoid_route(logits, spec, w("router.expert_bias")[0])
+                else:
+                    weights, idx = route(logits, spec, megatron=True)
+                if spec.moe_shared_expert_intermediate_size:  # shared experts: every token, split over TP
+                    x = x + _tp_mlp(h, w("shared.fc1.weight"), w("shared.fc2.weight"))
 
                 def expert(e, rows, g=g_layer):
                     fc1, fc2 = (

@@ -74,10 +74,32 @@ class ModelSpec:
     moe_norm_topk_prob: bool = False  # HF norm_topk_prob: the top-k probabilities renormalised to sum 1
     moe_aux_loss_coeff: float = 0.0  # HF router_aux_loss_coef
     moe_layer_freq: Tuple[int, ...] = ()  # one 1 (MoE block) or 0 (dense MLP) per layer; () for dense models
+    # GLM-4.5 / DeepSeek-V3: shared experts (HF n_shared_experts x moe_intermediate_size), sigmoid routing with a
+    # score-correction bias (megatron-core's router.expert_bias), grouped top-k and a routed scaling factor
+    moe_shared_expert_intermediate_size: int = 0
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: float = 0.0  # 0 = none
+    moe_router_num_groups: int = 0  # 0 = no group-limited routing
+    moe_router_group_topk: int = 0
+    # multi-token prediction layers after the decoder (HF num_nextn_predict_layers; model.layers.{num_layers + k})
+    mtp_num_layers: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        """True when layer `layer` (global index) is a MoE block (router + experts) rather than a dense MLP."""
+        """True when layer `layer` (global index) is a MoE block (router + experts) rather than a dense MLP; an MTP
+        layer (index num_layers and up) is one in every MoE family the kit converts."""
+        if layer >= self.num_layers:
+            return bool(self.num_experts)
         return bool(self.num_experts) and bool(self.moe_layer_freq[layer])
+
+    def is_mtp_layer(self, layer: int) -> bool:
+        """True for the multi-token prediction layers (global index num_layers and up)."""
+        return layer >= self.num_layers
+
+    @property
+    def all_layers(self) -> int:
+        """Decoder layers and MTP layers: what the HF folder holds under model.layers."""
+        return self.num_layers + self.mtp_num_layers
 
     @property
     def heads_per_group(self) -> int:
@@ -104,6 +126,15 @@ class ModelSpec:
             "router.weight": (self.num_experts, h),
             "expert.fc1.weight": (2 * moe, h),
             "expert.fc2.weight": (h, moe),
+            "router.expert_bias": (self.num_experts,),
+            "shared.fc1.weight": (2 * self.moe_shared_expert_intermediate_size, h),
+            "shared.fc2.weight": (h, self.moe_shared_expert_intermediate_size),
+            "mtp.enorm": (h,),
+            "mtp.hnorm": (h,),
+            "mtp.eh_proj": (h, 2 * h),
+            "mtp.final_norm": (h,),
+            "mtp.embedding": (self.vocab_size, h),
+            "mtp.output": (self.vocab_size, h),
         }
         return shapes[role]
 
@@ -211,15 +242,24 @@ def _moe_args(spec: ModelSpec, grouped_gemm: bool) -> Dict[str, Any]:
     router of Qwen3-MoE is a softmax over the experts, top-k, renormalised when norm_topk_prob, which is
     megatron-core's default routing (top-k of the logits, softmax over the k); without it, --moe-router-pre-softmax."""
     if not spec.num_experts:
-        return dict(num_experts=None, moe_grouped_gemm=False)
+        return dict(num_experts=None, moe_grouped_gemm=False, mtp_num_layers=None)
+    sigmoid = spec.moe_router_score_function == "sigmoid"
     return dict(
         num_experts=spec.num_experts,
         moe_router_topk=spec.moe_router_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
-        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        # the sigmoid router always renormalises its top-k (moe_utils.topk_routing_with_score_function)
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob and not sigmoid,
         norm_topk_prob=spec.moe_norm_topk_prob,
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor or None,
+        moe_router_num_groups=spec.moe_router_num_groups or None,
+        moe_router_group_topk=spec.moe_router_group_topk or None,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size or None,
+        mtp_num_layers=spec.mtp_num_layers or None,
         moe_layer_freq=list(spec.moe_layer_freq),
         moe_grouped_gemm=bool(grouped_gemm),
         moe_token_dispatcher_type="alltoall",

@@ -67,6 +67,11 @@ def describe(cfg: ConvertConfig):
             if spec.num_experts
             else []
         ),
+        *(
+            [("routing, shared experts, MTP", routed_note(spec))]
+            if spec.moe_router_enable_expert_bias
+            else []
+        ),
         (
             "source weights",
             f"{reader.weight_bytes() / 1024**2:.1f} MiB in {len(set(reader.weight_map.values()))} file(s)",
@@ -141,3 +146,17 @@ def plot_layout(folder: PathLike, png: Optional[PathLike] = None):
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def routed_note(spec) -> str:
+    """One line on a DeepSeek-V3 / GLM-4.5 MoE block: its router, shared experts and MTP layers."""
+    groups = (
+        f", top-{spec.moe_router_group_topk} of {spec.moe_router_num_groups} groups"
+        if spec.moe_router_num_groups
+        else ""
+    )
+    scale = f", x{spec.moe_router_topk_scaling_factor}" if spec.moe_router_topk_scaling_factor else ""
+    return (
+        f"{spec.moe_router_score_function} + expert bias{groups}{scale}; shared FFN "
+        f"{spec.moe_shared_expert_intermediate_size or 'none'}; MTP layers {spec.mtp_num_layers}"
+    )

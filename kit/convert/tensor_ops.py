@@ -92,7 +92,7 @@ def split_tp(kind: str, full: torch.Tensor, tp: int, padded_vocab: int = 0) -> L
         return list(torch.chunk(full, tp, dim=1))
     if kind == "vocab":
         return list(torch.chunk(pad_rows(full, padded_vocab), tp))
-    if kind == "qkv":
+    if kind in ("qkv", "column"):
         return list(torch.chunk(full, tp))
     if kind == "glu":
         return glu_rank(*torch.chunk(full, 2), tp)
@@ -113,7 +113,7 @@ def merge_tp(kind: str, parts: Sequence[torch.Tensor], what: str = "tensor") -> 
         return parts[0]
     if kind == "row":
         return torch.cat(list(parts), dim=1)
-    if kind in ("vocab", "qkv"):
+    if kind in ("vocab", "qkv", "column"):
         return torch.cat(list(parts))
     if kind == "glu":
         return torch.cat(glu_merge(parts))
@@ -160,6 +160,9 @@ def read_rank(
     if kind == "row":
         n = full_shape[1] // tp
         return read(keys[0], rows=(offs[0], offs[0] + rows[0]), cols=(r * n, (r + 1) * n), copy=False)
+    if kind == "column":  # rows r*n:(r+1)*n (a column-parallel linear's output features)
+        n = full_shape[0] // tp
+        return read(keys[0], rows=(offs[0] + r * n, offs[0] + (r + 1) * n), copy=False)
     if kind == "vocab":
         per, vocab = padded_vocab // tp, full_shape[0]
         a, b = r * per, min((r + 1) * per, vocab)
@@ -218,6 +221,8 @@ def hf_parts(
         return [parts[0]]
     if kind == "vocab":
         return [_span(parts, 0, vocab)]
+    if kind == "column":
+        return [_span(parts, 0, sum(p.shape[0] for p in parts))]
     if kind == "row":
         return [parts[0] if len(parts) == 1 else ColumnConcat(list(parts))]
     if kind == "glu":  # rank r holds [gate_r; up_r]

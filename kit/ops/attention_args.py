@@ -32,9 +32,16 @@ def head_dims(query, key, value, layout: str, head_num: int) -> tuple[int, int, 
         raise ValueError(
             f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}); cast them first."
         )
-    if tuple(key.shape) != tuple(value.shape):
+    per_head = layout not in (
+        "BSH",
+        "SBH",
+    )  # a smaller value head (MLA: Dv < Dk) only where D is its own axis
+    if tuple(key.shape[:-1]) != tuple(value.shape[:-1]) or not (
+        value.shape[-1] == key.shape[-1] or (per_head and value.shape[-1] < key.shape[-1])
+    ):
         raise ValueError(
-            f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)} (torch_npu needs equal)."
+            f"key shape {tuple(key.shape)} and value shape {tuple(value.shape)}: torch_npu needs them equal "
+            "but for a value head_dim below the key's (Dk >= Dv) in BSND/BNSD/TND."
         )
     if layout in ("BSH", "SBH"):
         if head_num <= 0 or query.shape[2] % head_num:

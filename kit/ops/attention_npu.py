@@ -146,6 +146,14 @@ def run(
     """Call torch_npu.npu_fusion_attention and return the attention output (index 0 of the 7-tuple)."""
     check_limits(query, key, head_num, layout)
     torch_npu = torch_npu_module()
+    dv = value.shape[-1]
+    padded = dv < key.shape[-1]  # BSND/BNSD/TND only (attention_args.head_dims refuses it for BSH/SBH)
+    if padded:
+        # section npu_fusion_attention, 约束说明: "输入key和value的shape必须一致" and "D: Head Dim必须满足Dq=Dk和
+        # Dk≥Dv": key and value must have one shape, so a smaller value head (DeepSeek MLA: v_head_dim below
+        # qk_nope + qk_rope) goes in zero-padded to Dk; its zero channels give zero output channels, sliced off
+        # below (and their gradient with them)
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - dv))
     kwargs = sparse_arguments(
         atten_mask,
         query,
@@ -177,4 +185,5 @@ def run(
         inner_precise=0 if dead is None else 2,
         **kwargs,
     )
-    return outputs[0] if dead is None else zero_rows(outputs[0], dead, layout, head_num)
+    out = outputs[0] if dead is None else zero_rows(outputs[0], dead, layout, head_num)
+    return out[..., :dv] if padded else out

@@ -1,6 +1,9 @@
-"""Mixture-of-experts routing and expert compute (Qwen3-MoE): torch_npu's MoE kernels on NPU, sorted torch elsewhere.
+"""Mixture-of-experts routing and expert compute (Qwen3-MoE, DeepSeek-V3, GLM-4.5): torch_npu's MoE kernels on NPU,
+sorted torch elsewhere.
 
-`moe_route` is softmax -> top-k -> optional renormalisation (HF's Qwen3MoeTopKRouter); `moe_experts` runs every
+`moe_route` is softmax -> top-k -> optional renormalisation (HF's Qwen3MoeTopKRouter); `moe_route_sigmoid` is
+DeepSeek-V3's sigmoid routing with the score-correction bias and grouped top-k (HF's DeepseekV3TopkRouter and
+Glm4MoeTopkRouter, which are the same code); `moe_experts` runs every
 (token, expert) pair through its expert's SwiGLU MLP and sums the k outputs with the routing weights (HF's
 Qwen3MoeExperts). Portable path: the N*k pairs are sorted by expert once (one gather in, one weighted sum out),
 then torch's grouped matmul runs each projection for all experts in one kernel where torch has one (>= 2.9), else
@@ -24,6 +27,7 @@ from kit.ops.backend import resolve, torch_npu_module
 # npu_grouped_matmul (group_type 0, one weight tensor): "group_list第1维最大支持1024", inner dims < 65536.
 MAX_GATING_K, MAX_PERMUTE_K, MAX_GROUPS, INNER_LIMIT = 1024, 512, 1024, 65536
 MAX_INDEX = 16777215  # npu_moe_token_permute: indices "元素个数小于16777215"
+MAX_GATING_EXPERTS = 2048  # npu_moe_gating_top_k: x's last dim "要求不大于2048"
 
 
 def moe_route(logits, top_k: int, norm_topk_prob: bool = True, backend: Optional[str] = None):
@@ -51,6 +55,85 @@ def moe_route(logits, top_k: int, norm_topk_prob: bool = True, backend: Optional
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), indices
+
+
+def moe_route_sigmoid(
+    logits,
+    top_k: int,
+    bias,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    backend: Optional[str] = None,
+):
+    """(weights, indices) of DeepSeek-V3 routing over `logits` [N, E], in fp32 as HF computes them.
+
+    scores = sigmoid(logits); the experts are chosen on scores + `bias` (the score-correction bias [E], which
+    only selects): each of `n_group` equal groups is scored by the sum of its two best biased scores, the
+    `topk_group` best groups stay, and the top_k experts among them are taken; the weights are the unbiased scores
+    of those experts, divided by their sum (+1e-20) when `norm_topk_prob`, times `routed_scaling_factor`
+    (transformers 5.25 DeepseekV3TopkRouter.forward, Glm4MoeTopkRouter the same).
+
+    NPU (`npu_moe_gating_top_k`: sigmoid + bias + group top-k in one kernel) only where no gradient is needed and
+    its limits hold: its section says "该接口支持推理场景下使用" (inference; training keeps torch so the router
+    learns), norm_type=1 is sigmoid, group_select_mode=1 is "取组内Top2的专家进行得分累加" (HF's group score), and
+    its eps renormalises always (so only with `norm_topk_prob`); bias "数据类型需要与x保持一致" (both fp32 here).
+    """
+    logits = logits.float()
+    bias = bias.to(device=logits.device, dtype=torch.float32)
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    if (
+        resolve(logits, backend) == "npu"
+        and not needs_grad
+        and norm_topk_prob
+        and _gating_fits(logits, top_k, n_group, topk_group)
+    ):
+        weights, indices, _scores = torch_npu_module().npu_moe_gating_top_k(
+            logits,
+            int(top_k),
+            bias=bias,
+            k_group=int(topk_group),
+            group_count=int(n_group),
+            group_select_mode=1,
+            renorm=0,
+            norm_type=1,
+            out_flag=False,
+            routed_scaling_factor=float(routed_scaling_factor),
+            eps=1e-20,
+        )
+        return weights, indices.long()
+    scores = logits.sigmoid()
+    choice = scores + bias
+    n, experts = choice.shape
+    if n_group > 1:
+        groups = choice.view(n, n_group, experts // n_group)
+        group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(experts // n_group, dim=1), float("-inf"))
+    indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, indices
+
+
+def _gating_fits(logits, top_k: int, n_group: int, topk_group: int) -> bool:
+    """npu_moe_gating_top_k's documented limits: E <= 2048; group_count divides E with a quotient > 2 whose
+    32-aligned value times group_count is <= 2048; 1 <= k_group <= group_count; 1 <= k <= E / group_count * k_group."""
+    if logits.dim() != 2 or n_group < 1:
+        return False
+    experts = logits.shape[-1]
+    per_group = experts // n_group
+    return (
+        experts <= MAX_GATING_EXPERTS
+        and experts % n_group == 0
+        and per_group > 2
+        and -(-per_group // 32) * 32 * n_group <= MAX_GATING_EXPERTS
+        and 1 <= topk_group <= n_group
+        and 1 <= top_k <= per_group * topk_group
+    )
 
 
 def _sort_by_expert(indices, num_experts: int):

@@ -157,14 +157,16 @@ def build_model(cfg, torch_dtype=None):
         from peft import LoraConfig, get_peft_model
 
         from kit.adapt.moe import lora_target_problems
+        from kit.train.lora_targets import resolve_targets
 
-        problems = lora_target_problems(model, cfg.lora_targets)
+        targets = resolve_targets(model, cfg.lora_targets)  # DeepSeek-V3: MLA's projection names
+        problems = lora_target_problems(model, targets)
         if problems:
             from kit.errors import InputError
 
             raise InputError(problems[0])
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-        missing = [t for t in cfg.lora_targets if t not in names]
+        missing = [t for t in targets if t not in names]
         if missing:
             raise ValueError(
                 f"LORA_TARGETS {missing} are not module names of {cfg.model_path}; it has e.g. "
@@ -175,7 +177,7 @@ def build_model(cfg, torch_dtype=None):
             r=cfg.lora_r,
             lora_alpha=cfg.lora_alpha,
             lora_dropout=cfg.lora_dropout,
-            target_modules=list(cfg.lora_targets),
+            target_modules=targets,
         )
         with quiet(cfg.log_dir() / "third_party.log"):  # peft asks transformers a deprecated attribute
             model = get_peft_model(model, lora)
@@ -190,7 +192,14 @@ def _router_aux_loss(model, cfg) -> None:
         router_aux_loss_coef(model, cfg.router_aux_loss_coef)
     elif cfg.router_aux_loss_coef is not None:
         from kit.errors import InputError
+        from kit.train.expert_bias import bias_routers
 
+        if bias_routers(model):
+            raise InputError(
+                f"ROUTER_AUX_LOSS_COEF={cfg.router_aux_loss_coef} is set, but {cfg.model_path} (DeepSeek-V3 / "
+                "GLM-4.5 routing) has no router aux loss: its experts balance through the score-correction bias, "
+                "which training updates itself (kit.train.expert_bias); leave ROUTER_AUX_LOSS_COEF None."
+            )
         raise InputError(
             f"ROUTER_AUX_LOSS_COEF={cfg.router_aux_loss_coef} is set, but {cfg.model_path} has no routed experts "
             "(config.num_experts); leave it None for a dense model."

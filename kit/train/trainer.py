@@ -103,6 +103,9 @@ class Trainer:
         self._stop_reason: Optional[str] = None
         self._signal_at: Optional[float] = None  # the first stop signal's time: the grace period runs from it
         self.engine = None
+        self.expert_bias = (
+            None  # kit.train.expert_bias: set in _setup for models with score-correction biases
+        )
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _setup(self):
@@ -194,6 +197,16 @@ class Trainer:
                 f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
                 f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})"
             )
+        # DeepSeek-V3 / GLM-4.5: the routers' score-correction biases follow the load (after any resume's load);
+        # not under LoRA, where the base model stays frozen and the adapter could not carry moved biases
+        from kit.train.expert_bias import attach
+
+        self.expert_bias = None if cfg.lora else attach(model)
+        if self.expert_bias is not None:
+            self.writer.text(
+                f"expert bias: {len(self.expert_bias.routers)} routers balance their load without an aux loss "
+                f"(bias update rate {self.expert_bias.rate})"
+            )
         if cfg.run_type == "dpo":
             from kit.train.dpo import setup_objective
 
@@ -276,6 +289,8 @@ class Trainer:
         batches = list(micro_batches(self.ds, iteration, cfg, self.rank // (cfg.tp * cfg.pp)))
         if self.objective is not None:
             self.objective.start_step()
+        if self.expert_bias is not None:
+            self.expert_bias.reset()
         for i, batch in enumerate(batches):
             if self.objective is not None:  # DPO: pairs, laid out and scored by kit.train.dpo
                 loss, batch_tokens = self.objective.loss(engine, batch)
@@ -293,6 +308,8 @@ class Trainer:
                 pre_clip_norm = self._grad_norm()
             engine.step()
             tokens += batch_tokens
+        if self.expert_bias is not None:  # after the optimizer step, on this step's tokens
+            self.expert_bias.step()
         loss_sum = 0.0
         for v in values:  # summed on the host in float64, micro-batch order
             loss_sum += v

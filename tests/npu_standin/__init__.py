@@ -20,6 +20,7 @@ OP_NAMES = (
     "npu_fast_gelu",
     "npu_scaled_masked_softmax",
     "npu_moe_gating_top_k_softmax",
+    "npu_moe_gating_top_k",
     "npu_moe_token_permute",
     "npu_moe_token_unpermute",
     "npu_grouped_matmul",

@@ -435,6 +435,63 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     return y.to(x.dtype), idx.to(torch.int32), rows
 
 
+def npu_moe_gating_top_k(
+    x,
+    k,
+    *,
+    bias=None,
+    input_ids=None,
+    tid2eid=None,
+    k_group=1,
+    group_count=1,
+    group_select_mode=0,
+    renorm=0,
+    norm_type=0,
+    out_flag=False,
+    routed_scaling_factor=1.0,
+    eps=1e-20,
+):
+    """Section npu_moe_gating_top_k: norm (sigmoid for norm_type=1) -> bias -> group top-k -> top-k; y is the
+    normed score of each chosen expert, renormalised with eps and times routed_scaling_factor."""
+    _record("npu_moe_gating_top_k", shape=tuple(x.shape), k=k, k_group=k_group, group_count=group_count)
+    _need(x.dim() == 2 and x.dtype in FLOATS, "x must be a 2-D fp16/bf16/fp32 tensor")
+    experts = x.shape[-1]
+    _need(experts <= 2048, f"x's last dim {experts} must be <= 2048")
+    _need(
+        type(k_group) is int and type(group_count) is int and type(k) is int, "k, k_group, group_count: int"
+    )
+    _need(group_count > 0 and experts % group_count == 0, f"group_count={group_count} must divide {experts}")
+    per_group = experts // group_count
+    _need(per_group > 2, f"experts per group {per_group} must be > 2")
+    _need(-(-per_group // 32) * 32 * group_count <= 2048, "32-aligned experts per group * group_count > 2048")
+    _need(1 <= k_group <= group_count, f"k_group={k_group} must be in [1, group_count={group_count}]")
+    _need(1 <= k <= per_group * k_group, f"k={k} must be in [1, x_shape[-1] / group_count * k_group]")
+    _need(bias is None or (bias.dim() == 1 and bias.shape[0] == experts), "bias must be 1-D of x's last dim")
+    _need(bias is None or bias.dtype == x.dtype, f"bias dtype {getattr(bias, 'dtype', None)} must equal x's")
+    _need(input_ids is None and tid2eid is None, "the stand-in models the non-hash mode only")
+    _need(group_select_mode in (0, 1), "group_select_mode: 0 (group max) or 1 (sum of the group's top 2)")
+    _need(renorm == 0, "renorm: only 0 is supported")
+    _need(norm_type == 1, "the stand-in models norm_type=1 (sigmoid) only")
+    # "该接口支持推理场景下使用": the kit calls it without a gradient (its backward is a separate training op)
+    _need(
+        not (torch.is_grad_enabled() and x.requires_grad),
+        "npu_moe_gating_top_k: the kit calls it for inference only; called on a tensor that needs a gradient",
+    )
+    with torch.no_grad():
+        scores = x.float().sigmoid()
+        choice = scores + (0.0 if bias is None else bias.float())
+        groups = choice.view(-1, group_count, per_group)
+        group_scores = groups.max(-1)[0] if group_select_mode == 0 else groups.topk(2, -1)[0].sum(-1)
+        kept = torch.topk(group_scores, k_group, dim=-1)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(per_group, dim=1), float("-inf"))
+        idx = torch.topk(choice, k, dim=-1)[1]
+        y = scores.gather(1, idx)
+        y = y / (y.sum(-1, keepdim=True) + eps) * routed_scaling_factor
+    norm_out = scores if out_flag else torch.full_like(scores, GARBAGE)
+    return y.to(x.dtype), idx.to(torch.int32), norm_out
+
+
 def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
     _record("npu_moe_token_permute", shape=tuple(tokens.shape), indices_shape=tuple(indices.shape))
     _need(tokens.dim() == 2 and tokens.dtype in FLOATS, "tokens must be 2-D fp16/bf16/fp32")

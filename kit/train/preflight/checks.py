@@ -47,7 +47,8 @@ def compare(job: dict, results: List[dict], work: Path):
             0,
             load[0] + (f" (+{len(load) - 1} more)" if len(load) > 1 else "")
             if load
-            else f"{tensors} tensors in {len(files)} rank files, keys and shapes exact",
+            else f"{tensors} tensors in {len(files)} rank files, keys and shapes exact"
+            + _mtp_detail(results),
         )
     )
     if load or errors:
@@ -93,7 +94,7 @@ def compare(job: dict, results: List[dict], work: Path):
             f"megatron-core's own fp32 norm {mg_norms[0]:.7f})",
         )
     )
-    if job.get("moe"):
+    if job.get("moe") and job["moe"]["aux_loss_coeff"] > 0:  # GLM-4.5: no aux loss on either side
         checks.append(_aux_check(last[0].get("aux_losses") or [], ref_run, job))
     worst = max(_rel(a, b) for a, b in zip(mg_losses, ref_run["losses"]))
     lr_off = max(abs(a - b) for a, b in zip(results[0]["lrs"], ref_run["lrs"]))
@@ -131,6 +132,9 @@ def compare(job: dict, results: List[dict], work: Path):
             else back_problems[0],
         )
     )
+    rate = (job.get("moe") or {}).get("expert_bias_rate")
+    if rate:
+        checks.append(_bias_check(trained_dir, work / "reference_hf", ref, rate, back_problems))
     checks.append(
         _check(
             "checkpoint back to HF",
@@ -184,6 +188,52 @@ def _aux_check(mg: List[List[float]], ref_run: dict, job: dict) -> dict:
         f"megatron {first_mg:.7f}, HF router logits {first_hf:.7f} (coefficient {job['moe']['aux_loss_coeff']:g} "
         f"in both objectives); transformers' own load_balancing_loss_func {ref_run['hf_aux_losses'][0]:.7f} "
         f"(pooled over layers, another definition: not compared)",
+    )
+
+
+def _mtp_detail(results: List[dict]) -> str:
+    """The MTP tensors the ranks left out of training and carried into their checkpoint ('' for none)."""
+    files = {
+        (r.get("tp_rank"), r.get("pp_rank"), r.get("ep_rank", 0)): r.get("mtp_carried", 0) for r in results
+    }
+    n = sum(files.values())
+    return (
+        f"; the MTP layer's {n} tensors left out of the model and carried into the saved checkpoint as loaded "
+        f"(not trained: transformers has no MTP forward)"
+        if n
+        else ""
+    )
+
+
+def _bias_check(trained_dir: Path, start_dir: Path, ref, rate: float, back_problems: List[str]) -> dict:
+    """The routers' score-correction biases after the steps: megatron-core's (its checkpoint, back in HF names)
+    against the reference's, moved by kit.train.expert_bias. One step moves a bias by the rate, so a tenth of it
+    is the limit: any step whose count sign differs on one expert shows as at least the rate."""
+    from kit.convert.hf_io import HFReader
+
+    limit = rate / 10
+    if back_problems:
+        return _check("expert bias after steps", False, None, limit, back_problems[0])
+    mine = ref.expert_biases()
+    trained, start = HFReader(trained_dir), HFReader(start_dir)
+    worst, name, moved = -1.0, "", 0.0
+    for k, v in mine.items():
+        got = trained.read(k).float()
+        d = float((got - v.float()).abs().max())
+        moved = max(moved, float((got - start.read(k).float()).abs().max()))
+        if d > worst:
+            worst, name = d, k
+    ok = bool(mine) and worst <= limit
+    return _check(
+        "expert bias after steps",
+        ok,
+        worst,
+        limit,
+        f"max |megatron - HF| {worst:.1e} over {len(mine)} routers' score-correction biases (worst {name}); they "
+        f"moved up to {moved:.1e} from the start (rate {rate:g} per step, megatron-core's update and "
+        f"kit.train.expert_bias)"
+        if mine
+        else "the HF side has no score-correction biases to compare",
     )
 
 

@@ -46,7 +46,9 @@ sequence parallelism and an all-gather gloo does not run (5-8):
    and cut back. Its backward, the uneven reduce_scatter, gloo runs as it is.
 
 The pipeline's `torch.cuda.synchronize()` (`p2p_communication.py` l.242) is avoided by `batch_p2p_sync=False` in
-the model config, not patched.
+the model config, not patched. GLM-4.5's router needs nothing more: its `expert_bias` and `local_tokens_per_expert`
+buffers are made on `torch.cuda.current_device()` (`transformer/moe/router.py` l.164-180, shape 1), and their update
+after each step (`distributed/finalize_model_grads.py` l.293-315, l.476) is an all-reduce gloo runs.
 """
 
 from __future__ import annotations

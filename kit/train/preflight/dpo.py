@@ -90,12 +90,16 @@ class DpoReference:
         self.ref, self.job = ref, job
         self.params, self.vocab = ref.params, ref.vocab
         self.note = ref.note + "; the loss is the kit's DPO step (kit.train.dpo) on the same pairs"
+        self.bias_update = getattr(ref, "bias_update", None)  # routers with a score-correction bias
 
     def unpadded(self):
         return self.ref.unpadded()
 
     def trained(self, folder):
         return self.ref.trained(folder)
+
+    def expert_biases(self):
+        return self.ref.expert_biases()
 
     def logps(self, b: Dict[str, Any]):
         from kit.train.dpo import sequence_logps

@@ -194,6 +194,13 @@ def _refuse_rope_scaling(spec, folder) -> None:
         )
 
 
+def bias_update_rate(args) -> float:
+    """The checkpoint's --moe-router-bias-update-rate, or Megatron-LM's default (megatron-core's too)."""
+    from kit.train.expert_bias import UPDATE_RATE
+
+    return float(getattr(args, "moe_router_bias_update_rate", None) or UPDATE_RATE)
+
+
 def moe_job(spec, args, reader, dp: int):
     """(EP, expert TP, the MoE facts the ranks and the checks need or None) of a checkpoint; one line when its EP does
     not fit the preflight's TP x PP x DP ranks (kit.core.parallel's rule, the one conversion and training apply)."""
@@ -213,10 +220,23 @@ def moe_job(spec, args, reader, dp: int):
             f"{reader.folder} holds grouped-GEMM experts (TEGroupedMLP keys); the preflight builds megatron-core's "
             f"local SequentialMLP experts (no Transformer Engine on CPU): convert without grouped GEMM."
         )
+    sigmoid = getattr(spec, "moe_router_score_function", "softmax") == "sigmoid"
+    if sigmoid and spec.moe_aux_loss_coeff:
+        raise InputError(
+            f"{reader.folder} has a sigmoid router with an aux-loss coefficient {spec.moe_aux_loss_coeff:g}; the "
+            f"preflight's HF side computes megatron-core's load-balancing loss of a softmax router only (transformers "
+            f"trains GLM-4.5 and DeepSeek-V3 without one): the preflight does not cover this model."
+        )
+    bias = bool(getattr(spec, "moe_router_enable_expert_bias", False))
     moe = {
         "num_experts": int(spec.num_experts),
         "topk": int(spec.moe_router_topk),
         "aux_loss_coeff": float(spec.moe_aux_loss_coeff),
+        "score_function": "sigmoid" if sigmoid else "softmax",
+        # DeepSeek-V3 / GLM-4.5: the score-correction bias both sides move after each step, at Megatron-LM's rate
+        "expert_bias_rate": bias_update_rate(args) if bias else None,
+        # trained by neither side (transformers has no MTP forward): the ranks carry them through as loaded
+        "mtp_layers": int(getattr(spec, "mtp_num_layers", 0) or 0),
         # the checkpoint's own (alltoall, as MindSpeed-LLM's MoE recipes); kit.train.preflight.cpu_patches runs it on gloo
         "dispatcher": getattr(args, "moe_token_dispatcher_type", None) or "alltoall",
     }

@@ -15,6 +15,8 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+MTP_PREFIX = "mtp."  # GPTModel's multi-token-prediction block (DeepSeek-V3 / GLM-4.5 checkpoints carry one)
+
 
 def _quiet() -> None:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
@@ -22,10 +24,13 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def moe_fields(args, job: dict) -> dict:
+def moe_fields(args, job: dict, with_mtp: bool = True) -> dict:
     """TransformerConfig's MoE fields from the checkpoint's args ({} for a dense model): SequentialMLP experts (no
     grouped GEMM on CPU), the router as converted, expert parallelism as the job's EP, and sequence parallelism with
-    TP > 1 (megatron-core's MoELayer refuses to train at TP > 1 without it, moe_layer.py `forward`)."""
+    TP > 1 (megatron-core's MoELayer refuses to train at TP > 1 without it, moe_layer.py `forward`). with_mtp False
+    leaves the checkpoint's MTP layers out of the model."""
+    from kit.train.preflight.inputs import bias_update_rate
+
     experts = int(getattr(args, "num_experts", None) or 0)
     if not experts:
         return {}
@@ -40,14 +45,25 @@ def moe_fields(args, job: dict) -> dict:
         moe_token_dispatcher_type=job["moe"]["dispatcher"],
         moe_grouped_gemm=False,
         moe_layer_freq=list(getattr(args, "moe_layer_freq", None) or [1] * int(args.num_layers)),
+        # DeepSeek-V3 / GLM-4.5: sigmoid router with expert bias, grouped top-k, scaling; shared experts; MTP
+        moe_router_score_function=getattr(args, "moe_router_score_function", None) or "softmax",
+        moe_router_enable_expert_bias=bool(getattr(args, "moe_router_enable_expert_bias", False)),
+        # the checkpoint's --moe-router-bias-update-rate or the default; the HF side moves its biases at the same rate
+        moe_router_bias_update_rate=bias_update_rate(args),
+        moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+        moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+        moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None) if with_mtp else None,
         expert_model_parallel_size=job["ep"],
         expert_tensor_parallel_size=job["etp"],
         sequence_parallel=job["tp"] > 1,
     )
 
 
-def build_model(args, job: dict):
-    """GPTModel of this pipeline stage from the checkpoint's own args (fp32, dropout 0, local spec)."""
+def build_model(args, job: dict, with_mtp: bool = True):
+    """GPTModel of this pipeline stage from the checkpoint's own args (fp32, dropout 0, local spec); with_mtp False
+    builds it without the checkpoint's MTP layers (the preflight: transformers has no MTP forward to hold them to)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -65,7 +81,7 @@ def build_model(args, job: dict):
             (["embedding"] if i == 0 else []) + ["decoder"] * n + (["loss"] if i == pp - 1 else [])
             for i, n in enumerate(layers)
         ]
-    moe = moe_fields(args, job)
+    moe = moe_fields(args, job, with_mtp)
     cfg = TransformerConfig(
         **moe,
         num_layers=args.num_layers,
@@ -103,13 +119,19 @@ def build_model(args, job: dict):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    mtp_spec = None
     if moe:  # per layer (MoE block or dense MLP, moe_layer_freq), this stage's layers only
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+        if cfg.mtp_num_layers:  # the MTP layer: the decoder's last layer spec inside MTP's norms and eh_proj
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -213,8 +235,12 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
     result.update(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank)
     state = MegatronReader(job["checkpoint"]).state(tp_rank, pp_rank, ep_rank)
     args = state["args"]
-    model, tcfg = build_model(args, job)
+    # the MTP layers stay out of training (HF's model has no MTP forward): left out of the model, carried into the
+    # saved checkpoint as loaded
+    model, tcfg = build_model(args, job, with_mtp=False)
     file_model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+    carried = {k: file_model.pop(k) for k in [k for k in file_model if k.startswith(MTP_PREFIX)]}
+    result["mtp_carried"] = len(carried)
     problems = load_check(model, file_model)
     result["load_problems"] = problems
     result["tensors"] = len(file_model)
@@ -322,7 +348,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
     # one writer per rank file: the (TP, PP[, EP]) coordinates repeat over the (expert) data-parallel ranks
     writer = (ps.get_expert_data_parallel_rank() if ep > 1 else dp_rank) == 0
     if writer:
-        _save(job, args, state, model, tp_rank, pp_rank, ep_rank)
+        _save(job, args, state, model, tp_rank, pp_rank, ep_rank, carried)
     _lap(result, "save")
     dist.barrier()
 
@@ -420,8 +446,11 @@ def _shard_params(opt):
             yield from group["params"]
 
 
-def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> None:
-    """This rank's trained weights in the layout Megatron / MindSpeed-LLM load (`iter_XXXXXXX/mp_rank_../`)."""
+def _save(
+    job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_rank: int = 0, carried=None
+) -> None:
+    """This rank's trained weights in the layout Megatron / MindSpeed-LLM load (`iter_XXXXXXX/mp_rank_../`), with the
+    untrained tensors `carried` (the MTP layers) as they were loaded."""
     import argparse
 
     import torch
@@ -437,6 +466,7 @@ def _save(job: dict, args, state: dict, model, tp_rank: int, pp_rank: int, ep_ra
     )
     folder.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    weights.update(carried or {})
     saved = {
         "args": argparse.Namespace(**dict(vars(args), iteration=steps)),
         "checkpoint_version": state.get("checkpoint_version", layout.CHECKPOINT_VERSION),

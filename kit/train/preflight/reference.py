@@ -17,7 +17,17 @@ The two sides define a MoE router's auxiliary loss differently, so the preflight
   pooled over every layer and the whole batch, E / (L T)^2 * sum_i C_i S_i (no 1/k), added once with
   router_aux_loss_coef.
 Both sides' objective here is the LM loss plus megatron-core's definition computed from HF's router logits (so the
-grad norm and the steps compare like for like); HF's own number is reported beside it, not compared.
+grad norm and the steps compare like for like); HF's own number is reported beside it, not compared. A model whose
+coefficient is 0 has no aux loss on either side (GLM-4.5: transformers' Glm4MoeForCausalLM computes none, and its
+converted checkpoint has --moe-aux-loss-coeff 0), and no aux row.
+
+GLM-4.5's (and DeepSeek-V3's) router picks experts by sigmoid score plus a score-correction bias that no gradient
+moves: megatron-core moves it in finalize_model_grads after each step's backward (`_update_router_expert_bias`,
+get_updated_expert_bias on the step's tokens per expert summed over TP x DP, --moe-router-bias-update-rate). The
+reference moves transformers' `e_score_correction_bias` buffers after each optimizer step with the kit trainer's
+own update (kit.train.expert_bias), counting the experts chosen in the step's training forwards, at the same rate.
+Their MTP layer is trained by neither side: transformers has no MTP forward (kit.train.preflight.ranks leaves it
+out of the GPTModel and carries its tensors through as loaded).
 """
 
 from __future__ import annotations
@@ -25,10 +35,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from kit.errors import InputError
+
+BIAS_SUFFIX = "e_score_correction_bias"  # transformers' DeepSeek-V3 / GLM-4.5 router bias (a buffer)
 
 
 def megatron_aux_losses(router_logits, topk: int, num_experts: int) -> List[torch.Tensor]:
@@ -65,7 +79,7 @@ class ModelReference(_Reference):
 
     note = "transformers' own model on the checkpoint converted back by notebook 03's code, fp32, eager attention"
 
-    def __init__(self, hf_dir: Path, padded_vocab: int):
+    def __init__(self, hf_dir: Path, padded_vocab: int, moe: Optional[dict] = None):
         from transformers import AutoModelForCausalLM
 
         from kit.system.hf_compat import dtype_kw
@@ -86,15 +100,34 @@ class ModelReference(_Reference):
         model.get_input_embeddings().padding_idx = None
         model.eval()  # no dropout; the MoE block behaves the same in both modes
         self.model = model
-        self.num_experts = int(getattr(cfg, "num_experts", 0) or 0)
-        if self.num_experts:
-            self.topk = int(cfg.num_experts_per_tok)
-            self.aux_coef = float(cfg.router_aux_loss_coef)
+        self.num_experts = 0  # set where the objective has megatron-core's aux loss
+        if moe and moe["aux_loss_coeff"] > 0:
+            self.num_experts, self.topk = int(moe["num_experts"]), int(moe["topk"])
+            self.aux_coef = float(
+                moe["aux_loss_coeff"]
+            )  # the checkpoint's, converted from router_aux_loss_coef
             self.note += (
                 "; its objective adds megatron-core's per-layer load-balancing loss (computed from HF's router "
                 "logits) so the grad norms compare like for like; transformers' own load_balancing_loss_func is "
                 "reported beside it (facts.hf_load_balancing_loss), a different definition"
             )
+        self.bias_update = None
+        if moe and moe.get("expert_bias_rate"):
+            from kit.train.expert_bias import attach
+
+            self.bias_update = attach(model, moe["expert_bias_rate"])
+            if self.bias_update is None:
+                raise InputError(
+                    f"the checkpoint's routers carry an expert bias but transformers' {cfg.model_type} model in "
+                    f"{hf_dir} has no score-correction bias to move: the preflight cannot hold this model."
+                )
+            self.note += (
+                f"; after each step its routers' score-correction biases move by the kit trainer's update "
+                f"(kit.train.expert_bias, megatron-core's get_updated_expert_bias) on the experts chosen in the "
+                f"step's training forwards, rate {moe['expert_bias_rate']:g}"
+            )
+        if moe and moe.get("mtp_layers"):
+            self.note += "; the MTP layer is trained by neither side (transformers has no MTP forward)"
         self.params: Dict[str, torch.nn.Parameter] = dict(model.named_parameters())  # tied weights once
         vocab_rows = (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
         self._vocab_rows = {n for n, p in self.params.items() if any(p is w for w in vocab_rows)}
@@ -122,6 +155,10 @@ class ModelReference(_Reference):
                 lb = load_balancing_loss_func(out.router_logits, self.num_experts, self.topk, None)
             terms["hf_aux"] = float(lb)
         return terms
+
+    def expert_biases(self) -> Dict[str, torch.Tensor]:
+        """The routers' score-correction biases (buffers, so not among params) under their HF names."""
+        return {k: v.detach() for k, v in self.model.named_buffers() if k.endswith(BIAS_SUFFIX)}
 
     def trained(self, folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
         """An HF folder's weights under the names of unpadded() (transformers' loader and key conversions)."""
@@ -184,7 +221,7 @@ def load(hf_dir: Path, job: dict):
 
     reader = HFReader(hf_dir)
     if transformers_ships(reader.config.get("model_type")):
-        return ModelReference(hf_dir, job["padded_vocab_size"])
+        return ModelReference(hf_dir, job["padded_vocab_size"], job.get("moe"))
     sd = {k: reader.read(k) for k in reader.keys()}
     return ForwardReference(sd, ModelSpec(**job["spec"]), job["padded_vocab_size"])
 
@@ -243,6 +280,8 @@ def train(ref, batches: dict, job: dict) -> dict:
                 if p.grad is not None:
                     p.grad.mul_(coeff)
         opt.step()
+        if getattr(ref, "bias_update", None) is not None:  # as megatron-core after each step's backward
+            ref.bias_update.step()
         out["losses"].append(total)
         out["grad_norms"].append(norm)
         out["lrs"].append(rate)

@@ -1,0 +1,98 @@
+"""megatron-core 0.16.1 runs the kit's GLM-4.5 rank files (CPU, gloo, local spec): strict load at TP1 with the MTP
+block, and real expert parallelism (EP2) against transformers' logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.convert import routed_moe
+
+from kit.convert import ConvertConfig, hf_to_megatron
+from kit.convert.megatron_io import MegatronReader
+from kit.convert.verify import hf_logits, sample_tokens
+
+pytest.importorskip(
+    "megatron.core", reason="megatron-core needs Python >= 3.10 and torch >= 2.6 (not in the compat stacks)"
+)
+import test_convert_mcore as mc  # noqa: E402  (after the skip: it needs megatron-core)
+
+mcore_world, cpu_patches = (
+    mc.mcore_world,
+    mc.cpu_patches,
+)  # shared fixtures (one gloo process group per module)
+tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixture
+TOL = 1e-4
+
+
+def main_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """[seq, vocab columns of this rank] of the main head. With an MTP block GPTModel wants labels and returns the
+    loss (its cross entropy works on the logits in place: copied here); the output layer runs for the MTP layer
+    first and for the model last, so its last output is the logits."""
+    s = ids.numel()
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True = masked (Megatron)
+    outputs = []
+    hook = model.output_layer.register_forward_hook(lambda m, a, out: outputs.append(out[0].clone()))
+    try:
+        with torch.no_grad():
+            model(ids[None], torch.arange(s)[None], mask, labels=ids[None])
+    finally:
+        hook.remove()
+    assert len(outputs) == 2  # the MTP layer ran, then the head
+    return outputs[-1][:, 0]
+
+
+def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    """One EP rank (TP1): megatron-core loads its own rank file strictly and writes the logits."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from kit.train.preflight.cpu_patches import cpu_patched
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    try:
+        with cpu_patched():
+            state = MegatronReader(ckpt).state(0, 0, parallel_state.get_expert_model_parallel_rank())
+            model = mc.build_gpt(state["args"])
+            model.load_state_dict(state["model"], strict=True)
+            logits = main_logits(model, sample_tokens(2522, 12))
+        torch.save(logits, f"{out}/logits_{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_glm45_megatron_core_strict_load_and_logits_tp1(tiny_glm45_dir, tmp_path, mcore_world, cpu_patches):
+    """megatron-core's GPTModel of the checkpoint's own args (sigmoid router with expert_bias, grouped top-k,
+    shared expert, dense first layer, the MTP block) loads the TP1 rank file strictly and gives transformers'
+    logits."""
+    out = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(out)), progress=False)
+    state = MegatronReader(out).state(0, 0)
+    model = mc.build_gpt(state["args"])
+    result = model.load_state_dict(state["model"], strict=True)
+    assert not result.missing_keys and not [k for k in result.unexpected_keys if "_extra_state" not in k]
+    own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    assert set(own) == set(state["model"]) and any(k.startswith("mtp.layers.0.") for k in own)
+    for k, v in own.items():  # every tensor of the model is the file's (none left at random init)
+        assert torch.equal(v, state["model"][k]), k
+    ids = sample_tokens(2522, 12)
+    logits = main_logits(model, ids)
+    ref = hf_logits(tiny_glm45_dir, ids)
+    assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+
+
+@pytest.mark.slow
+def test_glm45_megatron_core_expert_parallel_ranks_match_hf(tiny_glm45_dir, tmp_path):
+    """Real megatron-core EP2 (two gloo processes): each EP rank loads its own file strictly (its four experts as
+    local 0-3) and the tokens routed to the other rank's experts come back through the all-to-all."""
+    import torch.multiprocessing as mp
+
+    ckpt = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(ckpt), ep=2), progress=False)
+    mp.spawn(_ep_worker, args=(2, mc._free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
+    ref = hf_logits(tiny_glm45_dir, sample_tokens(2522, 12))
+    for r in range(2):
+        logits = torch.load(tmp_path / f"logits_{r}.pt")
+        assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
