@@ -280,6 +280,13 @@ def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir):
     for name in ("--moe-router-enable-expert-bias", "--norm-topk-prob", "--qk-layernorm", "--add-qkv-bias"):
         assert name in plan.argv, name
     assert "--moe-aux-loss-coeff" not in plan.argv and "--moe-router-pre-softmax" not in plan.argv
+    # an aux loss asked for on Megatron is DeepSeek-V3's sequence-wise one (MindSpeed-LLM's deepseek3 scripts)
+    aux = build(
+        resolve(replace(cfg, engine="megatron", model_path=str(conv.target), router_aux_loss_coef=1e-4), ws)
+    )
+    aux_flag = dict(zip(aux.argv, aux.argv[1:]))
+    assert aux_flag["--moe-aux-loss-coeff"] == "0.0001" and "--seq-aux" in aux.argv
+    assert aux_flag["--moe-router-load-balancing-type"] == "none"
 
     # 06: held-out dialogs, base vs trained
     ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)

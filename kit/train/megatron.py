@@ -134,10 +134,9 @@ def _router_aux_coef(flags: List[str], facts: dict, coef: Optional[float]) -> tu
         flags[flags.index("--moe-aux-loss-coeff") + 1] = str(float(coef))
     else:
         flags += ["--moe-aux-loss-coeff", str(float(coef))]
+    # the sigmoid router's loss is DeepSeek-V3's sequence-wise one (kit.convert.manifests._balance_flags)
     if facts.get("moe_router_score_function") == "sigmoid" and "--seq-aux" not in flags:
-        flags.append(
-            "--seq-aux"
-        )  # the sigmoid router's loss is DeepSeek-V3's sequence-wise one (kit.convert.manifests)
+        flags.append("--seq-aux")
     return flags, []
 
 
