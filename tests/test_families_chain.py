@@ -201,7 +201,7 @@ def _router_biases(folder) -> dict:
 
 
 @pytest.mark.slow
-def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir):
+def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir, monkeypatch):
     """A tiny GLM-4.5 (1 dense + 3 MoE layers: 8 experts in 2 groups, top-2, a shared expert, the sigmoid router with
     its score-correction bias, scaling 2.5; an MTP layer in the files) through 02 (the kit's glm4_5 template) -> 03
     (TP1 x PP2 x EP2) -> 04 (LoRA on attention through the adapted MoE blocks; router biases untouched under LoRA)
@@ -246,8 +246,15 @@ def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir):
     assert model["moe_router_score_function"] == "sigmoid" and model["moe_router_enable_expert_bias"]
 
     # 04: LoRA on the attention projections, every MoE block through kit.ops.moe's sigmoid routing
+    from kit.train import engine
+
+    reports, build_model = [], engine.build_model
+    monkeypatch.setattr(
+        engine, "build_model", lambda *a, **k: reports.append(build_model(*a, **k)) or reports[-1]
+    )
     cfg = _lora_config("tiny-glm45", src, data, ws, ATTENTION_TARGETS)
     result = train(cfg, ws, progress=False)
+    assert [r.moe_blocks for _, r in reports] == [3]  # the 3 MoE layers (transformers builds no MTP layer)
     assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
     with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
         saved = [k for k in fh.keys() if "lora_" in k]
