@@ -80,12 +80,61 @@ def test_glm45_rank_files_hold_router_bias_shared_expert_and_mtp(glm45_tp2_pp2_e
     assert args.mtp_num_layers == 1 and args.moe_layer_freq == [0, 1, 1] and not args.moe_router_pre_softmax
     flags = " ".join(read_manifest(glm45_tp2_pp2_ep2["megatron"])["megatron_flags"])
     assert (
-        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 "
-        "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-shared-expert-intermediate-size 32 "
-        "--mtp-num-layers 1"
+        "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-router-load-balancing-type none "
+        "--first-k-dense-replace 1 --moe-layer-freq 1 --moe-token-dispatcher-type alltoall --norm-topk-prob "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-dtype fp32 "
+        "--moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 2 --moe-router-group-topk 1 "
+        "--n-shared-experts 1 --mtp-num-layers 1"
     ) in flags
-    assert "--moe-layer-freq [0,1,1]" in flags and "--rotary-percent 0.5" in flags
+    assert "--moe-aux-loss-coeff" not in flags and "--rotary-percent 0.5" in flags
     assert "--rotary-interleaved" not in flags and "--moe-router-pre-softmax" not in flags
+
+
+# DeepSeek-V3-671B's MoE facts (its config.json) and the MoE flags of MindSpeed-LLM's
+# examples/mcore/deepseek3/tune_deepseek3_671b_4k_full_ptd.sh for them (their alltoall_seq dispatcher aside)
+DSV3_FACTS = dict(
+    num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_aux_loss_coeff=0.001,
+    moe_layer_freq=[0] * 3 + [1] * 58, moe_norm_topk_prob=True, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_num_groups=8,
+    moe_router_group_topk=4, moe_shared_expert_intermediate_size=2048, mtp_num_layers=1,
+)  # fmt: skip
+MINDSPEED_DSV3 = {
+    "--first-k-dense-replace": "3", "--moe-layer-freq": "1", "--n-shared-experts": "1", "--num-experts": "256",
+    "--moe-router-topk": "8", "--moe-ffn-hidden-size": "2048", "--moe-router-load-balancing-type": "none",
+    "--moe-router-num-groups": "8", "--moe-router-group-topk": "4", "--moe-router-topk-scaling-factor": "2.5",
+    "--moe-router-score-function": "sigmoid", "--moe-router-dtype": "fp32", "--mtp-num-layers": "1",
+}  # fmt: skip
+
+
+def test_routed_moe_flags_are_mindspeed_llms():
+    from kit.convert.manifests import moe_flags
+
+    flags = moe_flags(DSV3_FACTS)
+    flag = dict(zip(flags, flags[1:]))
+    assert {k: flag.get(k) for k in MINDSPEED_DSV3} == MINDSPEED_DSV3
+    for name in ("--seq-aux", "--norm-topk-prob", "--moe-router-enable-expert-bias"):
+        assert name in flags, name
+    assert flag["--moe-aux-loss-coeff"] == "0.001" and "--moe-router-pre-softmax" not in flags
+    assert "--moe-shared-expert-intermediate-size" not in flags
+    # a shared expert that is no multiple of the routed width keeps megatron-core's own size flag; a dense layer
+    # that is not a leading one keeps megatron-core's list (MindSpeed's first-k form cannot say it)
+    odd = moe_flags({**DSV3_FACTS, "moe_shared_expert_intermediate_size": 3000, "moe_layer_freq": [1, 0, 1]})
+    odd_flag = dict(zip(odd, odd[1:]))
+    assert odd_flag["--moe-shared-expert-intermediate-size"] == "3000" and "--n-shared-experts" not in odd
+    assert odd_flag["--moe-layer-freq"] == "[1,0,1]" and "--first-k-dense-replace" not in odd
+    # no aux_loss_alpha (GLM-4.5): the expert bias alone balances the load
+    glm = moe_flags({**DSV3_FACTS, "moe_aux_loss_coeff": 0.0})
+    assert "--moe-aux-loss-coeff" not in glm and "--seq-aux" not in glm
+
+
+def test_megatron_plan_refuses_a_stage_of_dense_layers_only():
+    from kit.train.megatron import _dense_stage_problems
+
+    flags = ["--first-k-dense-replace", "1", "--moe-layer-freq", "1"]
+    assert _dense_stage_problems(flags, 4, 2) == [] and _dense_stage_problems(flags, 3, 1) == []
+    (problem,) = _dense_stage_problems(flags, 3, 2)
+    assert "PP=2" in problem and "a PP of at most 1" in problem
+    assert _dense_stage_problems(["--moe-layer-freq", "1"], 3, 2) == []
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 1), (1, 1, 8)])

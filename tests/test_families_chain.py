@@ -1,12 +1,16 @@
 """A tiny Qwen3 through 02 -> 03 -> 04 -> 06 in one workspace through the kit API: dialogs prepared with the
 kit's `qwen3` template, conversion to Megatron TP2 x PP2 verified, the Megatron plan's Qwen3 flags, LoRA
 training with kit.adapt (loss down, every adapter tensor exported), the held-out evaluation, and the trained model
-back through 03."""
+back through 03. The same for a tiny Qwen3-MoE and a tiny GLM-4.5 (routed experts at EP2)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from fixtures.convert import families as fam_models
+from fixtures.convert import routed_moe as routed_models
 from safetensors import safe_open
 
 from kit.core.manifest import (
@@ -177,4 +181,129 @@ def test_qwen3_moe_through_data_convert_train_evaluate(tmp_path, tiny_qwen3_moe_
         ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
     )
     assert back.manifest["family"] == "qwen3_moe"
+    assert back.verify(scratch=tmp_path / "verify2")["passed"]
+
+
+@pytest.fixture(scope="module")
+def tiny_glm45_dir(tmp_path_factory):
+    """The routed-MoE fixture's GLM-4.5 with 4 layers (1 dense + 3 MoE), so that PP2 gives each stage a MoE layer
+    (MindSpeed-LLM refuses a stage of dense layers only: first_k_dense_replace < num_layers // pp)."""
+    return routed_models.tiny_glm45(tmp_path_factory.mktemp("glm45c") / "tiny-glm45", num_hidden_layers=4)
+
+
+def _router_biases(folder) -> dict:
+    """Every e_score_correction_bias of an HF folder, MTP layer included."""
+    out = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("e_score_correction_bias")})
+    return out
+
+
+@pytest.mark.slow
+def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir, monkeypatch):
+    """A tiny GLM-4.5 (1 dense + 3 MoE layers: 8 experts in 2 groups, top-2, a shared expert, the sigmoid router with
+    its score-correction bias, scaling 2.5; an MTP layer in the files) through 02 (the kit's glm4_5 template) -> 03
+    (TP1 x PP2 x EP2) -> 04 (LoRA on attention through the adapted MoE blocks; router biases untouched under LoRA)
+    -> the Megatron plan with MindSpeed-LLM's GLM-4.5 flags -> 06, and the trained model back through 03."""
+    from kit.convert import ConvertConfig
+    from kit.convert.result import run as convert_run
+    from kit.core.workspace import get_workspace
+    from kit.data import DataConfig, prepare
+    from kit.evaluate import EvalConfig
+    from kit.evaluate import run as evaluate
+    from kit.train import train
+    from kit.train.config import replace
+    from kit.train.megatron import build
+    from kit.train.resolve import resolve
+
+    ws = get_workspace(tmp_path / "ws", model="tiny-glm45")
+    src = str(tiny_glm45_dir)
+    # 02: GLM-4.5's template (MindSpeed-LLM --prompt-type glm4_moe); the sample tokenizer spells <sop> and the think
+    # tags out, and 02 says so
+    prep = prepare(
+        DataConfig(kind="sft", name="alpaca", tokenizer=src, template="glm4_5", max_length=64, max_records=48,
+                   heldout_records=4),
+        ws, progress=False,
+    )  # fmt: skip
+    data = prep.hf_dir
+    (warning,) = [w for w in prep.report.warnings if "glm4_5" in w]
+    assert (
+        "['<sop>', '<think>', '</think>']" in warning
+    )  # the others are single tokens of the sample tokenizer
+    data_man = read_manifest(data, expect=PREPARED_DATA)
+    assert data_man["template"] == "glm4_5"
+    assert data_man["megatron_flags"][data_man["megatron_flags"].index("--prompt-type") + 1] == "glm4_moe"
+
+    # 03: two layers a stage (the MTP layer with the last), experts over two EP ranks, verified both ways
+    conv = convert_run(ConvertConfig(source=src, tp=1, pp=2, ep=2), ws, progress=False)
+    checks = conv.verify(scratch=tmp_path / "verify")
+    assert checks["passed"], checks["table"]
+    converted = read_manifest(conv.target, expect=CONVERTED_CHECKPOINT)
+    model = converted["model"]
+    assert converted["family"] == "glm4_moe" and converted["ep"] == 2
+    assert model["moe_layer_freq"] == [0, 1, 1, 1] and model["mtp_num_layers"] == 1
+    assert model["moe_router_score_function"] == "sigmoid" and model["moe_router_enable_expert_bias"]
+
+    # 04: LoRA on the attention projections, every MoE block through kit.ops.moe's sigmoid routing
+    from kit.train import engine
+
+    reports, build_model = [], engine.build_model
+    monkeypatch.setattr(
+        engine, "build_model", lambda *a, **k: reports.append(build_model(*a, **k)) or reports[-1]
+    )
+    cfg = _lora_config("tiny-glm45", src, data, ws, ATTENTION_TARGETS)
+    result = train(cfg, ws, progress=False)
+    assert [r.moe_blocks for _, r in reports] == [3]  # the 3 MoE layers (transformers builds no MTP layer)
+    assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
+    with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
+        saved = [k for k in fh.keys() if "lora_" in k]
+    assert len(saved) == 4 * len(ATTENTION_TARGETS) * 2  # 4 layers x targets x (A, B); not the MTP layer
+    run_man = read_manifest(result.output_dir, expect=TRAINING_RUN)
+    before, after = _router_biases(src), _router_biases(run_man["hf"])
+    assert sorted(after) == sorted(before) and len(before) == 4  # 3 MoE layers + the MTP layer
+    assert all(torch.equal(before[k], after[k]) for k in before)  # LoRA leaves the load-balancing biases
+
+    # the same run on Megatron/MindSpeed-LLM: the flags of MindSpeed-LLM's examples/mcore/glm45 scripts, from 03
+    plan = build(
+        resolve(
+            replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws
+        )
+    )
+    assert [p for p in plan.problems if not p.startswith("code folder")] == [], plan.problems
+    flag = dict(zip(plan.argv, plan.argv[1:]))
+    assert flag["--expert-model-parallel-size"] == "2" and flag["--pipeline-model-parallel-size"] == "2"
+    assert (
+        flag["--num-experts"] == "8"
+        and flag["--moe-router-topk"] == "2"
+        and flag["--moe-ffn-hidden-size"] == "32"
+    )
+    assert flag["--first-k-dense-replace"] == "1" and flag["--moe-layer-freq"] == "1"
+    assert flag["--n-shared-experts"] == "1" and flag["--moe-router-load-balancing-type"] == "none"
+    assert flag["--moe-router-score-function"] == "sigmoid" and flag["--moe-router-dtype"] == "fp32"
+    assert flag["--moe-router-num-groups"] == "2" and flag["--moe-router-group-topk"] == "1"
+    assert flag["--moe-router-topk-scaling-factor"] == "2.5" and flag["--mtp-num-layers"] == "1"
+    assert flag["--rotary-percent"] == "0.5" and flag["--prompt-type"] == "glm4_moe"
+    for name in ("--moe-router-enable-expert-bias", "--norm-topk-prob", "--qk-layernorm", "--add-qkv-bias"):
+        assert name in plan.argv, name
+    assert "--moe-aux-loss-coeff" not in plan.argv and "--moe-router-pre-softmax" not in plan.argv
+    # an aux loss asked for on Megatron is DeepSeek-V3's sequence-wise one (MindSpeed-LLM's deepseek3 scripts)
+    aux = build(
+        resolve(replace(cfg, engine="megatron", model_path=str(conv.target), router_aux_loss_coef=1e-4), ws)
+    )
+    aux_flag = dict(zip(aux.argv, aux.argv[1:]))
+    assert aux_flag["--moe-aux-loss-coeff"] == "0.0001" and "--seq-aux" in aux.argv
+    assert aux_flag["--moe-router-load-balancing-type"] == "none"
+
+    # 06: held-out dialogs, base vs trained
+    ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)
+    models = ev.results["models"]
+    assert models["trained"]["heldout_tokens"] > 0
+    assert models["trained"]["heldout_loss"] < models["base"]["heldout_loss"]
+
+    # the exported (merged) model, MTP layer included, goes back through 03 and stays a GLM-4.5
+    back = convert_run(
+        ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
+    )
+    assert back.manifest["family"] == "glm4_moe" and back.manifest["model"]["mtp_num_layers"] == 1
     assert back.verify(scratch=tmp_path / "verify2")["passed"]

@@ -87,16 +87,14 @@ def moe_flags(model: Dict[str, Any], grouped_gemm: bool = False) -> List[str]:
     scripts use their alltoall_seq, which megatron-core 0.16 does not have)."""
     if not model.get("num_experts"):
         return []
+    sigmoid = model.get("moe_router_score_function") == "sigmoid"
     flags = [
         "--num-experts", model["num_experts"],
         "--moe-router-topk", model["moe_router_topk"],
         "--moe-ffn-hidden-size", model["moe_ffn_hidden_size"],
-        "--moe-router-load-balancing-type", "aux_loss",
-        "--moe-aux-loss-coeff", model["moe_aux_loss_coeff"],
-        "--moe-layer-freq", moe_layer_freq_flag(model["moe_layer_freq"]),
-        "--moe-token-dispatcher-type", "alltoall",
     ]  # fmt: skip
-    sigmoid = model.get("moe_router_score_function") == "sigmoid"
+    flags += _balance_flags(model, sigmoid) + _layer_freq_flags(model["moe_layer_freq"])
+    flags += ["--moe-token-dispatcher-type", "alltoall"]
     if model.get("moe_norm_topk_prob"):
         flags.append("--norm-topk-prob")
     elif not sigmoid:
@@ -107,21 +105,50 @@ def moe_flags(model: Dict[str, Any], grouped_gemm: bool = False) -> List[str]:
     return [str(f) for f in flags]
 
 
+def _balance_flags(model: Dict[str, Any], sigmoid: bool) -> List[Any]:
+    """Load balancing: Qwen3-MoE's auxiliary loss; for the sigmoid router the expert bias balances the load
+    (MindSpeed-LLM's examples/mcore/glm45 and deepseek3 scripts: --moe-router-load-balancing-type none), and a
+    DeepSeek-V3 aux_loss_alpha is its sequence-wise loss (their --moe-aux-loss-coeff with --seq-aux)."""
+    coeff = model.get("moe_aux_loss_coeff") or 0.0
+    if not sigmoid:
+        return ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", coeff]
+    return ["--moe-router-load-balancing-type", "none"] + (
+        ["--moe-aux-loss-coeff", coeff, "--seq-aux"] if coeff else []
+    )
+
+
+def _layer_freq_flags(pattern) -> List[Any]:
+    """Which layers are MoE blocks. MindSpeed-LLM's pretrain_gpt.py builds every layer from one spec and makes the
+    first k dense only through its own --first-k-dense-replace with an integer --moe-layer-freq
+    (mindspeed_llm/core/transformer/transformer_block.py), so dense-first models (DeepSeek-V3, GLM-4.5) get those;
+    any other pattern megatron-core's list form."""
+    pattern = [int(x) for x in pattern]
+    k = pattern.index(1) if 1 in pattern else len(pattern)
+    if 0 < k < len(pattern) and all(pattern[k:]):
+        return ["--first-k-dense-replace", k, "--moe-layer-freq", 1]
+    return ["--moe-layer-freq", moe_layer_freq_flag(pattern)]
+
+
 def _routed_flags(model: Dict[str, Any]) -> List[str]:
-    """DeepSeek-V3 / GLM-4.5: the sigmoid router with its expert bias, grouped top-k and scaling, the shared experts and
-    the MTP layers (Megatron-LM megatron/training/arguments.py names of the TransformerConfig fields)."""
+    """DeepSeek-V3 / GLM-4.5: the sigmoid router with its expert bias (fp32 router, as MindSpeed-LLM's scripts run
+    it), grouped top-k and scaling, the shared experts and the MTP layers (Megatron-LM megatron/training/arguments.py
+    names of the TransformerConfig fields; MindSpeed-LLM's --n-shared-experts, which sizes them
+    n x --moe-ffn-hidden-size, where the size is such a multiple)."""
     flags: List[Any] = []
     if model.get("moe_router_score_function") == "sigmoid":
         flags += ["--moe-router-score-function", "sigmoid"]
     if model.get("moe_router_enable_expert_bias"):
-        flags.append("--moe-router-enable-expert-bias")
+        flags += ["--moe-router-enable-expert-bias", "--moe-router-dtype", "fp32"]
     if model.get("moe_router_topk_scaling_factor"):
         flags += ["--moe-router-topk-scaling-factor", model["moe_router_topk_scaling_factor"]]
     if model.get("moe_router_num_groups"):
         flags += ["--moe-router-num-groups", model["moe_router_num_groups"]]
         flags += ["--moe-router-group-topk", model["moe_router_group_topk"]]
-    if model.get("moe_shared_expert_intermediate_size"):
-        flags += ["--moe-shared-expert-intermediate-size", model["moe_shared_expert_intermediate_size"]]
+    shared, width = model.get("moe_shared_expert_intermediate_size") or 0, int(model["moe_ffn_hidden_size"])
+    if shared and shared % width == 0:
+        flags += ["--n-shared-experts", shared // width]
+    elif shared:
+        flags += ["--moe-shared-expert-intermediate-size", shared]
     if model.get("mtp_num_layers"):
         flags += ["--mtp-num-layers", model["mtp_num_layers"]]
     return [str(f) for f in flags]

@@ -30,14 +30,26 @@ def _save_tokenizer(tokenizer_dir: PathLike, out: Path) -> None:
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out)
 
 
-def export_hf(module, out_dir: PathLike, tokenizer_dir: PathLike, zero_stage: int = 0, rank: int = 0) -> Path:
-    """Save the trained (non-LoRA) model as safetensors + config + tokenizer; all ranks call, rank 0 writes."""
+def export_hf(
+    module,
+    out_dir: PathLike,
+    tokenizer_dir: PathLike,
+    zero_stage: int = 0,
+    rank: int = 0,
+    base_path: Optional[PathLike] = None,
+) -> Path:
+    """Save the trained (non-LoRA) model as safetensors + config + tokenizer; all ranks call, rank 0 writes.
+    base_path: the folder it was trained from, whose MTP layers the export carries (kit/train/mtp_carry.py)."""
+    from kit.train.mtp_carry import carry_mtp_layers
+
     out_dir = Path(out_dir)
     with _full_params(module, zero_stage):
         if rank == 0:
             state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
             with writing(out_dir), atomic_dir(out_dir, overwrite=True, what="exported HF folder") as tmp:
                 module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+                if base_path is not None:
+                    carry_mtp_layers(base_path, tmp)
                 _save_tokenizer(tokenizer_dir, tmp)
     return out_dir
 
@@ -93,6 +105,7 @@ def merge_lora(
 
     from kit.system.hf_compat import load_causal_lm
     from kit.system.noise import quiet
+    from kit.train.mtp_carry import carry_mtp_layers
 
     base = load_causal_lm(base_path)
     # peft asks transformers a deprecated attribute (a FutureWarning in the notebook's kernel otherwise)
@@ -100,6 +113,7 @@ def merge_lora(
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     with writing(out_dir), atomic_dir(out_dir, overwrite=True, what="merged LoRA folder") as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
+        carry_mtp_layers(base_path, tmp)  # transformers does not build GLM-4.5 / DeepSeek-V3's MTP layers
         _save_tokenizer(tokenizer_dir or base_path, tmp)
     return Path(out_dir)
 

@@ -134,7 +134,25 @@ def _router_aux_coef(flags: List[str], facts: dict, coef: Optional[float]) -> tu
         flags[flags.index("--moe-aux-loss-coeff") + 1] = str(float(coef))
     else:
         flags += ["--moe-aux-loss-coeff", str(float(coef))]
+    # the sigmoid router's loss is DeepSeek-V3's sequence-wise one (kit.convert.manifests._balance_flags)
+    if facts.get("moe_router_score_function") == "sigmoid" and "--seq-aux" not in flags:
+        flags.append("--seq-aux")
     return flags, []
+
+
+def _dense_stage_problems(flags: List[str], num_layers: int, pp: int) -> List[str]:
+    """MindSpeed-LLM refuses a pipeline stage of dense layers only: --first-k-dense-replace must stay below
+    num_layers // PP (mindspeed_llm/features_manager/transformer/transformer_block.py)."""
+    if pp <= 1 or "--first-k-dense-replace" not in flags:
+        return []
+    k = int(flags[flags.index("--first-k-dense-replace") + 1])
+    if k < num_layers // pp:
+        return []
+    return [
+        f"PP={pp}: this model's first {k} layer(s) are dense and {num_layers} layers over {pp} stages give "
+        f"{num_layers // pp} a stage, so one would hold dense layers only, which MindSpeed-LLM refuses; convert in "
+        f"notebook 03 with a PP of at most {max(1, num_layers // (k + 1))}."
+    ]
 
 
 def build(
@@ -226,7 +244,9 @@ def build(
         model_flags += ["--num-layer-list", listed] if listed else []
         model_flags += ["--use-mcore-models"] if flavor != "legacy" else []
     model_flags, aux_problem = _router_aux_coef(model_flags, facts, cfg.router_aux_loss_coef)
-    problems += aux_problem
+    problems += aux_problem + _dense_stage_problems(
+        model_flags, int(facts.get("num_layers") or 0), int(cfg.pp)
+    )
     entry = "posttrain_gpt.py" if finetune else "pretrain_gpt.py"
     if code.is_dir() and not (code / "ModelLink" / entry).is_file() and not (code / entry).is_file():
         problems.append(f"{entry} is in neither {code} nor {code / 'ModelLink'}.")

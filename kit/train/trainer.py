@@ -596,7 +596,9 @@ class Trainer:
                 self.rank,
             )
         else:
-            result.hf_dir = export_hf(self.engine.module, self.out / "hf", tok, cfg.zero_stage, self.rank)
+            result.hf_dir = export_hf(
+                self.engine.module, self.out / "hf", tok, cfg.zero_stage, self.rank, base_path=cfg.model_path
+            )
         self.writer.text(f"saved HF folder {result.hf_dir}")
 
 

@@ -1,0 +1,69 @@
+"""The multi-token-prediction layers of an exported HF folder. GLM-4.5 and DeepSeek-V3 checkpoints hold them as
+model.layers.{num_hidden_layers + i}.*, which transformers does not build, so save_pretrained drops them and 03 could
+not convert the trained folder back. They are carried over from the base folder unchanged (HF training does not
+train them), their copies of the embedding and output layer taken from the trained model, as the published
+checkpoints hold them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Union
+
+PathLike = Union[str, Path]
+
+MTP_SHARD = "model-mtp.safetensors"
+INDEX = "model.safetensors.index.json"
+# the MTP layer's copies of the main model's tensors (HF key suffix -> the main model's key)
+COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
+def _weight_map(folder: Path) -> Dict[str, str]:
+    """key -> shard file of an HF safetensors folder (its index, or its single model.safetensors)."""
+    from safetensors import safe_open
+
+    if (folder / INDEX).is_file():
+        return dict(json.loads((folder / INDEX).read_text(encoding="utf-8"))["weight_map"])
+    if (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), "pt") as fh:
+            return {k: "model.safetensors" for k in fh.keys()}
+    return {}
+
+
+def _mtp_keys(base: Path, weight_map: Dict[str, str]) -> list:
+    """The base folder's keys of layers past num_hidden_layers (the MTP layers), [] when it has none."""
+    cfg = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    n = int(cfg.get("num_hidden_layers") or 0)
+    if not n or not (cfg.get("num_nextn_predict_layers") or 0):
+        return []
+    return [k for k in weight_map if k.startswith("model.layers.") and int(k.split(".")[2]) >= n]
+
+
+def carry_mtp_layers(base_path: PathLike, folder: PathLike) -> int:
+    """Add the base folder's MTP layers that `folder` (a save_pretrained output) lacks; returns how many tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    base, folder = Path(base_path), Path(folder)
+    if not (base / "config.json").is_file():
+        return 0
+    base_map, saved_map = _weight_map(base), _weight_map(folder)
+    keys = [k for k in _mtp_keys(base, base_map) if k not in saved_map]
+    if not keys:
+        return 0
+    out = {}
+    for key in keys:
+        main = next((m for suffix, m in COPIES.items() if key.endswith("." + suffix)), None)
+        src, name = (folder, saved_map[main]) if main in saved_map else (base, base_map[key])
+        with safe_open(str(src / name), "pt") as fh:
+            out[key] = fh.get_tensor(main if src is folder else key).contiguous()
+    save_file(out, str(folder / MTP_SHARD), metadata={"format": "pt"})
+    if (folder / "model.safetensors").is_file() and not (folder / INDEX).is_file():
+        # an index beside model.safetensors is not read by transformers: name the single shard like the others
+        (folder / "model.safetensors").rename(folder / "model-main.safetensors")
+        saved_map = {k: "model-main.safetensors" for k in saved_map}
+    saved_map.update({k: MTP_SHARD for k in out})
+    total = sum((folder / f).stat().st_size for f in set(saved_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(saved_map.items()))}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return len(out)
