@@ -19,6 +19,8 @@ VARIANTS = {  # name: (family, config overrides)
     "deepseek_v3": ("deepseek_v3", {}),
     "deepseek_v3-no-q-lora-half-rope": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False)),
     "glm4_moe": ("glm4_moe", {}),
+    # Glm4MoeConfig's options: q/k/v biases, q/k norms
+    "glm4_moe-bias-qk-norm": ("glm4_moe", dict(attention_bias=True, use_qk_norm=True)),
 }
 
 
