@@ -55,11 +55,18 @@ def test_transformers_keeps_the_bias_as_a_buffer_without_gradient():
 
 
 def test_counts_the_chosen_experts_in_training_forwards_and_moves_the_biases(one_rank_world):
-    model = tiny_model("deepseek_v3").bfloat16()  # a bf16 engine casts buffers with the model
+    model = tiny_model("deepseek_v3")
+    loaded = model.model.layers[1].mlp.gate.e_score_correction_bias.clone()
     update = eb.attach(model)
     assert update is not None and len(update.routers) == 1  # layer 0 is dense
     router = update.routers[0]
-    assert router.e_score_correction_bias.dtype == torch.float32  # kept in fp32, as megatron-core keeps it
+    model.bfloat16()  # what a bf16 engine does to the model: every buffer cast
+    assert router.e_score_correction_bias.dtype == torch.bfloat16
+    update.restore()  # kept in fp32 (as megatron-core keeps it), the values as loaded
+    assert router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, loaded) and not torch.equal(
+        loaded.bfloat16().float(), loaded
+    )
     chosen = []
     router.register_forward_hook(lambda m, i, o: chosen.append(o[2].reshape(-1)))
     ids = torch.randint(3, 160, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -101,28 +108,46 @@ def test_a_router_aux_loss_for_bias_balanced_routing_is_refused_with_the_reason(
         _router_aux_loss(model, TrainConfig(model_path="/models/glm45", router_aux_loss_coef=0.01))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("run_type", ["pretrain", "lora"])  # lora: on SFT rows
-def test_the_trainer_moves_the_biases_once_per_optimizer_step(run_type, tmp_path):
-    """Three steps of kit.train on a tiny DeepSeek-V3 (kit.adapt on): the exported biases moved by one update rate
-    per step. LoRA keeps them (the base model is frozen); its adapters take the default targets, MLA's names."""
+def _model_dir(out):
+    """The tiny DeepSeek-V3 saved with the sample tokenizer (what kit.train loads)."""
     import shutil
 
-    import test_train_helpers as H
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     from kit.core.samples.paths import sample_tokenizer_dir
-    from kit.train import train
 
-    src = tmp_path / "model"
-    tiny_model("deepseek_v3", vocab_size=2522, bos_token_id=1, eos_token_id=2).save_pretrained(src)
+    tiny_model("deepseek_v3", vocab_size=2522, bos_token_id=1, eos_token_id=2).save_pretrained(out)
     for f in sorted(sample_tokenizer_dir().iterdir()):
         if f.is_file():
-            shutil.copy2(f, src / f.name)
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _exported(hf_dir) -> dict:
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "run_type, dtype", [("pretrain", "float32"), ("pretrain", "bfloat16"), ("lora", "float32")]
+)  # lora: on SFT rows; bf16: the biases stay fp32 (an engine that casts buffers too: the test above)
+def test_the_trainer_moves_the_biases_once_per_optimizer_step(run_type, dtype, tmp_path):
+    """Three steps of kit.train on a tiny DeepSeek-V3 (kit.adapt on): the exported biases moved by one update rate
+    per step. LoRA keeps them (the base model is frozen); its adapters take the default targets, MLA's names."""
+    import test_train_helpers as H
+    from transformers import AutoModelForCausalLM
+
+    from kit.train import train
+
+    src = _model_dir(tmp_path / "model")
     lora = run_type == "lora"
     data = H.make_sft(tmp_path / "data") if lora else H.make_pretrain(tmp_path / "data")
-    cfg = H.tiny_config(src, data, tmp_path / "ws", run_type=run_type, train_iters=3, save_hf=True, lr=1e-2)
+    cfg = H.tiny_config(
+        src, data, tmp_path / "ws", run_type=run_type, train_iters=3, save_hf=True, lr=1e-2, dtype=dtype
+    )
     result = train(cfg, progress=False)
     assert result.status == "completed"
     if lora:  # the default targets, under MLA's names
@@ -131,13 +156,11 @@ def test_the_trainer_moves_the_biases_once_per_optimizer_step(run_type, tmp_path
         with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
             kinds = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in fh.keys() if "lora_" in k}
         assert kinds == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
-    else:
+    elif dtype == "float32":
         assert result.losses[-1] < result.losses[0], result.losses
     key = "model.layers.1.mlp.gate.e_score_correction_bias"
     before = AutoModelForCausalLM.from_pretrained(src).state_dict()[key]
-    exported = {}
-    for f in sorted(result.hf_dir.glob("*.safetensors")):
-        exported.update(load_file(f))
+    exported = _exported(result.hf_dir)
     moved = (exported[key].float() - before) / eb.UPDATE_RATE
     assert exported[key].dtype == torch.float32
     torch.testing.assert_close(moved, moved.round(), atol=1e-3, rtol=0)  # whole steps of the rate
@@ -145,3 +168,28 @@ def test_the_trainer_moves_the_biases_once_per_optimizer_step(run_type, tmp_path
         assert float(moved.abs().max()) == 0.0
     else:  # 3 steps, one each way or the other
         assert float(moved.round().abs().max()) == 3 and float(moved.abs().sum()) > 0
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_from_the_checkpoints_biases(tmp_path):
+    """Resume at iteration 2 of 3: the biases come back from the checkpoint (fp32) and end where the straight run
+    ended, bit for bit."""
+    import shutil
+
+    import test_train_helpers as H
+
+    from kit.train import TrainConfig, train
+
+    src, data = _model_dir(tmp_path / "model"), H.make_pretrain(tmp_path / "data")
+    cfg = H.tiny_config(src, data, tmp_path / "ws", train_iters=3, save_interval=1, save_hf=True)
+    straight = train(cfg, progress=False)
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    want = _exported(straight.hf_dir)[key]
+    shutil.rmtree(straight.output_dir / "checkpoints" / "iter_0000003")
+    resumed = train(
+        TrainConfig(run_type="retrain", model_name="tiny", work_dir=str(tmp_path / "ws"), train_iters=3),
+        progress=False,
+    )
+    assert resumed.status == "completed" and resumed.losses == straight.losses[2:]
+    got = _exported(resumed.hf_dir)[key]
+    assert got.dtype == torch.float32 and torch.equal(got, want)

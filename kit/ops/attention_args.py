@@ -32,10 +32,8 @@ def head_dims(query, key, value, layout: str, head_num: int) -> tuple[int, int, 
         raise ValueError(
             f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}); cast them first."
         )
-    per_head = layout not in (
-        "BSH",
-        "SBH",
-    )  # a smaller value head (MLA: Dv < Dk) only where D is its own axis
+    # a value head narrower than the key's (MLA: Dv < Dk) only where D is an axis of its own
+    per_head = layout not in ("BSH", "SBH")
     if tuple(key.shape[:-1]) != tuple(value.shape[:-1]) or not (
         value.shape[-1] == key.shape[-1] or (per_head and value.shape[-1] < key.shape[-1])
     ):

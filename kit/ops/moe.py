@@ -3,12 +3,12 @@ sorted torch elsewhere.
 
 `moe_route` is softmax -> top-k -> optional renormalisation (HF's Qwen3MoeTopKRouter); `moe_route_sigmoid` is
 DeepSeek-V3's sigmoid routing with the score-correction bias and grouped top-k (HF's DeepseekV3TopkRouter and
-Glm4MoeTopkRouter, which are the same code); `moe_experts` runs every
-(token, expert) pair through its expert's SwiGLU MLP and sums the k outputs with the routing weights (HF's
-Qwen3MoeExperts). Portable path: the N*k pairs are sorted by expert once (one gather in, one weighted sum out),
-then torch's grouped matmul runs each projection for all experts in one kernel where torch has one (>= 2.9), else
-each expert runs two matmuls on its contiguous slice (HF's eager loop does a `where` and an `index_add_` per
-expert). NPU path (tensors on npu, or `use_backend("npu")`): `npu_moe_token_permute` -> `npu_grouped_matmul` ->
+Glm4MoeTopkRouter, which are the same code); `moe_experts` runs every (token, expert) pair through its expert's
+SwiGLU MLP and sums the k outputs with the routing weights (HF's Qwen3MoeExperts; DeepSeek-V3's and GLM-4.5's
+fused experts are the same). Portable path: the N*k pairs are sorted by expert once (one gather in, one weighted
+sum out), then torch's grouped matmul runs each projection for all experts in one kernel where torch has one
+(>= 2.9), else each expert runs two matmuls on its contiguous slice (HF's eager loop does a `where` and an
+`index_add_` per expert). NPU path (tensors on npu, or `use_backend("npu")`): `npu_moe_token_permute` -> `npu_grouped_matmul` ->
 `npu_swiglu` -> `npu_grouped_matmul` -> `npu_moe_token_unpermute`, all trainable (see `_GroupedMatmul`).
 Rules quoted per call come from torch_npu 2.13.0 `_op_plugin_docs.py` (the section of the op named there).
 """

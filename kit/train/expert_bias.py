@@ -32,25 +32,39 @@ def bias_routers(model) -> list:
     whose output (router_logits, weights, indices) names the chosen experts."""
     from kit.adapt.moe import is_sigmoid_block
 
-    return [block.gate for block in model.modules() if is_sigmoid_block(block)]
+    modules = getattr(model, "modules", None)  # None: not a torch module (nothing to balance)
+    return [] if modules is None else [block.gate for block in modules() if is_sigmoid_block(block)]
+
+
+BIAS = "e_score_correction_bias"
 
 
 class ExpertBiasUpdate:
     """Counts the experts each router chooses in training forwards (grad enabled, as megatron-core counts) and
     moves the biases once per optimizer step.
 
-    The biases are kept in float32 (as megatron-core keeps its expert_bias): a bf16 engine casts buffers with the
-    model, and steps of 1e-3 would round away near 1. A forward recomputed under activation checkpointing counts
-    its tokens twice in every layer alike, which leaves sign(mean - count) as it was.
+    The biases stay float32 (as megatron-core keeps its expert_bias, and transformers loads them: its
+    `_keep_in_fp32_modules_strict`): steps of 1e-3 would round away in bf16 near 1. Older DeepSpeed releases cast
+    every buffer with a bf16 model (the installed one casts parameters only), so the fp32 biases are taken before the
+    engine is built and put back after it (`restore`).
+    A forward recomputed under activation checkpointing counts its tokens twice in every layer alike, which leaves
+    sign(mean - count) as it was.
     """
 
     def __init__(self, routers: list, rate: float = UPDATE_RATE):
         self.routers, self.rate = routers, float(rate)
-        for router in routers:
-            router._buffers["e_score_correction_bias"] = router.e_score_correction_bias.detach().float()
-        bias = routers[0].e_score_correction_bias
-        self.counts = torch.zeros(len(routers), bias.shape[0], dtype=torch.float32, device=bias.device)
+        self.biases = [getattr(r, BIAS).detach().float().clone() for r in routers]
+        self.restore()
+        self.counts = torch.zeros(len(routers), self.biases[0].shape[0], dtype=torch.float32)
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def restore(self) -> None:
+        """The fp32 biases back as the routers' buffers, on the routers' device (after an engine cast or moved the
+        model; a checkpoint loaded afterwards copies into them in place)."""
+        for i, router in enumerate(self.routers):
+            if self.biases[i].device != router.weight.device:
+                self.biases[i] = self.biases[i].to(router.weight.device)
+            router._buffers[BIAS] = self.biases[i]
 
     def _hook(self, row: int):
         def count(module, inputs, output):
@@ -71,9 +85,9 @@ class ExpertBiasUpdate:
 
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self.counts)
+        self.restore()  # the buffers are the fp32 biases
         with torch.no_grad():
-            for row, router in enumerate(self.routers):
-                bias = router.e_score_correction_bias
+            for row, bias in enumerate(self.biases):
                 bias.copy_(updated_bias(self.counts[row].to(bias.device), bias, self.rate))
         self.reset()
 

@@ -147,7 +147,15 @@ class Trainer:
         # a flattened row's logits only where a target follows: prompts and padding skip the LM head (see below)
         self.select_logits = self.flatten and takes_logit_positions(model)
         self.aux_coef = aux_loss_coef(model)  # MoE: the router's load-balancing loss joins the LM loss
+        # DeepSeek-V3 / GLM-4.5: the routers' score-correction biases follow the load, in fp32 (taken before the
+        # engine casts the model, put back after); not under LoRA, where the base model stays frozen and the
+        # adapter could not carry moved biases
+        from kit.train.expert_bias import attach
+
+        self.expert_bias = None if cfg.lora else attach(model)
         self.engine = eng.build_engine(cfg, model, self.dtype)
+        if self.expert_bias is not None:
+            self.expert_bias.restore()  # before any resume loads the checkpoint's biases into them
         self.device = self.engine.device
         self.objective = None  # the SFT/pretraining loss; RUN_TYPE dpo: kit.train.dpo's (set below)
         self.norm_from_deepspeed = eng.reports_grad_norm(self.engine)
@@ -197,15 +205,10 @@ class Trainer:
                 f"resumed from {self.ckpt_root / checkpoint.tag_of(self.start_iter)} "
                 f"(iteration {self.start_iter}, consumed samples {state['consumed_samples']})"
             )
-        # DeepSeek-V3 / GLM-4.5: the routers' score-correction biases follow the load (after any resume's load);
-        # not under LoRA, where the base model stays frozen and the adapter could not carry moved biases
-        from kit.train.expert_bias import attach
-
-        self.expert_bias = None if cfg.lora else attach(model)
         if self.expert_bias is not None:
             self.writer.text(
-                f"expert bias: {len(self.expert_bias.routers)} routers balance their load without an aux loss "
-                f"(bias update rate {self.expert_bias.rate})"
+                f"expert bias: the score-correction biases of {len(self.expert_bias.routers)} MoE layers balance "
+                f"their load without an aux loss (update rate {self.expert_bias.rate} per step)"
             )
         if cfg.run_type == "dpo":
             from kit.train.dpo import setup_objective
