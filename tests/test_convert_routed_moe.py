@@ -15,7 +15,7 @@ import pytest
 import torch
 from fixtures.convert import routed_moe
 
-from kit.convert import ConvertConfig
+from kit.convert import ConvertConfig, hf_to_megatron
 from kit.convert.families import family_for_config
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import load_rank_file, save_rank
@@ -162,4 +162,94 @@ def test_describe_names_the_routing_and_a_wrong_config_is_caught(glm45_tp2_pp2_e
         megatron_to_hf(
             ConvertConfig(glm45_tp2_pp2_ep2["megatron"], str(tmp_path / "hf"), hf_config_dir=str(other)),
             progress=False,
+        )
+
+
+tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
+
+
+def test_deepseek3_spec_roles_and_aliases(tiny_deepseek3_dir):
+    cfg = HFReader(tiny_deepseek3_dir).config
+    fam = family_for_config(cfg)
+    assert fam.name == "deepseek_v3"
+    assert all(family_for_config(cfg, a) is fam for a in ("deepseek3", "deepseek2", "deepseek2-lite"))
+    spec = fam.read_config(cfg)
+    assert spec.multi_latent_attention and (spec.q_lora_rank, spec.kv_lora_rank) == (32, 16)
+    assert (spec.qk_head_dim, spec.qk_pos_emb_head_dim, spec.v_head_dim, spec.head_dim) == (16, 8, 16, 16)
+    assert spec.moe_layer_freq == (0, 0, 1, 1) and spec.all_layers == 5
+    assert (spec.moe_router_num_groups, spec.moe_router_group_topk, spec.moe_router_topk) == (4, 2, 4)
+    assert fam.layer_roles(spec, 0)[:8] == [
+        "input_norm", "mla.q_down", "mla.q_norm", "mla.q_up", "mla.kv_down", "mla.kv_norm", "mla.kv_up",
+        "proj.weight",
+    ]  # fmt: skip
+    assert spec.full_shape("mla.kv_up") == (4 * (16 + 16), 16) and spec.full_shape("proj.weight") == (64, 64)
+    no_lora = fam.read_config(dict(cfg, q_lora_rank=None))
+    assert "mla.q" in fam.layer_roles(no_lora, 0) and "mla.q_down" not in fam.layer_roles(no_lora, 0)
+
+
+@pytest.fixture(scope="module")
+def ds3_tp2_pp2_ep2(tiny_deepseek3_dir, tmp_path_factory) -> dict:
+    return round_trip(tiny_deepseek3_dir, tmp_path_factory.mktemp("ds3"), tp=2, pp=2, ep=2)
+
+
+def test_deepseek3_mla_tensors_are_split_by_rows_over_tp(ds3_tp2_pp2_ep2, tiny_deepseek3_dir):
+    """megatron-core's local MLA: every projection column-parallel, so TP rank 1 holds the second half of the rows of
+    q_a_proj, kv_a_proj_with_mqa (gathered again in the forward), and of q_b_proj / kv_b_proj (its heads 2-3);
+    the latent norms whole; o_proj split by columns."""
+    hf = HFReader(tiny_deepseek3_dir)
+    it = Path(ds3_tp2_pp2_ep2["megatron"]) / "iter_0000001"
+    model = load_rank_file(it / "mp_rank_01_000_000" / "model_optim_rng.pt")["model"]
+    pre, hpre = "decoder.layers.1.self_attention.", "model.layers.1.self_attn."
+    pairs = {
+        "linear_q_down_proj": ("q_a_proj", 16),
+        "linear_q_up_proj": ("q_b_proj", 48),
+        "linear_kv_down_proj": ("kv_a_proj_with_mqa", 12),
+        "linear_kv_up_proj": ("kv_b_proj", 64),
+    }
+    for meg, (name, half) in pairs.items():
+        assert torch.equal(model[pre + meg + ".weight"], hf.read(hpre + name + ".weight")[half:]), meg
+    assert torch.equal(model[pre + "kv_layernorm.weight"], hf.read(hpre + "kv_a_layernorm.weight"))
+    assert torch.equal(model[pre + "linear_proj.weight"], hf.read(hpre + "o_proj.weight")[:, 32:])
+    args = load_rank_file(it / "mp_rank_00_001_001" / "model_optim_rng.pt")["args"]
+    assert args.multi_latent_attention and (args.q_lora_rank, args.kv_lora_rank) == (32, 16)
+    assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == (16, 8, 16)
+    assert args.rope_type == "rope" and args.rotary_scaling_factor == 1.0 and args.qk_layernorm
+    flags = " ".join(read_manifest(ds3_tp2_pp2_ep2["megatron"])["megatron_flags"])
+    assert (
+        "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+        "--v-head-dim 16 --rope-type rope"
+    ) in flags
+    assert "--qk-layernorm" in flags and "--moe-router-num-groups 4 --moe-router-group-topk 2" in flags
+
+
+@pytest.mark.parametrize("case", ["tp2pp2ep2", "tp1", "no_q_lora_tp2ep4"])
+def test_deepseek3_round_trip_and_logits(ds3_tp2_pp2_ep2, tiny_deepseek3_dir, tmp_path, case):
+    if case == "tp2pp2ep2":
+        src, rt = tiny_deepseek3_dir, ds3_tp2_pp2_ep2
+    elif case == "tp1":
+        src, rt = tiny_deepseek3_dir, round_trip(tiny_deepseek3_dir, tmp_path, tp=1)
+    else:  # DeepSeek-V2-Lite's layout: q_proj, no query latent
+        src = routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None)
+        rt = round_trip(src, tmp_path, tp=2, ep=4)
+    assert rt["bit_exact"] and rt["identical"] == rt["tensors"], rt["different"]
+    lc = logits_check(src, rt["megatron"], tolerance=TOL)
+    assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+
+
+def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
+    from kit.convert import ConversionError
+
+    fam = family_for_config({"model_type": "deepseek_v3"})
+    base = HFReader(tiny_deepseek3_dir).config
+    with pytest.raises(InputError, match="rope_interleave false"):
+        fam.read_config(dict(base, rope_interleave=False))
+    with pytest.raises(InputError, match="rope scaling 'yarn'"):
+        fam.read_config(dict(base, rope_scaling={"type": "yarn", "factor": 40}))
+    with pytest.raises(InputError, match="n_group 4, topk_group 1, num_experts_per_tok 4"):
+        fam.read_config(dict(base, topk_group=1))
+    with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):
+        hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "a"), tp=3), progress=False)
+    with pytest.raises(ConversionError, match="flavor 'te' for multi-head latent attention"):
+        hf_to_megatron(
+            ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "b"), flavor="te"), progress=False
         )

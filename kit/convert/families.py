@@ -45,6 +45,16 @@ ROLE_KIND = {
     # multi-token prediction (megatron-core 0.16 transformer/multi_token_prediction.py): eh_proj is a column-parallel
     # [h, 2h] (its output gathered); the norms replicated. The MTP layer's embedding and head are the model's own
     # (megatron-core passes them in): on the HF side they are copies, written back from the main ones.
+    # multi-head latent attention (megatron-core 0.16 multi_latent_attention.py with the local spec, where every MLA
+    # projection is a ColumnParallelLinear: the down projections' outputs are gathered again, the up projections
+    # keep their heads per rank); the latent norms are replicated
+    "mla.q_down": "column",
+    "mla.q_norm": "replicated",
+    "mla.q_up": "column",
+    "mla.q": "column",
+    "mla.kv_down": "column",
+    "mla.kv_norm": "replicated",
+    "mla.kv_up": "column",
     "mtp.enorm": "replicated",
     "mtp.hnorm": "replicated",
     "mtp.eh_proj": "column",
@@ -90,6 +100,11 @@ class Family:
         absent = set() if spec.qkv_bias else {"qkv.bias"}
         absent |= set() if spec.qk_norm else {"q_norm", "k_norm"}
         layer = [r for r in LAYER_ROLES if r not in absent]
+        if spec.multi_latent_attention:  # MLA's projections and latent norms take the place of QKV
+            mla = ["mla.q_down", "mla.q_norm", "mla.q_up"] if spec.q_lora_rank else ["mla.q"]
+            mla += ["mla.kv_down", "mla.kv_norm", "mla.kv_up"]
+            at = layer.index("proj.weight")
+            layer = [r for r in layer[:at] if r in ("input_norm",)] + mla + layer[at:]
         return glob, layer
 
     def layer_roles(self, spec: ModelSpec, layer: int) -> List[str]:
@@ -255,6 +270,57 @@ def _routed_moe(cfg: dict, family: str) -> dict:
         moe_router_num_groups=groups if groups > 1 else 0,
         moe_router_group_topk=topk_group if groups > 1 else 0,
         mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def _deepseek3_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
+    # DeepSeek-V3 (transformers modeling_deepseek_v3): multi-head latent attention. HF's rope_interleave=True
+    # rotates the rope dims in pairs (2i, 2i+1); megatron-core's MLA (rope_utils._apply_rotary_pos_emb_bshd with
+    # multi_latent_attention) first reorders them even-then-odd and rotates pairs (i, i + d/2): the same pairs, so
+    # the same attention scores from the same weights. With rope_interleave=False HF rotates (i, i + d/2) of the
+    # stored order, which megatron-core's MLA cannot: refused, as are yarn scaling and biases.
+    bad = []
+    if not cfg.get("rope_interleave", True):
+        bad.append("rope_interleave false (megatron-core's MLA rotates interleaved pairs)")
+    if cfg.get("attention_bias"):
+        bad.append("attention_bias true (megatron-core's MLA projections have no bias)")
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if (rs.get("rope_type") or rs.get("type") or "default") != "default":
+        bad.append(
+            f"rope scaling {rs.get('rope_type') or rs.get('type')!r} (the kit converts plain RoPE for MLA)"
+        )
+    if bad:
+        raise InputError(
+            f"config.json of this deepseek_v3 model has {'; '.join(bad)}: not supported; remove it from config.json "
+            f"only if the model was trained without it."
+        )
+    nh, v = int(cfg["num_attention_heads"]), int(cfg["v_head_dim"])
+    return ModelSpec(
+        family="deepseek_v3",
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=nh,
+        num_groups=nh,
+        head_dim=v,
+        vocab_size=int(cfg["vocab_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=False,
+        position="rope",
+        rotary_base=_rope_theta(cfg),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        # megatron-core's local spec builds MLA's q / kv latent norms only with qk_layernorm (--qk-layernorm)
+        qk_norm=True,
+        multi_latent_attention=True,
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=v,
+        **_routed_moe(cfg, "deepseek_v3"),
     )
 
 
@@ -495,6 +561,30 @@ GLM4_MOE = Family(
     "with a score bias, a shared expert, dense first layers, one MTP layer.",
 )
 
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3",
+    model_types=("deepseek_v3",),
+    read_config=_deepseek3_spec,
+    global_keys=LLAMA.global_keys,
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(
+        _LLAMA_LAYER,
+        **{
+            "mla.q_down": ("self_attn.q_a_proj.weight",),
+            "mla.q_norm": ("self_attn.q_a_layernorm.weight",),
+            "mla.q_up": ("self_attn.q_b_proj.weight",),
+            "mla.q": ("self_attn.q_proj.weight",),
+            "mla.kv_down": ("self_attn.kv_a_proj_with_mqa.weight",),
+            "mla.kv_norm": ("self_attn.kv_a_layernorm.weight",),
+            "mla.kv_up": ("self_attn.kv_b_proj.weight",),
+        },
+        **_ROUTED_MOE_LAYER,
+    ),
+    ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="DeepSeek-V3 (and V2-Lite's q_proj layout): multi-head latent attention, sigmoid-routed experts with a "
+    "score bias in groups, a shared expert, dense first layers, one MTP layer.",
+)
+
 GLM = Family(
     name="glm",
     model_types=("glm",),
@@ -544,7 +634,7 @@ BAICHUAN = Family(
     notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
 )
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, GLM, CHATGLM, BAICHUAN)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3, GLM, CHATGLM, BAICHUAN)}
 # ModelLink 1.0 `util.py --loader` names (the ModelArts user manual's conversion command) and their families.
 LOADER_ALIASES = {
     "llama2_hf": "llama",
@@ -556,6 +646,9 @@ LOADER_ALIASES = {
     # MindSpeed-LLM convert_ckpt_v2.py --model-type-hf names
     "glm45": "glm4_moe",
     "glm45-air": "glm4_moe",
+    "deepseek3": "deepseek_v3",
+    "deepseek2": "deepseek_v3",
+    "deepseek2-lite": "deepseek_v3",
     "hf": None,
 }
 
