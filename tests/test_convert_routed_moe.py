@@ -253,3 +253,54 @@ def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepse
         hf_to_megatron(
             ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "b"), flavor="te"), progress=False
         )
+
+
+# real hidden sizes and attention shapes (the published config.json files); fewer experts and a smaller vocabulary
+# keep the test to a few GB (DeepSeek-V3 has 256 experts of 2048 x 7168 per layer, GLM-4.5-Air 128 of 1408 x 4096)
+REAL_SHAPES = {
+    "deepseek_v3": dict(
+        hidden_size=7168, num_heads=128, num_groups=128, ffn_hidden_size=18432, moe_ffn_hidden_size=2048,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_interleave=True,
+    ),
+    "glm4_moe": dict(
+        hidden_size=4096, num_heads=96, num_groups=8, ffn_hidden_size=10944, moe_ffn_hidden_size=1408,
+        head_dim=128, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(REAL_SHAPES))
+def test_real_width_conversion_memory_stays_far_below_the_model_size(family, tmp_path):
+    """`python -m kit convert` HF -> Megatron TP1 EP2 and back on 2 layers (dense + MoE) and the MTP layer of
+    DeepSeek-V3's / GLM-4.5-Air's real widths raise the peak RSS by far less than the model size (one tensor at a
+    time), and the way back is bit-exact."""
+    from fixtures.convert.synthetic import synthetic_checkpoint
+
+    from kit.convert.verify import compare_hf
+
+    src = synthetic_checkpoint(
+        tmp_path / "src", family, num_layers=2, vocab_size=8000, num_experts=2, dtype="bfloat16",
+        max_shard_mb=400, with_tokenizer=False, **REAL_SHAPES[family],
+    )  # fmt: skip
+    model_mb = sum(p.stat().st_size for p in src.glob("*.safetensors")) / 1024**2
+    meg, back = tmp_path / "m", tmp_path / "hf"
+    code = (
+        "import re, sys, torch\n"
+        "from kit.__main__ import main\n"
+        "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 1024\n"
+        "import safetensors.torch; torch.zeros(1); before = hwm()\n"
+        "def run(*a):\n"
+        "    assert main(['convert', *a, '--no-progress']) == 0\n"
+        f"run('--source', {str(src)!r}, '--target', {str(meg)!r}, '--target-expert-parallel-size', '2')\n"
+        "print('RSS', hwm() - before)\n"
+        f"run('--source', {str(meg)!r}, '--target', {str(back)!r}, '--direction', 'megatron_to_hf')\n"
+        "print('RSS', hwm() - before)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr[-2000:]
+    to_meg, both = (float(x.split()[1]) for x in res.stdout.splitlines() if x.startswith("RSS "))
+    assert model_mb > 1000 and to_meg < 0.35 * model_mb and both < 0.35 * model_mb, (to_meg, both, model_mb)
+    assert compare_hf(src, back)["bit_exact"]
+    print(f"{family}: model {model_mb:.0f} MiB, peak RSS rise {to_meg:.0f} / {both:.0f} MiB")
