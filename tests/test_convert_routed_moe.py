@@ -88,16 +88,34 @@ def test_glm45_rank_files_hold_router_bias_shared_expert_and_mtp(glm45_tp2_pp2_e
     assert "--rotary-interleaved" not in flags and "--moe-router-pre-softmax" not in flags
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 1), (1, 1, 8)])
-def test_glm45_round_trip_and_logits(glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path, tp, pp, ep):
+@pytest.mark.parametrize(
+    "tp,pp,ep,flavor,grouped",
+    [(2, 2, 2, "local", False), (1, 1, 1, "local", False), (1, 1, 8, "local", False), (2, 1, 2, "te", True),
+     (2, 1, 2, "local", True)],
+)  # fmt: skip
+def test_glm45_round_trip_and_logits(
+    glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path, tp, pp, ep, flavor, grouped
+):
     rt = (
         glm45_tp2_pp2_ep2
         if (tp, pp, ep) == (2, 2, 2)
-        else round_trip(tiny_glm45_dir, tmp_path, tp=tp, pp=pp, ep=ep)
+        else round_trip(
+            tiny_glm45_dir, tmp_path, tp=tp, pp=pp, ep=ep, flavor=flavor, moe_grouped_gemm=grouped
+        )
     )
     assert rt["bit_exact"] and rt["identical"] == rt["tensors"] == 143, rt["different"]
     lc = logits_check(tiny_glm45_dir, rt["megatron"], tolerance=TOL)
     assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+
+
+def test_a_cast_keeps_the_router_bias_in_fp32(tiny_glm45_dir, tmp_path):
+    """--dtype bfloat16 casts the weights, not the expert bias megatron-core keeps in fp32."""
+    out = tmp_path / "bf16"
+    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(out), dtype="bfloat16"), progress=False)
+    model = load_rank_file(out / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["model"]
+    bias = model["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.dtype == torch.float32 and model["decoder.layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    assert torch.equal(bias, HFReader(tiny_glm45_dir).read("model.layers.1.mlp.gate.e_score_correction_bias"))
 
 
 def test_glm45_logits_check_sees_the_router_bias(glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path):
@@ -130,6 +148,8 @@ def test_routings_megatron_core_cannot_run_are_refused_in_one_line(tiny_glm45_di
         fam.read_config(dict(base, topk_group=2))
     with pytest.raises(InputError, match="n_group 3"):
         fam.read_config(dict(base, n_group=3))
+    with pytest.raises(InputError, match="ties the embedding and the head and has MTP layers"):
+        fam.read_config(dict(base, tie_word_embeddings=True))
     src = _config_with(tiny_glm45_dir, tmp_path / "bad", scoring_func="softmax")
     res = subprocess.run(
         [sys.executable, "-m", "kit", "convert", "--source", str(src), "--target", str(tmp_path / "out"),
