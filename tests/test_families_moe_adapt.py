@@ -19,6 +19,8 @@ VARIANTS = {  # name: (family, config overrides)
     "deepseek_v3": ("deepseek_v3", {}),
     "deepseek_v3-no-q-lora-half-rope": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False)),
     "glm4_moe": ("glm4_moe", {}),
+    # Glm4MoeConfig's options: q/k/v biases, q/k norms
+    "glm4_moe-bias-qk-norm": ("glm4_moe", dict(attention_bias=True, use_qk_norm=True)),
 }
 
 
@@ -147,6 +149,55 @@ def test_fusion_attention_takes_value_heads_narrower_than_key_heads(layout, monk
         fake.npu_fusion_attention(shaped(q), shaped(k), shaped(v), 4, layout, scale=1.0, **extra)
     with pytest.raises(ValueError, match="Dk >= Dv"):  # a value head wider than the key's: refused
         fusion_attention(shaped(q), shaped(v), shaped(k), 4, layout, **extra)
+
+
+@pytest.mark.parametrize("backend", ["torch", "npu"])
+def test_packed_rows_give_the_padded_batchs_loss_and_gradients(pair, backend, monkeypatch):
+    """A padding-free row of two dialogs (position_ids restarting, what the trainer feeds with kit attention) gives
+    the padded batch's LM loss and gradients (no aux loss in these families: HF's forward adds none)."""
+    from kit.train.trainer import causal_lm_loss, flatten_padded_rows, logit_positions
+
+    name, base, adapted, _ = pair
+    d1, d2 = [5, 101, 120, 133, 6, 133, 120, 101, 2], [5, 110, 111, 6, 111, 110, 2]
+    l1, l2 = [-100] * 5 + [133, 120, 101, 2], [-100] * 4 + [111, 110, 2]  # kit.data: labels = ids on answers
+    pad = len(d1) - len(d2)
+    padded = {
+        "input_ids": torch.tensor([d1, d2 + [0] * pad]),
+        "labels": torch.tensor([l1, l2 + [-100] * pad]),
+        "attention_mask": torch.tensor([[1] * len(d1), [1] * len(d2) + [0] * pad]),
+        "position_ids": torch.tensor([list(range(len(d1))), list(range(len(d2))) + [0] * pad]),
+    }
+    packed = flatten_padded_rows(padded)
+    assert packed["input_ids"].shape == (1, len(d1) + len(d2))
+    if backend == "npu":
+        install(monkeypatch)
+    results = []
+    for model, batch, positions in (
+        (base, padded, None),  # HF eager on the padded batch: the reference
+        (adapted, padded, None),
+        (adapted, packed, logit_positions(packed["labels"])),
+    ):
+        model.zero_grad()
+        with use_backend(backend):
+            loss = causal_lm_loss(model, batch, positions)
+        loss.backward()
+        grads = _merged_grads({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        results.append((loss.detach(), grads))
+    (want, want_grads), *rest = results
+    pairs = []
+    for loss, grads in rest:
+        assert grads.keys() == want_grads.keys()
+        pairs += [(loss, want)] + [(grads[n], want_grads[n]) for n in want_grads]
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if backend == "npu":  # the packed row went as varlen (TND), each dialog its own sequence
+        tnd = [
+            c[1]
+            for c in standin_ops.CALLS
+            if c[0] == "npu_fusion_attention" and c[1]["input_layout"] == "TND"
+        ]
+        assert tnd and {tuple(c["actual_seq_qlen"]) for c in tnd} == {(9, 16)}
+    DIFFS[f"packed vs HF padded {name} {backend}"] = max(float((a - b).abs().max()) for a, b in pairs)
 
 
 def test_report_measured_differences():

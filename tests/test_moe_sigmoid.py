@@ -157,6 +157,31 @@ def test_kit_block_equals_hf_outputs_gradients_and_router_logits(family, backend
         assert _called("npu_moe_gating_top_k")  # inference: sigmoid + bias + groups in one kernel
 
 
+@pytest.mark.parametrize("backend", ["torch", "npu"])
+def test_bf16_block_within_bf16_rounding_of_hf(backend, monkeypatch):
+    """A bf16 block (the router stays fp32 as transformers keeps it): kit within bf16 rounding of HF's."""
+    block = hf_block("deepseek_v3")
+    block.experts.bfloat16(), block.shared_experts.bfloat16()
+    kit = kit_block(block)
+    gen = torch.Generator().manual_seed(2)
+    x, grad = (
+        torch.randn(1, 64, 64, generator=gen).bfloat16(),
+        torch.randn(1, 64, 64, generator=gen).bfloat16(),
+    )
+    want = _run(block, x, grad)
+    if backend == "npu":
+        install(monkeypatch)
+    with use_backend(backend):
+        got = _run(kit, x, grad)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)  # fp32 router logits
+    pairs = [(got[0], want[0]), (got[2], want[2])] + [(got[3][n], want[3][n]) for n in want[3]]
+    pairs = [(a.detach(), b.detach()) for a, b in pairs]
+    worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in pairs)
+    assert worst < 2e-2
+    DIFFS[f"block deepseek_v3 bf16 {backend} (relative to the largest value)"] = worst
+
+
 def test_gating_kernel_only_within_its_documented_limits(monkeypatch):
     fake = install(monkeypatch)
     logits, bias = torch.randn(5, 16), torch.rand(16)

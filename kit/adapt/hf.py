@@ -1,11 +1,13 @@
-"""Route transformers-native models (Llama, Qwen2/3, Qwen3-MoE, Mistral, GLM-4) through kit ops.
+"""Route transformers-native models (Llama, Qwen2/3, Qwen3-MoE, Mistral, GLM-4, DeepSeek-V3, GLM-4.5) through kit
+ops.
 
 `adapt_model(model)` switches attention to kit attention (transformers' AttentionInterface where it exists, the
 flash-attention-2 path on transformers 4.44-4.47, see `kit.adapt.attention`), merges each SwiGLU MLP's gate/up
-projections once, runs Qwen3-MoE sparse blocks through kit.ops.moe (`kit.adapt.moe`), and swaps RMSNorm / SwiGLU
-MLP / rotary for the fused kit ops after checking, on a probe input on the device the model will train on (the NPU
-when there is one, even while the model is still on CPU), that each swap gives the same numbers. Packed samples
-(position_ids restarting inside a row) and padding run as TND varlen attention, so no attention crosses dialogs.
+projections once, runs MoE blocks (Qwen3-MoE; DeepSeek-V3 and GLM-4.5 with their shared experts) through
+kit.ops.moe (`kit.adapt.moe`), and swaps RMSNorm / SwiGLU MLP / rotary for the fused kit ops after checking, on a
+probe input on the device the model will train on (the NPU when there is one, even while the model is still on
+CPU), that each swap gives the same numbers. Packed samples (position_ids restarting inside a row) and padding run
+as TND varlen attention, so no attention crosses dialogs.
 """
 
 from __future__ import annotations

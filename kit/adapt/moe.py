@@ -11,10 +11,11 @@ transformers 4.51-4.57 keep `gate` as a Linear and `experts` as a ModuleList of 
 DeepSeek-V3 (`DeepseekV3MoE`) and GLM-4.5 (`Glm4MoeMoE`) blocks, transformers >= 5: a sigmoid router `gate`
 (`DeepseekV3TopkRouter` / `Glm4MoeTopkRouter`: fp32 `weight`, the buffer `e_score_correction_bias`, n_group /
 topk_group / norm_topk_prob / routed_scaling_factor) returning (router_logits, weights, indices), fused experts as
-above, and `shared_experts` (an MLP every token runs) added to the routed output. Their 4.x layout (a ModuleList of
-expert MLPs, routing in the block) is not adapted: those blocks keep HF's forward. Neither family has a router
-auxiliary loss in HF (no `router_aux_loss_coef` in their configs): the bias balances the load instead
-(kit.train.expert_bias).
+above, and `shared_experts` (an MLP every token runs) added to the routed output. Their 4.x layout is not adapted
+(those blocks keep HF's forward; their expert MLPs still get the merged SwiGLU): a ModuleList of expert MLPs, a
+router returning (indices, weights) without logits, and the groups left out masked to 0 instead of -inf (the
+transformers 4.5x source). Neither family has a router auxiliary loss in HF (no `router_aux_loss_coef` in their
+configs): the bias balances the load instead (kit.train.expert_bias).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def bias_routers(model) -> list:
     whose output (router_logits, weights, indices) names the chosen experts."""
     from kit.adapt.moe import is_sigmoid_block
 
-    return [block.gate for block in model.modules() if is_sigmoid_block(block)]
+    modules = getattr(model, "modules", None)  # None: not a torch module (nothing to balance)
+    return [] if modules is None else [block.gate for block in modules() if is_sigmoid_block(block)]
 
 
 class ExpertBiasUpdate:
