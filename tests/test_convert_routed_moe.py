@@ -90,7 +90,6 @@ def test_glm45_rank_files_hold_router_bias_shared_expert_and_mtp(glm45_tp2_pp2_e
     assert "--rotary-interleaved" not in flags and "--moe-router-pre-softmax" not in flags
 
 
-<<<<<<< HEAD
 # DeepSeek-V3-671B's MoE facts (its config.json) and the MoE flags of MindSpeed-LLM's
 # examples/mcore/deepseek3/tune_deepseek3_671b_4k_full_ptd.sh for them (their alltoall_seq dispatcher aside)
 DSV3_FACTS = dict(
@@ -138,9 +137,6 @@ def test_megatron_plan_refuses_a_stage_of_dense_layers_only():
     assert _dense_stage_problems(["--moe-layer-freq", "1"], 3, 2) == []
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 1), (1, 1, 8)])
-def test_glm45_round_trip_and_logits(glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path, tp, pp, ep):
-=======
 @pytest.mark.parametrize(
     "tp,pp,ep,flavor,grouped",
     [(2, 2, 2, "local", False), (1, 1, 1, "local", False), (1, 1, 8, "local", False), (2, 1, 2, "te", True),
@@ -149,7 +145,6 @@ def test_glm45_round_trip_and_logits(glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path
 def test_glm45_round_trip_and_logits(
     glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path, tp, pp, ep, flavor, grouped
 ):
->>>>>>> d1a7353
     rt = (
         glm45_tp2_pp2_ep2
         if (tp, pp, ep) == (2, 2, 2)
