@@ -1,7 +1,7 @@
 """A tiny Qwen3 through 02 -> 03 -> 04 -> 06 in one workspace through the kit API: dialogs prepared with the
 kit's `qwen3` template, conversion to Megatron TP2 x PP2 verified, the Megatron plan's Qwen3 flags, LoRA
 training with kit.adapt (loss down, every adapter tensor exported), the held-out evaluation, and the trained model
-back through 03. The same for a tiny Qwen3-MoE and a tiny GLM-4.5 (routed experts at EP2)."""
+back through 03. The same for a tiny Qwen3-MoE, a tiny GLM-4.5 and a tiny DeepSeek-V3 (routed experts at EP2)."""
 
 from __future__ import annotations
 
@@ -200,6 +200,15 @@ def _router_biases(folder) -> dict:
     return out
 
 
+def _tensors(folder, prefix: str) -> dict:
+    """The tensors of an HF folder whose names start with `prefix`."""
+    out = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys() if k.startswith(prefix)})
+    return out
+
+
 @pytest.mark.slow
 def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir, monkeypatch):
     """A tiny GLM-4.5 (1 dense + 3 MoE layers: 8 experts in 2 groups, top-2, a shared expert, the sigmoid router with
@@ -306,4 +315,128 @@ def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir, mon
         ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
     )
     assert back.manifest["family"] == "glm4_moe" and back.manifest["model"]["mtp_num_layers"] == 1
+    assert back.verify(scratch=tmp_path / "verify2")["passed"]
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek3_dir(tmp_path_factory):
+    """The routed-MoE fixture's DeepSeek-V3 with 6 layers (2 dense + 4 MoE), so that PP2 gives each stage a MoE layer
+    (MindSpeed-LLM refuses a stage of dense layers only: first_k_dense_replace 2 < num_layers // pp)."""
+    return routed_models.tiny_deepseek3(
+        tmp_path_factory.mktemp("ds3c") / "tiny-deepseek3", num_hidden_layers=6
+    )
+
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]  # with a query latent
+
+
+@pytest.mark.slow
+def test_deepseek3_through_data_convert_train_evaluate(tmp_path, tiny_deepseek3_dir, monkeypatch):
+    """A tiny DeepSeek-V3 (2 dense + 4 MoE layers: MLA with a query latent, 8 experts in 4 groups, top-4 inside the
+    best 2, a shared expert, the sigmoid router with its score-correction bias, scaling 2.5; an MTP layer in the
+    files) through 02 (the kit's deepseek3 template) -> 03 (TP1 x PP2 x EP2) -> 04 (LoRA on the MLA projections
+    through the adapted MoE blocks and MLA attention; router biases untouched under LoRA) -> the Megatron plan with
+    MindSpeed-LLM's DeepSeek-V3 MoE and MLA flags -> 06, and the trained model back through 03."""
+    from kit.convert import ConvertConfig
+    from kit.convert.result import run as convert_run
+    from kit.core.workspace import get_workspace
+    from kit.data import DataConfig, prepare
+    from kit.evaluate import EvalConfig
+    from kit.evaluate import run as evaluate
+    from kit.train import engine, train
+    from kit.train.config import replace
+    from kit.train.megatron import _dense_stage_problems, build
+    from kit.train.resolve import resolve
+
+    ws = get_workspace(tmp_path / "ws", model="tiny-deepseek3")
+    src = str(tiny_deepseek3_dir)
+    # 02: DeepSeek-V3's template (MindSpeed-LLM --prompt-type deepseek3)
+    prep = prepare(
+        DataConfig(kind="sft", name="alpaca", tokenizer=src, template="deepseek3", max_length=64, max_records=48,
+                   heldout_records=4),
+        ws, progress=False,
+    )  # fmt: skip
+    data = prep.hf_dir
+    (warning,) = [w for w in prep.report.warnings if "deepseek3" in w]  # the sample tokenizer spells them out
+    assert "['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>']" in warning
+    data_man = read_manifest(data, expect=PREPARED_DATA)
+    assert data_man["template"] == "deepseek3"
+    assert data_man["megatron_flags"][data_man["megatron_flags"].index("--prompt-type") + 1] == "deepseek3"
+
+    # 03: three layers a stage (the MTP layer with the last), experts over two EP ranks, verified both ways
+    conv = convert_run(ConvertConfig(source=src, tp=1, pp=2, ep=2), ws, progress=False)
+    checks = conv.verify(scratch=tmp_path / "verify")
+    assert checks["passed"], checks["table"]
+    converted = read_manifest(conv.target, expect=CONVERTED_CHECKPOINT)
+    model = converted["model"]
+    assert converted["family"] == "deepseek_v3" and converted["ep"] == 2
+    assert model["moe_layer_freq"] == [0, 0, 1, 1, 1, 1] and model["mtp_num_layers"] == 1
+    assert model["multi_latent_attention"] and model["q_lora_rank"] == 32 and model["kv_lora_rank"] == 16
+    assert model["moe_router_score_function"] == "sigmoid" and model["moe_router_enable_expert_bias"]
+
+    # 04: LoRA with the default targets, which kit.train.lora_targets turns into the MLA projections; MLA through
+    # the kit's fusion attention, every MoE block through kit.ops.moe's grouped sigmoid routing. LR 5e-3: the
+    # fixture's query/KV latents come out of HF's 0.02-std init small, so their RMSNorms amplify the adapters on
+    # q_a_proj / kv_a_proj_with_mqa (grad norm 9 at iteration 4) and 1e-2 overshoots within 8 iterations
+    reports, build_model = [], engine.build_model
+    monkeypatch.setattr(
+        engine, "build_model", lambda *a, **k: reports.append(build_model(*a, **k)) or reports[-1]
+    )
+    cfg = replace(_lora_config("tiny-deepseek3", src, data, ws, ATTENTION_TARGETS), lr=5e-3)
+    result = train(cfg, ws, progress=False)
+    ((_, report),) = reports
+    assert report.attention == "kit" and report.attention_modules == 6  # MLA in all 6 layers
+    assert report.moe_blocks == 4  # the 4 MoE layers (transformers builds no MTP layer)
+    assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
+    with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
+        saved = [k for k in fh.keys() if "lora_" in k]
+    assert len(saved) == 6 * len(MLA_TARGETS) * 2  # 6 layers x targets x (A, B); not the MTP layer
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == set(MLA_TARGETS)
+    run_man = read_manifest(result.output_dir, expect=TRAINING_RUN)
+    before, after = _router_biases(src), _router_biases(run_man["hf"])
+    assert sorted(after) == sorted(before) and len(before) == 5  # 4 MoE layers + the MTP layer
+    assert all(torch.equal(before[k], after[k]) for k in before)  # LoRA leaves the load-balancing biases
+    mtp_before, mtp_after = _tensors(src, "model.layers.6."), _tensors(run_man["hf"], "model.layers.6.")
+    assert (
+        sorted(mtp_after) == sorted(mtp_before) and len(mtp_before) > 20
+    )  # the MTP layer, carried as it was
+    assert all(torch.equal(mtp_before[k], mtp_after[k]) for k in mtp_before)
+
+    # the same run on Megatron/MindSpeed-LLM: the flags of MindSpeed-LLM's examples/mcore/deepseek3 scripts, from 03
+    plan = build(
+        resolve(
+            replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws
+        )
+    )
+    assert [p for p in plan.problems if not p.startswith("code folder")] == [], plan.problems
+    flag = dict(zip(plan.argv, plan.argv[1:]))
+    assert flag["--expert-model-parallel-size"] == "2" and flag["--pipeline-model-parallel-size"] == "2"
+    assert flag["--num-experts"] == "8" and flag["--moe-router-topk"] == "4"
+    assert flag["--moe-ffn-hidden-size"] == "32" and flag["--n-shared-experts"] == "1"
+    assert flag["--first-k-dense-replace"] == "2" and flag["--moe-layer-freq"] == "1"
+    assert flag["--moe-router-load-balancing-type"] == "none" and flag["--moe-router-dtype"] == "fp32"
+    assert flag["--moe-router-score-function"] == "sigmoid" and "--moe-router-enable-expert-bias" in plan.argv
+    assert flag["--moe-router-num-groups"] == "4" and flag["--moe-router-group-topk"] == "2"
+    assert flag["--moe-router-topk-scaling-factor"] == "2.5" and flag["--mtp-num-layers"] == "1"
+    assert "--norm-topk-prob" in plan.argv and "--moe-router-pre-softmax" not in plan.argv
+    assert flag["--prompt-type"] == "deepseek3"
+    # MLA as architecture_flags states it (Megatron-LM's names)
+    assert "--multi-latent-attention" in plan.argv and flag["--q-lora-rank"] == "32"
+    assert flag["--kv-lora-rank"] == "16" and flag["--qk-head-dim"] == "16"
+    assert flag["--qk-pos-emb-head-dim"] == "8" and flag["--v-head-dim"] == "16"
+    # why 6 layers: DeepSeek-V3's 2 dense layers would make the first PP2 stage of a 4-layer model dense only
+    (refused,) = _dense_stage_problems(plan.argv, 4, 2)
+    assert "dense layers only" in refused and _dense_stage_problems(plan.argv, 6, 2) == []
+
+    # 06: held-out dialogs, base vs trained
+    ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)
+    models = ev.results["models"]
+    assert models["trained"]["heldout_tokens"] > 0
+    assert models["trained"]["heldout_loss"] < models["base"]["heldout_loss"]
+
+    # the exported (merged) model, MTP layer included, goes back through 03 and stays a DeepSeek-V3
+    back = convert_run(
+        ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
+    )
+    assert back.manifest["family"] == "deepseek_v3" and back.manifest["model"]["mtp_num_layers"] == 1
     assert back.verify(scratch=tmp_path / "verify2")["passed"]
