@@ -256,6 +256,45 @@ def test_deepseek3_round_trip_and_logits(ds3_tp2_pp2_ep2, tiny_deepseek3_dir, tm
     assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
 
 
+tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
+
+
+def test_deepseek3_yarn_logits_and_flags(tiny_deepseek3_yarn_dir, tmp_path):
+    """DeepSeek-V3's YaRN: megatron-core's rope_type yarn with the factor, mscales and betas; the rank files' logits
+    (64 tokens) match transformers', and the same files read as plain RoPE do not (the check sees YaRN)."""
+    import dataclasses
+
+    from kit.convert.megatron_io import MegatronReader
+    from kit.convert.reference import megatron_forward
+    from kit.convert.verify import hf_logits, sample_tokens
+
+    rt = round_trip(tiny_deepseek3_yarn_dir, tmp_path, tp=2, ep=2)
+    assert rt["bit_exact"]
+    lc = logits_check(tiny_deepseek3_yarn_dir, rt["megatron"], seq_len=64, tolerance=TOL)
+    assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+    man = read_manifest(rt["megatron"])
+    spec = man["model"]
+    assert (spec["rope_scaling"], spec["rope_scaling_factor"], spec["original_max_position_embeddings"]) == (
+        "yarn",
+        40.0,
+        64,
+    )
+    flags = " ".join(man["megatron_flags"])
+    assert (
+        "--rope-type yarn --rotary-scaling-factor 40.0 --mscale 1.0 --mscale-all-dim 1.0 --beta-fast 32.0 "
+        "--beta-slow 1.0 --original-max-position-embeddings 64"
+    ) in flags
+    args = MegatronReader(rt["megatron"]).args
+    assert (args.rope_type, args.rotary_scaling_factor, args.mscale_all_dim) == ("yarn", 40.0, 1.0)
+    mr = MegatronReader(rt["megatron"])
+    fam = family_for_config(HFReader(tiny_deepseek3_yarn_dir).config)
+    plain = dataclasses.replace(fam.read_config(HFReader(tiny_deepseek3_yarn_dir).config), rope_scaling="")
+    ids = sample_tokens(2522, 64)
+    with torch.no_grad():
+        wrong = megatron_forward(mr, plain, ids)
+    assert float((wrong - hf_logits(tiny_deepseek3_yarn_dir, ids)).abs().max()) > 20 * TOL
+
+
 def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
     from kit.convert import ConversionError
 
@@ -263,8 +302,10 @@ def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepse
     base = HFReader(tiny_deepseek3_dir).config
     with pytest.raises(InputError, match="rope_interleave false"):
         fam.read_config(dict(base, rope_interleave=False))
-    with pytest.raises(InputError, match="rope scaling 'yarn'"):
-        fam.read_config(dict(base, rope_scaling={"type": "yarn", "factor": 40}))
+    with pytest.raises(InputError, match="rope scaling 'dynamic'"):
+        fam.read_config(dict(base, rope_scaling={"type": "dynamic", "factor": 4}))
+    with pytest.raises(InputError, match="YaRN mscale_all_dim without mscale"):
+        fam.read_config(dict(base, rope_scaling=dict(routed_moe.DEEPSEEK3_YARN, mscale=None)))
     with pytest.raises(InputError, match="n_group 4, topk_group 1, num_experts_per_tok 4"):
         fam.read_config(dict(base, topk_group=1))
     with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):
