@@ -203,6 +203,11 @@ def test_deepseek3_spec_roles_and_aliases(tiny_deepseek3_dir):
         "proj.weight",
     ]  # fmt: skip
     assert spec.full_shape("mla.kv_up") == (4 * (16 + 16), 16) and spec.full_shape("proj.weight") == (64, 64)
+    from kit.convert.tables import describe
+
+    table = describe(ConvertConfig(str(tiny_deepseek3_dir), "unused"))["value"]
+    assert table["multi-head latent attention"] == "q latent 32, kv latent 16; per head q/k 16 + rope 8, v 16"
+    assert "q/k norm (per head, before rotary)" not in table
     no_lora = fam.read_config(dict(cfg, q_lora_rank=None))
     assert "mla.q" in fam.layer_roles(no_lora, 0) and "mla.q_down" not in fam.layer_roles(no_lora, 0)
 
