@@ -370,3 +370,20 @@ def test_real_width_conversion_memory_stays_far_below_the_model_size(family, tmp
     assert model_mb > 1000 and to_meg < 0.35 * model_mb and both < 0.35 * model_mb, (to_meg, both, model_mb)
     assert compare_hf(src, back)["bit_exact"]
     print(f"{family}: model {model_mb:.0f} MiB, peak RSS rise {to_meg:.0f} / {both:.0f} MiB")
+
+
+@pytest.mark.parametrize("which", ["glm45", "deepseek3"])
+def test_resharding_equals_direct_conversion(which, glm45_tp2_pp2_ep2, ds3_tp2_pp2_ep2, request, tmp_path):
+    """TP2 x PP2 x EP2 -> TP1 x PP1 x EP4 re-sharded = HF -> TP1 x PP1 x EP4 directly (same bytes): the MTP layer,
+    the router bias, the shared expert and MLA's column-parallel projections merge and split back."""
+    from kit.convert import megatron_to_megatron
+    from kit.convert.verify import megatron_checksums
+
+    src = request.getfixturevalue({"glm45": "tiny_glm45_dir", "deepseek3": "tiny_deepseek3_dir"}[which])
+    meg = {"glm45": glm45_tp2_pp2_ep2, "deepseek3": ds3_tp2_pp2_ep2}[which]["megatron"]
+    megatron_to_megatron(
+        ConvertConfig(meg, str(tmp_path / "b"), direction="megatron_to_megatron", ep=4), progress=False
+    )
+    hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "c"), ep=4), progress=False)
+    b, c = megatron_checksums(tmp_path / "b"), megatron_checksums(tmp_path / "c")
+    assert b == c and any("/mtp.layers.0.eh_proj.weight" in k for k in b)
