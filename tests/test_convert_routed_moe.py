@@ -387,3 +387,23 @@ def test_resharding_equals_direct_conversion(which, glm45_tp2_pp2_ep2, ds3_tp2_p
     hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "c"), ep=4), progress=False)
     b, c = megatron_checksums(tmp_path / "b"), megatron_checksums(tmp_path / "c")
     assert b == c and any("/mtp.layers.0.eh_proj.weight" in k for k in b)
+
+
+def test_an_mtp_embedding_that_is_not_the_models_is_refused(tiny_glm45_dir, tmp_path):
+    """megatron-core's MTP layer uses the model's embedding and head: a checkpoint whose MTP copies differ from
+    them cannot be converted to itself, and says which tensor and rows."""
+    from safetensors.torch import load_file, save_file
+
+    from kit.convert import ConversionError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_glm45_dir, src)
+    shard = src / "model-mtp.safetensors"
+    tensors = load_file(shard)
+    tensors["model.layers.3.embed_tokens.weight"][2000] += 1.0
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(
+        ConversionError, match=r"'model.layers.3.embed_tokens.weight' differs from .* rows 0-2521"
+    ):
+        hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "out")), progress=False)
+    assert not (tmp_path / "out").exists()

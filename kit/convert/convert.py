@@ -15,6 +15,7 @@ from kit.convert.checks import (
     expected_hf_shapes,
     hf_problems,
     layout_plan_problems,
+    mtp_copy_problems,
     role_kind,
 )
 from kit.convert.config import ConvertConfig
@@ -377,6 +378,8 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config, reader.folder)
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
+    if not problems:
+        problems = mtp_copy_problems(fam, spec, reader.read, reader.shape)
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
     # NaN / inf weights: nothing converted from them is usable. The tensors converted are checked as their bytes
