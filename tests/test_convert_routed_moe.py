@@ -301,7 +301,7 @@ def test_deepseek3_yarn_logits_and_flags(tiny_deepseek3_yarn_dir, tmp_path):
 
 
 def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
-    from kit.convert import ConversionError
+    from kit.convert import ConversionError, megatron_to_hf
 
     fam = family_for_config({"model_type": "deepseek_v3"})
     base = HFReader(tiny_deepseek3_dir).config
@@ -315,6 +315,18 @@ def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepse
         fam.read_config(dict(base, topk_group=1))
     with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):
         hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "a"), tp=3), progress=False)
+    wrong = _config_with(tiny_deepseek3_dir, tmp_path / "wrong", kv_lora_rank=8)
+    hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "m")), progress=False)
+    with pytest.raises(ConversionError, match="kv_lora_rank: checkpoint args say 16"):
+        megatron_to_hf(
+            ConvertConfig(
+                str(tmp_path / "m"),
+                str(tmp_path / "hf"),
+                direction="megatron_to_hf",
+                hf_config_dir=str(wrong),
+            ),
+            progress=False,
+        )
     with pytest.raises(ConversionError, match="flavor 'te' for multi-head latent attention"):
         hf_to_megatron(
             ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "b"), flavor="te"), progress=False
