@@ -70,6 +70,8 @@ def mtp_copy_problems(fam: Family, spec: ModelSpec, read, shape, block_bytes: in
     """The MTP layers' embedding and head must equal the model's: megatron-core's MTP layer uses the model's own
     (the published DeepSeek-V3 / GLM-4.5 files hold copies), so a checkpoint whose copies differ would not convert
     to itself. Compared in row blocks of about block_bytes (read(key, rows=(a, b)) -> tensor; shape(key))."""
+    if not spec.mtp_num_layers:
+        return []  # and torch stays unimported: plain conversion only moves bytes
     import torch
 
     problems = []
