@@ -252,6 +252,11 @@ def test_deepseek3_spec_roles_and_aliases(tiny_deepseek3_dir):
         "proj.weight",
     ]  # fmt: skip
     assert spec.full_shape("mla.kv_up") == (4 * (16 + 16), 16) and spec.full_shape("proj.weight") == (64, 64)
+    from kit.convert.tables import describe
+
+    table = describe(ConvertConfig(str(tiny_deepseek3_dir), "unused"))["value"]
+    assert table["multi-head latent attention"] == "q latent 32, kv latent 16; per head q/k 16 + rope 8, v 16"
+    assert "q/k norm (per head, before rotary)" not in table
     no_lora = fam.read_config(dict(cfg, q_lora_rank=None))
     assert "mla.q" in fam.layer_roles(no_lora, 0) and "mla.q_down" not in fam.layer_roles(no_lora, 0)
 
@@ -305,19 +310,72 @@ def test_deepseek3_round_trip_and_logits(ds3_tp2_pp2_ep2, tiny_deepseek3_dir, tm
     assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
 
 
+tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
+
+
+def test_deepseek3_yarn_logits_and_flags(tiny_deepseek3_yarn_dir, tmp_path):
+    """DeepSeek-V3's YaRN: megatron-core's rope_type yarn with the factor, mscales and betas; the rank files' logits
+    (64 tokens) match transformers', and the same files read as plain RoPE do not (the check sees YaRN)."""
+    import dataclasses
+
+    from kit.convert.megatron_io import MegatronReader
+    from kit.convert.reference import megatron_forward
+    from kit.convert.verify import hf_logits, sample_tokens
+
+    rt = round_trip(tiny_deepseek3_yarn_dir, tmp_path, tp=2, ep=2)
+    assert rt["bit_exact"]
+    lc = logits_check(tiny_deepseek3_yarn_dir, rt["megatron"], seq_len=64, tolerance=TOL)
+    assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+    man = read_manifest(rt["megatron"])
+    spec = man["model"]
+    assert (spec["rope_scaling"], spec["rope_scaling_factor"], spec["original_max_position_embeddings"]) == (
+        "yarn",
+        40.0,
+        64,
+    )
+    flags = " ".join(man["megatron_flags"])
+    assert (
+        "--rope-type yarn --rotary-scaling-factor 40.0 --mscale 1.0 --mscale-all-dim 1.0 --beta-fast 32.0 "
+        "--beta-slow 1.0 --original-max-position-embeddings 64"
+    ) in flags
+    args = MegatronReader(rt["megatron"]).args
+    assert (args.rope_type, args.rotary_scaling_factor, args.mscale_all_dim) == ("yarn", 40.0, 1.0)
+    mr = MegatronReader(rt["megatron"])
+    fam = family_for_config(HFReader(tiny_deepseek3_yarn_dir).config)
+    plain = dataclasses.replace(fam.read_config(HFReader(tiny_deepseek3_yarn_dir).config), rope_scaling="")
+    ids = sample_tokens(2522, 64)
+    with torch.no_grad():
+        wrong = megatron_forward(mr, plain, ids)
+    assert float((wrong - hf_logits(tiny_deepseek3_yarn_dir, ids)).abs().max()) > 20 * TOL
+
+
 def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
-    from kit.convert import ConversionError
+    from kit.convert import ConversionError, megatron_to_hf
 
     fam = family_for_config({"model_type": "deepseek_v3"})
     base = HFReader(tiny_deepseek3_dir).config
     with pytest.raises(InputError, match="rope_interleave false"):
         fam.read_config(dict(base, rope_interleave=False))
-    with pytest.raises(InputError, match="rope scaling 'yarn'"):
-        fam.read_config(dict(base, rope_scaling={"type": "yarn", "factor": 40}))
+    with pytest.raises(InputError, match="rope scaling 'dynamic'"):
+        fam.read_config(dict(base, rope_scaling={"type": "dynamic", "factor": 4}))
+    with pytest.raises(InputError, match="YaRN mscale_all_dim without mscale"):
+        fam.read_config(dict(base, rope_scaling=dict(routed_moe.DEEPSEEK3_YARN, mscale=None)))
     with pytest.raises(InputError, match="n_group 4, topk_group 1, num_experts_per_tok 4"):
         fam.read_config(dict(base, topk_group=1))
     with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):
         hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "a"), tp=3), progress=False)
+    wrong = _config_with(tiny_deepseek3_dir, tmp_path / "wrong", kv_lora_rank=8)
+    hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "m")), progress=False)
+    with pytest.raises(ConversionError, match="kv_lora_rank: checkpoint args say 16"):
+        megatron_to_hf(
+            ConvertConfig(
+                str(tmp_path / "m"),
+                str(tmp_path / "hf"),
+                direction="megatron_to_hf",
+                hf_config_dir=str(wrong),
+            ),
+            progress=False,
+        )
     with pytest.raises(ConversionError, match="flavor 'te' for multi-head latent attention"):
         hf_to_megatron(
             ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "b"), flavor="te"), progress=False
@@ -373,3 +431,40 @@ def test_real_width_conversion_memory_stays_far_below_the_model_size(family, tmp
     assert model_mb > 1000 and to_meg < 0.35 * model_mb and both < 0.35 * model_mb, (to_meg, both, model_mb)
     assert compare_hf(src, back)["bit_exact"]
     print(f"{family}: model {model_mb:.0f} MiB, peak RSS rise {to_meg:.0f} / {both:.0f} MiB")
+
+
+@pytest.mark.parametrize("which", ["glm45", "deepseek3"])
+def test_resharding_equals_direct_conversion(which, glm45_tp2_pp2_ep2, ds3_tp2_pp2_ep2, request, tmp_path):
+    """TP2 x PP2 x EP2 -> TP1 x PP1 x EP4 re-sharded = HF -> TP1 x PP1 x EP4 directly (same bytes): the MTP layer,
+    the router bias, the shared expert and MLA's column-parallel projections merge and split back."""
+    from kit.convert import megatron_to_megatron
+    from kit.convert.verify import megatron_checksums
+
+    src = request.getfixturevalue({"glm45": "tiny_glm45_dir", "deepseek3": "tiny_deepseek3_dir"}[which])
+    meg = {"glm45": glm45_tp2_pp2_ep2, "deepseek3": ds3_tp2_pp2_ep2}[which]["megatron"]
+    megatron_to_megatron(
+        ConvertConfig(meg, str(tmp_path / "b"), direction="megatron_to_megatron", ep=4), progress=False
+    )
+    hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "c"), ep=4), progress=False)
+    b, c = megatron_checksums(tmp_path / "b"), megatron_checksums(tmp_path / "c")
+    assert b == c and any("/mtp.layers.0.eh_proj.weight" in k for k in b)
+
+
+def test_an_mtp_embedding_that_is_not_the_models_is_refused(tiny_glm45_dir, tmp_path):
+    """megatron-core's MTP layer uses the model's embedding and head: a checkpoint whose MTP copies differ from
+    them cannot be converted to itself, and says which tensor and rows."""
+    from safetensors.torch import load_file, save_file
+
+    from kit.convert import ConversionError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_glm45_dir, src)
+    shard = src / "model-mtp.safetensors"
+    tensors = load_file(shard)
+    tensors["model.layers.3.embed_tokens.weight"][2000] += 1.0
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(
+        ConversionError, match=r"'model.layers.3.embed_tokens.weight' differs from .* rows 0-2521"
+    ):
+        hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "out")), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ mcore_world, cpu_patches = (
 )  # shared fixtures (one gloo process group per module)
 tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixtures
 tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
+tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
 TOL = 1e-4
 
 
@@ -171,3 +172,19 @@ def test_deepseek3_megatron_core_expert_parallel_ranks_match_hf(tiny_deepseek3_d
     for r in range(2):
         logits = torch.load(tmp_path / f"logits_{r}.pt")
         assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+
+
+@pytest.mark.slow
+def test_deepseek3_yarn_megatron_core_logits(
+    tiny_deepseek3_yarn_dir, tmp_path, mcore_world, cpu_patches, mla_attention
+):
+    """megatron-core's YarnRotaryEmbedding and MLA softmax scale from the checkpoint's args give transformers'
+    logits over 64 tokens."""
+    out = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(tiny_deepseek3_yarn_dir), str(out)), progress=False)
+    state = MegatronReader(out).state(0, 0)
+    model = mc.build_gpt(state["args"])
+    model.load_state_dict(state["model"], strict=True)
+    ids = sample_tokens(2522, 64)
+    ref = hf_logits(tiny_deepseek3_yarn_dir, ids)
+    assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from kit.convert.families import ROLE_KIND, Family
+from kit.convert.families import ALIAS_ROLES, ROLE_KIND, Family
 from kit.convert.spec import ModelSpec, split_role
 from kit.convert.tensor_ops import part_offsets
 from kit.core.parallel import parallel_problems
@@ -62,6 +63,35 @@ def hf_problems(fam: Family, spec: ModelSpec, shapes: Dict[str, Tuple[int, ...]]
                 f"{spec.num_groups}, head_dim {spec.head_dim}, ffn {spec.ffn_hidden_size}, vocab "
                 f"{spec.vocab_size}{_moe_note(spec)}); config and weights do not belong together."
             )
+    return problems
+
+
+def mtp_copy_problems(fam: Family, spec: ModelSpec, read, shape, block_bytes: int = 8 << 20) -> List[str]:
+    """The MTP layers' embedding and head must equal the model's: megatron-core's MTP layer uses the model's own
+    (the published DeepSeek-V3 / GLM-4.5 files hold copies), so a checkpoint whose copies differ would not convert
+    to itself. Compared in row blocks of about block_bytes (read(key, rows=(a, b)) -> tensor; shape(key))."""
+    if not spec.mtp_num_layers:
+        return []  # and torch stays unimported: plain conversion only moves bytes
+    import torch
+
+    problems = []
+    for m in range(spec.mtp_num_layers):
+        layer = spec.num_layers + m
+        for alias, main in ALIAS_ROLES.items():
+            if main == "output" and spec.tied:
+                continue
+            (copy,), (orig,) = fam.hf_keys(alias, layer), fam.hf_keys(main)
+            rows, width = shape(orig)[0], max(1, math.prod(shape(orig)[1:]))
+            step = max(1, block_bytes // (4 * width))
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                if not torch.equal(read(copy, rows=(a, b)), read(orig, rows=(a, b))):
+                    problems.append(
+                        f"tensor {copy!r} differs from {orig!r} (first in rows {a}-{b - 1}): megatron-core's MTP "
+                        f"layer uses the model's own, so this copy cannot be converted; the checkpoint is not the "
+                        f"DeepSeek-V3 / GLM-4.5 layout the kit knows."
+                    )
+                    break
     return problems
 
 

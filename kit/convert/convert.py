@@ -15,6 +15,7 @@ from kit.convert.checks import (
     expected_hf_shapes,
     hf_problems,
     layout_plan_problems,
+    mtp_copy_problems,
     role_kind,
 )
 from kit.convert.config import ConvertConfig
@@ -154,7 +155,7 @@ def _write_megatron(
 
     pp = len(stages)
     name = f"->Megatron TP{tp} PP{pp}" + (f" EP{ep}" if ep > 1 else "")
-    bar = _LockedBar(_progress(tp * ep * spec.num_layers, name, not progress))
+    bar = _LockedBar(_progress(tp * ep * spec.all_layers, name, not progress))
     ctx = dict(stages=stages, fam=fam, spec=spec, flavor=flavor, args=args, rank_fn=rank_fn, ep=ep)
     ctx["grouped"] = ("te" if flavor == "te" else "legacy") if grouped_gemm and spec.num_experts else ""
     nonfinite = nonfinite or (lambda check, rank_file: check.error(f"{tmp.name}, written"))
@@ -377,6 +378,8 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
     fam = family_for_config(reader.config, cfg.family)
     spec = fam.read_config(reader.config, reader.folder)
     problems = hf_problems(fam, spec, {k: reader.shape(k) for k in reader.keys()})
+    if not problems:
+        problems = mtp_copy_problems(fam, spec, reader.read, reader.shape)
     if problems:
         raise ConversionError(problems, f"HF checkpoint {cfg.source}")
     # NaN / inf weights: nothing converted from them is usable. The tensors converted are checked as their bytes
@@ -519,7 +522,7 @@ def megatron_to_hf(cfg: ConvertConfig, progress: bool = True) -> dict:
     with atomic_dir(cfg.target, overwrite=cfg.overwrite, what="HF output folder") as tmp:
         writer = HFWriter(tmp, cfg.max_shard_mb * 1024**2, check=StreamCheck())
         emit(writer, "embedding", -1)
-        bar = _progress(spec.num_layers, f"Megatron TP{mr.tp} PP{mr.pp} EP{mr.ep}->HF", not progress)
+        bar = _progress(spec.all_layers, f"Megatron TP{mr.tp} PP{mr.pp} EP{mr.ep}->HF", not progress)
         for g in range(spec.all_layers):  # the decoder's layers, then the MTP layers
             for role in fam.layer_roles(spec, g):
                 emit(writer, role, g)

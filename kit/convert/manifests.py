@@ -82,8 +82,19 @@ def architecture_flags(
             "--qk-head-dim", model["qk_head_dim"],
             "--qk-pos-emb-head-dim", model["qk_pos_emb_head_dim"],
             "--v-head-dim", model["v_head_dim"],
-            "--rope-type", "rope",
         ]  # fmt: skip
+        if model.get("rope_scaling") == "yarn":  # YaRN on the rope dims (megatron-core YarnRotaryEmbedding)
+            flags += [
+                "--rope-type", "yarn",
+                "--rotary-scaling-factor", model["rope_scaling_factor"],
+                "--mscale", model["yarn_mscale"],
+                "--mscale-all-dim", model["yarn_mscale_all_dim"],
+                "--beta-fast", model["yarn_beta_fast"],
+                "--beta-slow", model["yarn_beta_slow"],
+                "--original-max-position-embeddings", model["original_max_position_embeddings"],
+            ]  # fmt: skip
+        else:
+            flags += ["--rope-type", "rope"]
     if not model["tied"]:
         flags.append("--untie-embeddings-and-output-weights")
     return [str(f) for f in flags + moe_flags(model, grouped_gemm)]

@@ -161,6 +161,11 @@ def source_spec(mr: MegatronReader, hf_config_dir: Optional[PathLike], family: O
             spec.moe_shared_expert_intermediate_size or None,
         ),
         ("mtp_num_layers", getattr(a, "mtp_num_layers", None), spec.mtp_num_layers or None),
+        *(
+            (name, getattr(a, name, None), getattr(spec, name) or None)
+            for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+            if spec.multi_latent_attention
+        ),
         (
             "untie_embeddings_and_output_weights",
             getattr(a, "untie_embeddings_and_output_weights", None),

@@ -309,6 +309,34 @@ def _mlp(h: torch.Tensor, w, spec: ModelSpec, moe: bool, expert) -> torch.Tensor
     return out
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_rope(x: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """RoPE of MLA's rope dims x [seq, heads, d] in interleaved pairs; with YaRN (megatron-core
+    yarn_rotary_pos_embedding.py, the published formulas) the frequencies blend interpolation and extrapolation over
+    a linear ramp between the beta_fast / beta_slow correction dims, and cos / sin carry mscale / mscale_all_dim."""
+    d, base = x.shape[-1], spec.rotary_base
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scale = 1.0
+    if spec.rope_scaling == "yarn":
+        f, orig = spec.rope_scaling_factor, spec.original_max_position_embeddings
+
+        def dim_of(rot: float) -> float:
+            return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim_of(spec.yarn_beta_fast)), 0)
+        high = min(math.ceil(dim_of(spec.yarn_beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv = inv / f * ramp + inv * (1 - ramp)
+        scale = _yarn_mscale(f, spec.yarn_mscale) / _yarn_mscale(f, spec.yarn_mscale_all_dim)
+    ang = torch.outer(torch.arange(x.shape[0], dtype=torch.float32), inv)[:, None, :]
+    cos, sin = ang.cos() * scale, ang.sin() * scale
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
 def mla_attention(h: torch.Tensor, w, spec: ModelSpec) -> torch.Tensor:
     """Multi-head latent attention with megatron-core 0.16's local-spec TP: the column-parallel down projections'
     outputs gathered (the ranks' rows concatenated), each rank's heads from its rows of the up projections, the
@@ -322,12 +350,18 @@ def mla_attention(h: torch.Tensor, w, spec: ModelSpec) -> torch.Tensor:
         q_c, q_up = h, w("mla.q")
     kv = h @ torch.cat(w("mla.kv_down")).T
     kv_c = rms_norm(kv[:, : spec.kv_lora_rank], w("mla.kv_norm")[0], spec.norm_eps)
-    k_pe = rope(kv[:, None, spec.kv_lora_rank :], spec.rotary_base, 1.0, True)
+    k_pe = mla_rope(kv[:, None, spec.kv_lora_rank :], spec)
+    # YaRN scales the softmax too: mscale(factor, mscale_all_dim) squared (1 for plain RoPE), here on q
+    soft = (
+        _yarn_mscale(spec.rope_scaling_factor, spec.yarn_mscale_all_dim) ** 2
+        if spec.rope_scaling == "yarn"
+        else 1.0
+    )
     out = 0
     for q_w, kv_w, proj in zip(q_up, w("mla.kv_up"), w("proj.weight")):
         q = (q_c @ q_w.T).reshape(h.shape[0], -1, nope + rd)
         kvr = (kv_c @ kv_w.T).reshape(h.shape[0], -1, nope + vd)
-        q = torch.cat([q[..., :nope], rope(q[..., nope:], spec.rotary_base, 1.0, True)], -1)
+        q = torch.cat([q[..., :nope], mla_rope(q[..., nope:], spec)], -1) * soft
         k = torch.cat([kvr[..., :nope], k_pe.expand(-1, q.shape[1], -1)], -1)
         out = out + attention(q, k, kvr[..., nope:]) @ proj.T
     return out

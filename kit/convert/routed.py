@@ -65,21 +65,26 @@ def mla_fields(cfg: dict) -> dict:
     # (rope_utils._apply_rotary_pos_emb_bshd with multi_latent_attention) first reorders them even-then-odd and
     # rotates pairs (i, i + d/2): the same pairs, so the same attention scores from the same weights. With
     # rope_interleave=False HF rotates (i, i + d/2) of the stored order, which megatron-core's MLA cannot: refused,
-    # as are yarn scaling and biases.
+    # as are biases. YaRN (DeepSeek-V3's published rope_scaling) is megatron-core's YarnRotaryEmbedding with the same
+    # frequencies, cos/sin factor mscale / mscale_all_dim and softmax factor mscale_all_dim squared, where HF takes
+    # both mscales (or neither: then mscale 1, mscale_all_dim 0 give its fallback); other settings are refused.
     bad = []
     if not cfg.get("rope_interleave", True):
         bad.append("rope_interleave false (megatron-core's MLA rotates interleaved pairs)")
     if cfg.get("attention_bias"):
         bad.append("attention_bias true (megatron-core's MLA projections have no bias)")
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if (rs.get("rope_type") or rs.get("type") or "default") != "default":
-        bad.append(
-            f"rope scaling {rs.get('rope_type') or rs.get('type')!r} (the kit converts plain RoPE for MLA)"
-        )
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    yarn = {}
+    if kind == "yarn":
+        yarn, why = _yarn(cfg, rs)
+        bad += why
+    elif kind != "default":
+        bad.append(f"rope scaling {kind!r} (the kit converts plain RoPE and YaRN for MLA)")
     if bad:
         raise InputError(
             f"config.json of this deepseek_v3 model has {'; '.join(bad)}; the kit converts MLA with interleaved "
-            f"plain RoPE and no biases (rope_interleave true, no rope_scaling, attention_bias false), so this model "
+            f"RoPE (plain or YaRN) and no biases (rope_interleave true, attention_bias false), so this model "
             f"cannot be converted yet."
         )
     return dict(
@@ -89,4 +94,31 @@ def mla_fields(cfg: dict) -> dict:
         qk_head_dim=int(cfg["qk_nope_head_dim"]),
         qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
         v_head_dim=int(cfg["v_head_dim"]),
+        **yarn,
     )
+
+
+def _yarn(cfg: dict, rs: dict) -> tuple:
+    """(ModelSpec fields, problems) of a YaRN rope_scaling (transformers modeling_rope_utils
+    _compute_yarn_parameters and yarn_apply_mscale; megatron-core yarn_rotary_pos_embedding.py)."""
+    original = int(rs.get("original_max_position_embeddings") or 0)
+    factor = float(rs.get("factor") or 0) or int(cfg.get("max_position_embeddings", 0)) / max(original, 1)
+    mscale, all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    bad = []
+    if not original:
+        bad.append("YaRN without original_max_position_embeddings")
+    if rs.get("attention_factor") is not None or rs.get("truncate") is False:
+        bad.append("YaRN attention_factor / truncate false (megatron-core computes them its one way)")
+    if all_dim and not mscale:
+        bad.append("YaRN mscale_all_dim without mscale (megatron-core would scale cos/sin differently)")
+    both = bool(mscale and all_dim)
+    fields = dict(
+        rope_scaling="yarn",
+        rope_scaling_factor=factor,
+        original_max_position_embeddings=original,
+        yarn_mscale=float(mscale) if both else 1.0,
+        yarn_mscale_all_dim=float(all_dim) if both else 0.0,
+        yarn_beta_fast=float(rs.get("beta_fast") or 32),
+        yarn_beta_slow=float(rs.get("beta_slow") or 1),
+    )
+    return fields, bad

@@ -92,6 +92,12 @@ class ModelSpec:
     qk_head_dim: int = 0  # HF qk_nope_head_dim
     qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
     v_head_dim: int = 0
+    # DeepSeek-V3's YaRN on the MLA rope dims (rope_scaling "yarn" with rope_scaling_factor and
+    # original_max_position_embeddings above): megatron-core's mscale / mscale_all_dim / beta_fast / beta_slow
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when layer `layer` (global index) is a MoE block (router + experts) rather than a dense MLP; an MTP
@@ -295,7 +301,10 @@ def _mla_args(spec: ModelSpec) -> Dict[str, Any]:
         qk_head_dim=spec.qk_head_dim,
         qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
         v_head_dim=spec.v_head_dim,
-        rope_type="rope",  # rotary_scaling_factor (above) stays 1: no yarn mscale on the softmax scale
-        mscale=1.0,
-        mscale_all_dim=0.0,
+        # rotary_scaling_factor (above) is YaRN's factor; 1 for plain RoPE, so no mscale on the softmax scale
+        rope_type="yarn" if spec.rope_scaling == "yarn" else "rope",
+        mscale=spec.yarn_mscale,
+        mscale_all_dim=spec.yarn_mscale_all_dim,
+        beta_fast=spec.yarn_beta_fast,
+        beta_slow=spec.yarn_beta_slow,
     )

@@ -54,7 +54,11 @@ def describe(cfg: ConvertConfig):
             )
             + (f" ({why})" if why else ""),
         ),
-        ("q/k norm (per head, before rotary)", spec.qk_norm),
+        *(
+            [("multi-head latent attention", mla_note(spec))]
+            if spec.multi_latent_attention
+            else [("q/k norm (per head, before rotary)", spec.qk_norm)]
+        ),
         *(
             [
                 (
@@ -159,4 +163,13 @@ def routed_note(spec) -> str:
     return (
         f"{spec.moe_router_score_function} + expert bias{groups}{scale}; shared FFN "
         f"{spec.moe_shared_expert_intermediate_size or 'none'}; MTP layers {spec.mtp_num_layers}"
+    )
+
+
+def mla_note(spec) -> str:
+    """One line on DeepSeek-V3's multi-head latent attention: its latent ranks and head dims."""
+    q = f"q latent {spec.q_lora_rank}" if spec.q_lora_rank else "q projection (no latent)"
+    return (
+        f"{q}, kv latent {spec.kv_lora_rank}; per head q/k {spec.qk_head_dim} + rope "
+        f"{spec.qk_pos_emb_head_dim}, v {spec.v_head_dim}"
     )

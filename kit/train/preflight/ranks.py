@@ -96,6 +96,9 @@ def build_model(args, job: dict, with_mtp: bool = True):
             rotary_scaling_factor=float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0),
             mscale=args.mscale,
             mscale_all_dim=args.mscale_all_dim,
+            beta_fast=getattr(args, "beta_fast", 32.0),
+            beta_slow=getattr(args, "beta_slow", 1.0),
+            original_max_position_embeddings=getattr(args, "original_max_position_embeddings", None) or 4096,
         )
     cfg = config_class(
         **moe,
