@@ -15,7 +15,7 @@ import pytest
 import torch
 from fixtures.convert import routed_moe
 
-from kit.convert import ConvertConfig
+from kit.convert import ConvertConfig, hf_to_megatron
 from kit.convert.families import family_for_config
 from kit.convert.hf_io import HFReader
 from kit.convert.megatron_io import load_rank_file, save_rank
@@ -88,16 +88,34 @@ def test_glm45_rank_files_hold_router_bias_shared_expert_and_mtp(glm45_tp2_pp2_e
     assert "--rotary-interleaved" not in flags and "--moe-router-pre-softmax" not in flags
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 1), (1, 1, 8)])
-def test_glm45_round_trip_and_logits(glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path, tp, pp, ep):
+@pytest.mark.parametrize(
+    "tp,pp,ep,flavor,grouped",
+    [(2, 2, 2, "local", False), (1, 1, 1, "local", False), (1, 1, 8, "local", False), (2, 1, 2, "te", True),
+     (2, 1, 2, "local", True)],
+)  # fmt: skip
+def test_glm45_round_trip_and_logits(
+    glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path, tp, pp, ep, flavor, grouped
+):
     rt = (
         glm45_tp2_pp2_ep2
         if (tp, pp, ep) == (2, 2, 2)
-        else round_trip(tiny_glm45_dir, tmp_path, tp=tp, pp=pp, ep=ep)
+        else round_trip(
+            tiny_glm45_dir, tmp_path, tp=tp, pp=pp, ep=ep, flavor=flavor, moe_grouped_gemm=grouped
+        )
     )
     assert rt["bit_exact"] and rt["identical"] == rt["tensors"] == 143, rt["different"]
     lc = logits_check(tiny_glm45_dir, rt["megatron"], tolerance=TOL)
     assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+
+
+def test_a_cast_keeps_the_router_bias_in_fp32(tiny_glm45_dir, tmp_path):
+    """--dtype bfloat16 casts the weights, not the expert bias megatron-core keeps in fp32."""
+    out = tmp_path / "bf16"
+    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(out), dtype="bfloat16"), progress=False)
+    model = load_rank_file(out / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["model"]
+    bias = model["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.dtype == torch.float32 and model["decoder.layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    assert torch.equal(bias, HFReader(tiny_glm45_dir).read("model.layers.1.mlp.gate.e_score_correction_bias"))
 
 
 def test_glm45_logits_check_sees_the_router_bias(glm45_tp2_pp2_ep2, tiny_glm45_dir, tmp_path):
@@ -130,6 +148,8 @@ def test_routings_megatron_core_cannot_run_are_refused_in_one_line(tiny_glm45_di
         fam.read_config(dict(base, topk_group=2))
     with pytest.raises(InputError, match="n_group 3"):
         fam.read_config(dict(base, n_group=3))
+    with pytest.raises(InputError, match="ties the embedding and the head and has MTP layers"):
+        fam.read_config(dict(base, tie_word_embeddings=True))
     src = _config_with(tiny_glm45_dir, tmp_path / "bad", scoring_func="softmax")
     res = subprocess.run(
         [sys.executable, "-m", "kit", "convert", "--source", str(src), "--target", str(tmp_path / "out"),
@@ -163,3 +183,144 @@ def test_describe_names_the_routing_and_a_wrong_config_is_caught(glm45_tp2_pp2_e
             ConvertConfig(glm45_tp2_pp2_ep2["megatron"], str(tmp_path / "hf"), hf_config_dir=str(other)),
             progress=False,
         )
+
+
+tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
+
+
+def test_deepseek3_spec_roles_and_aliases(tiny_deepseek3_dir):
+    cfg = HFReader(tiny_deepseek3_dir).config
+    fam = family_for_config(cfg)
+    assert fam.name == "deepseek_v3"
+    assert all(family_for_config(cfg, a) is fam for a in ("deepseek3", "deepseek2", "deepseek2-lite"))
+    spec = fam.read_config(cfg)
+    assert spec.multi_latent_attention and (spec.q_lora_rank, spec.kv_lora_rank) == (32, 16)
+    assert (spec.qk_head_dim, spec.qk_pos_emb_head_dim, spec.v_head_dim, spec.head_dim) == (16, 8, 16, 16)
+    assert spec.moe_layer_freq == (0, 0, 1, 1) and spec.all_layers == 5
+    assert (spec.moe_router_num_groups, spec.moe_router_group_topk, spec.moe_router_topk) == (4, 2, 4)
+    assert fam.layer_roles(spec, 0)[:8] == [
+        "input_norm", "mla.q_down", "mla.q_norm", "mla.q_up", "mla.kv_down", "mla.kv_norm", "mla.kv_up",
+        "proj.weight",
+    ]  # fmt: skip
+    assert spec.full_shape("mla.kv_up") == (4 * (16 + 16), 16) and spec.full_shape("proj.weight") == (64, 64)
+    no_lora = fam.read_config(dict(cfg, q_lora_rank=None))
+    assert "mla.q" in fam.layer_roles(no_lora, 0) and "mla.q_down" not in fam.layer_roles(no_lora, 0)
+
+
+@pytest.fixture(scope="module")
+def ds3_tp2_pp2_ep2(tiny_deepseek3_dir, tmp_path_factory) -> dict:
+    return round_trip(tiny_deepseek3_dir, tmp_path_factory.mktemp("ds3"), tp=2, pp=2, ep=2)
+
+
+def test_deepseek3_mla_tensors_are_split_by_rows_over_tp(ds3_tp2_pp2_ep2, tiny_deepseek3_dir):
+    """megatron-core's local MLA: every projection column-parallel, so TP rank 1 holds the second half of the rows of
+    q_a_proj, kv_a_proj_with_mqa (gathered again in the forward), and of q_b_proj / kv_b_proj (its heads 2-3);
+    the latent norms whole; o_proj split by columns."""
+    hf = HFReader(tiny_deepseek3_dir)
+    it = Path(ds3_tp2_pp2_ep2["megatron"]) / "iter_0000001"
+    model = load_rank_file(it / "mp_rank_01_000_000" / "model_optim_rng.pt")["model"]
+    pre, hpre = "decoder.layers.1.self_attention.", "model.layers.1.self_attn."
+    pairs = {
+        "linear_q_down_proj": ("q_a_proj", 16),
+        "linear_q_up_proj": ("q_b_proj", 48),
+        "linear_kv_down_proj": ("kv_a_proj_with_mqa", 12),
+        "linear_kv_up_proj": ("kv_b_proj", 64),
+    }
+    for meg, (name, half) in pairs.items():
+        assert torch.equal(model[pre + meg + ".weight"], hf.read(hpre + name + ".weight")[half:]), meg
+    assert torch.equal(model[pre + "kv_layernorm.weight"], hf.read(hpre + "kv_a_layernorm.weight"))
+    assert torch.equal(model[pre + "linear_proj.weight"], hf.read(hpre + "o_proj.weight")[:, 32:])
+    args = load_rank_file(it / "mp_rank_00_001_001" / "model_optim_rng.pt")["args"]
+    assert args.multi_latent_attention and (args.q_lora_rank, args.kv_lora_rank) == (32, 16)
+    assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim) == (16, 8, 16)
+    assert args.rope_type == "rope" and args.rotary_scaling_factor == 1.0 and args.qk_layernorm
+    flags = " ".join(read_manifest(ds3_tp2_pp2_ep2["megatron"])["megatron_flags"])
+    assert (
+        "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+        "--v-head-dim 16 --rope-type rope"
+    ) in flags
+    assert "--qk-layernorm" in flags and "--moe-router-num-groups 4 --moe-router-group-topk 2" in flags
+
+
+@pytest.mark.parametrize("case", ["tp2pp2ep2", "tp1", "no_q_lora_tp2ep4"])
+def test_deepseek3_round_trip_and_logits(ds3_tp2_pp2_ep2, tiny_deepseek3_dir, tmp_path, case):
+    if case == "tp2pp2ep2":
+        src, rt = tiny_deepseek3_dir, ds3_tp2_pp2_ep2
+    elif case == "tp1":
+        src, rt = tiny_deepseek3_dir, round_trip(tiny_deepseek3_dir, tmp_path, tp=1)
+    else:  # DeepSeek-V2-Lite's layout: q_proj, no query latent
+        src = routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None)
+        rt = round_trip(src, tmp_path, tp=2, ep=4)
+    assert rt["bit_exact"] and rt["identical"] == rt["tensors"], rt["different"]
+    lc = logits_check(src, rt["megatron"], tolerance=TOL)
+    assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+
+
+def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
+    from kit.convert import ConversionError
+
+    fam = family_for_config({"model_type": "deepseek_v3"})
+    base = HFReader(tiny_deepseek3_dir).config
+    with pytest.raises(InputError, match="rope_interleave false"):
+        fam.read_config(dict(base, rope_interleave=False))
+    with pytest.raises(InputError, match="rope scaling 'yarn'"):
+        fam.read_config(dict(base, rope_scaling={"type": "yarn", "factor": 40}))
+    with pytest.raises(InputError, match="n_group 4, topk_group 1, num_experts_per_tok 4"):
+        fam.read_config(dict(base, topk_group=1))
+    with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):
+        hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "a"), tp=3), progress=False)
+    with pytest.raises(ConversionError, match="flavor 'te' for multi-head latent attention"):
+        hf_to_megatron(
+            ConvertConfig(str(tiny_deepseek3_dir), str(tmp_path / "b"), flavor="te"), progress=False
+        )
+
+
+# real hidden sizes and attention shapes (the published config.json files); fewer experts and a smaller vocabulary
+# keep the test to a few GB (DeepSeek-V3 has 256 experts of 2048 x 7168 per layer, GLM-4.5-Air 128 of 1408 x 4096)
+REAL_SHAPES = {
+    "deepseek_v3": dict(
+        hidden_size=7168, num_heads=128, num_groups=128, ffn_hidden_size=18432, moe_ffn_hidden_size=2048,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_interleave=True,
+    ),
+    "glm4_moe": dict(
+        hidden_size=4096, num_heads=96, num_groups=8, ffn_hidden_size=10944, moe_ffn_hidden_size=1408,
+        head_dim=128, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(REAL_SHAPES))
+def test_real_width_conversion_memory_stays_far_below_the_model_size(family, tmp_path):
+    """`python -m kit convert` HF -> Megatron TP1 EP2 and back on 2 layers (dense + MoE) and the MTP layer of
+    DeepSeek-V3's / GLM-4.5-Air's real widths raise the peak RSS by far less than the model size (one tensor at a
+    time), and the way back is bit-exact."""
+    from fixtures.convert.synthetic import synthetic_checkpoint
+
+    from kit.convert.verify import compare_hf
+
+    src = synthetic_checkpoint(
+        tmp_path / "src", family, num_layers=2, vocab_size=8000, num_experts=2, dtype="bfloat16",
+        max_shard_mb=400, with_tokenizer=False, **REAL_SHAPES[family],
+    )  # fmt: skip
+    model_mb = sum(p.stat().st_size for p in src.glob("*.safetensors")) / 1024**2
+    meg, back = tmp_path / "m", tmp_path / "hf"
+    code = (
+        "import re, sys, torch\n"
+        "from kit.__main__ import main\n"
+        "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 1024\n"
+        "import safetensors.torch; torch.zeros(1); before = hwm()\n"
+        "def run(*a):\n"
+        "    assert main(['convert', *a, '--no-progress']) == 0\n"
+        f"run('--source', {str(src)!r}, '--target', {str(meg)!r}, '--target-expert-parallel-size', '2')\n"
+        "print('RSS', hwm() - before)\n"
+        f"run('--source', {str(meg)!r}, '--target', {str(back)!r}, '--direction', 'megatron_to_hf')\n"
+        "print('RSS', hwm() - before)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr[-2000:]
+    to_meg, both = (float(x.split()[1]) for x in res.stdout.splitlines() if x.startswith("RSS "))
+    assert model_mb > 1000 and to_meg < 0.35 * model_mb and both < 0.35 * model_mb, (to_meg, both, model_mb)
+    assert compare_hf(src, back)["bit_exact"]
+    print(f"{family}: model {model_mb:.0f} MiB, peak RSS rise {to_meg:.0f} / {both:.0f} MiB")

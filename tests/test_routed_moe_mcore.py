@@ -20,8 +20,39 @@ mcore_world, cpu_patches = (
     mc.mcore_world,
     mc.cpu_patches,
 )  # shared fixtures (one gloo process group per module)
-tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixture
+tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixtures
+tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
 TOL = 1e-4
+
+
+def local_mla_attention() -> None:
+    """megatron-core 0.16.1's local-spec MLA hands its core attention k_channels / v_channels, which only
+    TransformerEngine's attention takes (the local DotProductAttention raises TypeError): on CPU, a local attention
+    that takes and drops them (the softmax scale comes in explicitly; kv_channels = v_head_dim sizes the output).
+    A stand-in for the test of the weights only; the kit writes no core-attention tensors. Its TE fp8 check
+    (isinstance of TELinear) is off: no TransformerEngine here."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    multi_latent_attention.HAVE_TE = False
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    LocalSpecProvider.core_attention = lambda self: MLADotProductAttention
+
+
+@pytest.fixture
+def mla_attention():
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer import multi_latent_attention
+
+    before = LocalSpecProvider.core_attention, multi_latent_attention.HAVE_TE
+    local_mla_attention()
+    yield
+    LocalSpecProvider.core_attention, multi_latent_attention.HAVE_TE = before
 
 
 def main_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -53,6 +84,8 @@ def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     try:
         with cpu_patched():
             state = MegatronReader(ckpt).state(0, 0, parallel_state.get_expert_model_parallel_rank())
+            if getattr(state["args"], "multi_latent_attention", False):
+                local_mla_attention()
             model = mc.build_gpt(state["args"])
             model.load_state_dict(state["model"], strict=True)
             logits = main_logits(model, sample_tokens(2522, 12))
@@ -93,6 +126,48 @@ def test_glm45_megatron_core_expert_parallel_ranks_match_hf(tiny_glm45_dir, tmp_
     hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(ckpt), ep=2), progress=False)
     mp.spawn(_ep_worker, args=(2, mc._free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
     ref = hf_logits(tiny_glm45_dir, sample_tokens(2522, 12))
+    for r in range(2):
+        logits = torch.load(tmp_path / f"logits_{r}.pt")
+        assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
+    q_lora, tmp_path, mcore_world, cpu_patches, mla_attention, request
+):
+    """megatron-core's MLATransformerConfig GPTModel (local spec: column-parallel MLA projections, q / kv latent
+    norms) of the checkpoint's own args loads the TP1 rank file strictly and gives transformers' logits; without a
+    query latent (q_lora_rank None, DeepSeek-V2-Lite's layout) through linear_q_proj."""
+    src = (
+        request.getfixturevalue("tiny_deepseek3_dir")
+        if q_lora
+        else routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None)
+    )
+    out = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(src), str(out)), progress=False)
+    state = MegatronReader(out).state(0, 0)
+    model = mc.build_gpt(state["args"])
+    result = model.load_state_dict(state["model"], strict=True)
+    assert not result.missing_keys and not [k for k in result.unexpected_keys if "_extra_state" not in k]
+    own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    assert set(own) == set(state["model"])
+    assert ("decoder.layers.0.self_attention.linear_q_down_proj.weight" in own) is q_lora
+    for k, v in own.items():
+        assert torch.equal(v, state["model"][k]), k
+    ids = sample_tokens(2522, 12)
+    ref = hf_logits(src, ids)
+    assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+
+
+@pytest.mark.slow
+def test_deepseek3_megatron_core_expert_parallel_ranks_match_hf(tiny_deepseek3_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    ckpt = tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(ckpt), ep=2), progress=False)
+    mp.spawn(_ep_worker, args=(2, mc._free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
+    ref = hf_logits(tiny_deepseek3_dir, sample_tokens(2522, 12))
     for r in range(2):
         logits = torch.load(tmp_path / f"logits_{r}.pt")
         assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL

@@ -95,6 +95,21 @@ def layout_plan_problems(
         problems.append(
             f"flavor 'legacy' has no MoE layers for this {spec.family} model; use 'local' or 'te'."
         )
+    if spec.multi_latent_attention and flavor != "local":
+        problems.append(
+            f"flavor {flavor!r} for multi-head latent attention: the kit writes MLA in megatron-core's local spec "
+            f"names only; use flavor 'local'."
+        )
+    if spec.multi_latent_attention:  # the column-parallel MLA projections split their output rows over TP
+        for what, rows in (
+            ("q_lora_rank", spec.q_lora_rank),
+            ("kv_lora_rank + qk_rope_head_dim", spec.kv_lora_rank + spec.qk_pos_emb_head_dim),
+        ):
+            if rows and rows % tp:
+                problems.append(
+                    f"TP {tp} does not divide {what} {rows} (megatron-core's local MLA splits that projection's "
+                    f"rows over TP); use a TP that divides it."
+                )
     if grouped_gemm and not spec.num_experts:
         problems.append("moe_grouped_gemm is set but this model has no experts; leave it False.")
 

@@ -18,7 +18,7 @@ from kit.convert.checks import (
     role_kind,
 )
 from kit.convert.config import ConvertConfig
-from kit.convert.families import Family, family_for_config
+from kit.convert.families import KEEP_DTYPE, Family, family_for_config
 from kit.convert.file_slices import (
     FileSlice,
     Rows,
@@ -425,7 +425,7 @@ def hf_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
 
             t = as_tensor(t)
             t = torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype)
-        if cast is not None and piece_info(t)[1] != cast:
+        if cast is not None and piece_info(t)[1] != cast and role not in KEEP_DTYPE:
             t = as_tensor(t).to(torch_dtype(cast))
         return t
 
@@ -573,7 +573,7 @@ def megatron_to_megatron(cfg: ConvertConfig, progress: bool = True) -> dict:
         if kind == "vocab":
             t = t[: spec.vocab_size]
         t = split_tp(kind, t, cfg.tp, padded)[r].clone()
-        return t.to(torch_dtype(cast)) if cast is not None else t
+        return t.to(torch_dtype(cast)) if cast is not None and role not in KEEP_DTYPE else t
 
     meta, written = _save_megatron(
         cfg,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
+from kit.convert.routed import mla_fields, routed_moe_fields
 from kit.convert.spec import ModelSpec, expert_role, split_role
 from kit.core.i18n import t
 from kit.errors import InputError
@@ -45,6 +46,16 @@ ROLE_KIND = {
     # multi-token prediction (megatron-core 0.16 transformer/multi_token_prediction.py): eh_proj is a column-parallel
     # [h, 2h] (its output gathered); the norms replicated. The MTP layer's embedding and head are the model's own
     # (megatron-core passes them in): on the HF side they are copies, written back from the main ones.
+    # multi-head latent attention (megatron-core 0.16 multi_latent_attention.py with the local spec, where every MLA
+    # projection is a ColumnParallelLinear: the down projections' outputs are gathered again, the up projections
+    # keep their heads per rank); the latent norms are replicated
+    "mla.q_down": "column",
+    "mla.q_norm": "replicated",
+    "mla.q_up": "column",
+    "mla.q": "column",
+    "mla.kv_down": "column",
+    "mla.kv_norm": "replicated",
+    "mla.kv_up": "column",
     "mtp.enorm": "replicated",
     "mtp.hnorm": "replicated",
     "mtp.eh_proj": "column",
@@ -52,6 +63,9 @@ ROLE_KIND = {
     "mtp.embedding": "vocab",
     "mtp.output": "vocab",
 }
+# roles a dtype cast leaves alone: megatron-core keeps the router's expert_bias in fp32 (router.py
+# _maintain_float32_expert_bias), and a bf16 copy would move the routing
+KEEP_DTYPE = ("router.expert_bias",)
 # roles whose Megatron tensor is another role's (the MTP layer shares the embedding and the output layer)
 ALIAS_ROLES = {"mtp.embedding": "embedding", "mtp.output": "output"}
 MTP_ROLES = ("mtp.enorm", "mtp.hnorm", "mtp.eh_proj", "mtp.final_norm", "mtp.embedding", "mtp.output")
@@ -90,6 +104,11 @@ class Family:
         absent = set() if spec.qkv_bias else {"qkv.bias"}
         absent |= set() if spec.qk_norm else {"q_norm", "k_norm"}
         layer = [r for r in LAYER_ROLES if r not in absent]
+        if spec.multi_latent_attention:  # MLA's projections and latent norms take the place of QKV
+            mla = ["mla.q_down", "mla.q_norm", "mla.q_up"] if spec.q_lora_rank else ["mla.q"]
+            mla += ["mla.kv_down", "mla.kv_norm", "mla.kv_up"]
+            at = layer.index("proj.weight")
+            layer = [r for r in layer[:at] if r in ("input_norm",)] + mla + layer[at:]
         return glob, layer
 
     def layer_roles(self, spec: ModelSpec, layer: int) -> List[str]:
@@ -210,51 +229,30 @@ def _qwen3_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
     )
 
 
-def _routed_moe(cfg: dict, family: str) -> dict:
-    """ModelSpec MoE fields of the DeepSeek-V3 router and MoE block that GLM-4.5 shares (transformers
-    modeling_deepseek_v3 / modeling_glm4_moe): sigmoid scores plus e_score_correction_bias pick the experts, the
-    top-k inside the topk_group best of n_group groups (a group scored by its best two experts), their sigmoid
-    weights renormalised and times routed_scaling_factor; shared experts beside; layers below first_k_dense_replace
-    dense. Combinations megatron-core 0.16 cannot run the same way are refused."""
-    n, experts = int(cfg["num_hidden_layers"]), int(cfg.get("n_routed_experts") or 0)
-    topk, groups = int(cfg.get("num_experts_per_tok") or 0), int(cfg.get("n_group") or 1)
-    topk_group = int(cfg.get("topk_group") or 1)
-    scoring = cfg.get("scoring_func") or "sigmoid"
-    bad = []
-    if scoring != "sigmoid":
-        bad.append(f"scoring_func {scoring!r} (the kit converts the sigmoid router of DeepSeek-V3 / GLM-4.5)")
-    if not cfg.get("norm_topk_prob", True):
-        bad.append(
-            "norm_topk_prob false (megatron-core's sigmoid router always renormalises its top-k weights)"
-        )
-    if groups > 1 and (experts % groups or topk % topk_group or topk // topk_group != 2):
-        bad.append(
-            f"n_group {groups}, topk_group {topk_group}, num_experts_per_tok {topk} (megatron-core scores a group "
-            f"by its best num_experts_per_tok / topk_group experts and HF by its best 2: they agree only when "
-            f"that is 2 and n_group divides the {experts} experts)"
-        )
-    if bad:
-        raise InputError(
-            f"config.json of this {family} model has {'; '.join(bad)}: megatron-core 0.16 cannot route it the "
-            f"way transformers does, so the converted model would not be the same model; not supported."
-        )
-    dense_first = int(cfg.get("first_k_dense_replace") or 0)
-    factor = float(cfg.get("routed_scaling_factor") or 1.0)
-    return dict(
-        num_experts=experts,
-        moe_router_topk=topk,
-        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-        moe_norm_topk_prob=True,
-        moe_aux_loss_coeff=float(cfg.get("aux_loss_alpha") or 0.0),
-        moe_layer_freq=tuple(int(i >= dense_first) for i in range(n)),
-        moe_shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0)
-        * int(cfg["moe_intermediate_size"]),
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=factor if factor != 1.0 else 0.0,
-        moe_router_num_groups=groups if groups > 1 else 0,
-        moe_router_group_topk=topk_group if groups > 1 else 0,
-        mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+def _deepseek3_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
+    # DeepSeek-V3 (transformers modeling_deepseek_v3): multi-head latent attention (kit.convert.routed.mla_fields)
+    nh = int(cfg["num_attention_heads"])
+    return ModelSpec(
+        family="deepseek_v3",
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=nh,
+        num_groups=nh,
+        head_dim=int(cfg["v_head_dim"]),
+        vocab_size=int(cfg["vocab_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=False,
+        position="rope",
+        rotary_base=_rope_theta(cfg),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        # megatron-core's local spec builds MLA's q / kv latent norms only with qk_layernorm (--qk-layernorm)
+        qk_norm=True,
+        **mla_fields(cfg),
+        **routed_moe_fields(cfg, "deepseek_v3"),
     )
 
 
@@ -271,7 +269,7 @@ def _glm4_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         rotary_percent=float(percent),
         rotary_interleaved=False,
-        **_routed_moe(cfg, "glm4_moe"),
+        **routed_moe_fields(cfg, "glm4_moe"),
     )
 
 
@@ -495,6 +493,30 @@ GLM4_MOE = Family(
     "with a score bias, a shared expert, dense first layers, one MTP layer.",
 )
 
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3",
+    model_types=("deepseek_v3",),
+    read_config=_deepseek3_spec,
+    global_keys=LLAMA.global_keys,
+    layer_prefix="model.layers.{i}.",
+    layer_keys=dict(
+        _LLAMA_LAYER,
+        **{
+            "mla.q_down": ("self_attn.q_a_proj.weight",),
+            "mla.q_norm": ("self_attn.q_a_layernorm.weight",),
+            "mla.q_up": ("self_attn.q_b_proj.weight",),
+            "mla.q": ("self_attn.q_proj.weight",),
+            "mla.kv_down": ("self_attn.kv_a_proj_with_mqa.weight",),
+            "mla.kv_norm": ("self_attn.kv_a_layernorm.weight",),
+            "mla.kv_up": ("self_attn.kv_b_proj.weight",),
+        },
+        **_ROUTED_MOE_LAYER,
+    ),
+    ignore_suffixes=("rotary_emb.inv_freq",),
+    notes="DeepSeek-V3 (and V2-Lite's q_proj layout): multi-head latent attention, sigmoid-routed experts with a "
+    "score bias in groups, a shared expert, dense first layers, one MTP layer.",
+)
+
 GLM = Family(
     name="glm",
     model_types=("glm",),
@@ -544,7 +566,7 @@ BAICHUAN = Family(
     notes="Baichuan2: W_pack = [Q;K;V]; NormHead lm_head normalised at conversion; 13B ALiBi is MindSpeed-only.",
 )
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, GLM, CHATGLM, BAICHUAN)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN3, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3, GLM, CHATGLM, BAICHUAN)}
 # ModelLink 1.0 `util.py --loader` names (the ModelArts user manual's conversion command) and their families.
 LOADER_ALIASES = {
     "llama2_hf": "llama",
@@ -556,6 +578,9 @@ LOADER_ALIASES = {
     # MindSpeed-LLM convert_ckpt_v2.py --model-type-hf names
     "glm45": "glm4_moe",
     "glm45-air": "glm4_moe",
+    "deepseek3": "deepseek_v3",
+    "deepseek2": "deepseek_v3",
+    "deepseek2-lite": "deepseek_v3",
     "hf": None,
 }
 

@@ -74,6 +74,16 @@ def architecture_flags(
         flags.append("--add-qkv-bias")
     if model.get("qk_norm"):
         flags.append("--qk-layernorm")
+    if model.get("multi_latent_attention"):  # Megatron-LM's MLA arguments; plain RoPE (rope_type rope)
+        flags += [
+            "--multi-latent-attention",
+            *(["--q-lora-rank", model["q_lora_rank"]] if model.get("q_lora_rank") else []),
+            "--kv-lora-rank", model["kv_lora_rank"],
+            "--qk-head-dim", model["qk_head_dim"],
+            "--qk-pos-emb-head-dim", model["qk_pos_emb_head_dim"],
+            "--v-head-dim", model["v_head_dim"],
+            "--rope-type", "rope",
+        ]  # fmt: skip
     if not model["tied"]:
         flags.append("--untie-embeddings-and-output-weights")
     return [str(f) for f in flags + moe_flags(model, grouped_gemm)]

@@ -27,6 +27,14 @@ _MCORE_LAYER = {
     # Qwen3's q/k norms: mcore's q_layernorm / k_layernorm (same names in the TE spec); legacy Megatron has none
     "q_norm": "self_attention.q_layernorm.weight",
     "k_norm": "self_attention.k_layernorm.weight",
+    # MLA (local spec, megatron-core 0.16 gpt_layer_specs.get_gpt_layer_local_spec(multi_latent_attention=True))
+    "mla.q_down": "self_attention.linear_q_down_proj.weight",
+    "mla.q_norm": "self_attention.q_layernorm.weight",
+    "mla.q_up": "self_attention.linear_q_up_proj.weight",
+    "mla.q": "self_attention.linear_q_proj.weight",
+    "mla.kv_down": "self_attention.linear_kv_down_proj.weight",
+    "mla.kv_norm": "self_attention.kv_layernorm.weight",
+    "mla.kv_up": "self_attention.linear_kv_up_proj.weight",
 }
 _TE_LAYER = dict(
     _MCORE_LAYER,

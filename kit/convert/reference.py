@@ -107,7 +107,7 @@ def attention(
     if segments is not None:
         masked = masked | (segments[None, :] != segments[:, None])
     scores = scores.masked_fill(masked, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, nh * hd)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, -1)  # v's head dim may differ (MLA)
 
 
 def sigmoid_route(logits: torch.Tensor, spec: ModelSpec, bias: torch.Tensor):
@@ -284,6 +284,55 @@ def _tp_mlp(h: torch.Tensor, fc1: List[torch.Tensor], fc2: List[torch.Tensor]) -
     return out
 
 
+def _expert(
+    mr: MegatronReader, stages, spec: ModelSpec, e: int, layer: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """Global expert e of a layer on `rows`: found on its EP rank e // per as local expert e % per, split over TP."""
+    fc1, fc2 = (
+        _expert_parts(mr, stages, expert_role(e, n), layer, spec) for n in ("fc1.weight", "fc2.weight")
+    )
+    return _tp_mlp(rows, fc1, fc2)
+
+
+def _mlp(h: torch.Tensor, w, spec: ModelSpec, moe: bool, expert) -> torch.Tensor:
+    """A layer's MLP output: the dense one, or the MoE block (router replicated; shared experts split over TP)."""
+    if not moe:
+        return _tp_mlp(h, w("fc1.weight"), w("fc2.weight"))
+    logits = h @ w("router.weight")[0].T
+    if spec.moe_router_score_function == "sigmoid":
+        weights, idx = sigmoid_route(logits, spec, w("router.expert_bias")[0])
+    else:
+        weights, idx = route(logits, spec, megatron=True)
+    out = moe_mix(h, weights, idx, expert)
+    if spec.moe_shared_expert_intermediate_size:
+        out = out + _tp_mlp(h, w("shared.fc1.weight"), w("shared.fc2.weight"))
+    return out
+
+
+def mla_attention(h: torch.Tensor, w, spec: ModelSpec) -> torch.Tensor:
+    """Multi-head latent attention with megatron-core 0.16's local-spec TP: the column-parallel down projections'
+    outputs gathered (the ranks' rows concatenated), each rank's heads from its rows of the up projections, the
+    row-parallel output projection summed. RoPE on the qk_pos_emb_head_dim dims in interleaved pairs (megatron-core
+    reorders them even-then-odd and rotates halves: the same pairs, so the same scores)."""
+    nope, rd, vd = spec.qk_head_dim, spec.qk_pos_emb_head_dim, spec.v_head_dim
+    if spec.q_lora_rank:
+        q_c = rms_norm(h @ torch.cat(w("mla.q_down")).T, w("mla.q_norm")[0], spec.norm_eps)
+        q_up = w("mla.q_up")
+    else:
+        q_c, q_up = h, w("mla.q")
+    kv = h @ torch.cat(w("mla.kv_down")).T
+    kv_c = rms_norm(kv[:, : spec.kv_lora_rank], w("mla.kv_norm")[0], spec.norm_eps)
+    k_pe = rope(kv[:, None, spec.kv_lora_rank :], spec.rotary_base, 1.0, True)
+    out = 0
+    for q_w, kv_w, proj in zip(q_up, w("mla.kv_up"), w("proj.weight")):
+        q = (q_c @ q_w.T).reshape(h.shape[0], -1, nope + rd)
+        kvr = (kv_c @ kv_w.T).reshape(h.shape[0], -1, nope + vd)
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], spec.rotary_base, 1.0, True)], -1)
+        k = torch.cat([kvr[..., :nope], k_pe.expand(-1, q.shape[1], -1)], -1)
+        out = out + attention(q, k, kvr[..., nope:]) @ proj.T
+    return out
+
+
 def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
     tp, fl = mr.tp, mr.flavor
@@ -300,6 +349,14 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
                 return [t.float() for t in mr.parts(layout.key_path(fl, role, li, moe), s)]
 
             h = rms_norm(x, w("input_norm")[0], spec.norm_eps)
+            if spec.multi_latent_attention:
+                x = x + mla_attention(h, w, spec)
+                h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
+                x = x + _mlp(
+                    h, w, spec, moe, lambda e, rows, g=g_layer: _expert(mr, stages, spec, e, g, rows)
+                )
+                give_back_freed()
+                continue
             qkv_w, proj = w("qkv.weight"), w("proj.weight")
             qkv_b = w("qkv.bias") if spec.qkv_bias else [0] * tp
             out = 0
@@ -327,25 +384,7 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
             x = x + out
             del qkv_w, proj, mixed_all  # this layer's attention weights, before the MLP's are read
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
-            if moe:  # router replicated; expert e on EP rank e // per as local expert e % per, split over TP
-                logits = h @ w("router.weight")[0].T
-                if spec.moe_router_score_function == "sigmoid":
-                    weights, idx = sigmoid_route(logits, spec, w("router.expert_bias")[0])
-                else:
-                    weights, idx = route(logits, spec, megatron=True)
-                if spec.moe_shared_expert_intermediate_size:  # shared experts: every token, split over TP
-                    x = x + _tp_mlp(h, w("shared.fc1.weight"), w("shared.fc2.weight"))
-
-                def expert(e, rows, g=g_layer):
-                    fc1, fc2 = (
-                        _expert_parts(mr, stages, expert_role(e, n), g, spec)
-                        for n in ("fc1.weight", "fc2.weight")
-                    )
-                    return _tp_mlp(rows, fc1, fc2)
-
-                x = x + moe_mix(h, weights, idx, expert)
-            else:
-                x = x + _tp_mlp(h, w("fc1.weight"), w("fc2.weight"))
+            x = x + _mlp(h, w, spec, moe, lambda e, rows, g=g_layer: _expert(mr, stages, spec, e, g, rows))
             give_back_freed()  # this layer's weights
     last = mr.pp - 1
     x = rms_norm(x, mr.parts(layout.key_path(fl, "final_norm"), last)[0].float(), spec.norm_eps)

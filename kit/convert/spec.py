@@ -84,6 +84,14 @@ class ModelSpec:
     moe_router_group_topk: int = 0
     # multi-token prediction layers after the decoder (HF num_nextn_predict_layers; model.layers.{num_layers + k})
     mtp_num_layers: int = 0
+    # DeepSeek-V3 multi-head latent attention (megatron-core MLATransformerConfig names); head_dim is v_head_dim.
+    # q_lora_rank 0: the query is one projection of the hidden state (HF q_lora_rank None, DeepSeek-V2-Lite)
+    multi_latent_attention: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0  # HF qk_nope_head_dim
+    qk_pos_emb_head_dim: int = 0  # HF qk_rope_head_dim
+    v_head_dim: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when layer `layer` (global index) is a MoE block (router + experts) rather than a dense MLP; an MTP
@@ -110,6 +118,7 @@ class ModelSpec:
         role, _ = split_role(role)
         h, hd, ffn, moe = self.hidden_size, self.head_dim, self.ffn_hidden_size, self.moe_ffn_hidden_size
         qkv = (self.num_heads + 2 * self.num_groups) * hd
+        q_head = self.qk_head_dim + self.qk_pos_emb_head_dim
         shapes = {
             "embedding": (self.vocab_size, h),
             "output": (self.vocab_size, h),
@@ -129,6 +138,13 @@ class ModelSpec:
             "router.expert_bias": (self.num_experts,),
             "shared.fc1.weight": (2 * self.moe_shared_expert_intermediate_size, h),
             "shared.fc2.weight": (h, self.moe_shared_expert_intermediate_size),
+            "mla.q_down": (self.q_lora_rank, h),
+            "mla.q_norm": (self.q_lora_rank,),
+            "mla.q_up": (self.num_heads * q_head, self.q_lora_rank),
+            "mla.q": (self.num_heads * q_head, h),
+            "mla.kv_down": (self.kv_lora_rank + self.qk_pos_emb_head_dim, h),
+            "mla.kv_norm": (self.kv_lora_rank,),
+            "mla.kv_up": (self.num_heads * (self.qk_head_dim + self.v_head_dim), self.kv_lora_rank),
             "mtp.enorm": (h,),
             "mtp.hnorm": (h,),
             "mtp.eh_proj": (h, 2 * h),
@@ -260,7 +276,26 @@ def _moe_args(spec: ModelSpec, grouped_gemm: bool) -> Dict[str, Any]:
         moe_router_group_topk=spec.moe_router_group_topk or None,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size or None,
         mtp_num_layers=spec.mtp_num_layers or None,
+        **_mla_args(spec),
         moe_layer_freq=list(spec.moe_layer_freq),
         moe_grouped_gemm=bool(grouped_gemm),
         moe_token_dispatcher_type="alltoall",
+    )
+
+
+def _mla_args(spec: ModelSpec) -> Dict[str, Any]:
+    """Megatron-LM's MLA arguments (megatron/training/arguments.py, MLATransformerConfig fields): plain RoPE on the
+    qk_pos_emb_head_dim dims."""
+    if not spec.multi_latent_attention:
+        return dict(multi_latent_attention=False)
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=spec.q_lora_rank or None,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_head_dim=spec.qk_head_dim,
+        qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+        v_head_dim=spec.v_head_dim,
+        rope_type="rope",  # rotary_scaling_factor (above) stays 1: no yarn mscale on the softmax scale
+        mscale=1.0,
+        mscale_all_dim=0.0,
     )

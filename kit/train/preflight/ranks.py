@@ -72,7 +72,7 @@ def build_model(args, job: dict, with_mtp: bool = True):
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
     )
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     pp, layers = job["pp"], job["layer_list"]
     layout = None
@@ -82,8 +82,24 @@ def build_model(args, job: dict, with_mtp: bool = True):
             for i, n in enumerate(layers)
         ]
     moe = moe_fields(args, job, with_mtp)
-    cfg = TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if getattr(args, "multi_latent_attention", False):  # DeepSeek-V3: MLA with plain RoPE (no yarn mscale)
+        config_class = MLATransformerConfig
+        mla = dict(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rope_type=args.rope_type,
+            rotary_base=args.rotary_base,
+            rotary_scaling_factor=float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0),
+            mscale=args.mscale,
+            mscale_all_dim=args.mscale_all_dim,
+        )
+    cfg = config_class(
         **moe,
+        **mla,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
