@@ -24,6 +24,7 @@ from kit.core.manifest import read_manifest
 from kit.errors import InputError
 
 tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixture
+tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 
@@ -256,6 +257,70 @@ def test_deepseek3_round_trip_and_logits(ds3_tp2_pp2_ep2, tiny_deepseek3_dir, tm
     assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
 
 
+YARN_FLAGS = (
+    "--rope-type yarn --rope-scaling-type yarn --rope-scaling-factor 40.0 --beta-fast 32.0 --beta-slow 1.0 "
+    "--rope-scaling-mscale 1.0 --rope-scaling-mscale-all-dim 1.0 --rope-scaling-original-max-position-embeddings 4096"
+)
+
+
+def test_deepseek3_with_yarn_converts_and_its_logits_match_transformers(tiny_deepseek3_yarn_dir, tmp_path):
+    """The published yarn rope_scaling changes no weight: the folder converts bit-exact, its facts reach the spec,
+    the rank files' args (megatron-core's and MindSpeed-LLM's names) and the manifest's flags, and the logits
+    check (the kit's Megatron forward with yarn's frequencies, cos / sin factor and softmax mscale^2) matches
+    transformers' DeepseekV3; with the yarn facts dropped it does not."""
+    import dataclasses
+
+    from kit.convert.megatron_io import MegatronReader
+    from kit.convert.reference import megatron_forward
+    from kit.convert.verify import hf_logits, sample_tokens
+
+    spec = family_for_config(HFReader(tiny_deepseek3_yarn_dir).config).read_config(
+        HFReader(tiny_deepseek3_yarn_dir).config
+    )
+    assert (spec.rope_scaling, spec.rope_scaling_factor, spec.original_max_position_embeddings) == (
+        "yarn",
+        40,
+        4096,
+    )
+    assert (spec.beta_fast, spec.beta_slow, spec.mscale, spec.mscale_all_dim) == (32, 1, 1.0, 1.0)
+    rt = round_trip(tiny_deepseek3_yarn_dir, tmp_path, tp=2, pp=2, ep=2)
+    assert rt["bit_exact"] and rt["identical"] == rt["tensors"], rt["different"]
+    lc = logits_check(tiny_deepseek3_yarn_dir, rt["megatron"], tolerance=TOL)
+    assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
+    it = Path(rt["megatron"]) / "iter_0000001"
+    args = load_rank_file(it / "mp_rank_00_000_000" / "model_optim_rng.pt")["args"]
+    assert (args.rope_type, args.rotary_scaling_factor, args.original_max_position_embeddings) == (
+        "yarn",
+        40,
+        4096,
+    )
+    assert (args.beta_fast, args.beta_slow, args.mscale, args.mscale_all_dim) == (32, 1, 1.0, 1.0)
+    assert (args.rope_scaling_type, args.rope_scaling_mscale_all_dim) == ("yarn", 1.0)
+    assert not args.use_rope_scaling  # Megatron-LM's llama3 switch stays off
+    assert YARN_FLAGS in " ".join(read_manifest(rt["megatron"])["megatron_flags"])
+    ids = sample_tokens(spec.vocab_size, 16)
+    want = hf_logits(tiny_deepseek3_yarn_dir, ids)
+    with torch.no_grad():
+        plain = megatron_forward(
+            MegatronReader(rt["megatron"]), dataclasses.replace(spec, rope_scaling=""), ids
+        )
+    assert float((plain[:, : want.shape[-1]] - want).abs().max()) > 20 * TOL
+
+
+def test_deepseek3_mla_flags_without_a_query_latent(tmp_path):
+    """MindSpeed-LLM's deepseek3 MLA flags; --q-lora-rank left out where the model has no query latent (V2-Lite)."""
+    from kit.convert.manifests import architecture_flags
+    from kit.convert.sources import model_facts
+
+    src = routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None, num_nextn_predict_layers=0)
+    flags = " ".join(architecture_flags(model_facts(src)))
+    assert (
+        "--multi-latent-attention --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 "
+        "--rope-type rope"
+    ) in flags
+    assert "--qk-layernorm" in flags and "--q-lora-rank" not in flags and "--rope-scaling-type" not in flags
+
+
 def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
     from kit.convert import ConversionError
 
@@ -263,8 +328,10 @@ def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepse
     base = HFReader(tiny_deepseek3_dir).config
     with pytest.raises(InputError, match="rope_interleave false"):
         fam.read_config(dict(base, rope_interleave=False))
-    with pytest.raises(InputError, match="rope scaling 'yarn'"):
-        fam.read_config(dict(base, rope_scaling={"type": "yarn", "factor": 40}))
+    with pytest.raises(InputError, match="rope scaling 'dynamic'"):
+        fam.read_config(dict(base, rope_scaling={"type": "dynamic", "factor": 4}))
+    with pytest.raises(InputError, match="yarn rope scaling with attention_factor 0.5"):
+        fam.read_config(dict(base, rope_scaling=dict(routed_moe.DEEPSEEK3_YARN, attention_factor=0.5)))
     with pytest.raises(InputError, match="n_group 4, topk_group 1, num_experts_per_tok 4"):
         fam.read_config(dict(base, topk_group=1))
     with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):

@@ -3,6 +3,8 @@ block, and real expert parallelism (EP2) against transformers' logits."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from fixtures.convert import routed_moe
@@ -22,6 +24,7 @@ mcore_world, cpu_patches = (
 )  # shared fixtures (one gloo process group per module)
 tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixtures
 tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
+tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
 TOL = 1e-4
 
 
@@ -132,18 +135,20 @@ def test_glm45_megatron_core_expert_parallel_ranks_match_hf(tiny_glm45_dir, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q_lora", [True, False])
+@pytest.mark.parametrize("case", ["q_lora", "no_q_lora", "yarn"])
 def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
-    q_lora, tmp_path, mcore_world, cpu_patches, mla_attention, request
+    case, tmp_path, mcore_world, cpu_patches, mla_attention, request
 ):
     """megatron-core's MLATransformerConfig GPTModel (local spec: column-parallel MLA projections, q / kv latent
     norms) of the checkpoint's own args loads the TP1 rank file strictly and gives transformers' logits; without a
-    query latent (q_lora_rank None, DeepSeek-V2-Lite's layout) through linear_q_proj."""
-    src = (
-        request.getfixturevalue("tiny_deepseek3_dir")
-        if q_lora
-        else routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None)
-    )
+    query latent (q_lora_rank None, DeepSeek-V2-Lite's layout) through linear_q_proj; with the published yarn
+    rope_scaling through megatron-core's own YarnRotaryEmbedding and MLA softmax scale (rope_type yarn)."""
+    q_lora = case != "no_q_lora"
+    src = {
+        "q_lora": lambda: request.getfixturevalue("tiny_deepseek3_dir"),
+        "no_q_lora": lambda: routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None),
+        "yarn": lambda: request.getfixturevalue("tiny_deepseek3_yarn_dir"),
+    }[case]()
     out = tmp_path / "m"
     hf_to_megatron(ConvertConfig(str(src), str(out)), progress=False)
     state = MegatronReader(out).state(0, 0)
@@ -158,6 +163,10 @@ def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
     ids = sample_tokens(2522, 12)
     ref = hf_logits(src, ids)
     assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+    if case == "yarn":
+        attention = model.decoder.layers[0].self_attention
+        assert type(attention.rotary_pos_emb).__name__ == "YarnRotaryEmbedding"
+        assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(24))
 
 
 @pytest.mark.slow

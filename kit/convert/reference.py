@@ -7,7 +7,7 @@ transformers' own model instead (transformers_ships); the HF forward is the refe
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,27 @@ def llama3_scaled(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return torch.where(wavelen > ctx / lo, inv / factor, torch.where(wavelen < ctx / hi, inv, blended))
 
 
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention-temperature term 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1), as transformers'
+    yarn_get_mscale and megatron-core's _yarn_get_mscale."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_scaled(inv: torch.Tensor, spec: ModelSpec) -> Tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V3) inverse frequencies and the factor on cos / sin: dims rotating more than beta_fast times in
+    the original context kept, fewer than beta_slow divided by the factor, a linear ramp between (the correction
+    range floored / ceiled and clamped), cos and sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rd, factor, ctx = 2 * inv.numel(), spec.rope_scaling_factor, spec.original_max_position_embeddings
+
+    def dim_at(rotations: float) -> float:
+        return rd * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(spec.rotary_base))
+
+    low, high = max(math.floor(dim_at(spec.beta_fast)), 0), min(math.ceil(dim_at(spec.beta_slow)), rd - 1)
+    ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv = inv / factor * ramp + inv * (1 - ramp)
+    return inv, yarn_mscale(factor, spec.mscale) / yarn_mscale(factor, spec.mscale_all_dim)
+
+
 def rope(
     x: torch.Tensor,
     base: float,
@@ -63,11 +84,14 @@ def rope(
     s, hd = x.shape[0], x.shape[-1]
     rd = int(hd * percent)
     inv = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    attention_factor = 1.0
     if spec is not None and spec.rope_scaling == "llama3":
         inv = llama3_scaled(inv, spec)
+    if spec is not None and spec.rope_scaling == "yarn":
+        inv, attention_factor = yarn_scaled(inv, spec)
     pos = torch.arange(s, dtype=torch.float32) if positions is None else positions.float()
     ang = torch.outer(pos, inv)[:, None, :]  # [s, 1, rd/2]
-    cos, sin = ang.cos(), ang.sin()
+    cos, sin = ang.cos() * attention_factor, ang.sin() * attention_factor
     rot, keep = x[..., :rd], x[..., rd:]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
@@ -92,14 +116,20 @@ def alibi_slopes(n: int) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor = None, segments=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor = None,
+    segments=None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention; q [s, nh, hd], k/v [s, ng, hd] (groups repeated); optional ALiBi slopes [nh];
-    optional segment ids [s]: a token attends only inside its own segment (a packed row)."""
+    optional segment ids [s]: a token attends only inside its own segment (a packed row); the scores times
+    temperature / sqrt(hd) (yarn's mscale^2 under MLA)."""
     s, nh, hd = q.shape
     rep = nh // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * (temperature / math.sqrt(hd))
     pos = torch.arange(s)
     if slopes is not None:
         scores = scores + slopes[:, None, None] * (pos[None, :] - pos[:, None]).float()
@@ -313,7 +343,7 @@ def mla_attention(h: torch.Tensor, w, spec: ModelSpec) -> torch.Tensor:
     """Multi-head latent attention with megatron-core 0.16's local-spec TP: the column-parallel down projections'
     outputs gathered (the ranks' rows concatenated), each rank's heads from its rows of the up projections, the
     row-parallel output projection summed. RoPE on the qk_pos_emb_head_dim dims in interleaved pairs (megatron-core
-    reorders them even-then-odd and rotates halves: the same pairs, so the same scores)."""
+    reorders them even-then-odd and rotates halves: the same pairs, so the same scores); yarn where the spec has it."""
     nope, rd, vd = spec.qk_head_dim, spec.qk_pos_emb_head_dim, spec.v_head_dim
     if spec.q_lora_rank:
         q_c = rms_norm(h @ torch.cat(w("mla.q_down")).T, w("mla.q_norm")[0], spec.norm_eps)
@@ -322,14 +352,19 @@ def mla_attention(h: torch.Tensor, w, spec: ModelSpec) -> torch.Tensor:
         q_c, q_up = h, w("mla.q")
     kv = h @ torch.cat(w("mla.kv_down")).T
     kv_c = rms_norm(kv[:, : spec.kv_lora_rank], w("mla.kv_norm")[0], spec.norm_eps)
-    k_pe = rope(kv[:, None, spec.kv_lora_rank :], spec.rotary_base, 1.0, True)
+    k_pe = rope(kv[:, None, spec.kv_lora_rank :], spec.rotary_base, 1.0, True, spec)
+    temperature = (
+        1.0  # yarn: the softmax scale times mscale(factor, mscale_all_dim)^2, the nope dims included
+    )
+    if spec.rope_scaling == "yarn":
+        temperature = yarn_mscale(spec.rope_scaling_factor, spec.mscale_all_dim) ** 2
     out = 0
     for q_w, kv_w, proj in zip(q_up, w("mla.kv_up"), w("proj.weight")):
         q = (q_c @ q_w.T).reshape(h.shape[0], -1, nope + rd)
         kvr = (kv_c @ kv_w.T).reshape(h.shape[0], -1, nope + vd)
-        q = torch.cat([q[..., :nope], rope(q[..., nope:], spec.rotary_base, 1.0, True)], -1)
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], spec.rotary_base, 1.0, True, spec)], -1)
         k = torch.cat([kvr[..., :nope], k_pe.expand(-1, q.shape[1], -1)], -1)
-        out = out + attention(q, k, kvr[..., nope:]) @ proj.T
+        out = out + attention(q, k, kvr[..., nope:], temperature=temperature) @ proj.T
     return out
 
 

@@ -65,21 +65,20 @@ def mla_fields(cfg: dict) -> dict:
     # (rope_utils._apply_rotary_pos_emb_bshd with multi_latent_attention) first reorders them even-then-odd and
     # rotates pairs (i, i + d/2): the same pairs, so the same attention scores from the same weights. With
     # rope_interleave=False HF rotates (i, i + d/2) of the stored order, which megatron-core's MLA cannot: refused,
-    # as are yarn scaling and biases.
+    # as are biases. yarn is kept as facts (it changes no weight): yarn_fields.
     bad = []
     if not cfg.get("rope_interleave", True):
         bad.append("rope_interleave false (megatron-core's MLA rotates interleaved pairs)")
     if cfg.get("attention_bias"):
         bad.append("attention_bias true (megatron-core's MLA projections have no bias)")
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if (rs.get("rope_type") or rs.get("type") or "default") != "default":
-        bad.append(
-            f"rope scaling {rs.get('rope_type') or rs.get('type')!r} (the kit converts plain RoPE for MLA)"
-        )
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind not in ("default", "yarn"):
+        bad.append(f"rope scaling {kind!r} (the kit converts plain RoPE and yarn for MLA)")
     if bad:
         raise InputError(
             f"config.json of this deepseek_v3 model has {'; '.join(bad)}; the kit converts MLA with interleaved "
-            f"plain RoPE and no biases (rope_interleave true, no rope_scaling, attention_bias false), so this model "
+            f"RoPE (plain or yarn) and no biases (rope_interleave true, attention_bias false), so this model "
             f"cannot be converted yet."
         )
     return dict(
@@ -89,4 +88,38 @@ def mla_fields(cfg: dict) -> dict:
         qk_head_dim=int(cfg["qk_nope_head_dim"]),
         qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
         v_head_dim=int(cfg["v_head_dim"]),
+        **(yarn_fields(rs, cfg) if kind == "yarn" else {}),
+    )
+
+
+YARN_FIXED = {"attention_factor": None, "truncate": True}  # HF keys megatron-core 0.16 has no setting for
+
+
+def yarn_fields(rs: dict, cfg: dict) -> dict:
+    """ModelSpec fields of DeepSeek-V3's yarn rope_scaling (published: factor 40, beta_fast 32, beta_slow 1, mscale 1,
+    mscale_all_dim 1, original_max_position_embeddings 4096), read as transformers reads them
+    (modeling_rope_utils._compute_yarn_parameters, yarn_apply_mscale): no factor = max / original positions; cos and
+    sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else times mscale(factor, 1);
+    the softmax scale times mscale(factor, mscale_all_dim)^2. megatron-core's YarnRotaryEmbedding and MLA compute the
+    same from (mscale, mscale_all_dim), so where HF ignores mscale (mscale_all_dim unset) the spec holds (1, 0)."""
+    fixed = [f"{k} {rs[k]!r}" for k, want in YARN_FIXED.items() if k in rs and rs[k] != want]
+    if fixed:
+        raise InputError(
+            f"config.json of this deepseek_v3 model has yarn rope scaling with {', '.join(fixed)}; megatron-core "
+            f"0.16's YarnRotaryEmbedding has no setting for it (it derives the attention factor from mscale and "
+            f"mscale_all_dim and rounds the correction range); remove it from rope_scaling to convert."
+        )
+    original = int(rs.get("original_max_position_embeddings") or 4096)
+    factor = float(rs.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+    mscale, mscale_all = float(rs.get("mscale") or 0.0), float(rs.get("mscale_all_dim") or 0.0)
+    if not (mscale and mscale_all):
+        mscale = 1.0
+    return dict(
+        rope_scaling="yarn",
+        rope_scaling_factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(rs.get("beta_fast") or 32.0),
+        beta_slow=float(rs.get("beta_slow") or 1.0),
+        mscale=mscale,
+        mscale_all_dim=mscale_all,
     )

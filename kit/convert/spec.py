@@ -61,12 +61,18 @@ class ModelSpec:
     max_position_embeddings: int
     norm_head: bool = False  # Baichuan2 NormHead: lm_head rows are L2-normalised at forward time
     qk_norm: bool = False  # Qwen3: a per-head RMSNorm on q and k before rotary (Megatron --qk-layernorm)
-    # Llama-3.1/3.2 `rope_scaling` (rope_type llama3): "" = none. The factors of HF's _compute_llama3_parameters.
+    # `rope_scaling`: "" = none; "llama3" (Llama-3.1/3.2, the factors of HF's _compute_llama3_parameters) or "yarn"
+    # (DeepSeek-V3's MLA, HF's _compute_yarn_parameters and yarn_apply_mscale; the fields below, MLATransformerConfig's
+    # names). Neither changes a weight: they are facts the Megatron args, the flags and the logits checks carry.
     rope_scaling: str = ""
     rope_scaling_factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     # Mixture of experts (Qwen3-MoE); num_experts 0 = a dense model. Megatron's names (--num-experts, ...).
     num_experts: int = 0
     moe_router_topk: int = 0
@@ -284,8 +290,8 @@ def _moe_args(spec: ModelSpec, grouped_gemm: bool) -> Dict[str, Any]:
 
 
 def _mla_args(spec: ModelSpec) -> Dict[str, Any]:
-    """Megatron-LM's MLA arguments (megatron/training/arguments.py, MLATransformerConfig fields): plain RoPE on the
-    qk_pos_emb_head_dim dims."""
+    """Megatron-LM's MLA arguments (megatron/training/arguments.py, MLATransformerConfig fields): plain or yarn RoPE
+    on the qk_pos_emb_head_dim dims."""
     if not spec.multi_latent_attention:
         return dict(multi_latent_attention=False)
     return dict(
@@ -295,7 +301,16 @@ def _mla_args(spec: ModelSpec) -> Dict[str, Any]:
         qk_head_dim=spec.qk_head_dim,
         qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
         v_head_dim=spec.v_head_dim,
-        rope_type="rope",  # rotary_scaling_factor (above) stays 1: no yarn mscale on the softmax scale
-        mscale=1.0,
-        mscale_all_dim=0.0,
+        # yarn: megatron-core's YarnRotaryEmbedding and MLA's softmax scale read rotary_scaling_factor (above), these
+        # and original_max_position_embeddings; MindSpeed-LLM reads its rope_scaling_* names (also written)
+        rope_type="yarn" if spec.rope_scaling == "yarn" else "rope",
+        mscale=spec.mscale,
+        mscale_all_dim=spec.mscale_all_dim,
+        beta_fast=spec.beta_fast,
+        beta_slow=spec.beta_slow,
+        rope_scaling_beta_fast=spec.beta_fast,
+        rope_scaling_beta_slow=spec.beta_slow,
+        rope_scaling_mscale=spec.mscale,
+        rope_scaling_mscale_all_dim=spec.mscale_all_dim,
+        rope_scaling_original_max_position_embeddings=spec.original_max_position_embeddings or None,
     )
