@@ -176,11 +176,12 @@ MCORE_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 def _refuse_rope_scaling(spec, folder) -> None:
     """One line when the checkpoint's rope scaling is not the one megatron-core's GPTModel can build."""
     kind = getattr(spec, "rope_scaling", "")
-    if not kind:
-        return
+    if not kind or (kind == "yarn" and getattr(spec, "multi_latent_attention", False)):
+        return  # DeepSeek-V3's yarn: megatron-core's MLA builds it (MLATransformerConfig rope_type yarn)
     if kind != "llama3":
         raise InputError(
-            f"{folder} uses {kind!r} rope scaling; megatron-core's GPTModel builds only Llama-3.x's llama3 scaling."
+            f"{folder} uses {kind!r} rope scaling; megatron-core's GPTModel builds only Llama-3.x's llama3 scaling "
+            f"(and MLA's yarn)."
         )
     differ = [
         f"{name} {getattr(spec, name)} (megatron-core fixes {want})"
