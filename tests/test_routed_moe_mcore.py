@@ -180,3 +180,68 @@ def test_deepseek3_megatron_core_expert_parallel_ranks_match_hf(tiny_deepseek3_d
     for r in range(2):
         logits = torch.load(tmp_path / f"logits_{r}.pt")
         assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+
+
+KV_DOWN = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
+
+
+def _kv_down_grad(model, ids: torch.Tensor) -> torch.Tensor:
+    """The first layer's kv down projection gradient (this rank's rows) of the summed token losses."""
+    s = ids.numel()
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    model(ids[None], torch.arange(s)[None], mask, labels=ids[None]).sum().backward()
+    return dict(model.named_parameters())[KV_DOWN].grad.clone()
+
+
+def _tp_grad_worker(rank: int, world: int, port: int, ckpt: str, out: str, summed: bool) -> None:
+    """One TP rank (sequence parallel, as the MoE layers need): the kv down projection's gradient, with patch 10
+    (summed) or with megatron-core's local-spec gather as it is."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    from kit.train.preflight.cpu_patches import cpu_patched
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(world, 1)
+    try:
+        with cpu_patched():
+            if not summed:
+                mla.gather_from_tensor_model_parallel_region = (
+                    mla.tensor_parallel.gather_from_tensor_model_parallel_region
+                )
+            state = MegatronReader(ckpt).state(rank, 0)
+            model = mc.build_gpt(state["args"])
+            model.load_state_dict(state["model"], strict=True)
+            torch.save(_kv_down_grad(model, sample_tokens(2522, 12)), f"{out}/grad_{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_deepseek3_tp2_kv_down_gradient_is_the_tp1_one_with_patch_10(tmp_path, mcore_world, cpu_patches):
+    """At TP2 the local spec's MLA gathers the column-parallel kv down projection's output and its backward only
+    splits the gradient: the rope columns (rows 16-23 of 24) lose the other rank's heads' part. With the preflight's
+    patch 10 the TP2 gradient is TP1's; without it every rope row differs, the most."""
+    import torch.multiprocessing as mp
+
+    src = routed_moe.tiny_deepseek3(tmp_path / "ds3", num_nextn_predict_layers=0)
+    hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "tp1")), progress=False)
+    state = MegatronReader(tmp_path / "tp1").state(0, 0)
+    model = mc.build_gpt(state["args"])
+    model.load_state_dict(state["model"], strict=True)
+    want = _kv_down_grad(model.train(), sample_tokens(2522, 12))
+    hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "tp2"), tp=2), progress=False)
+    diffs = {}
+    for summed in (True, False):
+        mp.spawn(
+            _tp_grad_worker, args=(2, mc._free_port(), str(tmp_path / "tp2"), str(tmp_path), summed), nprocs=2
+        )
+        got = torch.cat([torch.load(tmp_path / f"grad_{r}.pt") for r in range(2)])
+        diffs[summed] = (got - want).abs().amax(dim=1)
+    scale = float(want.abs().max())
+    assert float(diffs[True].max()) <= 1e-5 * scale
+    assert float(diffs[False][16:].min()) > 1e-3 * scale  # every rope row is off
+    # the latent rows too (the later layers' lost rope gradient reaches layer 0 through the hidden state), less
+    assert float(diffs[False][:16].max()) < float(diffs[False][16:].max())
