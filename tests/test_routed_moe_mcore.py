@@ -1,5 +1,6 @@
-"""megatron-core 0.16.1 runs the kit's GLM-4.5 rank files (CPU, gloo, local spec): strict load at TP1 with the MTP
-block, and real expert parallelism (EP2) against transformers' logits."""
+"""megatron-core 0.16.1 runs the kit's GLM-4.5 and DeepSeek-V3 rank files (CPU, gloo, local spec, inside the
+preflight's CPU patches, whose patch 9 lets the local spec build MLA): strict load at TP1 with the MTP block, real
+expert parallelism (EP2) against transformers' logits, and MLA's gradient at TP2."""
 
 from __future__ import annotations
 
@@ -26,36 +27,6 @@ tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixtures
 tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
 tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
 TOL = 1e-4
-
-
-def local_mla_attention() -> None:
-    """megatron-core 0.16.1's local-spec MLA hands its core attention k_channels / v_channels, which only
-    TransformerEngine's attention takes (the local DotProductAttention raises TypeError): on CPU, a local attention
-    that takes and drops them (the softmax scale comes in explicitly; kv_channels = v_head_dim sizes the output).
-    A stand-in for the test of the weights only; the kit writes no core-attention tensors. Its TE fp8 check
-    (isinstance of TELinear) is off: no TransformerEngine here."""
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer import multi_latent_attention
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    multi_latent_attention.HAVE_TE = False
-
-    class MLADotProductAttention(DotProductAttention):
-        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
-            super().__init__(*args, **kwargs)
-
-    LocalSpecProvider.core_attention = lambda self: MLADotProductAttention
-
-
-@pytest.fixture
-def mla_attention():
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer import multi_latent_attention
-
-    before = LocalSpecProvider.core_attention, multi_latent_attention.HAVE_TE
-    local_mla_attention()
-    yield
-    LocalSpecProvider.core_attention, multi_latent_attention.HAVE_TE = before
 
 
 def main_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -87,8 +58,6 @@ def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     try:
         with cpu_patched():
             state = MegatronReader(ckpt).state(0, 0, parallel_state.get_expert_model_parallel_rank())
-            if getattr(state["args"], "multi_latent_attention", False):
-                local_mla_attention()
             model = mc.build_gpt(state["args"])
             model.load_state_dict(state["model"], strict=True)
             logits = main_logits(model, sample_tokens(2522, 12))
@@ -137,7 +106,7 @@ def test_glm45_megatron_core_expert_parallel_ranks_match_hf(tiny_glm45_dir, tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["q_lora", "no_q_lora", "yarn"])
 def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
-    case, tmp_path, mcore_world, cpu_patches, mla_attention, request
+    case, tmp_path, mcore_world, cpu_patches, request
 ):
     """megatron-core's MLATransformerConfig GPTModel (local spec: column-parallel MLA projections, q / kv latent
     norms) of the checkpoint's own args loads the TP1 rank file strictly and gives transformers' logits; without a
