@@ -24,6 +24,7 @@ from kit.core.manifest import read_manifest
 from kit.errors import InputError
 
 tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixture
+tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
 
@@ -310,9 +311,6 @@ def test_deepseek3_round_trip_and_logits(ds3_tp2_pp2_ep2, tiny_deepseek3_dir, tm
     assert lc["passed"] and lc["argmax_agree"] == 1.0, lc
 
 
-tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
-
-
 def test_deepseek3_yarn_logits_and_flags(tiny_deepseek3_yarn_dir, tmp_path):
     """DeepSeek-V3's YaRN: megatron-core's rope_type yarn with the factor, mscales and betas; the rank files' logits
     (64 tokens) match transformers', and the same files read as plain RoPE do not (the check sees YaRN)."""
@@ -335,11 +333,16 @@ def test_deepseek3_yarn_logits_and_flags(tiny_deepseek3_yarn_dir, tmp_path):
     )
     flags = " ".join(man["megatron_flags"])
     assert (
-        "--rope-type yarn --rotary-scaling-factor 40.0 --mscale 1.0 --mscale-all-dim 1.0 --beta-fast 32.0 "
-        "--beta-slow 1.0 --original-max-position-embeddings 64"
+        "--rope-type yarn --rope-scaling-type yarn --rope-scaling-factor 40.0 --beta-fast 32.0 --beta-slow 1.0 "
+        "--rope-scaling-mscale 1.0 --rope-scaling-mscale-all-dim 1.0 --rope-scaling-original-max-position-embeddings 64"
     ) in flags
     args = MegatronReader(rt["megatron"]).args
     assert (args.rope_type, args.rotary_scaling_factor, args.mscale_all_dim) == ("yarn", 40.0, 1.0)
+    assert (args.rope_scaling_type, args.rope_scaling_mscale_all_dim) == (
+        "yarn",
+        1.0,
+    )  # MindSpeed-LLM's names
+    assert not args.use_rope_scaling  # Megatron-LM's llama3 switch stays off
     mr = MegatronReader(rt["megatron"])
     fam = family_for_config(HFReader(tiny_deepseek3_yarn_dir).config)
     plain = dataclasses.replace(fam.read_config(HFReader(tiny_deepseek3_yarn_dir).config), rope_scaling="")
@@ -347,6 +350,20 @@ def test_deepseek3_yarn_logits_and_flags(tiny_deepseek3_yarn_dir, tmp_path):
     with torch.no_grad():
         wrong = megatron_forward(mr, plain, ids)
     assert float((wrong - hf_logits(tiny_deepseek3_yarn_dir, ids)).abs().max()) > 20 * TOL
+
+
+def test_deepseek3_mla_flags_without_a_query_latent(tmp_path):
+    """MindSpeed-LLM's deepseek3 MLA flags; --q-lora-rank left out where the model has no query latent (V2-Lite)."""
+    from kit.convert.manifests import architecture_flags
+    from kit.convert.sources import model_facts
+
+    src = routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None, num_nextn_predict_layers=0)
+    flags = " ".join(architecture_flags(model_facts(src)))
+    assert (
+        "--multi-latent-attention --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 "
+        "--rope-type rope"
+    ) in flags
+    assert "--qk-layernorm" in flags and "--q-lora-rank" not in flags and "--rope-scaling-type" not in flags
 
 
 def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepseek3_dir, tmp_path):
@@ -360,6 +377,8 @@ def test_deepseek3_combinations_megatron_core_cannot_run_are_refused(tiny_deepse
         fam.read_config(dict(base, rope_scaling={"type": "dynamic", "factor": 4}))
     with pytest.raises(InputError, match="YaRN mscale_all_dim without mscale"):
         fam.read_config(dict(base, rope_scaling=dict(routed_moe.DEEPSEEK3_YARN, mscale=None)))
+    with pytest.raises(InputError, match="YaRN attention_factor"):
+        fam.read_config(dict(base, rope_scaling=dict(routed_moe.DEEPSEEK3_YARN, attention_factor=0.5)))
     with pytest.raises(InputError, match="n_group 4, topk_group 1, num_experts_per_tok 4"):
         fam.read_config(dict(base, topk_group=1))
     with pytest.raises(ConversionError, match="TP 3 does not divide q_lora_rank 32"):

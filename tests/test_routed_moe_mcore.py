@@ -1,7 +1,10 @@
-"""megatron-core 0.16.1 runs the kit's GLM-4.5 rank files (CPU, gloo, local spec): strict load at TP1 with the MTP
-block, and real expert parallelism (EP2) against transformers' logits."""
+"""megatron-core 0.16.1 runs the kit's GLM-4.5 and DeepSeek-V3 rank files (CPU, gloo, local spec, inside the
+preflight's CPU patches, whose patch 9 lets the local spec build MLA): strict load at TP1 with the MTP block, real
+expert parallelism (EP2) against transformers' logits, and MLA's gradient at TP2."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -24,36 +27,6 @@ tiny_glm45_dir = routed_moe.tiny_glm45_dir  # shared session fixtures
 tiny_deepseek3_dir = routed_moe.tiny_deepseek3_dir
 tiny_deepseek3_yarn_dir = routed_moe.tiny_deepseek3_yarn_dir
 TOL = 1e-4
-
-
-def local_mla_attention() -> None:
-    """megatron-core 0.16.1's local-spec MLA hands its core attention k_channels / v_channels, which only
-    TransformerEngine's attention takes (the local DotProductAttention raises TypeError): on CPU, a local attention
-    that takes and drops them (the softmax scale comes in explicitly; kv_channels = v_head_dim sizes the output).
-    A stand-in for the test of the weights only; the kit writes no core-attention tensors. Its TE fp8 check
-    (isinstance of TELinear) is off: no TransformerEngine here."""
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer import multi_latent_attention
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    multi_latent_attention.HAVE_TE = False
-
-    class MLADotProductAttention(DotProductAttention):
-        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
-            super().__init__(*args, **kwargs)
-
-    LocalSpecProvider.core_attention = lambda self: MLADotProductAttention
-
-
-@pytest.fixture
-def mla_attention():
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.transformer import multi_latent_attention
-
-    before = LocalSpecProvider.core_attention, multi_latent_attention.HAVE_TE
-    local_mla_attention()
-    yield
-    LocalSpecProvider.core_attention, multi_latent_attention.HAVE_TE = before
 
 
 def main_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -85,8 +58,6 @@ def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     try:
         with cpu_patched():
             state = MegatronReader(ckpt).state(0, 0, parallel_state.get_expert_model_parallel_rank())
-            if getattr(state["args"], "multi_latent_attention", False):
-                local_mla_attention()
             model = mc.build_gpt(state["args"])
             model.load_state_dict(state["model"], strict=True)
             logits = main_logits(model, sample_tokens(2522, 12))
@@ -133,18 +104,20 @@ def test_glm45_megatron_core_expert_parallel_ranks_match_hf(tiny_glm45_dir, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q_lora", [True, False])
+@pytest.mark.parametrize("case", ["q_lora", "no_q_lora", "yarn"])
 def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
-    q_lora, tmp_path, mcore_world, cpu_patches, mla_attention, request
+    case, tmp_path, mcore_world, cpu_patches, request
 ):
     """megatron-core's MLATransformerConfig GPTModel (local spec: column-parallel MLA projections, q / kv latent
     norms) of the checkpoint's own args loads the TP1 rank file strictly and gives transformers' logits; without a
-    query latent (q_lora_rank None, DeepSeek-V2-Lite's layout) through linear_q_proj."""
-    src = (
-        request.getfixturevalue("tiny_deepseek3_dir")
-        if q_lora
-        else routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None)
-    )
+    query latent (q_lora_rank None, DeepSeek-V2-Lite's layout) through linear_q_proj; with the published yarn
+    rope_scaling through megatron-core's own YarnRotaryEmbedding and MLA softmax scale (rope_type yarn)."""
+    q_lora = case != "no_q_lora"
+    src = {
+        "q_lora": lambda: request.getfixturevalue("tiny_deepseek3_dir"),
+        "no_q_lora": lambda: routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None),
+        "yarn": lambda: request.getfixturevalue("tiny_deepseek3_yarn_dir"),
+    }[case]()
     out = tmp_path / "m"
     hf_to_megatron(ConvertConfig(str(src), str(out)), progress=False)
     state = MegatronReader(out).state(0, 0)
@@ -159,6 +132,10 @@ def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
     ids = sample_tokens(2522, 12)
     ref = hf_logits(src, ids)
     assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+    if case == "yarn":
+        attention = model.decoder.layers[0].self_attention
+        assert type(attention.rotary_pos_emb).__name__ == "YarnRotaryEmbedding"
+        assert attention.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(24))
 
 
 @pytest.mark.slow
@@ -175,9 +152,7 @@ def test_deepseek3_megatron_core_expert_parallel_ranks_match_hf(tiny_deepseek3_d
 
 
 @pytest.mark.slow
-def test_deepseek3_yarn_megatron_core_logits(
-    tiny_deepseek3_yarn_dir, tmp_path, mcore_world, cpu_patches, mla_attention
-):
+def test_deepseek3_yarn_megatron_core_logits(tiny_deepseek3_yarn_dir, tmp_path, mcore_world, cpu_patches):
     """megatron-core's YarnRotaryEmbedding and MLA softmax scale from the checkpoint's args give transformers'
     logits over 64 tokens."""
     out = tmp_path / "m"
@@ -188,3 +163,68 @@ def test_deepseek3_yarn_megatron_core_logits(
     ids = sample_tokens(2522, 64)
     ref = hf_logits(tiny_deepseek3_yarn_dir, ids)
     assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
+
+
+KV_DOWN = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
+
+
+def _kv_down_grad(model, ids: torch.Tensor) -> torch.Tensor:
+    """The first layer's kv down projection gradient (this rank's rows) of the summed token losses."""
+    s = ids.numel()
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    model(ids[None], torch.arange(s)[None], mask, labels=ids[None]).sum().backward()
+    return dict(model.named_parameters())[KV_DOWN].grad.clone()
+
+
+def _tp_grad_worker(rank: int, world: int, port: int, ckpt: str, out: str, summed: bool) -> None:
+    """One TP rank (sequence parallel, as the MoE layers need): the kv down projection's gradient, with patch 10
+    (summed) or with megatron-core's local-spec gather as it is."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    from kit.train.preflight.cpu_patches import cpu_patched
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(world, 1)
+    try:
+        with cpu_patched():
+            if not summed:
+                mla.gather_from_tensor_model_parallel_region = (
+                    mla.tensor_parallel.gather_from_tensor_model_parallel_region
+                )
+            state = MegatronReader(ckpt).state(rank, 0)
+            model = mc.build_gpt(state["args"])
+            model.load_state_dict(state["model"], strict=True)
+            torch.save(_kv_down_grad(model, sample_tokens(2522, 12)), f"{out}/grad_{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_deepseek3_tp2_kv_down_gradient_is_the_tp1_one_with_patch_10(tmp_path, mcore_world, cpu_patches):
+    """At TP2 the local spec's MLA gathers the column-parallel kv down projection's output and its backward only
+    splits the gradient: the rope columns (rows 16-23 of 24) lose the other rank's heads' part. With the preflight's
+    patch 10 the TP2 gradient is TP1's; without it every rope row differs, the most."""
+    import torch.multiprocessing as mp
+
+    src = routed_moe.tiny_deepseek3(tmp_path / "ds3", num_nextn_predict_layers=0)
+    hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "tp1")), progress=False)
+    state = MegatronReader(tmp_path / "tp1").state(0, 0)
+    model = mc.build_gpt(state["args"])
+    model.load_state_dict(state["model"], strict=True)
+    want = _kv_down_grad(model.train(), sample_tokens(2522, 12))
+    hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "tp2"), tp=2), progress=False)
+    diffs = {}
+    for summed in (True, False):
+        mp.spawn(
+            _tp_grad_worker, args=(2, mc._free_port(), str(tmp_path / "tp2"), str(tmp_path), summed), nprocs=2
+        )
+        got = torch.cat([torch.load(tmp_path / f"grad_{r}.pt") for r in range(2)])
+        diffs[summed] = (got - want).abs().amax(dim=1)
+    scale = float(want.abs().max())
+    assert float(diffs[True].max()) <= 1e-5 * scale
+    assert float(diffs[False][16:].min()) > 1e-3 * scale  # every rope row is off
+    # the latent rows too (the later layers' lost rope gradient reaches layer 0 through the hidden state), less
+    assert float(diffs[False][:16].max()) < float(diffs[False][16:].max())

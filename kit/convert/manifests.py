@@ -74,7 +74,10 @@ def architecture_flags(
         flags.append("--add-qkv-bias")
     if model.get("qk_norm"):
         flags.append("--qk-layernorm")
-    if model.get("multi_latent_attention"):  # Megatron-LM's MLA arguments; plain RoPE (rope_type rope)
+    if model.get(
+        "multi_latent_attention"
+    ):  # Megatron-LM's MLA arguments (MindSpeed-LLM examples/mcore/deepseek3)
+        yarn = model.get("rope_scaling") == "yarn"
         flags += [
             "--multi-latent-attention",
             *(["--q-lora-rank", model["q_lora_rank"]] if model.get("q_lora_rank") else []),
@@ -82,19 +85,18 @@ def architecture_flags(
             "--qk-head-dim", model["qk_head_dim"],
             "--qk-pos-emb-head-dim", model["qk_pos_emb_head_dim"],
             "--v-head-dim", model["v_head_dim"],
+            "--rope-type", "yarn" if yarn else "rope",
         ]  # fmt: skip
-        if model.get("rope_scaling") == "yarn":  # YaRN on the rope dims (megatron-core YarnRotaryEmbedding)
+        if yarn:  # MindSpeed-LLM's names, as its deepseek3 scripts' ROPE_ARGS
             flags += [
-                "--rope-type", "yarn",
-                "--rotary-scaling-factor", model["rope_scaling_factor"],
-                "--mscale", model["yarn_mscale"],
-                "--mscale-all-dim", model["yarn_mscale_all_dim"],
+                "--rope-scaling-type", "yarn",
+                "--rope-scaling-factor", model["rope_scaling_factor"],
                 "--beta-fast", model["yarn_beta_fast"],
                 "--beta-slow", model["yarn_beta_slow"],
-                "--original-max-position-embeddings", model["original_max_position_embeddings"],
+                "--rope-scaling-mscale", model["yarn_mscale"],
+                "--rope-scaling-mscale-all-dim", model["yarn_mscale_all_dim"],
+                "--rope-scaling-original-max-position-embeddings", model["original_max_position_embeddings"],
             ]  # fmt: skip
-        else:
-            flags += ["--rope-type", "rope"]
     if not model["tied"]:
         flags.append("--untie-embeddings-and-output-weights")
     return [str(f) for f in flags + moe_flags(model, grouped_gemm)]

@@ -307,4 +307,9 @@ def _mla_args(spec: ModelSpec) -> Dict[str, Any]:
         mscale_all_dim=spec.yarn_mscale_all_dim,
         beta_fast=spec.yarn_beta_fast,
         beta_slow=spec.yarn_beta_slow,
+        # MindSpeed-LLM reads its own names (its deepseek3 scripts' ROPE_ARGS)
+        rope_scaling_beta_fast=spec.yarn_beta_fast,
+        rope_scaling_beta_slow=spec.yarn_beta_slow,
+        rope_scaling_mscale=spec.yarn_mscale,
+        rope_scaling_mscale_all_dim=spec.yarn_mscale_all_dim,
     )

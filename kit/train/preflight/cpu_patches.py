@@ -5,7 +5,7 @@ cited below is the same in 0.16.0 and 0.16.1, and the line numbers are 0.16.1's.
 
 megatron-core 0.16 asks CUDA for its device in many places; on CPU each is one of four shapes, and each shape gets
 one patch here (1-4); the MoE path adds a CUDA stream, a name it needs Transformer Engine for, a norm that refuses
-sequence parallelism and an all-gather gloo does not run (5-8):
+sequence parallelism and an all-gather gloo does not run (5-8); DeepSeek-V3's MLA a keyword only TE takes (9) and, at TP > 1, a gradient the local spec drops (10):
 
 1. `torch.cuda.current_device()` as a device: rotary embedding (`models/common/embeddings/rotary_pos_embedding.py`
    l.162 `inv_freq.to(...)`), pipeline receive buffers (`pipeline_parallel/p2p_communication.py` l.313, l.321), the
@@ -44,6 +44,25 @@ sequence parallelism and an all-gather gloo does not run (5-8):
    `tensor_parallel/mappings.py` l.149 `_gather_along_first_dim` with output_split_sizes, `all_gather` of a list of
    unequal tensors, which NCCL and HCCL take) -> for unequal sizes each part is padded to the largest, gathered,
    and cut back. Its backward, the uneven reduce_scatter, gloo runs as it is.
+
+9. Without Transformer Engine: multi-latent attention hands its core attention `k_channels` / `v_channels`
+   (`transformer/multi_latent_attention.py` l.155-165), which only TE's attention takes; the local spec's
+   `DotProductAttention` raises TypeError -> the local spec's core attention takes and drops them. It needs neither:
+   MLA passes its softmax scale (yarn's mscale included) explicitly, and kv_channels, which the kit's args set to
+   v_head_dim, sizes the output; q and k of qk_head_dim + qk_pos_emb_head_dim only meet each other in its baddbmm.
+   The same module's TE flag (l.54-65) is True when megatron-core's TE extension imports without TE and leaves
+   `TELinear` None, and its fp8 check (l.183-185) then calls isinstance with None -> the flag is False while TELinear
+   is not a class.
+
+10. Not CPU-specific: at TP > 1 the local spec's MLA builds its down projections column-parallel and all-gathers
+   their outputs (`transformer/multi_latent_attention.py` l.604-607, `gather_from_tensor_model_parallel_region`, whose
+   backward only splits the gradient, `tensor_parallel/mappings.py` l.271-273). The rope part of the kv latent
+   (k_pos_emb, the last qk_pos_emb_head_dim columns) then feeds every head of the rank, and its gradient from the
+   other ranks' heads is dropped: the rope columns of linear_kv_down_proj train on 1/TP of their gradient.
+   TransformerEngine's spec (what runs on the cluster) builds that projection duplicated and gathers k_pos_emb
+   over the sequence (l.619-622, a reduce-scatter backward), which sums it -> the gathered kv latent's rope
+   columns get their gradient summed over TP before the split, as the TE path sums it. The q latent and the
+   kv latent proper need nothing: their column-parallel up projections already sum theirs over TP.
 
 The pipeline's `torch.cuda.synchronize()` (`p2p_communication.py` l.242) is avoided by `batch_p2p_sync=False` in
 the model config, not patched. GLM-4.5's router needs nothing more: its `expert_bias` and `local_tokens_per_expert`
@@ -154,6 +173,63 @@ def _sequence_parallel_norm(plain_new):
     return new
 
 
+def _mla_core_attention():
+    """LocalSpecProvider.core_attention that builds a DotProductAttention accepting MLA's TE-only keywords (patch 9)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return lambda self: LocalMLADotProductAttention
+
+
+def _mla_kv_gather(plain, mla_cls):
+    """The kv latent's gather (patch 10): the plain all-gather, its rope columns' gradient summed over TP first.
+    Returns (the gather for the MLA module's namespace, the wrapped get_query_key_value_tensors)."""
+    import torch
+    from megatron.core import parallel_state
+
+    class SumRopeGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cols, group):
+            ctx.cols, ctx.group = cols, group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            tail = grad[..., -ctx.cols :].contiguous()
+            torch.distributed.all_reduce(tail, group=ctx.group)
+            grad[..., -ctx.cols :] = tail
+            return grad, None, None
+
+    state: dict = {}
+    plain_qkv = mla_cls.get_query_key_value_tensors
+
+    def gather(input_, group=None):
+        out = plain(input_, group)
+        cfg = state.get("config")
+        if cfg is None:
+            return out
+        call = state["calls"]
+        state["calls"] += 1
+        if call != (1 if cfg.q_lora_rank is not None else 0):  # megatron-core gathers the q latent first
+            return out
+        assert out.size(-1) == cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, out.shape
+        group = group or parallel_state.get_tensor_model_parallel_group()
+        return SumRopeGrad.apply(out, cfg.qk_pos_emb_head_dim, group)
+
+    def qkv(self, *args, **kwargs):
+        state.update(config=self.config, calls=0)
+        try:
+            return plain_qkv(self, *args, **kwargs)
+        finally:
+            state.clear()
+
+    return gather, qkv
+
+
 def _uneven_gather(plain):
     """mappings._gather_along_first_dim with gloo's equal-size all_gather for unequal parts (patch 8)."""
     import torch
@@ -177,7 +253,9 @@ def cpu_patched():
     check_version()  # before the import: a moved module must give the one line, not a traceback
     import torch
     from megatron.core import tensor_parallel
+    from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import multi_latent_attention as mla
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as A2A
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -196,6 +274,17 @@ def cpu_patched():
     WrappedTorchNorm.__new__ = staticmethod(_sequence_parallel_norm(plain_norm_new.__func__))  # patch 7
     plain_gather = mappings._gather_along_first_dim
     mappings._gather_along_first_dim = _uneven_gather(plain_gather)  # patch 8
+    plain_core_attention = LocalSpecProvider.__dict__["core_attention"]
+    LocalSpecProvider.core_attention = _mla_core_attention()  # patch 9
+    plain_mla_te = mla.HAVE_TE
+    mla.HAVE_TE = plain_mla_te and isinstance(mla.TELinear, type)
+    plain_mla_gather, plain_qkv = (
+        mla.gather_from_tensor_model_parallel_region,
+        mla.MLASelfAttention.__dict__["get_query_key_value_tensors"],
+    )
+    mla.gather_from_tensor_model_parallel_region, mla.MLASelfAttention.get_query_key_value_tensors = (
+        _mla_kv_gather(plain_mla_gather, mla.MLASelfAttention)
+    )  # patch 10
     no_te_gemm = not hasattr(moe_utils, "te_general_gemm")
     if no_te_gemm:  # patch 6
         moe_utils.te_general_gemm = None
@@ -207,5 +296,9 @@ def cpu_patched():
         A2A.cuda_dtoh_stream, A2A._maybe_dtoh_and_synchronize = saved_a2a
         WrappedTorchNorm.__new__ = plain_norm_new
         mappings._gather_along_first_dim = plain_gather
+        LocalSpecProvider.core_attention = plain_core_attention
+        mla.HAVE_TE = plain_mla_te
+        mla.gather_from_tensor_model_parallel_region = plain_mla_gather
+        mla.MLASelfAttention.get_query_key_value_tensors = plain_qkv
         if no_te_gemm:
             del moe_utils.te_general_gemm

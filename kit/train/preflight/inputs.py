@@ -180,7 +180,8 @@ def _refuse_rope_scaling(spec, folder) -> None:
         return  # DeepSeek-V3's YaRN: megatron-core's MLA builds it (YarnRotaryEmbedding)
     if kind != "llama3":
         raise InputError(
-            f"{folder} uses {kind!r} rope scaling; megatron-core's GPTModel builds only Llama-3.x's llama3 scaling."
+            f"{folder} uses {kind!r} rope scaling; megatron-core's GPTModel builds only Llama-3.x's llama3 scaling "
+            f"(and MLA's yarn)."
         )
     differ = [
         f"{name} {getattr(spec, name)} (megatron-core fixes {want})"

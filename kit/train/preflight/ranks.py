@@ -83,8 +83,9 @@ def build_model(args, job: dict, with_mtp: bool = True):
         ]
     moe = moe_fields(args, job, with_mtp)
     config_class, mla = TransformerConfig, {}
-    if getattr(args, "multi_latent_attention", False):  # DeepSeek-V3: MLA with plain RoPE (no yarn mscale)
+    if getattr(args, "multi_latent_attention", False):  # DeepSeek-V3: MLA with plain or yarn RoPE
         config_class = MLATransformerConfig
+        yarn = args.rope_type == "yarn"  # its rotary embedding and the mscale in the softmax scale
         mla = dict(
             q_lora_rank=args.q_lora_rank,
             kv_lora_rank=args.kv_lora_rank,
@@ -93,13 +94,19 @@ def build_model(args, job: dict, with_mtp: bool = True):
             v_head_dim=args.v_head_dim,
             rope_type=args.rope_type,
             rotary_base=args.rotary_base,
-            rotary_scaling_factor=float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0),
+            rotary_scaling_factor=float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0) if yarn else 1.0,
             mscale=args.mscale,
             mscale_all_dim=args.mscale_all_dim,
             beta_fast=getattr(args, "beta_fast", 32.0),
             beta_slow=getattr(args, "beta_slow", 1.0),
             original_max_position_embeddings=getattr(args, "original_max_position_embeddings", None) or 4096,
         )
+        if yarn:
+            mla.update(
+                original_max_position_embeddings=int(args.original_max_position_embeddings),
+                beta_fast=float(args.beta_fast),
+                beta_slow=float(args.beta_slow),
+            )
     cfg = config_class(
         **moe,
         **mla,
