@@ -487,3 +487,21 @@ def test_an_mtp_embedding_that_is_not_the_models_is_refused(tiny_glm45_dir, tmp_
     ):
         hf_to_megatron(ConvertConfig(str(src), str(tmp_path / "out")), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_checkpoint_is_refused_in_one_line_with_the_cast_to_do_first(tmp_path):
+    """DeepSeek-V3's published weights are FP8 (block-scaled): the reader names the tensor and the BF16 cast, not a
+    damaged file; nothing is written."""
+    from safetensors.torch import save_file
+
+    from kit.convert.file_slices import SafetensorsFile
+
+    path = tmp_path / "model.safetensors"
+    w = torch.zeros(4, 4).to(torch.float8_e4m3fn)
+    save_file(
+        {"model.layers.0.self_attn.q_a_proj.weight": w, "x.weight_scale_inv": torch.ones(1, 1)}, str(path)
+    )
+    with pytest.raises(
+        InputError, match=r"'model.layers.0.self_attn.q_a_proj.weight' is F8_E4M3, an FP8 checkpoint"
+    ):
+        SafetensorsFile(path)

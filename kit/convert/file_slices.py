@@ -365,6 +365,15 @@ class SafetensorsFile:
         self.base = 8 + n
         self.entries: Dict[str, tuple] = {}
         for key, info in header.items():
+            code = info.get("dtype") if isinstance(info, dict) else None
+            if isinstance(code, str) and code.startswith("F8_"):
+                from kit.errors import InputError
+
+                raise InputError(
+                    f"{self.path}: tensor {key!r} is {code}, an FP8 checkpoint (DeepSeek-V3's published weights are "
+                    f"block-scaled FP8 with *.weight_scale_inv); the converter reads float32 / float16 / bfloat16: cast "
+                    f"the folder to BF16 first (DeepSeek-V3's inference/fp8_cast_bf16.py) and convert that."
+                )
             try:
                 begin, end = (int(x) for x in info["data_offsets"])
                 name, shape = ST_TO_NAME[info["dtype"]], tuple(int(x) for x in info["shape"])
