@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures.convert import routed_moe
 from test_families_moe_adapt import tiny_model
 from test_moe_sigmoid import hf_block
 
 from kit.system.procs import free_port
 from kit.train import expert_bias as eb
+
+routed_moe.skip_module_without_the_families()
 
 
 @pytest.fixture

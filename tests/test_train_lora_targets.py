@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.convert import routed_moe
 from test_families_moe_adapt import tiny_model
 
 from kit.train import TrainConfig
 from kit.train.engine import build_model
+
+routed_moe.skip_module_without_the_families()
 
 WANT = {  # family (+ overrides) -> the modules that get adapters, per layer
     ("deepseek_v3", ()): {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"},
