@@ -374,7 +374,7 @@ def test_deepseek3_through_data_convert_train_evaluate(tmp_path, tiny_deepseek3_
     assert model["multi_latent_attention"] and model["q_lora_rank"] == 32 and model["kv_lora_rank"] == 16
     assert model["moe_router_score_function"] == "sigmoid" and model["moe_router_enable_expert_bias"]
 
-    # 04: LoRA with the default targets, which kit.train.lora_targets turns into the MLA projections; MLA through
+    # 04: LoRA with the default targets, which kit.adapt.lora_targets turns into the MLA projections; MLA through
     # the kit's fusion attention, every MoE block through kit.ops.moe's grouped sigmoid routing. LR 5e-3: the
     # fixture's query/KV latents come out of HF's 0.02-std init small, so their RMSNorms amplify the adapters on
     # q_a_proj / kv_a_proj_with_mqa (grad norm 9 at iteration 4) and 1e-2 overshoots within 8 iterations

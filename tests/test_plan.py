@@ -315,6 +315,17 @@ def test_moe_counts_with_leading_dense_layers_are_the_models_own(tmp_path, model
     assert c.num_experts == 8 and c.top_k == 2 and c.experts_per_layer == 8 * 3 * 64 * 32
     assert c.active == c.total - (layers - k) * c.experts_per_layer * 6 // 8
     assert c.per_layer * layers + c.embedding + c.head + c.other == pytest.approx(c.total, abs=layers)
+    # LoRA on the default targets as a run resolves them (DeepSeek-V3: MLA's q_a/q_b/kv_a/kv_b/o projections)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kit.adapt.lora_targets import resolve_targets
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    targets = resolve_targets(model, PlanInputs.lora_targets)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    adapters = sum(p.numel() for n, p in peft.named_parameters() if f"layers.{k}." in n and "lora_" in n)
+    assert adapters == 4 * c.lora_per_layer and len(targets) == (5 if model_type == "deepseek_v3" else 4)
 
 
 def test_real_moe_shapes_with_leading_dense_layers_count_their_published_totals(tmp_path):

@@ -13,6 +13,8 @@ from kit.errors import InputError
 
 MODELARTS_ROOT = Path("/home/ma-user/ws")
 RUN_TYPES = ("pretrain", "sft", "lora", "dpo", "retrain")
+# the default LoRA targets, a training run's and the planner's (kit.adapt.lora_targets: each family's names for them)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

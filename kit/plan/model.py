@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
 
+from kit.core.workspace import LORA_TARGETS
 from kit.errors import InputError, MissingInputError
 
 
@@ -113,10 +114,13 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> Counts:
+def counts(config, lora_targets: Sequence[str] = LORA_TARGETS) -> Counts:
     """Exact counts from the model class on the meta device, at k+1 and k+2 layers for k leading dense layers (the
-    later layers are alike: a layer's count is the two slices' difference; the rest is the same in both)."""
+    later layers are alike: a layer's count is the two slices' difference; the rest is the same in both). LoRA's
+    count is on the targets as a run resolves them (DeepSeek-V3's default: MLA's projections)."""
     import torch
+
+    from kit.adapt.lora_targets import resolve_targets
 
     k = min(dense_layers(config), int(config.num_hidden_layers) - 1)
     with torch.device("meta"):
@@ -140,8 +144,9 @@ def counts(config, lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", 
         for name, p in layer.named_parameters():
             if ".experts." in f".{name}" or name.split(".")[-2:-1] == ["experts"]:
                 experts += p.numel()
+        targets = resolve_targets(one, lora_targets)
         for name, module in layer.named_modules():
-            if name.split(".")[-1] in lora_targets and isinstance(module, torch.nn.Linear):
+            if name.split(".")[-1] in targets and isinstance(module, torch.nn.Linear):
                 lora += module.in_features + module.out_features
     num_experts = int(getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0) or 0)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)

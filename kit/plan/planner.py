@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence
 
+from kit.core.workspace import LORA_TARGETS
 from kit.errors import InputError
 from kit.plan.cards import GIB, Card, card
 from kit.plan.engines import Memory, Run, deepspeed_memory, dpo_reference_memory, megatron_memory
@@ -42,7 +43,7 @@ class PlanInputs:
     peak_tflops: Optional[float] = None
     lora_r: int = 0
     """0: full training; else LoRA at this rank on lora_targets."""
-    lora_targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_targets: Sequence[str] = LORA_TARGETS
     dtype: str = "auto"
     """auto: bf16 on an accelerator card, fp32 on this machine's CPU."""
     engines: Sequence[str] = ("deepspeed", "megatron")

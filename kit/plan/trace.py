@@ -253,7 +253,10 @@ def _adapt(model) -> Optional[object]:
 def _lora(model, key: TraceKey):
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(
-        task_type="CAUSAL_LM", r=key.lora_r, lora_alpha=2 * key.lora_r, target_modules=list(key.lora_targets)
-    )
+    from kit.adapt.lora_targets import resolve_targets
+
+    targets = resolve_targets(
+        model, key.lora_targets
+    )  # as the run resolves them (DeepSeek-V3: MLA's projections)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=key.lora_r, lora_alpha=2 * key.lora_r, target_modules=targets)
     return get_peft_model(model, lora)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
-from kit.core.workspace import RUN_TYPES
+from kit.core.workspace import LORA_TARGETS, RUN_TYPES
 from kit.errors import InputError, ParameterError
 
 ENGINES = ("deepspeed", "megatron")
@@ -148,7 +148,7 @@ class TrainConfig:
     """LoRA alpha."""
     lora_dropout: float = 0.0
     """LoRA dropout."""
-    lora_targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Modules that get LoRA adapters."""
     dpo_beta: float = 0.1
     """DPO: beta, how far the model may move from the reference (larger: closer to it)."""

@@ -156,8 +156,8 @@ def build_model(cfg, torch_dtype=None):
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
 
+        from kit.adapt.lora_targets import resolve_targets
         from kit.adapt.moe import lora_target_problems
-        from kit.train.lora_targets import resolve_targets
 
         targets = resolve_targets(model, cfg.lora_targets)  # DeepSeek-V3: MLA's projection names
         problems = lora_target_problems(model, targets)
