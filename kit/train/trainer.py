@@ -103,9 +103,7 @@ class Trainer:
         self._stop_reason: Optional[str] = None
         self._signal_at: Optional[float] = None  # the first stop signal's time: the grace period runs from it
         self.engine = None
-        self.expert_bias = (
-            None  # kit.train.expert_bias: set in _setup for models with score-correction biases
-        )
+        self.expert_bias = None  # kit.train.expert_bias, set in _setup where the routers have biases
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     def _setup(self):
