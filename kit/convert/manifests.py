@@ -74,9 +74,8 @@ def architecture_flags(
         flags.append("--add-qkv-bias")
     if model.get("qk_norm"):
         flags.append("--qk-layernorm")
-    if model.get(
-        "multi_latent_attention"
-    ):  # Megatron-LM's MLA arguments (MindSpeed-LLM examples/mcore/deepseek3)
+    # Megatron-LM's MLA arguments (MindSpeed-LLM examples/mcore/deepseek3)
+    if model.get("multi_latent_attention"):
         yarn = model.get("rope_scaling") == "yarn"
         flags += [
             "--multi-latent-attention",
