@@ -179,15 +179,21 @@ def _aux_check(mg: List[List[float]], ref_run: dict, job: dict) -> dict:
                       f"megatron reported {len(mg)} steps of aux losses, the HF side {len(hf)}")  # fmt: skip
     worst = max(_rel(a, b) for a, b in pairs)
     first_mg, first_hf = sum(mg[0]), sum(hf[0])
+    seq = job["moe"].get("aux_loss_type") == "seq_aux_loss"
+    own = (
+        "transformers trains this model without an aux loss"
+        if seq
+        else f"transformers' own load_balancing_loss_func {ref_run['hf_aux_losses'][0]:.7f} (pooled over layers, "
+        f"another definition: not compared)"
+    )
     return _check(
         "aux loss vs HF",
         worst <= LOSS_RTOL,
         worst,
         LOSS_RTOL,
-        f"megatron-core's load-balancing loss per layer, {len(mg)} steps x {len(mg[0])} layers; first step's sum "
-        f"megatron {first_mg:.7f}, HF router logits {first_hf:.7f} (coefficient {job['moe']['aux_loss_coeff']:g} "
-        f"in both objectives); transformers' own load_balancing_loss_func {ref_run['hf_aux_losses'][0]:.7f} "
-        f"(pooled over layers, another definition: not compared)",
+        f"megatron-core's {'sequence-wise ' if seq else ''}load-balancing loss per MoE layer, {len(mg)} steps x "
+        f"{len(mg[0])} layers; first step's sum megatron {first_mg:.7f}, HF router logits {first_hf:.7f} "
+        f"(coefficient {job['moe']['aux_loss_coeff']:g} in both objectives); {own}",
     )
 
 

@@ -222,18 +222,15 @@ def moe_job(spec, args, reader, dp: int):
             f"local SequentialMLP experts (no Transformer Engine on CPU): convert without grouped GEMM."
         )
     sigmoid = getattr(spec, "moe_router_score_function", "softmax") == "sigmoid"
-    if sigmoid and spec.moe_aux_loss_coeff:
-        raise InputError(
-            f"{reader.folder} has a sigmoid router with an aux-loss coefficient {spec.moe_aux_loss_coeff:g}; the "
-            f"preflight's HF side computes megatron-core's load-balancing loss of a softmax router only (transformers "
-            f"trains GLM-4.5 and DeepSeek-V3 without one): the preflight does not cover this model."
-        )
     bias = bool(getattr(spec, "moe_router_enable_expert_bias", False))
     moe = {
         "num_experts": int(spec.num_experts),
         "topk": int(spec.moe_router_topk),
         "aux_loss_coeff": float(spec.moe_aux_loss_coeff),
         "score_function": "sigmoid" if sigmoid else "softmax",
+        # megatron-core's name of the loss both sides add: DeepSeek-V3's aux_loss_alpha is sequence-wise (its seq_aux,
+        # MindSpeed-LLM's --seq-aux); Qwen3-MoE's router_aux_loss_coef over the micro-batch
+        "aux_loss_type": "seq_aux_loss" if sigmoid else "aux_loss",
         # DeepSeek-V3 / GLM-4.5: the score-correction bias both sides move after each step, at Megatron-LM's rate
         "expert_bias_rate": bias_update_rate(args) if bias else None,
         # trained by neither side (transformers has no MTP forward): the ranks carry them through as loaded

@@ -40,7 +40,11 @@ def moe_fields(args, job: dict, with_mtp: bool = True) -> dict:
         moe_router_topk=int(args.moe_router_topk),
         # HF's norm_topk_prob=True is softmax over the top-k logits (pre_softmax False); False: softmax, then top-k
         moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
-        moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", None) or "aux_loss",
+        # the job's: the sigmoid router's coefficient is DeepSeek-V3's sequence-wise loss (megatron-core's
+        # seq_aux_loss), which the converted args (Megatron-LM's names, no --seq-aux) cannot say
+        moe_router_load_balancing_type=job["moe"].get("aux_loss_type")
+        or getattr(args, "moe_router_load_balancing_type", None)
+        or "aux_loss",
         moe_aux_loss_coeff=float(getattr(args, "moe_aux_loss_coeff", 0.0) or 0.0),
         moe_token_dispatcher_type=job["moe"]["dispatcher"],
         moe_grouped_gemm=False,
@@ -358,7 +362,7 @@ def _train(rank: int, job: dict, result: dict, batches: dict) -> None:
             forward_only=False,
         )
         if job.get("moe"):
-            aux.append(_aux_losses(m))
+            aux.append(_aux_losses(m, job["moe"], tcfg.moe_layer_freq))
         ok, norm, _ = opt.step()
         norms64.append(_norm64(opt, norm, job["clip_grad"]))
         sched.step(increment=1)
@@ -425,21 +429,24 @@ def _lap(result: dict, name: str) -> None:
     result["_t"] = now
 
 
-def _aux_losses(micro_batches: int) -> list:
-    """Per layer, megatron-core's load-balancing loss of this step (mean over its micro-batches, no coefficient):
-    its own tracker (router.py `attach_and_log_load_balancing_loss`), reduced by its own
-    `reduce_aux_losses_tracker_across_ranks` (PP and TP sums, DP mean), as its training loop logs it."""
+def _aux_losses(micro_batches: int, moe: dict, layer_freq: list) -> list:
+    """Per MoE layer, megatron-core's load-balancing loss of this step (mean over its micro-batches, no coefficient):
+    its own tracker (router.py `attach_and_log_load_balancing_loss`; `seq_load_balancing_loss` for seq_aux_loss),
+    reduced by its own `reduce_aux_losses_tracker_across_ranks` (PP and TP sums, DP mean), as its training loop logs
+    it; the dense layers' zero entries left out (the HF side has router logits of the MoE layers only)."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
         reduce_aux_losses_tracker_across_ranks,
     )
 
+    name = "seq_load_balancing_loss" if moe.get("aux_loss_type") == "seq_aux_loss" else "load_balancing_loss"
     tracker = get_moe_layer_wise_logging_tracker()
-    if "load_balancing_loss" not in tracker:  # no aux loss configured
+    if name not in tracker:  # no aux loss configured
         return []
-    reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
-    values = [float(v) / micro_batches for v in tracker["load_balancing_loss"]["values"]]
+    reduce_aux_losses_tracker_across_ranks([name])
+    values = tracker[name]["values"].tolist()
+    values = [float(v) / micro_batches for v, is_moe in zip(values, layer_freq) if is_moe]
     clear_aux_losses_tracker()
     return values
 

@@ -20,6 +20,11 @@ Both sides' objective here is the LM loss plus megatron-core's definition comput
 grad norm and the steps compare like for like); HF's own number is reported beside it, not compared. A model whose
 coefficient is 0 has no aux loss on either side (GLM-4.5: transformers' Glm4MoeForCausalLM computes none, and its
 converted checkpoint has --moe-aux-loss-coeff 0), and no aux row.
+A sigmoid router's coefficient (DeepSeek-V3's published aux_loss_alpha 0.001 with seq_aux) is the sequence-wise loss:
+megatron-core's seq_aux_loss (router.py `_apply_seq_aux_loss`), the same formula per row of the micro-batch (T = the
+row's S tokens), averaged over the rows, on sigmoid scores normalised over the experts and their plain top-k (no
+expert bias, no group limit: `compute_routing_scores_for_aux_loss`). transformers trains DeepSeek-V3 without it, so
+the HF side's objective adds it from the router logits (megatron_seq_aux_losses) and there is no HF number of its own.
 
 GLM-4.5's (and DeepSeek-V3's) router picks experts by sigmoid score plus a score-correction bias that no gradient
 moves: megatron-core moves it in finalize_model_grads after each step's backward (`_update_router_expert_bias`,
@@ -45,17 +50,48 @@ from kit.errors import InputError
 BIAS_SUFFIX = "e_score_correction_bias"  # transformers' DeepSeek-V3 / GLM-4.5 router bias (a buffer)
 
 
-def megatron_aux_losses(router_logits, topk: int, num_experts: int) -> List[torch.Tensor]:
+def _aux_scores(logits, topk: int, score_function: str):
+    """megatron-core's scores and top-k map for its aux losses (moe_utils.py `compute_routing_scores_for_aux_loss`):
+    softmax, or sigmoid normalised over the experts; the top-k of those scores, without the expert bias or the
+    group limit the routing itself applies. The map is not differentiable."""
+    logits = logits.float()
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    with torch.no_grad():
+        top = torch.topk(scores, k=topk, dim=-1).indices
+        chosen = torch.zeros_like(scores).scatter(1, top, 1.0)
+    return scores, chosen
+
+
+def megatron_aux_losses(
+    router_logits, topk: int, num_experts: int, score_function: str = "softmax"
+) -> List[torch.Tensor]:
     """Per layer, megatron-core's load-balancing loss without its coefficient (see the module doc), from [T, E]
     router logits of one micro-batch; differentiable through the probabilities, the counts are not."""
     out = []
     for logits in router_logits:
-        scores = torch.softmax(logits.float(), dim=-1)
-        with torch.no_grad():
-            top = torch.topk(scores, k=topk, dim=-1).indices
-            counts = torch.zeros_like(scores).scatter(1, top, 1.0).sum(0)
+        scores, chosen = _aux_scores(logits, topk, score_function)
         tokens = scores.shape[0]
-        out.append((scores.sum(0) * counts).sum() * (num_experts / (topk * tokens * tokens)))
+        out.append((scores.sum(0) * chosen.sum(0)).sum() * (num_experts / (topk * tokens * tokens)))
+    return out
+
+
+def megatron_seq_aux_losses(
+    router_logits, topk: int, num_experts: int, rows: int, score_function: str = "sigmoid"
+) -> List[torch.Tensor]:
+    """Per layer, megatron-core's sequence-wise load-balancing loss (router.py `_apply_seq_aux_loss`, DeepSeek-V3's
+    complementary loss) without its coefficient: each row's E / (k S^2) * sum_i c_i s_i over its own S tokens, then
+    the mean over the rows; from HF's [rows * S, E] router logits (row-major) of one micro-batch."""
+    out = []
+    for logits in router_logits:
+        scores, chosen = _aux_scores(logits, topk, score_function)
+        scores, chosen = scores.reshape(rows, -1, num_experts), chosen.reshape(rows, -1, num_experts)
+        seq = scores.shape[1]
+        per_row = (scores.sum(1) * chosen.sum(1)).sum(-1) * (num_experts / (topk * seq * seq))
+        out.append(per_row.mean())
     return out
 
 
@@ -103,14 +139,22 @@ class ModelReference(_Reference):
         self.num_experts = 0  # set where the objective has megatron-core's aux loss
         if moe and moe["aux_loss_coeff"] > 0:
             self.num_experts, self.topk = int(moe["num_experts"]), int(moe["topk"])
-            self.aux_coef = float(
-                moe["aux_loss_coeff"]
-            )  # the checkpoint's, converted from router_aux_loss_coef
-            self.note += (
-                "; its objective adds megatron-core's per-layer load-balancing loss (computed from HF's router "
-                "logits) so the grad norms compare like for like; transformers' own load_balancing_loss_func is "
-                "reported beside it (facts.hf_load_balancing_loss), a different definition"
-            )
+            # the checkpoint's, converted from router_aux_loss_coef (Qwen3-MoE) or aux_loss_alpha (DeepSeek-V3)
+            self.aux_coef = float(moe["aux_loss_coeff"])
+            self.score_function = moe.get("score_function", "softmax")
+            self.seq_aux = moe.get("aux_loss_type") == "seq_aux_loss"
+            # transformers' DeepSeek-V3 trains without any aux loss: nothing of its own to report
+            if self.seq_aux:
+                self.note += (
+                    "; its objective adds megatron-core's per-layer sequence-wise load-balancing loss (seq_aux_loss, "
+                    "computed from HF's router logits) so the grad norms compare like for like"
+                )
+            else:
+                self.note += (
+                    "; its objective adds megatron-core's per-layer load-balancing loss (computed from HF's router "
+                    "logits) so the grad norms compare like for like; transformers' own load_balancing_loss_func is "
+                    "reported beside it (facts.hf_load_balancing_loss), a different definition"
+                )
         self.bias_update = None
         if moe and moe.get("expert_bias_rate"):
             from kit.train.expert_bias import attach
@@ -134,7 +178,8 @@ class ModelReference(_Reference):
 
     def terms(self, b: dict) -> dict:
         """lm: mean CE over the loss-masked tokens (as the ranks' loss); for MoE also aux: megatron-core's per-layer
-        aux losses and hf_aux: transformers' load_balancing_loss_func on the same router logits (no coefficients)."""
+        aux losses (sequence-wise ones for seq_aux_loss) and, for the micro-batch loss, hf_aux: transformers'
+        load_balancing_loss_func on the same router logits (no coefficients)."""
         from kit.train.preflight.batches import masked_mean, megatron_mask
 
         # causal and inside each segment (a packed row's dialogs), as megatron gets it; 0 attend, float min masked
@@ -147,10 +192,17 @@ class ModelReference(_Reference):
         logits = self.model.get_output_embeddings()(out.last_hidden_state).float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1), reduction="none")
         terms = {"lm": masked_mean(ce, b["loss_mask"].reshape(-1))}
-        if self.num_experts:
+        if self.num_experts and self.seq_aux:
+            rows = b["tokens"].shape[0]
+            terms["aux"] = megatron_seq_aux_losses(
+                out.router_logits, self.topk, self.num_experts, rows, self.score_function
+            )
+        elif self.num_experts:
             from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-            terms["aux"] = megatron_aux_losses(out.router_logits, self.topk, self.num_experts)
+            terms["aux"] = megatron_aux_losses(
+                out.router_logits, self.topk, self.num_experts, self.score_function
+            )
             with torch.no_grad():
                 lb = load_balancing_loss_func(out.router_logits, self.num_experts, self.topk, None)
             terms["hf_aux"] = float(lb)
@@ -264,13 +316,14 @@ def train(ref, batches: dict, job: dict) -> dict:
             ):  # the objective megatron-core differentiates: LM loss + coefficient x each layer's aux
                 (loss + ref.aux_coef * torch.stack(t["aux"]).sum() / per_step).backward()
                 aux_sum = [a + float(x.detach()) for a, x in zip(aux_sum or [0.0] * len(t["aux"]), t["aux"])]
-                hf_aux += t["hf_aux"]
+                hf_aux += t.get("hf_aux", 0.0)
             else:
                 loss.backward()
             total += float(loss.detach())
         if aux_sum:
             out.setdefault("aux_losses", []).append([a / per_step for a in aux_sum])
-            out.setdefault("hf_aux_losses", []).append(hf_aux / per_step)
+            if not getattr(ref, "seq_aux", False):  # transformers' own number (DeepSeek-V3 has none)
+                out.setdefault("hf_aux_losses", []).append(hf_aux / per_step)
         # the norm in float64: torch's fp32 CPU norm of a large tensor is off by ~1e-5 relative, the size of the
         # tolerance; clipped as megatron-core's clip_grad_norm_fp32 does (coefficient max / (norm + 1e-6))
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None))
