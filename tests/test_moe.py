@@ -224,21 +224,11 @@ def test_adapt_replaces_every_moe_block_and_keeps_the_hf_layout(moe_models):
 
 
 def test_packed_rows_give_the_padded_batchs_lm_loss_and_aux_loss(moe_models):
-    from kit.train.trainer import causal_lm_loss, flatten_padded_rows, logit_positions
+    from kit.train.trainer import causal_lm_loss, logit_positions
 
     _, adapted, _ = moe_models
     coef = 0.25
-    d1, d2 = [5, 101, 120, 133, 6, 133, 120, 101, 2], [5, 110, 111, 6, 111, 110, 2]
-    l1, l2 = [-100] * 5 + [133, 120, 101, 2], [-100] * 4 + [111, 110, 2]  # kit.data: labels = ids on answers
-    pad = len(d1) - len(d2)
-    padded = {
-        "input_ids": torch.tensor([d1, d2 + [0] * pad]),
-        "labels": torch.tensor([l1, l2 + [-100] * pad]),
-        "attention_mask": torch.tensor([[1] * len(d1), [1] * len(d2) + [0] * pad]),
-        "position_ids": torch.tensor([list(range(len(d1))), list(range(len(d2))) + [0] * pad]),
-    }
-    packed = flatten_padded_rows(padded)  # one row, position_ids restarting: what the trainer feeds
-    assert packed["input_ids"].shape == (1, len(d1) + len(d2))
+    padded, packed = H.padded_and_packed_dialogs()
     with torch.no_grad():
         lm_padded = causal_lm_loss(adapted, padded)
         lm_packed = causal_lm_loss(adapted, packed, logit_positions(packed["labels"]))
