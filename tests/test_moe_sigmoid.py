@@ -11,6 +11,7 @@ import torch
 from fixtures.convert import routed_moe
 from npu_standin import install
 from npu_standin import ops as standin_ops
+from test_moe import _called, _run  # the Qwen3-MoE block tests' helpers
 
 from kit.ops import moe as kit_moe
 from kit.ops import use_backend
@@ -19,10 +20,6 @@ routed_moe.skip_module_without_the_families()
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 DIFFS: dict = {}  # the largest difference each equality test measured (printed with -s)
-
-
-def _called(name: str) -> bool:
-    return any(call[0] == name for call in standin_ops.CALLS)
 
 
 def tiny_config(family: str, **overrides):
@@ -96,17 +93,6 @@ def kit_block(block):
     prepare_block(out)
     out.forward = types.MethodType(moe_block_forward, out)
     return out
-
-
-def _run(block, x, grad):
-    """(output, router logits, input grad, parameter grads) of one forward + backward."""
-    seen = []
-    hook = block.gate.register_forward_hook(lambda m, i, o: seen.append(o[0]))
-    x = x.clone().requires_grad_(True)
-    out = block(x)
-    (out * grad).sum().backward()
-    hook.remove()
-    return out, seen[0], x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
 def _max_diff(pairs) -> float:
