@@ -70,22 +70,28 @@ def _run(block, x, grad):
     return hidden, seen[0], x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-loop", "npu"])
-@pytest.mark.parametrize("norm", [True, False])
-def test_kit_block_equals_hf_outputs_gradients_and_router_logits(backend, norm, monkeypatch):
+def run_kit_and_hf(kit, block, backend: str, monkeypatch):
+    """(kit's, HF's) `_run` of one seeded batch x [2, 40, 64], and x. Backend "torch-loop" is torch without grouped
+    matmuls (torch < 2.9, or unaligned weights: one matmul pair per expert), "npu" the torch_npu stand-in (its calls
+    cleared first)."""
     standin_ops.CALLS.clear()
-    if backend == "torch-loop":  # torch < 2.9 (or unaligned weights): one matmul pair per expert
+    if backend == "torch-loop":
         monkeypatch.setattr(kit_moe, "_grouped_mm", lambda x, weight: None)
-        backend = "torch"
-    block = _hf_block(norm)
-    kit = _kit_block(block)
     gen = torch.Generator().manual_seed(1)
     x, grad = torch.randn(2, 40, 64, generator=gen), torch.randn(2, 40, 64, generator=gen)
     want = _run(block, x, grad)
     if backend == "npu":
         install(monkeypatch)
-    with use_backend(backend):
-        got = _run(kit, x, grad)
+    with use_backend("torch" if backend == "torch-loop" else backend):
+        return _run(kit, x, grad), want, x
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-loop", "npu"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_kit_block_equals_hf_outputs_gradients_and_router_logits(backend, norm, monkeypatch):
+    block = _hf_block(norm)
+    kit = _kit_block(block)
+    got, want, x = run_kit_and_hf(kit, block, backend, monkeypatch)
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert got[3].keys() == want[3].keys()
