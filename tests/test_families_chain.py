@@ -191,133 +191,6 @@ def tiny_glm45_dir(tmp_path_factory):
     return routed_models.tiny_glm45(tmp_path_factory.mktemp("glm45c") / "tiny-glm45", num_hidden_layers=4)
 
 
-def _router_biases(folder) -> dict:
-    """Every e_score_correction_bias of an HF folder, MTP layer included."""
-    out = {}
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys() if k.endswith("e_score_correction_bias")})
-    return out
-
-
-def _tensors(folder, prefix: str) -> dict:
-    """The tensors of an HF folder whose names start with `prefix`."""
-    out = {}
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys() if k.startswith(prefix)})
-    return out
-
-
-@pytest.mark.slow
-def test_glm45_through_data_convert_train_evaluate(tmp_path, tiny_glm45_dir, monkeypatch):
-    """A tiny GLM-4.5 (1 dense + 3 MoE layers: 8 experts in 2 groups, top-2, a shared expert, the sigmoid router with
-    its score-correction bias, scaling 2.5; an MTP layer in the files) through 02 (the kit's glm4_5 template) -> 03
-    (TP1 x PP2 x EP2) -> 04 (LoRA on attention through the adapted MoE blocks; router biases untouched under LoRA)
-    -> the Megatron plan with MindSpeed-LLM's GLM-4.5 flags -> 06, and the trained model back through 03."""
-    from kit.convert import ConvertConfig
-    from kit.convert.result import run as convert_run
-    from kit.core.workspace import get_workspace
-    from kit.data import DataConfig, prepare
-    from kit.evaluate import EvalConfig
-    from kit.evaluate import run as evaluate
-    from kit.train import train
-    from kit.train.config import replace
-    from kit.train.megatron import build
-    from kit.train.resolve import resolve
-
-    ws = get_workspace(tmp_path / "ws", model="tiny-glm45")
-    src = str(tiny_glm45_dir)
-    # 02: GLM-4.5's template (MindSpeed-LLM --prompt-type glm4_moe); the sample tokenizer spells <sop> and the think
-    # tags out, and 02 says so
-    prep = prepare(
-        DataConfig(kind="sft", name="alpaca", tokenizer=src, template="glm4_5", max_length=64, max_records=48,
-                   heldout_records=4),
-        ws, progress=False,
-    )  # fmt: skip
-    data = prep.hf_dir
-    (warning,) = [w for w in prep.report.warnings if "glm4_5" in w]
-    assert (
-        "['<sop>', '<think>', '</think>']" in warning
-    )  # the others are single tokens of the sample tokenizer
-    data_man = read_manifest(data, expect=PREPARED_DATA)
-    assert data_man["template"] == "glm4_5"
-    assert data_man["megatron_flags"][data_man["megatron_flags"].index("--prompt-type") + 1] == "glm4_moe"
-
-    # 03: two layers a stage (the MTP layer with the last), experts over two EP ranks, verified both ways
-    conv = convert_run(ConvertConfig(source=src, tp=1, pp=2, ep=2), ws, progress=False)
-    checks = conv.verify(scratch=tmp_path / "verify")
-    assert checks["passed"], checks["table"]
-    converted = read_manifest(conv.target, expect=CONVERTED_CHECKPOINT)
-    model = converted["model"]
-    assert converted["family"] == "glm4_moe" and converted["ep"] == 2
-    assert model["moe_layer_freq"] == [0, 1, 1, 1] and model["mtp_num_layers"] == 1
-    assert model["moe_router_score_function"] == "sigmoid" and model["moe_router_enable_expert_bias"]
-
-    # 04: LoRA on the attention projections, every MoE block through kit.ops.moe's sigmoid routing
-    from kit.train import engine
-
-    reports, build_model = [], engine.build_model
-    monkeypatch.setattr(
-        engine, "build_model", lambda *a, **k: reports.append(build_model(*a, **k)) or reports[-1]
-    )
-    cfg = _lora_config("tiny-glm45", src, data, ws, ATTENTION_TARGETS)
-    result = train(cfg, ws, progress=False)
-    assert [r.moe_blocks for _, r in reports] == [3]  # the 3 MoE layers (transformers builds no MTP layer)
-    assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
-    with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
-        saved = [k for k in fh.keys() if "lora_" in k]
-    assert len(saved) == 4 * len(ATTENTION_TARGETS) * 2  # 4 layers x targets x (A, B); not the MTP layer
-    run_man = read_manifest(result.output_dir, expect=TRAINING_RUN)
-    before, after = _router_biases(src), _router_biases(run_man["hf"])
-    assert sorted(after) == sorted(before) and len(before) == 4  # 3 MoE layers + the MTP layer
-    assert all(torch.equal(before[k], after[k]) for k in before)  # LoRA leaves the load-balancing biases
-
-    # the same run on Megatron/MindSpeed-LLM: the flags of MindSpeed-LLM's examples/mcore/glm45 scripts, from 03
-    plan = build(
-        resolve(
-            replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws
-        )
-    )
-    assert [p for p in plan.problems if not p.startswith("code folder")] == [], plan.problems
-    flag = dict(zip(plan.argv, plan.argv[1:]))
-    assert flag["--expert-model-parallel-size"] == "2" and flag["--pipeline-model-parallel-size"] == "2"
-    assert (
-        flag["--num-experts"] == "8"
-        and flag["--moe-router-topk"] == "2"
-        and flag["--moe-ffn-hidden-size"] == "32"
-    )
-    assert flag["--first-k-dense-replace"] == "1" and flag["--moe-layer-freq"] == "1"
-    assert flag["--n-shared-experts"] == "1" and flag["--moe-router-load-balancing-type"] == "none"
-    assert flag["--moe-router-score-function"] == "sigmoid" and flag["--moe-router-dtype"] == "fp32"
-    assert flag["--moe-router-num-groups"] == "2" and flag["--moe-router-group-topk"] == "1"
-    assert flag["--moe-router-topk-scaling-factor"] == "2.5" and flag["--mtp-num-layers"] == "1"
-    assert flag["--rotary-percent"] == "0.5" and flag["--prompt-type"] == "glm4_moe"
-    for name in ("--moe-router-enable-expert-bias", "--norm-topk-prob", "--qk-layernorm", "--add-qkv-bias"):
-        assert name in plan.argv, name
-    assert "--moe-aux-loss-coeff" not in plan.argv and "--moe-router-pre-softmax" not in plan.argv
-    # an aux loss asked for on Megatron is DeepSeek-V3's sequence-wise one (MindSpeed-LLM's deepseek3 scripts)
-    aux = build(
-        resolve(replace(cfg, engine="megatron", model_path=str(conv.target), router_aux_loss_coef=1e-4), ws)
-    )
-    aux_flag = dict(zip(aux.argv, aux.argv[1:]))
-    assert aux_flag["--moe-aux-loss-coeff"] == "0.0001" and "--seq-aux" in aux.argv
-    assert aux_flag["--moe-router-load-balancing-type"] == "none"
-
-    # 06: held-out dialogs, base vs trained
-    ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)
-    models = ev.results["models"]
-    assert models["trained"]["heldout_tokens"] > 0
-    assert models["trained"]["heldout_loss"] < models["base"]["heldout_loss"]
-
-    # the exported (merged) model, MTP layer included, goes back through 03 and stays a GLM-4.5
-    back = convert_run(
-        ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
-    )
-    assert back.manifest["family"] == "glm4_moe" and back.manifest["model"]["mtp_num_layers"] == 1
-    assert back.verify(scratch=tmp_path / "verify2")["passed"]
-
-
 @pytest.fixture(scope="module")
 def tiny_deepseek3_dir(tmp_path_factory):
     """The routed-MoE fixture's DeepSeek-V3 with 6 layers (2 dense + 4 MoE), so that PP2 gives each stage a MoE layer
@@ -327,16 +200,53 @@ def tiny_deepseek3_dir(tmp_path_factory):
     )
 
 
+def _tensors(folder, keep) -> dict:
+    """The tensors of an HF folder whose names pass `keep`."""
+    out = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys() if keep(k)})
+    return out
+
+
 MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]  # with a query latent
+
+# What each routed-MoE chain expects: the fixture, 02's template (and the special tokens the sample tokenizer spells
+# out), 03's family, the layers (dense first, then MoE; the MTP layer after them), 04's LR and the LoRA targets
+# the defaults become, and the Megatron flags of MindSpeed-LLM's examples/mcore/<family> scripts.
+ROUTED = {
+    "glm45": dict(
+        fixture="tiny_glm45_dir", template="glm4_5", prompt_type="glm4_moe",
+        spelled="['<sop>', '<think>', '</think>']", family="glm4_moe", dense=1, layers=4, lr=1e-2,
+        targets=ATTENTION_TARGETS,
+        flags={"--num-experts": "8", "--moe-router-topk": "2", "--moe-router-num-groups": "2",
+               "--moe-router-group-topk": "1", "--rotary-percent": "0.5"},
+        present=["--qk-layernorm", "--add-qkv-bias"],
+    ),
+    # LR 5e-3: the fixture's query/KV latents come out of HF's 0.02-std init small, so their RMSNorms amplify the
+    # adapters on q_a_proj / kv_a_proj_with_mqa (grad norm 9 at iteration 4) and 1e-2 overshoots within 8 iterations
+    "deepseek3": dict(
+        fixture="tiny_deepseek3_dir", template="deepseek3", prompt_type="deepseek3",
+        spelled="['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>']", family="deepseek_v3", dense=2, layers=6,
+        lr=5e-3, targets=MLA_TARGETS,
+        flags={"--num-experts": "8", "--moe-router-topk": "4", "--moe-router-num-groups": "4",
+               "--moe-router-group-topk": "2", "--q-lora-rank": "32", "--kv-lora-rank": "16",
+               "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16"},
+        present=["--multi-latent-attention"],  # MLA as architecture_flags states it (Megatron-LM's names)
+        model={"multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 16},
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.slow
-def test_deepseek3_through_data_convert_train_evaluate(tmp_path, tiny_deepseek3_dir, monkeypatch):
-    """A tiny DeepSeek-V3 (2 dense + 4 MoE layers: MLA with a query latent, 8 experts in 4 groups, top-4 inside the
-    best 2, a shared expert, the sigmoid router with its score-correction bias, scaling 2.5; an MTP layer in the
-    files) through 02 (the kit's deepseek3 template) -> 03 (TP1 x PP2 x EP2) -> 04 (LoRA on the MLA projections
-    through the adapted MoE blocks and MLA attention; router biases untouched under LoRA) -> the Megatron plan with
-    MindSpeed-LLM's DeepSeek-V3 MoE and MLA flags -> 06, and the trained model back through 03."""
+@pytest.mark.parametrize("name", sorted(ROUTED))
+def test_routed_moe_through_data_convert_train_evaluate(name, tmp_path, monkeypatch, request):
+    """A tiny GLM-4.5 (1 dense + 3 MoE layers: 8 experts in 2 groups, top-2, GQA) or DeepSeek-V3 (2 dense + 4 MoE
+    layers: MLA with a query latent, 8 experts in 4 groups, top-4 inside the best 2), each with a shared expert, the
+    sigmoid router with its score-correction bias, scaling 2.5 and an MTP layer in the files, through 02 (the kit's
+    template) -> 03 (TP1 x PP2 x EP2) -> 04 (LoRA with the default attention targets through the adapted MoE blocks
+    and the kit's attention; router biases and the MTP layer untouched under LoRA) -> the Megatron plan with
+    MindSpeed-LLM's flags -> 06, and the trained model back through 03."""
     from kit.convert import ConvertConfig
     from kit.convert.result import run as convert_run
     from kit.core.workspace import get_workspace
@@ -348,61 +258,67 @@ def test_deepseek3_through_data_convert_train_evaluate(tmp_path, tiny_deepseek3_
     from kit.train.megatron import _dense_stage_problems, build
     from kit.train.resolve import resolve
 
-    ws = get_workspace(tmp_path / "ws", model="tiny-deepseek3")
-    src = str(tiny_deepseek3_dir)
-    # 02: DeepSeek-V3's template (MindSpeed-LLM --prompt-type deepseek3)
+    case = ROUTED[name]
+    layers, dense = case["layers"], case["dense"]
+    ws = get_workspace(tmp_path / "ws", model=f"tiny-{name}")
+    src = str(request.getfixturevalue(case["fixture"]))
+    # 02: the family's template (MindSpeed-LLM's --prompt-type); the sample tokenizer spells some special tokens
+    # out, and 02 says so
     prep = prepare(
-        DataConfig(kind="sft", name="alpaca", tokenizer=src, template="deepseek3", max_length=64, max_records=48,
-                   heldout_records=4),
+        DataConfig(kind="sft", name="alpaca", tokenizer=src, template=case["template"], max_length=64,
+                   max_records=48, heldout_records=4),
         ws, progress=False,
     )  # fmt: skip
     data = prep.hf_dir
-    (warning,) = [w for w in prep.report.warnings if "deepseek3" in w]  # the sample tokenizer spells them out
-    assert "['<｜User｜>', '<｜Assistant｜>', '<｜end▁of▁sentence｜>']" in warning
+    (warning,) = [w for w in prep.report.warnings if case["template"] in w]
+    assert case["spelled"] in warning  # the others are single tokens of the sample tokenizer
     data_man = read_manifest(data, expect=PREPARED_DATA)
-    assert data_man["template"] == "deepseek3"
-    assert data_man["megatron_flags"][data_man["megatron_flags"].index("--prompt-type") + 1] == "deepseek3"
+    assert data_man["template"] == case["template"]
+    assert (
+        data_man["megatron_flags"][data_man["megatron_flags"].index("--prompt-type") + 1]
+        == case["prompt_type"]
+    )
 
-    # 03: three layers a stage (the MTP layer with the last), experts over two EP ranks, verified both ways
+    # 03: half the layers a stage (the MTP layer with the last), experts over two EP ranks, verified both ways
     conv = convert_run(ConvertConfig(source=src, tp=1, pp=2, ep=2), ws, progress=False)
     checks = conv.verify(scratch=tmp_path / "verify")
     assert checks["passed"], checks["table"]
     converted = read_manifest(conv.target, expect=CONVERTED_CHECKPOINT)
     model = converted["model"]
-    assert converted["family"] == "deepseek_v3" and converted["ep"] == 2
-    assert model["moe_layer_freq"] == [0, 0, 1, 1, 1, 1] and model["mtp_num_layers"] == 1
-    assert model["multi_latent_attention"] and model["q_lora_rank"] == 32 and model["kv_lora_rank"] == 16
+    assert converted["family"] == case["family"] and converted["ep"] == 2
+    assert model["moe_layer_freq"] == [0] * dense + [1] * (layers - dense) and model["mtp_num_layers"] == 1
     assert model["moe_router_score_function"] == "sigmoid" and model["moe_router_enable_expert_bias"]
+    for key, value in case.get("model", {}).items():
+        assert model[key] == value, key
 
-    # 04: LoRA with the default targets, which kit.adapt.lora_targets turns into the MLA projections; MLA through
-    # the kit's fusion attention, every MoE block through kit.ops.moe's grouped sigmoid routing. LR 5e-3: the
-    # fixture's query/KV latents come out of HF's 0.02-std init small, so their RMSNorms amplify the adapters on
-    # q_a_proj / kv_a_proj_with_mqa (grad norm 9 at iteration 4) and 1e-2 overshoots within 8 iterations
+    # 04: LoRA with the default targets (kit.adapt.lora_targets turns them into MLA's projections for DeepSeek-V3),
+    # the kit's attention, every MoE block through kit.ops.moe's grouped sigmoid routing
     reports, build_model = [], engine.build_model
     monkeypatch.setattr(
         engine, "build_model", lambda *a, **k: reports.append(build_model(*a, **k)) or reports[-1]
     )
-    cfg = replace(_lora_config("tiny-deepseek3", src, data, ws, ATTENTION_TARGETS), lr=5e-3)
+    cfg = replace(_lora_config(f"tiny-{name}", src, data, ws, ATTENTION_TARGETS), lr=case["lr"])
     result = train(cfg, ws, progress=False)
     ((_, report),) = reports
-    assert report.attention == "kit" and report.attention_modules == 6  # MLA in all 6 layers
-    assert report.moe_blocks == 4  # the 4 MoE layers (transformers builds no MTP layer)
+    assert report.attention == "kit" and report.attention_modules == layers
+    assert report.moe_blocks == layers - dense  # the MoE layers (transformers builds no MTP layer)
     assert result.status == "completed" and result.losses[-1] < result.losses[0], result.losses
     with safe_open(str(result.adapter_dir / "adapter_model.safetensors"), "pt") as fh:
         saved = [k for k in fh.keys() if "lora_" in k]
-    assert len(saved) == 6 * len(MLA_TARGETS) * 2  # 6 layers x targets x (A, B); not the MTP layer
-    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == set(MLA_TARGETS)
+    assert len(saved) == layers * len(case["targets"]) * 2  # layers x targets x (A, B); not the MTP layer
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in saved} == set(case["targets"])
     run_man = read_manifest(result.output_dir, expect=TRAINING_RUN)
-    before, after = _router_biases(src), _router_biases(run_man["hf"])
-    assert sorted(after) == sorted(before) and len(before) == 5  # 4 MoE layers + the MTP layer
-    assert all(torch.equal(before[k], after[k]) for k in before)  # LoRA leaves the load-balancing biases
-    mtp_before, mtp_after = _tensors(src, "model.layers.6."), _tensors(run_man["hf"], "model.layers.6.")
-    assert (
-        sorted(mtp_after) == sorted(mtp_before) and len(mtp_before) > 20
-    )  # the MTP layer, carried as it was
-    assert all(torch.equal(mtp_before[k], mtp_after[k]) for k in mtp_before)
+    biases = [_tensors(f, lambda k: k.endswith("e_score_correction_bias")) for f in (src, run_man["hf"])]
+    mtp = [_tensors(f, lambda k: k.startswith(f"model.layers.{layers}.")) for f in (src, run_man["hf"])]
+    assert len(biases[0]) == layers - dense + 1 and len(mtp[0]) > 20  # the MoE layers' and the MTP layer's
+    for before, after in (
+        biases,
+        mtp,
+    ):  # LoRA leaves the load-balancing biases and carries the MTP layer as it was
+        assert sorted(after) == sorted(before)
+        assert all(torch.equal(before[k], after[k]) for k in before)
 
-    # the same run on Megatron/MindSpeed-LLM: the flags of MindSpeed-LLM's examples/mcore/deepseek3 scripts, from 03
+    # the same run on Megatron/MindSpeed-LLM: the flags of MindSpeed-LLM's examples/mcore scripts, from 03
     plan = build(
         resolve(
             replace(cfg, engine="megatron", run_type="sft", model_path=str(conv.target), nproc_per_node=4), ws
@@ -410,23 +326,27 @@ def test_deepseek3_through_data_convert_train_evaluate(tmp_path, tiny_deepseek3_
     )
     assert [p for p in plan.problems if not p.startswith("code folder")] == [], plan.problems
     flag = dict(zip(plan.argv, plan.argv[1:]))
-    assert flag["--expert-model-parallel-size"] == "2" and flag["--pipeline-model-parallel-size"] == "2"
-    assert flag["--num-experts"] == "8" and flag["--moe-router-topk"] == "4"
-    assert flag["--moe-ffn-hidden-size"] == "32" and flag["--n-shared-experts"] == "1"
-    assert flag["--first-k-dense-replace"] == "2" and flag["--moe-layer-freq"] == "1"
-    assert flag["--moe-router-load-balancing-type"] == "none" and flag["--moe-router-dtype"] == "fp32"
-    assert flag["--moe-router-score-function"] == "sigmoid" and "--moe-router-enable-expert-bias" in plan.argv
-    assert flag["--moe-router-num-groups"] == "4" and flag["--moe-router-group-topk"] == "2"
-    assert flag["--moe-router-topk-scaling-factor"] == "2.5" and flag["--mtp-num-layers"] == "1"
-    assert "--norm-topk-prob" in plan.argv and "--moe-router-pre-softmax" not in plan.argv
-    assert flag["--prompt-type"] == "deepseek3"
-    # MLA as architecture_flags states it (Megatron-LM's names)
-    assert "--multi-latent-attention" in plan.argv and flag["--q-lora-rank"] == "32"
-    assert flag["--kv-lora-rank"] == "16" and flag["--qk-head-dim"] == "16"
-    assert flag["--qk-pos-emb-head-dim"] == "8" and flag["--v-head-dim"] == "16"
-    # why 6 layers: DeepSeek-V3's 2 dense layers would make the first PP2 stage of a 4-layer model dense only
-    (refused,) = _dense_stage_problems(plan.argv, 4, 2)
-    assert "dense layers only" in refused and _dense_stage_problems(plan.argv, 6, 2) == []
+    expected = {
+        "--expert-model-parallel-size": "2", "--pipeline-model-parallel-size": "2", "--moe-ffn-hidden-size": "32",
+        "--n-shared-experts": "1", "--first-k-dense-replace": str(dense), "--moe-layer-freq": "1",
+        "--moe-router-load-balancing-type": "none", "--moe-router-dtype": "fp32",
+        "--moe-router-score-function": "sigmoid", "--moe-router-topk-scaling-factor": "2.5",
+        "--mtp-num-layers": "1", "--prompt-type": case["prompt_type"], **case["flags"],
+    }  # fmt: skip
+    assert {k: flag.get(k) for k in expected} == expected
+    for present in ("--moe-router-enable-expert-bias", "--norm-topk-prob", *case["present"]):
+        assert present in plan.argv, present
+    assert "--moe-aux-loss-coeff" not in plan.argv and "--moe-router-pre-softmax" not in plan.argv
+    # an aux loss asked for on Megatron is DeepSeek-V3's sequence-wise one (MindSpeed-LLM's deepseek3 scripts)
+    aux = build(
+        resolve(replace(cfg, engine="megatron", model_path=str(conv.target), router_aux_loss_coef=1e-4), ws)
+    )
+    aux_flag = dict(zip(aux.argv, aux.argv[1:]))
+    assert aux_flag["--moe-aux-loss-coeff"] == "0.0001" and "--seq-aux" in aux.argv
+    assert aux_flag["--moe-router-load-balancing-type"] == "none"
+    # why these layer counts: with twice the dense layers, the first PP2 stage would be dense only
+    (refused,) = _dense_stage_problems(plan.argv, 2 * dense, 2)
+    assert "dense layers only" in refused and _dense_stage_problems(plan.argv, layers, 2) == []
 
     # 06: held-out dialogs, base vs trained
     ev = evaluate(EvalConfig(parts=["heldout"], engine="kit"), ws, progress=False)
@@ -434,9 +354,9 @@ def test_deepseek3_through_data_convert_train_evaluate(tmp_path, tiny_deepseek3_
     assert models["trained"]["heldout_tokens"] > 0
     assert models["trained"]["heldout_loss"] < models["base"]["heldout_loss"]
 
-    # the exported (merged) model, MTP layer included, goes back through 03 and stays a DeepSeek-V3
+    # the exported (merged) model, MTP layer included, goes back through 03 and stays the same family
     back = convert_run(
         ConvertConfig(source=str(run_man["hf"]), target=str(tmp_path / "trained_ep2"), ep=2), progress=False
     )
-    assert back.manifest["family"] == "deepseek_v3" and back.manifest["model"]["mtp_num_layers"] == 1
+    assert back.manifest["family"] == case["family"] and back.manifest["model"]["mtp_num_layers"] == 1
     assert back.verify(scratch=tmp_path / "verify2")["passed"]

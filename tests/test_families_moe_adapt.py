@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import test_train_helpers as H
 import torch
 from fixtures.convert import routed_moe
 from npu_standin import install
@@ -158,20 +159,10 @@ def test_fusion_attention_takes_value_heads_narrower_than_key_heads(layout, monk
 def test_packed_rows_give_the_padded_batchs_loss_and_gradients(pair, backend, monkeypatch):
     """A padding-free row of two dialogs (position_ids restarting, what the trainer feeds with kit attention) gives
     the padded batch's LM loss and gradients (no aux loss in these families: HF's forward adds none)."""
-    from kit.train.trainer import causal_lm_loss, flatten_padded_rows, logit_positions
+    from kit.train.trainer import causal_lm_loss, logit_positions
 
     name, base, adapted, _ = pair
-    d1, d2 = [5, 101, 120, 133, 6, 133, 120, 101, 2], [5, 110, 111, 6, 111, 110, 2]
-    l1, l2 = [-100] * 5 + [133, 120, 101, 2], [-100] * 4 + [111, 110, 2]  # kit.data: labels = ids on answers
-    pad = len(d1) - len(d2)
-    padded = {
-        "input_ids": torch.tensor([d1, d2 + [0] * pad]),
-        "labels": torch.tensor([l1, l2 + [-100] * pad]),
-        "attention_mask": torch.tensor([[1] * len(d1), [1] * len(d2) + [0] * pad]),
-        "position_ids": torch.tensor([list(range(len(d1))), list(range(len(d2))) + [0] * pad]),
-    }
-    packed = flatten_padded_rows(padded)
-    assert packed["input_ids"].shape == (1, len(d1) + len(d2))
+    padded, packed = H.padded_and_packed_dialogs()
     if backend == "npu":
         install(monkeypatch)
     results = []

@@ -70,22 +70,28 @@ def _run(block, x, grad):
     return hidden, seen[0], x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-loop", "npu"])
-@pytest.mark.parametrize("norm", [True, False])
-def test_kit_block_equals_hf_outputs_gradients_and_router_logits(backend, norm, monkeypatch):
+def run_kit_and_hf(kit, block, backend: str, monkeypatch):
+    """(kit's, HF's) `_run` of one seeded batch x [2, 40, 64], and x. Backend "torch-loop" is torch without grouped
+    matmuls (torch < 2.9, or unaligned weights: one matmul pair per expert), "npu" the torch_npu stand-in (its calls
+    cleared first)."""
     standin_ops.CALLS.clear()
-    if backend == "torch-loop":  # torch < 2.9 (or unaligned weights): one matmul pair per expert
+    if backend == "torch-loop":
         monkeypatch.setattr(kit_moe, "_grouped_mm", lambda x, weight: None)
-        backend = "torch"
-    block = _hf_block(norm)
-    kit = _kit_block(block)
     gen = torch.Generator().manual_seed(1)
     x, grad = torch.randn(2, 40, 64, generator=gen), torch.randn(2, 40, 64, generator=gen)
     want = _run(block, x, grad)
     if backend == "npu":
         install(monkeypatch)
-    with use_backend(backend):
-        got = _run(kit, x, grad)
+    with use_backend("torch" if backend == "torch-loop" else backend):
+        return _run(kit, x, grad), want, x
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-loop", "npu"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_kit_block_equals_hf_outputs_gradients_and_router_logits(backend, norm, monkeypatch):
+    block = _hf_block(norm)
+    kit = _kit_block(block)
+    got, want, x = run_kit_and_hf(kit, block, backend, monkeypatch)
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert got[3].keys() == want[3].keys()
@@ -224,21 +230,11 @@ def test_adapt_replaces_every_moe_block_and_keeps_the_hf_layout(moe_models):
 
 
 def test_packed_rows_give_the_padded_batchs_lm_loss_and_aux_loss(moe_models):
-    from kit.train.trainer import causal_lm_loss, flatten_padded_rows, logit_positions
+    from kit.train.trainer import causal_lm_loss, logit_positions
 
     _, adapted, _ = moe_models
     coef = 0.25
-    d1, d2 = [5, 101, 120, 133, 6, 133, 120, 101, 2], [5, 110, 111, 6, 111, 110, 2]
-    l1, l2 = [-100] * 5 + [133, 120, 101, 2], [-100] * 4 + [111, 110, 2]  # kit.data: labels = ids on answers
-    pad = len(d1) - len(d2)
-    padded = {
-        "input_ids": torch.tensor([d1, d2 + [0] * pad]),
-        "labels": torch.tensor([l1, l2 + [-100] * pad]),
-        "attention_mask": torch.tensor([[1] * len(d1), [1] * len(d2) + [0] * pad]),
-        "position_ids": torch.tensor([list(range(len(d1))), list(range(len(d2))) + [0] * pad]),
-    }
-    packed = flatten_padded_rows(padded)  # one row, position_ids restarting: what the trainer feeds
-    assert packed["input_ids"].shape == (1, len(d1) + len(d2))
+    padded, packed = H.padded_and_packed_dialogs()
     with torch.no_grad():
         lm_padded = causal_lm_loss(adapted, padded)
         lm_packed = causal_lm_loss(adapted, packed, logit_positions(packed["labels"]))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fixtures.convert import routed_moe
 from npu_standin import install
-from npu_standin import ops as standin_ops
+from test_moe import _called, _run, run_kit_and_hf  # the Qwen3-MoE block tests' helpers
 
 from kit.ops import moe as kit_moe
 from kit.ops import use_backend
@@ -19,10 +19,6 @@ routed_moe.skip_module_without_the_families()
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 DIFFS: dict = {}  # the largest difference each equality test measured (printed with -s)
-
-
-def _called(name: str) -> bool:
-    return any(call[0] == name for call in standin_ops.CALLS)
 
 
 def tiny_config(family: str, **overrides):
@@ -98,17 +94,6 @@ def kit_block(block):
     return out
 
 
-def _run(block, x, grad):
-    """(output, router logits, input grad, parameter grads) of one forward + backward."""
-    seen = []
-    hook = block.gate.register_forward_hook(lambda m, i, o: seen.append(o[0]))
-    x = x.clone().requires_grad_(True)
-    out = block(x)
-    (out * grad).sum().backward()
-    hook.remove()
-    return out, seen[0], x.grad, {n: p.grad for n, p in block.named_parameters()}
-
-
 def _max_diff(pairs) -> float:
     return max(float((a.detach() - b.detach()).abs().max()) for a, b in pairs)
 
@@ -130,25 +115,14 @@ def test_sigmoid_routing_selects_with_the_bias_and_weighs_without_it():
 @pytest.mark.parametrize("backend", ["torch", "torch-loop", "npu"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kit_block_equals_hf_outputs_gradients_and_router_logits(family, backend, monkeypatch):
-    standin_ops.CALLS.clear()
-    label = f"block {family} {backend}"
-    if backend == "torch-loop":  # torch < 2.9 (or unaligned weights): one matmul pair per expert
-        monkeypatch.setattr(kit_moe, "_grouped_mm", lambda x, weight: None)
-        backend = "torch"
     block = hf_block(family)
     kit = kit_block(block)
-    gen = torch.Generator().manual_seed(1)
-    x, grad = torch.randn(2, 40, 64, generator=gen), torch.randn(2, 40, 64, generator=gen)
-    want = _run(block, x, grad)
-    if backend == "npu":
-        install(monkeypatch)
-    with use_backend(backend):
-        got = _run(kit, x, grad)
+    got, want, x = run_kit_and_hf(kit, block, backend, monkeypatch)
     assert got[3].keys() == want[3].keys() and "shared_experts.gate_proj.weight" in want[3]
     pairs = list(zip(got[:3], want[:3])) + [(got[3][n], want[3][n]) for n in want[3]]
     for a, b in pairs:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    DIFFS[label] = _max_diff(pairs)
+    DIFFS[f"block {family} {backend}"] = _max_diff(pairs)
     for op in ("npu_moe_token_permute", "npu_grouped_matmul", "npu_swiglu", "npu_moe_token_unpermute"):
         assert _called(op) == (backend == "npu"), op
     assert not _called("npu_moe_gating_top_k")  # training keeps torch's routing: the router learns

@@ -68,52 +68,16 @@ def _ep_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_glm45_megatron_core_strict_load_and_logits_tp1(tiny_glm45_dir, tmp_path, mcore_world, cpu_patches):
-    """megatron-core's GPTModel of the checkpoint's own args (sigmoid router with expert_bias, grouped top-k,
-    shared expert, dense first layer, the MTP block) loads the TP1 rank file strictly and gives transformers'
-    logits."""
-    out = tmp_path / "m"
-    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(out)), progress=False)
-    state = MegatronReader(out).state(0, 0)
-    model = mc.build_gpt(state["args"])
-    result = model.load_state_dict(state["model"], strict=True)
-    assert not result.missing_keys and not [k for k in result.unexpected_keys if "_extra_state" not in k]
-    own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    assert set(own) == set(state["model"]) and any(k.startswith("mtp.layers.0.") for k in own)
-    for k, v in own.items():  # every tensor of the model is the file's (none left at random init)
-        assert torch.equal(v, state["model"][k]), k
-    ids = sample_tokens(2522, 12)
-    logits = main_logits(model, ids)
-    ref = hf_logits(tiny_glm45_dir, ids)
-    assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
-
-
-@pytest.mark.slow
-def test_glm45_megatron_core_expert_parallel_ranks_match_hf(tiny_glm45_dir, tmp_path):
-    """Real megatron-core EP2 (two gloo processes): each EP rank loads its own file strictly (its four experts as
-    local 0-3) and the tokens routed to the other rank's experts come back through the all-to-all."""
-    import torch.multiprocessing as mp
-
-    ckpt = tmp_path / "m"
-    hf_to_megatron(ConvertConfig(str(tiny_glm45_dir), str(ckpt), ep=2), progress=False)
-    mp.spawn(_ep_worker, args=(2, mc._free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
-    ref = hf_logits(tiny_glm45_dir, sample_tokens(2522, 12))
-    for r in range(2):
-        logits = torch.load(tmp_path / f"logits_{r}.pt")
-        assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["q_lora", "no_q_lora", "yarn"])
-def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
-    case, tmp_path, mcore_world, cpu_patches, request
-):
-    """megatron-core's MLATransformerConfig GPTModel (local spec: column-parallel MLA projections, q / kv latent
-    norms) of the checkpoint's own args loads the TP1 rank file strictly and gives transformers' logits; without a
-    query latent (q_lora_rank None, DeepSeek-V2-Lite's layout) through linear_q_proj; with the published yarn
-    rope_scaling through megatron-core's own YarnRotaryEmbedding and MLA softmax scale (rope_type yarn)."""
-    q_lora = case != "no_q_lora"
+@pytest.mark.parametrize("case", ["glm45", "q_lora", "no_q_lora", "yarn"])
+def test_megatron_core_strict_load_and_logits_tp1(case, tmp_path, mcore_world, cpu_patches, request):
+    """megatron-core's GPTModel of the checkpoint's own args (sigmoid router with expert_bias, grouped top-k, shared
+    expert, dense first layers, the MTP block) loads the TP1 rank file strictly, every tensor the file's, and gives
+    transformers' logits. GLM-4.5; DeepSeek-V3 through MLATransformerConfig (local spec: column-parallel MLA
+    projections, q / kv latent norms), also without a query latent (q_lora_rank None, DeepSeek-V2-Lite's layout)
+    through linear_q_proj, and with the published yarn rope_scaling through megatron-core's own YarnRotaryEmbedding
+    and MLA softmax scale (rope_type yarn), over 64 tokens."""
     src = {
+        "glm45": lambda: request.getfixturevalue("tiny_glm45_dir"),
         "q_lora": lambda: request.getfixturevalue("tiny_deepseek3_dir"),
         "no_q_lora": lambda: routed_moe.tiny_deepseek3(tmp_path / "nolora", q_lora_rank=None),
         "yarn": lambda: request.getfixturevalue("tiny_deepseek3_yarn_dir"),
@@ -125,11 +89,13 @@ def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
     result = model.load_state_dict(state["model"], strict=True)
     assert not result.missing_keys and not [k for k in result.unexpected_keys if "_extra_state" not in k]
     own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    assert set(own) == set(state["model"])
-    assert ("decoder.layers.0.self_attention.linear_q_down_proj.weight" in own) is q_lora
-    for k, v in own.items():
+    assert set(own) == set(state["model"]) and any(k.startswith("mtp.layers.0.") for k in own)
+    assert ("decoder.layers.0.self_attention.linear_q_down_proj.weight" in own) is (
+        case in ("q_lora", "yarn")
+    )
+    for k, v in own.items():  # every tensor of the model is the file's (none left at random init)
         assert torch.equal(v, state["model"][k]), k
-    ids = sample_tokens(2522, 12)
+    ids = sample_tokens(2522, 64 if case == "yarn" else 12)
     ref = hf_logits(src, ids)
     assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
     if case == "yarn":
@@ -139,30 +105,19 @@ def test_deepseek3_megatron_core_strict_load_and_logits_tp1(
 
 
 @pytest.mark.slow
-def test_deepseek3_megatron_core_expert_parallel_ranks_match_hf(tiny_deepseek3_dir, tmp_path):
+@pytest.mark.parametrize("fixture", ["tiny_glm45_dir", "tiny_deepseek3_dir"])
+def test_megatron_core_expert_parallel_ranks_match_hf(fixture, tmp_path, request):
+    """Real megatron-core EP2 (two gloo processes): each EP rank loads its own file strictly (its four experts as
+    local 0-3) and the tokens routed to the other rank's experts come back through the all-to-all."""
     import torch.multiprocessing as mp
 
-    ckpt = tmp_path / "m"
-    hf_to_megatron(ConvertConfig(str(tiny_deepseek3_dir), str(ckpt), ep=2), progress=False)
+    src, ckpt = request.getfixturevalue(fixture), tmp_path / "m"
+    hf_to_megatron(ConvertConfig(str(src), str(ckpt), ep=2), progress=False)
     mp.spawn(_ep_worker, args=(2, mc._free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
-    ref = hf_logits(tiny_deepseek3_dir, sample_tokens(2522, 12))
+    ref = hf_logits(src, sample_tokens(2522, 12))
     for r in range(2):
         logits = torch.load(tmp_path / f"logits_{r}.pt")
         assert float((logits[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
-
-
-@pytest.mark.slow
-def test_deepseek3_yarn_megatron_core_logits(tiny_deepseek3_yarn_dir, tmp_path, mcore_world, cpu_patches):
-    """megatron-core's YarnRotaryEmbedding and MLA softmax scale from the checkpoint's args give transformers'
-    logits over 64 tokens."""
-    out = tmp_path / "m"
-    hf_to_megatron(ConvertConfig(str(tiny_deepseek3_yarn_dir), str(out)), progress=False)
-    state = MegatronReader(out).state(0, 0)
-    model = mc.build_gpt(state["args"])
-    model.load_state_dict(state["model"], strict=True)
-    ids = sample_tokens(2522, 64)
-    ref = hf_logits(tiny_deepseek3_yarn_dir, ids)
-    assert float((main_logits(model, ids)[:, : ref.shape[-1]] - ref).abs().max()) <= TOL
 
 
 KV_DOWN = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"

@@ -1,7 +1,8 @@
 """kit.serve against one real `transformers serve` on 127.0.0.1 (a free port), serving a tiny training run's model.
 
 One server for the module: the chat, the load test and lm-eval all talk to it. The package check, a model the
-engine cannot load and the owner's death each need a server of their own.
+engine cannot load, the owner's death and the routed-MoE families (a tiny GLM-4.5 and a tiny DeepSeek-V3 with MLA,
+MTP layer included: health, a chat answer, a load test, a clean stop) each need a server of their own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 
 import pytest
+from fixtures.convert import routed_moe as routed_models
 
 transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) < 5:
@@ -391,3 +393,42 @@ def test_a_signal_to_kit_serve_stops_the_engine_and_exits_130(tiny_llama_dir, tm
     _, alive = psutil.wait_procs(tree, timeout=60)  # a ceiling only
     assert alive == [], [p.cmdline() for p in alive]
     assert not group_alive(engines[0].pid)
+
+
+ROUTED_BUILDERS = {"glm4_moe": routed_models.tiny_glm45, "deepseek_v3": routed_models.tiny_deepseek3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(ROUTED_BUILDERS))
+def test_the_cpu_engine_serves_a_routed_moe_family(model_type, tmp_path):
+    from kit.core.workspace import get_workspace
+    from kit.serve import BenchConfig, ServeConfig, bench, serve
+    from kit.serve.client import chat
+
+    folder = ROUTED_BUILDERS[model_type](tmp_path / model_type)
+    ws = get_workspace(tmp_path / "ws", model=model_type)
+    server = serve(ServeConfig(model_path=str(folder), device="cpu", startup_timeout=120), ws)
+    pgid = server.proc.pid
+    try:
+        assert server.health()
+        assert server.info["model_path"] == str(folder.resolve())
+        out = chat(server, "hello", max_tokens=5, template="tokenizer", stream=False)
+        assert out["endpoint"] == "chat.completions" and out["text"]
+        assert out["completion_tokens"] == 5  # a random model does not stop early
+        assert out["prompt_tokens"] > 1
+        cfg = BenchConfig(
+            concurrency=[2],
+            request_rates=[],
+            prompt_lengths=[8],
+            output_lengths=[3],
+            num_prompts=2,
+            warmup=0,
+            out_dir=str(tmp_path / "bench"),
+        )
+        result = bench(cfg, ws, server=server, progress=False)
+        (point,) = json.loads((result.folder / "results.json").read_text())["points"]
+        assert point["max_concurrency"] == 2 and point["completed"] == 2 and point["failed"] == 0
+        assert point["output_lens"] == [3, 3] and point["total_output_tokens"] == 6
+    finally:
+        server.stop()
+    assert not group_alive(pgid)

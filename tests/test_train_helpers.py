@@ -182,3 +182,24 @@ def tiny_config(model_dir: Path, data_dir: Path, work_dir: Path, **kw):
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+def padded_and_packed_dialogs():
+    """Two SFT dialogs (labels on the answers, as kit.data writes them) as a padded batch of two rows, and as the one
+    row the trainer feeds without padding (position_ids restarting)."""
+    import torch
+
+    from kit.train.trainer import flatten_padded_rows
+
+    d1, d2 = [5, 101, 120, 133, 6, 133, 120, 101, 2], [5, 110, 111, 6, 111, 110, 2]
+    l1, l2 = [-100] * 5 + [133, 120, 101, 2], [-100] * 4 + [111, 110, 2]  # kit.data: labels = ids on answers
+    pad = len(d1) - len(d2)
+    padded = {
+        "input_ids": torch.tensor([d1, d2 + [0] * pad]),
+        "labels": torch.tensor([l1, l2 + [-100] * pad]),
+        "attention_mask": torch.tensor([[1] * len(d1), [1] * len(d2) + [0] * pad]),
+        "position_ids": torch.tensor([list(range(len(d1))), list(range(len(d2))) + [0] * pad]),
+    }
+    packed = flatten_padded_rows(padded)
+    assert packed["input_ids"].shape == (1, len(d1) + len(d2))
+    return padded, packed

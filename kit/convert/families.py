@@ -173,7 +173,9 @@ def _rope_scaling(cfg: dict) -> dict:
     )
 
 
-def _llama_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
+def _llama_spec(
+    cfg: dict, folder: Optional[PathLike] = None, rope: Callable[[dict], dict] = _rope_scaling
+) -> ModelSpec:
     nh = int(cfg["num_attention_heads"])
     return ModelSpec(
         family="llama",
@@ -193,7 +195,7 @@ def _llama_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
         rotary_percent=1.0,
         rotary_interleaved=False,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        **_rope_scaling(cfg),
+        **rope(cfg),
     )
 
 
@@ -230,44 +232,28 @@ def _qwen3_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
 
 
 def _deepseek3_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
-    # DeepSeek-V3 (transformers modeling_deepseek_v3): multi-head latent attention (kit.convert.routed.mla_fields)
-    nh = int(cfg["num_attention_heads"])
-    return ModelSpec(
+    # DeepSeek-V3 (transformers modeling_deepseek_v3): the Llama fields with multi-head latent attention, whose
+    # reader also takes the rope scaling (YaRN) and refuses biases (kit.convert.routed.mla_fields)
+    return replace(
+        _llama_spec(cfg, rope=mla_fields),
         family="deepseek_v3",
-        hidden_size=int(cfg["hidden_size"]),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=nh,
-        num_groups=nh,
+        num_groups=int(cfg["num_attention_heads"]),
         head_dim=int(cfg["v_head_dim"]),
-        vocab_size=int(cfg["vocab_size"]),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=False,
-        position="rope",
-        rotary_base=_rope_theta(cfg),
-        rotary_percent=1.0,
-        rotary_interleaved=False,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         # megatron-core's local spec builds MLA's q / kv latent norms only with qk_layernorm (--qk-layernorm)
         qk_norm=True,
-        **mla_fields(cfg),
         **routed_moe_fields(cfg, "deepseek_v3"),
     )
 
 
 def _glm4_moe_spec(cfg: dict, folder: Optional[PathLike] = None) -> ModelSpec:
-    # GLM-4.5 (transformers modeling_glm4_moe): GQA with q/k/v bias (attention_bias), optional per-head q/k RMSNorm
-    # (use_qk_norm), rotary on the first partial_rotary_factor of each head with rotate_half pairs (i, i + rd/2),
-    # not GLM-4's interleaved pairs; the DeepSeek-V3 MoE block.
-    rp = cfg.get("rope_parameters") or {}
-    percent = cfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 0.5
+    # GLM-4.5 (transformers modeling_glm4_moe): GLM-4's partial rotary with rotate_half pairs (i, i + rd/2), not
+    # GLM-4's interleaved pairs; q/k/v bias only with attention_bias, optional per-head q/k RMSNorm (use_qk_norm);
+    # the DeepSeek-V3 MoE block.
     return replace(
-        _llama_spec(cfg),
+        _glm_spec(cfg),
         family="glm4_moe",
         qkv_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=bool(cfg.get("use_qk_norm", False)),
-        rotary_percent=float(percent),
         rotary_interleaved=False,
         **routed_moe_fields(cfg, "glm4_moe"),
     )

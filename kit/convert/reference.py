@@ -367,13 +367,43 @@ def mla_attention(h: torch.Tensor, w, spec: ModelSpec) -> torch.Tensor:
     return out
 
 
+def _tp_attention(h: torch.Tensor, w, spec: ModelSpec, tp: int, slopes) -> torch.Tensor:
+    """A layer's attention with Megatron's fused QKV split over `tp` ranks (each rank: its query groups, its slice of
+    the output projection); its weights are freed on return, before the MLP's are read."""
+    gp, hpg, hd = spec.num_groups // tp, spec.heads_per_group, spec.head_dim
+    qkv_w, proj = w("qkv.weight"), w("proj.weight")
+    qkv_b = w("qkv.bias") if spec.qkv_bias else [0] * tp
+    out = 0
+    mixed_all = [h @ qkv_w[r].T + qkv_b[r] for r in range(tp)]
+    nq = spec.num_heads // tp
+    for r in range(tp):
+        if gp:
+            mixed = mixed_all[r].reshape(-1, gp, hpg + 2, hd)
+            q, k, v = (
+                mixed[:, :, :hpg].reshape(-1, gp * hpg, hd),
+                mixed[:, :, hpg],
+                mixed[:, :, hpg + 1],
+            )
+        else:  # fewer groups than ranks: all-gather, take this rank's group, then its share of q heads
+            per = tp // spec.num_groups
+            grp = torch.cat(mixed_all, -1).reshape(-1, spec.num_groups, hpg + 2, hd)[:, r // per]
+            q = grp[:, (r % per) * nq : (r % per + 1) * nq]
+            k, v = grp[:, hpg : hpg + 1], grp[:, hpg + 1 : hpg + 2]
+        if spec.qk_norm:  # mcore q_layernorm / k_layernorm: per head, before rotary
+            q = rms_norm(q, w("q_norm")[0], spec.norm_eps)
+            k = rms_norm(k, w("k_norm")[0], spec.norm_eps)
+        q, k = _pos(q, k, spec)
+        sl = slopes[r * nq : (r + 1) * nq] if slopes is not None else None
+        out = out + attention(q, k, v, sl) @ proj[r].T
+    return out
+
+
 def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """Logits [seq, vocab] from Megatron rank files with Megatron semantics and TP simulated rank by rank."""
     tp, fl = mr.tp, mr.flavor
     stages = stage_layers(spec.num_layers, mr.pp, mr.layer_list(spec.num_layers))
     # vocab-parallel embedding: each id's row from the rank holding it (the all-reduce adds zeros from the others)
     x = embed(mr.pieces(layout.key_path(fl, "embedding"), 0), ids)
-    gp, hpg, hd = spec.num_groups // tp, spec.heads_per_group, spec.head_dim
     slopes = alibi_slopes(spec.num_heads) if spec.position == "alibi" else None
     for s, layers in enumerate(stages):
         for li, g_layer in enumerate(layers):
@@ -385,38 +415,8 @@ def megatron_forward(mr: MegatronReader, spec: ModelSpec, ids: torch.Tensor) -> 
             h = rms_norm(x, w("input_norm")[0], spec.norm_eps)
             if spec.multi_latent_attention:
                 x = x + mla_attention(h, w, spec)
-                h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
-                x = x + _mlp(
-                    h, w, spec, moe, lambda e, rows, g=g_layer: _expert(mr, stages, spec, e, g, rows)
-                )
-                give_back_freed()
-                continue
-            qkv_w, proj = w("qkv.weight"), w("proj.weight")
-            qkv_b = w("qkv.bias") if spec.qkv_bias else [0] * tp
-            out = 0
-            mixed_all = [h @ qkv_w[r].T + qkv_b[r] for r in range(tp)]
-            nq = spec.num_heads // tp
-            for r in range(tp):  # each rank: its query groups, its slice of the output projection
-                if gp:
-                    mixed = mixed_all[r].reshape(-1, gp, hpg + 2, hd)
-                    q, k, v = (
-                        mixed[:, :, :hpg].reshape(-1, gp * hpg, hd),
-                        mixed[:, :, hpg],
-                        mixed[:, :, hpg + 1],
-                    )
-                else:  # fewer groups than ranks: all-gather, take this rank's group, then its share of q heads
-                    per = tp // spec.num_groups
-                    grp = torch.cat(mixed_all, -1).reshape(-1, spec.num_groups, hpg + 2, hd)[:, r // per]
-                    q = grp[:, (r % per) * nq : (r % per + 1) * nq]
-                    k, v = grp[:, hpg : hpg + 1], grp[:, hpg + 1 : hpg + 2]
-                if spec.qk_norm:  # mcore q_layernorm / k_layernorm: per head, before rotary
-                    q = rms_norm(q, w("q_norm")[0], spec.norm_eps)
-                    k = rms_norm(k, w("k_norm")[0], spec.norm_eps)
-                q, k = _pos(q, k, spec)
-                sl = slopes[r * nq : (r + 1) * nq] if slopes is not None else None
-                out = out + attention(q, k, v, sl) @ proj[r].T
-            x = x + out
-            del qkv_w, proj, mixed_all  # this layer's attention weights, before the MLP's are read
+            else:
+                x = x + _tp_attention(h, w, spec, tp, slopes)
             h = rms_norm(x, w("post_norm")[0], spec.norm_eps)
             x = x + _mlp(h, w, spec, moe, lambda e, rows, g=g_layer: _expert(mr, stages, spec, e, g, rows))
             give_back_freed()  # this layer's weights

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Union
+from typing import Union
 
 PathLike = Union[str, Path]
 
@@ -18,45 +18,32 @@ INDEX = "model.safetensors.index.json"
 COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
-def _weight_map(folder: Path) -> Dict[str, str]:
-    """key -> shard file of an HF safetensors folder (its index, or its single model.safetensors)."""
-    from safetensors import safe_open
-
-    if (folder / INDEX).is_file():
-        return dict(json.loads((folder / INDEX).read_text(encoding="utf-8"))["weight_map"])
-    if (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), "pt") as fh:
-            return {k: "model.safetensors" for k in fh.keys()}
-    return {}
-
-
-def _mtp_keys(base: Path, weight_map: Dict[str, str]) -> list:
-    """The base folder's keys of layers past num_hidden_layers (the MTP layers), [] when it has none."""
-    cfg = json.loads((base / "config.json").read_text(encoding="utf-8"))
-    n = int(cfg.get("num_hidden_layers") or 0)
-    if not n or not (cfg.get("num_nextn_predict_layers") or 0):
-        return []
-    return [k for k in weight_map if k.startswith("model.layers.") and int(k.split(".")[2]) >= n]
-
-
 def carry_mtp_layers(base_path: PathLike, folder: PathLike) -> int:
     """Add the base folder's MTP layers that `folder` (a save_pretrained output) lacks; returns how many tensors."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from kit.convert.hf_io import HFReader, read_json
+
     base, folder = Path(base_path), Path(folder)
-    if not (base / "config.json").is_file():
+    cfg = read_json(base / "config.json") if (base / "config.json").is_file() else {}
+    n = int(cfg.get("num_hidden_layers") or 0)
+    if not n or not cfg.get("num_nextn_predict_layers"):
         return 0
-    base_map, saved_map = _weight_map(base), _weight_map(folder)
-    keys = [k for k in _mtp_keys(base, base_map) if k not in saved_map]
-    if not keys:
-        return 0
+    src, saved = HFReader(base), HFReader(folder)
+    saved_map = saved.weight_map
+    keys = [
+        k
+        for k in src.weight_map
+        if k.startswith("model.layers.") and int(k.split(".")[2]) >= n and k not in saved_map
+    ]  # the layers past num_hidden_layers (the MTP layers)
     out = {}
     for key in keys:
         main = next((m for suffix, m in COPIES.items() if key.endswith("." + suffix)), None)
-        src, name = (folder, saved_map[main]) if main in saved_map else (base, base_map[key])
-        with safe_open(str(src / name), "pt") as fh:
-            out[key] = fh.get_tensor(main if src is folder else key).contiguous()
+        out[key] = saved.read(main) if main in saved_map else src.read(key)
+    src.close()
+    saved.close()
+    if not out:
+        return 0
     save_file(out, str(folder / MTP_SHARD), metadata={"format": "pt"})
     if (folder / "model.safetensors").is_file() and not (folder / INDEX).is_file():
         # an index beside model.safetensors is not read by transformers: name the single shard like the others
