@@ -201,81 +201,152 @@ def bench_attention() -> None:
     )
 
 
-MOE_SHAPE = dict(tokens=512, hidden=256, experts=8, top_k=2, inter=128)
+# transformers' model folder -> the block, its config class and a CPU-sized shape. Qwen3-MoE: softmax router, no
+# shared expert. DeepSeek-V3: its routing (8 groups, 4 kept, top-8, one shared expert, scaling 2.5) with a quarter of
+# its 256 experts, and an expert width near its share of hidden (2048 of 7168; here 64 of 256).
+MOE_FAMILIES = {
+    "qwen3_moe": dict(
+        title="Qwen3-MoE block",
+        block="Qwen3MoeSparseMoeBlock",
+        config="Qwen3MoeConfig",
+        shape=dict(tokens=512, hidden=256, experts=8, top_k=2, inter=128),
+    ),
+    "deepseek_v3": dict(
+        title="DeepSeek-V3 MoE block",
+        block="DeepseekV3MoE",
+        config="DeepseekV3Config",
+        shape=dict(tokens=512, hidden=256, experts=64, top_k=8, inter=64, groups=8, topk_group=4, shared=1),
+    ),
+}
 
 
-def _moe_block(experts_implementation):
-    """HF's Qwen3MoeSparseMoeBlock (MOE_SHAPE, random weights) with the given experts implementation."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as modeling
+def _moe_config(family: str):
+    """The transformers config of `family` at its MOE_FAMILIES shape."""
+    import transformers
 
-    s = MOE_SHAPE
-    config = Qwen3MoeConfig(
-        hidden_size=s["hidden"],
-        num_experts=s["experts"],
-        num_experts_per_tok=s["top_k"],
-        moe_intermediate_size=s["inter"],
-        norm_topk_prob=True,
-    )
+    f = MOE_FAMILIES[family]
+    s = f["shape"]
+    args = dict(hidden_size=s["hidden"], num_experts_per_tok=s["top_k"], moe_intermediate_size=s["inter"])
+    if "groups" in s:  # DeepSeek-V3's router: grouped top-k, score-correction bias, shared experts
+        args.update(
+            n_routed_experts=s["experts"],
+            n_group=s["groups"],
+            topk_group=s["topk_group"],
+            n_shared_experts=s["shared"],
+            routed_scaling_factor=2.5,
+        )
+    else:
+        args.update(num_experts=s["experts"])
+    return getattr(transformers, f["config"])(norm_topk_prob=True, **args)
+
+
+def _moe_block(family: str, experts_implementation):
+    """HF's MoE block of `family` (MOE_FAMILIES: its shape, random weights) with the given experts implementation.
+
+    A sigmoid router gets a nonzero score-correction bias, small as a trained one: at this shape it changes the
+    expert set of about 40% of the tokens without skewing the load (tokens per expert 38-95; 41-86 without it)."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = _moe_config(family)
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
-    block = modeling.Qwen3MoeSparseMoeBlock(config)
+    block = getattr(modeling, MOE_FAMILIES[family]["block"])(config)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.randn(bias.shape, generator=g) * 0.01)
     return block.to(DEVICE)
 
 
-def bench_moe() -> None:
-    """Qwen3-MoE sparse block, forward + backward: the kit's (kit.adapt.moe) vs HF's on the same weights.
+def _moe_step(block, x, dy):
+    """One forward + backward of `block`; its output (HF's Qwen3-MoE block of transformers 4.x returns a tuple)."""
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(dy)
+    return out
+
+
+def _check_same(kit, hf, x, dy, label: str) -> float:
+    """The kit block's output and every gradient (input, router, experts) equal HF's, before anything is timed."""
+    results = []
+    for block in (kit, hf):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        out = _moe_step(block, x, dy).detach()
+        results.append([out, x.grad.clone(), *(p.grad.clone() for p in block.parameters())])
+    worst = max((a - b).abs().max().item() for a, b in zip(*results))
+    if worst > 1e-4:
+        raise AssertionError(
+            f"{label}: the kit block differs from HF's by {worst:.2e} (output or a gradient)"
+        )
+    kit.zero_grad(set_to_none=True)
+    hf.zero_grad(set_to_none=True)
+    x.grad = None
+    return worst
+
+
+def bench_moe(family: str = "qwen3_moe") -> None:
+    """A MoE block, forward + backward: the kit's (kit.adapt.moe) vs HF's on the same weights (MOE_FAMILIES).
 
     CPU: the kit sorts the token-expert pairs by expert once (one gather in, one weighted sum out) and runs each
     projection for all experts as one torch grouped matmul (torch >= 2.9; else two matmuls per expert on its
     slice); HF's eager experts do a `where`, a gather and an `index_add_` per expert, transformers 5's default
-    `grouped_mm` a sort, the grouped matmuls, a histogram and an inverse permutation. On NPU
-    the kit block runs torch_npu kernels instead: `npu_moe_token_permute` (the gather), `npu_grouped_matmul` x 2
-    with `npu_grouped_matmul_add_` for the expert weight gradients (the per-expert matmuls), `npu_swiglu` and
-    `npu_moe_token_unpermute` (the weighted sum); `npu_moe_gating_top_k_softmax` replaces softmax + top-k where
-    no gradient is needed (evaluation).
+    `grouped_mm` a sort, the grouped matmuls, a histogram and an inverse permutation. DeepSeek-V3's router
+    (sigmoid, bias-corrected grouped top-k) is `kit.ops.moe.moe_route_sigmoid`; its shared expert is HF's MLP on
+    both sides. On NPU the kit block runs torch_npu kernels instead: `npu_moe_token_permute` (the gather),
+    `npu_grouped_matmul` x 2 with `npu_grouped_matmul_add_` for the expert weight gradients (the per-expert
+    matmuls), `npu_swiglu` and `npu_moe_token_unpermute` (the weighted sum); `npu_moe_gating_top_k_softmax`
+    (`npu_moe_gating_top_k` for the sigmoid router) replaces the routing where no gradient is needed (evaluation).
+    Outputs and gradients are checked equal before anything is timed.
     """
     import copy
     import types
 
+    f = MOE_FAMILIES[family]
     try:
-        from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
-    except ImportError:
-        print("\n== MoE block: skipped, this transformers has no qwen3_moe ==")
+        probe = _moe_block(family, None)
+    except (ImportError, AttributeError, TypeError) as e:  # transformers without this family (or its config)
+        print(f"\n== {f['title']}: skipped, this transformers has no usable {family} ({e}) ==")
         return
-    from kit.adapt.moe import moe_block_forward, prepare_block
+    from kit.adapt.moe import is_moe_block, moe_block_forward, prepare_block
 
-    s = MOE_SHAPE
+    if not is_moe_block(probe):  # e.g. DeepSeek-V3 of transformers 4.x: the kit keeps HF's forward
+        print(f"\n== {f['title']}: skipped, the kit does not adapt this transformers' block ==")
+        return
+    s = f["shape"]
+    routing = f"top-{s['top_k']}"
+    if "groups" in s:
+        routing += (
+            f" of {s['topk_group']}/{s['groups']} groups, bias-corrected sigmoid, {s['shared']} shared expert"
+        )
     print(
-        f"\n== Qwen3-MoE block, forward + backward ({s['tokens']} tokens, hidden {s['hidden']}, {s['experts']} "
-        f"experts top-{s['top_k']}, expert width {s['inter']}): kit vs HF (goal: speed >= x1.0) =="
+        f"\n== {f['title']}, forward + backward ({s['tokens']} tokens, hidden {s['hidden']}, "
+        f"{s['experts']} experts {routing}, expert width {s['inter']}): kit vs HF (goal: speed >= x1.0) =="
     )
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, s["tokens"], s["hidden"], generator=g).to(DEVICE).requires_grad_(True)
     dy = torch.randn(1, s["tokens"], s["hidden"], generator=g).to(DEVICE)
-    fused = hasattr(_moe_block(None).experts, "gate_up_proj")  # transformers >= 5
-
-    def step(block):
-        out = block(x)
-        (out[0] if isinstance(out, tuple) else out).backward(dy)
+    fused = hasattr(probe.experts, "gate_up_proj")  # transformers >= 5
 
     for impl in ("eager", "grouped_mm") if fused else (None,):
-        hf = _moe_block(impl)
+        hf = _moe_block(family, impl)
         kit = copy.deepcopy(hf)
         prepare_block(kit)
         kit.forward = types.MethodType(moe_block_forward, kit)
         label = f"HF block, experts {impl}" if impl else "HF block"
+        worst = _check_same(kit, hf, x, dy, f"{f['title']} vs {label}")
+        print(f"{label}: output and every gradient equal the kit block's (largest difference {worst:.1e})")
         row(
-            "Qwen3-MoE block fwd+bwd",
-            lambda kit=kit: step(kit),
-            lambda hf=hf: step(hf),
+            f"{f['title']} fwd+bwd",
+            lambda kit=kit: _moe_step(kit, x, dy),
+            lambda hf=hf: _moe_step(hf, x, dy),
             label,
             goal=1.0,
-            code=f"Qwen3MoeSparseMoeBlock.forward + backward ({label})",
+            code=f"{f['block']}.forward + backward ({label})",
             repeat=40,  # ~10 ms calls against the same algorithm (grouped_mm): more samples, 3 calls each
             inner=3,
         )
@@ -333,5 +404,6 @@ if __name__ == "__main__":
     )
     bench_overhead()
     bench_attention()
-    bench_moe()
+    for family in MOE_FAMILIES:
+        bench_moe(family)
     bench_masks()
