@@ -255,8 +255,7 @@ def _lora(model, key: TraceKey):
 
     from kit.adapt.lora_targets import resolve_targets
 
-    targets = resolve_targets(
-        model, key.lora_targets
-    )  # as the run resolves them (DeepSeek-V3: MLA's projections)
+    # the targets as the run resolves them (DeepSeek-V3: MLA's projections)
+    targets = resolve_targets(model, key.lora_targets)
     lora = LoraConfig(task_type="CAUSAL_LM", r=key.lora_r, lora_alpha=2 * key.lora_r, target_modules=targets)
     return get_peft_model(model, lora)
