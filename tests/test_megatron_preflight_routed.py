@@ -143,9 +143,8 @@ def test_deepseek3_tp2_ep2_packed_fine_tuning_data_with_seq_aux_passes_every_che
     moe = res.facts["moe"]
     assert (moe["aux_loss_type"], moe["aux_loss_coeff"]) == ("seq_aux_loss", alpha)
     mg, hf = res.facts["aux_losses"], res.facts["hf_side_aux_losses"]
-    assert len(mg) == 2 and all(
-        len(step) == 2 for step in mg
-    )  # 2 steps x the 2 MoE layers (2 dense ones left out)
+    # 2 steps x the 2 MoE layers (the 2 dense ones left out)
+    assert len(mg) == 2 and all(len(step) == 2 for step in mg)
     assert all(x > 0 for step in mg for x in step)
     assert max(abs(a - b) for sm, sh in zip(mg, hf) for a, b in zip(sm, sh)) <= 1e-5
     assert res.facts["hf_load_balancing_loss"] is None  # transformers' DeepSeek-V3 has no aux loss of its own
@@ -171,9 +170,8 @@ def test_seq_aux_loss_is_megatron_cores_and_not_the_micro_batch_one(monkeypatch)
 
     monkeypatch.setattr(mappings, "get_tensor_model_parallel_group_if_none", lambda group, **kw: group)
     seq, rows, experts, topk = 16, 2, 8, 4
-    logits = torch.randn(
-        seq, rows, experts, generator=torch.Generator().manual_seed(0)
-    )  # megatron's [s, b] order
+    # megatron's [s, b] order
+    logits = torch.randn(seq, rows, experts, generator=torch.Generator().manual_seed(0))
     logits[:, 0, :4] += 2.0
     logits[:, 1, 4:] += 2.0
     routing_map, scores = moe_utils.compute_routing_scores_for_aux_loss(

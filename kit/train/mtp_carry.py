@@ -30,18 +30,17 @@ def carry_mtp_layers(base_path: PathLike, folder: PathLike) -> int:
     if not n or not cfg.get("num_nextn_predict_layers"):
         return 0
     src, saved = HFReader(base), HFReader(folder)
-    saved_map = saved.weight_map
-    keys = [
-        k
-        for k in src.weight_map
-        if k.startswith("model.layers.") and int(k.split(".")[2]) >= n and k not in saved_map
-    ]  # the layers past num_hidden_layers (the MTP layers)
+    saved_map = dict(saved.weight_map)
     out = {}
-    for key in keys:
-        main = next((m for suffix, m in COPIES.items() if key.endswith("." + suffix)), None)
-        out[key] = saved.read(main) if main in saved_map else src.read(key)
-    src.close()
-    saved.close()
+    try:
+        for key in src.weight_map:  # the layers past num_hidden_layers (the MTP layers) the export lacks
+            if not key.startswith("model.layers.") or int(key.split(".")[2]) < n or key in saved_map:
+                continue
+            main = next((m for suffix, m in COPIES.items() if key.endswith("." + suffix)), None)
+            out[key] = saved.read(main) if main in saved_map else src.read(key)
+    finally:
+        src.close()
+        saved.close()
     if not out:
         return 0
     save_file(out, str(folder / MTP_SHARD), metadata={"format": "pt"})
